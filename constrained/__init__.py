@@ -1,0 +1,1 @@
+"""Espalier constrained package."""

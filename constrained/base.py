@@ -1,0 +1,115 @@
+"""The two protocols of the grammar layer: a compiled grammar and a per-request matcher.
+
+A backend (``constrained/backends/<name>.py``) compiles a :class:`GrammarSpec` against a
+:class:`~espalier.constrained.tokenizer.TokenizerInfo` into a :class:`CompiledGrammar`; each request
+gets its own :class:`GrammarMatcher` from it. Bitmask rows follow ``constrained/bitmask.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from espalier.constrained.errors import KeywordIssue
+from espalier.constrained.spec import GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+
+@runtime_checkable
+class GrammarMatcher(Protocol):
+    """Per-request grammar state. Not thread-safe; one thread drives it at a time.
+
+    Token ids ``>= tokenizer vocab`` (model padding) are never accepted nor allowed.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """Model vocabulary size V: bitmask rows have ``ceil(V/32)`` words."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token. On ``False`` the state is exactly as before (never sticky)."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens."""
+        ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        """Write the allowed next tokens into row ``index`` of ``bitmask`` (int32, CPU, contiguous).
+
+        When the grammar is terminated, only the stop tokens are allowed.
+        """
+        ...
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted (or the grammar admits nothing more)."""
+        ...
+
+    def can_terminate(self) -> bool:
+        """The text so far is a complete match: a stop token would be accepted now."""
+        ...
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces from here (canonical tokenization); may be []."""
+        ...
+
+    def fork(self) -> GrammarMatcher:
+        """An independent copy with the same state (and its own rollback history)."""
+        ...
+
+    def reset(self) -> None:
+        """Back to the start state."""
+        ...
+
+
+@runtime_checkable
+class CompiledGrammar(Protocol):
+    """A grammar compiled for one tokenizer; immutable and shared between requests and threads."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def spec(self) -> GrammarSpec: ...
+
+    @property
+    def memory_bytes(self) -> int:
+        """Approximate resident size, for the byte-bounded compile cache."""
+        ...
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start state."""
+        ...
+
+
+@runtime_checkable
+class GrammarBackend(Protocol):
+    """A grammar library bound to one tokenizer."""
+
+    name: str
+    kinds: frozenset[GrammarKind]
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile; raises InvalidGrammarError / UnsupportedGrammarError."""
+        ...
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What the caller learns from compiling: the backend chosen and what it does not enforce."""
+
+    backend: str
+    weakened: tuple[KeywordIssue, ...] = ()
+    compile_seconds: float = 0.0
+    cache_hit: bool = False
+    cache_key: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+
+def make_tokenizer_key(tokenizer: TokenizerInfo) -> str:
+    return tokenizer.fingerprint

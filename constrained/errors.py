@@ -1,0 +1,99 @@
+"""Typed errors of the grammar layer. The server maps each to a gRPC status with details."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class GrammarError(Exception):
+    """Base of every error the grammar layer raises on user input."""
+
+    reason: str = "GRAMMAR_ERROR"
+
+
+class InvalidGrammarError(GrammarError):
+    """The grammar text, regex or schema is malformed. Carries a location when known."""
+
+    reason = "INVALID_GRAMMAR"
+
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        *,
+        line: int | None = None,
+        column: int | None = None,
+        pointer: str | None = None,
+    ) -> None:
+        self.kind = kind
+        self.detail = detail
+        self.line = line
+        self.column = column
+        self.pointer = pointer
+        where = ""
+        if line is not None:
+            where = f" at line {line}" + (f", column {column}" if column is not None else "")
+        if pointer is not None:
+            where += f" at JSON pointer '{pointer}'"
+        super().__init__(f"invalid {kind}{where}: {detail}")
+
+
+class UnsupportedGrammarError(GrammarError):
+    """A backend was asked for a grammar kind (or feature) it cannot compile."""
+
+    reason = "UNSUPPORTED_GRAMMAR"
+
+    def __init__(self, backend: str, kind: str, detail: str = "") -> None:
+        self.backend = backend
+        self.kind = kind
+        self.detail = detail
+        extra = f": {detail}" if detail else ""
+        super().__init__(f"backend '{backend}' does not support grammar kind '{kind}'{extra}")
+
+
+@dataclass(frozen=True)
+class KeywordIssue:
+    """One schema keyword that a backend does not enforce exactly, at a JSON pointer."""
+
+    keyword: str
+    pointer: str
+    support: str  # "weakened" or "ignored"
+    backend: str = ""
+
+    def describe(self) -> str:
+        where = self.pointer or "/"
+        return f"'{self.keyword}' at {where} ({self.support})"
+
+
+class SchemaNotEnforceableError(GrammarError):
+    """Strict mode: no backend enforces every keyword of the schema."""
+
+    reason = "SCHEMA_NOT_ENFORCEABLE"
+
+    def __init__(self, issues: list[KeywordIssue], backend: str = "auto") -> None:
+        self.issues = list(issues)
+        self.backend = backend
+        listed = "; ".join(issue.describe() for issue in self.issues[:20])
+        more = f" (and {len(self.issues) - 20} more)" if len(self.issues) > 20 else ""
+        super().__init__(
+            f"schema uses keywords that backend '{backend}' cannot enforce exactly: {listed}{more}."
+            " Pass allow_weakening=True to generate anyway and get them reported."
+        )
+
+
+class CompileTimeoutError(GrammarError):
+    """Compilation did not finish within its time limit."""
+
+    reason = "COMPILE_TIMEOUT"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        super().__init__(f"grammar compilation exceeded its time limit of {seconds:g} s")
+
+
+class UnknownBackendError(GrammarError):
+    reason = "UNKNOWN_BACKEND"
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(f"unknown grammar backend '{name}'; choose one of {', '.join(known)}")

@@ -1,0 +1,132 @@
+"""What the caller asked the output to match: a frozen, hashable grammar specification."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from espalier.constrained.errors import InvalidGrammarError
+
+DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
+
+
+class GrammarKind(enum.Enum):
+    """The closed set of constraint kinds a request may carry."""
+
+    JSON_SCHEMA = "json_schema"
+    ANY_JSON = "any_json"
+    REGEX = "regex"
+    EBNF = "ebnf"  # GBNF dialect (llama.cpp)
+    LARK = "lark"
+    CHOICE = "choice"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint. ``source`` is canonical text for its kind.
+
+    - JSON_SCHEMA: the schema serialised with sorted keys and no whitespace.
+    - ANY_JSON: empty.
+    - REGEX / EBNF / LARK: the text as given.
+    - CHOICE: a JSON array of the literal strings, in the caller's order.
+    """
+
+    kind: GrammarKind
+    source: str
+
+    @classmethod
+    def json_schema(
+        cls, schema: dict[str, Any] | bool | str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    ) -> GrammarSpec:
+        """Build from a schema object or its JSON text; raises InvalidGrammarError on bad JSON."""
+        if isinstance(schema, str):
+            _check_size(GrammarKind.JSON_SCHEMA, schema, max_bytes)
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise InvalidGrammarError(
+                    GrammarKind.JSON_SCHEMA.value,
+                    f"schema is not valid JSON: {exc.msg}",
+                    line=exc.lineno,
+                    column=exc.colno,
+                ) from exc
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidGrammarError(
+                GrammarKind.JSON_SCHEMA.value,
+                f"a JSON schema must be an object or a boolean, got {type(schema).__name__}",
+                pointer="",
+            )
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        _check_size(GrammarKind.JSON_SCHEMA, text, max_bytes)
+        return cls(GrammarKind.JSON_SCHEMA, text)
+
+    @classmethod
+    def any_json(cls) -> GrammarSpec:
+        return cls(GrammarKind.ANY_JSON, "")
+
+    @classmethod
+    def regex(cls, pattern: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
+        _check_size(GrammarKind.REGEX, pattern, max_bytes)
+        return cls(GrammarKind.REGEX, pattern)
+
+    @classmethod
+    def ebnf(cls, grammar: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
+        _check_size(GrammarKind.EBNF, grammar, max_bytes)
+        if not grammar.strip():
+            raise InvalidGrammarError(GrammarKind.EBNF.value, "grammar is empty")
+        return cls(GrammarKind.EBNF, grammar)
+
+    @classmethod
+    def lark(cls, grammar: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
+        _check_size(GrammarKind.LARK, grammar, max_bytes)
+        if not grammar.strip():
+            raise InvalidGrammarError(GrammarKind.LARK.value, "grammar is empty")
+        return cls(GrammarKind.LARK, grammar)
+
+    @classmethod
+    def choice(cls, options: list[str] | tuple[str, ...]) -> GrammarSpec:
+        if not options:
+            raise InvalidGrammarError(GrammarKind.CHOICE.value, "choice needs at least one option")
+        for i, option in enumerate(options):
+            if not isinstance(option, str) or not option:
+                raise InvalidGrammarError(
+                    GrammarKind.CHOICE.value, f"option {i} must be a non-empty string"
+                )
+        text = json.dumps(list(options), ensure_ascii=False)
+        _check_size(GrammarKind.CHOICE, text, DEFAULT_MAX_GRAMMAR_BYTES)
+        return cls(GrammarKind.CHOICE, text)
+
+    @property
+    def schema(self) -> dict[str, Any] | bool:
+        """The parsed schema of a JSON_SCHEMA spec."""
+        assert self.kind is GrammarKind.JSON_SCHEMA
+        value: dict[str, Any] | bool = json.loads(self.source)
+        return value
+
+    @property
+    def choices(self) -> list[str]:
+        """The options of a CHOICE spec."""
+        assert self.kind is GrammarKind.CHOICE
+        value: list[str] = json.loads(self.source)
+        return value
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """Canonical, compact key: (kind, sha256 of the canonical source)."""
+        digest = hashlib.sha256(self.source.encode("utf-8")).hexdigest()
+        return (self.kind.value, digest)
+
+    def __repr__(self) -> str:
+        preview = self.source if len(self.source) <= 60 else self.source[:57] + "..."
+        return f"GrammarSpec({self.kind.value}, {preview!r})"
+
+
+def _check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise InvalidGrammarError(
+            kind.value, f"grammar is {size} bytes, over the limit of {max_bytes} bytes"
+        )

@@ -1,0 +1,152 @@
+"""The engine's public data types: what a request asks for and what comes back.
+
+The server converts proto messages to and from these; nothing here imports grpc or proto code.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from espalier.constrained.spec import GrammarSpec
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` means greedy (top_k/top_p/min_p ignored)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
+    stop_token_ids: tuple[int, ...] = ()  # extra stop ids beyond the tokenizer's
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per emitted token, 0 = none
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Field violations as (field, description); empty when valid."""
+        bad: list[tuple[str, str]] = []
+        if not self.temperature >= 0.0:
+            bad.append(("temperature", "must be >= 0"))
+        if self.top_k < 0:
+            bad.append(("top_k", "must be >= 0"))
+        if not 0.0 < self.top_p <= 1.0:
+            bad.append(("top_p", "must be in (0, 1]"))
+        if not 0.0 <= self.min_p <= 1.0:
+            bad.append(("min_p", "must be in [0, 1]"))
+        if self.max_tokens < 1:
+            bad.append(("max_tokens", "must be >= 1"))
+        if self.logprobs < 0 or self.logprobs > 20:
+            bad.append(("logprobs", "must be in [0, 20]"))
+        return bad
+
+
+@dataclass(frozen=True)
+class ConstraintOptions:
+    """How to compile the constraint. ``backend='auto'`` picks one that enforces every keyword."""
+
+    backend: str = "auto"
+    allow_weakening: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Per-request speculation; ``None`` fields take the server default."""
+
+    enabled: bool | None = None
+    methods: tuple[str, ...] = ()  # subset of {"ngram", "draft", "eagle", "forced"}
+    num_draft_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation. Exactly one of ``prompt`` / ``prompt_token_ids`` is set."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    grammar: GrammarSpec | None = None
+    constraint: ConstraintOptions = field(default_factory=ConstraintOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # stop token or stop string
+    LENGTH = "length"  # max_tokens
+    GRAMMAR = "grammar"  # the grammar terminated
+    ABORT = "abort"  # client cancel / deadline / shutdown
+    ERROR = "error"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    """Seconds spent per phase of one request."""
+
+    queue_s: float = 0.0
+    compile_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    mask_s: float = 0.0
+    first_token_s: float = 0.0  # arrival → first emitted token
+    total_s: float = 0.0
+
+
+@dataclass
+class SpeculativeStats:
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    forced_tokens: int = 0
+    draft_s: float = 0.0
+    mask_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        return (self.accepted_tokens / self.steps) if self.steps else 0.0
+
+
+@dataclass
+class ValidationResult:
+    """Post-validation of the final output against the full constraint."""
+
+    checked: bool
+    valid: bool
+    errors: tuple[str, ...] = ()  # messages, each prefixed by the JSON pointer where known
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """One streamed chunk. ``finished`` is True on the last; only it carries the final fields."""
+
+    request_id: str
+    text_delta: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    speculative: SpeculativeStats | None = None
+    validation: ValidationResult | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
+    weakened: tuple[str, ...] = ()  # keywords weakened by the chosen backend (allow_weakening)
+    backend: str = ""  # the grammar backend used, "" when unconstrained

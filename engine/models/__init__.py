@@ -1,0 +1,1 @@
+"""Espalier engine/models package."""

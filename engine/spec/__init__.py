@@ -1,0 +1,1 @@
+"""Espalier engine/spec package."""

@@ -1,0 +1,1 @@
+"""Espalier server package."""
