@@ -55,7 +55,7 @@ class GrammarMatcher(Protocol):
         ...
 
     def forced_tokens(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces from here (canonical tokenization); may be []."""
+        """Up to ``limit`` tokens the grammar forces from here (canonical tokens); may be []."""
         ...
 
     def fork(self) -> GrammarMatcher:

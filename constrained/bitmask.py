@@ -23,7 +23,9 @@ def words_per_row(vocab_size: int) -> int:
     return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
 
 
-def allocate(rows: int, vocab_size: int, *, pin_memory: bool = False, fill: int = -1) -> torch.Tensor:
+def allocate(
+    rows: int, vocab_size: int, *, pin_memory: bool = False, fill: int = -1
+) -> torch.Tensor:
     """New CPU bitmask ``int32[rows, words_per_row(vocab_size)]``, every bit ``fill``-ed.
 
     ``fill=-1`` allows everything (including bits past V; use :func:`full_row` for an exact row).
@@ -48,8 +50,10 @@ def pack_allowed(allowed: np.ndarray) -> np.ndarray:
     if pad:
         allowed = np.concatenate([allowed, np.zeros(allowed.shape[:-1] + (pad,), dtype=bool)], -1)
     packed = np.packbits(allowed.reshape(allowed.shape[:-1] + (-1, 8)), axis=-1, bitorder="little")
-    return packed.reshape(allowed.shape[:-1] + (-1, 4)).view(np.int32).reshape(
-        allowed.shape[:-1] + (-1,)
+    return (
+        packed.reshape(allowed.shape[:-1] + (-1, 4))
+        .view(np.int32)
+        .reshape(allowed.shape[:-1] + (-1,))
     )
 
 
@@ -90,6 +94,9 @@ def clear_beyond(row: torch.Tensor | np.ndarray, vocab_size: int) -> None:
     rem = vocab_size % BITS_PER_WORD
     if rem:
         keep = (1 << rem) - 1
-        row[..., first_word] &= keep
+        if isinstance(row, torch.Tensor):
+            row[..., first_word].bitwise_and_(keep)
+        else:
+            np.bitwise_and(row[..., first_word], keep, out=row[..., first_word])
         first_word += 1
     row[..., first_word:] = 0

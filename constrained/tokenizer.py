@@ -7,6 +7,7 @@ tokenizer's (padding ids): those ids are never allowed by any mask.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -28,7 +29,7 @@ class TokenizerInfo:
 
     Attributes:
         hf: the transformers ``PreTrainedTokenizerFast``.
-        vocab_size: model vocabulary size V (>= ``tokenizer_vocab_size``); masks have ceil(V/32) words.
+        vocab_size: model vocabulary size V (>= ``tokenizer_vocab_size``); rows: ceil(V/32) words.
         tokenizer_vocab_size: number of ids the tokenizer defines.
         stop_token_ids: ids that end generation (eos and friends), all < tokenizer_vocab_size.
         fingerprint: stable hash identifying tokenizer + vocab size + stops (compile cache key).
@@ -86,7 +87,7 @@ class TokenizerInfo:
 
     @classmethod
     def default(cls) -> TokenizerInfo:
-        """The embedded default model's tokenizer (Gemma 3 270M, 262,144 ids); cached process-wide."""
+        """The embedded default model's tokenizer (Gemma 3 270M, 262,144 ids), cached."""
         global _DEFAULT
         with _DEFAULT_LOCK:
             if _DEFAULT is None:
@@ -100,7 +101,9 @@ class TokenizerInfo:
     @cached_property
     def fingerprint(self) -> str:
         backend = getattr(self.hf, "backend_tokenizer", None)
-        text = backend.to_str() if backend is not None else repr(sorted(self.hf.get_vocab().items()))
+        text = (
+            backend.to_str() if backend is not None else repr(sorted(self.hf.get_vocab().items()))
+        )
         digest = hashlib.sha256(text.encode("utf-8"))
         digest.update(f"|{self.vocab_size}|{self.stop_token_ids}".encode())
         return digest.hexdigest()[:24]
@@ -164,7 +167,9 @@ def converted_gguf_tokenizer_dir(gguf_path: str | os.PathLike[str]) -> Path:
     """
     path = Path(gguf_path)
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()
+    key = hashlib.sha256(
+        f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()
+    ).hexdigest()
     target = cache_root() / "tokenizers" / f"{path.stem}-{key[:12]}"
     if (target / "tokenizer.json").exists():
         return target
@@ -174,8 +179,7 @@ def converted_gguf_tokenizer_dir(gguf_path: str | os.PathLike[str]) -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     hf.save_pretrained(str(tmp))
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    # Another process may have won the race; its result is equivalent.
+    with contextlib.suppress(OSError):
         os.replace(tmp, target)
-    except OSError:  # another process won the race; its result is equivalent
-        pass
     return target

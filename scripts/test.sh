@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check constrained
-.venv/bin/mypy constrained
+# mypy needs to see the package-dir mapping: .typecheck/espalier links to the repo root.
+mkdir -p .typecheck && ln -sfn .. .typecheck/espalier
+MYPYPATH=.typecheck .venv/bin/mypy -p espalier.constrained
 export TRITON_INTERPRET=1
 .venv/bin/python -m pytest -q "$@"
