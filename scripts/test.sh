@@ -9,5 +9,6 @@ bash scripts/setup.sh
 # mypy needs to see the package-dir mapping: .typecheck/espalier links to the repo root.
 mkdir -p .typecheck && ln -sfn .. .typecheck/espalier
 MYPYPATH=.typecheck .venv/bin/mypy -p espalier.constrained
-export TRITON_INTERPRET=1
+.venv/bin/lint-imports
+# Kernel tests run Triton through its interpreter on CPU (tests/kernels sets TRITON_INTERPRET=1).
 .venv/bin/python -m pytest -q "$@"
