@@ -28,7 +28,8 @@ class GrammarKind(enum.Enum):
 class GrammarSpec:
     """One constraint. ``source`` is canonical text for its kind.
 
-    - JSON_SCHEMA: the schema serialised with sorted keys and no whitespace.
+    - JSON_SCHEMA: the schema serialised without whitespace, keys in the caller's order (the
+      backends generate properties in declared order, so the order is part of the meaning).
     - ANY_JSON: empty.
     - REGEX / EBNF / LARK: the text as given.
     - CHOICE: a JSON array of the literal strings, in the caller's order.
@@ -59,7 +60,7 @@ class GrammarSpec:
                 f"a JSON schema must be an object or a boolean, got {type(schema).__name__}",
                 pointer="",
             )
-        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         _check_size(GrammarKind.JSON_SCHEMA, text, max_bytes)
         return cls(GrammarKind.JSON_SCHEMA, text)
 

@@ -1,0 +1,250 @@
+"""What every backend adapter shares: options, vocabulary facts, and the matcher wrapper.
+
+:class:`MatcherBase` normalises the libraries to one contract (``constrained/base.py``):
+
+- ids ``>= tokenizer vocab`` (model padding) and special non-stop tokens are rejected before the
+  library sees them, and are never set in a mask;
+- stop tokens never reach the library: one is accepted when the text so far is a complete match;
+  then the matcher is terminated: the mask allows exactly the stop tokens, accepting another stop
+  token is a no-op that still counts for ``rollback``, anything else is rejected;
+- a rejected token leaves the state unchanged (each adapter checks before it commits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.errors import GrammarError
+from espalier.constrained.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+
+class BackendUnavailableError(GrammarError):
+    """The library a backend needs is not installed."""
+
+    reason = "BACKEND_UNAVAILABLE"
+
+    def __init__(self, name: str, package: str, cause: str) -> None:
+        self.name = name
+        self.package = package
+        super().__init__(
+            f"grammar backend '{name}' needs the Python package '{package}'"
+            f" (pip install {package}): {cause}"
+        )
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Knobs passed through to the grammar libraries.
+
+    Attributes:
+        json_max_whitespace: most whitespace characters allowed between JSON tokens (keys, values,
+            separators). Bounded so generation cannot spin on whitespace forever; 4 admits
+            ``json.dumps`` output (one space) and ``indent=2`` one level deep while keeping the
+            outlines-core DFA small (its compile time grows with the bound: 16 costs ~4x of 4 on
+            Gemma). ``0`` means compact JSON only.
+        json_strict_properties: xgrammar ``strict_mode``: refuse properties and items the schema
+            does not name. False keeps JSON Schema semantics (``additionalProperties`` defaults to
+            allowed).
+        max_threads: threads a library may use to compile one grammar.
+    """
+
+    json_max_whitespace: int = 4
+    json_strict_properties: bool = False
+    max_threads: int = 2
+
+    @property
+    def whitespace_regex(self) -> str:
+        """Regex of the whitespace allowed between JSON tokens."""
+        if self.json_max_whitespace <= 0:
+            return ""
+        return rf"[\x20\x0A\x0D\x09]{{0,{self.json_max_whitespace}}}"
+
+
+@dataclass(frozen=True)
+class VocabFacts:
+    """Per-tokenizer facts the adapters need, built once per tokenizer (see ``vocab_facts``).
+
+    Attributes:
+        token_bytes: raw bytes of every tokenizer id.
+        excluded: special (control) ids that are not stop tokens: never matched nor allowed.
+        stops: stop token ids.
+        stop_row: int32 ``[ceil(V/32)]`` CPU row allowing exactly the stop tokens.
+    """
+
+    token_bytes: list[bytes]
+    excluded: frozenset[int]
+    stops: frozenset[int]
+    stop_row: torch.Tensor
+
+
+def vocab_facts(tokenizer: TokenizerInfo) -> VocabFacts:
+    """The :class:`VocabFacts` of ``tokenizer``, cached on it."""
+    return tokenizer.backend_view("espalier.vocab_facts", _build_vocab_facts)  # type: ignore[no-any-return]
+
+
+def _build_vocab_facts(tokenizer: TokenizerInfo) -> VocabFacts:
+    from espalier.constrained.token_bytes import special_token_ids
+
+    stops = frozenset(tokenizer.stop_token_ids)
+    excluded = frozenset(special_token_ids(tokenizer.hf) - stops)
+    stop_row = torch.from_numpy(bm.row_from_tokens(sorted(stops), tokenizer.vocab_size).copy())
+    return VocabFacts(tokenizer.token_bytes, excluded, stops, stop_row)
+
+
+class MatcherBase:
+    """Shared half of every matcher; subclasses implement the ``_native_*`` hooks.
+
+    Subclass hooks see only text tokens (below the tokenizer vocabulary, neither excluded nor stop
+    ids) and are never called while terminated; the library's own state never holds a stop token.
+    """
+
+    tokenizer: TokenizerInfo
+    native: Any
+
+    def __init__(self, tokenizer: TokenizerInfo, facts: VocabFacts) -> None:
+        self.tokenizer = tokenizer
+        self._facts = facts
+        self._tokenizer_vocab = tokenizer.tokenizer_vocab_size
+        self._stop_depth = 0  # stop tokens accepted at the end; > 0 means terminated
+        rem = tokenizer.vocab_size % bm.BITS_PER_WORD
+        # the last word's bits past V: libraries leave them as they were (must end up 0)
+        self._tail = (tokenizer.vocab_size // bm.BITS_PER_WORD, (1 << rem) - 1) if rem else None
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def _native_accept(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def _native_rollback(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _native_fill(self, bitmask: torch.Tensor, index: int) -> None:
+        raise NotImplementedError
+
+    def _native_can_terminate(self) -> bool:
+        raise NotImplementedError
+
+    def _native_reset(self) -> None:
+        raise NotImplementedError
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def accept(self, token: int) -> bool:
+        if not 0 <= token < self._tokenizer_vocab or token in self._facts.excluded:
+            return False
+        if token in self._facts.stops:
+            # stop tokens never reach the library (their native handling differs): a stop is
+            # accepted when the text so far is complete, and after that as a no-op
+            if self._stop_depth or self._native_can_terminate():
+                self._stop_depth += 1
+                return True
+            return False
+        if self._stop_depth:
+            return False
+        return self._native_accept(token)
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        stops = min(n, self._stop_depth)
+        self._stop_depth -= stops
+        if n > stops:
+            self._native_rollback(n - stops)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        if self._stop_depth:
+            bitmask[index].copy_(self._facts.stop_row)
+            return
+        self._native_fill(bitmask, index)
+        if self._tail is not None:
+            word, keep = self._tail
+            bitmask[index, word] &= keep
+
+    def is_terminated(self) -> bool:
+        return self._stop_depth > 0
+
+    def can_terminate(self) -> bool:
+        return self._stop_depth > 0 or self._native_can_terminate()
+
+    def reset(self) -> None:
+        self._stop_depth = 0
+        self._native_reset()
+
+    def _copy_state_to(self, other: MatcherBase) -> None:
+        other._stop_depth = self._stop_depth
+
+
+class CompiledBase:
+    """Shared half of every compiled grammar."""
+
+    native: Any
+
+    def __init__(self, backend: str, spec: GrammarSpec, tokenizer: TokenizerInfo) -> None:
+        self._backend = backend
+        self._spec = spec
+        self.tokenizer = tokenizer
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def spec(self) -> GrammarSpec:
+        return self._spec
+
+
+def canonical_forced_tokens(matcher: Any, forced: bytes, limit: int) -> list[int]:
+    """Tokens of the forced text ``forced`` from ``matcher``'s state, at most ``limit``.
+
+    The text is tokenized the tokenizer's own way (its canonical tokenization). The last token is
+    kept only if nothing but a stop token can follow the forced text: otherwise later text might
+    merge with it. Each token is checked on a fork of ``matcher``; the chain stops at the first
+    rejection. The tokenizer must reproduce ``forced`` exactly, else the result is ``[]``.
+    """
+    if limit <= 0 or not forced or matcher.is_terminated():
+        return []
+    text = _complete_utf8_prefix(forced)
+    if not text:
+        return []
+    tokenizer: TokenizerInfo = matcher.tokenizer
+    ids = tokenizer.encode(text)
+    token_bytes = tokenizer.token_bytes
+    if b"".join(token_bytes[t] for t in ids) != text.encode("utf-8"):
+        return []
+    probe = matcher.fork()
+    accepted: list[int] = []
+    for token in ids:
+        if not probe.accept(token):
+            return accepted[: max(len(accepted) - 1, 0)][:limit]
+        accepted.append(token)
+    if len(accepted) == len(ids) and not _only_stops_follow(probe):
+        accepted.pop()
+    return accepted[:limit]
+
+
+def _only_stops_follow(matcher: Any) -> bool:
+    row = bm.allocate(1, matcher.vocab_size, fill=0)
+    matcher.fill_bitmask(row, 0)
+    stop_row: torch.Tensor = matcher._facts.stop_row
+    return bool(torch.equal(row[0] & ~stop_row, torch.zeros_like(stop_row)))
+
+
+def _complete_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is complete UTF-8, decoded."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
