@@ -1,0 +1,69 @@
+"""Gemma 3 (text): sliding-window local layers + global layers (own rope theta), QK-norm,
+GeGLU, sqrt(hidden) embedding scale, (1 + w) RMSNorms around attention and MLP, tied head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
+from espalier.engine.config import ModelConfig
+from espalier.engine.kv_cache import KVCache
+from espalier.engine.models.base import CausalLM, DecoderStack
+from espalier.engine.models.layers import GatedMLP, GemmaRMSNorm, Linear, PagedAttention
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = PagedAttention(
+            config,
+            layer,
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            norm_cls=GemmaRMSNorm,
+        )
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attention, meta)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Parameter names as in HF ``Gemma3ForCausalLM``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(
+            nn.Embedding(config.vocab_size, config.hidden_size),
+            nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers)),
+            GemmaRMSNorm(config.hidden_size, config.rms_norm_eps),
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight
+        # the scale is rounded to the weight dtype first, as in the reference implementation
+        scale = float(torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype))
+        out: torch.Tensor = self.model.embed_tokens(token_ids) * scale
+        return out
