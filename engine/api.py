@@ -150,3 +150,15 @@ class RequestOutput:
     error: str | None = None
     weakened: tuple[str, ...] = ()  # keywords weakened by the chosen backend (allow_weakening)
     backend: str = ""  # the grammar backend used, "" when unconstrained
+    # The typed exception behind ``error`` (e.g. a GrammarError from compiling), for the server to
+    # map to a status; never serialized.
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before queueing it; ``violations`` as (field, description)."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = list(violations)
+        listed = "; ".join(f"{name}: {why}" for name, why in self.violations)
+        super().__init__(f"invalid request: {listed}")

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install espalier with its dev tools. Idempotent.
+# Create .venv (if missing) and install espalier, its dev tools and the Python SDK. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+# pip's notes about this machine's local package index are noise; real errors still fail the script.
+pipq() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "is ignored" >&2); }
+pipq --upgrade pip
 # CPU build of torch from the local wheel first: an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c "import torch" 
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -vE "is ignored|^\s*$|!!|\*\*\*|with strategy|warnings.warn|SetuptoolsDeprecation|setuptools|See https|By 20|Please|########|^\s+\^" || true
-.venv/bin/python -c "import espalier.constrained, xgrammar, llguidance, outlines_core" 
+pipq torch==2.13.0
+pipq -e ".[dev]"
+# The Python SDK (its own package; `espalier generate` and tests/server use it).
+pipq -e clients/python
+.venv/bin/python -c "import torch, espalier.constrained, espalier.v1.espalier_pb2, espalier_client"

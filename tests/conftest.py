@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any
 
@@ -106,3 +107,13 @@ def gemma_tokenizer() -> Any:
     from espalier.constrained.tokenizer import TokenizerInfo
 
     return TokenizerInfo.default()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``slow`` tests run only with ESPALIER_SLOW=1; CI runs their representative parts."""
+    if os.environ.get("ESPALIER_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow suite: set ESPALIER_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

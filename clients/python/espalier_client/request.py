@@ -1,0 +1,141 @@
+"""Building request messages from keyword arguments, shared by Client and AsyncClient."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from espalier_client._proto import espalier_pb2 as pb
+
+
+def schema_of(schema_or_model: Any) -> tuple[dict[str, Any] | bool, Any]:
+    """(JSON schema, pydantic model or None) from a schema dict/JSON text or a pydantic model."""
+    if isinstance(schema_or_model, type) and hasattr(schema_or_model, "model_json_schema"):
+        return schema_or_model.model_json_schema(), schema_or_model
+    if isinstance(schema_or_model, str):
+        return json.loads(schema_or_model), None
+    if isinstance(schema_or_model, (dict, bool)):
+        return schema_or_model, None
+    raise TypeError("expected a JSON schema (dict or JSON text) or a pydantic model class")
+
+
+def build_constraint(
+    *,
+    schema: Any = None,
+    any_json: bool = False,
+    regex: str | None = None,
+    ebnf: str | None = None,
+    lark: str | None = None,
+    choice: Sequence[str] | None = None,
+    backend: str = "",
+    allow_weakening: bool = False,
+) -> pb.Constraint | None:
+    """At most one kind; None when none is given."""
+    given = [
+        k
+        for k, v in (
+            ("schema", schema),
+            ("any_json", any_json or None),
+            ("regex", regex),
+            ("ebnf", ebnf),
+            ("lark", lark),
+            ("choice", choice),
+        )
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(f"give at most one constraint, got {', '.join(given)}")
+    if not given:
+        return None
+    c = pb.Constraint(backend=backend, allow_weakening=allow_weakening)
+    if isinstance(schema, str):
+        c.json_schema = schema  # as given: the server reports where malformed text fails
+    elif schema is not None:
+        c.json_schema = json.dumps(schema_of(schema)[0])
+    elif any_json:
+        c.any_json.SetInParent()
+    elif regex is not None:
+        c.regex = regex
+    elif ebnf is not None:
+        c.ebnf = ebnf
+    elif lark is not None:
+        c.lark = lark
+    elif choice is not None:
+        c.choice.options.extend(choice)
+    return c
+
+
+def build_generate_request(
+    prompt: str | Sequence[int],
+    *,
+    request_id: str = "",
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int = 0,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int = 0,
+    speculative: bool | None = None,
+    speculative_methods: Sequence[str] = (),
+    num_draft_tokens: int | None = None,
+    **constraint: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; ``constraint`` takes the keywords of :func:`build_constraint`."""
+    msg = pb.GenerateRequest(request_id=request_id)
+    if isinstance(prompt, str):
+        msg.text = prompt
+    else:
+        msg.token_ids.ids.extend(prompt)
+    s = msg.sampling
+    s.top_k = top_k
+    s.stop.extend(stop)
+    s.stop_token_ids.extend(stop_token_ids)
+    s.ignore_eos = ignore_eos
+    s.logprobs = logprobs
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("min_p", min_p),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(s, name, value)
+    if speculative is not None:
+        msg.speculative.enabled = speculative
+    msg.speculative.methods.extend(speculative_methods)
+    if num_draft_tokens is not None:
+        msg.speculative.num_draft_tokens = num_draft_tokens
+    built = build_constraint(**constraint)
+    if built is not None:
+        msg.constraint.CopyFrom(built)
+    return msg
+
+
+def parse_json_output(text: str, schema: Any, model: Any) -> Any:
+    """Parse and validate generated JSON: a pydantic instance for a model, else the value."""
+    from espalier_client.errors import OutputValidationError
+
+    if model is not None:
+        try:
+            return model.model_validate_json(text)
+        except Exception as exc:  # pydantic.ValidationError, without importing pydantic here
+            raise OutputValidationError(f"output does not validate: {exc}", text) from exc
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OutputValidationError(f"output is not JSON: {exc}", text) from exc
+    try:
+        import jsonschema
+    except ImportError:  # the server post-validated it; jsonschema is an optional extra
+        return value
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        raise OutputValidationError(f"output does not validate: {exc.message}", text) from exc
+    return value

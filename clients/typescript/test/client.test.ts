@@ -1,0 +1,71 @@
+// The TypeScript client against a live server (spawned by the test).
+import { after, before, test } from "node:test";
+import assert from "node:assert/strict";
+import * as grpc from "@grpc/grpc-js";
+
+import { EspalierClient, EspalierError } from "../src/index";
+import { Server, startServer } from "./server";
+
+let server: Server;
+let client: EspalierClient;
+
+before(async () => {
+  server = await startServer(["--max-prompt-tokens", "512", "--compile-timeout", "900"]);
+  client = new EspalierClient(server.address, { timeoutMs: 600_000 });
+});
+
+after(async () => {
+  client?.close();
+  if (server) assert.equal(await server.stop(), 0);
+});
+
+test("model info and tokenize", async () => {
+  const info = await client.modelInfo();
+  assert.equal(info.tokenizer_vocab_size, 262144);
+  assert.equal(info.max_prompt_tokens, 512);
+  const ids = await client.tokenize("Hello world");
+  assert.ok(ids.length >= 2);
+});
+
+test("unary generation and the same stream for the same seed", async () => {
+  const options = { maxTokens: 8, ignoreEos: true, temperature: 1.0, seed: 5 };
+  const unary = await client.generate("Once upon", options);
+  assert.equal(unary.token_ids.length, 8);
+  assert.equal(unary.finish_reason, "FINISH_REASON_LENGTH");
+  const chunks = [];
+  for await (const chunk of client.stream("Once upon", options)) chunks.push(chunk);
+  assert.ok(chunks[chunks.length - 1].finished);
+  assert.equal(chunks.map((c) => c.text).join(""), unary.text);
+  assert.deepEqual(chunks.flatMap((c) => c.token_ids), unary.token_ids);
+});
+
+test("a lark-constrained generation matches its grammar", async () => {
+  const result = await client.generate("Id: ", { lark: 'start: "id-" /[0-9]{1,3}/', backend: "llguidance", maxTokens: 16 });
+  assert.match(result.text, /^id-[0-9]{1,3}$/);
+  assert.equal(result.backend, "llguidance");
+});
+
+test("errors carry the status details", async () => {
+  await assert.rejects(client.compileGrammar({ schema: '{"type": }' }), (err: unknown) => {
+    assert.ok(err instanceof EspalierError);
+    assert.equal(err.code, grpc.status.INVALID_ARGUMENT);
+    assert.equal(err.reason, "INVALID_GRAMMAR");
+    assert.equal(err.fieldViolations[0].field, "constraint.json_schema:1:10");
+    return true;
+  });
+  await assert.rejects(client.generate("x", { topP: 2 }), (err: unknown) => {
+    assert.ok(err instanceof EspalierError);
+    assert.deepEqual(err.fieldViolations.map((v) => v.field), ["sampling.top_p"]);
+    return true;
+  });
+});
+
+test("breaking out of a stream cancels it", async () => {
+  let n = 0;
+  for await (const chunk of client.stream("Tell", { maxTokens: 5000, ignoreEos: true })) {
+    assert.equal(chunk.finished, false);
+    if (++n === 3) break;
+  }
+  const again = await client.generate("Hi", { maxTokens: 2, ignoreEos: true });
+  assert.equal(again.token_ids.length, 2);
+});

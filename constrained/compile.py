@@ -1,0 +1,171 @@
+"""The front door of the grammar layer: pick a backend, refuse what cannot be enforced, compile.
+
+``compile_grammar(spec, tokenizer)`` → ``(CompiledGrammar, CompileReport)``.
+
+For a JSON schema: ``$ref``s are resolved (:mod:`refs`), exact rewrites applied (:mod:`rewrite`),
+then each backend's profile (:mod:`schema_features`) lists the keywords it would not enforce.
+Strict mode (the default) compiles only on a backend with no such keyword and otherwise raises
+:class:`SchemaNotEnforceableError` naming each keyword and JSON pointer; ``allow_weakening=True``
+takes the backend with the fewest issues and reports them in ``CompileReport.weakened``.
+``backend="auto"`` tries backends in :data:`AUTO_ORDER` (fastest first, measured by
+``bench/masks.py``); other kinds go to the first backend that supports the kind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from espalier.constrained.base import CompiledGrammar, CompileReport
+from espalier.constrained.errors import (
+    GrammarError,
+    InvalidGrammarError,
+    KeywordIssue,
+    SchemaNotEnforceableError,
+    UnsupportedGrammarError,
+)
+from espalier.constrained.spec import DEFAULT_MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    import referencing
+
+    from espalier.constrained.backends.common import BackendOptions
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+# Fastest first (bench/masks.py on JSONSchemaBench samples: llguidance compiles lazily in ~ms
+# and its masks cost tens of µs; xgrammar precomputes token masks at compile time).
+AUTO_ORDER: tuple[str, ...] = ("llguidance", "xgrammar", "outlines_core")
+
+
+@dataclass(frozen=True)
+class PreparedSchema:
+    """A schema ready for the backends, with the facts needed to report on it."""
+
+    schema: dict[str, Any] | bool
+    issues: dict[str, tuple[KeywordIssue, ...]]  # backend -> keywords it does not enforce
+    notes: tuple[str, ...]
+
+    def enforcing(self, order: tuple[str, ...]) -> list[str]:
+        """Backends of ``order`` that enforce every keyword."""
+        return [b for b in order if not self.issues.get(b)]
+
+
+def prepare_schema(
+    schema: dict[str, Any] | bool,
+    registry: referencing.Registry[Any] | None = None,
+    backends: tuple[str, ...] = AUTO_ORDER,
+) -> PreparedSchema:
+    """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError."""
+    from espalier.constrained.refs import resolve_refs
+    from espalier.constrained.rewrite import normalize_schema
+    from espalier.constrained.schema_features import backend_issues
+
+    resolved = resolve_refs(schema, registry)
+    prepared = normalize_schema(resolved.schema)
+    if prepared is False:
+        raise InvalidGrammarError(
+            "json_schema", "the schema matches no value at all (it is 'false')", pointer=""
+        )
+    issues = {}
+    for name in backends:
+        found = backend_issues(name, prepared)
+        issues[name] = tuple(
+            KeywordIssue(i.keyword, resolved.display_pointer(i.pointer), i.support, name)
+            for i in found
+        )
+    notes = (
+        (f"resolved $ref into {resolved.hoisted} shared definitions",) if resolved.hoisted else ()
+    )
+    return PreparedSchema(prepared, issues, notes)
+
+
+def compile_grammar(
+    spec: GrammarSpec,
+    tokenizer: TokenizerInfo,
+    backend: str = "auto",
+    *,
+    allow_weakening: bool = False,
+    registry: referencing.Registry[Any] | None = None,
+    max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+    options: BackendOptions | None = None,
+) -> tuple[CompiledGrammar, CompileReport]:
+    """Compile ``spec`` for ``tokenizer`` on ``backend`` (a name or ``"auto"``)."""
+    from espalier.constrained.backends import BACKENDS
+
+    size = len(spec.source.encode("utf-8"))
+    if size > max_bytes:
+        raise InvalidGrammarError(
+            spec.kind.value, f"grammar is {size} bytes, over the limit of {max_bytes} bytes"
+        )
+    order = AUTO_ORDER if backend == "auto" else (backend,)
+    if backend != "auto" and backend not in BACKENDS:
+        from espalier.constrained.errors import UnknownBackendError
+
+        raise UnknownBackendError(backend, ["auto", *BACKENDS])
+    if spec.kind is not GrammarKind.JSON_SCHEMA:
+        return _compile_first(spec, tokenizer, order, options, (), ())
+    prepared = prepare_schema(spec.schema, registry, order)
+    target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
+    exact = prepared.enforcing(order)
+    if exact:
+        return _compile_first(target, tokenizer, tuple(exact), options, (), prepared.notes)
+    if not allow_weakening:
+        raise SchemaNotEnforceableError(_blocking_issues(prepared, order), backend)
+    ranked = tuple(sorted(order, key=lambda b: len(prepared.issues[b])))
+    return _compile_first(target, tokenizer, ranked, options, None, prepared.notes, prepared)
+
+
+def _compile_first(
+    spec: GrammarSpec,
+    tokenizer: TokenizerInfo,
+    order: tuple[str, ...],
+    options: BackendOptions | None,
+    weakened: tuple[KeywordIssue, ...] | None,
+    notes: tuple[str, ...],
+    prepared: PreparedSchema | None = None,
+) -> tuple[CompiledGrammar, CompileReport]:
+    """Compile on the first backend of ``order`` that succeeds; re-raise the first failure."""
+    from espalier.constrained.backends import get_backend
+
+    first_error: GrammarError | None = None
+    for name in order:
+        start = time.perf_counter()
+        try:
+            engine = get_backend(name, tokenizer, options)
+            if spec.kind not in engine.kinds:
+                raise UnsupportedGrammarError(name, spec.kind.value)
+            compiled = engine.compile(spec)
+        except GrammarError as exc:
+            first_error = first_error or exc
+            continue
+        issues = weakened if weakened is not None else (prepared.issues[name] if prepared else ())
+        report = CompileReport(
+            backend=name,
+            weakened=issues,
+            compile_seconds=time.perf_counter() - start,
+            cache_key=spec.cache_key[1],
+            notes=notes,
+        )
+        return compiled, report
+    assert first_error is not None
+    raise first_error
+
+
+def _blocking_issues(prepared: PreparedSchema, order: tuple[str, ...]) -> list[KeywordIssue]:
+    """The keyword uses no backend enforces; if each is enforced somewhere, the best backend's."""
+    sets = [{(i.keyword, i.pointer) for i in prepared.issues[b]} for b in order]
+    common = set.intersection(*sets) if sets else set()
+    best = min(order, key=lambda b: len(prepared.issues[b]))
+    if common:
+        seen: set[tuple[str, str]] = set()
+        out = []
+        for issue in prepared.issues[best]:
+            if (issue.keyword, issue.pointer) in common and (
+                issue.keyword,
+                issue.pointer,
+            ) not in seen:
+                seen.add((issue.keyword, issue.pointer))
+                out.append(issue)
+        return out
+    return list(prepared.issues[best])

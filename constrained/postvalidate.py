@@ -1,0 +1,170 @@
+"""Post-validation: check a finished output text against the full constraint, not the grammar.
+
+The grammar a backend compiles may be weaker than the caller's constraint (``allow_weakening``),
+so every final output is checked again here:
+
+- JSON schema: ``jsonschema`` with the schema's own ``$schema`` dialect (Draft 2020-12 when
+  absent), format assertion on (``jsonschema[format-nongpl]`` checkers), remote refs from the
+  supplied ``referencing`` registry, ``pattern`` / ``patternProperties`` through the ``regex``
+  module (closer to ECMA-262 than ``re``: it knows ``\\p{L}``). Duplicate object keys, ``NaN``
+  and ``Infinity`` are invalid JSON here.
+- regex: a full match with the ``regex`` module. Backends use their own dialects (Rust
+  ``regex-automata`` for llguidance and outlines-core, xgrammar's own converter); on exotic syntax
+  (possessive quantifiers, lookaround, inline flags) the two may disagree, and an error compiling
+  the pattern in Python gives ``checked=False`` rather than a verdict.
+- choice: membership. any-JSON: parses as strict JSON.
+- EBNF / Lark: no independent validator exists in Python; pass ``replay`` (e.g.
+  :func:`replay_with`) to replay the text through a fresh matcher, else ``checked=False``.
+
+The result mirrors ``espalier.engine.api.ValidationResult`` (the engine converts it; this package
+does not import the engine).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import regex
+
+from espalier.constrained.spec import GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    import referencing
+
+    from espalier.constrained.base import CompiledGrammar
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+MAX_ERRORS = 20
+
+
+@dataclass(frozen=True)
+class PostValidation:
+    """A verdict (``checked``) and errors, each prefixed by a JSON pointer ("/": root)."""
+
+    checked: bool
+    valid: bool
+    errors: tuple[str, ...] = ()
+
+
+def postvalidate(
+    spec: GrammarSpec,
+    text: str,
+    *,
+    registry: referencing.Registry[Any] | None = None,
+    replay: Callable[[str], bool] | None = None,
+) -> PostValidation:
+    """Validate the final output ``text`` against ``spec``."""
+    if spec.kind is GrammarKind.CHOICE:
+        ok = text in spec.choices
+        return PostValidation(True, ok, () if ok else (f"/: {text!r} is not one of the choices",))
+    if spec.kind is GrammarKind.REGEX:
+        return _validate_regex(spec.source, text)
+    if spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON):
+        try:
+            instance = parse_strict_json(text)
+        except ValueError as exc:
+            return PostValidation(True, False, (f"/: not valid JSON: {exc}",))
+        if spec.kind is GrammarKind.ANY_JSON:
+            return PostValidation(True, True)
+        return validate_instance(spec.schema, instance, registry=registry)
+    if replay is None:
+        return PostValidation(False, False, ("/: no independent validator for this grammar kind",))
+    ok = replay(text)
+    return PostValidation(True, ok, () if ok else ("/: the grammar does not accept the output",))
+
+
+def validate_instance(
+    schema: dict[str, Any] | bool,
+    instance: Any,
+    *,
+    registry: referencing.Registry[Any] | None = None,
+) -> PostValidation:
+    """Validate an already-parsed instance against a schema (format assertion on)."""
+    validator = _validator(schema, registry)
+    try:
+        errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
+    except (re.error, regex.error) as exc:
+        return PostValidation(False, False, (f"/: a pattern cannot be compiled in Python: {exc}",))
+    except Exception as exc:  # unresolvable refs, broken schemas: no verdict, never a crash
+        return PostValidation(False, False, (f"/: schema could not be evaluated: {exc}",))
+    messages = tuple(f"{_pointer(list(e.absolute_path))}: {e.message}" for e in errors[:MAX_ERRORS])
+    return PostValidation(True, not errors, messages)
+
+
+def parse_strict_json(text: str) -> Any:
+    """``json.loads`` that also rejects duplicate keys, NaN and Infinity (ValueError)."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"duplicate key {key!r}")
+            out[key] = value
+        return out
+
+    return json.loads(text, parse_constant=no_constants, object_pairs_hook=no_duplicates)
+
+
+def replay_with(compiled: CompiledGrammar, tokenizer: TokenizerInfo) -> Callable[[str], bool]:
+    """A ``replay`` that tokenizes the text and pushes it through a fresh matcher."""
+
+    def replay(text: str) -> bool:
+        matcher = compiled.matcher()
+        return all(matcher.accept(t) for t in tokenizer.encode(text)) and matcher.can_terminate()
+
+    return replay
+
+
+def _validate_regex(pattern: str, text: str) -> PostValidation:
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as exc:
+        return PostValidation(False, False, (f"/: the regex cannot be compiled in Python: {exc}",))
+    if compiled.fullmatch(text):
+        return PostValidation(True, True)
+    return PostValidation(True, False, (f"/: {text!r} does not fully match the regex",))
+
+
+def _pointer(path: list[Any]) -> str:
+    if not path:
+        return "/"
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def _validator(schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None) -> Any:
+    import jsonschema
+    import jsonschema.validators
+
+    base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls = jsonschema.validators.extend(
+        base, {"pattern": _pattern, "patternProperties": _pattern_properties}
+    )
+    kwargs: dict[str, Any] = {"format_checker": base.FORMAT_CHECKER}
+    if registry is not None:
+        kwargs["registry"] = registry
+    return cls(schema, **kwargs)
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(instance, "string") and not regex.search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(
+    validator: Any, patterns: dict[str, Any], instance: Any, schema: Any
+) -> Any:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if regex.search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)

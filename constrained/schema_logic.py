@@ -1,0 +1,225 @@
+"""Reasoning about schemas as sets of instances: types, disjointness, complements.
+
+Used by :mod:`rewrite` to express ``not``, ``if/then/else`` and ``oneOf`` with keywords the
+backends enforce. Every function is exact or gives up (returns None / False): a schema built here
+matches exactly the instances its docstring says. ``defs`` is the root ``$defs`` after
+:func:`refs.resolve_refs`, so ``{"$ref": "#/$defs/<name>"}`` can be looked through.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
+DEFS_PREFIX = "#/$defs/"
+MAX_DEPTH = 8  # how deep complements and type inference follow refs and nesting
+BOUND_COMPLEMENT = {
+    "minimum": ("number", "exclusiveMaximum"),
+    "exclusiveMinimum": ("number", "maximum"),
+    "maximum": ("number", "exclusiveMinimum"),
+    "exclusiveMaximum": ("number", "minimum"),
+}
+COUNT_COMPLEMENT = {
+    "minLength": ("string", "maxLength", -1),
+    "maxLength": ("string", "minLength", 1),
+    "minItems": ("array", "maxItems", -1),
+    "maxItems": ("array", "minItems", 1),
+    "minProperties": ("object", "maxProperties", -1),
+    "maxProperties": ("object", "minProperties", 1),
+}
+NO_CONSTRAINT = frozenset(
+    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+     "writeOnly", "contentMediaType", "contentEncoding", "contentSchema", "$defs", "definitions"}
+)  # fmt: skip
+Defs = dict[str, Any]
+
+
+def deref(schema: Any, defs: Defs, depth: int = 0) -> Any:
+    """Follow a lone ``{"$ref": "#/$defs/x"}`` to its target (up to MAX_DEPTH hops)."""
+    while (
+        isinstance(schema, dict)
+        and set(schema) == {"$ref"}
+        and isinstance(schema["$ref"], str)
+        and schema["$ref"].startswith(DEFS_PREFIX)
+        and depth < MAX_DEPTH
+    ):
+        schema = defs.get(schema["$ref"][len(DEFS_PREFIX) :], schema)
+        depth += 1
+    return schema
+
+
+def types_of(branch: Any, defs: Defs) -> set[str] | None:
+    """The JSON types ``branch`` can match ("integer" counted as "number"); None when unknown."""
+    branch = deref(branch, defs)
+    if not isinstance(branch, dict):
+        return set(ALL_TYPES) if branch else set()
+    if "const" in branch:
+        return {json_type(branch["const"])}
+    if isinstance(branch.get("enum"), list):
+        return {json_type(v) for v in branch["enum"]}
+    value = branch.get("type")
+    names = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    if names is None:
+        return None
+    return {"number" if t == "integer" else t for t in names}
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def canonical(value: Any) -> str:
+    """Canonical JSON text where equal JSON values (1 and 1.0) give equal text."""
+
+    def norm(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def values_of(branch: Any, defs: Defs) -> set[str] | None:
+    """Canonical texts of the only values ``branch`` allows (const / enum); None if unbounded."""
+    branch = deref(branch, defs)
+    if not isinstance(branch, dict):
+        return None if branch else set()
+    if "const" in branch:
+        return {canonical(branch["const"])}
+    if isinstance(branch.get("enum"), list):
+        return {canonical(v) for v in branch["enum"]}
+    return None
+
+
+def discriminator(branch: Any, defs: Defs) -> dict[str, set[str]]:
+    """Required properties of ``branch`` limited to const/enum values: name -> canonical values."""
+    branch = deref(branch, defs)
+    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
+        return {}
+    required = branch.get("required")
+    if not isinstance(required, list):
+        required = []
+    pinned: dict[str, set[str]] = {}
+    for name in required:
+        values = values_of(branch["properties"].get(name, True), defs)
+        if values is not None:
+            pinned[name] = values
+    return pinned
+
+
+def disjoint(a: Any, b: Any, defs: Defs) -> bool:
+    """True only when no instance can match both ``a`` and ``b``."""
+    ta, tb = types_of(a, defs), types_of(b, defs)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    va, vb = values_of(a, defs), values_of(b, defs)
+    if va is not None and vb is not None and not va & vb:
+        return True
+    if ta != {"object"} and tb != {"object"}:
+        return False  # a non-object instance ignores properties/required: it may match both
+    da, db = discriminator(a, defs), discriminator(b, defs)
+    return any(name in db and not da[name] & db[name] for name in da)
+
+
+def pairwise_disjoint(branches: Any, defs: Defs) -> bool:
+    if not isinstance(branches, list):
+        return False
+    return all(disjoint(a, b, defs) for i, a in enumerate(branches) for b in branches[i + 1 :])
+
+
+def exactly_one(branches: list[Any], defs: Defs) -> Any:
+    """``oneOf`` as ``anyOf`` of "this branch and no other"; None when a complement is missing."""
+    if len(branches) > 6:
+        return None  # quadratic growth: leave it
+    negated = [complement(b, defs) for b in branches]
+    if any(n is None for n in negated):
+        return None
+    options = []
+    for i, branch in enumerate(branches):
+        others = [n for j, n in enumerate(negated) if j != i and n is not True]
+        if any(n is False for n in others):
+            continue  # another branch matches everything: this one can never be the only match
+        options.append({"allOf": [branch, *others]} if others else branch)
+    return {"anyOf": options} if options else False
+
+
+def complement(schema: Any, defs: Defs, depth: int = 0) -> Any:
+    """A schema matching exactly the instances ``schema`` rejects; None when not expressible.
+
+    A schema object is the conjunction of its keywords, so its complement is the ``anyOf`` of the
+    keywords' complements; each keyword handled here constrains independently of the others.
+    """
+    schema = deref(schema, defs)
+    if isinstance(schema, bool):
+        return not schema
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return None
+    parts: list[Any] = []
+    for key, value in schema.items():
+        if key in NO_CONSTRAINT:
+            continue
+        part = _keyword_complement(key, value, defs, depth + 1)
+        if part is None:
+            return None
+        parts.append(part)
+    parts = [p for p in parts if p is not False]
+    if not parts:
+        return False
+    if any(p is True for p in parts):
+        return True
+    return parts[0] if len(parts) == 1 else {"anyOf": parts}
+
+
+def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
+    if key == "type":
+        names = set(value) if isinstance(value, list) else {value}
+        types = types_of({"type": value}, defs)
+        if types is None or ("integer" in names and "number" not in names):
+            return None  # "not integer" means non-integral numbers: no type says that
+        rest = [t for t in ALL_TYPES if t not in types]
+        return {"type": rest} if rest else False
+    if key in BOUND_COMPLEMENT and isinstance(value, (int, float)) and not isinstance(value, bool):
+        kind, opposite = BOUND_COMPLEMENT[key]
+        return {"type": kind, opposite: value}
+    if key in COUNT_COMPLEMENT and isinstance(value, int) and not isinstance(value, bool):
+        kind, opposite, step = COUNT_COMPLEMENT[key]
+        if value + step < 0:
+            return False  # minLength 0 etc. rejects nothing
+        return {"type": kind, opposite: value + step}
+    if key == "required" and isinstance(value, list):
+        if not value:
+            return False
+        absent = [{"properties": {name: False}} for name in value]
+        if len(absent) == 1:
+            return {"type": "object", **absent[0]}
+        return {"type": "object", "anyOf": absent}
+    if key == "properties" and isinstance(value, dict):
+        parts = []
+        for name, sub in value.items():
+            negated = complement(sub, defs, depth)
+            if negated is None:
+                return None
+            if negated is not False:
+                parts.append({"type": "object", "required": [name], "properties": {name: negated}})
+        return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
+    if key == "not":
+        return value
+    if key in ("allOf", "anyOf") and isinstance(value, list) and value:
+        negated = [complement(sub, defs, depth) for sub in value]
+        if any(n is None for n in negated):
+            return None
+        return {"anyOf" if key == "allOf" else "allOf": negated}
+    return None

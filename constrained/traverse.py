@@ -1,0 +1,271 @@
+"""Grammar masks for a whole draft tree: one bitmask row per node, with a time budget.
+
+Semantics of :func:`fill_tree_bitmask` (``n`` nodes, rows ``0..n-1`` of ``out``):
+
+- **root** (node 0): the matcher's current state. Always filled, whatever the budget, because the
+  engine needs it even without speculation.
+- **valid node**: its path root→i is accepted token by token by the matcher. Its row holds exactly
+  what ``matcher.fill_bitmask`` gives after that path (``filled[i]``).
+- **invalid node**: the parent's row forbids the token (or the parent is invalid, or the token
+  id is ``>=`` the tokenizer vocabulary, e.g. model padding): ``valid[i] = False`` and the whole
+  subtree is skipped (invalid too).
+- **terminated**: after a stop token the grammar is finished: the row allows exactly the stop
+  tokens (``terminated[i]``). A stop-token child of a terminated node is valid (accepting another
+  stop token is a no-op, see ``backends/common.py``); any other child is invalid.
+- **budget**: nodes not processed before the deadline have ``filled = valid = False``;
+  ``budget_hit`` says so. Fewer tokens get accepted, never a wrong one.
+
+Verification accepts node i only where ``filled[i]`` (which implies ``valid[i]``). **No row is
+all-zero**: rows of nodes with ``filled = False`` have at least the stop-token bits set; their
+other bits are unspecified (stale data or a partial mask) and must not be used.
+
+The matcher's state after the call equals its state before. Backends with a native fast path
+(``traverse_xgrammar``, ``traverse_llguidance``, ``traverse_outlines``) are picked by the matcher's
+backend name; any other :class:`GrammarMatcher` uses :func:`walk_generic`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.base import GrammarMatcher
+from espalier.constrained.tree import NONE, DraftTree
+
+DEFAULT_BUDGET_S = 0.002
+"""Default time budget of one tree fill (seconds)."""
+
+
+@dataclass
+class TreeMasks:
+    """Per-node outcome of a tree fill. All arrays are bool ``[n]`` numpy, CPU.
+
+    Attributes:
+        valid: the path root→i is accepted by the grammar (known within the budget).
+        filled: row i holds the exact mask after that path; implies ``valid``.
+        terminated: valid and the grammar is finished after the path (row = stop tokens).
+        budget_hit: the deadline stopped the walk before every node was decided.
+        seconds: wall time of the fill.
+    """
+
+    valid: np.ndarray
+    filled: np.ndarray
+    terminated: np.ndarray
+    budget_hit: bool = False
+    seconds: float = 0.0
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.valid.shape[0])
+
+
+@dataclass
+class WalkResult:
+    """What a walker hands back (python lists, converted once by :func:`fill_tree_bitmask`)."""
+
+    valid: list[bool]
+    filled: list[bool]
+    terminated: list[bool]
+    budget_hit: bool
+
+
+Walker = Callable[[Any, DraftTree, np.ndarray, float, bool], WalkResult]
+"""``walker(matcher, tree, out_rows, deadline, root_ready) -> WalkResult``.
+
+``out_rows`` is the int32 ``[n, words]`` numpy view of ``out``; ``deadline`` a
+``time.perf_counter()`` value (``inf`` = none); ``root_ready``: row 0 already holds the root mask.
+"""
+
+
+def fill_tree_bitmask(
+    matcher: GrammarMatcher,
+    tree: DraftTree,
+    out: torch.Tensor | np.ndarray,
+    budget: float | None = DEFAULT_BUDGET_S,
+    *,
+    root_row: torch.Tensor | np.ndarray | None = None,
+) -> TreeMasks:
+    """Fill rows ``0..n-1`` of ``out`` with the masks of ``tree``'s nodes (see module docstring).
+
+    Args:
+        matcher: the request's matcher at the root's state; restored before returning.
+        tree: a valid :class:`DraftTree` with ``n`` nodes.
+        out: int32 ``[>= n, ceil(V/32)]`` C-contiguous CPU tensor (pinned is fine) or numpy array.
+        budget: seconds for the whole fill; ``None`` = no limit. Checked between nodes.
+        root_row: the root's mask if already known (step reuse, see :func:`advance`); copied to
+            row 0 instead of asking the grammar again.
+    """
+    start = time.perf_counter()
+    rows = _rows_view(out, tree.num_nodes, matcher.vocab_size)
+    root_ready = root_row is not None
+    if root_row is not None:
+        rows[0] = np.asarray(root_row.numpy() if isinstance(root_row, torch.Tensor) else root_row)
+    deadline = start + budget if budget is not None else float("inf")
+    result = walker_for(matcher)(matcher, tree, rows, deadline, root_ready)
+    valid = np.asarray(result.valid, dtype=bool)
+    filled = np.asarray(result.filled, dtype=bool)
+    terminated = np.asarray(result.terminated, dtype=bool)
+    mark_unfilled_rows(rows, filled, stop_bits(matcher))
+    clear_tail(rows, matcher.vocab_size)
+    return TreeMasks(valid, filled, terminated, result.budget_hit, time.perf_counter() - start)
+
+
+def walker_for(matcher: Any) -> Walker:
+    """The fastest walker for ``matcher``: a backend fast path, else :func:`walk_generic`."""
+    compiled = getattr(matcher, "compiled", None)
+    name = getattr(compiled, "backend", None)
+    if name == "xgrammar":
+        from espalier.constrained.traverse_xgrammar import walk_xgrammar
+
+        return walk_xgrammar
+    if name == "llguidance":
+        from espalier.constrained.traverse_llguidance import walk_llguidance
+
+        return walk_llguidance
+    if name == "outlines_core":
+        from espalier.constrained.traverse_outlines import walk_outlines
+
+        return walk_outlines
+    return walk_generic
+
+
+def walk_generic(
+    matcher: GrammarMatcher, tree: DraftTree, rows: np.ndarray, deadline: float, root_ready: bool
+) -> WalkResult:
+    """Iterative DFS (first child first) over any :class:`GrammarMatcher`.
+
+    A node is accepted only if its parent's row allows it, so no backend ever sees a token its own
+    mask forbids; the matcher is rolled back lazily (only as far as the next node needs).
+    """
+    n = tree.num_nodes
+    tokens = tree.tokens.tolist()
+    first_child = tree.first_child.tolist()
+    next_sibling = tree.next_sibling.tolist()
+    words = rows.shape[1]
+    flat = flat_words(rows)
+    limit = min(words * 32, tokenizer_vocab_size(matcher))
+    valid = [False] * n
+    filled = [False] * n
+    terminated = [False] * n
+    table = torch.from_numpy(rows)
+    if not root_ready:
+        matcher.fill_bitmask(table, 0)
+    valid[0] = filled[0] = True
+    terminated[0] = matcher.is_terminated()
+    depth = 0  # tokens accepted since entry
+    budget_hit = False
+    stack: list[tuple[int, int, int]] = []
+    if first_child[0] != NONE:
+        stack.append((first_child[0], 0, 1))
+    while stack:
+        node, parent, node_depth = stack.pop()
+        sibling = next_sibling[node]
+        if sibling != NONE:
+            stack.append((sibling, parent, node_depth))
+        if time.perf_counter() > deadline:
+            budget_hit = True
+            break
+        token = tokens[node]
+        if token >= limit or not (flat[parent * words + (token >> 5)] >> (token & 31)) & 1:
+            continue
+        if depth >= node_depth:
+            matcher.rollback(depth - node_depth + 1)
+            depth = node_depth - 1
+        if not matcher.accept(token):
+            continue
+        depth = node_depth
+        valid[node] = True
+        matcher.fill_bitmask(table, node)
+        filled[node] = True
+        terminated[node] = matcher.is_terminated()
+        child = first_child[node]
+        if child != NONE:
+            stack.append((child, node, node_depth + 1))
+    if depth:
+        matcher.rollback(depth)
+    return WalkResult(valid, filled, terminated, budget_hit)
+
+
+# -- rows and vocabulary facts ----------------------------------------------------------------
+
+
+def _rows_view(out: torch.Tensor | np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+    """The int32 ``[n, words]`` numpy view of ``out`` (no copy); checks layout and size."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "cpu":
+            raise ValueError(f"tree bitmask must be on the CPU (pinned is fine), got {out.device}")
+        array = out.numpy()
+    else:
+        array = out
+    words = bm.words_per_row(vocab_size)
+    if array.dtype != np.int32 or array.ndim != 2 or not array.flags.c_contiguous:
+        raise ValueError("tree bitmask must be a C-contiguous int32 2-D array")
+    if array.shape[1] != words or array.shape[0] < n:
+        raise ValueError(f"tree bitmask shape {array.shape} cannot hold {n} rows of {words} words")
+    return array[:n]
+
+
+def flat_words(rows: np.ndarray) -> memoryview:
+    """A flat int32 memoryview of C-contiguous ``rows`` (item access gives python ints, fast)."""
+    buffer: Any = rows.reshape(-1)
+    return memoryview(buffer)
+
+
+def tokenizer_vocab_size(matcher: Any) -> int:
+    """Ids at or above this are never valid (model padding beyond the tokenizer)."""
+    tokenizer = getattr(matcher, "tokenizer", None)
+    if tokenizer is None:
+        return int(matcher.vocab_size)
+    return int(tokenizer.tokenizer_vocab_size)
+
+
+def stop_bits(matcher: Any) -> tuple[tuple[int, int], ...]:
+    """``(word, bits)`` pairs of the matcher's stop tokens (empty if it does not say)."""
+    tokenizer = getattr(matcher, "tokenizer", None)
+    stops = tuple(getattr(tokenizer, "stop_token_ids", ()))
+    return _stop_bits(stops)
+
+
+@lru_cache(maxsize=64)
+def _stop_bits(stops: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    words: dict[int, int] = {}
+    for token in stops:
+        words[token >> 5] = words.get(token >> 5, 0) | (1 << (token & 31))
+    # as int32 two's complement so numpy accepts bit 31
+    return tuple((w, bits - (1 << 32) if bits >= 1 << 31 else bits) for w, bits in words.items())
+
+
+@lru_cache(maxsize=16)
+def stop_row(words: int, stops: tuple[int, ...]) -> np.ndarray:
+    """int32 ``[words]`` row allowing exactly ``stops`` (read-only, cached)."""
+    row = bm.row_from_tokens(stops, words * bm.BITS_PER_WORD)
+    row.flags.writeable = False
+    return row
+
+
+def clear_tail(rows: np.ndarray, vocab_size: int) -> None:
+    """Zero the last word's bits past V in every row (libraries may leave them set)."""
+    rem = vocab_size % bm.BITS_PER_WORD
+    if rem:
+        rows[:, vocab_size // bm.BITS_PER_WORD] &= np.int32((1 << rem) - 1)
+
+
+def mark_unfilled_rows(
+    rows: np.ndarray, filled: np.ndarray, bits: tuple[tuple[int, int], ...]
+) -> None:
+    """Set the stop-token bits in every row whose node is not filled (so no row is all-zero).
+
+    Without stop tokens (a bare GrammarMatcher) bit 0 of word 0 is used instead.
+    """
+    unfilled = np.flatnonzero(~filled)
+    if unfilled.size == 0:
+        return
+    for word, value in bits or ((0, 1),):
+        rows[unfilled, word] |= np.int32(value)

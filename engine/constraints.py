@@ -1,0 +1,71 @@
+"""The engine's side of the grammar layer: async compiles, per-request matchers, post-validation.
+
+Compiles go through the grammar layer's compile cache (``constrained/compile.py`` on top of
+``constrained/cache.py``) and come back as a ``concurrent.futures.Future`` that the engine polls
+each step, so a request whose grammar compiles does not hold up the batch.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import ConstraintOptions, ValidationResult
+
+if TYPE_CHECKING:
+    from espalier.constrained.base import CompiledGrammar, CompileReport
+    from espalier.constrained.cache import CompileCache
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+CompileOutcome = tuple["CompiledGrammar", "CompileReport"]
+
+
+class GrammarService:
+    """Compiles grammars for one tokenizer and checks finished outputs against the constraint.
+
+    ``cache``: the compile cache to share (e.g. with the server's CompileGrammar); a private one
+    with ``compile_timeout_s`` when None.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenizerInfo,
+        *,
+        compile_timeout_s: float = 30.0,
+        cache: CompileCache | None = None,
+    ) -> None:
+        from espalier.constrained.cache import CompileCache
+
+        self.tokenizer = tokenizer
+        self._own_cache = cache is None
+        self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
+
+    def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
+        """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
+        CompileReport)`` or raises a ``GrammarError`` (invalid grammar, schema not enforceable,
+        compile timeout...)."""
+        from espalier.constrained.cache import CacheKey
+        from espalier.constrained.compile import compile_grammar
+
+        key = CacheKey(
+            spec.cache_key, options.backend, self.tokenizer.fingerprint, (options.allow_weakening,)
+        )
+
+        def compile_fn() -> Any:
+            return compile_grammar(
+                spec, self.tokenizer, options.backend, allow_weakening=options.allow_weakening
+            )
+
+        return self.cache.submit(key, compile_fn)
+
+    def validate(self, spec: GrammarSpec, text: str, compiled: CompiledGrammar) -> ValidationResult:
+        """Post-validation of a finished output against the full constraint."""
+        from espalier.constrained.postvalidate import postvalidate, replay_with
+
+        result = postvalidate(spec, text, replay=replay_with(compiled, self.tokenizer))
+        return ValidationResult(result.checked, result.valid, tuple(result.errors))
+
+    def close(self) -> None:
+        if self._own_cache:
+            self.cache.close()

@@ -1,0 +1,366 @@
+"""The engine: requests in, streamed :class:`RequestOutput` chunks out, one step at a time.
+
+Single-threaded: ``add_request``, ``abort`` and ``step`` are called from one thread (the async
+wrapper's loop thread). Each ``step``:
+
+1. moves requests whose grammar finished compiling to the ready queue (or fails them);
+2. asks the scheduler for a plan (continuous batching, chunked prefill, preemption);
+3. runs it through the :class:`~espalier.engine.step.StepStrategy` (plain decoding now; the
+   speculative and overlapped GPU paths plug in here);
+4. appends the new tokens: grammar accept, stop tokens, grammar termination, stop strings,
+   max tokens; incremental detokenization; post-validation of finished constrained outputs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from espalier.engine.api import (
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+)
+from espalier.engine.constraints import GrammarService
+from espalier.engine.detokenizer import IncrementalDetokenizer
+from espalier.engine.kv_cache import BlockAllocator
+from espalier.engine.request import Request, RequestStatus
+from espalier.engine.sampler import make_generator
+from espalier.engine.scheduler import Scheduler, SchedulerConfig
+from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy
+
+if TYPE_CHECKING:
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.runner import ModelRunner, RunnerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """scheduler: batching limits (its block_size is taken from the runner's cache).
+    max_model_len: most tokens (prompt + output) per request; None = the model's limit capped
+        by the cache capacity. compile_timeout_s: per grammar. overlap_masks: fill grammar masks
+        on a CPU thread while the forward runs. sparse_head: compute only the allowed LM-head
+        rows for constrained sequences with sparse masks (exact; ``engine/logits.py``).
+        postvalidate: check each finished constrained output against the full constraint."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None
+    compile_timeout_s: float = 30.0
+    overlap_masks: bool = True
+    sparse_head: bool = True
+    postvalidate: bool = True
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: TokenizerInfo,
+        *,
+        grammar: GrammarService | None = None,
+        strategy: StepStrategy | None = None,
+    ) -> None:
+        sched_cfg = replace(config.scheduler, block_size=runner.block_size)
+        self.config = replace(config, scheduler=sched_cfg)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.pool = BlockAllocator(runner.num_blocks)
+        self.scheduler = Scheduler(sched_cfg, self.pool, runner.num_blocks)
+        self.grammar = grammar or GrammarService(
+            tokenizer, compile_timeout_s=config.compile_timeout_s
+        )
+        self.strategy: StepStrategy = strategy or PlainDecoding(
+            runner,
+            mask_vocab_size=tokenizer.vocab_size,
+            max_rows=sched_cfg.max_num_seqs,
+            overlap=config.overlap_masks,
+            sparse_head=config.sparse_head,
+        )
+        limit = runner.model_config.max_position_embeddings
+        if config.max_model_len is not None:
+            limit = min(limit, config.max_model_len)
+        self.max_model_len = min(limit, self.scheduler.capacity_tokens)
+        self._requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+        self._skip_ids = tokenizer.special_token_ids
+        self._token_bytes = tokenizer.token_bytes
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_model(
+        cls,
+        path: str | os.PathLike[str] = "default",
+        config: EngineConfig | None = None,
+        runner_config: RunnerConfig | None = None,
+    ) -> Engine:
+        """Load a model (HF directory, ``.gguf`` file or ``"default"``) and its tokenizer."""
+        from espalier.constrained.tokenizer import TokenizerInfo
+        from espalier.engine.runner import ModelRunner
+
+        runner = ModelRunner.from_pretrained(path, runner_config)
+        text = str(path)
+        if text == "default":
+            tok = TokenizerInfo.default()
+        elif text.endswith(".gguf"):
+            tok = TokenizerInfo.from_gguf(text, vocab_size=runner.vocab_size)
+        else:
+            tok = TokenizerInfo.from_pretrained(text, vocab_size=runner.vocab_size)
+        if tok.vocab_size != max(runner.vocab_size, tok.tokenizer_vocab_size):
+            tok = TokenizerInfo(tok.hf, vocab_size=runner.vocab_size, name=tok.name)
+        return cls(config or EngineConfig(), runner, tok)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, source: GenerationRequest) -> None:
+        """Queue a request; raises :class:`InvalidRequestError` for a request it cannot run."""
+        bad = list(source.sampling.validate())
+        if source.request_id in self._requests:
+            bad.append(("request_id", f"{source.request_id!r} is already in use"))
+        if source.prompt_token_ids is not None:
+            prompt = list(source.prompt_token_ids)
+            if any(not 0 <= t < self.runner.vocab_size for t in prompt):
+                bad.append(("prompt_token_ids", "ids must be in [0, vocab size)"))
+        else:
+            prompt = self.tokenizer.hf.encode(source.prompt or "", add_special_tokens=True)
+        if not prompt:
+            bad.append(("prompt", "must not be empty"))
+        elif len(prompt) >= self.max_model_len:
+            bad.append(("prompt", f"{len(prompt)} tokens; the limit is {self.max_model_len - 1}"))
+        if bad:
+            raise InvalidRequestError(bad)
+        request = Request(
+            request_id=source.request_id,
+            prompt_ids=prompt,
+            sampling=source.sampling,
+            arrival_seq=next(self._arrivals),
+            source=source,
+        )
+        if source.sampling.temperature > 0:
+            request.generator = make_generator(source.sampling.seed, self.runner.device)
+        request.detokenizer = IncrementalDetokenizer(
+            self._token_bytes, skip_ids=self._skip_ids, stop=source.sampling.stop
+        )
+        if source.grammar is not None:
+            future = self.grammar.submit(source.grammar, source.constraint)
+            timeline = request.timeline
+            future.add_done_callback(lambda _f: setattr(timeline, "grammar_ready", _now()))
+            request.grammar_future = future
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str, *, error: str | None = None) -> bool:
+        """Stop a request wherever it is and free its blocks; its final chunk (``ABORT``, or
+        ``ERROR`` with ``error``) comes out of the next ``step`` (or :meth:`take_pending`).
+        False when no such request is unfinished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.grammar_future is not None and request.matcher is None:
+            request.grammar_future.cancel()
+        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+        self._pending.append(self._finish(request, reason, "", error=error))
+        return True
+
+    def take_pending(self) -> list[RequestOutput]:
+        """The final chunks of aborted requests not yet returned by ``step``."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns a chunk for every request that produced tokens or finished."""
+        outputs = self.take_pending()
+        self._poll_grammars(outputs)
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            self._wait_for_grammars()
+            return outputs
+        self.num_steps += 1
+        self.num_preemptions += len(plan.preempted)
+        t0 = _now()
+        try:
+            result = self.strategy.execute(plan)
+        except Exception as exc:  # a failed forward fails its batch, not the engine
+            log.exception("step failed")
+            for seq in plan.seqs:
+                out = self._finish(seq.request, FinishReason.ERROR, "", error=repr(exc))
+                outputs.append(out)
+            return outputs
+        elapsed = _now() - t0
+        for seq, outcome in zip(plan.seqs, result.outcomes):
+            timeline = seq.request.timeline
+            if seq.is_prefill:
+                timeline.prefill_s += elapsed
+            else:
+                timeline.decode_s += elapsed
+            if outcome is not None:
+                outputs.append(self._append(seq.request, outcome))
+        return outputs
+
+    def _append(self, request: Request, outcome: SeqOutcome) -> RequestOutput:
+        if outcome.num_computed_tokens is not None:
+            request.num_computed_tokens = outcome.num_computed_tokens
+        if request.timeline.first_token is None:
+            request.timeline.first_token = _now()
+        params = request.sampling
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.tokenizer.stop_token_ids)
+        new_ids: list[int] = []
+        text_ids: list[int] = []
+        reason: FinishReason | None = None
+        error = None
+        for token in outcome.token_ids:
+            request.output_ids.append(token)
+            new_ids.append(token)
+            matcher = request.matcher
+            if matcher is not None and not matcher.accept(token):
+                reason, error = FinishReason.ERROR, f"the grammar rejected sampled token {token}"
+                break
+            if token in stops:
+                reason = FinishReason.STOP
+                break
+            text_ids.append(token)
+            if matcher is not None and matcher.is_terminated():
+                reason = FinishReason.GRAMMAR
+                break
+            if len(request.output_ids) >= params.max_tokens or (
+                request.num_tokens >= self.max_model_len
+            ):
+                reason = FinishReason.LENGTH
+                break
+        self.num_generated_tokens += len(new_ids)
+        assert request.detokenizer is not None
+        delta = request.detokenizer.push(text_ids)
+        if delta.stop is not None and reason is not FinishReason.ERROR:
+            reason = FinishReason.STOP
+        logprobs = tuple(outcome.logprobs[: len(new_ids)])
+        if reason is None:
+            return RequestOutput(request.request_id, delta.text, tuple(new_ids), logprobs=logprobs)
+        out = self._finish(request, reason, delta.text, error=error)
+        out.token_ids = tuple(new_ids)
+        out.logprobs = logprobs
+        return out
+
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        text: str,
+        *,
+        error: str | None = None,
+        exception: BaseException | None = None,
+    ) -> RequestOutput:
+        """Free the request everywhere and build its final chunk."""
+        self.scheduler.finish(request)
+        self._requests.pop(request.request_id, None)
+        request.finish_reason = reason
+        request.error = error
+        request.timeline.finished = _now()
+        assert request.detokenizer is not None
+        if reason is not FinishReason.ERROR:
+            text += request.detokenizer.flush().text
+        validation = None
+        source = request.source
+        if (
+            self.config.postvalidate
+            and request.compiled is not None
+            and source is not None
+            and source.grammar is not None
+            and reason not in (FinishReason.ABORT, FinishReason.ERROR)
+        ):
+            validation = self.grammar.validate(
+                source.grammar, request.detokenizer.text, request.compiled
+            )
+        return RequestOutput(
+            request.request_id,
+            text,
+            (),
+            finished=True,
+            finish_reason=reason,
+            usage=request.usage(),
+            timings=request.timeline.to_timings(),
+            validation=validation,
+            error=error,
+            weakened=request.weakened,
+            backend=request.backend,
+            speculative=request.spec_stats,
+            exception=exception,
+        )
+
+    # -- grammars -----------------------------------------------------------------------------
+
+    def _poll_grammars(self, outputs: list[RequestOutput]) -> None:
+        for request in list(self.scheduler.waiting):
+            if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+                continue
+            future = request.grammar_future
+            assert future is not None
+            if not future.done():
+                continue
+            timeline = request.timeline
+            timeline.compile_s = (timeline.grammar_ready or _now()) - timeline.arrival
+            try:
+                compiled, report = future.result()
+            except Exception as exc:
+                out = self._finish(request, FinishReason.ERROR, "", error=str(exc), exception=exc)
+                outputs.append(out)
+                continue
+            request.compiled = compiled
+            request.matcher = compiled.matcher()
+            request.backend = report.backend
+            request.weakened = tuple(issue.describe() for issue in report.weakened)
+            request.status = RequestStatus.WAITING
+
+    def _wait_for_grammars(self, timeout_s: float = 0.02) -> None:
+        """Nothing to run: block briefly until a compile finishes (instead of spinning)."""
+        futures = [
+            r.grammar_future
+            for r in self.scheduler.waiting
+            if r.status is RequestStatus.WAITING_FOR_GRAMMAR and r.grammar_future is not None
+        ]
+        if futures:
+            concurrent.futures.wait(
+                futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        waiting = list(self.scheduler.waiting)
+        compiling = sum(r.status is RequestStatus.WAITING_FOR_GRAMMAR for r in waiting)
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": len(waiting) - compiling,
+            "compiling": compiling,
+            "free_blocks": self.pool.num_free_blocks,
+            "total_blocks": self.pool.num_blocks,
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "preemptions": self.num_preemptions,
+        }
+
+    def close(self) -> None:
+        self.strategy.close()
+        self.grammar.close()
+
+
+def _now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,266 @@
+"""Continuous batching with chunked prefill, admission by free KV blocks and recompute preemption.
+
+Pure python (no torch). Each :meth:`Scheduler.schedule` call plans one forward step under a
+token budget: running requests first, oldest first (each gets its remaining prefill chunk or its
+one decode token), then waiting requests in FIFO order while the budget, ``max_num_seqs`` and free
+blocks allow.
+When a running request needs a block and none is free, the newest running request is preempted:
+its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+
+A request whose grammar is still compiling (``WAITING_FOR_GRAMMAR``) keeps its queue position but is
+skipped, so it never blocks the requests behind it. The engine flips it to ``WAITING`` once the
+compile Future is done.
+
+The scheduler owns the block tables: it allocates blocks from a :class:`BlockPool` (the KV cache's
+allocator) and frees them on finish, abort and preemption.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from espalier.engine.request import Request, RequestStatus
+
+
+class BlockPool(Protocol):
+    """The KV block allocator as the scheduler sees it (``engine/kv_cache.py`` provides it)."""
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free block ids; raises if fewer are free."""
+        ...
+
+    def free(self, blocks: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits.
+
+    max_num_seqs: most requests running at once.
+    max_num_batched_tokens: token budget of one forward step (prefill chunks + decodes).
+    block_size: tokens per KV block (must equal the cache's).
+    admission_watermark_blocks: free blocks kept in reserve when admitting a new request, so that
+        running requests can keep decoding without preempting it right away.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    admission_watermark_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError(f"invalid scheduler config {self}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step.
+
+    context_len: tokens already in the cache before this step.
+    num_new_tokens: known tokens fed this step (``token_ids``), at cache indices
+        ``context_len .. context_len + num_new_tokens - 1``.
+    samples: the chunk reaches the last known token, so the step yields logits to sample from.
+    """
+
+    request: Request
+    context_len: int
+    num_new_tokens: int
+    samples: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_slice(self.context_len, self.context_len + self.num_new_tokens)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Feeds prompt tokens (first pass or recompute after preemption)."""
+        return self.context_len < self.request.num_prompt_tokens
+
+
+@dataclass
+class StepPlan:
+    """What one forward step runs. ``preempted`` lost their blocks during planning."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and every request's block table."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, num_blocks: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.num_blocks = num_blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival_seq: oldest first
+        self._running_keys: list[int] = []
+
+    # -- queue management ---------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds: one request can never grow past this."""
+        return self.num_blocks * self.config.block_size
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (``WAITING`` or ``WAITING_FOR_GRAMMAR``) at the back."""
+        assert request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request from wherever it is and free its blocks (finish or abort)."""
+        if request.status is RequestStatus.RUNNING:
+            self._remove_running(request)
+        elif request.status is not RequestStatus.FINISHED:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        self._free_blocks(request)
+        request.status = RequestStatus.FINISHED
+
+    def requests(self) -> Iterator[Request]:
+        """Every unfinished request: running, then waiting."""
+        yield from self.running
+        yield from self.waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan one step; allocates the blocks it needs and advances ``num_computed_tokens``."""
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(plan, budget)
+        if not plan.preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_uncomputed_tokens, budget)
+            if n <= 0:  # nothing to feed (cannot happen in plain decoding); skip
+                i += 1
+                continue
+            if not self._grow(request, request.num_computed_tokens + n, plan):
+                break  # it preempted itself: every request after it is gone too
+            plan.seqs.append(self._commit(request, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        now = time.perf_counter()
+        # blocks promised this step to admitted requests' whole prompts but not allocated yet
+        promised = 0
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                continue  # keeps its place, blocks nobody
+            n = min(request.num_uncomputed_tokens, budget)
+            whole = self._blocks_for(request.num_tokens + 1) - len(request.block_table)
+            free = self.pool.num_free_blocks - promised
+            # FIFO: a ready request that does not fit holds back the ones behind it, unless
+            # nothing runs (then only the blocks for its first chunk are required).
+            if whole + self.config.admission_watermark_blocks > free and (
+                self.running or self._blocks_for(n) > free
+            ):
+                return
+            self.waiting.remove(request)
+            self._insert_running(request)
+            request.status = RequestStatus.RUNNING
+            if request.timeline.first_scheduled is None:
+                request.timeline.first_scheduled = now
+            ok = self._grow(request, request.num_computed_tokens + n, plan)
+            assert ok, "admission checked the free blocks"
+            plan.seqs.append(self._commit(request, n))
+            promised += max(whole - self._blocks_for(request.num_computed_tokens), 0)
+            budget -= n
+
+    def _commit(self, request: Request, n: int) -> ScheduledSeq:
+        context = request.num_computed_tokens
+        request.num_computed_tokens += n
+        return ScheduledSeq(request, context, n, samples=request.num_uncomputed_tokens == 0)
+
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` cache entries of a running request, from free blocks only
+        (no preemption): lookahead slots for a draft tree. False when too few are free."""
+        need = self._blocks_for(num_tokens) - len(request.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free_blocks:
+            return False
+        request.block_table.extend(self.pool.allocate(need))
+        return True
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _grow(self, request: Request, num_tokens: int, plan: StepPlan) -> bool:
+        """Give ``request`` blocks for ``num_tokens`` cache entries, preempting the newest running
+        requests while short. False when ``request`` itself had to be preempted."""
+        need = self._blocks_for(num_tokens) - len(request.block_table)
+        while need > self.pool.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        if need > 0:
+            request.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self._remove_running(request)
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_table:
+            self.pool.free(request.block_table)
+            request.block_table = []
+
+    def _insert_running(self, request: Request) -> None:
+        i = bisect.bisect(self._running_keys, request.arrival_seq)
+        self._running_keys.insert(i, request.arrival_seq)
+        self.running.insert(i, request)
+
+    def _remove_running(self, request: Request) -> None:
+        i = self.running.index(request)
+        del self.running[i]
+        del self._running_keys[i]

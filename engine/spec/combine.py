@@ -1,0 +1,90 @@
+"""Merge the drafts of several drafters and grammar-forced chains into one tree per request.
+
+Per request, in order:
+
+1. ``forced`` on and constrained: the chain the grammar forces at the root goes in first;
+2. every other drafter the request asked for drafts after ``context + chain`` (batched across the
+   requests that use it); each draft is grafted at the chain's end into one trie, so identical
+   prefixes from different drafters become one node (the better score is kept);
+3. the trie is reranked to the request's node budget (forced nodes score like their parent, so
+   they survive reranking before any drafted node below them);
+4. ``forced`` on: chains are grafted below the best leaves whose path leads into a forced state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from espalier.engine.spec.base import Drafter, DraftInput
+from espalier.engine.spec.forced import ForcedConfig, extend_leaves, root_chain
+from espalier.engine.spec.tree_builder import Draft, NodeSource, TreeBuilder
+
+if TYPE_CHECKING:
+    from espalier.constrained.base import GrammarMatcher
+
+FORCED = "forced"
+
+
+@dataclass(frozen=True)
+class ProposalItem:
+    """One request's share of a drafting step.
+
+    context: every verified token (last = root). matcher: the request's grammar at the root
+    (it has accepted the root), None when unconstrained. methods: drafter names, may include
+    ``"forced"``. budget: most draft nodes.
+    """
+
+    request_id: str
+    context: Sequence[int]
+    matcher: GrammarMatcher | None
+    methods: tuple[str, ...]
+    budget: int
+
+
+@dataclass
+class Proposer:
+    """Runs the drafters a batch asks for and merges their trees (see the module docstring)."""
+
+    drafters: Mapping[str, Drafter]
+    forced: ForcedConfig = field(default_factory=ForcedConfig)
+
+    def release(self, request_id: str) -> None:
+        for drafter in self.drafters.values():
+            drafter.release(request_id)
+
+    def propose(self, items: Sequence[ProposalItem]) -> list[Draft]:
+        builders = [TreeBuilder(item.context[-1]) for item in items]
+        anchors = [0] * len(items)
+        chains: list[list[int]] = [[] for _ in items]
+        for i, item in enumerate(items):
+            if FORCED in item.methods and item.budget > 0:
+                limit = min(item.budget, self.forced.max_chain)
+                chains[i] = root_chain(item.matcher, limit)
+                if chains[i]:
+                    nodes = builders[i].add_path(0, chains[i], None, NodeSource.FORCED)
+                    anchors[i] = nodes[-1]
+        for name, drafter in self.drafters.items():
+            users = [i for i, item in enumerate(items) if name in item.methods]
+            users = [i for i in users if items[i].budget - len(chains[i]) > 0]
+            if not users:
+                continue
+            inputs = [
+                DraftInput(
+                    items[i].request_id,
+                    items[i].context,
+                    chains[i],
+                    items[i].budget - len(chains[i]),
+                )
+                for i in users
+            ]
+            for i, draft in zip(users, drafter.propose(inputs)):
+                builders[i].graft(anchors[i], draft)
+        drafts = []
+        for item, builder in zip(items, builders):
+            draft = builder.build(max(item.budget, 0))
+            if FORCED in item.methods and item.matcher is not None:
+                draft = extend_leaves(draft, item.matcher, item.budget, self.forced)
+            drafts.append(draft)
+        return drafts

@@ -1,0 +1,340 @@
+"""One speculative decoding step over a batch: draft, verify (masks overlapped), compact KV.
+
+The caller (the engine's :class:`~espalier.engine.spec.strategy.SpeculativeDecoding`, or
+:mod:`espalier.engine.spec.loop`) owns the requests and their KV blocks. Per step and request
+that samples, it passes a :class:`SpecSeq`: every known token, how many of them the cache holds
+(``context_len``), the block table, the grammar matcher (it has accepted every known token), the
+speculation settings and the sampling parameters (None = greedy).
+
+- Decoding (``context_len == len(tokens) - 1``): the last token is the tree's root; drafted
+  nodes go below it. ``num_draft_tokens=0`` gives a root-only tree: exactly a plain decode step,
+  so requests that do not speculate share the batch with ones that do.
+- The last chunk of a prefill (``context_len < len(tokens) - 1``): fed causally, root-only tree.
+
+Order inside :meth:`SpeculativeDecoder.step`:
+
+1. drafting (CPU and/or draft model);
+2. the caller grows each block table to cover the tree (``ensure_blocks``);
+3. tree masks submitted to CPU threads, then the verify forward launched (overlap), masks awaited;
+4. greedy rows: fused masked greedy verification; sampled rows: lossless tree speculative
+   sampling (``kernels.sampling``); → accepted path + bonus per request;
+5. accepted nodes' K/V compacted into place (one ``copy_slots`` for the batch).
+
+The caller then appends the emitted tokens one by one (advancing the matcher, checking stops);
+afterwards the cache holds every known token but the last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from espalier.engine.api import TokenLogprob
+from espalier.engine.runner import SeqInput
+from espalier.engine.spec.combine import ProposalItem, Proposer
+from espalier.engine.spec.masks import MaskBuilder
+from espalier.engine.spec.tree_builder import Draft
+from espalier.engine.spec.verify import (
+    Acceptance,
+    TreeMasks,
+    acceptances,
+    compaction_slots,
+    tree_seq_input,
+    tree_tensors,
+    verify_greedy,
+)
+
+if TYPE_CHECKING:
+    from espalier.constrained.base import GrammarMatcher
+    from espalier.engine.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters of one request (temperature > 0) and its generator."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SpecSeq:
+    """One request's share of a speculative step (see the module docstring)."""
+
+    request_id: str
+    tokens: Sequence[int]
+    block_table: list[int]
+    matcher: GrammarMatcher | None = None
+    methods: tuple[str, ...] = ()
+    num_draft_tokens: int = 0
+    sampling: SamplingSpec | None = None
+    context_len: int = -1  # -1 = len(tokens) - 1 (decoding)
+    logprobs: int = 0  # top-n logprobs per emitted token (0 = none)
+
+    def __post_init__(self) -> None:
+        if self.context_len < 0:
+            self.context_len = len(self.tokens) - 1
+
+    @property
+    def decoding(self) -> bool:
+        return self.context_len == len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of one step, shared by every request in it."""
+
+    draft_s: float
+    mask_s: float  # waiting for masks after the forward (the part not hidden by it)
+    verify_s: float  # forward + verification + compaction
+
+
+@dataclass(frozen=True)
+class SeqOutcome:
+    """What one request got from a step: its draft, the acceptance, and (when asked) one
+    logprob entry per emitted token."""
+
+    draft: Draft
+    acceptance: Acceptance
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class SpeculativeDecoder:
+    """Runs speculative steps against one target ``ModelRunner``."""
+
+    def __init__(self, runner: ModelRunner, proposer: Proposer, masks: MaskBuilder) -> None:
+        self.runner = runner
+        self.proposer = proposer
+        self.masks = masks
+
+        self._observers = [
+            d for d in proposer.drafters.values() if getattr(d, "hidden_layers", None)
+        ]
+        layers: set[int] = set()
+        for drafter in self._observers:
+            layers.update(drafter.hidden_layers)  # type: ignore[attr-defined]
+        self._hidden_layers = tuple(sorted(layers))
+
+    def release(self, request_id: str) -> None:
+        self.proposer.release(request_id)
+
+    def prefill(self, passthrough: Sequence[tuple[str, SeqInput]]) -> None:
+        """A forward of prefill chunks only (no logits); drafters see their features."""
+        out = self.runner.forward([i for _, i in passthrough], hidden_layers=self._hidden_layers)
+        if self._observers:
+            self._observe(out.hidden_states, [], [], [], passthrough)
+
+    def _observe(
+        self,
+        hidden: dict[int, torch.Tensor],
+        seqs: Sequence[SpecSeq],
+        inputs: Sequence[SeqInput],
+        accepted: Sequence[Acceptance],
+        passthrough: Sequence[tuple[str, SeqInput]],
+    ) -> None:
+        """Hand the target features of verified positions to the drafters that read them."""
+        row = 0
+        jobs: list[tuple[str, int, torch.Tensor]] = []
+        for seq, item, acc in zip(seqs, inputs, accepted):
+            if seq.decoding:
+                rows = [row + node for node in acc.path]
+            else:
+                rows = list(range(row, row + item.q_len))
+            jobs.append((seq.request_id, seq.context_len, torch.tensor(rows)))
+            row += item.q_len
+        for request_id, item in passthrough:
+            jobs.append((request_id, item.context_len, torch.arange(row, row + item.q_len)))
+            row += item.q_len
+        for request_id, start, rows_t in jobs:
+            index = rows_t.to(self.runner.device)
+            captured = {layer: h.index_select(0, index) for layer, h in hidden.items()}
+            for drafter in self._observers:
+                drafter.observe(request_id, start, captured)  # type: ignore[attr-defined]
+
+    def step(
+        self,
+        seqs: Sequence[SpecSeq],
+        ensure_blocks: Callable[[SpecSeq, int], None],
+        passthrough: Sequence[tuple[str, SeqInput]] = (),
+    ) -> tuple[list[SeqOutcome], StepTimes]:
+        """One step for ``seqs``; ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover
+        ``n`` cache entries (the caller allocates; when it cannot, the draft is cut to what the
+        table covers). ``passthrough``: ``(request_id, input)`` of other sequences of the same
+        forward that want no logits (prefill chunks); they go after ``seqs``."""
+        start = time.perf_counter()
+        drafts = self._propose(seqs)
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            ensure_blocks(seq, seq.context_len + draft.num_nodes)
+            room = len(seq.block_table) * self.runner.block_size - seq.context_len
+            if draft.num_nodes > room:  # the cache is full: verify fewer nodes
+                from espalier.engine.spec.tree_builder import select_top
+
+                drafts[i] = select_top(draft, max(room - 1, 0))
+        drafted = time.perf_counter()
+        pending = self.masks.submit([s.matcher for s in seqs], drafts)
+        inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
+        out = self.runner.forward(
+            [*inputs, *(i for _, i in passthrough)], hidden_layers=self._hidden_layers
+        )
+        forwarded = time.perf_counter()
+        masks = pending.result()
+        masked = time.perf_counter()
+        accepted = self._verify(out.logits, seqs, drafts, masks)
+        logprobs = self._logprobs(out.logits, seqs, drafts, masks, accepted)
+        if self._observers:
+            self._observe(out.hidden_states, seqs, inputs, accepted, passthrough)
+        src: list[int] = []
+        dst: list[int] = []
+        for seq, acc in zip(seqs, accepted):
+            if seq.decoding:
+                s, d = compaction_slots(
+                    seq.block_table, self.runner.block_size, seq.context_len, acc.path
+                )
+                src.extend(s)
+                dst.extend(d)
+        self.runner.copy_slots(src, dst)
+        done = time.perf_counter()
+        times = StepTimes(
+            draft_s=drafted - start,
+            mask_s=masked - forwarded,
+            verify_s=(forwarded - drafted) + (done - masked),
+        )
+        outcomes = [SeqOutcome(d, a, lp) for d, a, lp in zip(drafts, accepted, logprobs)]
+        return outcomes, times
+
+    def _propose(self, seqs: Sequence[SpecSeq]) -> list[Draft]:
+        drafts = [Draft.root_only(s.tokens[-1]) for s in seqs]
+        wanted = [i for i, s in enumerate(seqs) if s.decoding and s.num_draft_tokens > 0]
+        if wanted:
+            items = [
+                ProposalItem(
+                    seqs[i].request_id,
+                    seqs[i].tokens,
+                    seqs[i].matcher,
+                    seqs[i].methods,
+                    seqs[i].num_draft_tokens,
+                )
+                for i in wanted
+            ]
+            for i, draft in zip(wanted, self.proposer.propose(items)):
+                drafts[i] = draft
+        return drafts
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SpecSeq],
+        drafts: list[Draft],
+        masks: TreeMasks,
+    ) -> list[Acceptance]:
+        vocab = self.runner.vocab_size
+        result = verify_greedy(logits, drafts, masks, vocab)
+        sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        if sampled:
+            for i, acc in zip(sampled, self._sample(logits, seqs, drafts, masks, sampled)):
+                result[i] = acc
+        return result
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SpecSeq],
+        drafts: list[Draft],
+        masks: TreeMasks,
+        accepted: list[Acceptance],
+    ) -> list[list[TokenLogprob]]:
+        """Per emitted token, ``log_softmax`` of the grammar-masked logits of the node it was
+        chosen at (before temperature and truncation, as in the plain sampler)."""
+        from espalier.kernels.reference import node_allowed
+
+        out: list[list[TokenLogprob]] = [[] for _ in seqs]
+        want = [i for i, s in enumerate(seqs) if s.logprobs > 0 and accepted[i].tokens]
+        if not want:
+            return out
+        offsets = [0]
+        for draft in drafts:
+            offsets.append(offsets[-1] + draft.num_nodes)
+        rows = [offsets[i] + n for i in want for n in accepted[i].path[: len(accepted[i].tokens)]]
+        index = torch.tensor(rows, dtype=torch.int64)
+        sub = logits.index_select(0, index.to(logits.device)).float()
+        bitmask = None if masks.bitmask is None else masks.bitmask.to(logits.device)
+        allowed = node_allowed(
+            sub.shape[1],
+            len(rows),
+            bitmask,
+            masks.mask_rows[index].to(logits.device),
+            self.runner.vocab_size,
+            logits.device,
+        )
+        lp = torch.log_softmax(sub.masked_fill(~allowed, float("-inf")), dim=-1)
+        top_n = max(seqs[i].logprobs for i in want)
+        top_v, top_i = lp.topk(top_n, dim=-1)
+        tokens = [t for i in want for t in accepted[i].tokens]
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0]
+        # host sync: logprobs go back to python with the emitted tokens
+        chosen_l, top_v_l, top_i_l = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        r = 0
+        for i in want:
+            n = seqs[i].logprobs
+            for token in accepted[i].tokens:
+                top = tuple(zip(top_i_l[r][:n], top_v_l[r][:n]))
+                out[i].append(TokenLogprob(token, chosen_l[r], top))
+                r += 1
+        return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SpecSeq],
+        drafts: list[Draft],
+        masks: TreeMasks,
+        rows: list[int],
+    ) -> list[Acceptance]:
+        """Tree speculative sampling for the sampled requests ``rows`` (drafts are deterministic:
+        each drafted child counts as a one-hot proposal, which keeps the output exact)."""
+        from espalier.kernels.sampling import SamplingTensors, tree_speculative_sample
+
+        device = logits.device
+        offsets = [0]
+        for draft in drafts:
+            offsets.append(offsets[-1] + draft.num_nodes)
+        node_index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in rows])
+        sub = [drafts[i] for i in rows]
+        first_child, next_sibling, tokens, sub_offsets = tree_tensors(sub)
+        specs = [seqs[i].sampling for i in rows]
+        params = SamplingTensors(
+            torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
+            torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device),
+            torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
+            torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=device),
+        )
+        generators = [s.generator or torch.Generator(device=device) for s in specs]
+        idx = node_index.to(device)
+        result = tree_speculative_sample(
+            logits.index_select(0, idx),
+            first_child.to(device),
+            next_sibling.to(device),
+            tokens.to(device),
+            sub_offsets,
+            params,
+            generators,
+            bitmask=None if masks.bitmask is None else masks.bitmask.to(device),
+            mask_rows=masks.mask_rows[node_index].to(device),
+            valid=masks.valid[node_index].to(device),
+            filled=masks.filled[node_index].to(device),
+        )
+        return acceptances(sub, result.path, result.accept_length, result.bonus_token)
+
+
+def _seq_input(seq: SpecSeq, draft: Draft) -> SeqInput:
+    if seq.decoding:
+        return tree_seq_input(draft, seq.block_table, seq.context_len)
+    new = list(seq.tokens[seq.context_len :])
+    return SeqInput(seq.block_table, new, seq.context_len, logits="last")

@@ -1,0 +1,222 @@
+"""Speculative decoding as the engine's step strategy (``engine/step.py``'s seam).
+
+Per planned step: every sequence that samples becomes a :class:`SpecSeq` (decoding ones get a
+draft tree when their request speculates; the last prefill chunk and non-speculating requests get
+a root-only tree, i.e. a plain step); sequences that do not sample (prefill chunks) ride along in
+the same forward. The scheduler planned one token per decoding sequence; the strategy grows the
+block table for the tree from the engine's allocator, and after verification moves
+``num_computed_tokens`` past the accepted nodes and gives back blocks the request no longer needs.
+The engine then appends the emitted tokens as usual (grammar accept, stops, detokenization).
+
+Settings: :class:`SpecConfig` is the server default; a request's ``SpeculativeOptions`` may turn
+speculation on or off, pick methods among the drafters loaded, and set its node budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from espalier.engine.api import SpeculativeStats
+from espalier.engine.kv_cache import blocks_needed
+from espalier.engine.runner import SeqInput
+from espalier.engine.spec.base import Drafter
+from espalier.engine.spec.combine import FORCED, Proposer
+from espalier.engine.spec.decoder import SamplingSpec, SpecSeq, SpeculativeDecoder, StepTimes
+from espalier.engine.spec.decoder import SeqOutcome as DecoderOutcome
+from espalier.engine.spec.forced import ForcedConfig
+from espalier.engine.spec.masks import MaskBuilder
+from espalier.engine.step import SeqOutcome, StepResult
+
+if TYPE_CHECKING:
+    from espalier.engine.engine import Engine
+    from espalier.engine.kv_cache import BlockAllocator
+    from espalier.engine.request import Request
+    from espalier.engine.runner import ModelRunner
+    from espalier.engine.scheduler import ScheduledSeq, StepPlan
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Server default for speculation.
+
+    enabled: speculate unless a request says otherwise. methods: default drafters (names of the
+    loaded drafters and/or ``"forced"``). num_draft_tokens: default node budget per tree.
+    mask_budget_s: time budget of one tree-mask fill (None = none). mask_threads: CPU threads
+    filling tree masks.
+    """
+
+    enabled: bool = True
+    methods: tuple[str, ...] = ("ngram", FORCED)
+    num_draft_tokens: int = 8
+    max_draft_tokens: int = 64
+    mask_budget_s: float | None = 0.002
+    mask_threads: int = 2
+    forced: ForcedConfig = field(default_factory=ForcedConfig)
+
+
+class SpeculativeDecoding:
+    """A ``StepStrategy``: speculative steps for the requests that ask, plain for the rest."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: BlockAllocator,
+        config: SpecConfig,
+        drafters: Mapping[str, Drafter],
+        *,
+        mask_vocab_size: int,
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        self.config = config
+        self.available = frozenset(drafters) | {FORCED}
+        masks = MaskBuilder(
+            mask_vocab_size,
+            threads=config.mask_threads,
+            pin_memory=runner.device.type == "cuda",
+            budget_s=config.mask_budget_s,
+        )
+        self.decoder = SpeculativeDecoder(runner, Proposer(drafters, config.forced), masks)
+        self._live: dict[str, Request] = {}
+
+    def settings(self, request: Request) -> tuple[tuple[str, ...], int]:
+        """``(methods, num_draft_tokens)`` for ``request``; ``((), 0)`` = does not speculate."""
+        options = request.source.speculative if request.source is not None else None
+        enabled = self.config.enabled
+        methods, budget = self.config.methods, self.config.num_draft_tokens
+        if options is not None:
+            enabled = enabled if options.enabled is None else options.enabled
+            methods = options.methods or methods
+            budget = budget if options.num_draft_tokens is None else options.num_draft_tokens
+        methods = tuple(m for m in methods if m in self.available)
+        budget = min(max(budget, 0), self.config.max_draft_tokens)
+        if not enabled or not methods or budget == 0:
+            return (), 0
+        return methods, budget
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._release_finished()
+        sampling = [s for s in plan.seqs if s.samples]
+        seqs = [self._spec_seq(s) for s in sampling]
+        passthrough = [
+            (
+                s.request.request_id,
+                SeqInput(s.request.block_table, s.token_ids, s.context_len, logits="none"),
+            )
+            for s in plan.seqs
+            if not s.samples
+        ]
+        by_seq = {id(spec): sched.request for spec, sched in zip(seqs, sampling)}
+
+        def ensure(seq: SpecSeq, entries: int) -> None:
+            request = by_seq[id(seq)]
+            need = blocks_needed(entries, self.runner.block_size) - len(request.block_table)
+            need = min(need, self.pool.num_free_blocks)  # short of blocks: a smaller tree
+            if need > 0:
+                request.block_table.extend(self.pool.allocate(need))
+
+        outcomes_by_id: dict[int, SeqOutcome] = {}
+        times = StepTimes(0.0, 0.0, 0.0)
+        if seqs or passthrough:
+            results, times = self.decoder.step(seqs, ensure, passthrough) if seqs else ([], times)
+            if not seqs:
+                self.decoder.prefill(passthrough)
+            for sched, spec, result in zip(sampling, seqs, results):
+                self._account(sched, spec, result.draft.num_draft_tokens, result, times)
+                outcomes_by_id[id(sched)] = SeqOutcome(
+                    list(result.acceptance.tokens), list(result.logprobs)
+                )
+        outcomes = [outcomes_by_id.get(id(s)) for s in plan.seqs]
+        return StepResult(outcomes, forward_s=times.verify_s, mask_s=times.mask_s)
+
+    def _spec_seq(self, sched: ScheduledSeq) -> SpecSeq:
+        request = sched.request
+        methods, budget = self.settings(request) if not sched.is_prefill else ((), 0)
+        params = request.sampling
+        sampling = None
+        if params.temperature > 0:
+            sampling = SamplingSpec(
+                params.temperature, params.top_k, params.top_p, params.min_p, request.generator
+            )
+        self._live[request.request_id] = request
+        return SpecSeq(
+            request_id=request.request_id,
+            tokens=request.prompt_ids + request.output_ids,
+            block_table=request.block_table,
+            matcher=request.matcher,
+            methods=methods,
+            num_draft_tokens=min(budget, params.max_tokens - len(request.output_ids) - 1),
+            sampling=sampling,
+            context_len=sched.context_len,
+            logprobs=params.logprobs,
+        )
+
+    def _account(
+        self,
+        sched: ScheduledSeq,
+        spec: SpecSeq,
+        drafted: int,
+        result: DecoderOutcome,
+        times: StepTimes,
+    ) -> None:
+        request = sched.request
+        emitted = len(result.acceptance.tokens)
+        request.timeline.mask_s += times.mask_s
+        if spec.decoding:
+            # the scheduler counted the root; after the step every known token but the last is
+            # in the cache (root + accepted nodes, compacted; without a bonus the last accepted
+            # node is fed again next step as the root)
+            request.num_computed_tokens = spec.context_len + emitted
+            keep = blocks_needed(spec.context_len + 1 + emitted, self.runner.block_size)
+            if len(request.block_table) > keep:
+                self.pool.free(request.block_table[keep:])
+                del request.block_table[keep:]
+        if not spec.decoding or not spec.methods:
+            return
+        stats = request.spec_stats
+        if stats is None:
+            stats = request.spec_stats = SpeculativeStats()
+        stats.steps += 1
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += result.acceptance.accept_length
+        stats.forced_tokens += result.acceptance.forced
+        stats.draft_s += times.draft_s
+        stats.mask_s += times.mask_s
+        stats.verify_s += times.verify_s
+
+    def _release_finished(self) -> None:
+        """Drop drafter state of requests that finished (or were preempted) since last step."""
+        from espalier.engine.request import RequestStatus
+
+        gone = [
+            rid
+            for rid, r in self._live.items()
+            if r.status in (RequestStatus.FINISHED, RequestStatus.PREEMPTED)
+        ]
+        for rid in gone:
+            del self._live[rid]
+            self.decoder.release(rid)
+
+    def close(self) -> None:
+        for request_id in self._live:
+            self.decoder.release(request_id)
+        self._live.clear()
+        self.decoder.masks.close()
+
+
+def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter]) -> Engine:
+    """Make ``engine`` decode speculatively (replaces its plain strategy; returns it)."""
+    engine.strategy.close()
+    engine.strategy = SpeculativeDecoding(
+        engine.runner,
+        engine.pool,
+        config,
+        drafters,
+        mask_vocab_size=engine.tokenizer.vocab_size,
+    )
+    return engine

@@ -1,0 +1,173 @@
+"""How one planned step runs: the seam where plain, overlapped and speculative decoding plug in.
+
+A :class:`StepStrategy` turns a :class:`~espalier.engine.scheduler.StepPlan` into new tokens per
+sequence. It does not touch request state beyond timings: the engine appends the tokens, advances
+the grammar matchers, detokenizes and checks stop conditions. A speculative strategy returns
+several tokens per sequence (already verified against the grammar with per-node masks); the engine
+handles them the same way.
+
+:class:`PlainDecoding`: one forward, one token per sampling sequence. Grammar masks depend only on
+the tokens accepted so far, so they are filled on a CPU thread while the forward runs
+(``overlap=True``) and applied to the logits when both are done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from espalier.constrained import bitmask as bm
+from espalier.engine.api import TokenLogprob
+from espalier.engine.logits import compute_step_logits
+from espalier.engine.sampler import RowParams, Sampler
+
+if TYPE_CHECKING:
+    from espalier.engine.request import Request
+    from espalier.engine.runner import ModelRunner
+    from espalier.engine.scheduler import ScheduledSeq, StepPlan
+
+
+@dataclass
+class SeqOutcome:
+    """Tokens a step produced for one sequence (1 for plain decoding), logprobs aligned or [].
+
+    num_computed_tokens: cache entries of the sequence valid after the step, when a strategy
+    wrote more than the scheduler planned (a verified draft tree compacted into place); None =
+    as planned. The engine stores it on the request before appending ``token_ids``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int | None = None
+
+
+@dataclass
+class StepResult:
+    """``outcomes[i]`` belongs to ``plan.seqs[i]``; None where the step sampled nothing (a
+    prefill chunk that does not reach the end of the prompt)."""
+
+    outcomes: list[SeqOutcome | None]
+    forward_s: float = 0.0
+    mask_s: float = 0.0
+
+
+class StepStrategy(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+class PlainDecoding:
+    """One batched forward per step; masks for constrained sequences filled alongside it.
+
+    mask_vocab_size: vocabulary the bitmask rows cover (the tokenizer's model vocab V).
+    max_rows: most sequences one step samples from (the scheduler's ``max_num_seqs``).
+    sparse_head: compute only the allowed rows of the LM head for constrained sequences whose
+    mask is sparse (``engine/logits.py``); exact, and most of a small model's decode time.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        mask_vocab_size: int,
+        max_rows: int,
+        overlap: bool = True,
+        sparse_head: bool = True,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.runner = runner
+        self.sampler = sampler or Sampler()
+        self.mask_vocab_size = mask_vocab_size
+        self.sparse_head = sparse_head
+        on_cuda = runner.device.type == "cuda"
+        self._bitmask = bm.allocate(max_rows, mask_vocab_size, pin_memory=on_cuda)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="espalier-mask") if overlap else None
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        from espalier.engine.runner import SeqInput
+
+        sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
+        constrained_rows = [
+            row for row, i in enumerate(sampling) if plan.seqs[i].request.matcher is not None
+        ]
+        requests = [plan.seqs[sampling[row]].request for row in constrained_rows]
+        pending = None
+        if requests and self._pool is not None:
+            pending = self._pool.submit(self._fill_masks, requests, constrained_rows)
+        # Constrained rows may skip most of the LM head (engine/logits.py): ask for the final
+        # hidden states instead of logits then.
+        use_hidden = self.sparse_head and bool(constrained_rows)
+        logits_mode = "none" if use_hidden else "last"
+        inputs = [
+            SeqInput(
+                block_table=s.request.block_table,
+                token_ids=s.token_ids,
+                context_len=s.context_len,
+                logits=logits_mode if s.samples else "none",
+            )
+            for s in plan.seqs
+        ]
+        final_layer = self.runner.model_config.num_layers
+        t0 = time.perf_counter()
+        out = self.runner.forward(inputs, hidden_layers=(final_layer,) if use_hidden else ())
+        forward_s = time.perf_counter() - t0
+        if pending is not None:
+            mask_s = pending.result()
+        else:
+            mask_s = self._fill_masks(requests, constrained_rows) if requests else 0.0
+        outcomes: list[SeqOutcome | None] = [None] * len(plan.seqs)
+        if not sampling:
+            return StepResult(outcomes, forward_s, mask_s)
+        rows = self._bitmask[: len(sampling)]
+        logits, masked_rows = out.logits, constrained_rows
+        if use_hidden:
+            ends = list(itertools.accumulate(s.num_new_tokens for s in plan.seqs))
+            last = torch.tensor([ends[i] - 1 for i in sampling], device=self.runner.device)
+            hidden = out.hidden_states[final_layer].index_select(0, last)
+            step_logits = compute_step_logits(
+                self.runner.model, hidden, rows, constrained_rows, vocab_size=self.mask_vocab_size
+            )
+            logits, masked_rows = step_logits.logits, step_logits.masked_rows
+        params = [_row_params(plan.seqs[i]) for i in sampling]
+        sampled = self.sampler(logits, params, bitmask=rows, masked_rows=masked_rows)
+        for row, i in enumerate(sampling):
+            lp = sampled.logprobs[row]
+            outcomes[i] = SeqOutcome([sampled.token_ids[row]], [lp] if lp is not None else [])
+        return StepResult(outcomes, forward_s, mask_s)
+
+    def _fill_masks(self, requests: Sequence[Request], rows: Sequence[int]) -> float:
+        """Fill bitmask row ``rows[j]`` from ``requests[j]``'s matcher; per-request time kept."""
+        total = 0.0
+        for request, row in zip(requests, rows):
+            t0 = time.perf_counter()
+            assert request.matcher is not None
+            request.matcher.fill_bitmask(self._bitmask, row)
+            dt = time.perf_counter() - t0
+            request.timeline.mask_s += dt
+            total += dt
+        return total
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _row_params(seq: ScheduledSeq) -> RowParams:
+    p = seq.request.sampling
+    return RowParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        generator=seq.request.generator,
+        logprobs=p.logprobs,
+    )

@@ -1,0 +1,104 @@
+"""``espalier bench-tree DIR``: time tree masks on EAGLE-like trees grown from JSON schemas.
+
+Per tree size (``--nodes``), on the same trees: the seed's algorithm (a recursive Python DFS
+indexing torch tensors one element at a time, on xgrammar), xgrammar's native
+``traverse_draft_tree`` called directly, and espalier's ``fill_tree_bitmask`` per backend without a
+budget and with the default one (p50/p99/max ms, share of trees cut by the budget). Then batch
+scaling: ``--batch`` trees filled by ``TreeMaskBatch`` on 1..N threads. Oracle mismatches are
+counted on up to ``--oracle-trees`` trees per size and backend. Trees: ``constrained.tree_random``
+(topk 4; the first child follows a valid instance, the others mix grammar-valid, stop and random
+tokens), rooted at a random point of the instance. One JSON line per measurement; the last line is
+one JSON object keyed by tree size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench-tree",
+        help="benchmark grammar masks for draft trees",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dir", help="folder of JSONSchemaBench files (searched recursively)")
+    p.add_argument("--nodes", default="16,32,64", help="tree sizes, comma-separated")
+    p.add_argument("--batch", type=int, default=32, help="trees per batch for thread scaling")
+    p.add_argument("--backend", default="xgrammar,llguidance,outlines_core")
+    p.add_argument("--schemas", type=int, default=40, help="schemas to use at most")
+    p.add_argument("--trees", type=int, default=100, help="trees per size")
+    p.add_argument("--repeat", type=int, default=3, help="timed fills per tree (min kept)")
+    p.add_argument("--oracle-trees", type=int, default=20, help="trees per size checked by oracle")
+    p.add_argument("--budget", type=float, default=0.002, help="budget of the bounded run (s)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="max batch threads")
+    p.add_argument("--compile-timeout", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from espalier.server import bench_tree_impl as impl
+
+    sizes = [int(s) for s in args.nodes.split(",") if s]
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    summary = impl.run_benchmark(
+        Path(args.dir),
+        sizes=sizes,
+        backends=backends,
+        batch=args.batch,
+        max_schemas=args.schemas,
+        trees_per_size=args.trees,
+        repeat=args.repeat,
+        oracle_trees=args.oracle_trees,
+        budget=args.budget,
+        max_threads=args.threads,
+        compile_timeout=args.compile_timeout,
+        seed=args.seed,
+        emit=lambda record: print(json.dumps(record), flush=True),
+    )
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+_ABANDONED: list[threading.Thread] = []
+
+
+def compile_with_timeout(compile_fn: Any, timeout: float) -> Any:
+    """Run ``compile_fn()`` on a daemon thread; None on timeout or error.
+
+    A compile that times out keeps running: :func:`wait_abandoned` waits for those before any
+    timing starts, so they cannot steal the CPU (or the GIL) from the measurements.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = compile_fn()
+        except Exception as exc:  # a schema a backend refuses is skipped
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    thread.join(timeout)
+    box["seconds"] = time.perf_counter() - start
+    if thread.is_alive():
+        _ABANDONED.append(thread)
+        return None
+    return box.get("value")
+
+
+def wait_abandoned(limit: float) -> int:
+    """Join timed-out compiles for up to ``limit`` seconds; returns how many still run."""
+    end = time.perf_counter() + limit
+    for thread in _ABANDONED:
+        thread.join(max(end - time.perf_counter(), 0.0))
+    return sum(t.is_alive() for t in _ABANDONED)

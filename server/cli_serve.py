@@ -1,0 +1,107 @@
+"""``espalier serve``: the gRPC server on a model. The only place that reads serving flags/env."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+from espalier.server.config import MIB, ServerConfig
+
+AUTH_TOKEN_ENV = "ESPALIER_AUTH_TOKEN"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the gRPC server", description=__doc__)
+    p.add_argument("--model", default="default", help="default (Gemma 3 270M) | PATH | tiny-random")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's)")
+    p.add_argument("--draft-model", default=None, help="draft model PATH for speculation")
+    p.add_argument(
+        "--speculative", default=None, help="drafters to load: ngram,draft,forced (comma list)"
+    )
+    p.add_argument(
+        "--speculate-by-default",
+        choices=("on", "off"),
+        default="on",
+        help="with --speculative: whether requests that do not say speculate",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: best available)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests per batch")
+    p.add_argument("--kv-blocks", type=int, default=0, help="KV cache blocks (0 = from memory)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 = any free port (announced)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = free)")
+    p.add_argument(
+        "--auth-token", default=None, help=f"require this bearer token (or ${AUTH_TOKEN_ENV})"
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--max-concurrent", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--max-message-mb", type=float, default=16.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-grammar-bytes", type=int, default=MIB)
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-max-tokens", type=int, default=8192)
+    p.add_argument("--compile-timeout", type=float, default=30.0, help="seconds")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds")
+    p.add_argument("--no-reflection", action="store_true")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        max_concurrent_requests=args.max_concurrent,
+        max_queue=args.max_queue,
+        max_message_bytes=int(args.max_message_mb * MIB),
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_grammar_bytes=args.max_grammar_bytes,
+        default_max_tokens=args.default_max_tokens,
+        max_max_tokens=args.max_max_tokens,
+        compile_timeout_s=args.compile_timeout,
+        shutdown_grace_s=args.shutdown_grace,
+        auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        reflection=not args.no_reflection,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from espalier.server.app import serve
+    from espalier.server.loading import ModelOptions, make_loader
+    from espalier.server.state import ServingState
+
+    config = config_from_args(args)
+    problems = config.validate()
+    if problems:
+        raise SystemExit("espalier serve: " + "; ".join(problems))
+    options = ModelOptions(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        draft_model=args.draft_model,
+        speculative=tuple(m for m in (args.speculative or "").split(",") if m),
+        num_draft_tokens=args.num_draft_tokens,
+        speculate_by_default=args.speculate_by_default == "on",
+        device=args.device,
+        dtype=args.dtype,
+        compile_timeout_s=config.compile_timeout_s,
+        max_queue=config.max_queue,
+        max_num_seqs=args.max_num_seqs,
+        kv_blocks=args.kv_blocks,
+    )
+
+    async def main() -> None:
+        state = ServingState(config)
+        await serve(config, state, make_loader(options))
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,60 @@
+"""The server configuration: one frozen dataclass, built once by the CLI (the composition root)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the gRPC server needs; the engine and the model have their own configs.
+
+    Ports: 0 binds a free port (tests); ``metrics_port=None`` disables the Prometheus endpoint.
+    Limits: ``max_concurrent_requests`` generations run or wait in the engine at once (beyond it a
+    call is refused with RESOURCE_EXHAUSTED); ``max_queue`` bounds those still waiting for their
+    first token; ``max_message_bytes`` bounds every gRPC message in both directions.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    max_concurrent_requests: int = 256
+    max_queue: int = 1024
+    max_message_bytes: int = 16 * MIB
+    max_prompt_tokens: int = 8192
+    max_grammar_bytes: int = 1 * MIB
+    default_max_tokens: int = 256
+    max_max_tokens: int = 8192
+    compile_timeout_s: float = 30.0
+    shutdown_grace_s: float = 30.0
+    auth_token: str | None = None
+    tls_cert: str | None = None  # PEM file; TLS is on when both cert and key are set
+    tls_key: str | None = None
+    reflection: bool = True
+    unauthenticated_methods: tuple[str, ...] = field(
+        default=("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+    )
+
+    def validate(self) -> list[str]:
+        """Problems as messages; empty when the config is usable."""
+        problems: list[str] = []
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append("--tls-cert and --tls-key go together")
+        if self.max_concurrent_requests < 1:
+            problems.append("max_concurrent_requests must be >= 1")
+        if self.max_queue < 1:
+            problems.append("max_queue must be >= 1")
+        if self.max_message_bytes < 1024:
+            problems.append("max_message_bytes must be >= 1024")
+        if not 1 <= self.default_max_tokens <= self.max_max_tokens:
+            problems.append("default_max_tokens must be in [1, max_max_tokens]")
+        if self.auth_token is not None and not self.auth_token:
+            problems.append("the auth token must not be empty")
+        return problems
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None and self.tls_key is not None

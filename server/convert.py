@@ -1,0 +1,286 @@
+"""Proto messages ↔ engine dataclasses, validating every field on the way in.
+
+Validation collects all bad fields of a request into one :class:`InvalidRequestError` (a BadRequest
+with one field violation each); a malformed grammar raises the grammar layer's own typed error.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from espalier.constrained.base import CompileReport
+from espalier.constrained.errors import KeywordIssue
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import (
+    ConstraintOptions,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    SpeculativeOptions,
+)
+from espalier.server.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    Violation,
+    grammar_field,
+)
+from espalier.v1 import espalier_pb2 as pb
+
+SPECULATIVE_METHODS = frozenset({"ngram", "draft", "eagle", "forced"})
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server limits a request is checked against (from ServerConfig and the model)."""
+
+    vocab_size: int
+    max_prompt_tokens: int
+    max_grammar_bytes: int
+    default_max_tokens: int
+    max_max_tokens: int
+
+
+def constraint_to_spec(
+    constraint: pb.Constraint, max_grammar_bytes: int
+) -> tuple[GrammarSpec | None, ConstraintOptions]:
+    """The grammar (None when unset); raises InvalidRequestError or the grammar errors."""
+    options = ConstraintOptions(
+        backend=constraint.backend or "auto", allow_weakening=constraint.allow_weakening
+    )
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        return None, options
+    if kind == "any_json":
+        return GrammarSpec.any_json(), options
+    if kind == "choice":
+        options_list = list(constraint.choice.options)
+        size = sum(len(o.encode("utf-8")) for o in options_list)
+    else:
+        text: str = getattr(constraint, kind)
+        size = len(text.encode("utf-8"))
+    if size > max_grammar_bytes:
+        raise InvalidRequestError(
+            f"the {kind} constraint is {size} bytes, over the limit of {max_grammar_bytes}",
+            violations=[
+                Violation(grammar_field(kind), f"over {max_grammar_bytes} bytes", "TOO_LARGE")
+            ],
+            metadata={"limit_bytes": str(max_grammar_bytes), "size_bytes": str(size)},
+        )
+    if kind == "json_schema":
+        return GrammarSpec.json_schema(text, max_grammar_bytes), options
+    if kind == "regex":
+        return GrammarSpec.regex(text, max_grammar_bytes), options
+    if kind == "ebnf":
+        return GrammarSpec.ebnf(text, max_grammar_bytes), options
+    if kind == "lark":
+        return GrammarSpec.lark(text, max_grammar_bytes), options
+    return GrammarSpec.choice(options_list), options
+
+
+def _sampling(
+    msg: pb.SamplingParams, limits: RequestLimits, bad: list[Violation]
+) -> SamplingParams:
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.default_max_tokens
+    params = SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=max_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+    )
+    bad.extend(Violation(f"sampling.{name}", text) for name, text in params.validate())
+    if max_tokens > limits.max_max_tokens:
+        bad.append(Violation("sampling.max_tokens", f"must be <= {limits.max_max_tokens}"))
+    if params.seed is not None and params.seed < 0:
+        bad.append(Violation("sampling.seed", "must be >= 0"))
+    if len(params.stop) > MAX_STOP_STRINGS:
+        bad.append(Violation("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+    for i, stop in enumerate(params.stop):
+        if not stop:
+            bad.append(Violation(f"sampling.stop[{i}]", "must not be empty"))
+    for i, token in enumerate(params.stop_token_ids):
+        if token >= limits.vocab_size:
+            bad.append(Violation(f"sampling.stop_token_ids[{i}]", "outside the vocabulary"))
+    return params
+
+
+def _speculative(msg: pb.SpeculativeOptions, bad: list[Violation]) -> SpeculativeOptions:
+    for i, method in enumerate(msg.methods):
+        if method not in SPECULATIVE_METHODS:
+            known = ", ".join(sorted(SPECULATIVE_METHODS))
+            bad.append(Violation(f"speculative.methods[{i}]", f"unknown method; one of {known}"))
+    num = msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None
+    if num is not None and not 1 <= num <= 1024:
+        bad.append(Violation("speculative.num_draft_tokens", "must be in [1, 1024]"))
+    return SpeculativeOptions(
+        enabled=msg.enabled if msg.HasField("enabled") else None,
+        methods=tuple(msg.methods),
+        num_draft_tokens=num,
+    )
+
+
+def _prompt(
+    msg: pb.GenerateRequest, limits: RequestLimits, count_tokens: object, bad: list[Violation]
+) -> tuple[str | None, tuple[int, ...] | None]:
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        bad.append(Violation("prompt", "set text or token_ids"))
+        return None, None
+    if which == "token_ids":
+        ids = tuple(msg.token_ids.ids)
+        if not ids:
+            bad.append(Violation("token_ids.ids", "must not be empty"))
+        for i, token in enumerate(ids):
+            if token >= limits.vocab_size:
+                bad.append(Violation(f"token_ids.ids[{i}]", f"{token} is outside the vocabulary"))
+                break
+        n_tokens = len(ids)
+        text = None
+    else:
+        text, ids = msg.text, None
+        n_tokens = count_tokens(text) if callable(count_tokens) else 0
+    if n_tokens > limits.max_prompt_tokens:
+        raise PromptTooLongError(
+            f"the prompt has {n_tokens} tokens, over the limit of {limits.max_prompt_tokens}",
+            violations=[Violation(which, f"over {limits.max_prompt_tokens} tokens", "TOO_LONG")],
+            metadata={"limit_tokens": str(limits.max_prompt_tokens), "tokens": str(n_tokens)},
+        )
+    return text, ids
+
+
+def request_from_proto(
+    msg: pb.GenerateRequest, limits: RequestLimits, count_tokens: object = None
+) -> GenerationRequest:
+    """Validate and convert; ``count_tokens(text) -> int`` measures text prompts."""
+    bad: list[Violation] = []
+    request_id = msg.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        bad.append(Violation("request_id", f"at most {MAX_REQUEST_ID_CHARS} printable characters"))
+    sampling = _sampling(msg.sampling, limits, bad)
+    speculative = _speculative(msg.speculative, bad)
+    text, ids = _prompt(msg, limits, count_tokens, bad)
+    if bad:
+        fields = ", ".join(v.field for v in bad)
+        raise InvalidRequestError(f"invalid request fields: {fields}", violations=bad)
+    grammar, options = constraint_to_spec(msg.constraint, limits.max_grammar_bytes)
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=text,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        grammar=grammar,
+        constraint=options,
+        speculative=speculative,
+    )
+
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.GRAMMAR: pb.FINISH_REASON_GRAMMAR,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def keyword_issue_to_proto(issue: KeywordIssue | str) -> pb.KeywordIssue:
+    if isinstance(issue, str):
+        return pb.KeywordIssue(keyword=issue, support="weakened")
+    return pb.KeywordIssue(
+        keyword=issue.keyword, pointer=issue.pointer, support=issue.support, backend=issue.backend
+    )
+
+
+def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
+    """One streamed chunk; final fields only on the last one."""
+    msg = pb.GenerateResponse(
+        request_id=out.request_id, text=out.text_delta, token_ids=list(out.token_ids)
+    )
+    for lp in out.logprobs:
+        msg.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+        )
+    if not out.finished:
+        return msg
+    msg.finished = True
+    if out.finish_reason is not None:
+        msg.finish_reason = _FINISH[out.finish_reason]
+    msg.backend = out.backend
+    msg.weakened.extend(keyword_issue_to_proto(w) for w in out.weakened)
+    if out.usage is not None:
+        u = out.usage
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+            )
+        )
+    if out.timings is not None:
+        t = out.timings
+        msg.timings.CopyFrom(
+            pb.Timings(
+                queue_seconds=t.queue_s,
+                compile_seconds=t.compile_s,
+                prefill_seconds=t.prefill_s,
+                decode_seconds=t.decode_s,
+                mask_seconds=t.mask_s,
+                first_token_seconds=t.first_token_s,
+                total_seconds=t.total_s,
+            )
+        )
+    if out.speculative is not None:
+        s = out.speculative
+        msg.speculative.CopyFrom(
+            pb.SpeculativeStats(
+                steps=s.steps,
+                draft_tokens=s.draft_tokens,
+                accepted_tokens=s.accepted_tokens,
+                forced_tokens=s.forced_tokens,
+                mean_accept_length=s.mean_accept_length,
+                draft_seconds=s.draft_s,
+                mask_seconds=s.mask_s,
+                verify_seconds=s.verify_s,
+            )
+        )
+    if out.validation is not None:
+        v = out.validation
+        msg.validation.CopyFrom(
+            pb.ValidationResult(checked=v.checked, valid=v.valid, errors=list(v.errors))
+        )
+    return msg
+
+
+def merge_unary(chunks: list[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """Fold streamed chunks into one response: whole text and token ids, the last chunk's finals."""
+    merged = pb.GenerateResponse()
+    merged.CopyFrom(chunks[-1])
+    merged.text = "".join(c.text for c in chunks)
+    del merged.token_ids[:]
+    merged.token_ids.extend(t for c in chunks for t in c.token_ids)
+    del merged.logprobs[:]
+    merged.logprobs.extend(lp for c in chunks for lp in c.logprobs)
+    return merged
+
+
+def compile_report_to_proto(report: CompileReport) -> pb.CompileGrammarResponse:
+    return pb.CompileGrammarResponse(
+        backend=report.backend,
+        weakened=[keyword_issue_to_proto(w) for w in report.weakened],
+        compile_seconds=report.compile_seconds,
+        cache_hit=report.cache_hit,
+        cache_key=report.cache_key,
+        notes=list(report.notes),
+    )

@@ -1,0 +1,40 @@
+"""What the servicer needs from the engine: a small Protocol over ``engine/async_engine.py``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from espalier.engine.api import GenerationRequest, RequestOutput
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """The async engine as the server drives it (``espalier.engine.async_engine.AsyncEngine``)."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one has ``finished=True``."""
+        ...
+
+    def abort(self, request_id: str) -> Any:
+        """Stop the request and free its KV blocks (may return an awaitable)."""
+        ...
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters and gauges (running, waiting, free KV blocks, ...)."""
+        ...
+
+    def shutdown(self, drain: bool = True) -> Any:
+        """Stop the engine, after finishing in-flight requests when ``drain`` (may be awaitable)."""
+        ...
+
+
+@functools.cache
+def queue_full_errors() -> tuple[type[BaseException], ...]:
+    """The engine's queue-full exception types (empty before the engine module exists)."""
+    try:
+        from espalier.engine.async_engine import QueueFullError
+    except ImportError:
+        return ()
+    return (QueueFullError,)

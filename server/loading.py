@@ -1,0 +1,210 @@
+"""Load the tokenizer, the grammar service and the engine for ``espalier serve``.
+
+The tokenizer comes first (Tokenize and CompileGrammar work while the model loads); the engine
+last, after a warm-up generation, when health turns SERVING.
+
+``--model`` takes ``default`` (the embedded Gemma 3 270M GGUF), a ``.gguf`` file, an HF directory,
+or ``tiny-random`` (a 2-layer random-weight llama over the default Gemma tokenizer: for tests and
+load benchmarks, where the model's quality does not matter but the tokenizer's size does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from espalier.server.engine_port import ServingEngine
+from espalier.server.state import Compiler, ModelFacts, ServingState, announce
+
+if TYPE_CHECKING:
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.constraints import GrammarService
+
+TINY_RANDOM = "tiny-random"
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model: str = "default"
+    tokenizer: str | None = None
+    draft_model: str | None = None
+    speculative: tuple[str, ...] = ()
+    num_draft_tokens: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    speculate_by_default: bool = True
+    compile_timeout_s: float = 30.0
+    max_queue: int = 1024
+    max_num_seqs: int = 64
+    kv_blocks: int = 0  # 0 = sized from memory
+    seed: int = 0  # weights of tiny-random
+
+
+def load_tokenizer(options: ModelOptions) -> TokenizerInfo:
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+    if options.tokenizer is not None:
+        return TokenizerInfo.from_pretrained(options.tokenizer)
+    if options.model in ("default", TINY_RANDOM):
+        return TokenizerInfo.default()
+    if options.model.endswith(".gguf"):
+        return TokenizerInfo.from_gguf(options.model)
+    return TokenizerInfo.from_pretrained(options.model)
+
+
+def make_compiler(grammar: GrammarService, timeout_s: float) -> Compiler:
+    """CompileGrammar through the engine's grammar service (one compile cache for both)."""
+    from espalier.constrained.errors import CompileTimeoutError
+
+    def compile_one(spec: Any, options: Any) -> Any:
+        future = grammar.submit(spec, options)
+        try:
+            _compiled, report = future.result(timeout=timeout_s + 1.0)
+        except FutureTimeout:
+            future.cancel()
+            raise CompileTimeoutError(timeout_s) from None
+        return report
+
+    return compile_one
+
+
+def _runner(options: ModelOptions, tokenizer: TokenizerInfo) -> Any:
+    import torch
+
+    from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
+    from espalier.engine.runner import ModelRunner
+
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cache = CacheConfig(block_size=16, num_blocks=options.kv_blocks)
+    config = RunnerConfig(device=device, dtype=options.dtype or "auto", cache=cache)
+    if options.model != TINY_RANDOM:
+        return ModelRunner.from_pretrained(options.model, config)
+    from espalier.engine.models.llama import LlamaForCausalLM
+
+    model_config = ModelConfig(
+        model_type="llama",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        eos_token_ids=tokenizer.stop_token_ids,
+    )
+    torch.manual_seed(options.seed)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(model_config, qkv_bias=False, o_bias=False)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] *= 4.0  # sharper logits: fewer greedy near-ties
+    if options.kv_blocks == 0:
+        config = RunnerConfig(device=device, dtype=config.dtype, cache=CacheConfig(16, 4096))
+    return ModelRunner(model_config, state, config)
+
+
+def load_engine(
+    options: ModelOptions, tokenizer: TokenizerInfo, grammar: GrammarService
+) -> tuple[Any, ModelFacts]:
+    """Build the engine (blocking; run it on a thread). Returns (Engine, facts)."""
+    from espalier.constrained.backends import BACKENDS
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.engine import Engine, EngineConfig
+    from espalier.engine.scheduler import SchedulerConfig
+
+    runner = _runner(options, tokenizer)
+    if tokenizer.vocab_size != max(runner.vocab_size, tokenizer.tokenizer_vocab_size):
+        # The model pads its vocabulary: masks need its width, so a grammar service of its own.
+        tokenizer = TokenizerInfo(tokenizer.hf, vocab_size=runner.vocab_size, name=tokenizer.name)
+        grammar = type(grammar)(tokenizer, compile_timeout_s=options.compile_timeout_s)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=options.max_num_seqs),
+        compile_timeout_s=options.compile_timeout_s,
+    )
+    engine = Engine(config, runner, tokenizer, grammar=grammar)
+    if options.speculative:
+        install_speculation(engine, options, runner.config)
+    facts = ModelFacts(
+        model=options.model,
+        vocab_size=runner.vocab_size,
+        max_context_tokens=engine.max_model_len,
+        device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        grammar_backends=tuple(BACKENDS),
+        speculative_methods=options.speculative,
+    )
+    return engine, facts
+
+
+def install_speculation(engine: Any, options: ModelOptions, runner_config: Any) -> None:
+    """Load the drafters named in ``options.speculative`` and make the engine speculate.
+
+    Requests speculate by default when ``options.speculate_by_default``; each may opt in or out
+    (``SpeculativeOptions``) and pick among the loaded methods.
+    """
+    from espalier.engine.spec.strategy import SpecConfig, install
+
+    drafters: dict[str, Any] = {}
+    for method in options.speculative:
+        if method == "ngram":
+            from espalier.engine.spec.ngram import NgramDrafter
+
+            drafters["ngram"] = NgramDrafter()
+        elif method == "draft":
+            if options.draft_model is None:
+                raise ValueError("--speculative draft needs --draft-model PATH")
+            from espalier.engine.runner import ModelRunner
+            from espalier.engine.spec.draft_model import DraftModelDrafter
+
+            drafters["draft"] = DraftModelDrafter(
+                ModelRunner.from_pretrained(options.draft_model, runner_config)
+            )
+        elif method != "forced":
+            raise ValueError(f"unknown speculative method {method!r} (ngram, draft, forced)")
+    config = SpecConfig(
+        enabled=options.speculate_by_default,
+        methods=options.speculative,
+        num_draft_tokens=options.num_draft_tokens or SpecConfig.num_draft_tokens,
+    )
+    install(engine, config, drafters)
+
+
+async def warm_up(engine: ServingEngine) -> None:
+    """One short generation through the whole path before health turns SERVING."""
+    from espalier.engine.api import GenerationRequest, SamplingParams
+
+    request = GenerationRequest(
+        request_id=f"warmup-{uuid.uuid4().hex}",
+        prompt="Hello",
+        sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+    )
+    async for _ in engine.generate(request):
+        pass
+
+
+def make_loader(
+    options: ModelOptions,
+) -> Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]:
+    async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
+        from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
+        from espalier.engine.constraints import GrammarService
+
+        tokenizer = await asyncio.to_thread(load_tokenizer, options)
+        grammar = GrammarService(tokenizer, compile_timeout_s=options.compile_timeout_s)
+        state.tokenizer = tokenizer
+        state.compiler = make_compiler(grammar, options.compile_timeout_s)
+        state.metrics.bind_compile_cache(lambda: grammar.cache.stats)
+        announce(event="tokenizer_loaded", tokenizer=tokenizer.name)
+        engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar)
+        state.tokenizer = engine.tokenizer
+        state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
+        state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
+        async_engine = AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue))
+        await warm_up(async_engine)
+        return async_engine, facts
+
+    return load

@@ -1,0 +1,140 @@
+"""Prometheus metrics of one server, in their own registry (several servers may share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
+
+
+def _queue_depth(stats: Mapping[str, Any]) -> float:
+    return float(stats.get("waiting", 0)) + float(stats.get("compiling", 0))
+
+
+def _blocks_used(stats: Mapping[str, Any]) -> float:
+    return float(stats.get("total_blocks", 0)) - float(stats.get("free_blocks", 0))
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms the servicer updates; ``engine_stats`` feeds the gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "espalier_requests", "RPCs by method and status code", ["method", "code"], registry=r
+        )
+        self.prompt_tokens = Counter("espalier_prompt_tokens", "Prompt tokens", registry=r)
+        self.generated_tokens = Counter("espalier_generated_tokens", "Emitted tokens", registry=r)
+        self.ttft = Histogram(
+            "espalier_time_to_first_token_seconds",
+            "Arrival to first emitted token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "espalier_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "espalier_request_duration_seconds",
+            "Generation RPC duration",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compile_time = Histogram(
+            "espalier_grammar_compile_seconds",
+            "Grammar compile time (cache misses)",
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.mask_time = Histogram(
+            "espalier_tree_mask_seconds",
+            "Per-request time building grammar (tree) masks",
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.accept_length = Histogram(
+            "espalier_speculative_accept_length",
+            "Mean accepted tokens per speculative step, per request",
+            buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 16),
+            registry=r,
+        )
+        self.active = Gauge("espalier_active_requests", "Generations in flight", registry=r)
+        self.aborted = Counter(
+            "espalier_aborted_requests", "Generations aborted (cancel, deadline)", registry=r
+        )
+        self._engine_stats: Callable[[], Mapping[str, Any]] | None = None
+        self._cache_collector: _CompileCacheCollector | None = None
+        gauges = {
+            "queue_depth": ("Requests waiting in the engine (compiling included)", _queue_depth),
+            "running": ("Requests running in the engine", lambda st: st.get("running", 0)),
+            "kv_blocks_used": ("KV cache blocks in use", _blocks_used),
+            "kv_blocks_free": ("KV cache blocks free", lambda st: st.get("free_blocks", 0)),
+        }
+        for name, (doc, read) in gauges.items():
+            gauge = Gauge(f"espalier_engine_{name}", doc, registry=r)
+            gauge.set_function(self._stat_reader(read))
+
+    def _stat_reader(self, read: Callable[[Mapping[str, Any]], float]) -> Callable[[], float]:
+        def value() -> float:
+            source = self._engine_stats
+            if source is None:
+                return 0.0
+            try:
+                return float(read(source()))
+            except Exception:  # a metrics scrape must never fail on engine state
+                return float("nan")
+
+        return value
+
+    def bind_engine(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._engine_stats = stats
+
+    def bind_compile_cache(self, stats: Callable[[], Any]) -> None:
+        """Export the compile cache counters (``constrained.cache.CacheStats``), read at scrape."""
+        if self._cache_collector is None:
+            self._cache_collector = _CompileCacheCollector(stats)
+            self.registry.register(self._cache_collector)
+        else:
+            self._cache_collector.stats = stats
+
+    def serve_http(self, host: str, port: int) -> tuple[Any, int]:
+        """Start the /metrics HTTP endpoint on a daemon thread; returns (server, bound port)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, int(server.server_port)
+
+
+class _CompileCacheCollector(Collector):
+    """Lookups by result (hit, miss, negative hit, joined in flight), timeouts, entries, bytes."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        lookups = CounterMetricFamily(
+            "espalier_grammar_cache_lookups", "Compile cache lookups by result", labels=["result"]
+        )
+        for result, value in (
+            ("hit", s.hits),
+            ("miss", s.misses),
+            ("negative_hit", s.negative_hits),
+            ("joined_in_flight", s.joined_in_flight),
+        ):
+            lookups.add_metric([result], value)
+        yield lookups
+        yield CounterMetricFamily(
+            "espalier_grammar_compile_timeouts", "Compiles over the time limit", value=s.timeouts
+        )
+        yield GaugeMetricFamily("espalier_grammar_cache_entries", "Cached grammars", s.entries)
+        yield GaugeMetricFamily("espalier_grammar_cache_bytes", "Cached grammar bytes", s.bytes)

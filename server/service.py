@@ -1,0 +1,234 @@
+"""The ``espalier.v1.Espalier`` servicer (grpc.aio) over the async engine.
+
+A client cancel, a disconnect or an expired deadline cancels the handler task; the ``finally``
+below then aborts the engine request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from espalier.engine.api import FinishReason, RequestOutput
+from espalier.server import convert
+from espalier.server.engine_port import ServingEngine
+from espalier.server.errors import InvalidRequestError, RequestFailedError, to_grpc_status
+from espalier.server.state import ServingState
+from espalier.v1 import espalier_pb2 as pb
+from espalier.v1 import espalier_pb2_grpc as pb_grpc
+
+
+async def _maybe_await(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+@dataclass
+class _Progress:
+    """How far one generation RPC got."""
+
+    start: float
+    request_id: str = ""
+    admitted: bool = False  # counted against the concurrency limit
+    received: bool = False  # the engine produced output: it accepted the request
+    finished: bool = False
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+class EspalierServicer(pb_grpc.EspalierServicer):
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    # -- generation -------------------------------------------------------------------------
+
+    def _limits(self) -> convert.RequestLimits:
+        cfg = self.state.config
+        tokenizer = self.state.tokenizer
+        vocab = self.state.facts.vocab_size or (tokenizer.vocab_size if tokenizer else 1 << 31)
+        return convert.RequestLimits(
+            vocab_size=vocab,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_grammar_bytes=cfg.max_grammar_bytes,
+            default_max_tokens=cfg.default_max_tokens,
+            max_max_tokens=cfg.max_max_tokens,
+        )
+
+    def _count_tokens(self, text: str) -> int:
+        tokenizer = self.state.tokenizer
+        if tokenizer is None:
+            return 0
+        # Every token holds at least one byte: short prompts need no tokenizing to pass the limit.
+        n_bytes = len(text.encode("utf-8"))
+        if n_bytes <= self.state.config.max_prompt_tokens:
+            return n_bytes
+        return len(tokenizer.encode(text))
+
+    async def _run(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        state, metrics = self.state, self.state.metrics
+        progress = _Progress(time.monotonic())
+        code = "OK"
+        engine: ServingEngine | None = None
+        stream: AsyncIterator[RequestOutput] | None = None
+        try:
+            gen_request = convert.request_from_proto(request, self._limits(), self._count_tokens)
+            engine = state.require_engine()
+            progress.request_id = gen_request.request_id
+            state.admit()
+            progress.admitted = True
+            stream = engine.generate(gen_request)
+            async for out in stream:
+                self._observe_chunk(out, progress)
+                yield convert.output_to_proto(out)
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception as exc:
+            status = to_grpc_status(exc)
+            code = status.code.name
+            await context.abort_with_status(status)
+        finally:
+            await self._release(engine, stream, progress)
+            metrics.requests.labels(method, code).inc()
+            metrics.latency.observe(time.monotonic() - progress.start)
+
+    def _observe_chunk(self, out: RequestOutput, progress: _Progress) -> None:
+        """Account one engine output; raises on a failed last chunk (typed when possible)."""
+        progress.received = True
+        now = time.monotonic()
+        if out.token_ids:
+            if progress.first_at is None:
+                progress.first_at = now
+                self.state.first_token()
+                self.state.metrics.ttft.observe(now - progress.start)
+            progress.last_at = now
+        if not out.finished:
+            return
+        progress.finished = True
+        self._observe_final(out, progress.first_at or now, progress.last_at or now)
+        if out.finish_reason is FinishReason.ERROR:
+            if isinstance(out.exception, Exception):
+                raise out.exception  # typed (grammar errors): mapped to a status by the caller
+            raise RequestFailedError(out.error or "generation failed")
+
+    async def _release(
+        self,
+        engine: ServingEngine | None,
+        stream: AsyncIterator[RequestOutput] | None,
+        progress: _Progress,
+    ) -> None:
+        """Close the engine stream; abort a request cut short (cancel, deadline, error)."""
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()  # the engine aborts an unfinished request when its stream closes
+        if not progress.admitted:
+            return
+        if progress.received and not progress.finished and engine is not None:
+            # Only a request the engine accepted (it produced output) is ours to abort: a refused
+            # one may share its id with another caller's request in flight.
+            self.state.metrics.aborted.inc()
+            await _maybe_await(engine.abort(progress.request_id))
+        self.state.release(progress.first_at is not None)
+
+    def _observe_final(self, out: RequestOutput, first_at: float, last_at: float) -> None:
+        metrics = self.state.metrics
+        if out.usage is not None:
+            metrics.prompt_tokens.inc(out.usage.prompt_tokens)
+            metrics.generated_tokens.inc(out.usage.completion_tokens)
+            if out.usage.completion_tokens > 1:
+                metrics.tpot.observe((last_at - first_at) / (out.usage.completion_tokens - 1))
+        if out.timings is not None:
+            if out.timings.compile_s > 0:
+                metrics.compile_time.observe(out.timings.compile_s)
+            if out.backend:
+                metrics.mask_time.observe(out.timings.mask_s)
+        if out.speculative is not None and out.speculative.steps:
+            metrics.accept_length.observe(out.speculative.mean_accept_length)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async for chunk in self._run(request, context, "Generate"):
+            yield chunk
+
+    async def GenerateUnary(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        chunks = [chunk async for chunk in self._run(request, context, "GenerateUnary")]
+        return convert.merge_unary(chunks)
+
+    # -- grammar, tokenizer, model ---------------------------------------------------------
+
+    async def CompileGrammar(
+        self, request: pb.CompileGrammarRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompileGrammarResponse:
+        metrics = self.state.metrics
+        try:
+            spec, options = convert.constraint_to_spec(
+                request.constraint, self.state.config.max_grammar_bytes
+            )
+            if spec is None:
+                raise InvalidRequestError(
+                    "set one constraint kind",
+                    violations=[convert.Violation("constraint", "no constraint kind is set")],
+                )
+            compiler = self.state.compiler
+            if compiler is None:
+                self.state.require_tokenizer()
+                raise RequestFailedError("no grammar compiler is configured")
+            # The compiler applies the time limit itself (CompileTimeoutError).
+            report = await asyncio.to_thread(compiler, spec, options)
+        except Exception as exc:
+            status = to_grpc_status(exc)
+            metrics.requests.labels("CompileGrammar", status.code.name).inc()
+            await context.abort_with_status(status)
+            raise  # unreachable: abort_with_status raises
+        if not report.cache_hit:
+            metrics.compile_time.observe(report.compile_seconds)
+        metrics.requests.labels("CompileGrammar", "OK").inc()
+        return convert.compile_report_to_proto(report)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            tokenizer = self.state.require_tokenizer()
+        except Exception as exc:
+            await context.abort_with_status(to_grpc_status(exc))
+            raise
+        ids: list[int] = tokenizer.hf.encode(
+            request.text, add_special_tokens=request.add_special_tokens
+        )
+        tokens = [tokenizer.decode([i]) for i in ids]
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        cfg, facts, tokenizer = self.state.config, self.state.facts, self.state.tokenizer
+        return pb.ModelInfo(
+            model=facts.model,
+            tokenizer=tokenizer.name if tokenizer else "",
+            vocab_size=facts.vocab_size or (tokenizer.vocab_size if tokenizer else 0),
+            tokenizer_vocab_size=tokenizer.tokenizer_vocab_size if tokenizer else 0,
+            max_context_tokens=facts.max_context_tokens,
+            stop_token_ids=list(tokenizer.stop_token_ids) if tokenizer else [],
+            grammar_backends=list(facts.grammar_backends),
+            speculative_methods=list(facts.speculative_methods),
+            device=facts.device,
+            dtype=facts.dtype,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_grammar_bytes=cfg.max_grammar_bytes,
+            default_max_tokens=cfg.default_max_tokens,
+            ready=self.state.engine is not None and not self.state.draining,
+        )

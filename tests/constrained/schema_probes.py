@@ -1,0 +1,212 @@
+"""Probe schemas for the backend keyword claims: (keyword, schema, valid instances, invalid ones).
+
+Each probe isolates one keyword in one context. ``test_schema_features.py`` compiles the schema
+on the real backend and checks that the claim of ``schema_features.PROFILES`` holds: "exact"
+means every valid instance is accepted and every invalid one rejected; "weakened"/"ignored"
+means the backend refuses the schema or lets an invalid instance through. ``cautious=True``
+marks probes where the table says not-exact out of caution, without a known counterexample
+(the weakness is then not asserted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    keyword: str
+    schema: dict[str, Any]
+    valid: tuple[Any, ...]
+    invalid: tuple[Any, ...]
+    cautious: bool = False
+
+
+def _p(
+    name: str,
+    keyword: str,
+    schema: dict[str, Any],
+    valid: list[Any],
+    invalid: list[Any],
+    cautious: bool = False,
+) -> Probe:
+    return Probe(name, keyword, schema, tuple(valid), tuple(invalid), cautious)
+
+
+OBJ_A = {"type": "object", "properties": {"a": {"type": "integer"}}}
+PROBES: tuple[Probe, ...] = (
+    _p("type", "type", {"type": "integer"}, [1, -3], [1.5, "a", None]),
+    _p("type-list", "type", {"type": ["string", "null"]}, ["a", None], [1, True]),
+    _p("enum", "enum", {"enum": [1, "a", None]}, [1, "a", None], [2, "b", [1]]),
+    _p("const", "const", {"const": 5}, [5], [6, "5"]),
+    _p("multipleOf-int", "multipleOf", {"type": "integer", "multipleOf": 3}, [9, 0], [10]),
+    _p("multipleOf-num", "multipleOf", {"type": "number", "multipleOf": 0.5}, [1.5], [1.2]),
+    _p("minimum", "minimum", {"type": "integer", "minimum": 3}, [3, 10], [2, -5]),
+    _p("maximum", "maximum", {"type": "number", "maximum": 1.5}, [1.5, 1], [1.6, 30]),
+    _p(
+        "exclusiveMinimum",
+        "exclusiveMinimum",
+        {"type": "number", "exclusiveMinimum": 1},
+        [1.1, 2],
+        [1, 0.5],
+    ),
+    _p(
+        "exclusiveMaximum",
+        "exclusiveMaximum",
+        {"type": "integer", "exclusiveMaximum": 5},
+        [4],
+        [5, 6],
+    ),
+    _p("minimum-untyped", "minimum", {"minimum": 3}, [3, "a"], [2]),
+    _p("minLength", "minLength", {"type": "string", "minLength": 2}, ["ab", "abc"], ["a", ""]),
+    _p("maxLength", "maxLength", {"type": "string", "maxLength": 2}, ["ab", ""], ["abc"]),
+    _p("minLength-untyped", "minLength", {"minLength": 2}, ["ab", 1], ["a"]),
+    _p("pattern", "pattern", {"type": "string", "pattern": "^a+$"}, ["aa"], ["ab", "b"]),
+    _p("pattern-untyped", "pattern", {"pattern": "^a+$"}, ["aa", 1], ["b"]),
+    _p(
+        "pattern+minLength",
+        "minLength",
+        {"type": "string", "pattern": "^a+$", "minLength": 3},
+        ["aaa"],
+        ["aa"],
+    ),
+    _p("format-email", "format", {"type": "string", "format": "email"}, ["a@b.com"], ["ab.com"]),
+    _p(
+        "format-uuid",
+        "format",
+        {"type": "string", "format": "uuid"},
+        ["2eb8aa08-aa98-11ea-b4aa-73b441d16380"],
+        ["2eb8aa08"],
+    ),
+    _p("format-ipv4", "format", {"type": "string", "format": "ipv4"}, ["1.2.3.4"], ["1.2.3"]),
+    _p(
+        "format-date",
+        "format",
+        {"type": "string", "format": "date"},
+        ["2020-02-29"],
+        ["2021-02-29"],
+    ),
+    _p(
+        "format+minLength",
+        "minLength",
+        {"type": "string", "format": "email", "minLength": 9},
+        ["abc@d.com"],
+        ["a@b.com"],
+    ),
+    _p("minItems", "minItems", {"type": "array", "minItems": 2}, [[1, 2]], [[1], []]),
+    _p("maxItems", "maxItems", {"type": "array", "maxItems": 1}, [[1], []], [[1, 2]]),
+    _p("uniqueItems", "uniqueItems", {"type": "array", "uniqueItems": True}, [[1, 2]], [[1, 1]]),
+    _p("contains", "contains", {"type": "array", "contains": {"const": 1}}, [[2, 1]], [[2], []]),
+    _p("items", "items", {"type": "array", "items": {"type": "integer"}}, [[1, 2], []], [[1, "a"]]),
+    _p(
+        "prefixItems",
+        "prefixItems",
+        {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]},
+        [[1, "a"], [1, "a", 3]],
+        [["a"], [1, 2]],
+    ),
+    _p("required", "required", {**OBJ_A, "required": ["a"]}, [{"a": 1}], [{}, {"b": 1}]),
+    _p("required-untyped", "required", {"required": ["a"]}, [{"a": 1}, 5], [{}]),
+    _p("properties", "properties", OBJ_A, [{"a": 1}, {}], [{"a": "x"}]),
+    _p(
+        "additionalProperties",
+        "additionalProperties",
+        {**OBJ_A, "additionalProperties": False},
+        [{"a": 1}, {}],
+        [{"b": 1}],
+    ),
+    _p(
+        "patternProperties",
+        "patternProperties",
+        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}},
+        [{"x1": 1}],
+        [{"x1": "s"}],
+        cautious=True,  # xgrammar enforces it alone, but not next to "properties" (below)
+    ),
+    _p(  # xgrammar: with patternProperties next to it, "properties" values go unchecked
+        "patternProperties+properties",
+        "patternProperties",
+        {**OBJ_A, "patternProperties": {"^_": {}}},
+        [{"a": 1}, {"_x": 2}],
+        [{"a": "x"}],
+    ),
+    _p(
+        "propertyNames",
+        "propertyNames",
+        {"type": "object", "propertyNames": {"maxLength": 2}},
+        [{"ab": 1}],
+        [{"abc": 1}],
+    ),
+    _p("minProperties", "minProperties", {"type": "object", "minProperties": 1}, [{"a": 1}], [{}]),
+    _p(
+        "maxProperties",
+        "maxProperties",
+        {"type": "object", "maxProperties": 1},
+        [{"a": 1}, {}],
+        [{"a": 1, "b": 2}],
+    ),
+    _p(
+        "dependentRequired",
+        "dependentRequired",
+        {"type": "object", "dependentRequired": {"a": ["b"]}},
+        [{"a": 1, "b": 2}, {}],
+        [{"a": 1}],
+    ),
+    _p(
+        "dependentSchemas",
+        "dependentSchemas",
+        {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}},
+        [{"a": 1, "b": 2}, {}],
+        [{"a": 1}],
+    ),
+    _p(
+        "anyOf",
+        "anyOf",
+        {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        [1, "a"],
+        [None, 1.5],
+    ),
+    _p("oneOf", "oneOf", {"oneOf": [{"type": "integer"}, {"minimum": 2}]}, [1, 2.5], [3]),
+    _p("allOf", "allOf", {"allOf": [{"type": "integer"}, {"minimum": 2}]}, [3], [1, "a"]),
+    _p("allOf-single", "allOf", {"allOf": [{"type": "integer"}]}, [3], ["a"]),
+    _p("not", "not", {"not": {"type": "string"}}, [1], ["a"]),
+    _p("if", "if", {"if": {"type": "integer"}, "then": {"minimum": 2}}, [3, "a"], [1]),
+    _p("ref", "$ref", {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"}, [1], ["a"]),
+    _p(
+        "ref-recursive",
+        "$ref",
+        {
+            "type": "object",
+            "properties": {"c": {"$ref": "#"}, "v": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        [{"c": {"v": 1}}],
+        [{"c": {"v": "a"}}, {"c": {"c": {"x": 1}}}],
+        cautious=True,  # outlines-core unrolls recursion into a regex: compiling may not end
+    ),
+    _p(
+        "unevaluatedProperties",
+        "unevaluatedProperties",
+        {"type": "object", "properties": {"a": {}}, "unevaluatedProperties": False},
+        [{"a": 1}],
+        [{"b": 1}],
+    ),
+    _p(
+        "unevaluatedItems",
+        "unevaluatedItems",
+        {"type": "array", "prefixItems": [{}], "unevaluatedItems": False},
+        [[1]],
+        [[1, 2]],
+        cautious=True,
+    ),
+    _p(
+        "dynamicRef",
+        "$dynamicRef",
+        {"$dynamicAnchor": "x", "type": "array", "items": {"$dynamicRef": "#x"}},
+        [[[]]],
+        [[1]],
+        cautious=True,
+    ),
+)

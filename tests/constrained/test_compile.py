@@ -1,0 +1,185 @@
+"""compile_grammar: strict refusal, weakening reports, auto choice, refs, size limit, rewrites."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from espalier.constrained.compile import compile_grammar, prepare_schema
+from espalier.constrained.conformance import grammar_accepts
+from espalier.constrained.errors import (
+    InvalidGrammarError,
+    SchemaNotEnforceableError,
+    UnknownBackendError,
+)
+from espalier.constrained.postvalidate import validate_instance
+from espalier.constrained.refs import directory_registry, resolve_refs
+from espalier.constrained.rewrite import normalize_schema
+from espalier.constrained.schema_logic import complement
+from espalier.constrained.spec import GrammarSpec
+
+SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"
+needs_suite = pytest.mark.skipif(not SUITE.is_dir(), reason="JSON Schema Test Suite not present")
+
+
+def accepts(compiled: Any, tokenizer: Any, value: Any) -> bool:
+    return grammar_accepts(compiled, tokenizer, json.dumps(value, ensure_ascii=False))
+
+
+def test_strict_mode_names_each_keyword_and_pointer(toy_tokenizer: Any) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "uniqueItems": True, "contains": {"const": 1}}},
+    }
+    with pytest.raises(SchemaNotEnforceableError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    found = {(i.keyword, i.pointer) for i in caught.value.issues}
+    assert found == {("uniqueItems", "/properties/tags"), ("contains", "/properties/tags")}
+    assert "'uniqueItems' at /properties/tags" in str(caught.value)
+
+
+def test_allow_weakening_compiles_and_reports(toy_tokenizer: Any) -> None:
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    compiled, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, allow_weakening=True
+    )
+    assert [(i.keyword, i.pointer) for i in report.weakened] == [("uniqueItems", "")]
+    assert report.backend == compiled.backend
+    assert accepts(compiled, toy_tokenizer, [1, 2]) and not accepts(compiled, toy_tokenizer, ["a"])
+
+
+def test_auto_prefers_llguidance_and_falls_back_to_an_exact_backend(toy_tokenizer: Any) -> None:
+    plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert compile_grammar(GrammarSpec.json_schema(plain), toy_tokenizer)[1].backend == "llguidance"
+    names = {"type": "object", "propertyNames": {"maxLength": 2}}  # llguidance refuses it
+    compiled, report = compile_grammar(GrammarSpec.json_schema(names), toy_tokenizer)
+    assert report.backend == "xgrammar" and report.weakened == ()
+    assert accepts(compiled, toy_tokenizer, {"ab": 1})
+    assert not accepts(compiled, toy_tokenizer, {"abc": 1})
+
+
+def test_named_backend_is_strict_too(toy_tokenizer: Any) -> None:
+    schema = {"type": "string", "pattern": "^a+$", "minLength": 3}
+    with pytest.raises(SchemaNotEnforceableError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, "xgrammar")
+    assert caught.value.backend == "xgrammar"
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    assert accepts(compiled, toy_tokenizer, "aaa") and not accepts(compiled, toy_tokenizer, "aa")
+
+
+def test_unknown_backend(toy_tokenizer: Any) -> None:
+    with pytest.raises(UnknownBackendError):
+        compile_grammar(GrammarSpec.any_json(), toy_tokenizer, "nope")
+
+
+def test_size_limit(toy_tokenizer: Any) -> None:
+    spec = GrammarSpec.json_schema({"enum": ["x" * 2000]})
+    with pytest.raises(InvalidGrammarError, match="over the limit"):
+        compile_grammar(spec, toy_tokenizer, max_bytes=1000)
+
+
+def test_false_schema_is_refused(toy_tokenizer: Any) -> None:
+    with pytest.raises(InvalidGrammarError, match="matches no value"):
+        compile_grammar(GrammarSpec.json_schema({"not": {}}), toy_tokenizer)
+
+
+def test_other_kinds_go_to_a_backend_that_supports_them(toy_tokenizer: Any) -> None:
+    for spec, good, bad in [
+        (GrammarSpec.regex("[ab]+c"), "abc", "abd"),
+        (GrammarSpec.choice(["yes", "no"]), "no", "maybe"),
+        (GrammarSpec.lark('start: "x"+'), "xxx", "xy"),
+        (GrammarSpec.ebnf('root ::= "a" "b"*'), "abb", "ba"),
+    ]:
+        compiled, report = compile_grammar(spec, toy_tokenizer)
+        assert grammar_accepts(compiled, toy_tokenizer, good), (spec, report.backend)
+        assert not grammar_accepts(compiled, toy_tokenizer, bad), (spec, report.backend)
+
+
+@needs_suite
+def test_remote_refs_resolve_from_the_registry(toy_tokenizer: Any) -> None:
+    registry = directory_registry(SUITE / "remotes")
+    schema = {"type": "object", "properties": {"n": {"$ref": "http://localhost:1234/integer.json"}}}
+    spec = GrammarSpec.json_schema(schema)
+    compiled, _ = compile_grammar(spec, toy_tokenizer, registry=registry)
+    assert accepts(compiled, toy_tokenizer, {"n": 3})
+    assert not accepts(compiled, toy_tokenizer, {"n": "x"})
+    with pytest.raises(InvalidGrammarError) as caught:
+        compile_grammar(spec, toy_tokenizer)  # no registry: never the network
+    assert caught.value.pointer == "/properties/n/$ref"
+
+
+def test_recursive_refs_stay_local_and_finite() -> None:
+    schema = {
+        "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+        "$ref": "#/$defs/node",
+    }
+    resolved = resolve_refs(schema)
+    assert resolved.recursive and resolved.hoisted == 1
+    text = json.dumps(resolved.schema)
+    assert text.count('"$ref"') == 2 and "#/$defs/ref0_node" in text
+
+
+def test_issue_pointers_inside_refs_name_the_original_location() -> None:
+    schema = {
+        "$defs": {"t": {"type": "array", "uniqueItems": True}},
+        "items": {"$ref": "#/$defs/t"},
+    }
+    issues = prepare_schema(schema).issues["llguidance"]
+    assert [(i.keyword, i.pointer) for i in issues] == [("uniqueItems", "/$defs/t")]
+
+
+@needs_suite
+def test_rewrites_keep_the_suite_verdicts() -> None:
+    """Oracle: for every core draft2020-12 test, jsonschema gives the same verdict before and
+    after ref resolution and rewriting (dynamic-scope schemas are left unchanged)."""
+    registry = directory_registry(SUITE / "remotes")
+    checked = 0
+    for path in sorted((SUITE / "draft2020-12").glob("*.json")):
+        if path.stem in ("format", "vocabulary"):
+            continue
+        for case in json.loads(path.read_text()):
+            prepared = normalize_schema(resolve_refs(case["schema"], registry).schema)
+            for test in case["tests"]:
+                before = validate_instance(case["schema"], test["data"], registry=registry)
+                after = validate_instance(prepared, test["data"], registry=registry)
+                if before.checked and after.checked:
+                    checked += 1
+                    assert before.valid == after.valid, (path.name, case["description"], test)
+    assert checked > 1000
+
+
+INSTANCES = [None, True, False, 0, -3, 2.5, 7, 100, "", "a", "abc", "abcdef", [], [1], [1, "a", 2],
+             {}, {"a": 1}, {"a": "x", "b": 2}, {"b": None}, {"a": 1, "b": 2, "c": 3}]  # fmt: skip
+SCHEMAS = [
+    {"type": "string"},
+    {"type": ["number", "null"]},
+    {"minimum": 2, "exclusiveMaximum": 50},
+    {"minLength": 2, "maxLength": 3},
+    {"minItems": 1, "maxItems": 2},
+    {"minProperties": 1, "maxProperties": 2},
+    {"required": ["a", "b"]},
+    {"properties": {"a": {"type": "string"}, "b": {"maxLength": 0}}},
+    {"anyOf": [{"type": "string", "minLength": 3}, {"maximum": 0}]},
+    {"allOf": [{"type": "object"}, {"required": ["a"]}], "not": {"required": ["c"]}},
+    {"not": {"type": "array"}},
+    {},
+    True,
+    False,
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=[json.dumps(s)[:40] for s in SCHEMAS])
+def test_complement_is_exact(schema: Any) -> None:
+    negated = complement(schema, {})
+    assert negated is not None
+    for value in INSTANCES:
+        assert validate_instance(schema, value).valid != validate_instance(negated, value).valid
+
+
+def test_no_complement_for_what_cannot_be_said() -> None:
+    for schema in ({"type": "integer"}, {"pattern": "a"}, {"enum": [1]}, {"multipleOf": 2}):
+        assert complement(schema, {}) is None

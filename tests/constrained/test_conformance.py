@@ -1,0 +1,146 @@
+"""The conformance runner and CLI, and the ratchet on the JSON Schema Test Suite.
+
+The ratchet (``tests/ratchet_conformance.json``) records, per backend and for ``auto``, the
+summary on the draft2020-12 core files. CI reruns a representative subset with a toy tokenizer
+(fast, no model); ``ESPALIER_SLOW=1`` reruns the full core with the embedded Gemma tokenizer.
+Either fails when ``passed`` drops below the record or ``false_accept`` is not 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from espalier.constrained.conformance import (
+    SUMMARY_KEYS,
+    RunConfig,
+    find_files,
+    find_remotes,
+    run_files,
+    total,
+)
+from espalier.server.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ROOT.parent / "shared" / "conformance" / "json-schema-test-suite"
+DRAFT = SUITE / "draft2020-12"
+RATCHET = json.loads((ROOT / "tests" / "ratchet_conformance.json").read_text())
+needs_suite = pytest.mark.skipif(not DRAFT.is_dir(), reason="JSON Schema Test Suite not present")
+
+
+@pytest.fixture(scope="module")
+def toy_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.conftest import build_byte_level_hf
+
+    folder = tmp_path_factory.mktemp("toy-tokenizer")
+    build_byte_level_hf().save_pretrained(str(folder))
+    return str(folder)
+
+
+def run_cli(*args: str) -> list[dict[str, Any]]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["conformance", *args]) == 0
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+def test_cli_reads_both_file_formats(tmp_path: Path, toy_tokenizer_dir: str) -> None:
+    suite_file = tmp_path / "suite.json"
+    suite_file.write_text(
+        json.dumps(
+            [
+                {
+                    "description": "strings",
+                    "schema": {"type": "string", "maxLength": 2},
+                    "tests": [
+                        {"description": "ok", "data": "ab", "valid": True},
+                        {"description": "long", "data": "abc", "valid": False},
+                        {"description": "number", "data": 1, "valid": False},
+                    ],
+                },
+                {
+                    "description": "refused: uniqueItems",
+                    "schema": {"type": "array", "uniqueItems": True},
+                    "tests": [{"description": "dup", "data": [1, 1], "valid": False}],
+                },
+            ]
+        )
+    )
+    bench = tmp_path / "sub" / "bench.json"
+    bench.parent.mkdir()
+    bench.write_text(
+        json.dumps(
+            {
+                "description": "bench",
+                "meta": {},
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                "tests": [
+                    {"description": "ok", "data": {"a": 1}, "valid": True},
+                    {"description": "bad", "data": {"a": "x"}, "valid": False},
+                ],
+            }
+        )
+    )
+    failures = tmp_path / "failures.jsonl"
+    rows = run_cli(str(tmp_path), "--tokenizer", toy_tokenizer_dir, "--failures", str(failures))
+    summary = rows[-1]
+    assert tuple(summary) == SUMMARY_KEYS
+    assert summary == {
+        "schemas": 3,
+        "compiled": 2,
+        "refused": 1,
+        "tests": 6,
+        "passed": 5,
+        "false_accept": 0,
+        "false_reject": 0,
+    }
+    assert len(rows) == 3  # one row per file, then the summary
+    records = [json.loads(line) for line in failures.read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["refused"]
+    assert "uniqueItems" in records[0]["detail"]
+
+
+def test_optional_files_are_skipped_unless_asked(tmp_path: Path) -> None:
+    (tmp_path / "optional").mkdir()
+    (tmp_path / "a.json").write_text("[]")
+    (tmp_path / "optional" / "b.json").write_text("[]")
+    assert [p.name for p in find_files(tmp_path)] == ["a.json"]
+    assert [p.name for p in find_files(tmp_path, include_optional=True)] == ["a.json", "b.json"]
+
+
+def test_missing_path_is_an_error() -> None:
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert main(["conformance", "/no/such/path"]) == 2
+
+
+def check_ratchet(got: dict[str, int], record: dict[str, int]) -> None:
+    assert got["false_accept"] == 0, got
+    assert got["tests"] == record["tests"], (got, record)
+    assert got["passed"] >= record["passed"], f"regression: {got} < {record}"
+
+
+@needs_suite
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+def test_ratchet_ci_subset(backend: str, toy_tokenizer_dir: str) -> None:
+    subset = RATCHET["ci_subset"]
+    files = [DRAFT / name for name in subset["files"]]
+    config = RunConfig(backend=backend, tokenizer=toy_tokenizer_dir, remotes=str(SUITE / "remotes"))
+    check_ratchet(total(list(run_files(files, config))), subset["summary"][backend])
+
+
+@needs_suite
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.skipif(os.environ.get("ESPALIER_SLOW") != "1", reason="set ESPALIER_SLOW=1")
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines_core"])
+def test_ratchet_full_core(backend: str) -> None:
+    files = find_files(DRAFT)
+    remotes = find_remotes(DRAFT)
+    config = RunConfig(backend=backend, remotes=str(remotes) if remotes else None)
+    check_ratchet(total(list(run_files(files, config))), RATCHET["draft2020-12"][backend])

@@ -1,0 +1,109 @@
+"""Post-validation of final outputs against the full constraint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from espalier.constrained.postvalidate import PostValidation, postvalidate
+from espalier.constrained.refs import directory_registry
+from espalier.constrained.spec import GrammarSpec
+
+SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"
+
+
+def check(schema: Any, text: str, **kwargs: Any) -> PostValidation:
+    return postvalidate(GrammarSpec.json_schema(schema), text, **kwargs)
+
+
+def test_valid_output() -> None:
+    assert check({"type": "object", "required": ["a"]}, '{"a": 1}') == PostValidation(True, True)
+
+
+def test_errors_are_prefixed_by_json_pointer() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"maximum": 3}}}}
+    result = check(schema, '{"a": [1, 5]}')
+    assert result.checked and not result.valid
+    assert result.errors[0].startswith("/a/1: ")
+
+
+def test_root_errors_use_slash() -> None:
+    result = check({"type": "string"}, "1")
+    assert result.errors and result.errors[0].startswith("/: ")
+
+
+def test_formats_are_asserted() -> None:
+    schema = {"type": "string", "format": "date"}
+    assert check(schema, '"2020-02-29"').valid
+    assert not check(schema, '"2021-02-29"').valid
+    assert not check({"format": "email"}, '"no-at-sign"').valid
+
+
+def test_older_draft_is_respected() -> None:
+    # Draft 7: keywords next to $ref are ignored; Draft 2020-12 applies them
+    body = {"definitions": {"s": {"type": "string"}}, "$ref": "#/definitions/s", "maxLength": 1}
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **body}
+    assert check(draft7, '"abc"').valid
+    assert not check(body, '"abc"').valid
+
+
+def test_strict_json_rejects_duplicates_and_constants() -> None:
+    for text in ('{"a": 1, "a": 2}', "NaN", "[Infinity]", "{", ""):
+        result = check({}, text)
+        assert result.checked and not result.valid, text
+
+
+def test_unicode_property_patterns_work() -> None:
+    schema = {"type": "string", "pattern": "^\\p{L}+$"}
+    assert check(schema, '"héllo"').valid
+    assert not check(schema, '"h3llo"').valid
+
+
+def test_remote_refs_come_from_the_registry() -> None:
+    if not (SUITE / "remotes").is_dir():
+        pytest.skip("JSON Schema Test Suite not present")
+    registry = directory_registry(SUITE / "remotes")
+    schema = {"$ref": "http://localhost:1234/integer.json"}
+    assert check(schema, "1", registry=registry).valid
+    assert not check(schema, '"a"', registry=registry).valid
+
+
+def test_unresolvable_ref_gives_no_verdict() -> None:
+    result = check({"$ref": "http://example.invalid/x.json"}, "1")
+    assert not result.checked
+
+
+def test_regex_full_match() -> None:
+    spec = GrammarSpec.regex("[a-c]+")
+    assert postvalidate(spec, "abc").valid
+    assert not postvalidate(spec, "abcd").valid
+    assert not postvalidate(GrammarSpec.regex("("), "(").checked
+
+
+def test_choice_and_any_json() -> None:
+    spec = GrammarSpec.choice(["yes", "no"])
+    assert postvalidate(spec, "no").valid and not postvalidate(spec, "maybe").valid
+    assert postvalidate(GrammarSpec.any_json(), "[1, {}]").valid
+    assert not postvalidate(GrammarSpec.any_json(), "[1,").valid
+
+
+def test_grammar_kinds_need_a_replay() -> None:
+    spec = GrammarSpec.lark('start: "a"+')
+    assert postvalidate(spec, "aa") == PostValidation(
+        False, False, ("/: no independent validator for this grammar kind",)
+    )
+    assert postvalidate(spec, "aa", replay=lambda text: set(text) == {"a"}).valid
+    assert not postvalidate(spec, "ab", replay=lambda text: set(text) == {"a"}).valid
+
+
+def test_replay_with_a_real_matcher(toy_tokenizer: Any) -> None:
+    from espalier.constrained.compile import compile_grammar
+    from espalier.constrained.postvalidate import replay_with
+
+    spec = GrammarSpec.lark('start: "a"+ "b"')
+    compiled, _ = compile_grammar(spec, toy_tokenizer, "llguidance")
+    replay = replay_with(compiled, toy_tokenizer)
+    assert postvalidate(spec, "aab", replay=replay).valid
+    assert not postvalidate(spec, "aa", replay=replay).valid

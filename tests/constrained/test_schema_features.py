@@ -1,0 +1,124 @@
+"""Every backend keyword claim in ``schema_features.PROFILES``, checked on the real backend.
+
+A probe (``schema_probes.py``) compiles one schema directly on a backend (no rewrites) with a toy
+byte-level tokenizer and pushes ``json.dumps`` of each instance through a matcher.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from espalier.constrained.backends import BACKENDS, BackendUnavailableError, get_backend
+from espalier.constrained.conformance import grammar_accepts
+from espalier.constrained.errors import GrammarError
+from espalier.constrained.schema_features import (
+    PROFILES,
+    Support,
+    backend_issues,
+    keyword_support,
+    keyword_uses,
+)
+from espalier.constrained.spec import GrammarSpec
+from tests.constrained.schema_probes import PROBES, Probe
+
+CASES = [(b, p) for b in PROFILES for p in PROBES]
+
+
+def claimed(backend: str, probe: Probe) -> Support:
+    """The table's claim for the probe's keyword in the probe's root schema object."""
+    return keyword_support(PROFILES[backend], probe.keyword, probe.schema)
+
+
+def compile_or_none(backend: str, schema: dict[str, Any], tokenizer: Any) -> Any:
+    try:
+        engine = get_backend(backend, tokenizer)
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    try:
+        return engine.compile(GrammarSpec.json_schema(schema))
+    except GrammarError:
+        return None
+
+
+@pytest.mark.parametrize(("backend", "probe"), CASES, ids=[f"{b}-{p.name}" for b, p in CASES])
+def test_claim_holds(backend: str, probe: Probe, toy_tokenizer: Any) -> None:
+    support = claimed(backend, probe)
+    if support is not Support.EXACT and probe.cautious:
+        return  # not claimed exact, no known counterexample: nothing to check
+    compiled = compile_or_none(backend, probe.schema, toy_tokenizer)
+    if support is Support.EXACT:
+        assert compiled is not None, f"{backend} refuses a schema claimed exact"
+        for value in probe.valid:
+            text = json.dumps(value, ensure_ascii=False)
+            assert grammar_accepts(compiled, toy_tokenizer, text), f"valid {text} rejected"
+        for value in probe.invalid:
+            text = json.dumps(value, ensure_ascii=False)
+            assert not grammar_accepts(compiled, toy_tokenizer, text), f"invalid {text} accepted"
+    elif not probe.cautious:
+        leaks = compiled is None or any(
+            grammar_accepts(compiled, toy_tokenizer, json.dumps(v, ensure_ascii=False))
+            for v in probe.invalid
+        )
+        if not leaks:  # conservative is allowed (never a false accept); make it visible
+            pytest.skip(f"{backend} enforces '{probe.keyword}' here: the table is cautious")
+
+
+@pytest.mark.parametrize("backend", list(PROFILES))
+def test_every_exact_keyword_has_a_probe(backend: str) -> None:
+    probed = {p.keyword for p in PROBES if claimed(backend, p) is Support.EXACT}
+    assert PROFILES[backend].exact <= probed, PROFILES[backend].exact - probed
+
+
+def test_profiles_cover_the_registered_backends() -> None:
+    assert set(PROFILES) == set(BACKENDS)
+
+
+def test_keyword_uses_lists_every_keyword_with_its_pointer() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a/b": {"type": "string", "pattern": "x"}},
+        "$defs": {"n": {"not": {"type": "null"}}},
+        "enum": [{"$ref": "not a ref: data"}],
+    }
+    uses = {(u.keyword, u.pointer) for u in keyword_uses(schema)}
+    assert ("pattern", "/properties/a~1b") in uses
+    assert ("not", "/$defs/n") in uses
+    assert ("type", "/$defs/n/not") in uses
+    assert not any(k == "$ref" for k, _ in uses)
+
+
+def test_issues_name_keyword_pointer_and_support() -> None:
+    schema = {"type": "array", "items": {"type": "string", "format": "email", "maxLength": 5}}
+    issues = backend_issues("xgrammar", schema)
+    assert {(i.keyword, i.pointer, i.support) for i in issues} == {
+        ("format", "/items", "weakened"),
+        ("maxLength", "/items", "weakened"),
+    }
+    assert backend_issues("llguidance", schema) == []
+
+
+def test_untyped_keywords_are_not_exact_on_xgrammar_but_are_on_llguidance() -> None:
+    schema = {"minimum": 2}
+    assert [i.keyword for i in backend_issues("xgrammar", schema)] == ["minimum"]
+    assert backend_issues("llguidance", schema) == []
+
+
+def test_annotations_and_unknown_keywords_constrain_nothing() -> None:
+    schema = {"type": "string", "title": "t", "x-vendor": {"anything": 1}, "default": "a"}
+    for backend in PROFILES:
+        assert backend_issues(backend, schema) == []
+
+
+def test_unknown_dialect_is_not_exact() -> None:
+    schema = {"$schema": "http://example.com/custom-metaschema", "type": "string"}
+    for backend in PROFILES:
+        assert [i.keyword for i in backend_issues(backend, schema)] == ["$schema"]
+
+
+def test_false_subschema_support() -> None:
+    schema = {"type": "object", "properties": {"a": False}}
+    assert backend_issues("llguidance", schema) == []
+    assert [i.keyword for i in backend_issues("xgrammar", schema)] == ["false"]

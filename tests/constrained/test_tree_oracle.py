@@ -1,0 +1,168 @@
+"""The tree-mask ORACLE: every fast path vs. replaying each path on a fresh matcher.
+
+Random EAGLE-like trees (``constrained.tree_random``: 1-256 nodes, depth <= 16, grammar-valid,
+invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
+schemas, on all three backends. Toy vocabularies always; the Gemma tokenizer with JSONSchemaBench
+schemas and the shared GBNF grammars under ``model`` (a representative part) and all of it under
+``slow`` / ``ESPALIER_SLOW=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.backends import BACKENDS, get_backend
+from espalier.constrained.errors import GrammarError
+from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.traverse_oracle import compare, replay_tree
+from espalier.constrained.tree_random import grow_tree, sample_instance
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "conformance"
+SLOW = os.environ.get("ESPALIER_SLOW") == "1"
+
+TOY_GRAMMARS = [
+    GrammarSpec.regex("(ab|cd)*e"),
+    GrammarSpec.regex("[0-9]{1,3}(\\.[0-9]+)?"),
+    GrammarSpec.regex("(true|false|null)"),
+    GrammarSpec.json_schema(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name"],
+        }
+    ),
+    GrammarSpec.ebnf('root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+ | "ab" item'),
+]
+
+
+def check_trees(
+    grammar: Any, rng: np.random.Generator, trees: int, sizes: list[int], instance: Any = None
+) -> tuple[int, list[str]]:
+    """Grow ``trees`` random trees (cycling ``sizes``), fill them and compare with the oracle."""
+    problems: list[str] = []
+    nodes = 0
+    for k in range(trees):
+        start = grammar.matcher()
+        prefix = sample_instance(start, rng, max_tokens=int(rng.integers(0, 6)))
+        prefix = [t for t in prefix if t not in start.tokenizer.stop_token_ids]
+        for token in prefix:
+            assert start.accept(token)
+        body = instance if instance is not None else sample_instance(start, rng, max_tokens=24)
+        tree = grow_tree(grammar.matcher, prefix, body, sizes[k % len(sizes)], rng)
+        out = bm.allocate(tree.num_nodes, start.vocab_size, fill=int(rng.integers(-1, 1)))
+        masks = fill_tree_bitmask(start, tree, out, budget=None)
+        found = compare(masks, out, tree, replay_tree(grammar.matcher, prefix, tree))
+        problems += [f"{grammar.spec!r} prefix={prefix}: {p}" for p in found]
+        nodes += tree.num_nodes
+    return nodes, problems
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", TOY_GRAMMARS, ids=lambda s: s.kind.value + s.source[:12])
+def test_oracle_toy(backend: str, spec: GrammarSpec, toy_tokenizer_padded: Any) -> None:
+    try:
+        grammar = get_backend(backend, toy_tokenizer_padded).compile(spec)
+    except GrammarError:
+        assert backend == "outlines_core" and spec.kind is GrammarKind.EBNF
+        return
+    rng = np.random.default_rng(len(spec.source) * 7 + BACKENDS.index(backend))
+    trees = 120 if SLOW else 25
+    nodes, problems = check_trees(grammar, rng, trees, [1, 3, 8, 16, 32, 64, 128, 256])
+    assert nodes > trees
+    assert problems == []
+
+
+# -- Gemma tokenizer: JSONSchemaBench schemas and the shared GBNF grammars ----------------------
+
+
+def bench_dir() -> Path:
+    target = ROOT / ".data" / "jsonschemabench"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        archive = SHARED / "jsonschemabench.tar.xz"
+        subprocess.run(["tar", "-xJf", str(archive), "-C", str(target.parent)], check=True)
+    return target
+
+
+def schema_cases(count: int) -> list[tuple[str, dict[str, Any], Any]]:
+    """The ``count`` smallest schemas (with a valid instance) from a few subsets, deterministic."""
+    cases = []
+    for subset in ("Github_easy", "Github_medium", "Kubernetes", "Snowplow", "WashingtonPost"):
+        folder = bench_dir() / subset
+        files = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_size, p.name))
+        picked = 0
+        for path in files[: 8 * count]:
+            item = json.loads(path.read_text())
+            data = [t["data"] for t in item.get("tests", []) if t.get("valid")]
+            if data and isinstance(item.get("schema"), dict) and picked < count:
+                cases.append((f"{subset}/{path.name}", item["schema"], data[0]))
+                picked += 1
+    return cases
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_oracle_gemma_schemas(backend: str, gemma_tokenizer: Any) -> None:
+    rng = np.random.default_rng(BACKENDS.index(backend))
+    per_subset = 12 if SLOW else 1
+    trees = 12 if SLOW else 2
+    cases = schema_cases(per_subset)
+    checked = 0
+    problems: list[str] = []
+    for name, schema, data in cases if SLOW else cases[:3]:
+        try:
+            grammar = get_backend(backend, gemma_tokenizer).compile(GrammarSpec.json_schema(schema))
+        except GrammarError:
+            continue
+        instance = gemma_tokenizer.encode(json.dumps(data)) + [gemma_tokenizer.stop_token_ids[0]]
+        _, found = check_trees(grammar, rng, trees, [16, 64, 1, 256, 32], instance=instance)
+        problems += [f"{name}: {p}" for p in found]
+        checked += 1
+    assert checked >= 2
+    assert problems == []
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None:
+    names = sorted(p.name for p in (SHARED / "grammars" / "gbnf").glob("*.gbnf"))
+    if not SLOW:
+        names = [n for n in names if n == "arithmetic.gbnf"]
+    specs = [GrammarSpec.ebnf((SHARED / "grammars" / "gbnf" / n).read_text()) for n in names]
+    specs += [GrammarSpec.regex(r"\d{3}-\d{4}( ext\. \d+)?")]
+    rng = np.random.default_rng(11)
+    problems: list[str] = []
+    for spec in specs:
+        try:
+            grammar = get_backend(backend, gemma_tokenizer).compile(spec)
+        except GrammarError:
+            continue
+        _, found = check_trees(grammar, rng, 10 if SLOW else 2, [32, 16, 128])
+        problems += found
+    assert problems == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="set ESPALIER_SLOW=1 for the full oracle sweep")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_oracle_toy_sweep(backend: str, toy_tokenizer: Any) -> None:
+    problems: list[str] = []
+    for spec in TOY_GRAMMARS:
+        try:
+            grammar = get_backend(backend, toy_tokenizer).compile(spec)
+        except GrammarError:
+            continue
+        rng = np.random.default_rng(1000 + len(spec.source))
+        _, found = check_trees(grammar, rng, 400, [1, 2, 5, 16, 64, 256])
+        problems += found
+    assert problems == []

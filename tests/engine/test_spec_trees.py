@@ -1,0 +1,235 @@
+"""Drafter and tree-building units: trie dedupe, reranking closure, encodings, n-gram and
+forced-chain drafts, merging, draft-model tree shape, EAGLE checkpoint loading.
+
+A tree used below (tokens in brackets, node ids before them)::
+
+    0:[9]
+    ├─1:[4]
+    │ ├─2:[5]
+    │ └─3:[6]
+    └─4:[7]
+      └─5:[8]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from spec_helpers import compile_matcher, random_eagle, random_runner, tiny_config
+
+from espalier.constrained.tree import DraftTree
+from espalier.engine.spec.base import DraftInput
+from espalier.engine.spec.combine import ProposalItem, Proposer
+from espalier.engine.spec.forced import ForcedConfig, extend_leaves, root_chain
+from espalier.engine.spec.ngram import NgramConfig, NgramDrafter, NgramIndex
+from espalier.engine.spec.tree_builder import (
+    NodeSource,
+    TreeBuilder,
+    select_top,
+    sibling_links,
+    tree_attention_mask,
+)
+from espalier.engine.spec.verify import compaction_slots
+
+PARENTS = [-1, 0, 1, 1, 0, 4]
+TOKENS = [9, 4, 5, 6, 7, 8]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_builder_dedupes_and_keeps_best_score() -> None:
+    builder = TreeBuilder(9)
+    a = builder.add_path(0, [4, 5], [-1.0, -2.0], NodeSource.NGRAM)
+    b = builder.add_path(0, [4, 6], [-0.5, -3.0], NodeSource.MODEL)
+    assert a[0] == b[0] and a[1] != b[1]
+    assert builder.scores[a[0]] == -0.5  # the better score wins
+    assert builder.sources[a[0]] == NodeSource.NGRAM  # the first proposer keeps the node
+    draft = builder.build()
+    draft.validate()
+    assert draft.tokens == [9, 4, 5, 6]
+
+
+def test_select_top_is_closed_under_ancestors() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        builder = TreeBuilder(0)
+        for _ in range(rng.randint(1, 40)):
+            parent = rng.randrange(builder.num_nodes)
+            score = builder.scores[parent] - rng.random() * (rng.random() < 0.8)
+            builder.add(parent, rng.randrange(50), score, NodeSource.MODEL)
+        draft = builder.build()
+        keep = rng.randint(0, draft.num_draft_tokens)
+        top = select_top(draft, keep)
+        top.validate()
+        assert top.num_draft_tokens == min(keep, draft.num_draft_tokens)
+        kept_paths = {tuple(top.path_tokens(i)) for i in range(top.num_nodes)}
+        for i in range(top.num_nodes):  # every prefix of a kept path is kept
+            path = top.path_tokens(i)
+            assert all(tuple(path[:d]) in kept_paths for d in range(len(path)))
+
+
+def test_sibling_links_match_draft_tree_encoding() -> None:
+    first_child, next_sibling = sibling_links(PARENTS)
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    assert first_child == tree.first_child.tolist()
+    assert next_sibling == tree.next_sibling.tolist()
+    assert tree.parents.tolist() == PARENTS
+
+
+def test_tree_attention_mask_sees_context_ancestors_and_self() -> None:
+    mask = tree_attention_mask(PARENTS, context_len=3)
+    assert mask.shape == (6, 9)
+    assert mask[:, :3].all()
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 1, 3}, 4: {0, 4}, 5: {0, 4, 5}}
+    for node, seen in expected.items():
+        assert set(torch.nonzero(mask[node, 3:]).flatten().tolist()) == seen
+
+
+def test_compaction_moves_accepted_nodes_into_place() -> None:
+    # block size 4, table [7, 2, 5]: cache index i -> slot table[i // 4] * 4 + i % 4
+    src, dst = compaction_slots([7, 2, 5], 4, context_len=2, path=[0, 4, 5])
+    assert src == [2 * 4 + 2, 2 * 4 + 3]  # indices 6, 7
+    assert dst == [7 * 4 + 3, 2 * 4 + 0]  # indices 3, 4
+    assert compaction_slots([7, 2, 5], 4, 2, [0, 1, 2]) == ([], [])
+
+
+def test_ngram_index_tracks_extensions_and_resets() -> None:
+    index = NgramIndex(1, 2)
+    index.sync([1, 2, 1])
+    index.sync([1, 2, 1, 2])
+    assert index.ends[(1, 2)] == [1, 3]
+    index.sync([5, 6])  # not an extension: rebuilt
+    assert index.tokens == [5, 6] and (1, 2) not in index.ends
+
+
+def test_ngram_drafts_the_continuations_of_earlier_matches() -> None:
+    drafter = NgramDrafter(NgramConfig(min_n=1, max_n=3, max_matches=4, max_depth=3))
+    context = [1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2]
+    [draft] = drafter.propose([DraftInput("a", context, (), 16)])
+    draft.validate()
+    assert draft.tokens[0] == 2
+    paths = {tuple(draft.path_tokens(i)) for i in draft.leaves()}
+    assert paths == {(3, 5, 1), (3, 4, 9)}  # after "1 2": most recent first
+    assert draft.path_tokens(1) == [3]  # both agree on 3: one node, best score
+    [small] = drafter.propose([DraftInput("a", context, (), 2)])
+    assert small.num_draft_tokens == 2 and small.path_tokens(2) == [3, 5]
+    [none] = drafter.propose([DraftInput("b", [1, 2, 3], (), 8)])
+    assert none.num_nodes == 1
+
+
+def test_ngram_drafts_after_a_forced_chain() -> None:
+    drafter = NgramDrafter(NgramConfig(min_n=2, max_n=2, max_depth=2))
+    [draft] = drafter.propose([DraftInput("a", [1, 2, 3, 4, 1], [2], 8)])
+    assert draft.tokens[0] == 2 and draft.path_tokens(draft.num_nodes - 1) == [3, 4]
+
+
+def test_forced_chains_from_a_real_grammar(toy_tokenizer: Any) -> None:
+    matcher = compile_matcher(toy_tokenizer, "llguidance")
+    chain = root_chain(matcher, 16)
+    text = toy_tokenizer.hf.decode(chain)
+    assert text.startswith('{"') and chain
+    assert root_chain(None, 16) == []
+    # a leaf right after the first key's colon: the grammar forces nothing else yet; a leaf
+    # inside the forced prefix gets the rest of the chain grafted below it
+    builder = TreeBuilder(0)
+    builder.add_path(0, chain[:1], [-0.1], NodeSource.MODEL)
+    draft = extend_leaves(builder.build(), matcher, 32, ForcedConfig())
+    draft.validate()
+    assert draft.path_tokens(draft.num_nodes - 1) == chain
+    assert draft.sources[2:] == [NodeSource.FORCED] * (len(chain) - 1)
+    assert root_chain(matcher, 16) == chain  # the matcher state is unchanged
+
+
+def test_proposer_merges_forced_chain_and_drafts(toy_tokenizer: Any) -> None:
+    matcher = compile_matcher(toy_tokenizer, "llguidance")
+    chain = root_chain(matcher, 16)
+    context = [5, 6, *chain[:1], 7, 5, 6]  # the n-gram "5 6" was followed by the chain's head
+    proposer = Proposer({"ngram": NgramDrafter(NgramConfig(min_n=2, max_n=2))})
+    [draft] = proposer.propose([ProposalItem("p", context, matcher, ("ngram", "forced"), 8)])
+    draft.validate()
+    assert draft.path_tokens(len(chain)) == chain  # the chain comes first
+    assert all(draft.sources[i] == NodeSource.FORCED for i in range(1, len(chain) + 1))
+    assert draft.num_draft_tokens <= 8
+    [plain] = proposer.propose([ProposalItem("q", context, None, ("ngram",), 8)])
+    assert plain.path_tokens(1) == chain[:1]  # n-gram only, unconstrained
+
+
+def test_draft_model_tree_shape(toy_tokenizer: Any) -> None:
+    from espalier.engine.spec.draft_model import DraftModelConfig, DraftModelDrafter
+
+    small = random_runner(tiny_config(toy_tokenizer.vocab_size, layers=1), seed=4)
+    drafter = DraftModelDrafter(small, DraftModelConfig(topk=3, steps=4))
+    inputs = [DraftInput("a", [1, 2, 3, 4], (), 10), DraftInput("b", [7, 8], (9, 10), 5)]
+    drafts = drafter.propose(inputs)
+    for item, draft in zip(inputs, drafts):
+        draft.validate()
+        assert draft.tokens[0] == [*item.context, *item.extra][-1]
+        assert draft.num_draft_tokens == item.budget
+        assert max(draft.depths()) <= 4
+        assert all(
+            draft.scores[i] <= draft.scores[draft.parents[i]] for i in range(1, draft.num_nodes)
+        )
+    drafter.release("a")
+    drafter.release("b")
+    assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_eagle_checkpoint_round_trip(
+    tmp_path: Path, toy_tokenizer: Any, kind: str, fmt: str
+) -> None:
+    """A head saved under the published key names loads back identical (kind from the keys)."""
+    from espalier.engine.spec.eagle import load_eagle
+
+    target = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=0)
+    head = random_eagle(target, kind, seed=1, draft_vocab=64 if kind == "eagle3" else 0)
+    state = {k: v.contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
+    if kind == "eagle3":
+        state["t2d"] = torch.zeros(toy_tokenizer.vocab_size, dtype=torch.bool)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp_path / "model.safetensors"))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    c = head.config
+    config = {
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "vocab_size": c.vocab_size,
+        "num_hidden_layers": 1,
+        "draft_vocab_size": c.draft_vocab_size,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_eagle(tmp_path, target.model.model.embed_tokens.weight)
+    assert loaded.config.kind == kind
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_parse_methods_and_build_drafters(toy_tokenizer: Any) -> None:
+    from espalier.engine.spec.setup import build_drafters, parse_methods
+
+    assert parse_methods("off") == ()
+    assert parse_methods("ngram, forced,ngram") == ("ngram", "forced")
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        parse_methods("ngram,medusa")
+    target = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=0)
+    assert set(build_drafters(("ngram", "forced"), target)) == {"ngram"}
+    with pytest.raises(ValueError, match="--draft-model"):
+        build_drafters(("draft",), target)

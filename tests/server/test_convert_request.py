@@ -1,0 +1,159 @@
+"""Proto → engine request conversion: every invalid field becomes a named violation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.spec import GrammarKind
+from espalier.engine.api import (
+    FinishReason,
+    RequestOutput,
+    SpeculativeStats,
+    Timings,
+    Usage,
+    ValidationResult,
+)
+from espalier.server import convert
+from espalier.server.errors import InvalidRequestError, PromptTooLongError
+from espalier.v1 import espalier_pb2 as pb
+
+LIMITS = convert.RequestLimits(
+    vocab_size=1000,
+    max_prompt_tokens=8,
+    max_grammar_bytes=64,
+    default_max_tokens=16,
+    max_max_tokens=100,
+)
+
+
+def count_chars(text: str) -> int:
+    return len(text)
+
+
+def fields_of(exc: InvalidRequestError) -> list[str]:
+    return [v.field for v in exc.violations]
+
+
+def test_a_valid_request_converts_with_defaults() -> None:
+    msg = pb.GenerateRequest(text="hi", constraint=pb.Constraint(regex="[a-z]+"))
+    req = convert.request_from_proto(msg, LIMITS, count_chars)
+    assert req.prompt == "hi" and req.prompt_token_ids is None
+    assert req.request_id  # assigned
+    assert req.sampling.max_tokens == 16 and req.sampling.top_p == 1.0
+    assert req.sampling.temperature == 0.0 and req.sampling.seed is None
+    assert req.grammar is not None and req.grammar.kind is GrammarKind.REGEX
+    assert req.constraint.backend == "auto" and not req.constraint.allow_weakening
+    assert req.speculative.enabled is None
+
+
+def test_every_constraint_kind_converts() -> None:
+    kinds = {
+        "json_schema": pb.Constraint(json_schema='{"type":"integer"}'),
+        "any_json": pb.Constraint(any_json=pb.AnyJson()),
+        "regex": pb.Constraint(regex="a|b"),
+        "ebnf": pb.Constraint(ebnf='root ::= "x"'),
+        "lark": pb.Constraint(lark='start: "x"'),
+        "choice": pb.Constraint(choice=pb.Choice(options=["yes", "no"])),
+    }
+    for kind, constraint in kinds.items():
+        spec, _ = convert.constraint_to_spec(constraint, 4096)
+        assert spec is not None and spec.kind.value == kind
+    spec, options = convert.constraint_to_spec(pb.Constraint(backend="xgrammar"), 4096)
+    assert spec is None and options.backend == "xgrammar"
+
+
+def test_all_bad_fields_are_reported_together() -> None:
+    msg = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 5000]),
+        sampling=pb.SamplingParams(
+            temperature=-1.0,
+            top_p=0.0,
+            top_k=-3,
+            max_tokens=1000,
+            logprobs=50,
+            stop=[""],
+            stop_token_ids=[99999],
+        ),
+        speculative=pb.SpeculativeOptions(methods=["ngram", "magic"], num_draft_tokens=0),
+    )
+    with pytest.raises(InvalidRequestError) as info:
+        convert.request_from_proto(msg, LIMITS, count_chars)
+    assert fields_of(info.value) == [
+        "sampling.temperature",
+        "sampling.top_k",
+        "sampling.top_p",
+        "sampling.logprobs",
+        "sampling.max_tokens",
+        "sampling.stop[0]",
+        "sampling.stop_token_ids[0]",
+        "speculative.methods[1]",
+        "speculative.num_draft_tokens",
+        "token_ids.ids[2]",
+    ]
+
+
+def test_missing_prompt_and_bad_request_id() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        convert.request_from_proto(pb.GenerateRequest(request_id="x\n"), LIMITS, count_chars)
+    assert fields_of(info.value) == ["request_id", "prompt"]
+
+
+def test_prompt_over_the_token_limit() -> None:
+    with pytest.raises(PromptTooLongError) as info:
+        convert.request_from_proto(pb.GenerateRequest(text="x" * 9), LIMITS, count_chars)
+    assert fields_of(info.value) == ["text"] and info.value.reason == "PROMPT_TOO_LONG"
+    ids = pb.TokenIds(ids=list(range(9)))
+    with pytest.raises(PromptTooLongError):
+        convert.request_from_proto(pb.GenerateRequest(token_ids=ids), LIMITS, count_chars)
+
+
+def test_grammar_over_the_byte_limit() -> None:
+    msg = pb.GenerateRequest(text="x", constraint=pb.Constraint(regex="a" * 65))
+    with pytest.raises(InvalidRequestError) as info:
+        convert.request_from_proto(msg, LIMITS, count_chars)
+    assert fields_of(info.value) == ["constraint.regex"]
+    assert info.value.violations[0].reason == "TOO_LARGE"
+    choice = pb.Constraint(choice=pb.Choice(options=["y" * 40, "n" * 40]))
+    with pytest.raises(InvalidRequestError) as info:
+        convert.constraint_to_spec(choice, 64)
+    assert fields_of(info.value) == ["constraint.choice.options"]
+
+
+def test_malformed_schema_raises_the_grammar_error_with_its_location() -> None:
+    msg = pb.GenerateRequest(text="x", constraint=pb.Constraint(json_schema='{"type": }'))
+    with pytest.raises(InvalidGrammarError) as info:
+        convert.request_from_proto(msg, LIMITS, count_chars)
+    assert info.value.line == 1 and info.value.column == 10
+
+
+def test_output_chunks_fold_into_the_unary_response() -> None:
+    chunks = [
+        convert.output_to_proto(RequestOutput("r", '{"a"', (5, 6))),
+        convert.output_to_proto(
+            RequestOutput(
+                "r",
+                ": 1}",
+                (7,),
+                finished=True,
+                finish_reason=FinishReason.GRAMMAR,
+                usage=Usage(3, 3, 0),
+                timings=Timings(total_s=0.5),
+                speculative=SpeculativeStats(steps=2, accepted_tokens=3),
+                validation=ValidationResult(True, True),
+                backend="xgrammar",
+                weakened=("pattern",),
+            )
+        ),
+    ]
+    assert not chunks[0].finished and not chunks[0].HasField("usage")
+    merged = convert.merge_unary(chunks)
+    assert json.loads(merged.text) == {"a": 1}
+    assert list(merged.token_ids) == [5, 6, 7]
+    assert merged.finish_reason == pb.FINISH_REASON_GRAMMAR
+    assert merged.usage.completion_tokens == 3 and merged.timings.total_seconds == 0.5
+    assert merged.speculative.mean_accept_length == 1.5
+    assert merged.validation.checked and merged.validation.valid
+    assert merged.backend == "xgrammar" and merged.weakened[0].keyword == "pattern"
