@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -152,6 +153,10 @@ class Matcher(MatcherBase):
         self.compiled = compiled
         self.native = native
         self._row_bytes = 4 * ((compiled.tokenizer.vocab_size + 31) // 32)
+        # The last bitmask checked and its base address: the per-call checks cost about as much
+        # as llguidance's own mask computation, so a tensor is checked once, not every step.
+        self._checked_mask: weakref.ref[torch.Tensor] | None = None
+        self._checked_ptr = 0
 
     def _native_accept(self, token: int) -> bool:
         # validate first: consuming a disallowed token would make the error state sticky
@@ -166,9 +171,19 @@ class Matcher(MatcherBase):
             raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
 
     def _native_fill(self, bitmask: torch.Tensor, index: int) -> None:
-        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
-        assert bitmask.shape[-1] * 4 == self._row_bytes, "bitmask row does not cover the vocab"
-        pointer = bitmask.data_ptr() + index * self._row_bytes
+        checked = self._checked_mask() if self._checked_mask is not None else None
+        if checked is not bitmask or bitmask.data_ptr() != self._checked_ptr:
+            if not (
+                bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+            ):
+                raise ValueError("bitmask must be a contiguous int32 CPU tensor")
+            if bitmask.shape[-1] * 4 != self._row_bytes:
+                raise ValueError("bitmask row does not cover the vocabulary")
+            self._checked_mask = weakref.ref(bitmask)
+            self._checked_ptr = bitmask.data_ptr()
+        if not 0 <= index < bitmask.shape[0]:
+            raise IndexError(f"bitmask row {index} out of range")
+        pointer = self._checked_ptr + index * self._row_bytes
         self.native.unsafe_compute_mask_ptr(pointer, self._row_bytes)
         if self.native.is_error():
             raise MatcherStateError(f"llguidance: {self.native.get_error()}")
