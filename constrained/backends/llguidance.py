@@ -157,6 +157,7 @@ class Matcher(MatcherBase):
         # as llguidance's own mask computation, so a tensor is checked once, not every step.
         self._checked_mask: weakref.ref[torch.Tensor] | None = None
         self._checked_ptr = 0
+        self._checked_rows = 0
 
     def _native_accept(self, token: int) -> bool:
         # validate first: consuming a disallowed token would make the error state sticky
@@ -170,9 +171,17 @@ class Matcher(MatcherBase):
         if not self.native.rollback(n):
             raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
 
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
+        # llguidance's own mask takes ~5 us, so each Python-level call here shows.
+        if self._stop_depth or self._tail is not None:
+            super().fill_bitmask(bitmask, index)
+            return
+        self._native_fill(bitmask, index)
+
     def _native_fill(self, bitmask: torch.Tensor, index: int) -> None:
         checked = self._checked_mask() if self._checked_mask is not None else None
-        if checked is not bitmask or bitmask.data_ptr() != self._checked_ptr:
+        if checked is not bitmask:
             if not (
                 bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
             ):
@@ -181,12 +190,15 @@ class Matcher(MatcherBase):
                 raise ValueError("bitmask row does not cover the vocabulary")
             self._checked_mask = weakref.ref(bitmask)
             self._checked_ptr = bitmask.data_ptr()
-        if not 0 <= index < bitmask.shape[0]:
+            self._checked_rows = bitmask.shape[0]
+        if not 0 <= index < self._checked_rows:
             raise IndexError(f"bitmask row {index} out of range")
-        pointer = self._checked_ptr + index * self._row_bytes
-        self.native.unsafe_compute_mask_ptr(pointer, self._row_bytes)
-        if self.native.is_error():
-            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
+        # No is_error() check: accept() validates before consuming, so the native matcher never
+        # enters its error state. A tensor resized in place (resize_) after its first fill would
+        # keep a stale address: bitmask buffers are allocated once and never resized.
+        self.native.unsafe_compute_mask_ptr(
+            self._checked_ptr + index * self._row_bytes, self._row_bytes
+        )
 
     def _native_can_terminate(self) -> bool:
         return bool(self.native.is_accepting())
