@@ -232,71 +232,45 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
     return Support.EXACT
 
 
+# Keywords both llguidance and xgrammar enforce exactly (each claim has a probe test).
+_EXACT_IN_JSON_BACKENDS = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "properties",
+        "required",
+        "additionalProperties",
+        "minProperties",
+        "maxProperties",
+        "anyOf",
+        "allOf",
+        "$ref",
+    }
+)
+
 LLGUIDANCE = BackendProfile(
     name="llguidance",
-    exact=frozenset(
-        {
-            "type",
-            "enum",
-            "const",
-            "minimum",
-            "maximum",
-            "exclusiveMinimum",
-            "exclusiveMaximum",
-            "multipleOf",
-            "minLength",
-            "maxLength",
-            "pattern",
-            "format",
-            "items",
-            "prefixItems",
-            "minItems",
-            "maxItems",
-            "properties",
-            "required",
-            "additionalProperties",
-            "patternProperties",
-            "minProperties",
-            "maxProperties",
-            "anyOf",
-            "allOf",
-            "$ref",
-        }
-    ),
+    exact=_EXACT_IN_JSON_BACKENDS | {"patternProperties"},
     # date / time / date-time / hostname: calendar and leap-second rules are not checked
     formats=frozenset({"email", "ipv4", "ipv6", "uri", "uuid", "duration"}),
 )
 XGRAMMAR = BackendProfile(
     name="xgrammar",
-    exact=frozenset(
-        {
-            "type",
-            "enum",
-            "const",
-            "minimum",
-            "maximum",
-            "exclusiveMinimum",
-            "exclusiveMaximum",
-            "multipleOf",
-            "minLength",
-            "maxLength",
-            "pattern",
-            "format",
-            "items",
-            "prefixItems",
-            "minItems",
-            "maxItems",
-            "properties",
-            "required",
-            "additionalProperties",
-            "minProperties",
-            "maxProperties",
-            "anyOf",
-            "allOf",
-            "$ref",
-            "propertyNames",
-        }
-    ),
+    exact=_EXACT_IN_JSON_BACKENDS | {"propertyNames"},
     formats=frozenset(
         {
             "email",
