@@ -90,6 +90,8 @@ def bench_dir() -> Path:
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         archive = SHARED / "jsonschemabench.tar.xz"
+        if not archive.exists():
+            pytest.skip(f"{archive} is missing (../shared sits beside the checkout in CI)")
         subprocess.run(["tar", "-xJf", str(archive), "-C", str(target.parent)], check=True)
     return target
 
