@@ -15,13 +15,22 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CACHE_ENV = "ESPALIER_CACHE_DIR"
+_cache_root: Path | None = None
 
 
 def cache_root() -> Path:
-    """The user cache folder (``$ESPALIER_CACHE_DIR`` or ``~/.cache/espalier``)."""
-    root = os.environ.get(DEFAULT_CACHE_ENV) or os.path.join(Path.home(), ".cache", "espalier")
-    return Path(root)
+    """The cache folder for converted tokenizers and models: the one given to
+    :func:`set_cache_root` (the CLI passes ``--cache-dir`` / ``$ESPALIER_CACHE_DIR``), else
+    ``~/.cache/espalier``. Library code never reads the environment itself."""
+    if _cache_root is not None:
+        return _cache_root
+    return Path(os.path.join(Path.home(), ".cache", "espalier"))
+
+
+def set_cache_root(path: str | os.PathLike[str] | None) -> None:
+    """Use ``path`` as the cache folder from now on (``None``: back to the default)."""
+    global _cache_root
+    _cache_root = Path(path) if path is not None else None
 
 
 class TokenizerInfo:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Sequence
+
+CACHE_DIR_ENV = "ESPALIER_CACHE_DIR"
 
 SUBCOMMAND_MODULES = (
     "espalier.server.cli_serve",
@@ -22,6 +25,12 @@ SUBCOMMAND_MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="espalier", description="Grammar-constrained LLM generation over gRPC."
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=os.environ.get(CACHE_DIR_ENV),
+        help=f"folder for converted models and tokenizers (env {CACHE_DIR_ENV}; "
+        "default ~/.cache/espalier)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
@@ -42,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cache_dir:
+        from espalier.constrained.tokenizer import set_cache_root
+
+        set_cache_root(args.cache_dir)
     return int(args.func(args) or 0)
 
 

@@ -108,7 +108,9 @@ def write_gguf(model: Any, path: Path, arch: str) -> None:
 def test_gguf_written_like_llama_cpp_loads_exactly(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("ESPALIER_CACHE_DIR", str(tmp_path / "cache"))
+    from espalier.constrained import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_cache_root", tmp_path / "cache")
     model = make_tiny_model(kind, tmp_path / "hf", gguf_compatible=True)
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(model, path, kind)
