@@ -1,11 +1,18 @@
 """Continuous batching with chunked prefill, admission by free KV blocks and recompute preemption.
 
 Pure python (no torch). Each :meth:`Scheduler.schedule` call plans one forward step under a
-token budget: running requests first, oldest first (each gets its remaining prefill chunk or its
-one decode token), then waiting requests in FIFO order while the budget, ``max_num_seqs`` and free
-blocks allow.
-When a running request needs a block and none is free, the newest running request is preempted:
-its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+token budget, in three passes:
+
+1. running requests that decode (one uncomputed token), oldest first, so a long prefill never
+   holds a decode back; a decode costs 1 + ``decode_lookahead(request)`` budget tokens (a
+   speculative strategy's draft-tree nodes, verified in the same forward);
+2. running requests still prefilling (a chunked prompt, or a recompute after preemption), oldest
+   first, each getting the chunk that fits in the budget left;
+3. waiting requests in FIFO order while the budget, ``max_num_seqs`` and free blocks allow.
+
+When a running request needs a block and none is free, the newest running request not yet
+planned this step is preempted (possibly the request itself): its blocks are freed and it goes
+back to the front of the waiting queue to be recomputed.
 
 A request whose grammar is still compiling (``WAITING_FOR_GRAMMAR``) keeps its queue position but is
 skipped, so it never blocks the requests behind it. The engine flips it to ``WAITING`` once the
@@ -21,7 +28,7 @@ import bisect
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,6 +120,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_seq: oldest first
         self._running_keys: list[int] = []
+        # extra tokens a decoding request feeds beyond its one known token (a speculative
+        # strategy's draft tree): they count against the step's token budget
+        self.decode_lookahead: Callable[[Request], int] | None = None
 
     # -- queue management ---------------------------------------------------------------------
 
@@ -158,23 +168,32 @@ class Scheduler:
         """Plan one step; allocates the blocks it needs and advances ``num_computed_tokens``."""
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(plan, budget)
+        planned: set[int] = set()  # id() of the requests planned so far
+        budget = self._schedule_running(plan, budget, planned, decodes=True)
+        budget = self._schedule_running(plan, budget, planned, decodes=False)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+    def _schedule_running(
+        self, plan: StepPlan, budget: int, planned: set[int], *, decodes: bool
+    ) -> int:
+        """One pass over the running requests, oldest first: the decoding ones (``decodes``) or
+        the prefilling ones; returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_uncomputed_tokens, budget)
-            if n <= 0:  # nothing to feed (cannot happen in plain decoding); skip
-                i += 1
+            uncomputed = request.num_uncomputed_tokens
+            if id(request) in planned or uncomputed <= 0 or (uncomputed == 1) != decodes:
+                i += 1  # planned already, nothing to feed, or the other pass's
                 continue
-            if not self._grow(request, request.num_computed_tokens + n, plan):
-                break  # it preempted itself: every request after it is gone too
+            n = min(uncomputed, budget)
+            if not self._grow(request, request.num_computed_tokens + n, plan, planned):
+                break  # it preempted itself: every unplanned request after it is gone too
             plan.seqs.append(self._commit(request, n))
-            budget -= n
+            planned.add(id(request))
+            extra = self.decode_lookahead(request) if decodes and self.decode_lookahead else 0
+            budget -= min(budget, n + extra)
             i += 1
         return budget
 
@@ -201,7 +220,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.timeline.first_scheduled is None:
                 request.timeline.first_scheduled = now
-            ok = self._grow(request, request.num_computed_tokens + n, plan)
+            planned = {id(s.request) for s in plan.seqs}
+            ok = self._grow(request, request.num_computed_tokens + n, plan, planned)
             assert ok, "admission checked the free blocks"
             plan.seqs.append(self._commit(request, n))
             promised += max(whole - self._blocks_for(request.num_computed_tokens), 0)
@@ -228,12 +248,13 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def _grow(self, request: Request, num_tokens: int, plan: StepPlan) -> bool:
+    def _grow(self, request: Request, num_tokens: int, plan: StepPlan, planned: set[int]) -> bool:
         """Give ``request`` blocks for ``num_tokens`` cache entries, preempting the newest running
-        requests while short. False when ``request`` itself had to be preempted."""
+        requests not in ``planned`` while short. False when ``request`` itself had to be
+        preempted."""
         need = self._blocks_for(num_tokens) - len(request.block_table)
         while need > self.pool.num_free_blocks:
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if id(r) not in planned)
             self._preempt(victim, plan)
             if victim is request:
                 return False

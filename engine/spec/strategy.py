@@ -98,6 +98,12 @@ class SpeculativeDecoding:
             return (), 0
         return methods, budget
 
+    def lookahead(self, request: Request) -> int:
+        """Draft-tree nodes ``request`` verifies per decode step at most (the scheduler counts them
+        against the step's token budget)."""
+        _, budget = self.settings(request)
+        return max(0, min(budget, request.sampling.max_tokens - len(request.output_ids) - 1))
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._release_finished()
@@ -212,11 +218,13 @@ class SpeculativeDecoding:
 def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter]) -> Engine:
     """Make ``engine`` decode speculatively (replaces its plain strategy; returns it)."""
     engine.strategy.close()
-    engine.strategy = SpeculativeDecoding(
+    strategy = SpeculativeDecoding(
         engine.runner,
         engine.pool,
         config,
         drafters,
         mask_vocab_size=engine.tokenizer.vocab_size,
     )
+    engine.strategy = strategy
+    engine.scheduler.decode_lookahead = strategy.lookahead
     return engine

@@ -84,6 +84,22 @@ def test_decodes_first_then_prefill_chunk_of_new_request() -> None:
     assert not plan.seqs[1].samples
 
 
+def test_an_older_request_prefilling_never_holds_back_a_decode() -> None:
+    # a is older (as after a preemption: recomputes keep their arrival order) but still prefills
+    sched, _pool = make(max_num_batched_tokens=12)
+    a, b = req(40), req(2)
+    sched.add(b)
+    sched.add(a)
+    plan = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in plan.seqs] == [(b, 2), (a, 10)]
+    finish_step(sched, plan)
+    for chunk in (11, 11, 8):  # b decodes every step; a gets what is left of the budget
+        plan = sched.schedule()
+        assert [(s.request, s.num_new_tokens) for s in plan.seqs] == [(b, 1), (a, chunk)]
+        finish_step(sched, plan)
+    assert a.output_ids and len(b.output_ids) == 4
+
+
 def test_max_num_seqs() -> None:
     sched, _ = make(max_num_seqs=2, max_num_batched_tokens=100)
     rs = [req(2) for _ in range(3)]
@@ -257,3 +273,21 @@ def test_reserve_lookahead_uses_free_blocks_only() -> None:
     assert len(a.block_table) == 3
     sched.finish(a)
     assert pool.num_free_blocks == 4
+
+
+def test_decode_lookahead_counts_draft_tree_tokens_against_the_budget() -> None:
+    # a speculating decode verifies its draft tree in the same forward: a prefill chunk gets
+    # only what the tree leaves of the budget
+    sched, _pool = make(max_num_batched_tokens=12)
+    a, b = req(3), req(20)
+    sched.add(a)
+    finish_step(sched, sched.schedule())
+    sched.decode_lookahead = lambda r: 5 if r is a else 0
+    sched.add(b)
+    plan = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in plan.seqs] == [(a, 1), (b, 6)]
+    # a tree larger than the budget still lets the decode run (the tree shrinks), nothing else
+    finish_step(sched, plan)
+    sched.decode_lookahead = lambda r: 50 if r is a else 0
+    plan = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in plan.seqs] == [(a, 1)]
