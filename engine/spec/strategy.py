@@ -14,6 +14,7 @@ speculation on or off, pick methods among the drafters loaded, and set its node 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -46,7 +47,7 @@ class SpecConfig:
     enabled: speculate unless a request says otherwise. methods: default drafters (names of the
     loaded drafters and/or ``"forced"``). num_draft_tokens: default node budget per tree.
     mask_budget_s: time budget of one tree-mask fill (None = none). mask_threads: CPU threads
-    filling tree masks.
+    filling tree masks (default: one per core, at most 8; the mask libraries drop the GIL).
     """
 
     enabled: bool = True
@@ -54,7 +55,7 @@ class SpecConfig:
     num_draft_tokens: int = 8
     max_draft_tokens: int = 64
     mask_budget_s: float | None = 0.002
-    mask_threads: int = 2
+    mask_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
     forced: ForcedConfig = field(default_factory=ForcedConfig)
 
 
