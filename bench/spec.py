@@ -396,6 +396,8 @@ def gpu_part(
                 {"oracle": OracleDrafter(continuations)},
             )
             on = SpeculativeOptions(enabled=True)
+            # warm-up: tree steps of every size compile kernel variants plain decoding never used
+            run_engine(engine, requests_for(prompts, grammars, max_tokens, on, token_ids=True))
             spec = run_engine(
                 engine, requests_for(prompts, grammars, max_tokens, on, token_ids=True)
             )
@@ -407,6 +409,8 @@ def gpu_part(
                     {
                         "part": "gpu",
                         "model": "tiny-smoke" if smoke else "llama-8b-shaped",
+                        "attention": runner.attention.name,
+                        "decode_graphs": runner.graphs is not None,
                         "batch": batch,
                         "constrained": constrained,
                         "speculative": "oracle" if speculative else "off",

@@ -233,12 +233,23 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """Where and how the model runs. ``dtype`` "auto" = fp32 on CPU, bf16 on CUDA."""
+    """Where and how the model runs. ``dtype`` "auto" = fp32 on CPU, bf16 on CUDA.
+
+    ``attention_backend``: "auto" = flashinfer on CUDA when it imports and supports the model
+    (bf16/fp16, head_dim 64/128/256), torch SDPA otherwise; or "sdpa" / "flashinfer".
+    ``cuda_graph_batch_sizes``: decode batch sizes captured as CUDA graphs (flashinfer on CUDA
+    only; a batch in between replays the next larger graph, padded); () = eager only.
+    ``cuda_graph_tree_sizes``: draft-tree sizes (nodes per sequence, at most the block size)
+    whose verification steps are captured too, for the same batch sizes (the speculative
+    default: 8 draft tokens + the root).
+    """
 
     device: str = "cpu"
     dtype: str = "auto"
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    cuda_graph_tree_sizes: tuple[int, ...] = (9,)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
+
+if TYPE_CHECKING:
+    from espalier.engine.cuda_graphs import StepGraphs
 
 LogitsSelect = Literal["last", "all", "none"]
 
@@ -108,10 +111,31 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model = build_model(model_config, state_dict, device=self.device, dtype=self.dtype)
-        self.kv_cache = KVCache.allocate(
-            model_config, config.cache, device=self.device, dtype=self.dtype
+        if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up
+            from espalier.engine.models.fused import fuse_projections
+
+            fuse_projections(self.model)
+        # the backend first: its device workspace is not free memory for the KV cache
+        self.attention = get_attention_backend(
+            config.attention_backend, model_config, device=self.device, dtype=self.dtype
         )
-        self.attention = get_attention_backend(config.attention_backend, model_config)
+        use_graphs = self.attention.name == "flashinfer" and bool(config.cuda_graph_batch_sizes)
+        cache = config.cache
+        self._reserved_blocks = int(use_graphs)  # the graphs' scratch block (padded rows)
+        if use_graphs and cache.num_blocks:
+            cache = replace(cache, num_blocks=cache.num_blocks + 1)
+        self.kv_cache = KVCache.allocate(model_config, cache, device=self.device, dtype=self.dtype)
+        self.graphs: StepGraphs | None = None
+        if use_graphs:
+            from espalier.engine.cuda_graphs import StepGraphs
+
+            self.graphs = StepGraphs(
+                self,
+                config.cuda_graph_batch_sizes,
+                config.cuda_graph_tree_sizes,
+                scratch_block=self.kv_cache.num_blocks - 1,
+            )
+            self.graphs.capture()
 
     @classmethod
     def from_pretrained(
@@ -132,7 +156,7 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+        return self.kv_cache.num_blocks - self._reserved_blocks
 
     @property
     def vocab_size(self) -> int:
@@ -147,6 +171,10 @@ class ModelRunner:
         """Run one batched forward: write new K/V into the cache, return the requested logits."""
         from espalier.engine.attention.base import build_metadata
 
+        if self.graphs is not None:
+            replayed = self.graphs.forward(batch, hidden_layers)
+            if replayed is not None:
+                return replayed
         meta = build_metadata(batch, block_size=self.block_size, device=self.device)
         self.attention.prepare(meta)
         hidden, captured = self.model(

@@ -117,10 +117,38 @@ def register_backend(name: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return wrap
 
 
-def get_attention_backend(name: str, model_config: ModelConfig) -> AttentionBackend:
-    """The backend called ``name`` ("sdpa"; "flashinfer" once it exists), imported lazily."""
+def resolve_backend_name(
+    name: str, model_config: ModelConfig, device: torch.device | None, dtype: torch.dtype | None
+) -> str:
+    """``"auto"`` -> "flashinfer" on CUDA when it imports and supports the model, else "sdpa"."""
+    if name != "auto":
+        return name
+    if device is None or device.type != "cuda" or dtype is None:
+        return "sdpa"
+    from espalier.engine.attention.flashinfer import flashinfer_supports
+
+    return "flashinfer" if flashinfer_supports(model_config, dtype) else "sdpa"
+
+
+def get_attention_backend(
+    name: str,
+    model_config: ModelConfig,
+    *,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """The backend called ``name`` ("sdpa", "flashinfer" or "auto"), imported lazily.
+
+    flashinfer needs ``device`` and ``dtype`` (its workspace lives on the device)."""
+    name = resolve_backend_name(name, model_config, device, dtype)
     if name == "sdpa":
         from espalier.engine.attention import sdpa  # noqa: F401  (registers itself)
+    if name == "flashinfer":
+        from espalier.engine.attention.flashinfer import FlashinferBackend
+
+        if device is None or dtype is None:
+            raise ValueError("the flashinfer backend needs a CUDA device and a dtype")
+        return FlashinferBackend(model_config, device=device, dtype=dtype)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     return _BACKENDS[name](model_config)

@@ -15,6 +15,7 @@ from torch import nn
 from espalier.engine.attention.base import AttentionBackend, AttentionMetadata, LayerSpec
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
+from espalier.engine.models import fused
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,6 +46,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel instead of eight (``models/fused.py``)
+            return fused.rms_norm(x, self.weight, self.eps, gemma=False)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -59,6 +62,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused.rms_norm(x, self.weight, self.eps, gemma=True)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -90,6 +95,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with act = silu (SwiGLU) or gelu-tanh (GeGLU)."""
 
+    gate_up_weight: torch.Tensor | None = None  # set on CUDA by ``fused.fuse_projections``
+
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=False)
@@ -105,11 +112,17 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported activation {act!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None and x.is_cuda:  # ``fused.fuse_projections``
+            gate_up = linear(x, self.gate_up_weight)
+            return self.down_proj(fused.gated_act(gate_up, gelu=self.act is _gelu_tanh))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class PagedAttention(nn.Module):
     """q/k/v/o projections (+ optional per-head QK-norm) around the paged attention backend."""
+
+    qkv_weight: torch.Tensor | None = None  # set on CUDA by ``fused.fuse_projections``
+    qkv_bias: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -140,12 +153,22 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None and x.is_cuda:  # one GEMM (``fused.fuse_projections``)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, nq : nq + nk].view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, nq + nk :].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q.is_cuda:
+            q, k = fused.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention.forward(self.spec, q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -77,6 +77,7 @@ def plain_greedy(
         if matcher is not None:
             matcher.fill_bitmask(row, 0)
             allowed = torch.from_numpy(bm.unpack_allowed(row[0], runner.vocab_size))
+            allowed = allowed.to(logits.device)
             logits = logits.masked_fill(~allowed, float("-inf"))
         token = int(logits.argmax())
         out.append(token)

@@ -1,0 +1,307 @@
+"""The fast GPU path against the HBM roofline, in one run on a CUDA machine, printing JSON lines.
+
+1. ``bandwidth``: a 4 GiB device-to-device copy (bytes read + written over the median time of
+   10 copies): the anchor. Roofline decode rate at batch B = B x bandwidth / weight bytes read
+   per step (every parameter but the embedding table, which is gathered, not streamed).
+2. ``decode``: an 8B-Llama-shaped target (Llama-3-8B dimensions, the Gemma tokenizer's 262,144
+   vocabulary, random bf16 weights as ``bench/spec.py``), batch 1 / 8 / 64, 128-token prompts,
+   greedy decode steps fed back through the runner with one host sync per step (the argmax, as
+   the engine does): tokens/s and the ratio to the roofline for eager torch SDPA, flashinfer
+   eager and flashinfer + CUDA graphs (the three runners share the weights).
+3. ``profile``: top CUDA ops of batch-1 decode steps (torch.profiler), per path, and the host
+   time to launch one eager step: what limits each.
+4. ``spec_equal_work``: constrained vs unconstrained, plain and speculative (oracle drafter),
+   batch 1 and 32, the same tokens per request on both sides (``bench/gpu_spec.py``, reusing
+   ``bench/spec.py``'s machinery), on the default path (flashinfer + decode and tree-verify
+   CUDA graphs); host profile of the constrained runs at ``--profile-batch``.
+   ``--lead-spec`` also runs ``bench/spec.py``'s GPU part as it is.
+
+The last line is a summary. Usage (on the GPU machine)::
+
+    python3 bench/gpu.py --tokenizer .data/gpu/gemma_tok [--batches 1,8,64] [--steps 64]
+        [--spec-batches 1,32] [--spec-max-tokens 96] [--mask-threads 8] [--skip-spec]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+PROMPT_LEN = 128
+PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
+    "sdpa_eager": ("sdpa", ()),
+    "flashinfer_eager": ("flashinfer", ()),
+    "flashinfer_graphs": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
+}
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def copy_bandwidth(gib: int = 4, reps: int = 10) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (gib << 30) / statistics.median(times)
+
+
+def weight_bytes(runner: Any) -> int:
+    """Bytes one decode step streams: every parameter except an untied embedding table."""
+    model = runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not runner.model_config.tie_word_embeddings:
+        embed = model.model.embed_tokens.weight
+        total -= embed.numel() * embed.element_size()
+    return int(total)
+
+
+def decode_rate(runner: Any, batch: int, steps: int, seed: int = 0) -> dict[str, float]:
+    """Greedy decode tokens/s at ``batch`` after a 128-token prefill (one sync per step)."""
+    from espalier.engine.kv_cache import blocks_needed
+    from espalier.engine.runner import SeqInput
+
+    per_seq = blocks_needed(PROMPT_LEN + steps + 8, runner.block_size)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 200_000, (PROMPT_LEN,), generator=gen).tolist() for _ in tables]
+    out = runner.forward([SeqInput(t, p, 0) for t, p in zip(tables, prompts)])
+    tokens = out.logits.argmax(-1).tolist()
+    ctx = PROMPT_LEN
+    launch_s: list[float] = []
+    start = 0.0
+    for step in range(steps + 4):
+        if step == 4:  # warm-up done (lazy init, JIT, allocator)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        out = runner.forward([SeqInput(t, [tok], ctx) for t, tok in zip(tables, tokens)])
+        launch_s.append(time.perf_counter() - t0)
+        # host sync: the next tokens go back to python, once per step (as the engine)
+        tokens = out.logits.argmax(-1).tolist()
+        ctx += 1
+    seconds = time.perf_counter() - start
+    return {
+        "tok_per_s": batch * steps / seconds,
+        "step_ms": 1e3 * seconds / steps,
+        "host_launch_ms": 1e3 * statistics.median(launch_s[4:]),
+    }
+
+
+def profile_decode(runner: Any, steps: int = 6, top: int = 12) -> list[dict[str, Any]]:
+    """Top ops by self CUDA time over ``steps`` batch-1 decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_rate(runner, 1, 4)  # warm
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode_rate(runner, 1, steps, seed=1)
+    rows = []
+    for evt in prof.key_averages():
+        cuda_us = getattr(evt, "self_device_time_total", None)
+        if cuda_us is None:
+            cuda_us = getattr(evt, "self_cuda_time_total", 0.0)
+        rows.append({"op": evt.key[:80], "self_cuda_ms": cuda_us / 1e3, "calls": evt.count})
+    rows.sort(key=lambda r: -r["self_cuda_ms"])
+    return rows[:top]
+
+
+def build_runners(tokenizer_vocab: int, batches: Sequence[int], steps: int) -> dict[str, Any]:
+    from spec import _random_state  # bench/spec.py (this script's folder is on sys.path)
+
+    from espalier.engine.config import CacheConfig, RunnerConfig
+    from espalier.engine.kv_cache import blocks_needed
+    from espalier.engine.runner import ModelRunner
+
+    config = llama_8b_config(tokenizer_vocab)
+    state = _random_state(config, "cuda")
+    blocks = max(batches) * blocks_needed(PROMPT_LEN + steps + 8, 16)
+    runners = {}
+    for name, (backend, graphs) in PATHS.items():
+        try:
+            runners[name] = ModelRunner(
+                config,
+                state,
+                RunnerConfig(
+                    device="cuda",
+                    attention_backend=backend,
+                    cache=CacheConfig(block_size=16, num_blocks=blocks),
+                    cuda_graph_batch_sizes=graphs,
+                ),
+            )
+        except Exception as exc:  # keep the other paths measurable
+            emit({"part": "decode", "path": name, "error": repr(exc)[:400]})
+    return runners
+
+
+def decode_part(
+    runners: dict[str, Any], bandwidth: float, batches: Sequence[int], steps: int
+) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for name, runner in runners.items():
+        wbytes = weight_bytes(runner)
+        graphs = runner.graphs
+        for batch in batches:
+            try:
+                rate = decode_rate(runner, batch, steps)
+            except Exception as exc:
+                emit({"part": "decode", "path": name, "batch": batch, "error": repr(exc)[:400]})
+                continue
+            roofline = batch * bandwidth / wbytes
+            record = {
+                "part": "decode",
+                "path": name,
+                "attention": runner.attention.name,
+                "graphs": graphs.captured if graphs is not None else [],
+                "batch": batch,
+                **{k: round(v, 3) for k, v in rate.items()},
+                "roofline_tok_per_s": round(roofline, 1),
+                "of_roofline": round(rate["tok_per_s"] / roofline, 3),
+                "weight_gb": round(wbytes / 1e9, 3),
+            }
+            emit(record)
+            summary[f"{name}_b{batch}_of_roofline"] = record["of_roofline"]
+            summary[f"{name}_b{batch}_tok_per_s"] = round(rate["tok_per_s"], 1)
+        if graphs is not None and graphs.failures:
+            failures = {f"{b}x{n}": reason for (b, n), reason in graphs.failures.items()}
+            emit({"part": "decode", "path": name, "graph_failures": failures})
+    for name, runner in runners.items():
+        try:
+            emit({"part": "profile", "path": name, "batch": 1, "top_ops": profile_decode(runner)})
+        except Exception as exc:
+            emit({"part": "profile", "path": name, "error": repr(exc)[:400]})
+    return summary
+
+
+def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Constrained vs unconstrained, plain and oracle-speculative, equal work
+    (``bench/gpu_spec.py``) on the default path (flashinfer, decode + tree-verify graphs)."""
+    from gpu_spec import equal_work
+    from spec import _random_state
+
+    from espalier.engine.config import CacheConfig, RunnerConfig
+    from espalier.engine.runner import ModelRunner
+
+    config = llama_8b_config(tokenizer.vocab_size)
+    runner = ModelRunner(
+        config,
+        _random_state(config, "cuda"),
+        RunnerConfig(device="cuda", cache=CacheConfig(block_size=16, num_blocks=8192)),
+    )
+    emit(
+        {
+            "part": "spec_equal_work",
+            "attention": runner.attention.name,
+            "graphs": runner.graphs.captured if runner.graphs is not None else [],
+        }
+    )
+    batches = [int(b) for b in args.spec_batches.split(",")]
+    out = equal_work(
+        runner,
+        tokenizer,
+        batches,
+        args.spec_max_tokens,
+        args.schemas,
+        args.mask_threads,
+        emit,
+        profile_batch=args.profile_batch,
+        closing=not args.no_closing,
+    )
+    if runner.graphs is not None:
+        emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
+    return out
+
+
+def llama_8b_config(vocab_size: int) -> Any:
+    """Llama-3-8B dimensions with the tokenizer's vocabulary."""
+    from espalier.engine.config import ModelConfig
+
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=vocab_size,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", default=None, help="converted tokenizer folder")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--spec-batches", default="1,32")
+    parser.add_argument("--spec-max-tokens", type=int, default=96)
+    parser.add_argument("--schemas", type=int, default=6)
+    parser.add_argument("--skip-spec", action="store_true")
+    parser.add_argument("--mask-threads", type=int, default=8)
+    parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
+    parser.add_argument(
+        "--no-closing", action="store_true", help="EngineConfig(close_within_budget=False)"
+    )
+    parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
+    parser.add_argument("--skip-decode", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        emit({"skipped": "CUDA not available"})
+        return 0
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+    tokenizer = (
+        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else TokenizerInfo.default()
+    )
+    bandwidth = copy_bandwidth()
+    emit(
+        {
+            "part": "bandwidth",
+            "copy_tb_per_s": round(bandwidth / 1e12, 3),
+            "device": torch.cuda.get_device_name(),
+        }
+    )
+    summary: dict[str, Any] = {"part": "summary", "copy_tb_per_s": round(bandwidth / 1e12, 3)}
+    batches = [int(b) for b in args.batches.split(",")]
+    if not args.skip_decode:
+        runners = build_runners(tokenizer.vocab_size, batches, args.steps)
+        summary.update(decode_part(runners, bandwidth, batches, args.steps))
+        del runners
+        gc.collect()
+        torch.cuda.empty_cache()
+    if not args.skip_spec:
+        summary.update(spec_part(tokenizer, args))
+    if args.lead_spec:
+        import spec
+
+        spec.gpu_part(
+            [int(b) for b in args.spec_batches.split(",")],
+            args.spec_max_tokens,
+            args.schemas,
+            tokenizer_dir=args.tokenizer,
+        )
+    emit(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

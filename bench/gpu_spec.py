@@ -1,0 +1,250 @@
+"""Constrained vs unconstrained on the GPU with equal work: the same tokens per request.
+
+``bench/spec.py``'s GPU part lets each run stop where it stops: a constrained request that the
+grammar ends after 22 tokens is compared with an unconstrained one that runs 96, so prefill and
+start-up weigh four times more on the constrained side. Here (same 8B-shaped target, oracle
+drafter, machinery from ``bench/spec.py``):
+
+1. plain constrained greedy run -> each request's output length ``L_i`` (and the oracle's
+   continuation for the constrained speculative run);
+2. plain unconstrained run with ``max_tokens = L_i`` per request (its continuation for the
+   unconstrained speculative run);
+3. both speculative runs (each after a warm-up run of the same requests); tokens/s, the ratio,
+   accept lengths, and the speculative step's time split (draft / waiting for masks / verify).
+
+Batch 1 runs the schemas one after another (each request alone; tokens and seconds summed);
+batch B runs B requests at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
+
+
+def _requests(
+    prompts: Sequence[list[int]],
+    grammars: Sequence[Any],
+    lengths: Sequence[int],
+    speculative: bool,
+    prefix: str,
+) -> list[Any]:
+    from espalier.engine.api import (
+        ConstraintOptions,
+        GenerationRequest,
+        SamplingParams,
+        SpeculativeOptions,
+    )
+
+    return [
+        GenerationRequest(
+            f"{prefix}{i}",
+            prompt_token_ids=tuple(p),
+            sampling=SamplingParams(max_tokens=n),
+            grammar=g,
+            constraint=ConstraintOptions(backend=spec_bench.BACKEND, allow_weakening=True),
+            speculative=SpeculativeOptions(enabled=speculative),
+        )
+        for i, (p, g, n) in enumerate(zip(prompts, grammars, lengths))
+    ]
+
+
+def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) -> dict[str, Any]:
+    """Run each group of requests to completion on a fresh engine (after a warm-up of the same
+    group); sums of tokens, seconds and speculative stats; outputs by request id. ``profile``:
+    also the top host functions (cProfile, by own time) of the timed part."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile() if profile else None
+    total: dict[str, Any] = {"tokens": 0, "seconds": 0.0, "outputs": {}}
+    stats = {"steps": 0, "accepted": 0, "draft_s": 0.0, "mask_s": 0.0, "verify_s": 0.0}
+    for group in groups:
+        engine = engine_factory()
+        spec_bench.run_engine(engine, group)  # warm-up: kernels, graphs, allocator
+        outputs: dict[str, list[int]] = {r.request_id: [] for r in group}
+        start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        for request in group:
+            engine.add_request(request)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.request_id].extend(out.token_ids)
+                if out.finished and out.speculative is not None:
+                    s = out.speculative
+                    stats["steps"] += s.steps
+                    stats["accepted"] += s.accepted_tokens
+                    stats["draft_s"] += s.draft_s
+                    stats["mask_s"] += s.mask_s
+                    stats["verify_s"] += s.verify_s
+        if profiler is not None:
+            profiler.disable()
+        total["seconds"] += time.perf_counter() - start
+        total["tokens"] += sum(len(v) for v in outputs.values())
+        total["outputs"].update(outputs)
+        engine.close()
+    total["tok_per_s"] = total["tokens"] / total["seconds"]
+    total["mean_accept_length"] = stats["accepted"] / stats["steps"] if stats["steps"] else 0.0
+    total["spec_time_split_s"] = {k: round(v, 4) for k, v in stats.items() if k.endswith("_s")}
+    if profiler is not None:
+        rows = pstats.Stats(profiler).stats.items()  # type: ignore[attr-defined]
+        top = sorted(rows, key=lambda kv: -kv[1][2])[:15]
+        total["host_top_tottime_s"] = [
+            [f"{path.split('/')[-1]}:{line}:{name}", round(tt, 4), calls]
+            for (path, line, name), (_, calls, tt, _, _) in top
+        ]
+    return total
+
+
+@dataclass(frozen=True)
+class _Setup:
+    runner: Any
+    tokenizer: Any
+    service: Any
+    batch: int
+    mask_threads: int
+    closing: bool = True  # EngineConfig.close_within_budget (per-token checks near max_tokens)
+
+    def groups(self, requests: list[Any]) -> list[list[Any]]:
+        """Batch 1: each request alone, one after another; else all at once."""
+        return [[r] for r in requests] if self.batch == 1 else [requests]
+
+    def plain(self) -> Any:
+        from espalier.engine.engine import Engine
+
+        return Engine(self.engine_config(), self.runner, self.tokenizer, grammar=self.service)
+
+    def oracle(self, continuations: dict[str, tuple[int, list[int]]]) -> Any:
+        """A factory of speculative engines proposing ``continuations`` (the oracle drafter)."""
+        from espalier.engine.spec.strategy import SpecConfig, install
+
+        def make() -> Any:
+            engine = self.plain()
+            config = SpecConfig(
+                methods=("oracle",),
+                num_draft_tokens=8,
+                mask_budget_s=None,
+                mask_threads=self.mask_threads,
+            )
+            install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
+            return engine
+
+        return make
+
+    def engine_config(self) -> Any:
+        from espalier.engine.engine import EngineConfig
+        from espalier.engine.scheduler import SchedulerConfig
+
+        config = EngineConfig(
+            compile_timeout_s=600,
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.batch, max_num_batched_tokens=max(4096, 160 * self.batch)
+            ),
+        )
+        if not self.closing and hasattr(config, "close_within_budget"):
+            config = replace(config, close_within_budget=False)
+        return config
+
+
+def _one_batch(
+    setup: _Setup,
+    prompts: list[list[int]],
+    grammars: list[Any],
+    max_tokens: int,
+    profile: bool,
+) -> dict[tuple[bool, bool], dict[str, Any]]:
+    """The four runs of one batch size, keyed by (constrained, speculative)."""
+    count = len(prompts)
+    results: dict[tuple[bool, bool], dict[str, Any]] = {}
+    full = [max_tokens] * count
+    c_plain = _run(
+        setup.plain, setup.groups(_requests(prompts, grammars, full, False, "c")), profile
+    )
+    lengths = [max(1, len(c_plain["outputs"][f"c{i}"])) for i in range(count)]
+    free = [None] * count
+    u_plain = _run(setup.plain, setup.groups(_requests(prompts, free, lengths, False, "u")))
+    results[(True, False)], results[(False, False)] = c_plain, u_plain
+    for constrained, base, prefix in ((True, c_plain, "c"), (False, u_plain, "u")):
+        continuations = {
+            f"{prefix}{i}": (len(p), base["outputs"][f"{prefix}{i}"]) for i, p in enumerate(prompts)
+        }
+        reqs = _requests(prompts, grammars if constrained else free, lengths, True, prefix)
+        results[(constrained, True)] = _run(
+            setup.oracle(continuations), setup.groups(reqs), profile and constrained
+        )
+    return results
+
+
+def equal_work(
+    runner: Any,
+    tokenizer: Any,
+    batches: Sequence[int],
+    max_tokens: int,
+    n_schemas: int,
+    mask_threads: int,
+    emit: Any,
+    profile_batch: int = 0,
+    closing: bool = True,
+) -> dict[str, float]:
+    """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``."""
+    import torch
+
+    from espalier.constrained.spec import GrammarSpec
+
+    schemas = [
+        s
+        for s in spec_bench.sample_schemas(n_schemas, with_instances=False)
+        if spec_bench.compile_schema(s[1], tokenizer) is not None
+    ]
+    service = spec_bench.shared_grammars(
+        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas]
+    )
+    gen = torch.Generator().manual_seed(0)
+    summary: dict[str, float] = {}
+    for batch in batches:
+        count = len(schemas) if batch == 1 else batch
+        prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(count)]
+        grammars = [GrammarSpec.json_schema(schemas[i % len(schemas)][1]) for i in range(count)]
+        setup = _Setup(runner, tokenizer, service, batch, mask_threads, closing)
+        results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch)
+        for (constrained, speculative), r in results.items():
+            emit(
+                {
+                    "part": "spec_equal_work",
+                    "batch": batch,
+                    "requests": count,
+                    "constrained": constrained,
+                    "speculative": "oracle" if speculative else "off",
+                    "mask_threads": mask_threads,
+                    "closing": closing,
+                    **{k: v for k, v in r.items() if k != "outputs"},
+                }
+            )
+
+        def tps(constrained: bool, speculative: bool, results: Any = results) -> float:
+            return float(results[(constrained, speculative)]["tok_per_s"])
+
+        ratio, plain_ratio = (
+            tps(True, True) / tps(False, True),
+            tps(True, False) / tps(False, False),
+        )
+        emit(
+            {
+                "part": "spec_equal_work",
+                "batch": batch,
+                "mask_threads": mask_threads,
+                "closing": closing,
+                "constrained_over_unconstrained_speculative": round(ratio, 3),
+                "constrained_over_unconstrained_plain": round(plain_ratio, 3),
+                "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),
+                "speedup_constrained": round(tps(True, True) / tps(True, False), 3),
+            }
+        )
+        summary[f"b{batch}_constrained_over_unconstrained_spec"] = round(ratio, 3)
+        summary[f"b{batch}_constrained_over_unconstrained_plain"] = round(plain_ratio, 3)
+    return summary

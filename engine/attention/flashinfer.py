@@ -1,0 +1,228 @@
+"""flashinfer paged attention (CUDA, bf16/fp16): prefill chunks, decodes and draft trees alike.
+
+One ``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, "NHD" layout = ``engine/kv_cache.py``)
+per distinct layer window (None = full attention: Llama has one kind, Gemma 3 two). ``prepare``
+plans each wrapper once per step from the step's CSR arrays (``paged_plan``); ``forward`` writes
+the layer's new K/V into the cache and runs the planned wrapper. GQA is native (``num_heads`` a
+multiple of ``num_kv_heads``); the softmax scale is the model's ``attn_scale``.
+
+Masks: a causal step (prefill chunks, decodes) plans with flashinfer's causal rule and
+``window_left = window - 1``. A step with a draft tree (custom masks, positions by depth) plans
+explicit masks (``paged_plan.step_mask``), bit-packed on the CPU and uploaded without blocking.
+Either way ``plan`` reads only CPU arrays: no host sync.
+
+CUDA graphs (``engine/cuda_graphs.py``): ``graph_wrappers`` makes wrappers in flashinfer's
+CUDA-graph mode with fixed-size index (and packed-mask) buffers for one captured shape;
+``plan_causal`` / ``plan_graph_masked`` re-plan them (on the host, outside the graph) before each
+replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from espalier.engine.attention.base import AttentionMetadata, LayerSpec
+from espalier.engine.attention.paged_plan import (
+    PagedLayout,
+    meta_layout,
+    pack_mask_segments,
+    step_mask,
+)
+from espalier.engine.config import ModelConfig
+from espalier.engine.kv_cache import KVCache
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-KV partial results)
+
+Wrappers = dict[int | None, Any]  # layer window (None = full) -> a planned flashinfer wrapper
+
+
+@dataclass
+class GraphWrappers:
+    """CUDA-graph-mode wrappers of one captured shape, per layer window; in custom-mask mode also
+    each window's fixed (packed mask uint8 ``[bytes]``, byte offsets int32 ``[B + 1]``) buffers."""
+
+    wrappers: Wrappers
+    mask_buffers: dict[int | None, tuple[torch.Tensor, torch.Tensor]]
+
+
+def flashinfer_supports(model_config: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether flashinfer imports and runs this model: half-precision K/V, a head dim it has
+    kernels for, and no attention-score softcapping (no supported model has one)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if model_config.head_dim not in SUPPORTED_HEAD_DIMS:
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FlashinferBackend:
+    """Paged attention through flashinfer's batch prefill wrappers (see the module docstring)."""
+
+    name = "flashinfer"
+
+    def __init__(
+        self, model_config: ModelConfig, *, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        try:
+            import flashinfer
+        except ImportError as exc:  # pragma: no cover - CPU CI has no flashinfer
+            raise ImportError("flashinfer backend: `pip install flashinfer-python`") from exc
+        if device.type != "cuda":
+            raise ValueError("the flashinfer backend runs on CUDA only")
+        self._flashinfer = flashinfer
+        self.config = model_config
+        self.device, self.dtype = device, dtype
+        self.windows = sorted(
+            {model_config.window(i) for i in range(model_config.num_layers)},
+            key=lambda w: -1 if w is None else w,
+        )
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._eager: Wrappers = {w: self._wrapper() for w in self.windows}
+
+    def _wrapper(self, **graph_buffers: Any) -> Any:
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2", **graph_buffers
+        )
+
+    # -- planning (host side, once per step) ---------------------------------------------------
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        layout = meta_layout(meta)
+        for window, wrapper in self._eager.items():
+            segments = step_mask(meta, window)
+            if segments is None:
+                self._plan(wrapper, layout, meta.block_size, window=window)
+            else:
+                self._plan_masked(wrapper, layout, meta.block_size, segments)
+        meta.backend_state = self._eager
+
+    def _plan_masked(
+        self, wrapper: Any, layout: PagedLayout, block_size: int, segments: list[np.ndarray]
+    ) -> None:
+        """Plan with explicit masks, packed here on the CPU (``paged_plan.pack_mask_segments``).
+
+        Why not ``plan(custom_mask=...)``: flashinfer packs on the device from device-side indptrs
+        and reads the packed size back (host syncs), and its packing kernel is one more JIT
+        module. The wrapper takes the packed mask and its byte offsets as ``_custom_mask_buf`` /
+        ``_mask_indptr_buf`` (flashinfer 0.6: what ``run`` reads to pick the custom-mask mode);
+        where a version lacks them, the public path runs instead.
+        """
+        if not (hasattr(wrapper, "_custom_mask_buf") and hasattr(wrapper, "_mask_indptr_buf")):
+            custom = torch.from_numpy(np.concatenate(segments)).to(self.device)
+            self._plan(wrapper, layout.to(self.device), block_size, window=None, custom_mask=custom)
+            return
+        packed, indptr = pack_mask_segments(segments)
+        self._plan(wrapper, layout, block_size, window=None, causal=False)
+        wrapper._custom_mask_buf = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        wrapper._mask_indptr_buf = torch.from_numpy(indptr).to(self.device, non_blocking=True)
+
+    def plan_causal(self, wrappers: Wrappers, layout: PagedLayout, block_size: int) -> None:
+        """Plan ``wrappers`` (eager or CUDA-graph mode) for the causal step ``layout``."""
+        for window, wrapper in wrappers.items():
+            self._plan(wrapper, layout, block_size, window=window)
+
+    def _plan(
+        self,
+        wrapper: Any,
+        layout: PagedLayout,
+        block_size: int,
+        *,
+        window: int | None,
+        custom_mask: torch.Tensor | None = None,
+        causal: bool = True,
+    ) -> None:
+        cfg = self.config
+        wrapper.plan(
+            layout.qo_indptr,
+            layout.kv_indptr,
+            layout.kv_indices,
+            layout.last_page_len,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            block_size,
+            custom_mask=custom_mask,
+            causal=causal and custom_mask is None,
+            sm_scale=cfg.scale,
+            window_left=-1 if window is None else window - 1,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def graph_wrappers(
+        self, batch_size: int, max_pages: int, tokens_per_seq: int = 1, mask_bytes: int = 0
+    ) -> GraphWrappers:
+        """Wrappers in CUDA-graph mode for ``batch_size`` sequences of ``tokens_per_seq`` new
+        tokens over at most ``max_pages`` pages in all (fixed int32 index buffers on the device).
+        ``mask_bytes > 0``: custom-mask mode, with a packed-mask buffer of that many bytes per
+        layer window (``plan_graph_masked`` fills it)."""
+
+        def ints(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+        step = tokens_per_seq
+        out = GraphWrappers({}, {})
+        for window in self.windows:
+            masks: dict[str, torch.Tensor] = {}
+            if mask_bytes:
+                mask = torch.zeros(mask_bytes, dtype=torch.uint8, device=self.device)
+                masks = {"custom_mask_buf": mask, "mask_indptr_buf": ints(batch_size + 1)}
+                out.mask_buffers[window] = (mask, masks["mask_indptr_buf"])
+            out.wrappers[window] = self._wrapper(
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.arange(
+                    0, batch_size * step + 1, step, dtype=torch.int32, device=self.device
+                ),
+                paged_kv_indptr_buf=ints(batch_size + 1),
+                paged_kv_indices_buf=ints(max_pages),
+                paged_kv_last_page_len_buf=ints(batch_size) + 1,
+                **masks,
+            )
+        return out
+
+    def plan_graph_masked(
+        self,
+        graph: GraphWrappers,
+        layout: PagedLayout,
+        block_size: int,
+        segments: dict[int | None, list[np.ndarray]],
+    ) -> None:
+        """Plan custom-mask ``graph_wrappers`` for a step: ``segments[window]`` per sequence (the
+        window folded in, ``paged_plan.sequence_mask``); the packed masks are copied into the
+        fixed buffers. Raises ValueError when they do not fit."""
+        for window, wrapper in graph.wrappers.items():
+            mask_buf, indptr_buf = graph.mask_buffers[window]
+            packed, indptr = pack_mask_segments(segments[window])
+            if len(packed) > mask_buf.numel():
+                raise ValueError("packed masks exceed the graph's mask buffer")
+            self._plan(wrapper, layout, block_size, window=None, causal=False)
+            mask_buf[: len(packed)].copy_(torch.from_numpy(packed), non_blocking=True)
+            indptr_buf.copy_(torch.from_numpy(indptr), non_blocking=True)
+
+    # -- per layer -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        spec: LayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: ``[T, H, D]``, k/v: ``[T, Hkv, D]`` (roped, bf16/fp16, CUDA) -> ``[T, H, D]``."""
+        if spec.logit_softcap is not None:
+            raise ValueError("the flashinfer backend plans no attention softcapping")
+        kv_cache.write(spec.layer, meta.slot_mapping, k, v)
+        wrapper = meta.backend_state[spec.sliding_window]
+        out: torch.Tensor = wrapper.run(q, (kv_cache.k[spec.layer], kv_cache.v[spec.layer]))
+        return out

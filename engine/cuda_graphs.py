@@ -1,0 +1,255 @@
+"""CUDA graphs for decode steps and tree verification: one captured forward per step shape.
+
+A shape is ``(bucket, n)``: ``bucket`` sequences of ``n`` new tokens each. ``n = 1`` is a plain
+decode step (causal); ``n`` in ``tree_sizes`` is a verification step whose every sequence feeds a
+draft tree of exactly ``n`` nodes (custom masks, positions by depth, logits for every node). A
+step replays the graph of the smallest captured bucket >= its batch; other steps (prefill chunks,
+trees of other sizes, inner-layer hidden states, bigger batches) run eagerly.
+
+Captured: embedding -> decoder layers (K/V writes + flashinfer attention) -> final norm into a
+static hidden-state buffer ``[bucket * n, hidden]``; the LM head runs eagerly after the replay
+(one GEMM over the rows that want logits). Inputs live in a static int64 ``[3, bucket * n]``
+device buffer (token ids, rope positions, cache slots) filled by one host-to-device copy. A batch
+of ``b < bucket`` pads with dummy sequences of ``n`` tokens written into a reserved scratch block
+(the cache's last block, never handed to the scheduler), attending causally among themselves;
+their rows are dropped. flashinfer's wrappers are in CUDA-graph mode per shape (fixed index and
+packed-mask buffers) and re-planned on the host before each replay, outside the graph. A shape
+whose capture fails is dropped with a logged reason; its steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from espalier.engine.attention.base import AttentionMetadata
+from espalier.engine.attention.paged_plan import paged_layout, sequence_mask
+
+if TYPE_CHECKING:
+    from espalier.engine.attention.flashinfer import FlashinferBackend, GraphWrappers
+    from espalier.engine.runner import ForwardOutput, ModelRunner, SeqInput
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, int]  # (sequences, new tokens per sequence)
+
+
+@dataclass
+class _Graph:
+    """One captured shape. inputs: int64 ``[3, bucket * n]`` (tokens, positions, slots), device;
+    hidden: the captured forward's output ``[bucket * n, hidden]`` (model dtype)."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor
+    hidden: torch.Tensor
+    wrappers: GraphWrappers
+
+
+class StepGraphs:
+    """Captures and replays decode and tree-verify forwards of ``runner`` (flashinfer, CUDA)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch_sizes: Sequence[int],
+        tree_sizes: Sequence[int],
+        scratch_block: int,
+    ) -> None:
+        self.runner = runner
+        self.backend: FlashinferBackend = runner.attention  # type: ignore[assignment]
+        self.batch_sizes = sorted({b for b in batch_sizes if b > 0})
+        # a dummy sequence's tokens must fit in the scratch block
+        self.tree_sizes = sorted({n for n in tree_sizes if 1 < n <= runner.block_size})
+        self.scratch_block = scratch_block
+        self.graphs: dict[Shape, _Graph] = {}
+        self.failures: dict[Shape, str] = {}
+        self.replays: dict[int, int] = {}  # tokens per sequence -> replays
+
+    @property
+    def captured(self) -> list[Shape]:
+        return sorted(self.graphs)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every shape, largest first per ``n`` (smaller ones reuse its memory pool)."""
+        pool = None
+        for n in [1, *self.tree_sizes]:
+            for bucket in reversed(self.batch_sizes):
+                try:
+                    graph = self._capture_one(bucket, n, pool)
+                except Exception as exc:  # any capture failure: that shape runs eagerly
+                    self.failures[(bucket, n)] = f"{type(exc).__name__}: {exc}"
+                    log.warning(
+                        "CUDA graph for %d x %d tokens not captured (%s); eager instead",
+                        bucket,
+                        n,
+                        self.failures[(bucket, n)],
+                    )
+                    continue
+                pool = graph.graph.pool()
+                self.graphs[(bucket, n)] = graph
+
+    def _capture_one(self, bucket: int, n: int, pool: object) -> _Graph:
+        runner, device = self.runner, self.runner.device
+        bs = runner.block_size
+        max_pages = runner.kv_cache.num_blocks + bucket
+        mask_bytes = 0
+        if n > 1:  # room for every sequence's packed [n, kv_len] mask at the longest kv_len
+            max_kv = min(runner.model_config.max_position_embeddings, max_pages * bs)
+            mask_bytes = bucket * (-(-n * max_kv // 8))
+        inputs = torch.zeros((3, bucket * n), dtype=torch.int64, device=device)
+        wrappers = self.backend.graph_wrappers(bucket, max_pages, n, mask_bytes)
+        self._plan(wrappers, [], bucket, n)
+        pad = self._padding(bucket, n)
+        inputs.copy_(torch.tensor(pad, dtype=torch.int64))
+        meta = _static_metadata(inputs, bucket, n, bs, device, wrappers)
+
+        def run() -> torch.Tensor:
+            hidden, _ = runner.model(inputs[0], inputs[1], meta, runner.kv_cache, self.backend)
+            return hidden
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (lazy init, JIT, caches)
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = run()
+        return _Graph(graph, inputs, hidden, wrappers)
+
+    # -- replay ------------------------------------------------------------------------------------
+
+    def forward(
+        self, batch: Sequence[SeqInput], hidden_layers: Sequence[int]
+    ) -> ForwardOutput | None:
+        """The step's output through a graph replay, or None when no graph fits the step."""
+        from espalier.engine.runner import ForwardOutput
+
+        final = self.runner.model_config.num_layers
+        n = _step_shape(batch)
+        if n is None or any(layer != final for layer in hidden_layers):
+            return None
+        bucket = next((b for b, k in self.captured if k == n and b >= len(batch)), None)
+        if bucket is None:
+            return None
+        graph = self.graphs[(bucket, n)]
+        try:
+            self._plan(graph.wrappers, batch, bucket, n)
+        except ValueError:  # more pages or mask bytes than the fixed buffers hold: eager
+            return None
+        graph.inputs.copy_(self._inputs(batch, bucket, n), non_blocking=True)
+        graph.graph.replay()
+        self.replays[n] = self.replays.get(n, 0) + 1
+        hidden = graph.hidden[: len(batch) * n]
+        if n == 1:
+            rows = [i for i, s in enumerate(batch) if s.logits != "none"]
+        else:
+            rows = list(range(len(batch) * n))
+        indptr = [0]
+        for s in batch:
+            indptr.append(indptr[-1] + (n if s.logits == "all" else int(s.logits != "none")))
+        model = self.runner.model
+        if len(rows) == hidden.shape[0]:
+            logits = model.compute_logits(hidden)
+        else:
+            index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+            logits = model.compute_logits(hidden.index_select(0, index))
+        captured = {final: hidden.clone()} if hidden_layers else {}
+        return ForwardOutput(logits=logits, logits_indptr=indptr, hidden_states=captured)
+
+    def _padding(self, count: int, n: int) -> list[list[int]]:
+        """tokens, positions, slots of ``count`` dummy sequences in the scratch block."""
+        base = self.scratch_block * self.runner.block_size
+        return [[0] * (count * n), list(range(n)) * count, [base + i for i in range(n)] * count]
+
+    def _inputs(self, batch: Sequence[SeqInput], bucket: int, n: int) -> torch.Tensor:
+        bs = self.runner.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in batch:
+            ctx, table = s.context_len, s.block_table
+            tokens.extend(s.token_ids)
+            positions.extend(range(ctx, ctx + n) if s.positions is None else s.positions)
+            slots.extend(table[i // bs] * bs + i % bs for i in range(ctx, ctx + n))
+        pad = self._padding(bucket - len(batch), n)
+        return torch.tensor(
+            [tokens + pad[0], positions + pad[1], slots + pad[2]], dtype=torch.int64
+        )
+
+    def _plan(
+        self, wrappers: GraphWrappers, batch: Sequence[SeqInput], bucket: int, n: int
+    ) -> None:
+        bs, pad = self.runner.block_size, bucket - len(batch)
+        kv_lens = [s.context_len + n for s in batch] + [n] * pad
+        tables = [list(s.block_table) for s in batch] + [[self.scratch_block]] * pad
+        layout = paged_layout([n] * bucket, kv_lens, tables, bs)
+        if n == 1:
+            self.backend.plan_causal(wrappers.wrappers, layout, bs)
+            return
+        dummy = np.tril(np.ones((n, n), dtype=bool)).ravel()  # padding: causal among itself
+        positions = [
+            range(s.context_len, s.context_len + n) if s.positions is None else s.positions
+            for s in batch
+        ]
+        segments = {
+            window: [
+                sequence_mask(s.context_len, s.context_len + n, pos, s.custom_mask, window).ravel()
+                for s, pos in zip(batch, positions)
+            ]
+            + [dummy] * pad
+            for window in wrappers.wrappers
+        }
+        self.backend.plan_graph_masked(wrappers, layout, bs, segments)
+
+
+def _step_shape(batch: Sequence[SeqInput]) -> int | None:
+    """New tokens per sequence when the step fits a graph: all decodes (1, causal, positions at
+    the cache index), or all trees of one size (custom masks, logits for every node)."""
+    if not batch:
+        return None
+    n = len(batch[0].token_ids)
+    if any(len(s.token_ids) != n for s in batch):
+        return None
+    if n == 1:
+        ok = all(
+            s.custom_mask is None and (s.positions is None or s.positions[0] == s.context_len)
+            for s in batch
+        )
+        return 1 if ok else None
+    ok = all(s.custom_mask is not None and s.logits == "all" for s in batch)
+    return n if ok else None
+
+
+def _static_metadata(
+    inputs: torch.Tensor,
+    bucket: int,
+    n: int,
+    block_size: int,
+    device: torch.device,
+    wrappers: GraphWrappers,
+) -> AttentionMetadata:
+    """Metadata whose device tensors are the graph's static inputs (the rest is the padded
+    capture layout; only ``slot_mapping`` and ``backend_state`` are read inside the graph)."""
+    return AttentionMetadata(
+        token_ids=inputs[0],
+        positions=inputs[1],
+        slot_mapping=inputs[2],
+        q_indptr=list(range(0, bucket * n + 1, n)),
+        context_lens=[0] * bucket,
+        kv_lens=[n] * bucket,
+        block_tables=[[0]] * bucket,
+        positions_list=[list(range(n))] * bucket,
+        custom_masks=[None] * bucket,
+        logits_rows=torch.arange(bucket * n, device=device),
+        logits_indptr=list(range(0, bucket * n + 1, n)),
+        block_size=block_size,
+        device=device,
+        backend_state=wrappers.wrappers,
+    )

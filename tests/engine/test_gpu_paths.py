@@ -1,0 +1,202 @@
+"""The fast GPU path against the plain one: flashinfer vs torch SDPA, CUDA-graph replay vs eager.
+
+Logits agree within bf16 tolerance for prefill, decode and draft-tree steps (full and
+sliding-window layers, Llama and Gemma 3); greedy outputs are identical token for token for plain
+and speculative decoding, with and without a grammar; greedy ties break the same way (lowest id)
+in the plain sampler and in tree verification.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from gpu_models import gpu_config, gpu_runner, gpu_state
+from spec_helpers import compile_matcher
+
+from espalier.engine.runner import SeqInput
+from espalier.engine.spec.combine import Proposer
+from espalier.engine.spec.decoder import SpeculativeDecoder
+from espalier.engine.spec.loop import LoopRequest, SpecLoop
+from espalier.engine.spec.masks import MaskBuilder
+from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from espalier.engine.spec.tree_builder import tree_attention_mask
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+#   tree of the verify step (node: parent)      0
+#                                             / | \
+#                                            1  2  3
+#                                           / \     \
+#                                          4   5     6
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 3]
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depths[i] = 0 if p < 0 else depths[p] + 1
+    return depths
+
+
+def step_logits(runner: Any) -> list[torch.Tensor]:
+    """Prefill two prompts, decode both, then verify a tree for one while the other decodes."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (19, 7)]
+    tables = [list(range(0, 16)), list(range(16, 32))]
+    out = [runner.forward([SeqInput(t, p, 0) for t, p in zip(tables, prompts)]).logits]
+    out.append(runner.forward([SeqInput(t, [5], len(p)) for t, p in zip(tables, prompts)]).logits)
+    ctx = [len(p) + 1 for p in prompts]
+    tree_tokens = torch.randint(0, 90, (len(TREE_PARENTS),), generator=gen).tolist()
+    tree = SeqInput(
+        tables[0],
+        tree_tokens,
+        ctx[0],
+        positions=[ctx[0] + d for d in _depths(TREE_PARENTS)],
+        custom_mask=tree_attention_mask(TREE_PARENTS, ctx[0]),
+        logits="all",
+    )
+    out.append(runner.forward([tree, SeqInput(tables[1], [9], ctx[1])]).logits)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "window"), [("llama", None), ("llama", 6), ("gemma3", 6), ("gemma3", None)]
+)
+def test_flashinfer_logits_match_sdpa(family: str, window: int | None) -> None:
+    config = gpu_config(97, family=family, window=window)
+    state = gpu_state(config, seed=0)
+    sdpa = step_logits(gpu_runner(config, state, backend="sdpa"))
+    fast = gpu_runner(config, state, backend="flashinfer")
+    assert fast.attention.name == "flashinfer"
+    for want, got in zip(sdpa, step_logits(fast)):
+        assert want.shape == got.shape
+        scale = want.abs().max()
+        assert (want - got).abs().max() <= 0.03 * scale, (want - got).abs().max() / scale
+
+
+def test_graph_replay_matches_eager_logits() -> None:
+    """Padded replay (3 sequences in the bucket of 4) gives the eager logits."""
+    config = gpu_config(97, window=6)
+    state = gpu_state(config, seed=2)
+    eager = gpu_runner(config, state, backend="flashinfer")
+    graphs = gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4))
+    assert graphs.graphs is not None and graphs.graphs.captured == [(1, 1), (2, 1), (4, 1)]
+    assert graphs.num_blocks == eager.num_blocks  # the scratch block is extra
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34]]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    for runner in (eager, graphs):
+        runner.forward([SeqInput(t, p, 0, logits="none") for t, p in zip(tables, prompts)])
+    for step in range(12):
+        batch = [SeqInput(t, [40 + step], len(p) + step) for t, p in zip(tables, prompts)]
+        want, got = eager.forward(batch).logits, graphs.forward(batch).logits
+        assert torch.allclose(want, got, atol=0.02 * float(want.abs().max()), rtol=0), step
+    assert graphs.graphs.replays == {1: 12}
+
+
+def test_tree_verify_graph_matches_eager_logits() -> None:
+    """Three sequences verifying 7-node trees (bucket 4, padded; sliding-window layer too)."""
+    config = gpu_config(97, window=6)
+    state = gpu_state(config, seed=5)
+    eager = gpu_runner(config, state, backend="flashinfer", block_size=8)
+    graphs = gpu_runner(
+        config, state, backend="flashinfer", graphs=(1, 2, 4), trees=(7,), block_size=8
+    )
+    assert graphs.graphs is not None and (4, 7) in graphs.graphs.captured
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34]]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    for runner in (eager, graphs):
+        runner.forward([SeqInput(t, p, 0, logits="none") for t, p in zip(tables, prompts)])
+    ctx = [len(p) for p in prompts]
+    for step in range(4):
+        batch = [
+            SeqInput(
+                t,
+                [50 + step + i for i in range(len(TREE_PARENTS))],
+                c,
+                positions=[c + d for d in _depths(TREE_PARENTS)],
+                custom_mask=tree_attention_mask(TREE_PARENTS, c),
+                logits="all",
+            )
+            for t, c in zip(tables, ctx)
+        ]
+        want, got = eager.forward(batch), graphs.forward(batch)
+        assert got.logits_indptr == want.logits_indptr == [0, 7, 14, 21]
+        scale = float(want.logits.abs().max())
+        assert torch.allclose(want.logits, got.logits, atol=0.02 * scale, rtol=0), step
+        ctx = [c + 3 for c in ctx]  # as if 2 nodes + a bonus were accepted
+    assert graphs.graphs.replays == {7: 4}
+
+
+def make_loop(runner: Any) -> SpecLoop:
+    proposer = Proposer({"ngram": NgramDrafter(NgramConfig(min_n=1, max_n=3))})
+    return SpecLoop(SpeculativeDecoder(runner, proposer, MaskBuilder(runner.vocab_size)))
+
+
+def loop_outputs(runner: Any, tokenizer: Any, speculate: bool) -> list[list[int]]:
+    """Greedy outputs of a mixed batch: constrained (two backends) and free requests."""
+    stops = frozenset(tokenizer.stop_token_ids)
+    draft = 6 if speculate else 0
+    setups = [
+        ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "llguidance", ("ngram", "forced")),
+        ([40, 41, 42, 43, 44, 45, 40, 41, 42], None, ("ngram",)),
+        ([99, 100, 101], "xgrammar", ("forced",)),
+        ([7, 7, 7, 7], None, ("ngram",)),
+    ]
+    requests = [
+        LoopRequest(
+            f"r{i}",
+            prompt,
+            28,
+            compile_matcher(tokenizer, backend) if backend else None,
+            methods,
+            draft,
+            stops,
+        )
+        for i, (prompt, backend, methods) in enumerate(setups)
+    ]
+    return [r.output_ids for r in make_loop(runner).generate(requests)]
+
+
+def test_greedy_outputs_identical_across_paths(toy_tokenizer: Any) -> None:
+    """SDPA eager, flashinfer eager, flashinfer + graphs: plain and speculative, with and without
+    grammars: the same tokens (and speculative == plain on each)."""
+    config = gpu_config(toy_tokenizer.vocab_size, window=8)
+    state = gpu_state(config, seed=4)
+    runners = {
+        "sdpa": gpu_runner(config, state, backend="sdpa"),
+        "flashinfer": gpu_runner(config, state, backend="flashinfer"),
+        "graphs": gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4, 8), trees=(4,)),
+    }
+    results = {
+        (name, spec): loop_outputs(runner, toy_tokenizer, spec)
+        for name, runner in runners.items()
+        for spec in (False, True)
+    }
+    reference = results[("sdpa", False)]
+    assert any(len(out) > 5 for out in reference)
+    for key, outputs in results.items():
+        assert outputs == reference, key
+    assert runners["graphs"].graphs is not None
+    assert sum(runners["graphs"].graphs.replays.values()) > 0
+
+
+def test_greedy_ties_break_to_the_lowest_id() -> None:
+    """bf16 logits tie often: the plain sampler and the verify kernel both pick the lowest id."""
+    from espalier.engine.sampler import RowParams, Sampler
+    from espalier.engine.spec.tree_builder import Draft
+    from espalier.engine.spec.verify import verify_greedy
+
+    logits = torch.zeros((2, 4096), device="cuda")
+    logits[0, [17, 900, 3000]] = 2.5  # a three-way tie
+    logits[1, [4000, 5, 77]] = torch.tensor([1.0, 1.0, 0.5], device="cuda").bfloat16().float()
+    plain = Sampler()(logits.clone(), [RowParams(), RowParams()]).token_ids
+    assert plain == [17, 5]
+    drafts = [Draft.root_only(1), Draft.root_only(2)]
+    accepted = verify_greedy(logits, drafts, None, 4096)
+    assert [a.tokens for a in accepted] == [[17], [5]]
+    assert torch.argmax(logits, dim=-1).tolist() == [17, 5]
