@@ -215,8 +215,21 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
         value = node["multipleOf"]
         if types != {"integer"} or not (isinstance(value, int) or float(value).is_integer()):
             return Support.WEAKENED
+        if any(bound in node for bound in NUMERIC - {"multipleOf"}):
+            return Support.WEAKENED  # dropped next to a range (probe "multipleOf-with-range")
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
+    return Support.EXACT
+
+
+_FLOAT64_EXACT_INT = 2**53
+
+
+def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in NUMERIC and keyword != "multipleOf":
+        value = node[keyword]
+        if isinstance(value, (int, float)) and abs(value) > _FLOAT64_EXACT_INT:
+            return Support.WEAKENED  # compared as float64: neighbours of the bound collapse
     return Support.EXACT
 
 
@@ -267,6 +280,7 @@ LLGUIDANCE = BackendProfile(
     exact=_EXACT_IN_JSON_BACKENDS | {"patternProperties"},
     # date / time / date-time / hostname: calendar and leap-second rules are not checked
     formats=frozenset({"email", "ipv4", "ipv6", "uri", "uuid", "duration"}),
+    rule=_llguidance_rule,
 )
 XGRAMMAR = BackendProfile(
     name="xgrammar",

@@ -43,6 +43,22 @@ PROBES: tuple[Probe, ...] = (
     _p("const", "const", {"const": 5}, [5], [6, "5"]),
     _p("multipleOf-int", "multipleOf", {"type": "integer", "multipleOf": 3}, [9, 0], [10]),
     _p("multipleOf-num", "multipleOf", {"type": "number", "multipleOf": 0.5}, [1.5], [1.2]),
+    # xgrammar drops multipleOf when the same node also has a range
+    _p(
+        "multipleOf-with-range",
+        "multipleOf",
+        {"type": "integer", "minimum": 0, "multipleOf": 3},
+        [0, 9],
+        [10, -3],
+    ),
+    # llguidance reads numeric bounds as float64: 10**18 and 10**18 - 1 are the same number
+    _p(
+        "exclusiveMaximum-beyond-2**53",
+        "exclusiveMaximum",
+        {"type": "integer", "exclusiveMaximum": 10**18},
+        [10**18 - 1000, 5],
+        [10**18],
+    ),
     _p("minimum", "minimum", {"type": "integer", "minimum": 3}, [3, 10], [2, -5]),
     _p("maximum", "maximum", {"type": "number", "maximum": 1.5}, [1.5, 1], [1.6, 30]),
     _p(
