@@ -2,13 +2,21 @@
 xgrammar's transformers logits processor (``xgrammar.contrib.hf.LogitsProcessor``).
 
 Same default model (Gemma 3 270M, fp32 on CPU), same prompts (short completion prompts naming
-the schema's title) and JSON schemas from JSONSchemaBench, greedy. Batch 1 runs each prompt
-alone; batch 8 runs the 8 prompts together (transformers: one padded ``generate``; espalier: 8
-concurrent requests). Tokens/s counts the tokens each request generated (up to and including its
-stop token), over wall time including prefill; grammar compilation is done before timing on both
-sides. Prints JSON lines.
+the schema's title) and JSON schemas from JSONSchemaBench, greedy, the same ``--max-tokens`` on
+both sides. The baseline's xgrammar grammar is compiled from the same narrowed schema and with the
+same whitespace bound as espalier's grammars (``BackendOptions``: bounded whitespace and JSON
+numbers), so both sides are asked for the same language and greedy outputs can match token for
+token (``identical_outputs``). Batch 1 runs each of the first ``--batch1-prompts`` prompts alone;
+batch 8 runs groups of 8 prompts together (transformers: one left-padded ``generate``, which
+keeps computing finished rows until the longest one stops; espalier: 8 concurrent requests).
+Tokens/s counts the tokens each request generated (up to and including its stop token), over
+wall time including prefill; grammar compilation is done before timing on both sides.
 
-    .venv/bin/python bench/engine.py [--schemas 8] [--max-tokens 96] [--threads N]
+Prints JSON lines: one per timed group (``"group"``), one per batch size and side, one speedup
+line per batch size, and a final ``"summary"`` line with both ratios against their targets.
+
+    .venv/bin/python bench/engine.py [--schemas 8] [--max-tokens 64] [--batch1-prompts 4]
+        [--batches 1,8] [--threads N]
 """
 
 from __future__ import annotations
@@ -120,10 +128,33 @@ def run_transformers(
     return generated, seconds
 
 
+TARGETS = {1: 1.5, 8: 3.0}  # issue 5: espalier / baseline tokens/s at batch 1 and 8
+
+
+def baseline_grammar(xgr_compiler: Any, schema: dict[str, Any]) -> Any:
+    """xgrammar's grammar for ``schema`` in the language espalier compiles: the schema with the
+    number bounds of ``BackendOptions`` and the same whitespace bound."""
+    from espalier.constrained.backends.common import BackendOptions
+    from espalier.constrained.spec import GrammarSpec
+
+    options = BackendOptions()
+    source = options.json_source(GrammarSpec.json_schema(schema), "xgrammar")
+    return xgr_compiler.compile_json_schema(
+        source,
+        any_whitespace=True,
+        max_whitespace_cnt=options.json_max_whitespace,
+        strict_mode=options.json_strict_properties,
+    )
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps({"bench": "engine", **record}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schemas", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--schemas", type=int, default=8, help="prompts (one schema each)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="per request, both sides")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument(
@@ -158,58 +189,98 @@ def main(argv: list[str] | None = None) -> int:
     names = [name for name, _ in chosen]
     schemas = [schema for _, schema in chosen]
     prompts = [prompt_for(s) for s in schemas]
-    compiled = [xgr_compiler.compile_json_schema(json.dumps(s)) for s in schemas]
+    compiled = [baseline_grammar(xgr_compiler, s) for s in schemas]
     stops = list(tok.stop_token_ids)
     # warm-up: espalier compiles every grammar into its cache; both run a short generation
     run_espalier(engine, prompts, schemas, 1)
     run_transformers(model, tok.hf, compiled[:1], prompts[:1], stops, 2)
-    print(json.dumps({"bench": "engine", "schemas": names, "threads": torch.get_num_threads()}))
-
+    emit(
+        {
+            "schemas": names,
+            "threads": torch.get_num_threads(),
+            "max_tokens": args.max_tokens,
+            "batch1_prompts": args.batch1_prompts or len(prompts),
+        }
+    )
+    speedups: dict[int, float] = {}
     for batch in [int(b) for b in args.batches.split(",")]:
-        groups = [
-            list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)
-        ]
-        totals = {"espalier": [0, 0.0], "transformers+xgrammar": [0, 0.0]}
-        same = valid = 0
-        for group in groups:
-            g_prompts = [prompts[i] for i in group]
-            hf_out, hf_s = run_transformers(
-                model, tok.hf, [compiled[i] for i in group], g_prompts, stops, args.max_tokens
-            )
-            es_out, es_s, es_valid = run_espalier(
-                engine, g_prompts, [schemas[i] for i in group], args.max_tokens
-            )
-            totals["transformers+xgrammar"][0] += sum(len(r) for r in hf_out)
-            totals["transformers+xgrammar"][1] += hf_s
-            totals["espalier"][0] += sum(len(r) for r in es_out)
-            totals["espalier"][1] += es_s
-            same += sum(a == b for a, b in zip(hf_out, es_out))
-            valid += sum(es_valid)
-        rates = {}
-        for impl, (n_tokens, seconds) in totals.items():
-            rates[impl] = n_tokens / seconds
-            print(
-                json.dumps(
-                    {
-                        "batch": batch,
-                        "impl": impl,
-                        "tokens": n_tokens,
-                        "seconds": round(seconds, 3),
-                        "tokens_per_s": round(rates[impl], 2),
-                    }
-                )
-            )
-        print(
-            json.dumps(
-                {
-                    "batch": batch,
-                    "speedup": round(rates["espalier"] / rates["transformers+xgrammar"], 3),
-                    "identical_outputs": f"{same}/{len(prompts)}",
-                    "espalier_valid": f"{valid}/{len(prompts)}",
-                }
-            )
+        count = len(prompts)
+        if batch == 1 and args.batch1_prompts:
+            count = min(args.batch1_prompts, count)
+        speedups[batch] = run_batch(
+            batch, count, engine, model, tok, prompts, schemas, compiled, stops, args.max_tokens
         )
+    summary: dict[str, Any] = {"summary": True}
+    for batch, ratio in speedups.items():
+        summary[f"speedup_batch{batch}"] = round(ratio, 3)
+        if batch in TARGETS:
+            summary[f"target_batch{batch}"] = TARGETS[batch]
+            summary[f"met_batch{batch}"] = ratio >= TARGETS[batch]
+    emit(summary)
     return 0
+
+
+def run_batch(
+    batch: int,
+    count: int,
+    engine: Any,
+    model: Any,
+    tok: Any,
+    prompts: list[str],
+    schemas: list[Any],
+    compiled: list[Any],
+    stops: list[int],
+    max_tokens: int,
+) -> float:
+    """Time the first ``count`` prompts in groups of ``batch`` on both sides; the speedup."""
+    groups = [list(range(i, min(i + batch, count))) for i in range(0, count, batch)]
+    totals = {"espalier": [0, 0.0], "transformers+xgrammar": [0, 0.0]}
+    same = valid = 0
+    for group in groups:
+        g_prompts = [prompts[i] for i in group]
+        hf_out, hf_s = run_transformers(
+            model, tok.hf, [compiled[i] for i in group], g_prompts, stops, max_tokens
+        )
+        es_out, es_s, es_valid = run_espalier(
+            engine, g_prompts, [schemas[i] for i in group], max_tokens
+        )
+        hf_n, es_n = sum(len(r) for r in hf_out), sum(len(r) for r in es_out)
+        totals["transformers+xgrammar"][0] += hf_n
+        totals["transformers+xgrammar"][1] += hf_s
+        totals["espalier"][0] += es_n
+        totals["espalier"][1] += es_s
+        same += sum(a == b for a, b in zip(hf_out, es_out))
+        valid += sum(es_valid)
+        emit(
+            {
+                "group": group,
+                "batch": batch,
+                "espalier": {"tokens": es_n, "seconds": round(es_s, 3)},
+                "transformers+xgrammar": {"tokens": hf_n, "seconds": round(hf_s, 3)},
+            }
+        )
+    rates = {}
+    for impl, (n_tokens, seconds) in totals.items():
+        rates[impl] = n_tokens / seconds
+        emit(
+            {
+                "batch": batch,
+                "impl": impl,
+                "tokens": n_tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(rates[impl], 2),
+            }
+        )
+    speedup = rates["espalier"] / rates["transformers+xgrammar"]
+    emit(
+        {
+            "batch": batch,
+            "speedup": round(speedup, 3),
+            "identical_outputs": f"{same}/{count}",
+            "espalier_valid": f"{valid}/{count}",
+        }
+    )
+    return speedup
 
 
 if __name__ == "__main__":

@@ -224,6 +224,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         emit,
         profile_batch=args.profile_batch,
         closing=not args.no_closing,
+        launch_first=False if args.masks_first else None,
     )
     if runner.graphs is not None:
         emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
@@ -260,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
     parser.add_argument(
         "--no-closing", action="store_true", help="EngineConfig(close_within_budget=False)"
+    )
+    parser.add_argument(
+        "--masks-first",
+        action="store_true",
+        help="start the tree-mask fills before launching the verify forward (the old order)",
     )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")

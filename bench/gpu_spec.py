@@ -109,6 +109,7 @@ class _Setup:
     batch: int
     mask_threads: int
     closing: bool = True  # EngineConfig.close_within_budget (per-token checks near max_tokens)
+    launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -130,6 +131,7 @@ class _Setup:
                 num_draft_tokens=8,
                 mask_budget_s=None,
                 mask_threads=self.mask_threads,
+                launch_first=self.launch_first,
             )
             install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
             return engine
@@ -190,6 +192,7 @@ def equal_work(
     emit: Any,
     profile_batch: int = 0,
     closing: bool = True,
+    launch_first: bool | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``."""
     import torch
@@ -210,7 +213,7 @@ def equal_work(
         count = len(schemas) if batch == 1 else batch
         prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(count)]
         grammars = [GrammarSpec.json_schema(schemas[i % len(schemas)][1]) for i in range(count)]
-        setup = _Setup(runner, tokenizer, service, batch, mask_threads, closing)
+        setup = _Setup(runner, tokenizer, service, batch, mask_threads, closing, launch_first)
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch)
         for (constrained, speculative), r in results.items():
             emit(
@@ -222,6 +225,7 @@ def equal_work(
                     "speculative": "oracle" if speculative else "off",
                     "mask_threads": mask_threads,
                     "closing": closing,
+                    "launch_first": launch_first,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )

@@ -13,7 +13,11 @@ Semantics of :func:`fill_tree_bitmask` (``n`` nodes, rows ``0..n-1`` of ``out``)
   tokens (``terminated[i]``). A stop-token child of a terminated node is valid (accepting another
   stop token is a no-op, see ``backends/common.py``); any other child is invalid.
 - **budget**: nodes not processed before the deadline have ``filled = valid = False``;
-  ``budget_hit`` says so. Fewer tokens get accepted, never a wrong one.
+  ``budget_hit`` says so: they are pruned from verification (the engine's kernels treat a node
+  that is not ``filled`` as absent, and the path stops at its parent, whose row is exact). Fewer
+  tokens get accepted, never a wrong one. The root row is always filled and exact. For the
+  backends whose single fills can be slow the deadline is a wall-clock bound
+  (``traverse_bounded``); only computing the root row may take longer.
 
 Verification accepts node i only where ``filled[i]`` (which implies ``valid[i]``). **No row is
 all-zero**: rows of nodes with ``filled = False`` have at least the stop-token bits set; their
@@ -26,6 +30,7 @@ backend name; any other :class:`GrammarMatcher` uses :func:`walk_generic`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +58,11 @@ class TreeMasks:
         terminated: valid and the grammar is finished after the path (row = stop tokens).
         budget_hit: the deadline stopped the walk before every node was decided.
         seconds: wall time of the fill.
+        abandoned: the deadline came during one slow native fill, which was left running on a
+            fork (``traverse_bounded``); implies ``budget_hit``.
+        late_writes: only after an abandoned fill: set once that fill has ended. Until then it
+            may still write the row of one node that is *not* filled; do not reuse ``out`` for
+            other data before :meth:`wait_late_writes` (filled rows never change).
     """
 
     valid: np.ndarray
@@ -60,27 +70,51 @@ class TreeMasks:
     terminated: np.ndarray
     budget_hit: bool = False
     seconds: float = 0.0
+    abandoned: bool = False
+    late_writes: threading.Event | None = None
 
     @property
     def num_nodes(self) -> int:
         return int(self.valid.shape[0])
 
+    def writes_pending(self) -> bool:
+        """An abandoned fill may still write an unfilled row of ``out``."""
+        return self.late_writes is not None and not self.late_writes.is_set()
+
+    def wait_late_writes(self, timeout: float | None = None) -> bool:
+        """Block until no late write can happen (True), or ``timeout`` passes (False)."""
+        return self.late_writes is None or self.late_writes.wait(timeout)
+
 
 @dataclass
 class WalkResult:
-    """What a walker hands back (python lists, converted once by :func:`fill_tree_bitmask`)."""
+    """What a walker hands back (python lists, converted once by :func:`fill_tree_bitmask`).
+
+    Walkers fill the lists in place and set ``filled[i]`` last, after ``valid[i]``,
+    ``terminated[i]`` and row ``i`` are written: a snapshot of ``filled`` taken while a walk
+    runs on another thread (``traverse_bounded``) names only complete rows.
+    """
 
     valid: list[bool]
     filled: list[bool]
     terminated: list[bool]
     budget_hit: bool
+    abandoned: bool = False
+    late_writes: threading.Event | None = None
+
+    @classmethod
+    def empty(cls, n: int) -> WalkResult:
+        """Nothing decided yet for ``n`` nodes."""
+        return cls([False] * n, [False] * n, [False] * n, False)
 
 
-Walker = Callable[[Any, DraftTree, np.ndarray, float, bool], WalkResult]
-"""``walker(matcher, tree, out_rows, deadline, root_ready) -> WalkResult``.
+Walker = Callable[[Any, DraftTree, np.ndarray, float, bool, WalkResult], WalkResult]
+"""``walker(matcher, tree, out_rows, deadline, root_ready, result) -> result``.
 
 ``out_rows`` is the int32 ``[n, words]`` numpy view of ``out``; ``deadline`` a
-``time.perf_counter()`` value (``inf`` = none); ``root_ready``: row 0 already holds the root mask.
+``time.perf_counter()`` value (``inf`` = none) after which no new node is started;
+``root_ready``: row 0 already holds the root mask; ``result`` is :meth:`WalkResult.empty`,
+filled in place (see :class:`WalkResult` for the order) and returned.
 """
 
 
@@ -98,7 +132,11 @@ def fill_tree_bitmask(
         matcher: the request's matcher at the root's state; restored before returning.
         tree: a valid :class:`DraftTree` with ``n`` nodes.
         out: int32 ``[>= n, ceil(V/32)]`` C-contiguous CPU tensor (pinned is fine) or numpy array.
-        budget: seconds for the whole fill; ``None`` = no limit. Checked between nodes.
+        budget: seconds for the whole fill; ``None`` = no limit (the walk runs inline). With a
+            budget, xgrammar and llguidance walks run on a fork on a helper thread
+            (``traverse_bounded``) so that even one slow native fill cannot hold the call past
+            it; only a root row that must be computed may take longer. Other walkers check it
+            between nodes.
         root_row: the root's mask if already known (step reuse, see :func:`advance`); copied to
             row 0 instead of asking the grammar again.
     """
@@ -107,60 +145,92 @@ def fill_tree_bitmask(
     root_ready = root_row is not None
     if root_row is not None:
         rows[0] = np.asarray(root_row.numpy() if isinstance(root_row, torch.Tensor) else root_row)
-    deadline = start + budget if budget is not None else float("inf")
-    result = walker_for(matcher)(matcher, tree, rows, deadline, root_ready)
-    valid = np.asarray(result.valid, dtype=bool)
+    walker = walker_for(matcher)
+    result = WalkResult.empty(tree.num_nodes)
+    if budget is None:
+        walker(matcher, tree, rows, float("inf"), root_ready, result)
+    elif tree.num_nodes > 1 and _backend(matcher) in SLOW_FILL_BACKENDS:
+        from espalier.constrained.traverse_bounded import walk_bounded
+
+        if walker is not walk_generic and _backend(matcher) == "xgrammar":
+            from espalier.constrained.traverse_xgrammar import walk_xgrammar_nodes as walker
+
+        result = walk_bounded(walker, matcher, tree, rows, start + budget, root_ready)
+    else:
+        walker(matcher, tree, rows, start + budget, root_ready, result)
     filled = np.asarray(result.filled, dtype=bool)
-    terminated = np.asarray(result.terminated, dtype=bool)
-    mark_unfilled_rows(rows, filled, stop_bits(matcher))
+    if not filled.all():
+        mark_unfilled_rows(rows, filled, stop_bits(matcher))
     clear_tail(rows, matcher.vocab_size)
-    return TreeMasks(valid, filled, terminated, result.budget_hit, time.perf_counter() - start)
+    return TreeMasks(
+        np.asarray(result.valid, dtype=bool),
+        filled,
+        np.asarray(result.terminated, dtype=bool),
+        result.budget_hit,
+        time.perf_counter() - start,
+        result.abandoned,
+        result.late_writes,
+    )
+
+
+SLOW_FILL_BACKENDS = frozenset({"xgrammar", "llguidance"})
+"""Backends whose single mask fill can take milliseconds: budgeted walks go to a helper."""
+
+
+def _backend(matcher: Any) -> str | None:
+    name: str | None = getattr(getattr(matcher, "compiled", None), "backend", None)
+    return name
 
 
 def walker_for(matcher: Any) -> Walker:
     """The fastest walker for ``matcher``: a backend fast path, else :func:`walk_generic`."""
-    compiled = getattr(matcher, "compiled", None)
-    name = getattr(compiled, "backend", None)
+    name = _backend(matcher)
+    cached = _WALKERS.get(name)
+    if cached is not None:
+        return cached
+    walker: Walker
     if name == "xgrammar":
-        from espalier.constrained.traverse_xgrammar import walk_xgrammar
+        from espalier.constrained.traverse_xgrammar import walk_xgrammar as walker
+    elif name == "llguidance":
+        from espalier.constrained.traverse_llguidance import walk_llguidance as walker
+    elif name == "outlines_core":
+        from espalier.constrained.traverse_outlines import walk_outlines as walker
+    else:
+        return walk_generic
+    _WALKERS[name] = walker
+    return walker
 
-        return walk_xgrammar
-    if name == "llguidance":
-        from espalier.constrained.traverse_llguidance import walk_llguidance
 
-        return walk_llguidance
-    if name == "outlines_core":
-        from espalier.constrained.traverse_outlines import walk_outlines
-
-        return walk_outlines
-    return walk_generic
+_WALKERS: dict[str | None, Walker] = {}
 
 
 def walk_generic(
-    matcher: GrammarMatcher, tree: DraftTree, rows: np.ndarray, deadline: float, root_ready: bool
+    matcher: GrammarMatcher,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
 ) -> WalkResult:
     """Iterative DFS (first child first) over any :class:`GrammarMatcher`.
 
     A node is accepted only if its parent's row allows it, so no backend ever sees a token its own
     mask forbids; the matcher is rolled back lazily (only as far as the next node needs).
     """
-    n = tree.num_nodes
     tokens = tree.tokens.tolist()
     first_child = tree.first_child.tolist()
     next_sibling = tree.next_sibling.tolist()
     words = rows.shape[1]
     flat = flat_words(rows)
     limit = min(words * 32, tokenizer_vocab_size(matcher))
-    valid = [False] * n
-    filled = [False] * n
-    terminated = [False] * n
+    valid, filled, terminated = result.valid, result.filled, result.terminated
     table = torch.from_numpy(rows)
     if not root_ready:
         matcher.fill_bitmask(table, 0)
-    valid[0] = filled[0] = True
+    valid[0] = True
     terminated[0] = matcher.is_terminated()
+    filled[0] = True
     depth = 0  # tokens accepted since entry
-    budget_hit = False
     stack: list[tuple[int, int, int]] = []
     if first_child[0] != NONE:
         stack.append((first_child[0], 0, 1))
@@ -170,7 +240,7 @@ def walk_generic(
         if sibling != NONE:
             stack.append((sibling, parent, node_depth))
         if time.perf_counter() > deadline:
-            budget_hit = True
+            result.budget_hit = True
             break
         token = tokens[node]
         if token >= limit or not (flat[parent * words + (token >> 5)] >> (token & 31)) & 1:
@@ -183,14 +253,14 @@ def walk_generic(
         depth = node_depth
         valid[node] = True
         matcher.fill_bitmask(table, node)
-        filled[node] = True
         terminated[node] = matcher.is_terminated()
+        filled[node] = True
         child = first_child[node]
         if child != NONE:
             stack.append((child, node, node_depth + 1))
     if depth:
         matcher.rollback(depth)
-    return WalkResult(valid, filled, terminated, budget_hit)
+    return result
 
 
 # -- rows and vocabulary facts ----------------------------------------------------------------

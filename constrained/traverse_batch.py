@@ -61,7 +61,8 @@ class TreeMaskBatch:
 
         ``budget`` bounds each tree from the moment its task starts; ``deadline`` (a
         ``time.perf_counter()`` value) bounds the whole batch: a tree that starts late gets what
-        is left (its root row is always filled).
+        is left (its root row is always filled). Before submitting again (the rows are reused),
+        wait for each result's :meth:`~espalier.constrained.traverse.TreeMasks.wait_late_writes`.
         """
         return fill_tree_bitmasks(self, pool, budget, deadline)
 

@@ -29,13 +29,17 @@ from espalier.constrained.tree import NONE, DraftTree
 
 
 def walk_llguidance(
-    matcher: Any, tree: DraftTree, rows: np.ndarray, deadline: float, root_ready: bool
+    matcher: Any,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
 ) -> WalkResult:
     """Fill ``rows`` for an llguidance-backed matcher (see the module docstring)."""
     native = matcher.native
     if matcher.is_terminated() or native.is_error():
-        return walk_generic(matcher, tree, rows, deadline, root_ready)
-    n = tree.num_nodes
+        return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     words = rows.shape[1]
     row_bytes = words * 4
     base = rows.ctypes.data
@@ -51,14 +55,12 @@ def walk_llguidance(
     compute = native.unsafe_compute_mask_ptr
     try_consume = native.try_consume_tokens
     clock = time.perf_counter
-    valid = [False] * n
-    filled = [False] * n
-    terminated = [False] * n
+    timed = deadline != float("inf")
+    valid, filled, terminated = result.valid, result.filled, result.terminated
     if not root_ready:
         compute(base, row_bytes)
     valid[0] = filled[0] = True
     depth = 0  # tokens consumed natively since entry
-    budget_hit = False
     # stack entries: (node, parent, native depth of the parent's state)
     stack: list[tuple[int, int, int]] = []
     if first_child[0] != NONE:
@@ -68,8 +70,8 @@ def walk_llguidance(
         sibling = next_sibling[node]
         if sibling != NONE:
             stack.append((sibling, parent, parent_depth))
-        if clock() > deadline:
-            budget_hit = True
+        if timed and clock() > deadline:
+            result.budget_hit = True
             break
         token = tokens[node]
         if token >= limit or token in excluded:
@@ -77,8 +79,8 @@ def walk_llguidance(
         if not (flat[parent * words + (token >> 5)] >> (token & 31)) & 1:
             continue
         if token in stops:  # never consumed natively (as the adapter does): a stop row
-            valid[node] = filled[node] = terminated[node] = True
             rows[node] = stop_mask
+            valid[node] = terminated[node] = filled[node] = True
             node_depth = parent_depth
         else:
             if depth > parent_depth:
@@ -87,8 +89,8 @@ def walk_llguidance(
             if try_consume([token]) != 1:
                 continue
             depth = node_depth = parent_depth + 1
-            valid[node] = filled[node] = True
             compute(base + node * row_bytes, row_bytes)
+            valid[node] = filled[node] = True
         child = first_child[node]
         if child != NONE:
             stack.append((child, node, node_depth))
@@ -96,4 +98,4 @@ def walk_llguidance(
         native.rollback(depth)
     if native.is_error():
         raise RuntimeError(f"llguidance matcher entered an error state: {native.get_error()}")
-    return WalkResult(valid, filled, terminated, budget_hit)
+    return result

@@ -103,11 +103,16 @@ class _GuideSync:
 
 
 def walk_outlines(
-    matcher: Any, tree: DraftTree, rows: np.ndarray, deadline: float, root_ready: bool
+    matcher: Any,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
 ) -> WalkResult:
     """Fill ``rows`` for an outlines-core-backed matcher (see the module docstring)."""
     if matcher.is_terminated():
-        return walk_generic(matcher, tree, rows, deadline, root_ready)
+        return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     compiled = matcher.compiled
     index = compiled.native
     next_state = index.get_next_state
@@ -124,9 +129,7 @@ def walk_outlines(
     sync = _GuideSync(matcher.native, words, int(compiled.sentinel_id))
     states: list[int] = [0] * n
     states[0] = int(matcher.native.get_state())
-    valid = [False] * n
-    filled = [False] * n
-    terminated = [False] * n
+    valid, filled, terminated = result.valid, result.filled, result.terminated
     parents = [NONE] * n
 
     def fill(node: int) -> None:
@@ -146,7 +149,6 @@ def walk_outlines(
     if not root_ready:
         fill(0)
     valid[0] = filled[0] = True
-    budget_hit = False
     stack: list[tuple[int, int]] = []
     if first_child[0] != NONE:
         stack.append((first_child[0], 0))
@@ -156,7 +158,7 @@ def walk_outlines(
         if sibling != NONE:
             stack.append((sibling, parent))
         if time.perf_counter() > deadline:
-            budget_hit = True
+            result.budget_hit = True
             break
         token = tokens[node]
         if token >= limit or token in excluded:
@@ -167,8 +169,8 @@ def walk_outlines(
                 terminated[parent] or compiled.can_terminate(states[parent])
             ):
                 continue
-            valid[node] = filled[node] = terminated[node] = True
             rows[node] = stop_mask
+            valid[node] = terminated[node] = filled[node] = True
         else:
             state = next_state(states[parent], token)
             if state is None:
@@ -181,4 +183,4 @@ def walk_outlines(
         if child != NONE:
             stack.append((child, node))
     sync.restore()
-    return WalkResult(valid, filled, terminated, budget_hit)
+    return result

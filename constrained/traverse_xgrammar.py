@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from espalier.constrained.traverse import (
     WalkResult,
@@ -29,18 +30,22 @@ from espalier.constrained.traverse import (
     tokenizer_vocab_size,
     walk_generic,
 )
-from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree import NONE, DraftTree
 
 SENTINEL = np.int32(0x5EA5_1DE5)
 
 
 def walk_xgrammar(
-    matcher: Any, tree: DraftTree, rows: np.ndarray, deadline: float, root_ready: bool
+    matcher: Any,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
 ) -> WalkResult:
     """Fill ``rows`` with xgrammar's native walk (the root row is always recomputed)."""
     if matcher.is_terminated():  # xgrammar would clear every row; the generic walk is exact
-        return walk_generic(matcher, tree, rows, deadline, root_ready)
-    n = tree.num_nodes
+        return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     threshold = -1.0
     if deadline != float("inf"):
         threshold = max(deadline - time.perf_counter(), 1e-9)
@@ -50,37 +55,129 @@ def walk_xgrammar(
             tree.first_child, tree.next_sibling, tree.tokens, rows, threshold
         )
     )
-    stops = frozenset(matcher.tokenizer.stop_token_ids)
+    valid, terminated, chain, stopped = _translate(matcher, tree, rows, completed)
+    if chain:
+        stops = tuple(sorted(matcher._facts.stops))
+        rows[chain] = stop_row(rows.shape[1], stops)
+    result.budget_hit = stopped or not completed
+    result.valid[:] = valid
+    result.terminated[:] = terminated
+    result.filled[:] = valid  # last: a concurrent snapshot of ``filled`` sees complete rows
+    return result
+
+
+def _translate(
+    matcher: Any, tree: DraftTree, rows: np.ndarray, completed: bool
+) -> tuple[list[bool], list[bool], list[int], bool]:
+    """Per node: valid, terminated; the stop-token nodes whose row must become the stop row;
+    whether the native walk stopped early. One preorder pass, first child first."""
+    n = tree.num_nodes
+    stops = matcher._facts.stops
     words = rows.shape[1]
     limit = min(words * 32, tokenizer_vocab_size(matcher))
     flat = flat_words(rows)
     tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
+    first_child = tree.first_child.tolist()
+    next_sibling = tree.next_sibling.tolist()
     valid = [False] * n
-    filled = [False] * n
     terminated = [False] * n
-    valid[0] = filled[0] = True
-    chain: list[int] = []  # stop-token nodes whose row must become the stop row
-    budget_hit = False
-    for node in tree.preorder[1:]:
-        parent = parents[node]
-        if not filled[parent]:
-            continue
+    valid[0] = True
+    chain: list[int] = []
+    stack: list[tuple[int, int]] = []
+    if first_child[0] != NONE:
+        stack.append((first_child[0], 0))
+    while stack:
+        node, parent = stack.pop()
+        sibling = next_sibling[node]
+        if sibling != NONE:
+            stack.append((sibling, parent))
         token = tokens[node]
         if terminated[parent]:
-            if token in stops:
-                valid[node] = filled[node] = terminated[node] = True
-                chain.append(node)
+            if token not in stops:
+                continue
+        elif token >= limit or not (flat[parent * words + (token >> 5)] >> (token & 31)) & 1:
             continue
-        if token >= limit or not (flat[parent * words + (token >> 5)] >> (token & 31)) & 1:
-            continue
-        if not completed and flat[node * words] == SENTINEL:
-            budget_hit = True  # the native walk timed out here: this node and later are unknown
-            break
-        valid[node] = filled[node] = True
+        elif not completed and flat[node * words] == SENTINEL:
+            return valid, terminated, chain, True  # the native walk timed out here
+        valid[node] = True
         if token in stops:
             terminated[node] = True
             chain.append(node)
-    if chain:
-        rows[chain] = stop_row(words, tuple(sorted(stops)))
-    return WalkResult(valid, filled, terminated, budget_hit or not completed)
+        child = first_child[node]
+        if child != NONE:
+            stack.append((child, node))
+    return valid, terminated, chain, False
+
+
+def walk_xgrammar_nodes(
+    matcher: Any,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
+) -> WalkResult:
+    """Node-by-node DFS on the native ``GrammarMatcher`` (the budgeted walk on a helper thread).
+
+    A Python step per node makes it a little slower than the native walk, but each row is
+    published (``result.filled``) as soon as it is written, so a walk abandoned at the deadline
+    (``traverse_bounded``) keeps every finished row, and it honours ``root_ready``. Same rules
+    as the adapter: stop tokens never go to the library (the parent's row says whether the
+    grammar may end; their row is the stop row), ids at or above the tokenizer vocabulary are
+    invalid, after a stop token only stop tokens follow.
+    """
+    native = matcher.native
+    if matcher.is_terminated():
+        return walk_generic(matcher, tree, rows, deadline, root_ready, result)
+    words = rows.shape[1]
+    flat = flat_words(rows)
+    table = torch.from_numpy(rows)
+    tokens = tree.tokens.tolist()
+    first_child = tree.first_child.tolist()
+    next_sibling = tree.next_sibling.tolist()
+    stops = matcher._facts.stops
+    stop_mask = stop_row(words, tuple(sorted(stops)))
+    limit = min(words * 32, tokenizer_vocab_size(matcher))
+    fill, accept, rollback = native.fill_next_token_bitmask, native.accept_token, native.rollback
+    clock = time.perf_counter
+    valid, filled, terminated = result.valid, result.filled, result.terminated
+    if not root_ready:
+        fill(table, 0)
+    valid[0] = filled[0] = True
+    depth = 0  # tokens accepted natively since entry
+    stack: list[tuple[int, int, int]] = []  # (node, parent, native depth of the parent's state)
+    if first_child[0] != NONE:
+        stack.append((first_child[0], 0, 0))
+    while stack:
+        node, parent, parent_depth = stack.pop()
+        sibling = next_sibling[node]
+        if sibling != NONE:
+            stack.append((sibling, parent, parent_depth))
+        if clock() > deadline:
+            result.budget_hit = True
+            break
+        token = tokens[node]
+        if terminated[parent]:
+            if token not in stops:
+                continue
+        elif token >= limit or not (flat[parent * words + (token >> 5)] >> (token & 31)) & 1:
+            continue
+        if token in stops:
+            rows[node] = stop_mask
+            valid[node] = terminated[node] = filled[node] = True
+            node_depth = parent_depth
+        else:
+            if depth > parent_depth:
+                rollback(depth - parent_depth)
+                depth = parent_depth
+            if not accept(token):
+                continue
+            depth = node_depth = parent_depth + 1
+            fill(table, node)
+            valid[node] = filled[node] = True
+        child = first_child[node]
+        if child != NONE:
+            stack.append((child, node, node_depth))
+    if depth:
+        rollback(depth)
+    return result

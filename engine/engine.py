@@ -9,6 +9,9 @@ wrapper's loop thread). Each ``step``:
    speculative and overlapped GPU paths plug in here);
 4. appends the new tokens: grammar accept, stop tokens, grammar termination, stop strings,
    max tokens; incremental detokenization; post-validation of finished constrained outputs.
+   Near the end of a constrained request's budget, a token after which the grammar could no
+   longer be completed within max_tokens is replaced by a closing path and a stop token
+   (``engine/closing.py``), so constrained outputs finish valid instead of being cut.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from espalier.engine.api import (
     InvalidRequestError,
     RequestOutput,
 )
+from espalier.engine.closing import BudgetCloser
 from espalier.engine.constraints import GrammarService
 from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.kv_cache import BlockAllocator
@@ -49,7 +53,10 @@ class EngineConfig:
         by the cache capacity. compile_timeout_s: per grammar. overlap_masks: fill grammar masks
         on a CPU thread while the forward runs. sparse_head: compute only the allowed LM-head
         rows for constrained sequences with sparse masks (exact; ``engine/logits.py``).
-        postvalidate: check each finished constrained output against the full constraint."""
+        postvalidate: check each finished constrained output against the full constraint.
+        close_within_budget: near max_tokens, close a constrained output along a short path that
+        completes its grammar rather than cut it (``engine/closing.py``); ignore_eos requests
+        are never closed."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -57,6 +64,7 @@ class EngineConfig:
     overlap_masks: bool = True
     sparse_head: bool = True
     postvalidate: bool = True
+    close_within_budget: bool = True
 
 
 class Engine:
@@ -93,6 +101,9 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
+        self._closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
+        if config.postvalidate:
+            _load_postvalidation()
         self._token_bytes = tokenizer.token_bytes
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -227,7 +238,14 @@ class Engine:
         text_ids: list[int] = []
         reason: FinishReason | None = None
         error = None
-        for token in outcome.token_ids:
+        kept = len(outcome.token_ids)  # model tokens emitted (logprobs align with these)
+        for i, token in enumerate(outcome.token_ids):
+            closing = self._closer.instead(request, token, stops, self.max_model_len)
+            if closing is not None:
+                kept = i
+                self._closer.emit(request, closing, new_ids, text_ids)
+                reason = FinishReason.STOP
+                break
             request.output_ids.append(token)
             new_ids.append(token)
             matcher = request.matcher
@@ -251,7 +269,7 @@ class Engine:
         delta = request.detokenizer.push(text_ids)
         if delta.stop is not None and reason is not FinishReason.ERROR:
             reason = FinishReason.STOP
-        logprobs = tuple(outcome.logprobs[: len(new_ids)])
+        logprobs = tuple(outcome.logprobs[: min(kept, len(new_ids))])
         if reason is None:
             return RequestOutput(request.request_id, delta.text, tuple(new_ids), logprobs=logprobs)
         out = self._finish(request, reason, delta.text, error=error)
@@ -271,6 +289,7 @@ class Engine:
         """Free the request everywhere and build its final chunk."""
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
+        self._closer.forget(request.request_id)
         request.finish_reason = reason
         request.error = error
         request.timeline.finished = _now()
@@ -364,3 +383,12 @@ class Engine:
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def _load_postvalidation() -> None:
+    """Import jsonschema and its format checkers now (once per process), not when the first
+    constrained request finishes: the import builds dozens of parsers (rfc3987-syntax's Lark
+    grammars), seconds of CPU that would otherwise stall the whole batch mid-generation."""
+    import jsonschema
+
+    _ = jsonschema.Draft202012Validator.FORMAT_CHECKER

@@ -39,13 +39,15 @@ def compute_step_logits(
     constrained_rows: Sequence[int],
     *,
     vocab_size: int,
-    sparse_fraction: float = 0.25,
+    sparse_fraction: float = 1 / 32,
 ) -> StepLogits:
     """Logits of ``hidden`` (``[n, H]``, model dtype, one row per sampling sequence).
 
     bitmask: int32 ``[>= n, W]`` CPU, row r for hidden row r (only ``constrained_rows`` are read).
     A constrained row allowing at most ``sparse_fraction * vocab_size`` tokens gets the sparse
-    head; the others get the full head and are listed in ``masked_rows``.
+    head; the others get the full head and are listed in ``masked_rows``. Why 1/32: gathering the
+    allowed rows costs more per row than streaming the whole head (Gemma 3 on CPU, 1 thread,
+    relative to one full-head row: 8k rows 0.14x, 16k 0.7x, 32k 1.4x, 65k 2.7x).
     """
     from espalier.engine.models.layers import linear
 

@@ -89,12 +89,17 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (fp32 ``[B, V]``, modified in place)."""
         assert logits.shape[0] == len(params)
-        if bitmask is not None and masked_rows:
-            apply_token_bitmask(logits, bitmask, masked_rows)
-        logprobs = self._logprobs(logits, params)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         tokens = [0] * len(params)
+        chosen: dict[int, int] = {}  # greedy rows decided before masking
+        if bitmask is not None and masked_rows:
+            if not logits.is_cuda:
+                chosen = _allowed_argmax(logits, params, bitmask, masked_rows)
+            apply_token_bitmask(logits, bitmask, [r for r in masked_rows if r not in chosen])
+        logprobs = self._logprobs(logits, params)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy and i not in chosen]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        for row, token in chosen.items():
+            tokens[row] = token
         if greedy_rows:
             sub = logits if len(greedy_rows) == len(params) else logits[greedy_rows]
             # host sync: the chosen ids go back to python (grammar, detokenizer), once per step
@@ -125,6 +130,30 @@ class Sampler:
         for j, row in enumerate(rows):
             out[row] = (lp[j], params[row].logprobs)
         return out
+
+
+def _allowed_argmax(
+    logits: torch.Tensor,
+    params: Sequence[RowParams],
+    bitmask: torch.Tensor,
+    masked_rows: Sequence[int],
+) -> dict[int, int]:
+    """Greedy rows (no logprobs) of ``masked_rows`` whose unmasked argmax the mask allows:
+    row -> token. Masking such a row cannot change its argmax (the first index of the maximum
+    stays the first among allowed ids), so the full-vocabulary mask is skipped for it.
+    ``bitmask`` on the CPU; one argmax over the candidate rows."""
+    rows = [r for r in masked_rows if params[r].greedy and params[r].logprobs == 0]
+    if not rows:
+        return {}
+    # host sync: candidate ids back to python to test their mask bits (CPU logits: no wait)
+    tops = logits[rows].argmax(dim=-1).tolist()
+    words = bitmask.shape[1]
+    out: dict[int, int] = {}
+    for row, token in zip(rows, tops):
+        word = token // 32
+        if word < words and (int(bitmask[row, word]) >> (token % 32)) & 1:
+            out[row] = int(token)
+    return out
 
 
 def processed_probs(logits: torch.Tensor, params: Sequence[RowParams]) -> torch.Tensor:

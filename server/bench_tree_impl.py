@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,16 @@ from espalier.constrained.traverse_batch import TreeMaskBatch
 from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree_random import grow_tree
+from espalier.server.bench_tree_measure import (
+    Tally,
+    add_run,
+    arrays_of,
+    measure_backend,
+    size_summary,
+    stats,
+    tally_record,
+    timed,
+)
 
 
 @dataclass
@@ -28,6 +39,21 @@ class Case:
     name: str
     instance: list[int]  # tokens of a valid instance + a stop token
     compiled: dict[str, Any]  # backend -> CompiledGrammar
+    auto: str | None = None  # the backend ``backend="auto"`` picks (strict mode), if compiled
+
+
+def auto_choice(schema: Any, compiled: dict[str, Any]) -> str | None:
+    """What a user gets by default: the first backend of ``AUTO_ORDER`` that enforces every
+    keyword (``constrained/compile.py``), among those compiled here; None if strict mode
+    refuses the schema."""
+    from espalier.constrained.compile import AUTO_ORDER, prepare_schema
+    from espalier.constrained.errors import GrammarError
+
+    try:
+        exact = prepare_schema(schema).enforcing(AUTO_ORDER)
+    except GrammarError:
+        return None
+    return next((name for name in exact if name in compiled), None)
 
 
 @dataclass
@@ -93,7 +119,8 @@ def load_cases(
                 compiled[name] = result
         if "xgrammar" in compiled or set(compiled) == set(backends):
             instance = tokenizer.encode(json.dumps(data)) + [stop]
-            cases.append(Case(f"{path.parent.name}/{path.name}", instance, compiled))
+            name = f"{path.parent.name}/{path.name}"
+            cases.append(Case(name, instance, compiled, auto_choice(item["schema"], compiled)))
     return cases
 
 
@@ -116,33 +143,6 @@ def matcher_at(compiled: Any, prefix: list[int]) -> Any:
     return matcher if all(matcher.accept(t) for t in prefix) else None
 
 
-def timed(repeat: int, fn: Callable[..., Any], *args: Any) -> float:
-    """Best of ``repeat`` wall times of ``fn(*args)`` (the machine is shared: min filters noise)."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def fill_fresh_tree(matcher: Any, arrays: tuple[np.ndarray, ...], out: torch.Tensor) -> None:
-    """What serving does per step: wrap the drafter's arrays, then fill (no budget)."""
-    fill_tree_bitmask(matcher, DraftTree(*arrays), out, None)
-
-
-def stats(seconds: list[float]) -> dict[str, float]:
-    if not seconds:
-        return {}
-    ms = np.asarray(seconds) * 1e3
-    return {
-        "p50_ms": round(float(np.percentile(ms, 50)), 4),
-        "p99_ms": round(float(np.percentile(ms, 99)), 4),
-        "max_ms": round(float(ms.max()), 4),
-        "n": len(seconds),
-    }
-
-
 def run_size(
     trees: list[TreeCase],
     backends: list[str],
@@ -155,13 +155,10 @@ def run_size(
     size = max(t.tree.num_nodes for t in trees)
     out = bm.allocate(size, vocab)
     times: dict[str, list[float]] = {"seed": [], "xgrammar_native": []}
-    bounded: dict[str, list[float]] = {}
-    hits: dict[str, int] = {}
-    slowest: dict[str, tuple[float, str, int]] = {}
+    tallies = {name: Tally([], []) for name in [*backends, "auto"]}
     mismatches = 0
     for k, item in enumerate(trees):
         tree = item.tree
-        arrays = (tree.tokens, tree.first_child, tree.next_sibling)
         xgr = item.case.compiled.get("xgrammar")
         matcher = matcher_at(xgr, item.prefix) if xgr is not None else None
         if matcher is not None:
@@ -178,38 +175,44 @@ def run_size(
             matcher = matcher_at(compiled, item.prefix) if compiled is not None else None
             if matcher is None:
                 continue
-            fill_tree_bitmask(matcher, DraftTree(*arrays), out, budget=None)  # warm-up
-            seconds = timed(repeat, fill_fresh_tree, matcher, arrays, out)
-            times.setdefault(name, []).append(seconds)
-            if seconds > slowest.get(name, (0.0, "", 0))[0]:
-                slowest[name] = (seconds, item.case.name, len(item.prefix))
-            for _ in range(repeat):
-                masks = fill_tree_bitmask(matcher, DraftTree(*arrays), out, budget=budget)
-                bounded.setdefault(name, []).append(masks.seconds)
-                hits[name] = hits.get(name, 0) + int(masks.budget_hit)
+            run = measure_backend(item, matcher, out, repeat, budget)
+            add_run(tallies[name], run)
+            if name == item.case.auto:
+                add_run(tallies["auto"], run)
             if k < oracle_trees:
-                masks = fill_tree_bitmask(matcher, DraftTree(*arrays), out, budget=None)
-                oracle = replay_tree(compiled.matcher, item.prefix, tree)
-                mismatches += len(compare(masks, out, tree, oracle))
+                for bound in (None, budget):
+                    masks = fill_tree_bitmask(matcher, DraftTree(*arrays_of(tree)), out, bound)
+                    masks.wait_late_writes()
+                    oracle = replay_tree(compiled.matcher, item.prefix, tree)
+                    mismatches += len(compare(masks, out, tree, oracle))
     record: dict[str, Any] = {"nodes": size, "trees": len(trees), "oracle_mismatches": mismatches}
     for name, seconds in times.items():
         record[name] = stats(seconds)
-    for name, seconds in bounded.items():
-        within = float(np.mean(np.asarray(seconds) <= budget))
-        record[f"{name}_budget"] = {
-            **stats(seconds),
-            "hit_share": round(hits[name] / len(seconds), 4),
-            "within_budget_share": round(within, 4),
-        }
-    for name, (seconds, where, cut) in slowest.items():
-        record[f"{name}_slowest"] = {"ms": round(seconds * 1e3, 3), "schema": where, "at": cut}
+    for name, tally in tallies.items():
+        if tally.seconds:
+            parts = tally_record(tally, budget)
+            record[name] = parts["unbounded"]
+            record[f"{name}_budget"] = parts["budget"]
+            record[f"{name}_slowest"] = parts["slowest"]
+            record[f"{name}_budget_slowest"] = parts["budget_slowest"]
+    record["auto_picks"] = dict(Counter(str(t.case.auto) for t in trees))
     emit(record)
     return record
 
 
 def run_batches(
-    trees: list[TreeCase], name: str, vocab: int, max_threads: int, emit: Callable[..., None]
-) -> dict[str, float]:
+    trees: list[TreeCase],
+    name: str,
+    vocab: int,
+    max_threads: int,
+    budget: float,
+    emit: Callable[..., None],
+) -> dict[str, Any]:
+    """Wall time of one batch on 1..N threads, without a budget and with ``budget`` per tree.
+
+    Without one the batch lasts at least as long as its slowest tree (``slowest_tree_ms``),
+    whatever the thread count; with one every tree is bounded and threads can share the work.
+    """
     items = []
     for item in trees:
         compiled = item.case.compiled.get(name)
@@ -219,18 +222,25 @@ def run_batches(
     if not items:
         return {}
     batch = TreeMaskBatch(items, vocab)
-    result: dict[str, float] = {}
-    for threads in range(1, max_threads + 1):
-        with ThreadPoolExecutor(threads) as pool:
-            batch.submit(pool, budget=None).result()  # warm-up
-            walls = []
-            for _ in range(5):
-                start = time.perf_counter()
-                batch.submit(pool, budget=None).result()
-                walls.append(time.perf_counter() - start)
-        result[str(threads)] = round(float(np.median(walls)) * 1e3, 3)
-    speedup = {t: round(result["1"] / ms, 3) for t, ms in result.items()}
-    emit({"batch": name, "trees": len(items), "wall_ms": result, "speedup": speedup})
+    result: dict[str, Any] = {}
+    for label, bound in (("unbounded", None), ("budget", budget)):
+        walls: dict[str, float] = {}
+        slowest = 0.0
+        for threads in range(1, max_threads + 1):
+            with ThreadPoolExecutor(threads) as pool:
+                all(m.wait_late_writes() for m in batch.submit(pool, budget=bound).result())
+                runs = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    masks = batch.submit(pool, budget=bound).result()
+                    runs.append(time.perf_counter() - start)
+                    all(m.wait_late_writes() for m in masks)  # the buffer is reused next run
+                    slowest = max([slowest, *(m.seconds for m in masks)])
+            walls[str(threads)] = round(float(np.median(runs)) * 1e3, 3)
+        speedup = {t: round(walls["1"] / ms, 3) for t, ms in walls.items()}
+        result[label] = {"wall_ms": walls, "speedup": speedup}
+        result[label]["slowest_tree_ms"] = round(slowest * 1e3, 3)
+    emit({"batch": name, "trees": len(items), "budget_ms": budget * 1e3, **result})
     return result
 
 
@@ -267,24 +277,11 @@ def run_benchmark(
     for size in sizes:
         trees = make_trees(cases, size, trees_per_size, rng)
         record = run_size(trees, backends, tokenizer.vocab_size, repeat, oracle_trees, budget, emit)
-        main = "xgrammar" if "xgrammar" in record else backends[0]
-        summary[str(size)] = {
-            "seed_p50_ms": record["seed"].get("p50_ms"),
-            "xgrammar_native_p50_ms": record["xgrammar_native"].get("p50_ms"),
-            "espalier_p50_ms": record.get(main, {}).get("p50_ms"),
-            "espalier_p99_ms": record.get(main, {}).get("p99_ms"),
-            "oracle_mismatches": record["oracle_mismatches"],
-            **{f"espalier_{b}_p50_ms": record.get(b, {}).get("p50_ms") for b in backends},
-            **{f"espalier_{b}_p99_ms": record.get(b, {}).get("p99_ms") for b in backends},
-            **{
-                f"espalier_{b}_budget_p99_ms": record.get(f"{b}_budget", {}).get("p99_ms")
-                for b in backends
-            },
-        }
+        summary[str(size)] = size_summary(record, backends)
     big = max(sizes)
     trees = make_trees(cases, big, batch, rng)
     for name in backends:
-        scaling = run_batches(trees, name, tokenizer.vocab_size, max_threads, emit)
+        scaling = run_batches(trees, name, tokenizer.vocab_size, max_threads, budget, emit)
         if scaling:
             summary.setdefault("batch_ms", {})[name] = scaling
     return summary

@@ -3,12 +3,17 @@
 Per tree size (``--nodes``), on the same trees: the seed's algorithm (a recursive Python DFS
 indexing torch tensors one element at a time, on xgrammar), xgrammar's native
 ``traverse_draft_tree`` called directly, and espalier's ``fill_tree_bitmask`` per backend without a
-budget and with the default one (p50/p99/max ms, share of trees cut by the budget). Then batch
-scaling: ``--batch`` trees filled by ``TreeMaskBatch`` on 1..N threads. Oracle mismatches are
-counted on up to ``--oracle-trees`` trees per size and backend. Trees: ``constrained.tree_random``
-(topk 4; the first child follows a valid instance, the others mix grammar-valid, stop and random
-tokens), rooted at a random point of the instance. One JSON line per measurement; the last line is
-one JSON object keyed by tree size.
+budget (best of ``--repeat``) and with ``--budget`` (every repeat: p50/p99/max ms, shares of fills
+cut by the budget, abandoned during one slow native fill, within the budget and within it + 1 ms;
+the slowest fill with its schema, position and root-row fill time, the part no budget cuts).
+``auto`` is what a user gets by default: per schema the backend ``backend="auto"`` picks (strict
+mode), measured on the same trees. Then batch scaling: ``--batch`` trees filled by
+``TreeMaskBatch`` on 1..N threads, without a budget and with it. Oracle mismatches are counted on
+up to ``--oracle-trees`` trees per size and backend, with and without the budget. Trees:
+``constrained.tree_random`` (topk 4; the first child follows a valid instance, the others mix
+grammar-valid, stop and random tokens), rooted at a random point of the instance. One JSON line per
+measurement; the last line is one JSON object keyed by tree size (``espalier_p50_ms`` is
+xgrammar's, as ``espalier_backend`` says; each backend and ``auto`` have their own keys).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,8 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.errors import GrammarError
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.number_bounds import DEFAULT_BOUNDS, NumberBounds, bound_schema_numbers
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
@@ -53,11 +55,27 @@ class BackendOptions:
             does not name. False keeps JSON Schema semantics (``additionalProperties`` defaults to
             allowed).
         max_threads: threads a library may use to compile one grammar.
+        json_number_bounds: how far JSON numbers may go in generated output
+            (``constrained/number_bounds.py``): integers within +-(2**53 - 1), numbers below
+            10**15 in magnitude with at most 6 fraction digits, unless the schema bounds them.
+            Only the grammar is narrowed (outputs still validate under the caller's schema), so
+            a greedy model cannot write digits until max_tokens. ``None``: the libraries' own
+            unbounded number grammars.
     """
 
     json_max_whitespace: int = 4
     json_strict_properties: bool = False
     max_threads: int = 2
+    json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
+
+    def json_source(self, spec: GrammarSpec, backend: str) -> str:
+        """The schema text ``backend`` compiles for a JSON_SCHEMA ``spec``: with the number
+        bounds added as keywords (llguidance, xgrammar) when they are on."""
+        assert spec.kind is GrammarKind.JSON_SCHEMA
+        if self.json_number_bounds is None:
+            return spec.source
+        bounded = bound_schema_numbers(spec.schema, backend, self.json_number_bounds)
+        return json.dumps(bounded, separators=(",", ":"), ensure_ascii=False)
 
     @property
     def whitespace_regex(self) -> str:

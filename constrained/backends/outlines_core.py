@@ -1,9 +1,11 @@
 """The outlines-core adapter: regular languages only, as a token-level DFA (``Index``).
 
 - JSON_SCHEMA: ``json_schema.build_regex_from_schema`` with whitespace bounded by
-  ``BackendOptions.json_max_whitespace``; REGEX: as given; CHOICE: an alternation of escaped
-  literals. EBNF and LARK are not regular, and ANY_JSON (a depth-3 unrolled regex) makes the
-  token DFA explode (minutes even on a 300-token vocabulary): ``UnsupportedGrammarError``.
+  ``BackendOptions.json_max_whitespace``, its integer and number sub-regexes bounded by
+  ``BackendOptions.json_number_bounds`` (``constrained/number_bounds.py``); REGEX: as given;
+  CHOICE: an alternation of escaped literals. EBNF and LARK are not regular, and ANY_JSON (a
+  depth-3 unrolled regex) makes the token DFA explode (minutes even on a 300-token vocabulary):
+  ``UnsupportedGrammarError``.
 - Index construction releases the GIL, so a caller's compile timeout can abandon a huge regex.
 - Stop tokens and special tokens are left out of its vocabulary (its one EOS id is never used).
 - outlines-core 0.2.14 drops every transition from a final DFA state to a non-final one (``a(bc)*``
@@ -36,6 +38,7 @@ from espalier.constrained.backends.common import (
     vocab_facts,
 )
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
+from espalier.constrained.number_bounds import bound_number_regex
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
@@ -98,7 +101,11 @@ class Backend:
             )
         except (ValueError, TypeError, RuntimeError) as exc:
             raise InvalidGrammarError(kind.value, str(exc)) from exc
-        return regex
+        bounds = self.options.json_number_bounds
+        integer_rx, number_rx = outlines_core.json_schema.INTEGER, outlines_core.json_schema.NUMBER
+        if bounds is None or integer_rx in spec.source:  # a caller's pattern spells it: keep
+            return regex
+        return bound_number_regex(regex, integer_rx, number_rx, bounds)
 
 
 class CompiledGrammar(CompiledBase):

@@ -2,7 +2,8 @@
 
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``compile_json_schema`` with
   whitespace bounded by ``BackendOptions.json_max_whitespace`` (``max_whitespace_cnt``) and
-  ``strict_mode`` from ``BackendOptions.json_strict_properties``.
+  ``strict_mode`` from ``BackendOptions.json_strict_properties``; numbers bounded by
+  ``BackendOptions.json_number_bounds`` (``constrained/number_bounds.py``).
 - REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``;
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
 
@@ -67,7 +68,7 @@ class Backend:
         if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON):
             ws = self.options.json_max_whitespace
             return self.compiler.compile_json_schema(
-                spec.source if kind is GrammarKind.JSON_SCHEMA else "{}",
+                self.options.json_source(spec, NAME) if kind is GrammarKind.JSON_SCHEMA else "{}",
                 any_whitespace=ws > 0,
                 max_whitespace_cnt=ws if ws > 0 else None,
                 separators=None if ws > 0 else (",", ":"),

@@ -15,7 +15,8 @@ Order inside :meth:`SpeculativeDecoder.step`:
 
 1. drafting (CPU and/or draft model);
 2. the caller grows each block table to cover the tree (``ensure_blocks``);
-3. tree masks submitted to CPU threads, then the verify forward launched (overlap), masks awaited;
+3. the verify forward launched and the tree masks filled on CPU threads and the calling thread
+   meanwhile (on CUDA the launch comes first, on the CPU the fills start first), masks awaited;
 4. greedy rows: fused masked greedy verification; sampled rows: lossless tree speculative
    sampling (``kernels.sampling``); → accepted path + bonus per request;
 5. accepted nodes' K/V compacted into place (one ``copy_slots`` for the batch).
@@ -109,7 +110,16 @@ class SeqOutcome:
 class SpeculativeDecoder:
     """Runs speculative steps against one target ``ModelRunner``."""
 
-    def __init__(self, runner: ModelRunner, proposer: Proposer, masks: MaskBuilder) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        proposer: Proposer,
+        masks: MaskBuilder,
+        *,
+        launch_first: bool | None = None,
+    ) -> None:
+        """launch_first: launch the verify forward before starting the mask fills (None = on
+        CUDA only; see below)."""
         self.runner = runner
         self.proposer = proposer
         self.masks = masks
@@ -121,6 +131,11 @@ class SpeculativeDecoder:
         for drafter in self._observers:
             layers.update(drafter.hidden_layers)  # type: ignore[attr-defined]
         self._hidden_layers = tuple(sorted(layers))
+        # CUDA: the forward only launches (asynchronous), so the fills start after it and run
+        # while the GPU works, instead of competing with the launch's Python for the GIL. CPU:
+        # the forward runs to completion inside the call (releasing the GIL in its kernels), so
+        # the fills start before it to overlap with it.
+        self._launch_first = runner.device.type == "cuda" if launch_first is None else launch_first
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
@@ -178,11 +193,14 @@ class SpeculativeDecoder:
 
                 drafts[i] = select_top(draft, max(room - 1, 0))
         drafted = time.perf_counter()
-        pending = self.masks.submit([s.matcher for s in seqs], drafts)
+        matchers = [s.matcher for s in seqs]
+        pending = None if self._launch_first else self.masks.submit(matchers, drafts)
         inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
         out = self.runner.forward(
             [*inputs, *(i for _, i in passthrough)], hidden_layers=self._hidden_layers
         )
+        if pending is None:
+            pending = self.masks.submit(matchers, drafts)
         forwarded = time.perf_counter()
         masks = pending.result()
         masked = time.perf_counter()

@@ -1,8 +1,10 @@
 """Tree masks of a verify batch, built on CPU threads while the target's forward runs.
 
-``MaskBuilder.submit`` starts filling one bitmask row per node of every constrained request's
-tree (into one pinned buffer) and returns at once; ``PendingMasks.result`` waits. The engine submits
-before launching the verify forward and waits after it, so the CPU walk hides under the GPU work.
+``MaskBuilder.submit`` queues one fill job per constrained request (its tree's rows in one pinned
+buffer) and starts the pool's workers on them; ``PendingMasks.result`` takes the jobs no worker
+has started yet on the calling thread, then waits. On CUDA the engine submits right after
+launching the verify forward (asynchronous), so the fills run while the GPU works and never
+compete with the launch for the GIL; on the CPU (synchronous forward) it submits before.
 
 Row semantics (``constrained.tree``): row ``i`` holds the tokens allowed after the path root→i;
 ``valid[i]`` says the path is grammar-valid, ``filled[i]`` that the row was computed. The fill
@@ -12,9 +14,11 @@ the batch out and stack the results.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import itertools
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,29 +30,58 @@ from espalier.engine.spec.verify import TreeMasks
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
+    from espalier.constrained.traverse import TreeMasks as ConstrainedTreeMasks
+
+Fill = tuple[np.ndarray, np.ndarray]
+"""``(valid, filled)`` of one tree: bool ``[n]`` numpy each."""
+
+
+@dataclass
+class FillJobs:
+    """One step's fill jobs; workers and the caller take them one at a time (``next`` on an
+    ``itertools.count`` is atomic under the GIL), so each matcher is used by one thread only.
+
+    jobs: ``(request index, fill)``; ``fill()`` fills that request's rows and returns its flags.
+    results: one slot per request of the step, set when its job is done (None before, and for
+        unconstrained requests, whose node count is in ``unconstrained``).
+    """
+
+    jobs: list[tuple[int, Callable[[], Fill]]]
+    results: list[Fill | None]
+    unconstrained: dict[int, int]
+    _next: itertools.count[int] = field(default_factory=itertools.count)
+
+    def work(self) -> None:
+        """Run jobs until none is left (on whichever thread calls it)."""
+        while (job := next(self._next)) < len(self.jobs):
+            index, fill = self.jobs[job]
+            self.results[index] = fill()
 
 
 @dataclass
 class PendingMasks:
-    """Masks being filled: one future per constrained request; ``result()`` blocks until done."""
+    """Masks being filled; ``result()`` helps with the jobs left, then waits for the workers."""
 
     bitmask: torch.Tensor | None
     mask_rows: torch.Tensor
-    parts: list[Future[tuple[np.ndarray, np.ndarray]] | int]  # a future, or n unconstrained nodes
+    fills: FillJobs
+    workers: list[Future[None]]
     ready: TreeMasks | None = None
 
     def result(self) -> TreeMasks:
         if self.ready is None:
+            self.fills.work()
+            for worker in self.workers:
+                worker.result()  # re-raises a worker's failure
             valid: list[np.ndarray] = []
             filled: list[np.ndarray] = []
-            for part in self.parts:
-                if isinstance(part, int):
-                    valid.append(np.ones(part, dtype=bool))
+            for index, part in enumerate(self.fills.results):
+                if part is None:
+                    valid.append(np.ones(self.fills.unconstrained[index], dtype=bool))
                     filled.append(valid[-1])
                 else:
-                    v, f = part.result()
-                    valid.append(v)
-                    filled.append(f)
+                    valid.append(part[0])
+                    filled.append(part[1])
             self.ready = TreeMasks(
                 self.bitmask,
                 self.mask_rows,
@@ -59,8 +92,8 @@ class PendingMasks:
 
 
 class MaskBuilder:
-    """Fills the tree masks of a batch on a small thread pool, one task per constrained request
-    (the grammar backends release the GIL while they walk)."""
+    """Fills the tree masks of a batch on a small thread pool plus the thread that waits for
+    them (the grammar backends release the GIL inside their mask computations)."""
 
     def __init__(
         self,
@@ -74,8 +107,13 @@ class MaskBuilder:
         self.vocab_size = vocab_size
         self.budget_s = budget_s
         self.pin_memory = pin_memory
+        self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tree-mask")
         self._buffer: torch.Tensor | None = None
+        # fills abandoned at their budget whose native call may still write an unfilled row of
+        # the buffer (constrained.traverse_bounded): such a buffer is parked until they end
+        self._late: list[ConstrainedTreeMasks] = []
+        self._parked: list[tuple[torch.Tensor, list[ConstrainedTreeMasks]]] = []
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -84,6 +122,16 @@ class MaskBuilder:
         """``n`` rows of one reused (pinned on CUDA) buffer: page-locking per step is slow. The
         previous step's upload finished at its host sync, so the rows are free to overwrite;
         the tree walk writes every row it hands to verification (``constrained.traverse``)."""
+        late, self._late = [m for m in self._late if m.writes_pending()], []
+        if late and self._buffer is not None:  # park it until its late writers end
+            self._parked.append((self._buffer, late))
+            self._buffer = None
+        if self._buffer is None:  # a parked buffer whose writers ended, else a new one
+            free = [
+                k for k, (_, w) in enumerate(self._parked) if not any(m.writes_pending() for m in w)
+            ]
+            if free:
+                self._buffer = self._parked.pop(free[0])[0]
         if self._buffer is None or self._buffer.shape[0] < n:
             size = max(n, 2 * (0 if self._buffer is None else self._buffer.shape[0]))
             self._buffer = bm.allocate(size, self.vocab_size, pin_memory=self.pin_memory, fill=0)
@@ -92,23 +140,28 @@ class MaskBuilder:
     def submit(
         self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Draft]
     ) -> PendingMasks:
-        """Start filling masks for ``drafts`` (``matchers[b]`` None = unconstrained request)."""
+        """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
+        at most ``threads`` workers on them; the caller's ``result()`` takes what is left."""
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
         mask_rows: list[int] = []
-        parts: list[Future[tuple[np.ndarray, np.ndarray]] | int] = []
+        jobs: list[tuple[int, Callable[[], Fill]]] = []
+        unconstrained: dict[int, int] = {}
         row = 0
-        for matcher, draft in zip(matchers, drafts):
+        for index, (matcher, draft) in enumerate(zip(matchers, drafts)):
             n = draft.num_nodes
             if matcher is None or bitmask is None:
                 mask_rows.extend([-1] * n)
-                parts.append(n)
+                unconstrained[index] = n
                 continue
             out = bitmask[row : row + n]
-            parts.append(self._pool.submit(self._fill_one, matcher, draft, out))
+            jobs.append((index, functools.partial(self._fill_one, matcher, draft, out)))
             mask_rows.extend(range(row, row + n))
             row += n
-        return PendingMasks(bitmask, torch.tensor(mask_rows, dtype=torch.int64), parts)
+        fills = FillJobs(jobs, [None] * len(drafts), unconstrained)
+        workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
+        mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)
+        return PendingMasks(bitmask, mask_rows_t, fills, workers)
 
     def _fill_one(
         self, matcher: GrammarMatcher, draft: Draft, out: torch.Tensor
@@ -118,4 +171,6 @@ class MaskBuilder:
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
         result = fill_tree_bitmask(matcher, tree, out, self.budget_s)
+        if result.writes_pending():
+            self._late.append(result)
         return result.valid, result.filled

@@ -48,6 +48,8 @@ class SpecConfig:
     loaded drafters and/or ``"forced"``). num_draft_tokens: default node budget per tree.
     mask_budget_s: time budget of one tree-mask fill (None = none). mask_threads: CPU threads
     filling tree masks (default: one per core, at most 8; the mask libraries drop the GIL).
+    launch_first: launch the verify forward before starting the mask fills (None = on CUDA,
+    where the launch is asynchronous; ``engine/spec/decoder.py``).
     """
 
     enabled: bool = True
@@ -57,6 +59,7 @@ class SpecConfig:
     mask_budget_s: float | None = 0.002
     mask_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
     forced: ForcedConfig = field(default_factory=ForcedConfig)
+    launch_first: bool | None = None
 
 
 class SpeculativeDecoding:
@@ -81,7 +84,9 @@ class SpeculativeDecoding:
             pin_memory=runner.device.type == "cuda",
             budget_s=config.mask_budget_s,
         )
-        self.decoder = SpeculativeDecoder(runner, Proposer(drafters, config.forced), masks)
+        self.decoder = SpeculativeDecoder(
+            runner, Proposer(drafters, config.forced), masks, launch_first=config.launch_first
+        )
         self._live: dict[str, Request] = {}
 
     def settings(self, request: Request) -> tuple[tuple[str, ...], int]:

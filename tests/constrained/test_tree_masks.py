@@ -262,3 +262,17 @@ def test_forced_tokens_are_accepted_and_state_kept(backend: str, toy_tokenizer: 
     fresh = grammar.matcher()
     assert all(fresh.accept(t) for t in chain)
     assert forced_tokens(matcher, 0) == []
+
+
+def test_llguidance_tokenizer_callback_is_memoised(toy_tokenizer: Any) -> None:
+    """llguidance tokenizes forced lexemes through a Python callback from inside its mask
+    fills; the callback remembers its answers (same ids, a fresh list each time)."""
+    from espalier.constrained.backends.common import vocab_facts
+    from espalier.constrained.backends.llguidance import _TokenizerSource
+
+    source = _TokenizerSource(toy_tokenizer, vocab_facts(toy_tokenizer))
+    first = source('name"')
+    assert first == toy_tokenizer.encode('name"')
+    first.append(-1)  # the caller may keep and change what it got
+    assert source('name"') == toy_tokenizer.encode('name"')
+    assert 'name"' in source._encoded

@@ -60,8 +60,12 @@ def check_trees(
         body = instance if instance is not None else sample_instance(start, rng, max_tokens=24)
         tree = grow_tree(grammar.matcher, prefix, body, sizes[k % len(sizes)], rng)
         out = bm.allocate(tree.num_nodes, start.vocab_size, fill=int(rng.integers(-1, 1)))
+        oracle = replay_tree(grammar.matcher, prefix, tree)
         masks = fill_tree_bitmask(start, tree, out, budget=None)
-        found = compare(masks, out, tree, replay_tree(grammar.matcher, prefix, tree))
+        found = compare(masks, out, tree, oracle)
+        # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
+        masks = fill_tree_bitmask(start, tree, out, budget=60.0)
+        found += compare(masks, out, tree, oracle) + ["budget hit"] * masks.budget_hit
         problems += [f"{grammar.spec!r} prefix={prefix}: {p}" for p in found]
         nodes += tree.num_nodes
     return nodes, problems

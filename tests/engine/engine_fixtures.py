@@ -57,6 +57,7 @@ def make_engine(
     max_num_batched_tokens: int = 64,
     overlap_masks: bool = True,
     sparse_head: bool = True,
+    close_within_budget: bool = True,
 ) -> Engine:
     from espalier.engine.config import CacheConfig, RunnerConfig
     from espalier.engine.runner import ModelRunner
@@ -70,6 +71,7 @@ def make_engine(
         ),
         overlap_masks=overlap_masks,
         sparse_head=sparse_head,
+        close_within_budget=close_within_budget,
     )
     return Engine(config, runner, toy_tokenizer())
 

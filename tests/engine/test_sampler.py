@@ -154,3 +154,25 @@ def test_logprobs_from_masked_distribution() -> None:
     assert lp1 is not None and len(lp1.top) == 2
     full = torch.log_softmax(raw[1], dim=-1)
     assert abs(lp1.logprob - float(full[out.token_ids[1]])) < 1e-5
+
+
+def test_greedy_masked_rows_equal_mask_then_argmax_on_many_random_inputs() -> None:
+    # oracle: apply the mask to the whole row, then argmax (the sampler skips the mask for greedy
+    # rows whose unmasked argmax is allowed); ties included (logits on a coarse grid)
+    gen = torch.Generator().manual_seed(3)
+    sampler = Sampler()
+    for _ in range(200):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        logits = torch.randint(0, 6, (n, V), generator=gen).float()
+        allowed = torch.rand((n, V), generator=gen) < 0.3
+        allowed[:, 0] = True  # at least one allowed id per row
+        mask = torch.from_numpy(bm.pack_allowed(allowed.numpy()).copy())
+        params = [
+            RowParams(logprobs=int(torch.randint(0, 2, (1,), generator=gen))) for _ in range(n)
+        ]
+        expected = logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1).tolist()
+        out = sampler(logits.clone(), params, bitmask=mask, masked_rows=list(range(n)))
+        assert out.token_ids == expected
+        for row, lp in enumerate(out.logprobs):
+            if params[row].logprobs:
+                assert lp is not None and all(allowed[row, t] for t, _ in lp.top)

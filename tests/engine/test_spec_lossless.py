@@ -89,6 +89,34 @@ def test_mixed_batch_matches_plain(runner: Any, toy_tokenizer: Any) -> None:
     assert loop.allocator.num_free_blocks == runner.num_blocks  # every block came back
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_masks_after_launch_match_plain(runner: Any, toy_tokenizer: Any, threads: int) -> None:
+    """The CUDA order (forward launched, then the fills, shared by the pool and the waiting
+    thread) gives the same tokens as plain decoding, constrained and not, in one batch."""
+    stops = frozenset(toy_tokenizer.stop_token_ids)
+    proposer = Proposer({"ngram": NgramDrafter(NgramConfig(min_n=1, max_n=3))})
+    masks = MaskBuilder(runner.vocab_size, threads=threads)
+    loop = SpecLoop(SpeculativeDecoder(runner, proposer, masks, launch_first=True))
+    setups = [
+        (PROMPTS[0], "llguidance", ("ngram", "forced")),
+        (PROMPTS[1], "xgrammar", ("ngram", "forced")),
+        (PROMPTS[2], None, ("ngram",)),
+        (PROMPTS[1], "llguidance", ("forced",)),
+    ]
+    requests = [
+        LoopRequest(f"r{i}", p, 20, compile_matcher(toy_tokenizer, b) if b else None, m, 6, stops)
+        for i, (p, b, m) in enumerate(setups)
+    ]
+    try:
+        results = loop.generate(requests)
+    finally:
+        masks.close()
+    for (prompt, backend, _), result in zip(setups, results):
+        matcher = compile_matcher(toy_tokenizer, backend) if backend else None
+        expected = plain_greedy(runner, prompt, 20, matcher=matcher, stop_ids=stops)
+        assert result.output_ids == expected
+
+
 def test_sliding_window_target_matches_plain(toy_tokenizer: Any) -> None:
     """Compaction keeps the 'position == cache index' contract sliding-window layers rely on."""
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size, window=6), seed=3)

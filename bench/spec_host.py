@@ -1,0 +1,297 @@
+"""Host overhead of speculative decoding at batch 32, measured on the CPU, printing JSON lines.
+
+The GPU machine's speculative step at batch 32 is host-bound (issues 7/8): what limits it is
+Python and grammar work on the main thread, not the target. That work is CPU work, so it is
+measured here on the same engine flow as ``bench/gpu_spec.py`` (equal work: the constrained
+requests' plain output lengths bound the unconstrained ones; oracle drafter, 8 draft tokens per
+tree, JSONSchemaBench schemas, the real Gemma tokenizer, 262,144-token vocabulary) with a tiny
+random-weight target on the CPU. The target's own work (``runner.forward`` and the verification
+kernel: on a GPU, device time) is timed and subtracted; what remains is host time.
+
+Per side (constrained / unconstrained), one JSON line:
+
+- ``host_ms_per_step``: (step wall time - forward - verify kernel) / speculative steps;
+- ``main_ms_per_step``: the part of it not spent waiting for tree masks;
+- ``mask_fill_ms_per_step``: summed tree-fill time of the mask threads (on the GPU these run
+  while the forward does: they are hidden when this / mask threads < the forward's time);
+- ``accepts_per_token``: ``GrammarMatcher.accept`` calls (every matcher, forks included) per
+  emitted token; ``forks_per_token``, ``forced_calls_per_token`` likewise; ``tree_nodes_per_token``:
+  nodes walked by tree fills (each one native consume + one mask);
+
+then the ratio line (``constrained_over_unconstrained_host``) and, with ``--profile``, the top
+host functions of the constrained run (cProfile of the main thread, paused during device work).
+
+    .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
+        [--mask-threads 2] [--no-closing] [--profile] [--warmup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import gpu_spec  # bench/gpu_spec.py (this folder is on sys.path)
+import spec as spec_bench  # bench/spec.py
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+class Probe:
+    """Counts and times what the bench reports, by wrapping a few functions in place."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.device_s = 0.0  # target forward + verification kernel (GPU work on the GPU)
+        self.mask_fill_s = 0.0  # tree fills, summed over mask threads
+        self.tree_nodes = 0
+        self.profiler: cProfile.Profile | None = None  # paused during device work
+
+    @contextmanager
+    def installed(self, runner: Any) -> Iterator[Probe]:
+        """Wrap the runner's forward, the verify kernel, the tree fill and the matcher calls."""
+        from espalier.constrained.backends import common
+        from espalier.constrained.backends import llguidance as llg
+        from espalier.engine.spec import masks
+        from espalier.kernels import verify
+
+        patches: list[tuple[Any, str, Any]] = []
+
+        def patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+            original = getattr(owner, name)
+            patches.append((owner, name, original))
+            setattr(owner, name, wrap(original))
+
+        patch(runner, "forward", self._timed_device)
+        patch(verify, "verify_greedy", self._timed_device)
+        patch(masks.MaskBuilder, "_fill_one", self._timed_fill)
+        patch(common.MatcherBase, "accept", lambda f: self._counted("accept", f))
+        patch(llg.Matcher, "fork", lambda f: self._counted("fork", f))
+        patch(llg.Matcher, "forced_tokens", lambda f: self._counted("forced_tokens", f))
+        try:
+            yield self
+        finally:
+            for owner, name, original in reversed(patches):
+                if owner is runner:
+                    delattr(owner, name)  # back to the class's method
+                else:
+                    setattr(owner, name, original)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.device_s = self.mask_fill_s = 0.0
+        self.tree_nodes = 0
+
+    def _timed_device(self, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            profiler = self.profiler
+            if profiler is not None:
+                profiler.disable()
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.device_s += time.perf_counter() - start
+                if profiler is not None:
+                    profiler.enable()
+
+        return wrapper
+
+    def _timed_fill(self, function: Any) -> Any:
+        def wrapper(builder: Any, matcher: Any, draft: Any, out: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(builder, matcher, draft, out)
+            finally:
+                self.mask_fill_s += time.perf_counter() - start  # += on a float: GIL-atomic enough
+                self.tree_nodes += draft.num_nodes
+
+        return wrapper
+
+    def _counted(self, name: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+
+def measure(
+    factory: Callable[[], Any], requests: list[Any], probe: Probe, profile: bool, warmup: bool
+) -> dict[str, Any]:
+    """Time one run of ``requests`` step by step on a fresh engine (after a warm-up run when
+    ``warmup``: the plain runs before already met every grammar state, so it is optional)."""
+    if warmup:
+        engine = factory()
+        spec_bench.run_engine(engine, requests)
+        engine.close()
+    engine = factory()
+    probe.reset()
+    profiler = probe.profiler = cProfile.Profile() if profile else None
+    tokens = steps = 0
+    wall = 0.0
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        outputs = engine.step()
+        if profiler is not None:
+            profiler.disable()
+        wall += time.perf_counter() - start
+        for out in outputs:
+            tokens += len(out.token_ids)
+            if out.finished and out.speculative is not None:
+                steps = max(steps, out.speculative.steps)
+    probe.profiler = None
+    engine_steps = engine.num_steps
+    engine.close()
+    host = wall - probe.device_s
+    result: dict[str, Any] = {
+        "tokens": tokens,
+        "engine_steps": engine_steps,
+        "wall_s": round(wall, 4),
+        "device_s": round(probe.device_s, 4),
+        "host_ms_per_step": round(1e3 * host / engine_steps, 3),
+        "mask_fill_ms_per_step": round(1e3 * probe.mask_fill_s / engine_steps, 3),
+        "accepts_per_token": round(probe.calls["accept"] / tokens, 3),
+        "forks_per_token": round(probe.calls["fork"] / tokens, 3),
+        "forced_calls_per_token": round(probe.calls["forced_tokens"] / tokens, 3),
+        "tree_nodes_per_token": round(probe.tree_nodes / tokens, 3),
+    }
+    if profiler is not None:
+        result["profile"] = _top(profiler)
+    return result
+
+
+def _top(profiler: cProfile.Profile, n: int = 25) -> dict[str, list[Any]]:
+    rows = pstats.Stats(profiler).stats.items()  # type: ignore[attr-defined]
+
+    def name(key: tuple[str, int, str]) -> str:
+        path, line, function = key
+        return f"{path.split('/')[-1]}:{line}:{function}"
+
+    by_own = sorted(rows, key=lambda kv: -kv[1][2])[:n]
+    by_cum = sorted(rows, key=lambda kv: -kv[1][3])[:n]
+    return {
+        "tottime_s": [[name(k), round(v[2], 4), v[1]] for k, v in by_own],
+        "cumtime_s": [[name(k), round(v[3], 4), v[1]] for k, v in by_cum],
+    }
+
+
+def tiny_runner(tokenizer: Any) -> Any:
+    """A 2-layer, hidden-64 Llama with the tokenizer's vocabulary on the CPU (``bench/spec.py``'s
+    random weights: zero output projections, so greedy choices are a bigram's)."""
+    from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
+    from espalier.engine.runner import ModelRunner
+
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=tokenizer.vocab_size,
+        rms_norm_eps=1e-5,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    return ModelRunner(
+        config,
+        spec_bench._random_state(config, "cpu"),
+        RunnerConfig(device="cpu", cache=CacheConfig(block_size=16, num_blocks=2048)),
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from espalier.constrained.spec import GrammarSpec
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+    tokenizer = TokenizerInfo.default()
+    runner = tiny_runner(tokenizer)
+    schemas = [
+        s
+        for s in spec_bench.sample_schemas(args.schemas, with_instances=False)
+        if spec_bench.compile_schema(s[1], tokenizer) is not None
+    ]
+    service = spec_bench.shared_grammars(
+        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas]
+    )
+    gen = torch.Generator().manual_seed(0)
+    batch = args.batch
+    prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(batch)]
+    grammars = [GrammarSpec.json_schema(schemas[i % len(schemas)][1]) for i in range(batch)]
+    setup = gpu_spec._Setup(
+        runner, tokenizer, service, batch, args.mask_threads, closing=not args.no_closing
+    )
+    # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
+    full = [args.max_tokens] * batch
+    c_plain = gpu_spec._run(setup.plain, [gpu_spec._requests(prompts, grammars, full, False, "c")])
+    lengths = [max(1, len(c_plain["outputs"][f"c{i}"])) for i in range(batch)]
+    free: list[Any] = [None] * batch
+    u_plain = gpu_spec._run(setup.plain, [gpu_spec._requests(prompts, free, lengths, False, "u")])
+    probe = Probe()
+    results: dict[bool, dict[str, Any]] = {}
+    with probe.installed(runner):
+        for constrained, base, prefix in ((False, u_plain, "u"), (True, c_plain, "c")):
+            continuations = {
+                f"{prefix}{i}": (len(p), base["outputs"][f"{prefix}{i}"])
+                for i, p in enumerate(prompts)
+            }
+            reqs = gpu_spec._requests(
+                prompts, grammars if constrained else free, lengths, True, prefix
+            )
+            factory = setup.oracle(continuations)
+            results[constrained] = measure(factory, reqs, probe, False, args.warmup)
+            if args.profile and constrained:
+                profiled = measure(factory, reqs, probe, True, False)
+                results[constrained]["profile"] = profiled["profile"]
+            emit(
+                {
+                    "part": "spec_host",
+                    "batch": batch,
+                    "constrained": constrained,
+                    "mask_threads": args.mask_threads,
+                    "closing": not args.no_closing,
+                    **results[constrained],
+                }
+            )
+    emit(
+        {
+            "part": "spec_host",
+            "batch": batch,
+            "closing": not args.no_closing,
+            "constrained_over_unconstrained_host": round(
+                results[True]["host_ms_per_step"] / results[False]["host_ms_per_step"], 3
+            ),
+        }
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--schemas", type=int, default=6)
+    parser.add_argument("--mask-threads", type=int, default=2)
+    parser.add_argument("--no-closing", action="store_true", help="close_within_budget=False")
+    parser.add_argument("--profile", action="store_true", help="cProfile the constrained run")
+    parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

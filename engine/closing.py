@@ -1,0 +1,216 @@
+"""Finishing within the token budget: a constrained output that max_tokens would cut is closed.
+
+A constrained request promises output that matches its grammar, and ``max_tokens`` bounds its
+length. A model that loops (greedy repetition inside a string or an array: small models do)
+would reach max_tokens mid-value and return text that matches nothing. So in the last
+:data:`CLOSING_WINDOW` tokens of its budget, before a sampled token is accepted, the engine checks
+that a *closing path* still fits after it: a short token sequence that completes the grammar from
+the state after the token, plus one stop token. When it does not, the engine emits the closing
+path of the current state and a stop token instead, and the request ends there (``STOP``).
+Outputs that finish on their own are untouched, token for token.
+
+:class:`ClosingPaths` finds a closing path greedily on a fork of the matcher: the tokens the
+grammar forces where it forces some (``forced_tokens``: required keys, ``":"``), else the first
+of a few closers and minimal JSON values that the grammar accepts (``"``, ``}``, ``]``, ``0``,
+``null``, ...), else the lowest allowed token id; at most ``limit`` tokens, or None when none is
+found that short (then nothing changes: the output may be cut, as without this policy).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from espalier.constrained import bitmask as bm
+
+if TYPE_CHECKING:
+    from espalier.constrained.base import GrammarMatcher
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.request import Request
+
+CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are checked
+# Checks are spaced out while the budget is far from the last closing path's length: a token is
+# assumed to lengthen the closing path by at most GROWTH_PER_TOKEN tokens, plus MARGIN to spare.
+# (A token that grows it faster can only make the policy miss a closing, i.e. the output is cut
+# as without it; whatever is emitted still matches the grammar.)
+GROWTH_PER_TOKEN = 2
+MARGIN = 4
+# tried in order where nothing is forced: closers first, then minimal values, then separators
+CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":")
+
+
+class ClosingPaths:
+    """Closing paths for one tokenizer (``candidates``: single-token ids of CANDIDATE_TEXTS)."""
+
+    def __init__(self, tokenizer: TokenizerInfo) -> None:
+        self.vocab_size = tokenizer.vocab_size
+        self.stops = frozenset(tokenizer.stop_token_ids)
+        self.candidates: list[int] = []
+        for text in CANDIDATE_TEXTS:
+            ids = tokenizer.encode(text)
+            if len(ids) == 1 and ids[0] not in self.candidates:
+                self.candidates.append(ids[0])
+        self._row = bm.allocate(1, self.vocab_size, fill=0)
+
+    def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
+        """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
+
+        ``matcher`` itself is not changed (the search runs on a fork)."""
+        if limit < 0:
+            return None
+        return self.search(matcher.fork(), limit)
+
+    def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
+        """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path."""
+        if limit < 0:
+            return None
+        path: list[int] = []
+        while not probe.can_terminate():
+            if len(path) >= limit:
+                return None
+            taken = 0
+            for token in probe.forced_tokens(limit - len(path)):
+                if not probe.accept(token):
+                    break
+                path.append(token)
+                taken += 1
+            if taken:
+                continue
+            chosen = self._first_accepted(probe)
+            if chosen is None:
+                return None
+            path.append(chosen)
+        return path
+
+    def _first_accepted(self, probe: GrammarMatcher) -> int | None:
+        for token in self.candidates:
+            if probe.accept(token):
+                return token
+        probe.fill_bitmask(self._row, 0)
+        for token in _lowest_allowed(self._row[0].numpy(), 64):
+            if token not in self.stops and probe.accept(token):
+                return token
+        return None
+
+
+def _lowest_allowed(row: np.ndarray, count: int) -> list[int]:
+    """The ``count`` lowest token ids allowed by ``row`` (int32 ``[W]``, tail bits past V
+    clear), ascending; reads only the nonzero words instead of unpacking all ``32 * W`` bits."""
+    tokens: list[int] = []
+    for word in np.flatnonzero(row).tolist():
+        bits = int(row[word]) & 0xFFFFFFFF
+        while bits and len(tokens) < count:
+            low = bits & -bits
+            tokens.append(32 * word + low.bit_length() - 1)
+            bits ^= low
+        if len(tokens) >= count:
+            break
+    return tokens
+
+
+class BudgetCloser:
+    """The engine's side of the policy: when to close a request, and appending the closing.
+
+    ``enabled=False``: never closes (``EngineConfig.close_within_budget``).
+    """
+
+    def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True) -> None:
+        self.paths = ClosingPaths(tokenizer) if enabled else None
+        self.stop_token = tokenizer.stop_token_ids[0]
+        self._unclosable: set[str] = set()  # requests whose state had no closing path in budget
+        # per request: the closing path found by its last check (it completes the grammar from
+        # the matcher's state after that check's token, within the budget then) and the output
+        # length it belongs to (a path for another length is stale)
+        self._known: dict[str, tuple[int, list[int]]] = {}
+        # per request: the output length before which no check is needed (spacing, see MARGIN)
+        self._next_check: dict[str, int] = {}
+
+    def instead(
+        self, request: Request, token: int, stops: set[int], max_model_len: int
+    ) -> list[int] | None:
+        """The closing path to emit instead of ``token`` (not yet appended) when after ``token``
+        the grammar could not be completed within the request's budget; else None.
+
+        A path already known to close the current state is reused: when ``token`` is its first
+        token its rest closes the next state (no grammar work), else it is tried after ``token``
+        (accepts only) before a new search. The outcome is a function of the request's tokens
+        alone (so speculative and plain decoding close identically)."""
+        matcher = request.matcher
+        if (
+            self.paths is None
+            or matcher is None
+            or request.sampling.ignore_eos
+            or token in stops
+            or request.request_id in self._unclosable
+        ):
+            return None
+        budget = min(
+            request.sampling.max_tokens - len(request.output_ids),
+            max_model_len - request.num_tokens,
+        )
+        if budget > CLOSING_WINDOW:
+            return None
+        here = len(request.output_ids)
+        known = self._known.pop(request.request_id, None)
+        path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
+        if path and path[0] == token:
+            self._known[request.request_id] = (here + 1, path[1:])
+            return None
+        if here < self._next_check.get(request.request_id, 0):
+            return None  # far enough from the budget's end (a function of the tokens alone)
+        probe = matcher.fork()
+        if not probe.accept(token):
+            return None
+        # after token: a path that leaves room for the stop token (searched on the probe itself)
+        after = _still_closes(probe, path, budget - 2) if path is not None else None
+        if after is None:
+            after = self.paths.search(probe, budget - 2)
+        if after is not None:
+            self._known[request.request_id] = (here + 1, after)
+            slack = budget - 2 - len(after) - MARGIN
+            self._next_check[request.request_id] = (
+                here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
+            )
+            return None
+        if path is None:
+            path = self.paths.find(matcher, budget - 1)
+        if path is None:
+            self._unclosable.add(request.request_id)
+        return path
+
+    def emit(
+        self, request: Request, path: list[int], new_ids: list[int], text_ids: list[int]
+    ) -> None:
+        """Append ``path`` and a stop token to the request (the grammar accepts both: the path
+        was found on a fork of its matcher); text tokens also go to ``text_ids``."""
+        matcher = request.matcher
+        assert matcher is not None
+        for token in [*path, self.stop_token]:
+            accepted = matcher.accept(token)
+            assert accepted, "a closing path is checked on a fork of this matcher"
+            request.output_ids.append(token)
+            new_ids.append(token)
+            if token != self.stop_token:
+                text_ids.append(token)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what is kept about it."""
+        self._unclosable.discard(request_id)
+        self._known.pop(request_id, None)
+        self._next_check.pop(request_id, None)
+
+
+def _still_closes(probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
+    """``path`` when it completes the grammar from ``probe``'s state within ``limit`` tokens,
+    else None; ``probe`` is left where it was either way."""
+    if len(path) > limit:
+        return None
+    accepted = 0
+    for token in path:
+        if not probe.accept(token):
+            break
+        accepted += 1
+    done = accepted == len(path) and probe.can_terminate()
+    probe.rollback(accepted)
+    return path if done else None

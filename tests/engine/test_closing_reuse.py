@@ -1,0 +1,79 @@
+"""The budget closer's reuse of known closing paths (``engine/closing.py``) stays sound.
+
+Along random grammar-valid token sequences (budget 30, inside the closing window): every time
+:meth:`BudgetCloser.instead` lets a token through, the path it keeps for the next check is
+replayed on a fresh fork after the token and must complete the grammar within ``budget - 2``
+tokens; a closing it returns must complete it within ``budget - 1``. The same tokens fed again
+give the same answers (plain and speculative decoding close identically).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from engine_fixtures import toy_tokenizer
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import SamplingParams
+from espalier.engine.closing import BudgetCloser
+from espalier.engine.request import Request
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "names": {"type": "array", "items": {"type": "string"}},
+        "n": {"type": "integer"},
+    },
+    "required": ["names", "n"],
+}
+
+
+def _run(tokenizer: Any, compiled: Any, seed: int, max_tokens: int) -> list[Any]:
+    """Sample random allowed tokens through a closer; returns per token the closer's answer."""
+    rng = random.Random(seed)
+    closer = BudgetCloser(tokenizer)
+    request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
+    request.matcher = compiled.matcher()
+    stops = set(tokenizer.stop_token_ids)
+    row = bm.allocate(1, tokenizer.vocab_size, fill=0)
+    answers: list[Any] = []
+    while len(request.output_ids) < max_tokens and not request.matcher.is_terminated():
+        request.matcher.fill_bitmask(row, 0)
+        allowed = np.flatnonzero(bm.unpack_allowed(row[0], tokenizer.vocab_size)).tolist()
+        allowed = [t for t in allowed if t not in stops] or allowed
+        token = rng.choice(allowed)
+        budget = max_tokens - len(request.output_ids)
+        closing = closer.instead(request, token, stops, 10_000)
+        answers.append((token, budget, closing))
+        if closing is not None:
+            probe = request.matcher.fork()
+            assert all(probe.accept(t) for t in closing) and probe.can_terminate()
+            assert len(closing) <= budget - 1
+            break
+        known = closer._known.get("r")
+        probe = request.matcher.fork()
+        assert probe.accept(token)
+        if known is not None and budget <= 64:
+            _, path = known
+            assert len(path) <= budget - 2
+            assert all(probe.accept(t) for t in path) and probe.can_terminate()
+        request.output_ids.append(token)
+        assert request.matcher.accept(token)
+    return answers
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_reused_paths_are_sound_and_deterministic(backend: str) -> None:
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    closed = 0
+    for seed in range(12):
+        first = _run(tokenizer, compiled, seed, 30)
+        assert _run(tokenizer, compiled, seed, 30) == first
+        closed += first[-1][2] is not None
+    assert closed > 0  # random tokens do run out of budget
