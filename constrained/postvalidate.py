@@ -22,8 +22,11 @@ does not import the engine).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -138,18 +141,52 @@ def _pointer(path: list[Any]) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
+VALIDATOR_CACHE_ENTRIES = 256
+"""Validators kept per (schema, registry): building one (class, format checker, ref resolver)
+costs ~2 ms, far more than validating a typical output, and requests repeat schemas."""
+
+_validators: OrderedDict[tuple[str, int], tuple[Any, Any]] = OrderedDict()
+_validators_lock = threading.Lock()
+
+
 def _validator(schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None) -> Any:
+    """A (cached) validator for ``schema``; validators are stateless, so sharing them across
+    threads is safe."""
+    key = (json.dumps(schema, sort_keys=True, separators=(",", ":")), id(registry))
+    with _validators_lock:
+        hit = _validators.get(key)
+        if hit is not None and hit[1] is registry:
+            _validators.move_to_end(key)
+            return hit[0]
+    validator = _build_validator(schema, registry)
+    with _validators_lock:
+        _validators[key] = (validator, registry)  # the registry is kept: its id stays unique
+        while len(_validators) > VALIDATOR_CACHE_ENTRIES:
+            _validators.popitem(last=False)
+    return validator
+
+
+@functools.cache
+def _extended(base: Any) -> Any:
+    """``base`` with our ``pattern`` / ``patternProperties`` (the ``regex`` module's syntax)."""
+    import jsonschema.validators
+
+    return jsonschema.validators.extend(
+        base, {"pattern": _pattern, "patternProperties": _pattern_properties}
+    )
+
+
+def _build_validator(
+    schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None
+) -> Any:
     import jsonschema
     import jsonschema.validators
 
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    cls = jsonschema.validators.extend(
-        base, {"pattern": _pattern, "patternProperties": _pattern_properties}
-    )
     kwargs: dict[str, Any] = {"format_checker": base.FORMAT_CHECKER}
     if registry is not None:
         kwargs["registry"] = registry
-    return cls(schema, **kwargs)
+    return _extended(base)(schema, **kwargs)
 
 
 def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
