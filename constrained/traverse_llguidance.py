@@ -9,6 +9,9 @@ at or above the tokenizer vocabulary are invalid, and after a stop token only fu
 tokens are accepted. Stop tokens are never consumed natively: the parent's row says whether one
 may come (the grammar can terminate), and its row is the stop row. The matcher is rolled back lazily
 and fully restored at the end.
+
+llguidance's mask memo survives a rollback (``backends/llguidance.py``): after each rollback,
+the final one included, the restored state's mask is computed again into a scratch row.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def walk_llguidance(
     valid, filled, terminated = result.valid, result.filled, result.terminated
     if not root_ready:
         compute(base, row_bytes)
+    elif matcher.mask_memo_stale:
+        matcher.refresh_mask_memo()
+    refresh = matcher.refresh_mask_memo
     valid[0] = filled[0] = True
     depth = 0  # tokens consumed natively since entry
     # stack entries: (node, parent, native depth of the parent's state)
@@ -86,6 +92,7 @@ def walk_llguidance(
             if depth > parent_depth:
                 native.rollback(depth - parent_depth)
                 depth = parent_depth
+                refresh()  # the memo may be a rolled-back node's
             if try_consume([token]) != 1:
                 continue
             depth = node_depth = parent_depth + 1
@@ -96,6 +103,8 @@ def walk_llguidance(
             stack.append((child, node, node_depth))
     if depth:
         native.rollback(depth)
+        # eagerly, not through the flag: a budgeted walk runs on a shallow copy of the wrapper
+        refresh()
     if native.is_error():
         raise RuntimeError(f"llguidance matcher entered an error state: {native.get_error()}")
     return result

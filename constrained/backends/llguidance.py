@@ -9,6 +9,14 @@
 
 An ``LLMatcher`` goes into a sticky error state when it consumes a bad token, so :meth:`accept`
 checks the token with ``validate_tokens`` first and consumes it only when it is allowed.
+
+llguidance (1.9.1) keeps a memo of the last mask it computed (keyed, as its behaviour shows, by
+lexer state and Earley row index) that ``rollback`` does not clear: after a rollback, tokens that
+rebuild a row at the same index with the same lexer state (``[`` + ``["``, mask, rollback 1,
+`` "``: both inside a string, one array deep vs two) get the rolled-back branch's mask
+(``"]"`` allowed, ``"}"`` not). A mask computed at the rolled-back state itself is right (its rows
+are unchanged) and replaces the memo, so after a rollback the adapter computes one, into a scratch
+row, before the next consume unless a fill comes first (:meth:`Matcher.refresh_mask_memo`).
 """
 
 from __future__ import annotations
@@ -165,11 +173,27 @@ class Matcher(MatcherBase):
         self._checked_mask: weakref.ref[torch.Tensor] | None = None
         self._checked_ptr = 0
         self._checked_rows = 0
+        # True after a rollback until a mask is computed: llguidance's mask memo may describe a
+        # rolled-back branch (module docstring), so the next consume must refresh it first.
+        self.mask_memo_stale = False
+        self._scratch: np.ndarray | None = None
+
+    def refresh_mask_memo(self) -> None:
+        """Compute the mask into a scratch row, so llguidance's memo describes this state.
+
+        Needed after a ``rollback`` and before the next consume (module docstring); one mask.
+        """
+        if self._scratch is None:
+            self._scratch = np.zeros(self._row_bytes // 4, dtype=np.int32)
+        self.native.unsafe_compute_mask_ptr(self._scratch.ctypes.data, self._row_bytes)
+        self.mask_memo_stale = False
 
     def _native_accept(self, token: int) -> bool:
         # validate first: consuming a disallowed token would make the error state sticky
         if self.native.validate_tokens([token]) != 1:
             return False
+        if self.mask_memo_stale:
+            self.refresh_mask_memo()
         if not self.native.consume_token(token):
             raise MatcherStateError(f"llguidance: {self.native.get_error()}")
         return True
@@ -177,6 +201,7 @@ class Matcher(MatcherBase):
     def _native_rollback(self, n: int) -> None:
         if not self.native.rollback(n):
             raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
+        self.mask_memo_stale = True
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
@@ -206,12 +231,14 @@ class Matcher(MatcherBase):
         self.native.unsafe_compute_mask_ptr(
             self._checked_ptr + index * self._row_bytes, self._row_bytes
         )
+        self.mask_memo_stale = False
 
     def _native_can_terminate(self) -> bool:
         return bool(self.native.is_accepting())
 
     def _native_reset(self) -> None:
         self.native.reset()
+        self.mask_memo_stale = False
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():
@@ -222,6 +249,7 @@ class Matcher(MatcherBase):
     def fork(self) -> Matcher:
         other = Matcher(self.compiled, self.native.deep_copy())
         self._copy_state_to(other)
+        other.mask_memo_stale = self.mask_memo_stale  # deep_copy copies the memo too
         return other
 
 
