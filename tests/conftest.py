@@ -17,6 +17,14 @@ from functools import cache
 from typing import Any
 
 import pytest
+import torch
+
+# Without CUDA, Triton code runs in its CPU interpreter. ``triton.jit`` reads TRITON_INTERPRET when
+# it decorates, and that includes triton.language's own helpers (``tl.max`` ...) at triton's first
+# import, so it is set here, before any test module (kernels/ or engine/models/fused.py) imports
+# triton; set later, kernels mix interpreted and compiled functions and fail.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOY_CORPUS = [
     '{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true}',
