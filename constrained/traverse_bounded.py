@@ -37,18 +37,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from espalier.constrained.return_latency import ReturnLatency
 from espalier.constrained.traverse import Walker, WalkResult
 from espalier.constrained.tree import DraftTree
 
-RETURN_MARGIN_S = 250e-6
-"""The caller stops waiting this long before the deadline: waking from a timed wait, taking the
-GIL back and the wrap-up (flags, stop bits) take ~50-200 µs on a busy 2-core machine, and the
-call should return *within* its budget."""
+LATENCY = ReturnLatency()
+"""How early the caller stops waiting (``constrained/return_latency.py``): waking from a timed
+wait, taking the GIL back and the wrap-up take ~0.1 ms on a quiet 2-core machine and more on a
+busy one, and the call should return *within* its budget; learnt from the calls that gave up."""
 
-WALK_MARGIN_S = 350e-6
-"""The helper's walk starts no new node after ``deadline - WALK_MARGIN_S``, so that a typical
-fill started just before (p50 8 µs llguidance, 84 µs xgrammar on Gemma) ends before the caller
-gives up and its node is kept rather than pruned."""
+FILL_ALLOWANCE_S = 100e-6
+"""The helper's walk starts no new node after ``deadline - LATENCY.margin - FILL_ALLOWANCE_S``,
+so that a typical fill started just before (p50 8 µs llguidance, 84 µs xgrammar on Gemma) ends
+before the caller gives up and its node is kept rather than pruned."""
 
 MAX_HELPERS = 32
 """Helper threads at most; abandoned walks hold theirs until their fill returns."""
@@ -81,7 +82,8 @@ def walk_bounded(
     ``deadline`` unless the root row itself has to be computed after it. When the walk is
     abandoned, ``result.late_writes`` is an event set when it ends (see :class:`WalkResult`).
     """
-    if deadline - RETURN_MARGIN_S <= time.perf_counter():  # no time left: the root alone
+    margin = LATENCY.margin
+    if deadline - margin <= time.perf_counter():  # no time left: the root alone
         result = WalkResult.empty(tree.num_nodes)
         result.budget_hit = True
     else:
@@ -89,17 +91,22 @@ def walk_bounded(
         # own; the copy made here replaces it in the caller's wrapper only if the walk is
         # abandoned (the abandoned walk keeps the old one until its fill returns).
         spare = matcher.fork().native
-        walk = _HelperWalk(walker, copy.copy(matcher), tree, rows, deadline, root_ready)
+        give_up = deadline - margin
+        walk_deadline = give_up - FILL_ALLOWANCE_S
+        walk = _HelperWalk(walker, copy.copy(matcher), tree, rows, walk_deadline, root_ready)
         _helpers().submit(walk.run)
-        walk.done.wait(max(deadline - RETURN_MARGIN_S - time.perf_counter(), 0.0))
+        finished = walk.done.wait(max(give_up - time.perf_counter(), 0.0))
         with walk.lock:
             if walk.done.is_set():
                 if walk.error is not None:
                     raise walk.error
+                if not finished:  # it ended while the caller was waking up: still a give-up
+                    LATENCY.record(time.perf_counter() - give_up)
                 return walk.result
             walk.abandoned = True
             result = walk.snapshot()
         matcher.native = spare
+        LATENCY.record(time.perf_counter() - give_up)
     if not result.filled[0]:  # the root row is always exact: the caller's own matcher fills it
         result.valid[0] = True
         if not root_ready:
@@ -141,8 +148,7 @@ class _HelperWalk:
         error: BaseException | None = None
         try:
             if self._root():
-                deadline = self.deadline - WALK_MARGIN_S
-                self.walker(self.view, self.tree, self.out, deadline, True, self.result)
+                self.walker(self.view, self.tree, self.out, self.deadline, True, self.result)
         except BaseException as exc:  # re-raised by the caller if it still waits
             error = exc
         with self.lock:

@@ -18,6 +18,7 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.traverse_bounded import LATENCY
 from espalier.constrained.traverse_oracle import compare, replay_tree
 from tests.constrained.test_tree_masks import REGEX, compiled, drawn_tree, state_snapshot
 
@@ -26,28 +27,36 @@ SLOW_CALLS = {"xgrammar": "fill_next_token_bitmask", "llguidance": "unsafe_compu
 
 class SlowNative:
     """Delegates to ``inner``; once ``armed``, its ``stall_at``-th call of ``method`` waits for
-    ``release``."""
+    ``release``. Copies (``deep_copy``, as the llguidance walk makes for siblings) are proxies
+    too and count their calls on the original, so the k-th call is the k-th of the whole walk."""
 
     def __init__(self, inner: Any, method: str, stall_at: int, release: threading.Event) -> None:
         self._inner, self._method, self._stall_at = inner, method, stall_at
         self._release = release
+        self._origin = self
         self.armed = False
         self.calls = 0
         self.finished = threading.Event()
 
+    def deep_copy(self) -> SlowNative:
+        other = SlowNative(self._inner.deep_copy(), self._method, self._stall_at, self._release)
+        other._origin = self._origin
+        return other
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
-        if name != self._method or not self.armed:
+        origin = self._origin
+        if name != self._method or not origin.armed:
             return attr
 
         def call(*args: Any) -> Any:
-            self.calls += 1
-            stall = self.calls == self._stall_at
+            origin.calls += 1
+            stall = origin.calls == self._stall_at
             if stall:
                 self._release.wait(10.0)
             value = attr(*args)
             if stall:
-                self.finished.set()
+                origin.finished.set()
             return value
 
         return call
@@ -76,9 +85,11 @@ def test_slow_fill_is_abandoned_at_the_deadline_and_stays_exact(
     out = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size, fill=0)
     budget = 0.05
     proxy.armed = True
+    recorded = LATENCY.recorded
     start = time.perf_counter()
     masks = fill_tree_bitmask(matcher, tree, out, budget=budget)
     took = time.perf_counter() - start
+    assert LATENCY.recorded == recorded + 1  # the give-up latency feeds the learnt margin
     returned = out.numpy().copy()
     assert masks.writes_pending()  # the stalled fill is still in flight
     release.set()  # the abandoned walk now finishes, late

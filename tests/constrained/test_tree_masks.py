@@ -145,11 +145,12 @@ def test_zero_budget_fills_only_the_root(backend: str, toy_tokenizer: Any) -> No
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "outlines_core"])
-@pytest.mark.parametrize("ticks", [2, 4, 6, 9])
+@pytest.mark.parametrize("ticks", [2, 4, 6, 8])
 def test_budget_cut_mid_walk_is_never_wrong(
     backend: str, ticks: int, toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A clock that advances one second per reading cuts the walk after ``ticks`` readings."""
+    """A clock that advances one second per reading cuts the walk after ``ticks`` readings (the
+    drawn tree takes 9 readings or more to walk whole, on every backend)."""
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex(REGEX))
     tree, expected = drawn_tree(toy_tokenizer)
     matcher = grammar.matcher()
