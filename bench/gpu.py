@@ -7,7 +7,9 @@
    vocabulary, random bf16 weights as ``bench/spec.py``), batch 1 / 8 / 64, 128-token prompts,
    greedy decode steps fed back through the runner with one host sync per step (the argmax, as
    the engine does): tokens/s and the ratio to the roofline for eager torch SDPA, flashinfer
-   eager and flashinfer + CUDA graphs (the three runners share the weights).
+   eager and flashinfer + CUDA graphs (the runners share the weights); and graphs captured with
+   the residual adds as separate kernels (``layers.FUSE_RESIDUAL_ADD = False``), the anchor of
+   the fused add + RMSNorm.
 3. ``profile``: top CUDA ops of batch-1 decode steps (torch.profiler), per path, and the host
    time to launch one eager step: what limits each.
 4. ``spec_equal_work``: constrained vs unconstrained, plain and speculative (oracle drafter),
@@ -40,6 +42,8 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "sdpa_eager": ("sdpa", ()),
     "flashinfer_eager": ("flashinfer", ()),
     "flashinfer_graphs": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
+    # the anchor of the fused residual add: graphs captured with add and norm kernels separate
+    "flashinfer_graphs_unfused_add": ("flashinfer", (1, 8, 64)),
 }
 
 
@@ -124,7 +128,9 @@ def profile_decode(runner: Any, steps: int = 6, top: int = 12) -> list[dict[str,
     return rows[:top]
 
 
-def build_runners(tokenizer_vocab: int, batches: Sequence[int], steps: int) -> dict[str, Any]:
+def build_runners(
+    tokenizer_vocab: int, batches: Sequence[int], steps: int, paths: Sequence[str] = tuple(PATHS)
+) -> dict[str, Any]:
     from spec import _random_state  # bench/spec.py (this script's folder is on sys.path)
 
     from espalier.engine.config import CacheConfig, RunnerConfig
@@ -134,8 +140,13 @@ def build_runners(tokenizer_vocab: int, batches: Sequence[int], steps: int) -> d
     config = llama_8b_config(tokenizer_vocab)
     state = _random_state(config, "cuda")
     blocks = max(batches) * blocks_needed(PROMPT_LEN + steps + 8, 16)
+    from espalier.engine.models import layers
+
     runners = {}
     for name, (backend, graphs) in PATHS.items():
+        if name not in paths:
+            continue
+        layers.FUSE_RESIDUAL_ADD = not name.endswith("_unfused_add")  # read at capture time
         try:
             runners[name] = ModelRunner(
                 config,
@@ -149,6 +160,8 @@ def build_runners(tokenizer_vocab: int, batches: Sequence[int], steps: int) -> d
             )
         except Exception as exc:  # keep the other paths measurable
             emit({"part": "decode", "path": name, "error": repr(exc)[:400]})
+        finally:
+            layers.FUSE_RESIDUAL_ADD = True
     return runners
 
 
@@ -269,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--paths", default=",".join(PATHS), help="decode paths to measure")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
@@ -289,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, Any] = {"part": "summary", "copy_tb_per_s": round(bandwidth / 1e12, 3)}
     batches = [int(b) for b in args.batches.split(",")]
     if not args.skip_decode:
-        runners = build_runners(tokenizer.vocab_size, batches, args.steps)
+        paths = [p for p in args.paths.split(",") if p]
+        runners = build_runners(tokenizer.vocab_size, batches, args.steps, paths)
         summary.update(decode_part(runners, bandwidth, batches, args.steps))
         del runners
         gc.collect()

@@ -14,13 +14,15 @@ from torch import nn
 from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models.layers import linear, rope_cos_sin
+from espalier.engine.models.layers import RMSNormBase, linear, rope_cos_sin
 
 
 class DecoderStack(nn.Module):
     """``embed_tokens`` + ``layers`` + final ``norm``: the ``model.*`` prefix of HF checkpoints."""
 
-    def __init__(self, embed_tokens: nn.Embedding, layers: nn.ModuleList, norm: nn.Module) -> None:
+    def __init__(
+        self, embed_tokens: nn.Embedding, layers: nn.ModuleList, norm: RMSNormBase
+    ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = layers
@@ -32,7 +34,9 @@ class CausalLM(nn.Module):
 
     Subclasses build ``self.model`` (a ``DecoderStack``) and define
     ``embed(token_ids)``; each decoder layer is called as
-    ``layer(hidden, cos_sin, kv_cache, attention, meta) -> hidden``.
+    ``layer(x, delta, cos_sin, kv_cache, attention, meta) -> (x, delta)``: the residual stream
+    is ``x + delta``, the add left to the next norm (``RMSNormBase.add_norm``: one kernel with
+    the norm on CUDA); ``delta`` is None into layer 0.
     """
 
     config: ModelConfig
@@ -83,11 +87,13 @@ class CausalLM(nn.Module):
         cos_sin = self.layer_cos_sin(positions, hidden.dtype)
         wanted = set(hidden_layers)
         captured: dict[int, torch.Tensor] = {}
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos_sin[i], kv_cache, attention, meta)
-            if i in wanted:
+            hidden, delta = layer(hidden, delta, cos_sin[i], kv_cache, attention, meta)
+            if i in wanted:  # the stream itself: add now, the next norm has nothing to add
+                hidden, delta = hidden + delta, None
                 captured[i] = hidden
-        hidden = self.model.norm(hidden)
+        _, hidden = self.model.norm.add_norm(hidden, delta)
         if self.config.num_layers in wanted:
             captured[self.config.num_layers] = hidden
         return hidden, captured

@@ -2,17 +2,20 @@
 
 A decode step of an 8B model is a few milliseconds of weight streaming; every extra kernel costs
 microseconds even inside a CUDA graph. The eager layer code launches ~40 kernels per layer (an
-RMSNorm alone is eight); these three replace most of them, and ``fuse_projections`` turns the
+RMSNorm alone is eight); these four replace most of them, and ``fuse_projections`` turns the
 q/k/v and gate/up projections into one GEMM each:
 
 - ``rms_norm``: Llama style ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` or Gemma style
   ``(x * rsqrt(...) * (1 + weight)).to(dtype)``; one program per row, fp32 statistics.
+- ``add_rms_norm``: the residual add before a norm fused into it, ``(x + delta, rms_norm(x +
+  delta))`` in one launch; the decoder layers defer each residual add to the next norm for it.
 - ``rope``: rotate-half rotary embedding of q and k in one launch (q/k may be strided views of a
   fused qkv output), outputs contiguous; the same bf16 roundings as ``layers.apply_rope``.
 - ``gated_act``: ``act(gate) * up`` of a fused ``[T, 2 * I]`` gate/up output (SiLU or tanh-GELU).
 
-Used on CUDA tensors only; the layer code keeps its torch path for CPU (and as the oracle:
-``tests/engine/test_fused_ops.py`` runs these kernels in Triton's CPU interpreter).
+The two norm kernels live in ``models/fused_norm.py``. Used on CUDA tensors only; the layer code
+keeps its torch path for CPU (and as the oracle: ``tests/engine/test_fused_ops.py`` runs these
+kernels in Triton's CPU interpreter).
 """
 
 from __future__ import annotations
@@ -22,34 +25,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from espalier.engine.models.fused_norm import add_rms_norm, rms_norm
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if GEMMA:  # noqa: SIM108  (a constexpr branch, resolved at compile time)
-        y = x * rstd * (1.0 + w)
-    else:
-        y = (x * rstd).to(dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * n_cols + cols, y.to(dtype), mask=inside)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x`` (any shape, model dtype); ``weight``: ``[C]``."""
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1]).contiguous()
-    out = torch.empty_like(rows)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(shape[-1])
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, shape[-1], eps, GEMMA=gemma, BLOCK=block, num_warps=4
-        )
-    return out.view(shape)
+__all__ = ["add_rms_norm", "fuse_projections", "gated_act", "rms_norm", "rope"]
 
 
 @triton.jit

@@ -33,15 +33,19 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         attention: AttentionBackend,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attention, meta)
-        x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(mlp)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
+        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
+        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        attn = self.self_attn(h, cos_sin, kv_cache, attention, meta)
+        x, h = self.pre_feedforward_layernorm.add_norm(x, self.post_attention_layernorm(attn))
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Gemma3ForCausalLM(CausalLM):

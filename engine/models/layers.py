@@ -7,6 +7,7 @@ the step across all sequences. Parameter names follow Hugging Face checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,33 +38,79 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module):
-    """Llama-style: normalize in fp32, cast back, then multiply by ``weight``."""
+KERNELS_ON_CPU = False
+"""Run the Triton norm kernels on CPU tensors too (tests only: Triton's CPU interpreter)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+FUSE_RESIDUAL_ADD = True
+"""Where the norms run as kernels, fold the residual add before a norm into its kernel
+(``RMSNormBase.add_norm``); False launches the add and the norm separately (for A/B timing)."""
+
+
+def norm_kernels(x: torch.Tensor) -> bool:
+    """Whether the norms of ``x`` run as Triton kernels (``models/fused_norm.py``): on CUDA."""
+    return x.is_cuda or KERNELS_ON_CPU
+
+
+class RMSNormBase(nn.Module):
+    """RMSNorm over the last dim, in two flavours (``RMSNorm``, ``GemmaRMSNorm``); ``weight [C]``.
+
+    On CUDA one Triton kernel per norm (``fused.rms_norm``, eight torch kernels otherwise) and
+    one per residual add + norm (``add_norm``); on CPU the torch twin ``_torch_norm``.
+    """
+
+    gemma: ClassVar[bool]
+
+    def __init__(self, dim: int, eps: float, init: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), init))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel instead of eight (``models/fused.py``)
-            return fused.rms_norm(x, self.weight, self.eps, gemma=False)
+        """``x [..., C]`` (model dtype) -> normed, same shape, dtype and device."""
+        if norm_kernels(x):
+            return fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
+        return self._torch_norm(x)
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, self(x + delta))`` for ``x, delta [..., C]`` (model dtype, one device);
+        ``delta=None``: nothing to add, ``(x, self(x))``. On CUDA one kernel
+        (``fused.add_rms_norm``: the same values as the add followed by the norm kernel)."""
+        if delta is None:
+            return x, self(x)
+        if FUSE_RESIDUAL_ADD and norm_kernels(x):
+            return fused.add_rms_norm(x, delta, self.weight, self.eps, gemma=self.gemma)
+        summed = x + delta
+        return summed, self(summed)
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RMSNorm(RMSNormBase):
+    """Llama-style: normalize in fp32, cast back, then multiply by ``weight``."""
+
+    gemma = False
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps, 1.0)
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNormBase):
     """Gemma-style: ``x_normed * (1 + weight)`` computed in fp32, then cast back."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+    gemma = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return fused.rms_norm(x, self.weight, self.eps, gemma=True)
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps, 0.0)
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

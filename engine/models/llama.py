@@ -29,13 +29,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         attention: AttentionBackend,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attention, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
+        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
+        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        attn = self.self_attn(h, cos_sin, kv_cache, attention, meta)
+        x, h = self.post_attention_layernorm.add_norm(x, attn)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):
