@@ -95,13 +95,13 @@ def walk_bounded(
         walk_deadline = give_up - FILL_ALLOWANCE_S
         walk = _HelperWalk(walker, copy.copy(matcher), tree, rows, walk_deadline, root_ready)
         _helpers().submit(walk.run)
-        finished = walk.done.wait(max(give_up - time.perf_counter(), 0.0))
+        walk.done.wait(max(give_up - time.perf_counter(), 0.0))
         with walk.lock:
             if walk.done.is_set():
                 if walk.error is not None:
                     raise walk.error
-                if not finished:  # it ended while the caller was waking up: still a give-up
-                    LATENCY.record(time.perf_counter() - give_up)
+                # the caller could have returned when the walk ended (or at give-up, if later)
+                LATENCY.record(time.perf_counter() - min(walk.done_at, give_up))
                 return walk.result
             walk.abandoned = True
             result = walk.snapshot()
@@ -141,6 +141,7 @@ class _HelperWalk:
         self.done = threading.Event()
         self.ended = threading.Event()  # set when the helper no longer touches ``out``
         self.abandoned = False
+        self.done_at = float("inf")  # when ``done`` was set
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -155,6 +156,7 @@ class _HelperWalk:
             self.ended.set()
             if not self.abandoned:
                 self.error = error
+                self.done_at = time.perf_counter()
                 self.done.set()
 
     def _root(self) -> bool:

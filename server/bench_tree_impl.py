@@ -267,10 +267,13 @@ def run_benchmark(
     cases = load_cases(
         folder, backends, tokenizer, max_schemas, compile_timeout, random.Random(seed)
     )
+    from espalier.server.gc_freeze import freeze_startup_heap
+
     emit(
         {
             "schemas": len(cases),
             "per_backend": {b: sum(b in c.compiled for c in cases) for b in backends},
+            "gc_frozen_objects": freeze_startup_heap(),  # as the server does after loading
         }
     )
     summary: dict[str, Any] = {}

@@ -192,6 +192,7 @@ def make_loader(
     async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
         from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
         from espalier.engine.constraints import GrammarService
+        from espalier.server.gc_freeze import freeze_startup_heap
 
         tokenizer = await asyncio.to_thread(load_tokenizer, options)
         grammar = GrammarService(tokenizer, compile_timeout_s=options.compile_timeout_s)
@@ -205,6 +206,7 @@ def make_loader(
         state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
         async_engine = AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue))
         await warm_up(async_engine)
+        freeze_startup_heap()  # no multi-ms collections of the startup heap while serving
         return async_engine, facts
 
     return load
