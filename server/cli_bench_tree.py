@@ -45,6 +45,12 @@ def register(sub: Any) -> None:
     p.add_argument("--budget", type=float, default=0.002, help="budget of the bounded run (s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="max batch threads")
     p.add_argument("--compile-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--compile-wait",
+        type=float,
+        default=600.0,
+        help="seconds to wait for timed-out compiles to end before timing (they steal a core)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -66,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
         max_threads=args.threads,
         compile_timeout=args.compile_timeout,
+        compile_wait=args.compile_wait,
         seed=args.seed,
         emit=lambda record: print(json.dumps(record), flush=True),
     )
