@@ -259,7 +259,7 @@ def run_benchmark(
     compile_timeout: float,
     seed: int,
     emit: Callable[[dict[str, Any]], None],
-    compile_wait: float = 600.0,
+    compile_wait: float = 60.0,
 ) -> dict[str, Any]:
     from espalier.constrained.tokenizer import TokenizerInfo
 

@@ -48,8 +48,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--compile-wait",
         type=float,
-        default=600.0,
-        help="seconds to wait for timed-out compiles to end before timing (they steal a core)",
+        default=60.0,
+        help="seconds to wait for timed-out compiles to end before timing (they steal a core; "
+        "some never end: the first line reports how many still run)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
