@@ -26,7 +26,7 @@ WRAP_UP_S = 150e-6
 helper thread still finishing (GIL hand-over): ~60 µs alone, up to ~150 µs measured."""
 
 MIN_MARGIN_S = 150e-6
-MAX_MARGIN_S = 1.0e-3
+MAX_MARGIN_S = 0.5e-3
 """Clamp: never wait past ``deadline - MIN``; never give away more than ``MAX`` of the budget."""
 
 START_MARGIN_S = 250e-6

@@ -46,6 +46,9 @@ LATENCY = ReturnLatency()
 wait, taking the GIL back and the wrap-up take ~0.1 ms on a quiet 2-core machine and more on a
 busy one, and the call should return *within* its budget; learnt from the calls that gave up."""
 
+MAX_MARGIN_SHARE = 0.25
+"""The give-up margin never exceeds this share of the time left when the call starts."""
+
 FILL_ALLOWANCE_S = 100e-6
 """The helper's walk starts no new node after ``deadline - LATENCY.margin - FILL_ALLOWANCE_S``,
 so that a typical fill started just before (p50 8 µs llguidance, 84 µs xgrammar on Gemma) ends
@@ -82,7 +85,8 @@ def walk_bounded(
     ``deadline`` unless the root row itself has to be computed after it. When the walk is
     abandoned, ``result.late_writes`` is an event set when it ends (see :class:`WalkResult`).
     """
-    margin = LATENCY.margin
+    # a loaded machine must not make the margin eat the budget: at most a quarter of what is left
+    margin = min(LATENCY.margin, MAX_MARGIN_SHARE * (deadline - time.perf_counter()))
     if deadline - margin <= time.perf_counter():  # no time left: the root alone
         result = WalkResult.empty(tree.num_nodes)
         result.budget_hit = True
