@@ -14,6 +14,8 @@ GPU the result is that of the hardware conversion; the interpreter then matches 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -87,6 +89,18 @@ def _num_warps(block: int) -> int:
     return min(16, max(4, block // 256))
 
 
+def _launch_per_row(
+    kernel: Any, rows: torch.Tensor, tensors: tuple[torch.Tensor, ...], eps: float, gemma: bool
+) -> None:
+    """Launch a norm ``kernel(*tensors, n_cols, eps, GEMMA, BLOCK)`` with one program per row of
+    ``rows`` (``[R, C]``, contiguous); nothing for zero rows."""
+    if rows.shape[0]:
+        block = triton.next_power_of_2(rows.shape[1])
+        kernel[(rows.shape[0],)](
+            *tensors, rows.shape[1], eps, GEMMA=gemma, BLOCK=block, num_warps=_num_warps(block)
+        )
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as contiguous ``[rows, last dim]`` (a view when ``x`` is already contiguous)."""
     return x.reshape(-1, x.shape[-1]).contiguous()
@@ -97,18 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) 
     device. Returns a new contiguous tensor of ``x``'s shape and dtype."""
     rows = _rows(x)
     out = torch.empty_like(rows)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(rows.shape[1])
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows,
-            weight,
-            out,
-            rows.shape[1],
-            eps,
-            GEMMA=gemma,
-            BLOCK=block,
-            num_warps=_num_warps(block),
-        )
+    _launch_per_row(_rms_norm_kernel, rows, (rows, weight, out), eps, gemma)
     return out.view(x.shape)
 
 
@@ -123,18 +126,5 @@ def add_rms_norm(
     """
     rows, deltas = _rows(x), _rows(delta)
     summed, out = torch.empty_like(rows), torch.empty_like(rows)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(rows.shape[1])
-        _add_rms_norm_kernel[(rows.shape[0],)](
-            rows,
-            deltas,
-            weight,
-            summed,
-            out,
-            rows.shape[1],
-            eps,
-            GEMMA=gemma,
-            BLOCK=block,
-            num_warps=_num_warps(block),
-        )
+    _launch_per_row(_add_rms_norm_kernel, rows, (rows, deltas, weight, summed, out), eps, gemma)
     return summed.view(x.shape), out.view(x.shape)
