@@ -9,7 +9,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from espalier.server.bench_tree_measure import (
     tally_record,
     timed,
 )
+from espalier.server.compile_probe import CompileProbe
 
 
 @dataclass
@@ -92,11 +92,22 @@ def seed_traverse(matcher: Any, tree_t: tuple[torch.Tensor, ...], bitmask: torch
 
 
 def load_cases(
-    folder: Path, backends: list[str], tokenizer: Any, max_schemas: int, timeout: float, rng: Any
+    folder: Path,
+    backends: list[str],
+    tokenizer: Any,
+    max_schemas: int,
+    probe: CompileProbe,
+    timeout: float,
+    rng: Any,
 ) -> list[Case]:
+    """Up to ``max_schemas`` schemas of ``folder`` (random order) with a valid instance, compiled
+    by every backend (or at least by xgrammar, which grows the trees).
+
+    Each compile runs first in ``probe``'s child, killed past ``timeout``; only what finished in
+    time is compiled here, so no compile is left running during the measurements.
+    """
     from espalier.constrained.backends import get_backend
     from espalier.constrained.spec import GrammarSpec
-    from espalier.server.cli_bench_tree import compile_with_timeout
 
     files = sorted(p for p in folder.rglob("*.json") if p.stat().st_size < 32_000)
     rng.shuffle(files)
@@ -113,10 +124,12 @@ def load_cases(
             continue
         compiled = {}
         for name in backends:
-            backend = get_backend(name, tokenizer)
-            result = compile_with_timeout(partial(backend.compile, spec), timeout)
-            if result is not None:
-                compiled[name] = result
+            if not probe.compile(name, spec, timeout).ok:
+                continue
+            try:
+                compiled[name] = get_backend(name, tokenizer).compile(spec)
+            except Exception:  # refused here although the child compiled it: skipped too
+                continue
         if "xgrammar" in compiled or set(compiled) == set(backends):
             instance = tokenizer.encode(json.dumps(data)) + [stop]
             name = f"{path.parent.name}/{path.name}"
@@ -259,28 +272,24 @@ def run_benchmark(
     compile_timeout: float,
     seed: int,
     emit: Callable[[dict[str, Any]], None],
-    compile_wait: float = 60.0,
 ) -> dict[str, Any]:
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.gc_freeze import freeze_startup_heap
 
     tokenizer = TokenizerInfo.default()
     rng = np.random.default_rng(seed)
-    cases = load_cases(
-        folder, backends, tokenizer, max_schemas, compile_timeout, random.Random(seed)
-    )
-    from espalier.server.cli_bench_tree import wait_abandoned
-    from espalier.server.gc_freeze import freeze_startup_heap
-
-    # Compiles past their timeout keep running on daemon threads: on 2 cores one more runnable
-    # thread costs a measurement a whole scheduler tick (~4 ms) now and then. Timing starts
-    # after they end, or says how many still run.
-    still_compiling = wait_abandoned(compile_wait)
+    with CompileProbe(backends) as probe:
+        start = time.perf_counter()
+        order = random.Random(seed)
+        cases = load_cases(folder, backends, tokenizer, max_schemas, probe, compile_timeout, order)
+        kills, load_s = probe.kills, time.perf_counter() - start
     emit(
         {
             "schemas": len(cases),
             "per_backend": {b: sum(b in c.compiled for c in cases) for b in backends},
             "gc_frozen_objects": freeze_startup_heap(),  # as the server does after loading
-            "timed_out_compiles_still_running": still_compiling,
+            "compiles_killed_at_timeout": kills,  # in the probe's child: none runs on here
+            "load_s": round(load_s, 1),
         }
     )
     summary: dict[str, Any] = {}
