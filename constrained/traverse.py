@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -158,14 +159,17 @@ def fill_tree_bitmask(
         result = walk_bounded(walker, matcher, tree, rows, start + budget, root_ready)
     else:
         walker(matcher, tree, rows, start + budget, root_ready, result)
-    filled = np.asarray(result.filled, dtype=bool)
-    if not filled.all():
-        mark_unfilled_rows(rows, filled, stop_bits(matcher))
-    clear_tail(rows, matcher.vocab_size)
+    if not all(result.filled):
+        mark_unfilled_rows(rows, result.filled, stop_bits(matcher))
+    if matcher.vocab_size % bm.BITS_PER_WORD:
+        clear_tail(rows, matcher.vocab_size)
+    # One array for the three flags: each numpy call costs tens of µs just after a native walk
+    # has swept the caches (measured on xgrammar trees), so the wrap-up makes as few as it can.
+    flags = np.array((result.valid, result.filled, result.terminated), dtype=bool)
     return TreeMasks(
-        np.asarray(result.valid, dtype=bool),
-        filled,
-        np.asarray(result.terminated, dtype=bool),
+        flags[0],
+        flags[1],
+        flags[2],
         result.budget_hit,
         time.perf_counter() - start,
         result.abandoned,
@@ -268,18 +272,32 @@ def walk_generic(
 
 def _rows_view(out: torch.Tensor | np.ndarray, n: int, vocab_size: int) -> np.ndarray:
     """The int32 ``[n, words]`` numpy view of ``out`` (no copy); checks layout and size."""
-    if isinstance(out, torch.Tensor):
-        if out.device.type != "cpu":
-            raise ValueError(f"tree bitmask must be on the CPU (pinned is fine), got {out.device}")
-        array = out.numpy()
-    else:
-        array = out
+    array = _numpy_of(out) if isinstance(out, torch.Tensor) else out
     words = bm.words_per_row(vocab_size)
     if array.dtype != np.int32 or array.ndim != 2 or not array.flags.c_contiguous:
         raise ValueError("tree bitmask must be a C-contiguous int32 2-D array")
     if array.shape[1] != words or array.shape[0] < n:
         raise ValueError(f"tree bitmask shape {array.shape} cannot hold {n} rows of {words} words")
     return array[:n]
+
+
+_NUMPY_VIEWS: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Size, np.ndarray]] = {}
+"""``id(tensor) -> (tensor ref, data pointer, shape, numpy view)`` of the last buffers filled:
+``Tensor.numpy()`` costs ~60 µs right after a native walk, and the engine reuses its buffers."""
+
+
+def _numpy_of(out: torch.Tensor) -> np.ndarray:
+    """The numpy view of CPU tensor ``out`` (cached while the tensor and its storage live)."""
+    hit = _NUMPY_VIEWS.get(id(out))
+    if hit is not None and hit[0]() is out and hit[1] == out.data_ptr() and hit[2] == out.shape:
+        return hit[3]
+    if out.device.type != "cpu":
+        raise ValueError(f"tree bitmask must be on the CPU (pinned is fine), got {out.device}")
+    array: np.ndarray = out.numpy()
+    if len(_NUMPY_VIEWS) >= 64:
+        _NUMPY_VIEWS.clear()
+    _NUMPY_VIEWS[id(out)] = (weakref.ref(out), out.data_ptr(), out.shape, array)
+    return array
 
 
 def flat_words(rows: np.ndarray) -> memoryview:
@@ -328,14 +346,16 @@ def clear_tail(rows: np.ndarray, vocab_size: int) -> None:
 
 
 def mark_unfilled_rows(
-    rows: np.ndarray, filled: np.ndarray, bits: tuple[tuple[int, int], ...]
+    rows: np.ndarray, filled: list[bool], bits: tuple[tuple[int, int], ...]
 ) -> None:
     """Set the stop-token bits in every row whose node is not filled (so no row is all-zero).
 
-    Without stop tokens (a bare GrammarMatcher) bit 0 of word 0 is used instead.
+    Without stop tokens (a bare GrammarMatcher) bit 0 of word 0 is used instead. Plain Python on
+    a memoryview: a few unfilled rows cost less than one numpy call just after a native walk.
     """
-    unfilled = np.flatnonzero(~filled)
-    if unfilled.size == 0:
-        return
-    for word, value in bits or ((0, 1),):
-        rows[unfilled, word] |= np.int32(value)
+    flat = flat_words(rows)
+    words = rows.shape[1]
+    for node, done in enumerate(filled):
+        if not done:
+            for word, value in bits or ((0, 1),):
+                flat[node * words + word] |= value
