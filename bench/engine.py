@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [prompt_for(s) for s in schemas]
     compiled = [baseline_grammar(xgr_compiler, s) for s in schemas]
     stops = list(tok.stop_token_ids)
+    screen = getattr(engine.strategy, "screen", None)
+    if screen is not None:  # the fp16 LM-head screen packs on a thread at start (CPU)
+        screen.wait()
     # warm-up: espalier compiles every grammar into its cache; both run a short generation
     run_espalier(engine, prompts, schemas, 1)
     run_transformers(model, tok.hf, compiled[:1], prompts[:1], stops, 2)

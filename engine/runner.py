@@ -115,6 +115,10 @@ class ModelRunner:
             from espalier.engine.models.fused import fuse_projections
 
             fuse_projections(self.model)
+        else:  # oneDNN-packed projections for batches of rows (``models/cpu_packed.py``)
+            from espalier.engine.models.cpu_packed import pack_linears
+
+            pack_linears(self.model)
         # the backend first: its device workspace is not free memory for the KV cache
         self.attention = get_attention_backend(
             config.attention_backend, model_config, device=self.device, dtype=self.dtype

@@ -25,6 +25,7 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.engine.api import TokenLogprob
+from espalier.engine.head_screen import HeadScreen
 from espalier.engine.logits import compute_step_logits
 from espalier.engine.sampler import RowParams, Sampler
 
@@ -70,7 +71,8 @@ class PlainDecoding:
     mask_vocab_size: vocabulary the bitmask rows cover (the tokenizer's model vocab V).
     max_rows: most sequences one step samples from (the scheduler's ``max_num_seqs``).
     sparse_head: compute only the allowed rows of the LM head for constrained sequences whose
-    mask is sparse (``engine/logits.py``); exact, and most of a small model's decode time.
+    mask is sparse (``engine/logits.py``); exact, and most of a small model's decode time. On
+    CPU it also screens the head in fp16 for greedy rows (``engine/head_screen.py``; exact).
     """
 
     def __init__(
@@ -90,6 +92,9 @@ class PlainDecoding:
         # On CUDA the full LM head is one GEMM (0.5 ms for 262,144 x 4096 bf16 on an H200); the
         # sparse head's per-row host work and weight gathers cost more than they save there.
         self.sparse_head = sparse_head and not on_cuda
+        self.screen: HeadScreen | None = None
+        if self.sparse_head and runner.dtype == torch.float32:
+            self.screen = HeadScreen.for_model(runner.model)
         self._bitmask = bm.allocate(max_rows, mask_vocab_size, pin_memory=on_cuda)
         # CUDA: a step is a few ms, so a batch's mask fills are spread over threads (the grammar
         # backends release the GIL while filling); CPU: one thread, the forward needs the cores
@@ -118,9 +123,12 @@ class PlainDecoding:
                 )
                 for i in range(0, len(requests), step)
             ]
-        # Constrained rows may skip most of the LM head (engine/logits.py): ask for the final
-        # hidden states instead of logits then.
-        use_hidden = self.sparse_head and bool(constrained_rows)
+        # Constrained rows may skip most of the LM head, greedy rows too once the screen is
+        # ready (engine/logits.py): ask for the final hidden states instead of logits then.
+        params = [_row_params(plan.seqs[i]) for i in sampling]
+        greedy_rows = {r for r, p in enumerate(params) if p.greedy and not p.logprobs}
+        screening = self.screen is not None and self.screen.ready and bool(greedy_rows)
+        use_hidden = self.sparse_head and (bool(constrained_rows) or screening)
         logits_mode = "none" if use_hidden else "last"
         inputs = [
             SeqInput(
@@ -149,10 +157,15 @@ class PlainDecoding:
             last = torch.tensor([ends[i] - 1 for i in sampling], device=self.runner.device)
             hidden = out.hidden_states[final_layer].index_select(0, last)
             step_logits = compute_step_logits(
-                self.runner.model, hidden, rows, constrained_rows, vocab_size=self.mask_vocab_size
+                self.runner.model,
+                hidden,
+                rows,
+                constrained_rows,
+                vocab_size=self.mask_vocab_size,
+                screen=self.screen,
+                greedy_rows=greedy_rows,
             )
             logits, masked_rows = step_logits.logits, step_logits.masked_rows
-        params = [_row_params(plan.seqs[i]) for i in sampling]
         sampled = self.sampler(logits, params, bitmask=rows, masked_rows=masked_rows)
         for row, i in enumerate(sampling):
             lp = sampled.logprobs[row]
