@@ -9,7 +9,9 @@
    the engine does): tokens/s and the ratio to the roofline for eager torch SDPA, flashinfer
    eager and flashinfer + CUDA graphs (the runners share the weights); and graphs captured with
    the residual adds as separate kernels (``layers.FUSE_RESIDUAL_ADD = False``), the anchor of
-   the fused add + RMSNorm.
+   the fused add + RMSNorm; and graphs with every projection on cuBLAS
+   (``layers.SMALL_M_GEMV = False``), the anchor of the skinny GEMM kernel of decode steps
+   (``espalier.kernels.gemv``; ``bench/gemv.py`` times it per shape).
 3. ``profile``: top CUDA ops of batch-1 decode steps (torch.profiler), per path, and the host
    time to launch one eager step: what limits each.
 4. ``spec_equal_work``: constrained vs unconstrained, plain and speculative (oracle drafter),
@@ -27,12 +29,13 @@ The last line is a summary. Usage (on the GPU machine)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +47,30 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
     # the anchor of the fused residual add: graphs captured with add and norm kernels separate
     "flashinfer_graphs_unfused_add": ("flashinfer", (1, 8, 64)),
+    # the anchor of the skinny GEMM: graphs captured (and LM heads run) with cuBLAS only
+    "flashinfer_graphs_cublas": ("flashinfer", (1, 8, 64)),
 }
+PATH_FLAGS = {  # name -> ``layers`` flags while the path is built (graphs captured) and measured
+    "flashinfer_graphs_unfused_add": {"FUSE_RESIDUAL_ADD": False},
+    "flashinfer_graphs_cublas": {"SMALL_M_GEMV": False},
+}
+
+
+@contextlib.contextmanager
+def path_flags(name: str) -> Iterator[None]:
+    """Set the path's ``layers`` flags (read at capture time, and per call by eager parts such
+    as the LM head), restoring them after."""
+    from espalier.engine.models import layers
+
+    flags = PATH_FLAGS.get(name, {})
+    saved = {flag: getattr(layers, flag) for flag in flags}
+    for flag, value in flags.items():
+        setattr(layers, flag, value)
+    try:
+        yield
+    finally:
+        for flag, value in saved.items():
+            setattr(layers, flag, value)
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -140,28 +166,24 @@ def build_runners(
     config = llama_8b_config(tokenizer_vocab)
     state = _random_state(config, "cuda")
     blocks = max(batches) * blocks_needed(PROMPT_LEN + steps + 8, 16)
-    from espalier.engine.models import layers
-
     runners = {}
     for name, (backend, graphs) in PATHS.items():
         if name not in paths:
             continue
-        layers.FUSE_RESIDUAL_ADD = not name.endswith("_unfused_add")  # read at capture time
         try:
-            runners[name] = ModelRunner(
-                config,
-                state,
-                RunnerConfig(
-                    device="cuda",
-                    attention_backend=backend,
-                    cache=CacheConfig(block_size=16, num_blocks=blocks),
-                    cuda_graph_batch_sizes=graphs,
-                ),
-            )
+            with path_flags(name):
+                runners[name] = ModelRunner(
+                    config,
+                    state,
+                    RunnerConfig(
+                        device="cuda",
+                        attention_backend=backend,
+                        cache=CacheConfig(block_size=16, num_blocks=blocks),
+                        cuda_graph_batch_sizes=graphs,
+                    ),
+                )
         except Exception as exc:  # keep the other paths measurable
             emit({"part": "decode", "path": name, "error": repr(exc)[:400]})
-        finally:
-            layers.FUSE_RESIDUAL_ADD = True
     return runners
 
 
@@ -174,7 +196,8 @@ def decode_part(
         graphs = runner.graphs
         for batch in batches:
             try:
-                rate = decode_rate(runner, batch, steps)
+                with path_flags(name):
+                    rate = decode_rate(runner, batch, steps)
             except Exception as exc:
                 emit({"part": "decode", "path": name, "batch": batch, "error": repr(exc)[:400]})
                 continue
@@ -198,7 +221,9 @@ def decode_part(
             emit({"part": "decode", "path": name, "graph_failures": failures})
     for name, runner in runners.items():
         try:
-            emit({"part": "profile", "path": name, "batch": 1, "top_ops": profile_decode(runner)})
+            with path_flags(name):
+                top_ops = profile_decode(runner)
+            emit({"part": "profile", "path": name, "batch": 1, "top_ops": top_ops})
         except Exception as exc:
             emit({"part": "profile", "path": name, "error": repr(exc)[:400]})
     return summary

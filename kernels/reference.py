@@ -294,3 +294,26 @@ def tree_sample_oracle(
         paths.append(path)
         bonus.append(int(sample_from_probs(p[None], uniforms[b, -1:])[0]))
     return paths, bonus
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of :func:`espalier.kernels.gemv.gemv`: fp32 products and sums, one rounding.
+
+    x ``[M, K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[M, N]`` in x's dtype.
+    """
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:
+    """Twin of :func:`espalier.kernels.gemv.gated_gemv`: ``act(gate) * up`` of ``linear(x,
+    gate_up)`` (``[M, 2I]``), each step rounded to x's dtype; act SiLU or tanh-GELU."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    act = (
+        torch.nn.functional.gelu(gate, approximate="tanh")
+        if gelu
+        else torch.nn.functional.silu(gate)
+    )
+    return act * up
