@@ -14,9 +14,11 @@ Per side (constrained / unconstrained), one JSON line:
 - ``main_ms_per_step``: the part of it not spent waiting for tree masks;
 - ``mask_fill_ms_per_step``: summed tree-fill time of the mask threads (on the GPU these run
   while the forward does: they are hidden when this / mask threads < the forward's time);
-- ``accepts_per_token``: ``GrammarMatcher.accept`` calls (every matcher, forks included) per
-  emitted token; ``forks_per_token``, ``forced_calls_per_token`` likewise; ``tree_nodes_per_token``:
-  nodes walked by tree fills (each one native consume + one mask);
+- ``accepts_per_token``: ``GrammarMatcher.accept`` calls (every matcher, forks included, every
+  thread) per emitted token, ``main_accepts_per_token`` those on the main thread (the rest run
+  on the mask threads: tree fills, closing decisions made ahead); ``forks_per_token``,
+  ``forced_calls_per_token`` likewise; ``tree_nodes_per_token``: nodes walked by tree fills
+  (each one native consume + one mask);
 
 then the ratio line (``constrained_over_unconstrained_host``) and, with ``--profile``, the top
 host functions of the constrained run (cProfile of the main thread, paused during device work).
@@ -32,6 +34,7 @@ import cProfile
 import json
 import pstats
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -118,8 +121,12 @@ class Probe:
         return wrapper
 
     def _counted(self, name: str, function: Any) -> Any:
+        main = threading.main_thread()
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
+            if threading.current_thread() is main:
+                self.calls[f"{name}_main"] += 1
             return function(*args, **kwargs)
 
         return wrapper
@@ -165,6 +172,7 @@ def measure(
         "host_ms_per_step": round(1e3 * host / engine_steps, 3),
         "mask_fill_ms_per_step": round(1e3 * probe.mask_fill_s / engine_steps, 3),
         "accepts_per_token": round(probe.calls["accept"] / tokens, 3),
+        "main_accepts_per_token": round(probe.calls["accept_main"] / tokens, 3),
         "forks_per_token": round(probe.calls["fork"] / tokens, 3),
         "forced_calls_per_token": round(probe.calls["forced_tokens"] / tokens, 3),
         "tree_nodes_per_token": round(probe.tree_nodes / tokens, 3),

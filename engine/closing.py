@@ -18,13 +18,19 @@ found that short (then nothing changes: the output may be cut, as without this p
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from espalier.constrained import bitmask as bm
+from espalier.engine.closing_ahead import Lookahead, max_depth
 
 if TYPE_CHECKING:
+    import torch
+
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.request import Request
@@ -51,7 +57,7 @@ class ClosingPaths:
             ids = tokenizer.encode(text)
             if len(ids) == 1 and ids[0] not in self.candidates:
                 self.candidates.append(ids[0])
-        self._row = bm.allocate(1, self.vocab_size, fill=0)
+        self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -87,11 +93,18 @@ class ClosingPaths:
         for token in self.candidates:
             if probe.accept(token):
                 return token
-        probe.fill_bitmask(self._row, 0)
-        for token in _lowest_allowed(self._row[0].numpy(), 64):
+        row = self._row()
+        probe.fill_bitmask(row, 0)
+        for token in _lowest_allowed(row[0].numpy(), 64):
             if token not in self.stops and probe.accept(token):
                 return token
         return None
+
+    def _row(self) -> torch.Tensor:
+        row: torch.Tensor | None = getattr(self._rows, "row", None)
+        if row is None:
+            row = self._rows.row = bm.allocate(1, self.vocab_size, fill=0)
+        return row
 
 
 def _lowest_allowed(row: np.ndarray, count: int) -> list[int]:
@@ -109,22 +122,44 @@ def _lowest_allowed(row: np.ndarray, count: int) -> list[int]:
     return tokens
 
 
+@dataclass(frozen=True)
+class Memo:
+    """What the policy keeps about one request between tokens (immutable: a lookahead works on
+    snapshots).
+
+    known: the closing path found by the last check (it completes the grammar from the
+        matcher's state after that check's token, within the budget then) and the output length
+        it belongs to (a path for another length is stale); None when there is none.
+    next_check: the output length before which no check is needed (spacing, see MARGIN).
+    unclosable: a state had no closing path within the budget (no more checks).
+    """
+
+    known: tuple[int, list[int]] | None = None
+    next_check: int = 0
+    unclosable: bool = False
+
+
+NO_MEMO = Memo()
+
+
 class BudgetCloser:
     """The engine's side of the policy: when to close a request, and appending the closing.
 
-    ``enabled=False``: never closes (``EngineConfig.close_within_budget``).
+    ``enabled=False``: never closes (``EngineConfig.close_within_budget``). The decisions for a
+    speculative step's draft tree can be computed ahead on a mask thread (:meth:`lookahead`,
+    ``engine/closing_ahead.py``); :meth:`instead` then takes them instead of recomputing.
     """
 
     def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True) -> None:
         self.paths = ClosingPaths(tokenizer) if enabled else None
         self.stop_token = tokenizer.stop_token_ids[0]
-        self._unclosable: set[str] = set()  # requests whose state had no closing path in budget
-        # per request: the closing path found by its last check (it completes the grammar from
-        # the matcher's state after that check's token, within the budget then) and the output
-        # length it belongs to (a path for another length is stale)
-        self._known: dict[str, tuple[int, list[int]]] = {}
-        # per request: the output length before which no check is needed (spacing, see MARGIN)
-        self._next_check: dict[str, int] = {}
+        self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
+        self._memo: dict[str, Memo] = {}
+        self._ahead: dict[str, Lookahead] = {}
+
+    def known(self, request_id: str) -> tuple[int, list[int]] | None:
+        """The closing path kept for ``request_id`` and the output length it belongs to."""
+        return self._memo.get(request_id, NO_MEMO).known
 
     def instead(
         self, request: Request, token: int, stops: set[int], max_model_len: int
@@ -132,52 +167,108 @@ class BudgetCloser:
         """The closing path to emit instead of ``token`` (not yet appended) when after ``token``
         the grammar could not be completed within the request's budget; else None.
 
+        The outcome is a function of the request's tokens alone (so speculative and plain
+        decoding close identically); a lookahead's outcome for this token is taken when there
+        is one (it is the same function's value, computed earlier)."""
+        matcher = request.matcher
+        if self.paths is None or matcher is None:
+            return None
+        request_id = request.request_id
+        here = len(request.output_ids)
+        ahead = self._ahead.get(request_id)
+        if ahead is not None:
+            outcome = ahead.take(here, token)
+            if outcome is not None:
+                self._memo[request_id] = outcome[1]
+                return outcome[0]
+            del self._ahead[request_id]  # off the precomputed tree: decide inline from here
+        budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+        memo = self._memo.get(request_id, NO_MEMO)
+        path, after = self.decide(
+            memo, matcher, token, here, budget, request.sampling.ignore_eos or token in stops
+        )
+        if after is not memo:
+            self._memo[request_id] = after
+        return path
+
+    def decide(
+        self,
+        memo: Memo,
+        matcher: GrammarMatcher,
+        token: int,
+        here: int,
+        budget: int,
+        exempt: bool,
+    ) -> tuple[list[int] | None, Memo]:
+        """:meth:`instead`'s decision from ``memo`` and ``matcher`` (the state before ``token``,
+        not changed: the checks run on forks): the closing path or None, and the memo after.
+
         A path already known to close the current state is reused: when ``token`` is its first
         token its rest closes the next state (no grammar work), else it is tried after ``token``
-        (accepts only) before a new search. The outcome is a function of the request's tokens
-        alone (so speculative and plain decoding close identically)."""
-        matcher = request.matcher
-        if (
-            self.paths is None
-            or matcher is None
-            or request.sampling.ignore_eos
-            or token in stops
-            or request.request_id in self._unclosable
-        ):
-            return None
-        budget = min(
-            request.sampling.max_tokens - len(request.output_ids),
-            max_model_len - request.num_tokens,
-        )
-        if budget > CLOSING_WINDOW:
-            return None
-        here = len(request.output_ids)
-        known = self._known.pop(request.request_id, None)
+        (accepts only) before a new search. ``exempt``: ignore_eos or a stop token (no check)."""
+        assert self.paths is not None
+        if exempt or memo.unclosable or budget > CLOSING_WINDOW:
+            return None, memo
+        known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
+        if known is not None:
+            memo = replace(memo, known=None)
         if path and path[0] == token:
-            self._known[request.request_id] = (here + 1, path[1:])
-            return None
-        if here < self._next_check.get(request.request_id, 0):
-            return None  # far enough from the budget's end (a function of the tokens alone)
+            return None, replace(memo, known=(here + 1, path[1:]))
+        if here < memo.next_check:
+            return None, memo  # far enough from the budget's end (a function of the tokens alone)
         probe = matcher.fork()
         if not probe.accept(token):
-            return None
+            return None, memo
         # after token: a path that leaves room for the stop token (searched on the probe itself)
-        after = _still_closes(probe, path, budget - 2) if path is not None else None
+        after = _closes(probe, path, budget - 2) if path is not None else None
         if after is None:
             after = self.paths.search(probe, budget - 2)
         if after is not None:
-            self._known[request.request_id] = (here + 1, after)
             slack = budget - 2 - len(after) - MARGIN
-            self._next_check[request.request_id] = (
-                here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
-            )
-            return None
+            next_check = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
+            return None, Memo((here + 1, after), next_check, False)
         if path is None:
             path = self.paths.find(matcher, budget - 1)
         if path is None:
-            self._unclosable.add(request.request_id)
-        return path
+            return None, replace(memo, unclosable=True)
+        return path, memo
+
+    def lookahead(
+        self, request: Request, tokens: Sequence[int], parents: Sequence[int], max_model_len: int
+    ) -> Callable[[], None] | None:
+        """A job that decides ahead for every node of ``request``'s draft tree (``tokens``,
+        ``parents``: node 0 = the root, the last known token), for :meth:`instead` to take when
+        the step's tokens are appended; None when there is nothing worth deciding ahead.
+
+        Call it on the thread that owns the matcher, before anything else uses it in the step
+        (the job runs on a fork made here); the job may run on any thread."""
+        matcher = request.matcher
+        if self.paths is None or matcher is None or request.sampling.ignore_eos:
+            return None
+        self._drop_ahead(request.request_id)
+        memo = self._memo.get(request.request_id, NO_MEMO)
+        here = len(request.output_ids)
+        deepest = here + max_depth(parents) - 1  # output length at the deepest node's check
+        budget = min(
+            request.sampling.max_tokens - deepest,
+            max_model_len - request.num_tokens - (deepest - here),
+        )
+        if len(tokens) < 2 or memo.unclosable or budget > CLOSING_WINDOW:
+            return None
+        stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
+        ahead = Lookahead(
+            self,
+            memo,
+            matcher.fork(),
+            list(tokens),
+            list(parents),
+            here,
+            (request.sampling.max_tokens, max_model_len - request.num_tokens + here),
+            stops,
+        )
+        self._ahead[request.request_id] = ahead
+        return ahead.run
 
     def emit(
         self, request: Request, path: list[int], new_ids: list[int], text_ids: list[int]
@@ -196,14 +287,19 @@ class BudgetCloser:
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop what is kept about it."""
-        self._unclosable.discard(request_id)
-        self._known.pop(request_id, None)
-        self._next_check.pop(request_id, None)
+        self._memo.pop(request_id, None)
+        self._drop_ahead(request_id)
+
+    def _drop_ahead(self, request_id: str) -> None:
+        ahead = self._ahead.pop(request_id, None)
+        if ahead is not None:
+            ahead.cancel()
 
 
-def _still_closes(probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
-    """``path`` when it completes the grammar from ``probe``'s state within ``limit`` tokens,
-    else None; ``probe`` is left where it was either way."""
+def _closes(probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
+    """``path`` when it completes the grammar from ``probe``'s state within ``limit`` tokens
+    (``probe`` is then left after it: the caller drops it), else None (``probe`` is left where
+    it was)."""
     if len(path) > limit:
         return None
     accepted = 0
@@ -211,6 +307,7 @@ def _still_closes(probe: GrammarMatcher, path: list[int], limit: int) -> list[in
         if not probe.accept(token):
             break
         accepted += 1
-    done = accepted == len(path) and probe.can_terminate()
+    if accepted == len(path) and probe.can_terminate():
+        return path
     probe.rollback(accepted)
-    return path if done else None
+    return None

@@ -101,7 +101,7 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
-        self._closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
+        self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
         if config.postvalidate:
             _load_postvalidation()
         self._token_bytes = tokenizer.token_bytes
@@ -240,10 +240,10 @@ class Engine:
         error = None
         kept = len(outcome.token_ids)  # model tokens emitted (logprobs align with these)
         for i, token in enumerate(outcome.token_ids):
-            closing = self._closer.instead(request, token, stops, self.max_model_len)
+            closing = self.closer.instead(request, token, stops, self.max_model_len)
             if closing is not None:
                 kept = i
-                self._closer.emit(request, closing, new_ids, text_ids)
+                self.closer.emit(request, closing, new_ids, text_ids)
                 reason = FinishReason.STOP
                 break
             request.output_ids.append(token)
@@ -289,7 +289,7 @@ class Engine:
         """Free the request everywhere and build its final chunk."""
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
-        self._closer.forget(request.request_id)
+        self.closer.forget(request.request_id)
         request.finish_reason = reason
         request.error = error
         request.timeline.finished = _now()

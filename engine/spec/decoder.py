@@ -88,6 +88,10 @@ class SpecSeq:
         return self.context_len == len(self.tokens) - 1
 
 
+Lookahead = Callable[[Sequence["SpecSeq"], Sequence[Draft]], list[Callable[[], None]]]
+"""Host jobs for a step's drafts, run on the mask threads after the fills (``step``)."""
+
+
 @dataclass(frozen=True)
 class StepTimes:
     """Seconds of one step, shared by every request in it."""
@@ -178,11 +182,14 @@ class SpeculativeDecoder:
         seqs: Sequence[SpecSeq],
         ensure_blocks: Callable[[SpecSeq, int], None],
         passthrough: Sequence[tuple[str, SeqInput]] = (),
+        lookahead: Lookahead | None = None,
     ) -> tuple[list[SeqOutcome], StepTimes]:
         """One step for ``seqs``; ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover
         ``n`` cache entries (the caller allocates; when it cannot, the draft is cut to what the
         table covers). ``passthrough``: ``(request_id, input)`` of other sequences of the same
-        forward that want no logits (prefill chunks); they go after ``seqs``."""
+        forward that want no logits (prefill chunks); they go after ``seqs``. ``lookahead``:
+        given the drafts, host jobs to run on the mask threads after the fills (called before
+        any fill starts; e.g. the engine's closing decisions, ``engine/closing_ahead.py``)."""
         start = time.perf_counter()
         drafts = self._propose(seqs)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
@@ -194,13 +201,18 @@ class SpeculativeDecoder:
                 drafts[i] = select_top(draft, max(room - 1, 0))
         drafted = time.perf_counter()
         matchers = [s.matcher for s in seqs]
-        pending = None if self._launch_first else self.masks.submit(matchers, drafts)
+        # the inputs before the fills start: they would compete with them for the GIL
         inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
+        pending = None
+        if not self._launch_first:
+            after = lookahead(seqs, drafts) if lookahead is not None else []
+            pending = self.masks.submit(matchers, drafts, after)
         out = self.runner.forward(
             [*inputs, *(i for _, i in passthrough)], hidden_layers=self._hidden_layers
         )
         if pending is None:
-            pending = self.masks.submit(matchers, drafts)
+            after = lookahead(seqs, drafts) if lookahead is not None else []
+            pending = self.masks.submit(matchers, drafts, after)
         forwarded = time.perf_counter()
         masks = pending.result()
         masked = time.perf_counter()

@@ -138,10 +138,15 @@ class MaskBuilder:
         return self._buffer[:n]
 
     def submit(
-        self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Draft]
+        self,
+        matchers: Sequence[GrammarMatcher | None],
+        drafts: Sequence[Draft],
+        after: Sequence[Callable[[], None]] = (),
     ) -> PendingMasks:
         """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
-        at most ``threads`` workers on them; the caller's ``result()`` takes what is left."""
+        at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
+        ``after``: other jobs for the pool, started once a thread is free (``result()`` does
+        not wait for them; they must not touch the matchers: they own what they use)."""
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
         mask_rows: list[int] = []
@@ -159,8 +164,10 @@ class MaskBuilder:
             mask_rows.extend(range(row, row + n))
             row += n
         fills = FillJobs(jobs, [None] * len(drafts), unconstrained)
+        mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
-        mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)
+        for job in after:
+            self._pool.submit(job)
         return PendingMasks(bitmask, mask_rows_t, fills, workers)
 
     def _fill_one(

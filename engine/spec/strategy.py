@@ -14,8 +14,9 @@ speculation on or off, pick methods among the drafters loaded, and set its node 
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,9 +31,11 @@ from espalier.engine.spec.decoder import SamplingSpec, SpecSeq, SpeculativeDecod
 from espalier.engine.spec.decoder import SeqOutcome as DecoderOutcome
 from espalier.engine.spec.forced import ForcedConfig
 from espalier.engine.spec.masks import MaskBuilder
+from espalier.engine.spec.tree_builder import Draft
 from espalier.engine.step import SeqOutcome, StepResult
 
 if TYPE_CHECKING:
+    from espalier.engine.closing import BudgetCloser
     from espalier.engine.engine import Engine
     from espalier.engine.kv_cache import BlockAllocator
     from espalier.engine.request import Request
@@ -73,7 +76,13 @@ class SpeculativeDecoding:
         drafters: Mapping[str, Drafter],
         *,
         mask_vocab_size: int,
+        closer: BudgetCloser | None = None,
+        max_model_len: int = 0,
     ) -> None:
+        """closer, max_model_len: the engine's budget closer, whose decisions for the draft
+        trees are made ahead on the mask threads (``engine/closing_ahead.py``); None: none."""
+        self.closer = closer
+        self.max_model_len = max_model_len
         self.runner = runner
         self.pool = pool
         self.config = config
@@ -132,10 +141,15 @@ class SpeculativeDecoding:
             if need > 0:
                 request.block_table.extend(self.pool.allocate(need))
 
+        lookahead = None
+        if self.closer is not None:
+            lookahead = functools.partial(self._closing_jobs, self.closer, by_seq)
         outcomes_by_id: dict[int, SeqOutcome] = {}
         times = StepTimes(0.0, 0.0, 0.0)
         if seqs or passthrough:
-            results, times = self.decoder.step(seqs, ensure, passthrough) if seqs else ([], times)
+            results, times = (
+                self.decoder.step(seqs, ensure, passthrough, lookahead) if seqs else ([], times)
+            )
             if not seqs:
                 self.decoder.prefill(passthrough)
             for sched, spec, result in zip(sampling, seqs, results):
@@ -145,6 +159,22 @@ class SpeculativeDecoding:
                 )
         outcomes = [outcomes_by_id.get(id(s)) for s in plan.seqs]
         return StepResult(outcomes, forward_s=times.verify_s, mask_s=times.mask_s)
+
+    def _closing_jobs(
+        self,
+        closer: BudgetCloser,
+        requests: Mapping[int, Request],
+        specs: Sequence[SpecSeq],
+        drafts: Sequence[Draft],
+    ) -> list[Callable[[], None]]:
+        """The closer's decisions ahead for each draft tree (``requests``: by ``id(spec)``)."""
+        jobs = []
+        for spec, draft in zip(specs, drafts):
+            request = requests[id(spec)]
+            job = closer.lookahead(request, draft.tokens, draft.parents, self.max_model_len)
+            if job is not None:
+                jobs.append(job)
+        return jobs
 
     def _spec_seq(self, sched: ScheduledSeq) -> SpecSeq:
         request = sched.request
@@ -230,6 +260,8 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
         config,
         drafters,
         mask_vocab_size=engine.tokenizer.vocab_size,
+        closer=engine.closer,
+        max_model_len=engine.max_model_len,
     )
     engine.strategy = strategy
     engine.scheduler.decode_lookahead = strategy.lookahead

@@ -55,7 +55,7 @@ def _run(tokenizer: Any, compiled: Any, seed: int, max_tokens: int) -> list[Any]
             assert all(probe.accept(t) for t in closing) and probe.can_terminate()
             assert len(closing) <= budget - 1
             break
-        known = closer._known.get("r")
+        known = closer.known("r")
         probe = request.matcher.fork()
         assert probe.accept(token)
         if known is not None and budget <= 64:

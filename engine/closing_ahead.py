@@ -1,0 +1,151 @@
+"""Closing decisions for a speculative step's draft tree, computed ahead on a mask thread.
+
+The budget closer (``engine/closing.py``) decides, before each constrained token is appended in
+the last :data:`~espalier.engine.closing.CLOSING_WINDOW` tokens of a request, whether a closing
+path still fits after it. Near the end of a budget that is a greedy search on matcher forks for
+many tokens, on the main thread, after verification: at batch 32 the largest host cost that only
+constrained requests pay. The decision is a function of the tokens alone, and a speculative
+step's candidates are known before verification (its draft tree), so :class:`Lookahead` makes
+every node's decision ahead (the same ``BudgetCloser.decide``, from the memo and a matcher fork
+taken when the step starts, along each root-to-node path) on a mask-thread-pool thread while the
+target's forward runs. When the step's tokens are appended, ``BudgetCloser.instead`` takes the
+decision of the tree node each token reaches; a token off the tree (the bonus token, or a
+rejected branch) and everything after it is decided inline as before. So outputs are exactly
+those of deciding inline.
+
+Hand-off: the job runs once, on whichever thread starts it; ``take`` on the main thread waits
+for a running job and runs one not yet started itself (as ``PendingMasks.result`` does with the
+fills left). A job that fails (a grammar error) leaves no decisions: inline again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from espalier.constrained.base import GrammarMatcher
+    from espalier.engine.closing import BudgetCloser, Memo
+
+log = logging.getLogger(__name__)
+
+Outcome = tuple["list[int] | None", "Memo"]
+"""A node's decision: the closing path to emit instead of its token (None: none) and the memo
+after it."""
+
+_PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+
+
+def max_depth(parents: Sequence[int]) -> int:
+    """Depth of the deepest node (``parents[i] < i``; root 0 has depth 0)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
+
+
+class Lookahead:
+    """One request's decisions along its draft tree (see the module docstring).
+
+    closer: whose ``decide`` is used. memo, matcher: the request's memo and a fork of its
+    matcher at the root (it has accepted the root token). tokens, parents: the tree (node 0 =
+    root). here: output length when the step started (the first appended token's check sees
+    it). limits: ``(max_tokens, room)``: a check at output length ``h`` has budget
+    ``min(max_tokens - h, room - h)``. stops: the request's stop tokens (never checked).
+    """
+
+    def __init__(
+        self,
+        closer: BudgetCloser,
+        memo: Memo,
+        matcher: GrammarMatcher,
+        tokens: list[int],
+        parents: list[int],
+        here: int,
+        limits: tuple[int, int],
+        stops: frozenset[int] | set[int],
+    ) -> None:
+        self._closer = closer
+        self._memo = memo
+        self._matcher: GrammarMatcher | None = matcher
+        self._tokens = tokens
+        self._parents = parents
+        self._limits = limits
+        self._stops = stops
+        self._outcomes: list[Outcome | None] = [None] * len(tokens)
+        self._child = {(p, tokens[i]): i for i, p in enumerate(parents) if i > 0}
+        self._state = _PENDING
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._start = here
+        self._node = 0  # the node the appended tokens have reached
+        self._here = here  # the output length of the next check
+
+    def run(self) -> None:
+        """Decide for every node (the job; a no-op once started elsewhere or cancelled)."""
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._state = _RUNNING
+        try:
+            self._decide_all()
+        except Exception:  # a grammar error: decide inline (where it will surface again)
+            log.debug("closing lookahead failed; deciding inline", exc_info=True)
+            self._outcomes = [None] * len(self._tokens)
+        finally:
+            self._matcher = None
+            with self._lock:
+                self._state = _DONE
+            self._done.set()
+
+    def cancel(self) -> None:
+        """Not needed any more: a job not yet started will not run."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._state = _CANCELLED
+                self._done.set()
+
+    def take(self, here: int, token: int) -> Outcome | None:
+        """The decision for ``token`` appended at output length ``here``, when it continues the
+        tree path taken so far; None: decide inline (and from then on)."""
+        if here != self._here:
+            return None
+        self.run()  # not started yet: run it here (as PendingMasks.result takes fills left)
+        self._done.wait()
+        child = self._child.get((self._node, token))
+        outcome = None if child is None else self._outcomes[child]
+        if outcome is not None:
+            assert child is not None
+            self._node = child
+            self._here += 1
+        return outcome
+
+    def _decide_all(self) -> None:
+        """Depth first from the root; a node is descended below only when the engine would go
+        on after it (no closing, not a stop, the grammar accepts it and is not terminated)."""
+        tokens, stops = self._tokens, self._stops
+        children: list[list[int]] = [[] for _ in tokens]
+        for i in range(1, len(tokens)):
+            children[self._parents[i]].append(i)
+        max_tokens, room = self._limits
+        decide = self._closer.decide
+        assert self._matcher is not None
+        stack: list[tuple[int, int, GrammarMatcher, Memo]] = [(0, 0, self._matcher, self._memo)]
+        while stack:
+            node, depth, matcher, memo = stack.pop()
+            here = self._start + depth  # output length when the children's tokens are checked
+            budget = min(max_tokens - here, room - here)
+            kids = children[node]
+            for k, child in enumerate(kids):
+                token = tokens[child]
+                exempt = token in stops
+                path, after = decide(memo, matcher, token, here, budget, exempt)
+                self._outcomes[child] = (path, after)
+                if path is not None or exempt or not children[child] or budget <= 1:
+                    continue
+                # the last child advances the node's own matcher (no one needs it after)
+                below = matcher if k == len(kids) - 1 else matcher.fork()
+                if below.accept(token) and not below.is_terminated():
+                    stack.append((child, depth + 1, below, after))

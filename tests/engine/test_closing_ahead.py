@@ -1,0 +1,162 @@
+"""Closing decisions made ahead along a draft tree (``engine/closing_ahead.py``) are exactly the
+inline ones.
+
+Two closers see the same grammar-valid random token streams (budget 30: inside the closing
+window). Before each "step" the first gets a random draft tree below the current state
+(branches of random allowed tokens, one branch continuing the stream) and runs its lookahead
+job; then both are fed the step's tokens (the stream's, which leave the tree at a random point,
+like a bonus token). Every answer and the kept memo must be the same, and the lookahead must
+have answered most tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from engine_fixtures import toy_tokenizer
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine import closing_ahead
+from espalier.engine.api import SamplingParams
+from espalier.engine.closing import NO_MEMO, BudgetCloser
+from espalier.engine.request import Request
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "names": {"type": "array", "items": {"type": "string"}},
+        "n": {"type": "integer"},
+    },
+    "required": ["names", "n"],
+}
+
+
+def _allowed(matcher: Any, tokenizer: Any, row: Any, stops: set[int]) -> list[int]:
+    matcher.fill_bitmask(row, 0)
+    allowed = np.flatnonzero(bm.unpack_allowed(row[0], tokenizer.vocab_size)).tolist()
+    return [t for t in allowed if t not in stops] or allowed
+
+
+def _stream(tokenizer: Any, compiled: Any, rng: random.Random, n: int) -> list[int]:
+    """A grammar-valid token sequence (random allowed tokens, often repeating the last one)."""
+    matcher = compiled.matcher()
+    row = bm.allocate(1, tokenizer.vocab_size, fill=0)
+    stops = set(tokenizer.stop_token_ids)
+    out: list[int] = []
+    while len(out) < n and not matcher.is_terminated():
+        allowed = _allowed(matcher, tokenizer, row, stops)
+        repeat = out and out[-1] in allowed and rng.random() < 0.5
+        token = out[-1] if repeat else rng.choice(allowed)
+        assert matcher.accept(token)
+        out.append(token)
+    return out
+
+
+def _tree(stream: list[int], root: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A draft tree whose first branch follows ``stream`` for a while, plus random side nodes
+    (tokens from the stream's later positions: valid or not, the tree does not care)."""
+    tokens, parents = [root], [-1]
+    depth = rng.randint(0, min(6, len(stream)))
+    for i in range(depth):
+        tokens.append(stream[i])
+        parents.append(len(tokens) - 2 if i else 0)
+    for _ in range(rng.randint(0, 4)):
+        parents.append(rng.randrange(len(tokens)))
+        tokens.append(rng.choice(stream))
+    return tokens, parents
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    stops = set(tokenizer.stop_token_ids)
+    taken = answered = 0
+    original_take = closing_ahead.Lookahead.take
+
+    def counting_take(self: Any, here: int, token: int) -> Any:
+        nonlocal answered
+        outcome = original_take(self, here, token)
+        answered += outcome is not None
+        return outcome
+
+    monkeypatch.setattr(closing_ahead.Lookahead, "take", counting_take)
+    for seed in range(8):
+        rng = random.Random(seed)
+        stream = _stream(tokenizer, compiled, rng, 40)
+        ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+        requests = [Request("r", [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
+        for request in requests:
+            request.matcher = compiled.matcher()
+        pos, done = 0, False
+        while pos < len(stream) and not done:
+            root = stream[pos - 1] if pos else 1
+            job = ahead.lookahead(requests[0], *_tree(stream[pos:], root, rng), 10_000)
+            if job is not None:
+                job()
+            for token in stream[pos : pos + rng.randint(1, 7)]:
+                answers = [
+                    closer.instead(request, token, stops, 10_000)
+                    for closer, request in ((ahead, requests[0]), (inline, requests[1]))
+                ]
+                assert answers[0] == answers[1]
+                assert ahead._memo.get("r", NO_MEMO) == inline._memo.get("r", NO_MEMO)
+                taken += 1
+                pos += 1
+                if answers[0] is not None or len(requests[0].output_ids) + 1 >= 30:
+                    done = True
+                    break
+                for request in requests:
+                    request.output_ids.append(token)
+                    assert request.matcher is not None and request.matcher.accept(token)
+    assert answered > taken // 3  # the lookahead did answer (the rest: off the tree)
+
+
+def test_speculative_engine_takes_lookahead_decisions(
+    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end: the speculative engine (decisions ahead) emits the plain engine's tokens."""
+    from spec_helpers import random_runner, tiny_config
+    from test_spec_engine import run
+
+    from espalier.engine.api import GenerationRequest, SpeculativeOptions
+    from espalier.engine.engine import Engine, EngineConfig
+    from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+    from espalier.engine.spec.strategy import SpecConfig, install
+
+    answered = 0
+    original_take = closing_ahead.Lookahead.take
+
+    def counting_take(self: Any, here: int, token: int) -> Any:
+        nonlocal answered
+        outcome = original_take(self, here, token)
+        answered += outcome is not None
+        return outcome
+
+    def requests() -> list[GenerationRequest]:
+        prompts = [(5, 6, 7, 8, 5, 6, 7, 8, 5, 6), (40, 41, 42, 43, 40, 41, 42), (9,) * 20]
+        methods = [("ngram", "forced"), ("ngram",), ("forced",)]
+        return [
+            GenerationRequest(
+                f"r{i}",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=40 + 4 * i),
+                grammar=GrammarSpec.json_schema(SCHEMA),
+                speculative=SpeculativeOptions(methods=methods[i % 3]),
+            )
+            for i, prompt in enumerate(prompts * 2)
+        ]
+
+    monkeypatch.setattr(closing_ahead.Lookahead, "take", counting_take)
+    runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
+    plain = run(Engine(EngineConfig(), runner, toy_tokenizer), requests())
+    engine = Engine(EngineConfig(), runner, toy_tokenizer)
+    install(engine, SpecConfig(num_draft_tokens=6), {"ngram": NgramDrafter(NgramConfig(1, 3))})
+    spec = run(engine, requests())
+    assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
+    assert answered > 0
