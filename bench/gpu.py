@@ -252,18 +252,26 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         }
     )
     batches = [int(b) for b in args.spec_batches.split(",")]
-    out = equal_work(
-        runner,
-        tokenizer,
-        batches,
-        args.spec_max_tokens,
-        args.schemas,
-        args.mask_threads,
-        emit,
-        profile_batch=args.profile_batch,
-        closing=not args.no_closing,
-        launch_first=False if args.masks_first else None,
-    )
+    out: dict[str, float] = {}
+    values: dict[str, bool | None] = {"default": None, "on": True, "off": False}
+    names = [name.strip() for name in args.close_ahead.split(",") if name.strip()]
+    aheads = [values[name] for name in names]
+    for i, (name, ahead) in enumerate(zip(names, aheads)):
+        ratios = equal_work(
+            runner,
+            tokenizer,
+            batches,
+            args.spec_max_tokens,
+            args.schemas,
+            args.mask_threads,
+            emit,
+            profile_batch=args.profile_batch,
+            closing=not args.no_closing,
+            launch_first=False if args.masks_first else None,
+            close_ahead=ahead,
+        )
+        prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_"
+        out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
         emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
     return out
@@ -295,6 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spec-max-tokens", type=int, default=96)
     parser.add_argument("--schemas", type=int, default=6)
     parser.add_argument("--skip-spec", action="store_true")
+    parser.add_argument(
+        "--close-ahead",
+        default="default",
+        help="SpecConfig.close_ahead per equal-work pass, comma-separated from default (on the "
+        "CPU only), on, off: e.g. default,off,on,on,off (a warm-up pass, then an ABBA A/B: the "
+        "first pass in a process meets cold grammar caches)",
+    )
     parser.add_argument("--mask-threads", type=int, default=8)
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
     parser.add_argument(

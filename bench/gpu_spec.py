@@ -110,6 +110,7 @@ class _Setup:
     mask_threads: int
     closing: bool = True  # EngineConfig.close_within_budget (per-token checks near max_tokens)
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
+    close_ahead: bool | None = None  # SpecConfig.close_ahead (None: on the CPU only)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -132,6 +133,7 @@ class _Setup:
                 mask_budget_s=None,
                 mask_threads=self.mask_threads,
                 launch_first=self.launch_first,
+                close_ahead=self.close_ahead,
             )
             install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
             return engine
@@ -193,6 +195,7 @@ def equal_work(
     profile_batch: int = 0,
     closing: bool = True,
     launch_first: bool | None = None,
+    close_ahead: bool | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``."""
     import torch
@@ -213,7 +216,9 @@ def equal_work(
         count = len(schemas) if batch == 1 else batch
         prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(count)]
         grammars = [GrammarSpec.json_schema(schemas[i % len(schemas)][1]) for i in range(count)]
-        setup = _Setup(runner, tokenizer, service, batch, mask_threads, closing, launch_first)
+        setup = _Setup(
+            runner, tokenizer, service, batch, mask_threads, closing, launch_first, close_ahead
+        )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch)
         for (constrained, speculative), r in results.items():
             emit(
@@ -226,6 +231,7 @@ def equal_work(
                     "mask_threads": mask_threads,
                     "closing": closing,
                     "launch_first": launch_first,
+                    "close_ahead": close_ahead,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -243,6 +249,7 @@ def equal_work(
                 "batch": batch,
                 "mask_threads": mask_threads,
                 "closing": closing,
+                "close_ahead": close_ahead,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),
