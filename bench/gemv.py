@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -34,6 +33,10 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import (  # bench/cuda_timing.py (this folder is on sys.path)
+    copy_bandwidth,
+    graph_us,
+)
 
 from espalier.kernels.gemv import SkinnyConfig, default_config, gated_gemv, gemv
 
@@ -113,46 +116,6 @@ def precompile(ms: Sequence[int], quick: bool, jobs: int) -> int:
     chunks = [items[i::jobs] for i in range(jobs) if items[i::jobs]]
     with ProcessPoolExecutor(len(chunks), mp_context=get_context("spawn")) as pool:
         return sum(pool.map(_compile, chunks))
-
-
-def copy_bandwidth(gib: int = 4, reps: int = 10) -> float:
-    """Bytes/s of a device-to-device copy, read + write counted (as ``bench/gpu.py``)."""
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (gib << 30) / statistics.median(times)
-
-
-def graph_us(calls: list[Callable[[], object]], reps: int = 10) -> float:
-    """Median µs per call of ``calls`` captured back to back in one CUDA graph."""
-    calls[0]()  # compile / pick the cuBLAS kernel outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
 
 
 def bench_shape(

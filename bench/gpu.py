@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from cuda_timing import copy_bandwidth  # bench/cuda_timing.py (this folder is on sys.path)
 
 PROMPT_LEN = 128
 PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
@@ -75,24 +76,6 @@ def path_flags(name: str) -> Iterator[None]:
 
 def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
-
-
-def copy_bandwidth(gib: int = 4, reps: int = 10) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted)."""
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (gib << 30) / statistics.median(times)
 
 
 def weight_bytes(runner: Any) -> int:

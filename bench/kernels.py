@@ -26,6 +26,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from cuda_timing import graph_us  # bench/cuda_timing.py (this folder is on sys.path)
 
 from espalier.kernels.bitmask import apply_bitmask_
 from espalier.kernels.reference import walk_greedy
@@ -37,37 +38,10 @@ L2_BYTES = 60 * 2**20
 def graph_time_us(calls: list[Callable[[], object]], reps: int = 15) -> float:
     """Median µs per call of ``calls`` replayed in one CUDA graph (NaN, reported, on failure)."""
     try:
-        return _graph_time_us(calls, reps)
+        return graph_us(calls, reps)
     except Exception as exc:  # keep the run going: one failed anchor must not lose the table
         print(json.dumps({"error": repr(exc)[:300]}), flush=True)
         return float("nan")
-
-
-def _graph_time_us(calls: list[Callable[[], object]], reps: int) -> float:
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(calls))
-    return statistics.median(times)
 
 
 def wall_us(fn: Callable[[], object], reps: int = 20) -> float:
