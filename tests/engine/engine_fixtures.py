@@ -102,3 +102,14 @@ def tokens_of(chunks: list[RequestOutput]) -> list[int]:
 
 def text_of(chunks: list[RequestOutput]) -> str:
     return "".join(c.text_delta for c in chunks)
+
+
+CLOSING_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "names": {"type": "array", "items": {"type": "string"}},
+        "n": {"type": "integer"},
+    },
+    "required": ["names", "n"],
+}
+"""A schema whose outputs can loop (an array of strings) and need the budget closer to end."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fixtures import toy_tokenizer
+from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.compile import compile_grammar
@@ -26,14 +26,7 @@ from espalier.engine.api import SamplingParams
 from espalier.engine.closing import NO_MEMO, BudgetCloser
 from espalier.engine.request import Request
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "names": {"type": "array", "items": {"type": "string"}},
-        "n": {"type": "integer"},
-    },
-    "required": ["names", "n"],
-}
+SCHEMA = CLOSING_SCHEMA
 
 
 def _allowed(matcher: Any, tokenizer: Any, row: Any, stops: set[int]) -> list[int]:
@@ -71,21 +64,27 @@ def _tree(stream: list[int], root: int, rng: random.Random) -> tuple[list[int], 
     return tokens, parents
 
 
+def count_answers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the closing decisions ``Lookahead.take`` hands back (``[count]``, updated live)."""
+    answers = [0]
+    original_take = closing_ahead.Lookahead.take
+
+    def counting_take(self: Any, here: int, token: int) -> Any:
+        outcome = original_take(self, here, token)
+        answers[0] += outcome is not None
+        return outcome
+
+    monkeypatch.setattr(closing_ahead.Lookahead, "take", counting_take)
+    return answers
+
+
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = toy_tokenizer()
     compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
     stops = set(tokenizer.stop_token_ids)
-    taken = answered = 0
-    original_take = closing_ahead.Lookahead.take
-
-    def counting_take(self: Any, here: int, token: int) -> Any:
-        nonlocal answered
-        outcome = original_take(self, here, token)
-        answered += outcome is not None
-        return outcome
-
-    monkeypatch.setattr(closing_ahead.Lookahead, "take", counting_take)
+    taken = 0
+    answered = count_answers(monkeypatch)
     for seed in range(8):
         rng = random.Random(seed)
         stream = _stream(tokenizer, compiled, rng, 40)
@@ -114,7 +113,7 @@ def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyP
                 for request in requests:
                     request.output_ids.append(token)
                     assert request.matcher is not None and request.matcher.accept(token)
-    assert answered > taken // 3  # the lookahead did answer (the rest: off the tree)
+    assert answered[0] > taken // 3  # the lookahead did answer (the rest: off the tree)
 
 
 def test_speculative_engine_takes_lookahead_decisions(
@@ -128,15 +127,6 @@ def test_speculative_engine_takes_lookahead_decisions(
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
-
-    answered = 0
-    original_take = closing_ahead.Lookahead.take
-
-    def counting_take(self: Any, here: int, token: int) -> Any:
-        nonlocal answered
-        outcome = original_take(self, here, token)
-        answered += outcome is not None
-        return outcome
 
     def requests() -> list[GenerationRequest]:
         prompts = [(5, 6, 7, 8, 5, 6, 7, 8, 5, 6), (40, 41, 42, 43, 40, 41, 42), (9,) * 20]
@@ -152,11 +142,11 @@ def test_speculative_engine_takes_lookahead_decisions(
             for i, prompt in enumerate(prompts * 2)
         ]
 
-    monkeypatch.setattr(closing_ahead.Lookahead, "take", counting_take)
+    answered = count_answers(monkeypatch)
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
     plain = run(Engine(EngineConfig(), runner, toy_tokenizer), requests())
     engine = Engine(EngineConfig(), runner, toy_tokenizer)
     install(engine, SpecConfig(num_draft_tokens=6), {"ngram": NgramDrafter(NgramConfig(1, 3))})
     spec = run(engine, requests())
     assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
-    assert answered > 0
+    assert answered[0] > 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fixtures import toy_tokenizer
+from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.compile import compile_grammar
@@ -23,14 +23,7 @@ from espalier.engine.api import SamplingParams
 from espalier.engine.closing import BudgetCloser
 from espalier.engine.request import Request
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "names": {"type": "array", "items": {"type": "string"}},
-        "n": {"type": "integer"},
-    },
-    "required": ["names", "n"],
-}
+SCHEMA = CLOSING_SCHEMA
 
 
 def _run(tokenizer: Any, compiled: Any, seed: int, max_tokens: int) -> list[Any]:

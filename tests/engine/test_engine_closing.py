@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from engine_fixtures import make_engine, run_all, text_of, tokens_of, toy_tokenizer
+from engine_fixtures import CLOSING_SCHEMA, make_engine, run_all, text_of, tokens_of, toy_tokenizer
 
 from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
@@ -20,14 +20,7 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
 from espalier.engine.closing import ClosingPaths
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "names": {"type": "array", "items": {"type": "string"}},
-        "n": {"type": "integer"},
-    },
-    "required": ["names", "n"],
-}
+SCHEMA = CLOSING_SCHEMA
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
