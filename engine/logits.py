@@ -33,11 +33,6 @@ class StepLogits:
     masked_rows: list[int]
 
 
-def allowed_ids(row: torch.Tensor, vocab_size: int) -> np.ndarray:
-    """Allowed token ids (int64, sorted) of one bitmask row ``int32[W]`` (CPU)."""
-    return np.flatnonzero(bm.unpack_allowed(row, vocab_size)).astype(np.int64)
-
-
 def compute_step_logits(
     model: torch.nn.Module,
     hidden: torch.Tensor,

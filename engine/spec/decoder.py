@@ -37,7 +37,7 @@ import torch
 from espalier.engine.api import TokenLogprob
 from espalier.engine.runner import SeqInput
 from espalier.engine.spec.combine import ProposalItem, Proposer
-from espalier.engine.spec.masks import MaskBuilder
+from espalier.engine.spec.masks import MaskBuilder, PendingMasks
 from espalier.engine.spec.tree_builder import Draft
 from espalier.engine.spec.verify import (
     Acceptance,
@@ -203,16 +203,17 @@ class SpeculativeDecoder:
         matchers = [s.matcher for s in seqs]
         # the inputs before the fills start: they would compete with them for the GIL
         inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
-        pending = None
-        if not self._launch_first:
+
+        def submit_fills() -> PendingMasks:
             after = lookahead(seqs, drafts) if lookahead is not None else []
-            pending = self.masks.submit(matchers, drafts, after)
+            return self.masks.submit(matchers, drafts, after)
+
+        pending = None if self._launch_first else submit_fills()
         out = self.runner.forward(
             [*inputs, *(i for _, i in passthrough)], hidden_layers=self._hidden_layers
         )
         if pending is None:
-            after = lookahead(seqs, drafts) if lookahead is not None else []
-            pending = self.masks.submit(matchers, drafts, after)
+            pending = submit_fills()
         forwarded = time.perf_counter()
         masks = pending.result()
         masked = time.perf_counter()
