@@ -234,26 +234,38 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             "graphs": runner.graphs.captured if runner.graphs is not None else [],
         }
     )
+    from espalier.constrained.backends import get_backend
+
+    slot = get_backend("llguidance", tokenizer).native_slot
+    walk = "native" if slot.wait() is not None else f"python ({slot.error})"
+    emit({"part": "spec_equal_work", "llguidance_walk": walk})
     batches = [int(b) for b in args.spec_batches.split(",")]
     out: dict[str, float] = {}
     values: dict[str, bool | None] = {"default": None, "on": True, "off": False}
     names = [name.strip() for name in args.close_ahead.split(",") if name.strip()]
+    threads = [int(t) for t in str(args.mask_threads).split(",") if t.strip()]
+    if len(names) == 1:
+        names = names * len(threads)
+    if len(threads) == 1:
+        threads = threads * len(names)
+    if len(names) != len(threads):
+        raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
     aheads = [values[name] for name in names]
-    for i, (name, ahead) in enumerate(zip(names, aheads)):
+    for i, (name, ahead, mask_threads) in enumerate(zip(names, aheads, threads)):
         ratios = equal_work(
             runner,
             tokenizer,
             batches,
             args.spec_max_tokens,
             args.schemas,
-            args.mask_threads,
+            mask_threads,
             emit,
             profile_batch=args.profile_batch,
             closing=not args.no_closing,
             launch_first=False if args.masks_first else None,
             close_ahead=ahead,
         )
-        prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_"
+        prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_"
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
         emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
@@ -293,7 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "CPU only), on, off: e.g. default,off,on,on,off (a warm-up pass, then an ABBA A/B: the "
         "first pass in a process meets cold grammar caches)",
     )
-    parser.add_argument("--mask-threads", type=int, default=8)
+    parser.add_argument(
+        "--mask-threads",
+        default="8",
+        help="tree-mask threads; a list (2,8,8,2) runs one pass each (zipped with --close-ahead)",
+    )
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
     parser.add_argument(
         "--no-closing", action="store_true", help="EngineConfig(close_within_budget=False)"
