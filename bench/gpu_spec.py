@@ -98,6 +98,11 @@ def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) ->
             [f"{path.split('/')[-1]}:{line}:{name}", round(tt, 4), calls]
             for (path, line, name), (_, calls, tt, _, _) in top
         ]
+        inclusive = sorted(rows, key=lambda kv: -kv[1][3])[:40]
+        total["host_top_cumtime_s"] = [
+            [f"{path.split('/')[-1]}:{line}:{name}", round(ct, 4), calls]
+            for (path, line, name), (_, calls, _, ct, _) in inclusive
+        ]
     return total
 
 

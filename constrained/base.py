@@ -7,6 +7,7 @@ gets its own :class:`GrammarMatcher` from it. Bitmask rows follow ``constrained/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -33,6 +34,11 @@ class GrammarMatcher(Protocol):
 
     def accept(self, token: int) -> bool:
         """Advance by one token. On ``False`` the state is exactly as before (never sticky)."""
+        ...
+
+    def accept_tokens(self, tokens: Sequence[int]) -> int:
+        """Accept ``tokens`` in order up to the first rejected one; returns how many were
+        accepted (as many ``accept`` calls would, in one call where the backend can)."""
         ...
 
     def rollback(self, n: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -75,13 +75,10 @@ class ClosingPaths:
         while not probe.can_terminate():
             if len(path) >= limit:
                 return None
-            taken = 0
-            for token in probe.forced_tokens(limit - len(path)):
-                if not probe.accept(token):
-                    break
-                path.append(token)
-                taken += 1
+            forced = probe.forced_tokens(limit - len(path))
+            taken = probe.accept_tokens(forced) if forced else 0
             if taken:
+                path.extend(forced[:taken])
                 continue
             chosen = self._first_accepted(probe)
             if chosen is None:
@@ -218,10 +215,10 @@ class BudgetCloser:
         if here < memo.next_check:
             return None, memo  # far enough from the budget's end (a function of the tokens alone)
         probe = matcher.fork()
-        if not probe.accept(token):
-            return None, memo
         # after token: a path that leaves room for the stop token (searched on the probe itself)
-        after = _closes(probe, path, budget - 2) if path is not None else None
+        after = _closes_after(probe, token, path, budget - 2)
+        if after is False:
+            return None, memo  # the grammar rejects token: not for this policy to decide
         if after is None:
             after = self.paths.search(probe, budget - 2)
         if after is not None:
@@ -296,18 +293,20 @@ class BudgetCloser:
             ahead.cancel()
 
 
-def _closes(probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
-    """``path`` when it completes the grammar from ``probe``'s state within ``limit`` tokens
-    (``probe`` is then left after it: the caller drops it), else None (``probe`` is left where
-    it was)."""
-    if len(path) > limit:
-        return None
-    accepted = 0
-    for token in path:
-        if not probe.accept(token):
-            break
-        accepted += 1
-    if accepted == len(path) and probe.can_terminate():
+def _closes_after(
+    probe: GrammarMatcher, token: int, path: list[int] | None, limit: int
+) -> list[int] | Literal[False] | None:
+    """Accept ``token`` on ``probe``; then ``path`` when it completes the grammar from there
+    within ``limit`` tokens (``probe`` is left after it: the caller drops it), else None
+    (``probe`` is left just after ``token``). False: ``token`` itself is rejected.
+
+    One ``accept_tokens`` call for the token and the path (one native call on llguidance)."""
+    if path is None or len(path) > limit:
+        return None if probe.accept(token) else False
+    accepted = probe.accept_tokens([token, *path])
+    if accepted == 0:
+        return False
+    if accepted == len(path) + 1 and probe.can_terminate():
         return path
-    probe.rollback(accepted)
+    probe.rollback(accepted - 1)
     return None

@@ -111,8 +111,6 @@ def load_cases(
 
     files = sorted(p for p in folder.rglob("*.json") if p.stat().st_size < 32_000)
     rng.shuffle(files)
-    if "llguidance" in backends:  # its native walk's tokenizer: ready before the first compile
-        get_backend("llguidance", tokenizer).native_slot.wait()
     cases: list[Case] = []
     stop = tokenizer.stop_token_ids[0]
     for path in files:
@@ -259,16 +257,6 @@ def run_batches(
     return result
 
 
-def llguidance_walk(backends: list[str], tokenizer: Any) -> str | None:
-    """Which llguidance tree walk runs: "native" (C, ``constrained/native/``) or why not."""
-    if "llguidance" not in backends:
-        return None
-    from espalier.constrained.backends import get_backend
-
-    slot = get_backend("llguidance", tokenizer).native_slot
-    return "native" if slot.wait() is not None else f"python ({slot.error})"
-
-
 def run_benchmark(
     folder: Path,
     *,
@@ -302,7 +290,6 @@ def run_benchmark(
             "gc_frozen_objects": freeze_startup_heap(),  # as the server does after loading
             "compiles_killed_at_timeout": kills,  # in the probe's child: none runs on here
             "load_s": round(load_s, 1),
-            "llguidance_walk": llguidance_walk(backends, tokenizer),
         }
     )
     summary: dict[str, Any] = {}

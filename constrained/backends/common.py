@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +172,14 @@ class MatcherBase:
         if self._stop_depth:
             return False
         return self._native_accept(token)
+
+    def accept_tokens(self, tokens: Sequence[int]) -> int:
+        accepted = 0
+        for token in tokens:
+            if not self.accept(token):
+                break
+            accepted += 1
+        return accepted
 
     def rollback(self, n: int) -> None:
         if n <= 0:

@@ -362,3 +362,40 @@ def test_registry(toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch):
     )
     with pytest.raises(BackendUnavailableError, match="pip install ghost-pkg"):
         get_backend("ghost", toy_tokenizer)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_accept_tokens_equals_accepting_one_by_one(
+    backend_name: str, case: Case, toy_tokenizer_padded: Any
+) -> None:
+    """``accept_tokens`` (one native call on llguidance) stops where ``accept`` would, through
+    text, stop, special and padding ids, and leaves the same state (mask, termination)."""
+    tok = toy_tokenizer_padded
+    compiled = compile_or_skip(backend_for(backend_name, tok), case.spec)
+    stop = tok.stop_token_ids[0]
+    special = tok.hf.convert_tokens_to_ids("<pad>")
+    valid = tok.encode(case.valid[0])
+    bad = tok.encode(case.invalid_prefix)
+    sequences = [
+        valid,
+        valid + [stop, stop],
+        valid + [stop, valid[0]],
+        valid[:2] + bad + valid,
+        valid[:1] + [special] + valid[1:],
+        valid[:1] + [tok.vocab_size - 1] + valid[1:],
+        [],
+    ]
+    for tokens in sequences:
+        one_by_one = compiled.matcher()
+        expected = 0
+        for token in tokens:
+            if not one_by_one.accept(token):
+                break
+            expected += 1
+        batched = compiled.matcher()
+        assert batched.accept_tokens(tokens) == expected, tokens
+        assert np.array_equal(mask_of(batched), mask_of(one_by_one)), tokens
+        assert batched.is_terminated() == one_by_one.is_terminated()
+        batched.rollback(expected)  # and it rolls back like the tokens accepted one by one
+        assert np.array_equal(mask_of(batched), mask_of(compiled.matcher()))
