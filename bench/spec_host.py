@@ -24,7 +24,7 @@ then the ratio line (``constrained_over_unconstrained_host``) and, with ``--prof
 host functions of the constrained run (cProfile of the main thread, paused during device work).
 
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
-        [--mask-threads 2] [--no-closing] [--profile] [--warmup]
+        [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--profile] [--warmup]
 """
 
 from __future__ import annotations
@@ -241,8 +241,15 @@ def run(args: argparse.Namespace) -> None:
     batch = args.batch
     prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(batch)]
     grammars = [GrammarSpec.json_schema(schemas[i % len(schemas)][1]) for i in range(batch)]
+    ahead = {"default": None, "on": True, "off": False}[args.close_ahead]
     setup = gpu_spec._Setup(
-        runner, tokenizer, service, batch, args.mask_threads, closing=not args.no_closing
+        runner,
+        tokenizer,
+        service,
+        batch,
+        args.mask_threads,
+        closing=not args.no_closing,
+        close_ahead=ahead,
     )
     # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
     full = [args.max_tokens] * batch
@@ -273,6 +280,7 @@ def run(args: argparse.Namespace) -> None:
                     "constrained": constrained,
                     "mask_threads": args.mask_threads,
                     "closing": not args.no_closing,
+                    "close_ahead": args.close_ahead,
                     **results[constrained],
                 }
             )
@@ -296,6 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mask-threads", type=int, default=2)
     parser.add_argument("--no-closing", action="store_true", help="close_within_budget=False")
     parser.add_argument("--profile", action="store_true", help="cProfile the constrained run")
+    parser.add_argument(
+        "--close-ahead",
+        choices=("default", "on", "off"),
+        default="default",
+        help="SpecConfig.close_ahead (default: on the CPU; off is what the GPU runs)",
+    )
     parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
     run(parser.parse_args(argv))
     return 0
