@@ -234,6 +234,10 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             "graphs": runner.graphs.captured if runner.graphs is not None else [],
         }
     )
+    from espalier.constrained.backends import get_backend
+
+    walk = get_backend("llguidance", tokenizer).tree_walk()  # type: ignore[attr-defined]
+    emit({"part": "spec_equal_work", "llguidance_walk": walk})
     batches = [int(b) for b in args.spec_batches.split(",")]
     out: dict[str, float] = {}
     values: dict[str, bool | None] = {"default": None, "on": True, "off": False}

@@ -150,11 +150,13 @@ def fill_tree_bitmask(
     result = WalkResult.empty(tree.num_nodes)
     if budget is None:
         walker(matcher, tree, rows, float("inf"), root_ready, result)
-    elif tree.num_nodes > 1 and _backend(matcher) in SLOW_FILL_BACKENDS:
+    elif tree.num_nodes > 1 and _needs_helper(matcher):
         from espalier.constrained.traverse_bounded import walk_bounded
 
         if walker is not walk_generic and _backend(matcher) == "xgrammar":
             from espalier.constrained.traverse_xgrammar import walk_xgrammar_nodes as walker
+        elif walker is not walk_generic and _backend(matcher) == "llguidance":
+            from espalier.constrained.traverse_llguidance import walk_llguidance_py as walker
 
         result = walk_bounded(walker, matcher, tree, rows, start + budget, root_ready)
     else:
@@ -178,7 +180,17 @@ def fill_tree_bitmask(
 
 
 SLOW_FILL_BACKENDS = frozenset({"xgrammar", "llguidance"})
-"""Backends whose single mask fill can take milliseconds: budgeted walks go to a helper."""
+"""Backends whose single mask fill can take milliseconds: budgeted walks go to a helper,
+except llguidance's native walk (it checks the deadline between nodes, in C: inline)."""
+
+
+def _needs_helper(matcher: Any) -> bool:
+    name = _backend(matcher)
+    if name == "llguidance":
+        from espalier.constrained.traverse_llguidance import native_walk_ready
+
+        return not native_walk_ready(matcher)
+    return name in SLOW_FILL_BACKENDS
 
 
 def _backend(matcher: Any) -> str | None:

@@ -1,4 +1,15 @@
-"""llguidance fast path: an iterative DFS over ``deep_copy`` snapshots of the ``LLMatcher``.
+"""llguidance tree walks: native (one C call per tree) when it can, else a Python DFS.
+
+**Native walk** (:func:`walk_llguidance` when the C-API twin is available,
+``constrained/native/``): each request's matcher keeps a twin made through llguidance's C API,
+which a walk first catches up with the request (rolls back what the request rolled back, consumes
+what it accepted since) and then walks from in ``llg_walk.c``: the same DFS as below, with no
+Python per node and the GIL dropped for the whole tree, so trees of a batch fill in parallel. It
+checks the budget between nodes (a walk overruns it by at most one mask), so budgeted native
+walks run inline (``traverse.fill_tree_bitmask``).
+
+**Python walk** (:func:`walk_llguidance_py`): an iterative DFS over ``deep_copy`` snapshots of
+the ``LLMatcher``.
 
 An ``LLMatcher`` enters a sticky error state when it consumes a token it does not allow, so each
 node's token is first checked against the parent's row (already computed) and consumed with
@@ -21,11 +32,14 @@ nothing is restored at the end and an abandoned walk (``traverse_bounded``) leav
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from espalier.constrained.backends.llguidance import MatcherStateError
+from espalier.constrained.native import llguidance as native
 from espalier.constrained.traverse import (
     WalkResult,
     flat_words,
@@ -36,7 +50,7 @@ from espalier.constrained.traverse import (
 from espalier.constrained.tree import NONE, DraftTree
 
 
-def walk_llguidance(
+def walk_llguidance_py(
     matcher: Any,
     tree: DraftTree,
     rows: np.ndarray,
@@ -44,7 +58,7 @@ def walk_llguidance(
     root_ready: bool,
     result: WalkResult,
 ) -> WalkResult:
-    """Fill ``rows`` for an llguidance-backed matcher (see the module docstring)."""
+    """Fill ``rows`` for an llguidance-backed matcher in Python (see the module docstring)."""
     root = matcher.native
     if matcher.is_terminated() or root.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
@@ -113,3 +127,78 @@ def walk_llguidance(
         if first_child[node] != NONE:
             push_children(node, state, False)
     return result
+
+
+WRAP_UP_S = 100e-6
+"""Budget kept for the work after a native walk returns (a quiet 2-core machine: ~30-60 µs)."""
+
+
+def native_walk_ready(matcher: Any) -> bool:
+    """The native walk can serve ``matcher`` now (its C-API tokenizer is built)."""
+    slot = getattr(matcher.compiled, "native_slot", None)
+    return slot is not None and slot.get() is not None and not matcher.compiled._native_failed
+
+
+def walk_llguidance(
+    matcher: Any,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
+) -> WalkResult:
+    """Fill ``rows`` for an llguidance-backed matcher: natively when it can (module docstring),
+    else :func:`walk_llguidance_py`."""
+    if matcher.is_terminated() or matcher.native.is_error():
+        return walk_generic(matcher, tree, rows, deadline, root_ready, result)
+    shadow = matcher.shadow
+    if shadow is None:
+        shadow = matcher.compiled.native_start()
+        if shadow is None:
+            return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
+        matcher.shadow, matcher.shadow_len, matcher.shadow_agree = shadow, 0, 0
+        matcher.shadow_memo_stale = False
+    history = matcher.history
+    agree = matcher.shadow_agree
+    tables = matcher.compiled.native_slot.tables
+    n = tree.num_nodes
+    flags = np.zeros((3, n), dtype=np.uint8)
+    if deadline == float("inf"):
+        budget = -1.0
+    else:  # leave the wrap-up after the walk (flags, unfilled rows) inside the budget too
+        budget = max(deadline - time.perf_counter() - WRAP_UP_S, 0.0)
+    try:
+        status = native.walk(
+            shadow,
+            matcher.shadow_memo_stale,
+            matcher.shadow_len - agree,
+            history[agree:],
+            tree,
+            rows,
+            tables,
+            native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
+            _scratch_row(rows.shape[1]),
+            budget,
+            flags,
+        )
+    except RuntimeError as exc:
+        matcher.shadow = None  # its state is unknown now: the next walk starts a new one
+        raise MatcherStateError(str(exc)) from exc
+    matcher.shadow_len = matcher.shadow_agree = len(history)
+    matcher.shadow_memo_stale = True
+    result.valid[:] = flags[0].astype(bool).tolist()
+    result.terminated[:] = flags[2].astype(bool).tolist()
+    result.filled[:] = flags[1].astype(bool).tolist()
+    result.budget_hit = status == native.WALK_BUDGET_HIT
+    return result
+
+
+_scratch = threading.local()
+
+
+def _scratch_row(words: int) -> np.ndarray:
+    """This thread's scratch mask row (int32 ``[words]``)."""
+    row: np.ndarray | None = getattr(_scratch, "row", None)
+    if row is None or row.shape[0] != words:
+        row = _scratch.row = np.zeros(words, dtype=np.int32)
+    return row

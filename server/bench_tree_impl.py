@@ -111,6 +111,8 @@ def load_cases(
 
     files = sorted(p for p in folder.rglob("*.json") if p.stat().st_size < 32_000)
     rng.shuffle(files)
+    if "llguidance" in backends:  # its native walk's tokenizer: ready before the first compile
+        get_backend("llguidance", tokenizer).tree_walk()  # type: ignore[attr-defined]
     cases: list[Case] = []
     stop = tokenizer.stop_token_ids[0]
     for path in files:
@@ -257,6 +259,16 @@ def run_batches(
     return result
 
 
+def llguidance_walk(backends: list[str], tokenizer: Any) -> str | None:
+    """Which llguidance tree walk runs: "native" (C, ``constrained/native/``) or why not."""
+    if "llguidance" not in backends:
+        return None
+    from espalier.constrained.backends import get_backend
+
+    walk: str = get_backend("llguidance", tokenizer).tree_walk()  # type: ignore[attr-defined]
+    return walk
+
+
 def run_benchmark(
     folder: Path,
     *,
@@ -290,6 +302,7 @@ def run_benchmark(
             "gc_frozen_objects": freeze_startup_heap(),  # as the server does after loading
             "compiles_killed_at_timeout": kills,  # in the probe's child: none runs on here
             "load_s": round(load_s, 1),
+            "llguidance_walk": llguidance_walk(backends, tokenizer),
         }
     )
     summary: dict[str, Any] = {}

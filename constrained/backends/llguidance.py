@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from espalier.constrained.backends.common import (
     vocab_facts,
 )
 from espalier.constrained.errors import GrammarError, InvalidGrammarError
+from espalier.constrained.native import llguidance as llg_native
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
@@ -72,6 +74,22 @@ class Backend:
         self.lltokenizer = tokenizer.backend_view(
             "llguidance", lambda tok: _build_lltokenizer(tok, facts)
         )
+        # the same tokenizer through llguidance's C API, for the native tree walk (built on a
+        # background thread; walks use the Python path until it is ready)
+        self.native_slot: llg_native.NativeTokenizerSlot | None = None
+        if options.llguidance_native_walk:
+            self.native_slot = tokenizer.backend_view(
+                "llguidance.native", lambda tok: _native_slot(tok, facts)
+            )
+
+    def tree_walk(self, timeout: float | None = None) -> str:
+        """Which tree walk this backend's matchers get: "native", or "python (why)"; waits up
+        to ``timeout`` for the native tokenizer to be built."""
+        if self.native_slot is None:
+            return "python (BackendOptions.llguidance_native_walk is off)"
+        if self.native_slot.wait(timeout) is not None:
+            return "native"
+        return f"python ({self.native_slot.error or 'native tokenizer not built yet'})"
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         grammar = self.grammar_text(spec)
@@ -79,9 +97,12 @@ class Backend:
         if template.is_error():
             raise _invalid(spec.kind, template.get_error())
         _warm_lexer(template, self.tokenizer.vocab_size)
-        return CompiledGrammar(
-            spec, self.tokenizer, self.facts, template, grammar, self.lltokenizer
+        compiled = CompiledGrammar(
+            spec, self.tokenizer, self.facts, template, grammar, self.lltokenizer, self.native_slot
         )
+        if self.native_slot is not None and self.native_slot.get() is not None:
+            compiled.native_template()  # its own lexer warms here too, not in a first walk
+        return compiled
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """The llguidance grammar (JSON text) for ``spec``; raises InvalidGrammarError."""
@@ -133,7 +154,8 @@ class CompiledGrammar(CompiledBase):
 
     ``native`` is a template ``LLMatcher`` at the start state (each matcher is a ``deep_copy`` of
     it, sharing the compiled grammar); ``grammar`` is the llguidance grammar text and
-    ``lltokenizer`` the ``LLTokenizer``.
+    ``lltokenizer`` the ``LLTokenizer``. :meth:`native_template` is the same grammar through the
+    C API (``constrained/native/llguidance.py``), for the native tree walk.
     """
 
     def __init__(
@@ -144,12 +166,44 @@ class CompiledGrammar(CompiledBase):
         template: llguidance.LLMatcher,
         grammar: str,
         lltokenizer: llguidance.LLTokenizer,
+        native_slot: llg_native.NativeTokenizerSlot | None = None,
     ) -> None:
         super().__init__(NAME, spec, tokenizer)
         self.native = template
         self.grammar = grammar
         self.lltokenizer = lltokenizer
         self._facts = facts
+        self.native_slot = native_slot
+        self._native_lock = threading.Lock()
+        self._native_template: llg_native.NativeMatcher | None = None
+        self._native_failed = False
+
+    def native_template(self) -> llg_native.NativeMatcher | None:
+        """The C-API matcher at the start state (made and warmed on first call), or None while
+        the native tokenizer is not ready or if llguidance refused the grammar there."""
+        tokenizer = self.native_slot.get() if self.native_slot is not None else None
+        if tokenizer is None:
+            return None
+        with self._native_lock:
+            if self._native_template is None and not self._native_failed:
+                try:
+                    template = tokenizer.matcher(self.grammar)
+                    scratch = np.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+                    # C-API clones are deep (the lexer included): warm the template itself, so
+                    # every twin starts with the start state's lexer built (_warm_lexer)
+                    template.mask_into(scratch)
+                    self._native_template = template
+                except RuntimeError:
+                    self._native_failed = True
+            return self._native_template
+
+    def native_start(self) -> llg_native.NativeMatcher | None:
+        """A new C-API matcher at the start state, or None (see :meth:`native_template`)."""
+        template = self.native_template()
+        if template is None:
+            return None
+        with self._native_lock:
+            return template.clone()
 
     @property
     def memory_bytes(self) -> int:
@@ -178,6 +232,14 @@ class Matcher(MatcherBase):
         # rolled-back branch (module docstring), so the next consume must refresh it first.
         self.mask_memo_stale = False
         self._scratch: np.ndarray | None = None
+        # Tokens consumed natively, and the C-API twin the native tree walk runs from
+        # (``traverse_llguidance``): it has consumed ``shadow_len`` tokens, of which the first
+        # ``shadow_agree`` are ``history``'s; each walk catches it up first.
+        self.history: list[int] = []
+        self.shadow: llg_native.NativeMatcher | None = None
+        self.shadow_len = 0
+        self.shadow_agree = 0
+        self.shadow_memo_stale = False
 
     def refresh_mask_memo(self) -> None:
         """Compute the mask into a scratch row, so llguidance's memo describes this state.
@@ -195,6 +257,7 @@ class Matcher(MatcherBase):
         if self.mask_memo_stale:
             self.refresh_mask_memo()
         if self.native.try_consume_tokens([token]) == 1:
+            self.history.append(token)
             return True
         if self.native.is_error():
             raise MatcherStateError(f"llguidance: {self.native.get_error()}")
@@ -213,7 +276,10 @@ class Matcher(MatcherBase):
             run += 1
         if self.mask_memo_stale:
             self.refresh_mask_memo()
-        accepted: int = self.native.try_consume_tokens(list(tokens[:run])) if run else 0
+        head = list(tokens[:run])
+        accepted: int = self.native.try_consume_tokens(head) if head else 0
+        if accepted:
+            self.history.extend(head[:accepted])
         if accepted < run:
             if self.native.is_error():
                 raise MatcherStateError(f"llguidance: {self.native.get_error()}")
@@ -224,6 +290,8 @@ class Matcher(MatcherBase):
         if not self.native.rollback(n):
             raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
         self.mask_memo_stale = True
+        del self.history[len(self.history) - n :]
+        self.shadow_agree = min(self.shadow_agree, len(self.history))
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
@@ -261,6 +329,9 @@ class Matcher(MatcherBase):
     def _native_reset(self) -> None:
         self.native.reset()
         self.mask_memo_stale = False
+        self.history.clear()
+        self.shadow = None
+        self.shadow_len = self.shadow_agree = 0
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():
@@ -272,6 +343,7 @@ class Matcher(MatcherBase):
         other = Matcher(self.compiled, self.native.deep_copy())
         self._copy_state_to(other)
         other.mask_memo_stale = self.mask_memo_stale  # deep_copy copies the memo too
+        other.history = list(self.history)  # its twin, if it is ever walked, replays them
         return other
 
 
@@ -318,6 +390,23 @@ def _warm_lexer(template: llguidance.LLMatcher, vocab_size: int) -> None:
     """
     scratch = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
     template.deep_copy().unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+
+
+def _native_slot(tokenizer: TokenizerInfo, facts: VocabFacts) -> llg_native.NativeTokenizerSlot:
+    def source() -> llg_native.TokenizerSource:
+        python_side = _TokenizerSource(tokenizer, facts)
+        return llg_native.TokenizerSource(
+            python_side.tokens,
+            python_side.special_token_ids,
+            list(tokenizer.stop_token_ids),
+            python_side,
+        )
+
+    words = (tokenizer.vocab_size + 31) // 32
+    tables = llg_native.walk_tables(
+        words, tokenizer.tokenizer_vocab_size, sorted(facts.excluded), sorted(facts.stops)
+    )
+    return llg_native.NativeTokenizerSlot(source, tables)
 
 
 def _build_lltokenizer(tokenizer: TokenizerInfo, facts: VocabFacts) -> llguidance.LLTokenizer:

@@ -64,13 +64,19 @@ def test_accept_after_rollback_matches_fresh_replay(gemma_tokenizer: Any) -> Non
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("walker", ["fast", "budgeted", "generic"])
+@pytest.mark.parametrize("walker", ["native", "fast", "budgeted", "generic"])
 def test_tree_rows_after_rollback_match_fresh_replay(gemma_tokenizer: Any, walker: str) -> None:
-    """The same state class reached by both tree walkers (Github_medium/o8469.json)."""
+    """The same state class reached by every tree walker (Github_medium/o8469.json): the native
+    one (C, rolling one matcher back between siblings), the Python one inline ("fast") and on a
+    helper ("budgeted"), and the generic one."""
     if not SCHEMA.exists():
         pytest.skip(f"{SCHEMA} is missing")
     schema = json.loads(SCHEMA.read_text())["schema"]
     compiled = get_backend("llguidance", gemma_tokenizer).compile(GrammarSpec.json_schema(schema))
+    if walker == "native":
+        assert compiled.native_slot.wait(120) is not None
+    else:
+        compiled.native_slot = None
     prefix = ids(gemma_tokenizer, '{"a":')
     #   root ─ '["' ─ "b"     (masks computed on the way down, then rolled back)
     #        └ ' "' ─ "b"     every row must equal a fresh replay
@@ -92,6 +98,7 @@ def test_tree_rows_after_rollback_match_fresh_replay(gemma_tokenizer: Any, walke
         budget = 60.0 if walker == "budgeted" else None
         masks = fill_tree_bitmask(matcher, tree, out, budget)
         assert not masks.budget_hit
+        assert (matcher.shadow is not None) == (walker == "native")
         valid = list(masks.valid)
     else:
         rows = out.numpy()[:n]

@@ -3,7 +3,9 @@ slow native call is abandoned at the deadline, and what comes back is still exac
 
 A "slow native call" is simulated by a proxy around the fork's native matcher that blocks on an
 event at its k-th mask computation; the event is released only after ``fill_tree_bitmask`` has
-returned, so the abandoned walk finishes late, as a real slow fill would.
+returned, so the abandoned walk finishes late, as a real slow fill would. llguidance goes to a
+helper only with its Python walk (its native walk checks the budget in C, inline:
+``test_llguidance_native.py``), so its grammars here have the native walk turned off.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.traverse_bounded import LATENCY
 from espalier.constrained.traverse_oracle import compare, replay_tree
-from tests.constrained.test_tree_masks import REGEX, compiled, drawn_tree, state_snapshot
+from tests.constrained.test_tree_masks import REGEX, drawn_tree, state_snapshot
+from tests.constrained.test_tree_masks import compiled as compiled_any
 
 SLOW_CALLS = {"xgrammar": "fill_next_token_bitmask", "llguidance": "unsafe_compute_mask_ptr"}
+
+
+def compiled(name: str, tokenizer: Any, spec: GrammarSpec) -> Any:
+    """``spec`` compiled by ``name``; llguidance with its Python walk (the one using helpers)."""
+    grammar = compiled_any(name, tokenizer, spec)
+    if name == "llguidance":
+        grammar.native_slot = None
+    return grammar
 
 
 class SlowNative:

@@ -2,9 +2,10 @@
 
 Random EAGLE-like trees (``constrained.tree_random``: 1-256 nodes, depth <= 16, grammar-valid,
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
-schemas, on all three backends. Toy vocabularies always; the Gemma tokenizer with JSONSchemaBench
-schemas and the shared GBNF grammars under ``model`` (a representative part) and all of it under
-``slow`` / ``ESPALIER_SLOW=1``.
+schemas, on all three backends; llguidance twice: its native walk (``constrained/native/``) and
+its Python walk (``llguidance-python``). Toy vocabularies always; the Gemma tokenizer with
+JSONSchemaBench schemas and the shared GBNF grammars under ``model`` (a representative part) and
+all of it under ``slow`` / ``ESPALIER_SLOW=1``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ TOY_GRAMMARS = [
 ]
 
 
+WALKS = [*BACKENDS, "llguidance-python"]
+"""Backends, plus llguidance with its Python walk (the fallback without a C compiler)."""
+
+
+def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
+    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); llguidance with its native walk
+    ready (or its Python walk only, for ``llguidance-python``)."""
+    grammar = get_backend(walk.removesuffix("-python"), tokenizer).compile(spec)
+    if walk == "llguidance":
+        assert grammar.native_slot.wait(120) is not None, grammar.native_slot.error
+        assert grammar.native_template() is not None
+    elif walk == "llguidance-python":
+        grammar.native_slot = None
+    return grammar
+
+
 def check_trees(
     grammar: Any, rng: np.random.Generator, trees: int, sizes: list[int], instance: Any = None
 ) -> tuple[int, list[str]]:
@@ -63,6 +80,8 @@ def check_trees(
         oracle = replay_tree(grammar.matcher, prefix, tree)
         masks = fill_tree_bitmask(start, tree, out, budget=None)
         found = compare(masks, out, tree, oracle)
+        if getattr(grammar, "native_slot", None) is not None and not start.is_terminated():
+            assert start.shadow is not None  # the native walk ran
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)
         found += compare(masks, out, tree, oracle) + ["budget hit"] * masks.budget_hit
@@ -71,15 +90,15 @@ def check_trees(
     return nodes, problems
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WALKS)
 @pytest.mark.parametrize("spec", TOY_GRAMMARS, ids=lambda s: s.kind.value + s.source[:12])
 def test_oracle_toy(backend: str, spec: GrammarSpec, toy_tokenizer_padded: Any) -> None:
     try:
-        grammar = get_backend(backend, toy_tokenizer_padded).compile(spec)
+        grammar = compile_for(backend, toy_tokenizer_padded, spec)
     except GrammarError:
         assert backend == "outlines_core" and spec.kind is GrammarKind.EBNF
         return
-    rng = np.random.default_rng(len(spec.source) * 7 + BACKENDS.index(backend))
+    rng = np.random.default_rng(len(spec.source) * 7 + WALKS.index(backend))
     trees = 120 if SLOW else 25
     nodes, problems = check_trees(grammar, rng, trees, [1, 3, 8, 16, 32, 64, 128, 256])
     assert nodes > trees
@@ -117,9 +136,9 @@ def schema_cases(count: int) -> list[tuple[str, dict[str, Any], Any]]:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WALKS)
 def test_oracle_gemma_schemas(backend: str, gemma_tokenizer: Any) -> None:
-    rng = np.random.default_rng(BACKENDS.index(backend))
+    rng = np.random.default_rng(WALKS.index(backend))
     per_subset = 12 if SLOW else 1
     trees = 12 if SLOW else 2
     cases = schema_cases(per_subset)
@@ -127,7 +146,7 @@ def test_oracle_gemma_schemas(backend: str, gemma_tokenizer: Any) -> None:
     problems: list[str] = []
     for name, schema, data in cases if SLOW else cases[:3]:
         try:
-            grammar = get_backend(backend, gemma_tokenizer).compile(GrammarSpec.json_schema(schema))
+            grammar = compile_for(backend, gemma_tokenizer, GrammarSpec.json_schema(schema))
         except GrammarError:
             continue
         instance = gemma_tokenizer.encode(json.dumps(data)) + [gemma_tokenizer.stop_token_ids[0]]
@@ -139,7 +158,7 @@ def test_oracle_gemma_schemas(backend: str, gemma_tokenizer: Any) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "llguidance-python"])
 def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None:
     names = sorted(p.name for p in (SHARED / "grammars" / "gbnf").glob("*.gbnf"))
     if not SLOW:
@@ -150,7 +169,7 @@ def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None
     problems: list[str] = []
     for spec in specs:
         try:
-            grammar = get_backend(backend, gemma_tokenizer).compile(spec)
+            grammar = compile_for(backend, gemma_tokenizer, spec)
         except GrammarError:
             continue
         _, found = check_trees(grammar, rng, 10 if SLOW else 2, [32, 16, 128])
@@ -160,12 +179,12 @@ def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SLOW, reason="set ESPALIER_SLOW=1 for the full oracle sweep")
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WALKS)
 def test_oracle_toy_sweep(backend: str, toy_tokenizer: Any) -> None:
     problems: list[str] = []
     for spec in TOY_GRAMMARS:
         try:
-            grammar = get_backend(backend, toy_tokenizer).compile(spec)
+            grammar = compile_for(backend, toy_tokenizer, spec)
         except GrammarError:
             continue
         rng = np.random.default_rng(1000 + len(spec.source))
