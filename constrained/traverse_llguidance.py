@@ -129,8 +129,11 @@ def walk_llguidance_py(
     return result
 
 
-WRAP_UP_S = 100e-6
-"""Budget kept for the work after a native walk returns (a quiet 2-core machine: ~30-60 µs)."""
+WRAP_UP_S = 300e-6
+"""Budget kept for what follows a native walk's last node: the wrap-up (~30-60 µs on a quiet
+2-core machine) and the jitter of the last mask. Budgeted 64-node Gemma trees on 40
+JSONSchemaBench schemas (2 ms budget) finished within it for 94-96 % at 100 µs, 99.3 % at
+200 µs, 100 % at 300 µs."""
 
 
 def native_walk_ready(matcher: Any) -> bool:
