@@ -137,9 +137,8 @@ JSONSchemaBench schemas (2 ms budget) finished within it for 94-96 % at 100 µs,
 
 
 def native_walk_ready(matcher: Any) -> bool:
-    """The native walk can serve ``matcher`` now (its C-API tokenizer is built)."""
-    slot = getattr(matcher.compiled, "native_slot", None)
-    return slot is not None and slot.get() is not None and not matcher.compiled._native_failed
+    """The native walk can serve ``matcher`` now (its grammar's C-API template exists)."""
+    return matcher.compiled.native_template() is not None
 
 
 def walk_llguidance(
@@ -189,9 +188,7 @@ def walk_llguidance(
         raise MatcherStateError(str(exc)) from exc
     matcher.shadow_len = matcher.shadow_agree = len(history)
     matcher.shadow_memo_stale = True
-    result.valid[:] = flags[0].astype(bool).tolist()
-    result.terminated[:] = flags[2].astype(bool).tolist()
-    result.filled[:] = flags[1].astype(bool).tolist()
+    result.valid, result.filled, result.terminated = flags.astype(bool).tolist()
     result.budget_hit = status == native.WALK_BUDGET_HIT
     return result
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from espalier.constrained import bitmask as bm
 from espalier.constrained.backends.common import (
     BackendOptions,
     CompiledBase,
@@ -100,7 +101,7 @@ class Backend:
         compiled = CompiledGrammar(
             spec, self.tokenizer, self.facts, template, grammar, self.lltokenizer, self.native_slot
         )
-        if self.native_slot is not None and self.native_slot.get() is not None:
+        if self.native_slot is not None and self.native_slot.built() is not None:
             compiled.native_template()  # its own lexer warms here too, not in a first walk
         return compiled
 
@@ -188,7 +189,7 @@ class CompiledGrammar(CompiledBase):
             if self._native_template is None and not self._native_failed:
                 try:
                     template = tokenizer.matcher(self.grammar)
-                    scratch = np.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+                    scratch = np.zeros(bm.words_per_row(self.tokenizer.vocab_size), np.int32)
                     # C-API clones are deep (the lexer included): warm the template itself, so
                     # every twin starts with the start state's lexer built (_warm_lexer)
                     template.mask_into(scratch)
@@ -402,7 +403,7 @@ def _native_slot(tokenizer: TokenizerInfo, facts: VocabFacts) -> llg_native.Nati
             python_side,
         )
 
-    words = (tokenizer.vocab_size + 31) // 32
+    words = bm.words_per_row(tokenizer.vocab_size)
     tables = llg_native.walk_tables(
         words, tokenizer.tokenizer_vocab_size, sorted(facts.excluded), sorted(facts.stops)
     )

@@ -28,6 +28,11 @@ _built: dict[str, Path | None] = {}
 _errors: dict[str, str] = {}
 
 
+def find_compiler() -> str | None:
+    """The C compiler helpers are built with (``cc``, else ``gcc``), or None."""
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def source_path(name: str) -> Path:
     """The C source ``name`` (e.g. ``"llg_walk.c"``) shipped in this folder."""
     return Path(__file__).with_name(name)
@@ -55,7 +60,7 @@ def last_error(name: str) -> str | None:
 def _build(name: str) -> Path:
     source = source_path(name)
     text = source.read_bytes()
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     tag = hashlib.sha256(text + " ".join(CFLAGS).encode() + sys.platform.encode()).hexdigest()

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from espalier.constrained import bitmask as bm
 from espalier.constrained.native.build import build_library, last_error
 
 WALK_SOURCE = "llg_walk.c"
@@ -277,15 +278,6 @@ class NativeMatcher:
         message = self.tokenizer.api.llg.llg_matcher_get_error(self.pointer)
         return message.decode(errors="replace") if message else ""
 
-    def consume(self, tokens: Sequence[int]) -> None:
-        """Consume ``tokens`` (all allowed, else RuntimeError)."""
-        if not tokens:
-            return
-        array = np.asarray(tokens, dtype=np.uint32)
-        llg = self.tokenizer.api.llg
-        if llg.llg_matcher_consume_tokens(self.pointer, array.ctypes.data, len(array)) != 0:
-            raise RuntimeError(f"llguidance consume: {self.error()}")
-
     def mask_into(self, row: np.ndarray) -> None:
         """Compute the mask into int32 ``row`` (``[words]``, C-contiguous)."""
         llg = self.tokenizer.api.llg
@@ -298,8 +290,7 @@ class WalkTables:
     """Per-tokenizer constants of a walk: uint32 ``[words]`` bitmaps over the vocabulary."""
 
     excluded: np.ndarray  # special non-stop ids: never valid
-    stops: np.ndarray  # stop ids: valid where allowed, never consumed
-    stop_row: np.ndarray  # int32 row allowing exactly the stop ids
+    stops: np.ndarray  # stop ids: valid where allowed, never consumed; also the stop row
     limit: int  # ids at or above are invalid (model padding)
 
 
@@ -340,7 +331,7 @@ def walk(
         tables.limit,
         tables.excluded.ctypes.data,
         tables.stops.ctypes.data,
-        tables.stop_row.ctypes.data,
+        tables.stops.ctypes.data,  # the stop row is the stop ids' bitmap
         root_mode,
         scratch.ctypes.data,
         budget_s,
@@ -367,7 +358,9 @@ def _error_buffer() -> Any:
 
 
 class NativeTokenizerSlot:
-    """A :class:`NativeTokenizer` built on a background thread (Gemma's 262k ids: ~1.5 s).
+    """A :class:`NativeTokenizer` built on a background thread (Gemma's 262k ids: ~1.5 s),
+    started by the first :meth:`get` or :meth:`wait`: a process that never walks a tree (a
+    compile probe, a server without speculation) never builds it.
 
     Until it is ready (or when the native API is unavailable) :meth:`get` returns None and
     callers use their Python paths; :attr:`error` says why it failed, if it did.
@@ -376,47 +369,55 @@ class NativeTokenizerSlot:
     def __init__(self, source: Callable[[], TokenizerSource], tables: WalkTables) -> None:
         self.tables = tables
         self.error: str | None = None
+        self._source = source
         self._value: NativeTokenizer | None = None
         self._done = threading.Event()
-        lib = api()
-        if lib is None:
-            self.error = unavailable_reason()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._build, name="llg-native-tokenizer", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            lib = api()
+            if lib is None:
+                self.error = unavailable_reason()
+                return
+            self._value = NativeTokenizer(lib, self._source())
+        except (RuntimeError, ValueError, MemoryError) as exc:
+            self.error = f"native llguidance tokenizer: {exc}"
+        finally:
             self._done.set()
-            return
 
-        def build() -> None:
-            try:
-                self._value = NativeTokenizer(lib, source())
-            except (RuntimeError, ValueError, MemoryError) as exc:
-                self.error = f"native llguidance tokenizer: {exc}"
-            finally:
-                self._done.set()
-
-        threading.Thread(target=build, name="llg-native-tokenizer", daemon=True).start()
-
-    def get(self) -> NativeTokenizer | None:
-        """The tokenizer if built (never blocks)."""
+    def built(self) -> NativeTokenizer | None:
+        """The tokenizer if built; starts nothing, never blocks."""
         return self._value if self._done.is_set() else None
 
+    def get(self) -> NativeTokenizer | None:
+        """The tokenizer if built (never blocks; starts the build the first time)."""
+        self._start()
+        return self.built()
+
     def wait(self, timeout: float | None = None) -> NativeTokenizer | None:
-        """Block until the build ends (or ``timeout``); the tokenizer or None."""
+        """Start the build if needed, block until it ends (or ``timeout``); the tokenizer or
+        None."""
+        self._start()
         self._done.wait(timeout)
-        return self.get()
+        return self.built()
 
 
 def walk_tables(
     words: int, tokenizer_vocab: int, excluded: Sequence[int], stops: Sequence[int]
 ) -> WalkTables:
     """The :class:`WalkTables` of a vocabulary of ``words`` mask words."""
-
-    def bitmap(ids: Sequence[int]) -> np.ndarray:
-        out = np.zeros(words, dtype=np.uint32)
-        for token in ids:
-            if 0 <= token < words * 32:
-                out[token >> 5] |= np.uint32(1 << (token & 31))
-        return out
-
-    stop_bits = bitmap(stops)
+    bits = words * bm.BITS_PER_WORD
     return WalkTables(
-        bitmap(excluded), stop_bits, stop_bits.view(np.int32), min(words * 32, tokenizer_vocab)
+        bm.row_from_tokens(excluded, bits).view(np.uint32),
+        bm.row_from_tokens(stops, bits).view(np.uint32),
+        min(bits, tokenizer_vocab),
     )

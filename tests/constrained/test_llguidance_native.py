@@ -4,7 +4,6 @@ compiler the Python walk takes over."""
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ SCHEMA = GrammarSpec.json_schema(
 
 
 def native_grammar(tokenizer: Any, spec: GrammarSpec = SCHEMA) -> Any:
-    if not (shutil.which("cc") or shutil.which("gcc")):
+    if build.find_compiler() is None:
         pytest.skip("no C compiler: the native llguidance walk is not built here")
     grammar = get_backend("llguidance", tokenizer).compile(spec)
     assert grammar.native_slot.wait(60) is not None, grammar.native_slot.error
@@ -153,5 +152,5 @@ def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> No
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
     assert matcher.shadow is None
     assert compare(masks, out, tree, replay_tree(grammar.matcher, [], tree)) == []
-    if shutil.which("cc") or shutil.which("gcc"):
+    if build.find_compiler() is not None:
         assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # type: ignore[attr-defined]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.errors import GrammarError
+from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.traverse_oracle import compare, replay_tree
@@ -54,7 +54,7 @@ WALKS = [*BACKENDS, "llguidance-python"]
 def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
     """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); llguidance with its native walk
     ready (or its Python walk only, for ``llguidance-python``)."""
-    if walk == "llguidance" and not (shutil.which("cc") or shutil.which("gcc")):
+    if walk == "llguidance" and build.find_compiler() is None:
         pytest.skip("no C compiler: the native llguidance walk is not built here")
     grammar = get_backend(walk.removesuffix("-python"), tokenizer).compile(spec)
     if walk == "llguidance":
