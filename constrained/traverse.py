@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -102,6 +102,11 @@ class WalkResult:
     budget_hit: bool
     abandoned: bool = False
     late_writes: threading.Event | None = None
+    flags: np.ndarray | None = None
+    """Set by walkers that write numpy flags instead of the lists (bool ``[3, n]``: valid,
+    filled, terminated); then it is what counts, with ``complete``."""
+    complete: bool = False
+    """With ``flags``: every row is filled."""
 
     @classmethod
     def empty(cls, n: int) -> WalkResult:
@@ -161,13 +166,18 @@ def fill_tree_bitmask(
         result = walk_bounded(walker, matcher, tree, rows, start + budget, root_ready)
     else:
         walker(matcher, tree, rows, start + budget, root_ready, result)
-    if not all(result.filled):
-        mark_unfilled_rows(rows, result.filled, stop_bits(matcher))
-    if matcher.vocab_size % bm.BITS_PER_WORD:
-        clear_tail(rows, matcher.vocab_size)
     # One array for the three flags: each numpy call costs tens of µs just after a native walk
     # has swept the caches (measured on xgrammar trees), so the wrap-up makes as few as it can.
-    flags = np.array((result.valid, result.filled, result.terminated), dtype=bool)
+    flags = result.flags
+    if flags is None:
+        flags = np.array((result.valid, result.filled, result.terminated), dtype=bool)
+        complete = all(result.filled)
+    else:
+        complete = result.complete
+    if not complete:
+        mark_unfilled_rows(rows, flags[1], stop_bits(matcher))
+    if matcher.vocab_size % bm.BITS_PER_WORD:
+        clear_tail(rows, matcher.vocab_size)
     return TreeMasks(
         flags[0],
         flags[1],
@@ -358,7 +368,7 @@ def clear_tail(rows: np.ndarray, vocab_size: int) -> None:
 
 
 def mark_unfilled_rows(
-    rows: np.ndarray, filled: list[bool], bits: tuple[tuple[int, int], ...]
+    rows: np.ndarray, filled: Iterable[bool], bits: tuple[tuple[int, int], ...]
 ) -> None:
     """Set the stop-token bits in every row whose node is not filled (so no row is all-zero).
 

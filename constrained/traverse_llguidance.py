@@ -32,7 +32,6 @@ nothing is restored at the end and an abandoned walk (``traverse_bounded``) leav
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -159,10 +158,18 @@ def walk_llguidance(
         if shadow is None:
             return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
         matcher.shadow, matcher.shadow_len, matcher.shadow_agree = shadow, 0, 0
-        matcher.shadow_memo_stale = False
+        matcher.shadow_tail, matcher.shadow_memo_stale = [], False
     history = matcher.history
     agree = matcher.shadow_agree
-    tables = matcher.compiled.native_slot.tables
+    tail = matcher.shadow_tail  # the twin's last tokens: where its previous walk ended
+    base = matcher.shadow_len - len(tail)
+    if tail and agree == base:  # the request accepted a prefix of that path: keep it
+        matched = 0
+        for token, accepted in zip(tail, history[base:]):
+            if token != accepted:
+                break
+            matched += 1
+        agree += matched
     n = tree.num_nodes
     flags = np.zeros((3, n), dtype=np.uint8)
     if deadline == float("inf"):
@@ -170,35 +177,26 @@ def walk_llguidance(
     else:  # leave the wrap-up after the walk (flags, unfilled rows) inside the budget too
         budget = max(deadline - time.perf_counter() - WRAP_UP_S, 0.0)
     try:
-        status = native.walk(
+        end = native.walk(
             shadow,
             matcher.shadow_memo_stale,
             matcher.shadow_len - agree,
             history[agree:],
             tree,
             rows,
-            tables,
+            matcher.compiled.native_slot.tables,
             native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
-            _scratch_row(rows.shape[1]),
             budget,
             flags,
         )
     except RuntimeError as exc:
         matcher.shadow = None  # its state is unknown now: the next walk starts a new one
         raise MatcherStateError(str(exc)) from exc
-    matcher.shadow_len = matcher.shadow_agree = len(history)
-    matcher.shadow_memo_stale = True
-    result.valid, result.filled, result.terminated = flags.astype(bool).tolist()
-    result.budget_hit = status == native.WALK_BUDGET_HIT
+    matcher.shadow_agree = len(history)
+    matcher.shadow_len = len(history) + len(end.path)
+    matcher.shadow_tail = end.path
+    matcher.shadow_memo_stale = end.memo_stale
+    result.flags = flags.view(bool)
+    result.complete = end.filled == n
+    result.budget_hit = end.status == native.WALK_BUDGET_HIT
     return result
-
-
-_scratch = threading.local()
-
-
-def _scratch_row(words: int) -> np.ndarray:
-    """This thread's scratch mask row (int32 ``[words]``)."""
-    row: np.ndarray | None = getattr(_scratch, "row", None)
-    if row is None or row.shape[0] != words:
-        row = _scratch.row = np.zeros(words, dtype=np.int32)
-    return row

@@ -158,6 +158,21 @@ class BudgetCloser:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
         return self._memo.get(request_id, NO_MEMO).known
 
+    def quiet_tokens(self, request: Request, max_model_len: int) -> int:
+        """How many of ``request``'s next tokens :meth:`instead` surely lets through without
+        looking at them (nor changing anything): all of them while the policy is off, else
+        those before the closing window (a large number stands for "all")."""
+        if self.paths is None or request.matcher is None:
+            return 1 << 62
+        memo = self._memo.get(request.request_id, NO_MEMO)
+        if memo.unclosable or request.sampling.ignore_eos:
+            return 1 << 62
+        if request.request_id in self._ahead:
+            return 0
+        here = len(request.output_ids)
+        budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+        return max(0, budget - CLOSING_WINDOW)
+
     def instead(
         self, request: Request, token: int, stops: set[int], max_model_len: int
     ) -> list[int] | None:

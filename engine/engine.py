@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -238,8 +239,13 @@ class Engine:
         text_ids: list[int] = []
         reason: FinishReason | None = None
         error = None
-        kept = len(outcome.token_ids)  # model tokens emitted (logprobs align with these)
-        for i, token in enumerate(outcome.token_ids):
+        tokens = outcome.token_ids
+        kept = len(tokens)  # model tokens emitted (logprobs align with these)
+        start = 0
+        if request.matcher is not None and len(tokens) > 1:
+            start, reason, error = self._accept_run(request, tokens, stops, new_ids, text_ids)
+        for i in range(start, len(tokens) if reason is None else start):
+            token = tokens[i]
             closing = self.closer.instead(request, token, stops, self.max_model_len)
             if closing is not None:
                 kept = i
@@ -276,6 +282,49 @@ class Engine:
         out.token_ids = tuple(new_ids)
         out.logprobs = logprobs
         return out
+
+    def _accept_run(
+        self,
+        request: Request,
+        tokens: Sequence[int],
+        stops: set[int],
+        new_ids: list[int],
+        text_ids: list[int],
+    ) -> tuple[int, FinishReason | None, str | None]:
+        """Append the leading tokens that cannot end the request (no stop token, not the last
+        one, before the budget's last token and the closing window) with one ``accept_tokens``
+        call (one native call on llguidance, instead of one per token); the same outcome as
+        appending them one by one. Returns how many were taken, and a finish reason if the
+        grammar ended or rejected one of them."""
+        matcher = request.matcher
+        assert matcher is not None
+        room = min(
+            request.sampling.max_tokens - len(request.output_ids),
+            self.max_model_len - request.num_tokens,
+        )
+        quiet = self.closer.quiet_tokens(request, self.max_model_len)
+        limit = min(len(tokens) - 1, room - 1, quiet)
+        run = 0
+        while run < limit and tokens[run] not in stops:
+            run += 1
+        if run < 2:
+            return 0, None, None
+        head = list(tokens[:run])
+        accepted = matcher.accept_tokens(head)
+        taken = head[:accepted]
+        request.output_ids.extend(taken)
+        new_ids.extend(taken)
+        text_ids.extend(taken)
+        if accepted == run:
+            if matcher.is_terminated():
+                return run, FinishReason.GRAMMAR, None
+            return run, None, None
+        if matcher.is_terminated():  # it ended at the last accepted token (one by one: GRAMMAR)
+            return accepted, FinishReason.GRAMMAR, None
+        token = head[accepted]  # one by one, the rejected token is appended, then the error
+        request.output_ids.append(token)
+        new_ids.append(token)
+        return accepted, FinishReason.ERROR, f"the grammar rejected sampled token {token}"
 
     def _finish(
         self,

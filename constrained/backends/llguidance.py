@@ -235,11 +235,13 @@ class Matcher(MatcherBase):
         self._scratch: np.ndarray | None = None
         # Tokens consumed natively, and the C-API twin the native tree walk runs from
         # (``traverse_llguidance``): it has consumed ``shadow_len`` tokens, of which the first
-        # ``shadow_agree`` are ``history``'s; each walk catches it up first.
+        # ``shadow_agree`` are ``history``'s and the last ``shadow_tail`` the path its last walk
+        # ended on; each walk catches it up first.
         self.history: list[int] = []
         self.shadow: llg_native.NativeMatcher | None = None
         self.shadow_len = 0
         self.shadow_agree = 0
+        self.shadow_tail: list[int] = []
         self.shadow_memo_stale = False
 
     def refresh_mask_memo(self) -> None:
@@ -333,6 +335,7 @@ class Matcher(MatcherBase):
         self.history.clear()
         self.shadow = None
         self.shadow_len = self.shadow_agree = 0
+        self.shadow_tail = []
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():

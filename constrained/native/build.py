@@ -20,7 +20,7 @@ from pathlib import Path
 
 from espalier.constrained.tokenizer import cache_root
 
-CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L")
+CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-D_POSIX_C_SOURCE=200809L")
 BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()

@@ -76,6 +76,43 @@ class _WalkApi(ctypes.Structure):
     ]
 
 
+class _WalkArgs(ctypes.Structure):
+    """``EspWalkArgs`` of ``llg_walk.c``: one walk's inputs and outputs."""
+
+    _fields_ = [
+        ("root", ctypes.c_void_p),
+        ("memo_stale", ctypes.c_int64),
+        ("rollback_n", ctypes.c_int64),
+        ("sync", ctypes.c_void_p),
+        ("n_sync", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("tokens", ctypes.c_void_p),
+        ("first_child", ctypes.c_void_p),
+        ("next_sibling", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("words", ctypes.c_int64),
+        ("limit", ctypes.c_int64),
+        ("excluded", ctypes.c_void_p),
+        ("stops", ctypes.c_void_p),
+        ("stop_row", ctypes.c_void_p),
+        ("root_mode", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("budget_s", ctypes.c_double),
+        ("valid", ctypes.c_void_p),
+        ("filled", ctypes.c_void_p),
+        ("terminated", ctypes.c_void_p),
+        ("err", ctypes.c_void_p),
+        ("err_len", ctypes.c_int64),
+        ("end_path", ctypes.c_void_p),
+        ("end_depth", ctypes.c_int64),
+        ("memo_stale_out", ctypes.c_int64),
+        ("n_filled", ctypes.c_int64),
+    ]
+
+
+TOKENIZE_CACHE_ENTRIES = 8192
+"""Slots of the C tokenize cache (texts remembered: up to half of it; cleared when full)."""
+
 CONSTRAINT_INIT_BYTES = 256
 """Room for ``LlgConstraintInit`` (about 80 bytes in llguidance 1.9), filled by
 ``llg_constraint_init_set_defaults``; generous so a larger future struct still fits."""
@@ -122,34 +159,13 @@ class Api:
         )
         walk_fn = walk.espalier_llg_walk
         walk_fn.restype = ctypes.c_int64
-        walk_fn.argtypes = [
-            vp,  # api
-            vp,  # root
-            i32,  # memo_stale
-            sz,  # rollback_n
-            vp,  # sync
-            sz,  # n_sync
-            ctypes.c_int64,  # n
-            vp,  # tokens
-            vp,  # first_child
-            vp,  # next_sibling
-            vp,  # rows
-            ctypes.c_int64,  # words
-            ctypes.c_int64,  # limit
-            vp,  # excluded
-            vp,  # stops
-            vp,  # stop_row
-            i32,  # root_mode
-            vp,  # scratch
-            ctypes.c_double,  # budget_s
-            vp,  # valid
-            vp,  # filled
-            vp,  # terminated
-            ctypes.c_char_p,  # err
-            sz,  # err_len
-        ]
+        walk_fn.argtypes = [vp, vp]
+        cache_new = walk.espalier_tokenize_cache_new
+        cache_new.restype, cache_new.argtypes = vp, [vp, vp, sz]
+        self.tokenize_cache_new = cache_new
+        self.tokenize_cached: int = ctypes.cast(walk.espalier_tokenize_cached, vp).value or 0
         self.walk_fn = walk_fn
-        self.fns_ref = ctypes.byref(self.fns)
+        self.fns_address = ctypes.addressof(self.fns)
 
 
 _api: Api | None = None
@@ -227,6 +243,14 @@ class NativeTokenizer:
             return len(ids)
 
         self._callback = _TokenizeFn(tokenize)  # kept alive as long as the tokenizer
+        # llguidance calls the tokenizer from inside masks: a C cache answers the texts it asks
+        # for again and again, without the GIL; only misses reach the Python callback (never
+        # freed: one per tokenizer, and tokenizers live as long as the process)
+        cache = lib.tokenize_cache_new(
+            ctypes.cast(self._callback, ctypes.c_void_p), None, TOKENIZE_CACHE_ENTRIES
+        )
+        if not cache:
+            raise MemoryError("tokenize cache")
         init = _TokenizerInitV2(
             ctypes.sizeof(_TokenizerInitV2),
             len(tokens),
@@ -235,9 +259,9 @@ class NativeTokenizer:
             blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
             None,
             True,  # the callback wants valid UTF-8 text
-            self._callback,
+            ctypes.cast(lib.tokenize_cached, _TokenizeFn),
             False,
-            None,
+            cache,
             None,
             extra.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
             len(stops) - 1,
@@ -293,6 +317,22 @@ class WalkTables:
     stops: np.ndarray  # stop ids: valid where allowed, never consumed; also the stop row
     limit: int  # ids at or above are invalid (model padding)
 
+    @property
+    def words(self) -> int:
+        return int(self.excluded.shape[0])
+
+
+@dataclass
+class WalkEnd:
+    """Where a walk left its root matcher: ``status`` (WALK_DONE or WALK_BUDGET_HIT), the tokens
+    it consumed below the tree's root (``path``), whether its memo may be stale; and how many
+    rows it filled."""
+
+    status: int
+    path: list[int]
+    memo_stale: bool
+    filled: int
+
 
 def walk(
     root: NativeMatcher,
@@ -303,58 +343,88 @@ def walk(
     rows: np.ndarray,
     tables: WalkTables,
     root_mode: int,
-    scratch: np.ndarray,
     budget_s: float,
     flags: np.ndarray,
-) -> int:
-    """Run ``llg_walk.c`` (see its comment): ``root`` ends where it started, after catching up,
-    with a stale memo. ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated), written in
-    place. Returns WALK_DONE or WALK_BUDGET_HIT; raises RuntimeError on a library error (with
-    its message; ``root``'s state is then unknown)."""
+) -> WalkEnd:
+    """Run ``llg_walk.c`` (see its comment) from ``root``, which stays where the walk ends.
+    ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated), written in place. Raises
+    RuntimeError on a library error (with its message; ``root``'s state is then unknown)."""
     lib = root.tokenizer.api
-    sync_array = np.asarray(sync, dtype=np.uint32) if sync else None
-    error = _error_buffer()
     n = tree.num_nodes
-    status = lib.walk_fn(
-        lib.fns_ref,
-        root.pointer,
-        int(memo_stale),
-        rollback_n,
-        None if sync_array is None else sync_array.ctypes.data,
-        0 if sync_array is None else len(sync_array),
-        n,
-        tree.tokens.ctypes.data,
-        tree.first_child.ctypes.data,
-        tree.next_sibling.ctypes.data,
-        rows.ctypes.data,
-        rows.shape[1],
-        tables.limit,
-        tables.excluded.ctypes.data,
-        tables.stops.ctypes.data,
-        tables.stops.ctypes.data,  # the stop row is the stop ids' bitmap
-        root_mode,
-        scratch.ctypes.data,
-        budget_s,
-        flags[0].ctypes.data,
-        flags[1].ctypes.data,
-        flags[2].ctypes.data,
-        error,
-        ERROR_BYTES,
-    )
+    scratch = _thread_scratch(tables.words, n, len(sync))
+    args = scratch.args
+    args.root = root.pointer
+    args.memo_stale = memo_stale
+    args.rollback_n = rollback_n
+    if sync:
+        scratch.sync[: len(sync)] = sync
+    args.n_sync = len(sync)
+    args.n = n
+    scratch.tree[0, :n] = tree.tokens
+    scratch.tree[1, :n] = tree.first_child
+    scratch.tree[2, :n] = tree.next_sibling
+    args.rows = rows.ctypes.data
+    args.root_mode = root_mode
+    args.budget_s = budget_s
+    address = flags.ctypes.data
+    args.valid, args.filled, args.terminated = address, address + n, address + 2 * n
+    if scratch.tables is not tables:
+        scratch.use(tables)
+    status = int(lib.walk_fn(lib.fns_address, scratch.args_address))
     if status < 0:
-        raise RuntimeError(f"llguidance tree walk: {error.value.decode(errors='replace')}")
-    return int(status)
+        raise RuntimeError(f"llguidance tree walk: {scratch.error.value.decode(errors='replace')}")
+    path = scratch.path[: args.end_depth].tolist()
+    return WalkEnd(status, path, bool(args.memo_stale_out), args.n_filled)
 
 
-_errors = threading.local()
+class _WalkScratch:
+    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` once):
+    the tree's links, the catch-up tokens, the end path, a scratch mask row, the error text."""
+
+    def __init__(self, words: int, nodes: int, sync: int) -> None:
+        self.words, self.nodes, self.sync_room = words, nodes, sync
+        self.args = _WalkArgs()
+        self.args_address = ctypes.addressof(self.args)
+        self.tree = np.zeros((3, nodes), dtype=np.int64)
+        self.sync = np.zeros(sync, dtype=np.uint32)
+        self.path = np.zeros(nodes, dtype=np.uint32)
+        self.row = np.zeros(words, dtype=np.uint32)
+        self.error = ctypes.create_string_buffer(ERROR_BYTES)
+        self.tables: WalkTables | None = None
+        a = self.args
+        a.tokens = self.tree.ctypes.data
+        a.first_child, a.next_sibling = a.tokens + 8 * nodes, a.tokens + 16 * nodes
+        a.sync = self.sync.ctypes.data
+        a.end_path = self.path.ctypes.data
+        a.scratch = self.row.ctypes.data
+        a.words = words
+        a.err = ctypes.addressof(self.error)
+        a.err_len = ERROR_BYTES
+
+    def use(self, tables: WalkTables) -> None:
+        a = self.args
+        a.limit = tables.limit
+        a.excluded = tables.excluded.ctypes.data
+        a.stops = a.stop_row = tables.stops.ctypes.data  # the stop row is the stop ids' bitmap
+        self.tables = tables
 
 
-def _error_buffer() -> Any:
-    """This thread's error message buffer for :func:`walk`."""
-    buffer = getattr(_errors, "buffer", None)
-    if buffer is None:
-        buffer = _errors.buffer = ctypes.create_string_buffer(ERROR_BYTES)
-    return buffer
+def _thread_scratch(words: int, nodes: int, sync: int) -> _WalkScratch:
+    """This thread's :class:`_WalkScratch`, (re)made when too small for the call."""
+    scratch: _WalkScratch | None = getattr(_scratch, "value", None)
+    if scratch is None or (
+        scratch.words != words or scratch.nodes < nodes or scratch.sync_room < sync
+    ):
+        scratch = _WalkScratch(
+            words,
+            max(nodes, 256, 0 if scratch is None else scratch.nodes),
+            max(sync, 1024, 0 if scratch is None else scratch.sync_room),
+        )
+        _scratch.value = scratch
+    return scratch
+
+
+_scratch = threading.local()
 
 
 class NativeTokenizerSlot:

@@ -110,6 +110,7 @@ class MaskBuilder:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tree-mask")
         self._buffer: torch.Tensor | None = None
+        self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
         # the buffer (constrained.traverse_bounded): such a buffer is parked until they end
         self._late: list[ConstrainedTreeMasks] = []
@@ -149,6 +150,9 @@ class MaskBuilder:
         not wait for them; they must not touch the matchers: they own what they use)."""
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
+        # the fills write through numpy slices of one view (a tensor slice per tree would cost a
+        # Tensor.numpy() each, tens of µs right after a native walk)
+        array = self._array() if bitmask is not None else None
         mask_rows: list[int] = []
         jobs: list[tuple[int, Callable[[], Fill]]] = []
         unconstrained: dict[int, int] = {}
@@ -159,7 +163,8 @@ class MaskBuilder:
                 mask_rows.extend([-1] * n)
                 unconstrained[index] = n
                 continue
-            out = bitmask[row : row + n]
+            assert array is not None
+            out = array[row : row + n]
             jobs.append((index, functools.partial(self._fill_one, matcher, draft, out)))
             mask_rows.extend(range(row, row + n))
             row += n
@@ -170,8 +175,15 @@ class MaskBuilder:
             self._pool.submit(job)
         return PendingMasks(bitmask, mask_rows_t, fills, workers)
 
+    def _array(self) -> np.ndarray:
+        """The numpy view of the current buffer (made once per buffer)."""
+        assert self._buffer is not None
+        if self._buffer_array is None or self._buffer_array[0] is not self._buffer:
+            self._buffer_array = (self._buffer, self._buffer.numpy())
+        return self._buffer_array[1]
+
     def _fill_one(
-        self, matcher: GrammarMatcher, draft: Draft, out: torch.Tensor
+        self, matcher: GrammarMatcher, draft: Draft, out: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         from espalier.constrained.traverse import fill_tree_bitmask
         from espalier.constrained.tree import DraftTree

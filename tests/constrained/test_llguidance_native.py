@@ -4,6 +4,7 @@ compiler the Python walk takes over."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -13,9 +14,11 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.native import build
+from espalier.constrained.native import llguidance as native
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.traverse_oracle import compare, replay_tree
+from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree_random import grow_tree, sample_instance
 
 SCHEMA = GrammarSpec.json_schema(
@@ -128,6 +131,80 @@ def test_step_reuse_root_row_with_the_native_walk(toy_tokenizer: Any) -> None:
         if accepted > 1:
             matcher.rollback(1)
     assert problems == []
+
+
+def chain_tree(root: int, chain: list[int]) -> DraftTree:
+    n = len(chain) + 1
+    links = np.array([i + 1 if i + 1 < n else -1 for i in range(n)], dtype=np.int64)
+    return DraftTree(np.array([root, *chain], dtype=np.int64), links, np.full(n, -1))
+
+
+def test_twin_stays_where_the_walk_ended(toy_tokenizer: Any) -> None:
+    """A walk leaves the twin at its last node and says so (``shadow_tail``); the next walk
+    keeps what the request accepted of that path and rolls back the rest. Chains accepted in
+    full, in part, and not at all all give exact masks."""
+    grammar = native_grammar(toy_tokenizer)
+    rng = np.random.default_rng(11)
+    stops = set(toy_tokenizer.stop_token_ids)
+    matcher = grammar.matcher()
+    problems: list[str] = []
+    root = 0
+    for step in range(24):
+        body = [t for t in sample_instance(matcher.fork(), rng, max_tokens=8) if t not in stops]
+        if not body:
+            break
+        tree = chain_tree(root, body)
+        out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=-1)
+        masks = fill_tree_bitmask(matcher, tree, out, budget=None)
+        history = list(matcher.history)
+        problems += compare(masks, out, tree, replay_tree(grammar.matcher, history, tree))
+        assert matcher.shadow_tail == body  # the whole chain is valid: the walk ends at its leaf
+        assert matcher.shadow_len == len(history) + len(body)
+        keep = [len(body), 0, len(body) // 2][step % 3]
+        assert matcher.accept_tokens(body[:keep]) == keep
+        if keep < len(body) and step % 2:  # diverge from the chain after the kept part
+            other = sample_instance(matcher.fork(), rng, max_tokens=2)
+            if other and other[0] not in stops:
+                assert matcher.accept(other[0])
+        root = matcher.history[-1] if matcher.history else 0
+    assert problems == []
+
+
+def test_tokenize_cache_answers_repeats_without_the_slow_tokenizer() -> None:
+    if build.find_compiler() is None:
+        pytest.skip("no C compiler")
+    lib = native.api()
+    assert lib is not None, native.unavailable_reason()
+    calls: list[bytes] = []
+
+    def slow(_user: Any, data: Any, size: int, out: Any, capacity: int) -> int:
+        text = ctypes.string_at(data, size)
+        calls.append(text)
+        ids = list(text)  # one id per byte: easy to check
+        for i, token in enumerate(ids[:capacity]):
+            out[i] = token
+        return len(ids)
+
+    callback = native._TokenizeFn(slow)
+    cache = lib.tokenize_cache_new(ctypes.cast(callback, ctypes.c_void_p), None, 8)
+    cached = ctypes.cast(lib.tokenize_cached, native._TokenizeFn)
+
+    def tokenize(text: bytes, capacity: int) -> tuple[int, list[int]]:
+        out = (ctypes.c_uint32 * max(capacity, 1))()
+        data = (ctypes.c_uint8 * len(text)).from_buffer_copy(text)
+        n = cached(cache, data, len(text), out, capacity)
+        return n, list(out[: min(n, capacity)])
+
+    long_text = bytes(range(1, 101))  # more ids than the cache's first buffer (64)
+    assert tokenize(b"abc", 8) == (3, [97, 98, 99])
+    assert tokenize(b"abc", 2) == (3, [97, 98])  # fewer than there are: count, truncated ids
+    assert tokenize(long_text, 10) == (100, list(long_text[:10]))
+    assert tokenize(long_text, 200) == (100, list(long_text))
+    assert calls.count(b"abc") == 1
+    assert calls.count(long_text) == 2  # once into 64 slots, once more with room for all 100
+    for i in range(200):  # more texts than slots: the cache clears itself and stays right
+        assert tokenize(b"t%d" % i, 8)[1] == list(b"t%d" % i)
+    assert tokenize(b"abc", 8) == (3, [97, 98, 99])
 
 
 def test_without_a_compiler_the_build_says_why(
