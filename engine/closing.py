@@ -42,6 +42,7 @@ CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are
 # as without it; whatever is emitted still matches the grammar.)
 GROWTH_PER_TOKEN = 2
 MARGIN = 4
+STITCH_TRIES = 6  # paths made from the previous one, tried before a search (ClosingPaths.stitch)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":")
 
@@ -86,6 +87,23 @@ class ClosingPaths:
             path.append(chosen)
         return path
 
+    def stitch(self, probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
+        """A closing path for ``probe`` made from ``path`` (one that closed the state just
+        before ``probe``'s last token): a suffix of it (the token closed a value of its own:
+        ``"`` ending a string), or a closer then all of it (the token opened one). One
+        ``accept_tokens`` call per try, at most :data:`STITCH_TRIES`; ``probe`` is left
+        after the path found, else unchanged. None: no such path within ``limit``."""
+        tries = [path[k:] for k in range(1, min(len(path), 3) + 1)]
+        tries += [[c, *path] for c in self.candidates[:3]]
+        for attempt in tries[:STITCH_TRIES]:
+            if len(attempt) > limit:
+                continue
+            accepted = probe.accept_tokens(attempt)
+            if accepted == len(attempt) and probe.can_terminate():
+                return attempt
+            probe.rollback(accepted)
+        return None
+
     def _first_accepted(self, probe: GrammarMatcher) -> int | None:
         for token in self.candidates:
             if probe.accept(token):
@@ -126,7 +144,8 @@ class Memo:
 
     known: the closing path found by the last check (it completes the grammar from the
         matcher's state after that check's token, within the budget then) and the output length
-        it belongs to (a path for another length is stale); None when there is none.
+        it belongs to (for another length it is stale: only a seed for the next check's tries);
+        None when there is none.
     next_check: the output length before which no check is needed (spacing, see MARGIN).
     unclosable: a state had no closing path within the budget (no more checks).
     """
@@ -216,24 +235,27 @@ class BudgetCloser:
         not changed: the checks run on forks): the closing path or None, and the memo after.
 
         A path already known to close the current state is reused: when ``token`` is its first
-        token its rest closes the next state (no grammar work), else it is tried after ``token``
-        (accepts only) before a new search. ``exempt``: ignore_eos or a stop token (no check)."""
+        token its rest closes the next state (no grammar work). Else the last path found (for
+        this state, or stale: found some tokens ago) is tried after ``token``, then paths
+        stitched from it (:meth:`ClosingPaths.stitch`), accepts only, before a new search.
+        ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
         if exempt or memo.unclosable or budget > CLOSING_WINDOW:
             return None, memo
         known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
-        if known is not None:
-            memo = replace(memo, known=None)
         if path and path[0] == token:
             return None, replace(memo, known=(here + 1, path[1:]))
         if here < memo.next_check:
             return None, memo  # far enough from the budget's end (a function of the tokens alone)
+        seed = known[1] if known is not None else None  # only tried: it may be stale
         probe = matcher.fork()
         # after token: a path that leaves room for the stop token (searched on the probe itself)
-        after = _closes_after(probe, token, path, budget - 2)
+        after = _closes_after(probe, token, seed, budget - 2)
         if after is False:
             return None, memo  # the grammar rejects token: not for this policy to decide
+        if after is None and seed:
+            after = self.paths.stitch(probe, seed, budget - 2)
         if after is None:
             after = self.paths.search(probe, budget - 2)
         if after is not None:

@@ -26,8 +26,9 @@ from espalier.engine.request import Request
 SCHEMA = CLOSING_SCHEMA
 
 
-def _run(tokenizer: Any, compiled: Any, seed: int, max_tokens: int) -> list[Any]:
-    """Sample random allowed tokens through a closer; returns per token the closer's answer."""
+def _run(tokenizer: Any, compiled: Any, seed: int, max_tokens: int, checks: list[int]) -> list[Any]:
+    """Sample random allowed tokens through a closer; returns per token the closer's answer
+    (``checks``: gets the output length of each kept path replayed)."""
     rng = random.Random(seed)
     closer = BudgetCloser(tokenizer)
     request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
@@ -51,10 +52,13 @@ def _run(tokenizer: Any, compiled: Any, seed: int, max_tokens: int) -> list[Any]
         known = closer.known("r")
         probe = request.matcher.fork()
         assert probe.accept(token)
-        if known is not None and budget <= 64:
+        # a path kept for the next length claims to close the state after token (older ones
+        # are stale seeds for later tries: no claim)
+        if known is not None and budget <= 64 and known[0] == len(request.output_ids) + 1:
             _, path = known
             assert len(path) <= budget - 2
             assert all(probe.accept(t) for t in path) and probe.can_terminate()
+            checks.append(len(request.output_ids))
         request.output_ids.append(token)
         assert request.matcher.accept(token)
     return answers
@@ -65,8 +69,10 @@ def test_reused_paths_are_sound_and_deterministic(backend: str) -> None:
     tokenizer = toy_tokenizer()
     compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
     closed = 0
+    checks: list[int] = []
     for seed in range(12):
-        first = _run(tokenizer, compiled, seed, 30)
-        assert _run(tokenizer, compiled, seed, 30) == first
+        first = _run(tokenizer, compiled, seed, 30, checks)
+        assert _run(tokenizer, compiled, seed, 30, []) == first
         closed += first[-1][2] is not None
     assert closed > 0  # random tokens do run out of budget
+    assert checks  # and paths kept for the next token were replayed
