@@ -25,7 +25,8 @@ from espalier.engine.spec.tree_builder import Draft, NodeSource, sibling_links, 
 
 @dataclass(frozen=True)
 class TreeMasks:
-    """Grammar masks of a verify batch (all CPU; bitmask may be pinned).
+    """Grammar masks of a verify batch (CPU; bitmask may be pinned, or already on the target's
+    device: the decoder uploads it on CUDA).
 
     bitmask: int32 ``[M, W]`` or None (no request constrained).
     mask_rows: int64 ``[N]``: bitmask row of each node, -1 = unconstrained node.
