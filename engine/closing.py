@@ -12,8 +12,9 @@ Outputs that finish on their own are untouched, token for token.
 :class:`ClosingPaths` finds a closing path greedily on a fork of the matcher: the tokens the
 grammar forces where it forces some (``forced_tokens``: required keys, ``":"``), else the first
 of a few closers and minimal JSON values that the grammar accepts (``"``, ``}``, ``]``, ``0``,
-``null``, ...), else the lowest allowed token id; at most ``limit`` tokens, or None when none is
-found that short (then nothing changes: the output may be cut, as without this policy).
+``null``, ..., then ``{`` and ``[``), else the lowest allowed token id that is not whitespace;
+at most ``limit`` tokens, or None when none is found that short (then nothing changes: the
+output may be cut, as without this policy).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are
 # as without it; whatever is emitted still matches the grammar.)
 GROWTH_PER_TOKEN = 2
 MARGIN = 4
+REPEAT_LIMIT = 16  # a search choosing one token this many times in a row gives up (a loop)
 STITCH_TRIES = 6  # paths made from the previous one, tried before a search (ClosingPaths.stitch)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
-CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":")
+CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
 
 
 class ClosingPaths:
@@ -59,6 +61,8 @@ class ClosingPaths:
             if len(ids) == 1 and ids[0] not in self.candidates:
                 self.candidates.append(ids[0])
         self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)
+        self._tokenizer = tokenizer
+        self._blank: frozenset[int] | None = None  # whitespace-only ids (made on first need)
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -69,10 +73,15 @@ class ClosingPaths:
         return self.search(matcher.fork(), limit)
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
-        """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path."""
+        """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
+
+        Gives up (None) when it has chosen the same token :data:`REPEAT_LIMIT` times in a row:
+        the greedy choice is going round in a loop (``0`` after ``0`` in a string whose format
+        needs an ``@`` first) that would only end at ``limit``."""
         if limit < 0:
             return None
         path: list[int] = []
+        repeats = 0
         while not probe.can_terminate():
             if len(path) >= limit:
                 return None
@@ -80,9 +89,13 @@ class ClosingPaths:
             taken = probe.accept_tokens(forced) if forced else 0
             if taken:
                 path.extend(forced[:taken])
+                repeats = 0
                 continue
             chosen = self._first_accepted(probe)
             if chosen is None:
+                return None
+            repeats = repeats + 1 if path and path[-1] == chosen else 1
+            if repeats >= REPEAT_LIMIT:
                 return None
             path.append(chosen)
         return path
@@ -110,10 +123,21 @@ class ClosingPaths:
                 return token
         row = self._row()
         probe.fill_bitmask(row, 0)
-        for token in _lowest_allowed(row[0].numpy(), 64):
-            if token not in self.stops and probe.accept(token):
+        # whitespace last: it makes no progress (a grammar with bounded whitespace allows a few
+        # such tokens, each one a token of the budget spent for nothing)
+        allowed = [t for t in _lowest_allowed(row[0].numpy(), 64) if t not in self.stops]
+        blank = self._blank_ids()
+        for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
+            if probe.accept(token):
                 return token
         return None
+
+    def _blank_ids(self) -> frozenset[int]:
+        if self._blank is None:
+            self._blank = frozenset(
+                i for i, b in enumerate(self._tokenizer.token_bytes) if b and not b.strip()
+            )
+        return self._blank
 
     def _row(self) -> torch.Tensor:
         row: torch.Tensor | None = getattr(self._rows, "row", None)

@@ -85,3 +85,18 @@ def test_ignore_eos_requests_are_never_closed() -> None:
     )
     out: Any = run_all(make_engine(), [request])["e"][-1]
     assert out.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closing_paths_spend_no_tokens_on_whitespace(backend: str) -> None:
+    """Where no candidate fits and nothing is forced (DEL or more spaces may come), the
+    search takes the lowest allowed token that is not whitespace: spaces would only spend the
+    budget (here they would go on to the limit and find nothing)."""
+    tokenizer = toy_tokenizer()
+    # DEL: a byte whose id in the toy vocabulary comes after the space's (in real vocabularies
+    # newline and space come before most ids)
+    compiled, _ = compile_grammar(GrammarSpec.regex(" *\x7fy"), tokenizer, backend)
+    matcher = compiled.matcher()
+    path = ClosingPaths(tokenizer).find(matcher, 10)
+    assert path is not None
+    assert b"".join(tokenizer.token_bytes[t] for t in path) == b"\x7fy"
