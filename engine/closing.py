@@ -201,20 +201,30 @@ class BudgetCloser:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
         return self._memo.get(request_id, NO_MEMO).known
 
-    def quiet_tokens(self, request: Request, max_model_len: int) -> int:
-        """How many of ``request``'s next tokens :meth:`instead` surely lets through without
-        looking at them (nor changing anything): all of them while the policy is off, else
-        those before the closing window (a large number stands for "all")."""
+    def pass_through(self, request: Request, tokens: Sequence[int], max_model_len: int) -> int:
+        """How many of ``tokens`` (the request's next ones, none a stop token) :meth:`instead`
+        lets through without grammar work, one after the other; the memo is updated for them
+        exactly as those calls would (so a run appended at once closes as one by one does).
+        Stops at the first token that needs a check, or at a lookahead's (decided ahead)."""
         if self.paths is None or request.matcher is None:
-            return 1 << 62
-        memo = self._memo.get(request.request_id, NO_MEMO)
-        if memo.unclosable or request.sampling.ignore_eos:
-            return 1 << 62
-        if request.request_id in self._ahead:
+            return len(tokens)
+        request_id = request.request_id
+        if request_id in self._ahead:
             return 0
+        memo = start = self._memo.get(request_id, NO_MEMO)
         here = len(request.output_ids)
         budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
-        return max(0, budget - CLOSING_WINDOW)
+        exempt = request.sampling.ignore_eos
+        passed = 0
+        for i, token in enumerate(tokens):
+            after = _without_check(memo, token, here + i, budget - i, exempt)
+            if after is None:
+                break
+            memo = after
+            passed += 1
+        if memo is not start:
+            self._memo[request_id] = memo
+        return passed
 
     def instead(
         self, request: Request, token: int, stops: set[int], max_model_len: int
@@ -264,14 +274,11 @@ class BudgetCloser:
         stitched from it (:meth:`ClosingPaths.stitch`), accepts only, before a new search.
         ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
-        if exempt or memo.unclosable or budget > CLOSING_WINDOW:
-            return None, memo
+        quick = _without_check(memo, token, here, budget, exempt)
+        if quick is not None:
+            return None, quick
         known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
-        if path and path[0] == token:
-            return None, replace(memo, known=(here + 1, path[1:]))
-        if here < memo.next_check:
-            return None, memo  # far enough from the budget's end (a function of the tokens alone)
         seed = known[1] if known is not None else None  # only tried: it may be stale
         probe = matcher.fork()
         # after token: a path that leaves room for the stop token (searched on the probe itself)
@@ -352,6 +359,20 @@ class BudgetCloser:
         ahead = self._ahead.pop(request_id, None)
         if ahead is not None:
             ahead.cancel()
+
+
+def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool) -> Memo | None:
+    """The memo after ``token`` (appended at output length ``here`` with ``budget`` tokens
+    left) when :meth:`BudgetCloser.decide` needs no grammar work for it; None when it does."""
+    if exempt or memo.unclosable or budget > CLOSING_WINDOW:
+        return memo
+    known = memo.known
+    path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
+    if path and path[0] == token:
+        return replace(memo, known=(here + 1, path[1:]))
+    if here < memo.next_check:
+        return memo  # far enough from the budget's end (a function of the tokens alone)
+    return None
 
 
 def _closes_after(

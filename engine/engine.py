@@ -292,22 +292,25 @@ class Engine:
         text_ids: list[int],
     ) -> tuple[int, FinishReason | None, str | None]:
         """Append the leading tokens that cannot end the request (no stop token, not the last
-        one, before the budget's last token and the closing window) with one ``accept_tokens``
-        call (one native call on llguidance, instead of one per token); the same outcome as
-        appending them one by one. Returns how many were taken, and a finish reason if the
-        grammar ended or rejected one of them."""
+        one, before the budget's last token, none the closing policy must check) with one
+        ``accept_tokens`` call (one native call on llguidance, instead of one per token); the
+        same outcome as appending them one by one. Returns how many were taken, and a finish
+        reason if the grammar ended or rejected one of them."""
         matcher = request.matcher
         assert matcher is not None
         room = min(
             request.sampling.max_tokens - len(request.output_ids),
             self.max_model_len - request.num_tokens,
         )
-        quiet = self.closer.quiet_tokens(request, self.max_model_len)
-        limit = min(len(tokens) - 1, room - 1, quiet)
+        limit = min(len(tokens) - 1, room - 1)
         run = 0
         while run < limit and tokens[run] not in stops:
             run += 1
         if run < 2:
+            return 0, None, None
+        # the closing policy's verdicts for these tokens, as one by one (memo updated)
+        run = self.closer.pass_through(request, tokens[:run], self.max_model_len)
+        if run == 0:
             return 0, None, None
         head = list(tokens[:run])
         accepted = matcher.accept_tokens(head)
