@@ -44,7 +44,6 @@ CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are
 GROWTH_PER_TOKEN = 2
 MARGIN = 4
 REPEAT_LIMIT = 16  # a search choosing one token this many times in a row gives up (a loop)
-STITCH_TRIES = 6  # paths made from the previous one, tried before a search (ClosingPaths.stitch)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
 
@@ -104,11 +103,11 @@ class ClosingPaths:
         """A closing path for ``probe`` made from ``path`` (one that closed the state just
         before ``probe``'s last token): a suffix of it (the token closed a value of its own:
         ``"`` ending a string), or a closer then all of it (the token opened one). One
-        ``accept_tokens`` call per try, at most :data:`STITCH_TRIES`; ``probe`` is left
+        ``accept_tokens`` call per try, at most 6; ``probe`` is left
         after the path found, else unchanged. None: no such path within ``limit``."""
         tries = [path[k:] for k in range(1, min(len(path), 3) + 1)]
         tries += [[c, *path] for c in self.candidates[:3]]
-        for attempt in tries[:STITCH_TRIES]:
+        for attempt in tries:
             if len(attempt) > limit:
                 continue
             accepted = probe.accept_tokens(attempt)

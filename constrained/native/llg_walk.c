@@ -92,15 +92,14 @@ static void push_children(Walk *w, int64_t parent, int64_t parent_depth) {
 
 /* Roll `m` back from depth *depth to `target`, then refresh the memo (one mask into scratch). */
 static int64_t back_to(const EspLlgApi *api, void *m, int64_t *depth, int64_t target,
-                       uint32_t *scratch, size_t row_bytes, int refresh, char *err,
-                       size_t err_len) {
+                       uint32_t *scratch, size_t row_bytes, char *err, size_t err_len) {
     if (*depth <= target) return 0;
     if (api->rollback(m, (size_t)(*depth - target)) != 0) {
         copy_error(api, m, err, err_len);
         return WALK_ROLLBACK_ERROR;
     }
     *depth = target;
-    if (refresh && api->mask_into(m, scratch, row_bytes) != 0) {
+    if (api->mask_into(m, scratch, row_bytes) != 0) {
         copy_error(api, m, err, err_len);
         return WALK_MASK_ERROR;
     }
@@ -128,7 +127,7 @@ typedef struct EspWalkArgs {
     const int64_t *tokens, *first_child, *next_sibling;
     uint32_t *rows;
     int64_t words, limit;
-    const uint32_t *excluded, *stops, *stop_row;
+    const uint32_t *excluded, *stops; /* stops: also the stop row (the stop ids' bitmap) */
     int64_t root_mode;
     uint32_t *scratch;
     double budget_s;
@@ -192,7 +191,6 @@ int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
             return WALK_MASK_ERROR;
         }
         memo_stale = 0;
-        a->memo_stale_out = 0;
     }
 
     Walk w = {tokens, first_child, a->next_sibling, rows, a->excluded, a->stops, words, a->limit,
@@ -221,7 +219,7 @@ int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
         uint32_t *row = rows + node * words;
         if (e.parent_depth < 0 || bit_set(a->stops, tokens[node])) {
             /* a stop token, or one after it: never consumed natively */
-            memcpy(row, a->stop_row, row_bytes);
+            memcpy(row, a->stops, row_bytes);
             valid[node] = 1;
             terminated[node] = 1;
             filled[node] = 1;
@@ -229,7 +227,7 @@ int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
             push_children(&w, node, -1);
             continue;
         }
-        status = back_to(api, root, &depth, e.parent_depth, scratch, row_bytes, 1, err, err_len);
+        status = back_to(api, root, &depth, e.parent_depth, scratch, row_bytes, err, err_len);
         if (status != 0) break;
         /* the parent's row allows the token, so this fails only on a library inconsistency
          * (the matcher is then in its error state: stop) */

@@ -94,7 +94,6 @@ class _WalkArgs(ctypes.Structure):
         ("limit", ctypes.c_int64),
         ("excluded", ctypes.c_void_p),
         ("stops", ctypes.c_void_p),
-        ("stop_row", ctypes.c_void_p),
         ("root_mode", ctypes.c_int64),
         ("scratch", ctypes.c_void_p),
         ("budget_s", ctypes.c_double),
@@ -405,7 +404,7 @@ class _WalkScratch:
         a = self.args
         a.limit = tables.limit
         a.excluded = tables.excluded.ctypes.data
-        a.stops = a.stop_row = tables.stops.ctypes.data  # the stop row is the stop ids' bitmap
+        a.stops = tables.stops.ctypes.data  # also the stop row (the stop ids' bitmap)
         self.tables = tables
 
 
