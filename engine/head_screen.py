@@ -54,7 +54,10 @@ class HeadScreen:
         ):
             return
         if background:
-            threading.Thread(target=self._build, name="espalier-head-screen", daemon=True).start()
+            # not a daemon: the interpreter waits for it at exit. A daemon thread still inside
+            # torch's kernels while the process tears down its native thread pools aborts it
+            # ("terminate called without an active exception", exit status 134).
+            threading.Thread(target=self._build, name="espalier-head-screen").start()
         else:
             self._build()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from typing import Any
 
 from espalier.server.config import MIB, ServerConfig
@@ -104,4 +105,10 @@ def run(args: argparse.Namespace) -> int:
         await serve(config, state, make_loader(options))
 
     asyncio.run(main())
-    return 0
+    # Drained: every accepted request has finished and "stopped" is announced. Leave without
+    # the interpreter's teardown: threads that may still be inside native code (a compile
+    # abandoned at its deadline, a background build) would otherwise run while native
+    # libraries destroy their thread pools, which aborts the process (exit status 134).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -449,7 +449,9 @@ class NativeTokenizerSlot:
             if self._started:
                 return
             self._started = True
-        threading.Thread(target=self._build, name="llg-native-tokenizer", daemon=True).start()
+        # not a daemon: the interpreter waits for the build (bounded) at exit instead of tearing
+        # native state down under it
+        threading.Thread(target=self._build, name="llg-native-tokenizer").start()
 
     def _build(self) -> None:
         try:

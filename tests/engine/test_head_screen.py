@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -87,3 +89,18 @@ def test_step_logits_greedy_picks_equal_the_full_head() -> None:
     assert logits.argmax(1).tolist() == full.argmax(1).tolist()
     for r in (2, 6, 7):  # not screened: the full head row
         assert torch.isfinite(out.logits[r]).sum() > V // 2
+
+
+def test_a_process_may_exit_while_the_screen_builds() -> None:
+    # A background build still inside torch's kernels when the interpreter tears down used to
+    # abort the process (status 134: "terminate called without an active exception"); the
+    # server's demo hit it when stopped soon after loading. The build must finish or be waited
+    # for: the process exits 0 and says nothing on stderr about termination.
+    code = (
+        "import torch\n"
+        "from espalier.engine.head_screen import HeadScreen\n"
+        "HeadScreen(torch.randn(65536, 640))\n"  # a few hundred ms of packing, then exit
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -97,9 +97,12 @@ class ServerProcess:
             return self.proc.wait()
 
     def close(self) -> None:
-        self.terminate()
+        """Stop the server; a server that does not exit 0 after its drain fails the test."""
+        code = self.terminate()
+        log = self.stderr()[-4000:]
         self._stderr.close()
         os.unlink(self._stderr.name)
+        assert code == 0, f"the server exited with status {code} after SIGTERM:\n{log}"
 
     def __enter__(self) -> ServerProcess:
         return self
