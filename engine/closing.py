@@ -60,8 +60,11 @@ class ClosingPaths:
             if len(ids) == 1 and ids[0] not in self.candidates:
                 self.candidates.append(ids[0])
         self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)
-        self._tokenizer = tokenizer
-        self._blank: frozenset[int] | None = None  # whitespace-only ids (made on first need)
+        # whitespace-only ids: a pass over the whole vocabulary (~50 ms for 262k ids), made here
+        # (engine start) and once per tokenizer, never in a step
+        self.blank: frozenset[int] = tokenizer.backend_view(
+            "espalier.engine.closing.blank_ids", _blank_ids
+        )
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -125,24 +128,22 @@ class ClosingPaths:
         # whitespace last: it makes no progress (a grammar with bounded whitespace allows a few
         # such tokens, each one a token of the budget spent for nothing)
         allowed = [t for t in _lowest_allowed(row[0].numpy(), 64) if t not in self.stops]
-        blank = self._blank_ids()
+        blank = self.blank
         for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
             if probe.accept(token):
                 return token
         return None
-
-    def _blank_ids(self) -> frozenset[int]:
-        if self._blank is None:
-            self._blank = frozenset(
-                i for i, b in enumerate(self._tokenizer.token_bytes) if b and not b.strip()
-            )
-        return self._blank
 
     def _row(self) -> torch.Tensor:
         row: torch.Tensor | None = getattr(self._rows, "row", None)
         if row is None:
             row = self._rows.row = bm.allocate(1, self.vocab_size, fill=0)
         return row
+
+
+def _blank_ids(tokenizer: TokenizerInfo) -> frozenset[int]:
+    """Ids whose bytes are whitespace only (not empty)."""
+    return frozenset(i for i, b in enumerate(tokenizer.token_bytes) if b and not b.strip())
 
 
 def _lowest_allowed(row: np.ndarray, count: int) -> list[int]:

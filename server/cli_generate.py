@@ -32,7 +32,9 @@ def register(sub: Any) -> None:
     local.add_argument("--local", action="store_true", help="run the engine in this process")
     local.add_argument("--model", default="default", help="HF directory, .gguf file or 'default'")
     local.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    local.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    local.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16")
+    )
     local.add_argument("--logprobs", type=int, default=0, help="top-n logprobs per token")
     local.add_argument(
         "--speculative",
@@ -98,11 +100,19 @@ def run_local(args: argparse.Namespace) -> int:
     except (GrammarError, OSError, ValueError) as exc:
         print(f"espalier generate: {exc}", file=sys.stderr)
         return 2
+    problem = _device_problem(args.device)
+    if problem is not None:
+        print(f"espalier generate: --device {args.device}: {problem}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     # one-shot use: the first compile also builds the backend's view of the vocabulary
     config = EngineConfig(compile_timeout_s=600.0)
     runner_config = RunnerConfig(args.device, args.dtype)
-    engine = Engine.from_model(args.model, config, runner_config=runner_config)
+    try:
+        engine = Engine.from_model(args.model, config, runner_config=runner_config)
+    except (OSError, ValueError) as exc:  # no such model, an unreadable or unsupported one
+        print(f"espalier generate: {exc}", file=sys.stderr)
+        return 2
     try:
         _enable_speculation(engine, args)
     except (OSError, ValueError) as exc:
@@ -156,6 +166,21 @@ def _enable_speculation(engine: Any, args: argparse.Namespace) -> None:
         draft_model=args.draft_model,
         eagle=args.eagle,
     )
+
+
+def _device_problem(device: str) -> str | None:
+    """Why ``device`` cannot run the model (unknown, or CUDA absent); None when it can."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return "not a device (cpu, cuda, cuda:N)"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    if kind not in ("cpu", "cuda"):
+        return "only cpu and cuda are supported"
+    return None
 
 
 def _summary(text: str, chunks: list[Any], last: Any, load_s: float) -> dict[str, Any]:

@@ -100,3 +100,13 @@ def test_closing_paths_spend_no_tokens_on_whitespace(backend: str) -> None:
     path = ClosingPaths(tokenizer).find(matcher, 10)
     assert path is not None
     assert b"".join(tokenizer.token_bytes[t] for t in path) == b"\x7fy"
+
+
+def test_whitespace_ids_are_known_once_per_tokenizer() -> None:
+    # the closing search puts whitespace last; the ids come from one pass over the vocabulary,
+    # made when the engine starts (not in a step) and shared by every engine on the tokenizer
+    tokenizer = toy_tokenizer()
+    first, second = ClosingPaths(tokenizer), ClosingPaths(tokenizer)
+    assert first.blank is second.blank
+    expected = {i for i, b in enumerate(tokenizer.token_bytes) if b and not b.strip()}
+    assert first.blank == expected and expected  # the toy vocabulary has whitespace tokens
