@@ -110,10 +110,10 @@ class Probe:
         return wrapper
 
     def _timed_fill(self, function: Any) -> Any:
-        def wrapper(builder: Any, matcher: Any, draft: Any, out: Any) -> Any:
+        def wrapper(builder: Any, matcher: Any, draft: Any, *rest: Any) -> Any:
             start = time.perf_counter()
             try:
-                return function(builder, matcher, draft, out)
+                return function(builder, matcher, draft, *rest)
             finally:
                 self.mask_fill_s += time.perf_counter() - start  # += on a float: GIL-atomic enough
                 self.tree_nodes += draft.num_nodes

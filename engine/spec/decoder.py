@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     from espalier.engine.runner import ModelRunner
 
 
+TARGET_SMOOTHING = 0.5
+"""Weight of the past in :attr:`SpeculativeDecoder.target_s` (per step, exponential)."""
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """Sampling parameters of one request (temperature > 0) and its generator."""
@@ -141,6 +145,9 @@ class SpeculativeDecoder:
         # the fills start before it to overlap with it.
         self._launch_first = runner.device.type == "cuda" if launch_first is None else launch_first
         self._copy_stream: torch.cuda.Stream | None = None  # mask uploads (CUDA, _upload)
+        # the target's time per step (forward + verification), smoothed: how long this step's
+        # fills run alongside the forward, so their budget may stretch to it (MaskBuilder.submit)
+        self.target_s = 0.0
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
@@ -207,7 +214,7 @@ class SpeculativeDecoder:
 
         def submit_fills() -> PendingMasks:
             after = lookahead(seqs, drafts) if lookahead is not None else []
-            return self.masks.submit(matchers, drafts, after)
+            return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
 
         pending = None if self._launch_first else submit_fills()
         out = self.runner.forward(
@@ -238,6 +245,7 @@ class SpeculativeDecoder:
             mask_s=masked - forwarded,
             verify_s=(forwarded - drafted) + (done - masked),
         )
+        self.target_s = TARGET_SMOOTHING * self.target_s + (1 - TARGET_SMOOTHING) * times.verify_s
         outcomes = [SeqOutcome(d, a, lp) for d, a, lp in zip(drafts, accepted, logprobs)]
         return outcomes, times
 

@@ -143,11 +143,21 @@ class MaskBuilder:
         matchers: Sequence[GrammarMatcher | None],
         drafts: Sequence[Draft],
         after: Sequence[Callable[[], None]] = (),
+        *,
+        hidden_s: float = 0.0,
     ) -> PendingMasks:
         """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
         at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
         ``after``: other jobs for the pool, started once a thread is free (``result()`` does
-        not wait for them; they must not touch the matchers: they own what they use)."""
+        not wait for them; they must not touch the matchers: they own what they use).
+
+        hidden_s: how long the target's forward is expected to run alongside the fills. A
+        tree's budget stretches to it (never below ``budget_s``): the budget exists so that
+        one slow tree cannot hold the batch past the point where the masks are needed, and
+        that point is the forward's end. (On the CPU the fills share the cores with a forward
+        of hundreds of ms: a fixed 2 ms budget there cut trees, and so their accepted tokens,
+        for nothing.)"""
+        budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
         # the fills write through numpy slices of one view (a tensor slice per tree would cost a
@@ -165,7 +175,7 @@ class MaskBuilder:
                 continue
             assert array is not None
             out = array[row : row + n]
-            jobs.append((index, functools.partial(self._fill_one, matcher, draft, out)))
+            jobs.append((index, functools.partial(self._fill_one, matcher, draft, out, budget)))
             mask_rows.extend(range(row, row + n))
             row += n
         fills = FillJobs(jobs, [None] * len(drafts), unconstrained)
@@ -183,13 +193,13 @@ class MaskBuilder:
         return self._buffer_array[1]
 
     def _fill_one(
-        self, matcher: GrammarMatcher, draft: Draft, out: np.ndarray
+        self, matcher: GrammarMatcher, draft: Draft, out: np.ndarray, budget_s: float | None
     ) -> tuple[np.ndarray, np.ndarray]:
         from espalier.constrained.traverse import fill_tree_bitmask
         from espalier.constrained.tree import DraftTree
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = fill_tree_bitmask(matcher, tree, out, self.budget_s)
+        result = fill_tree_bitmask(matcher, tree, out, budget_s)
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled

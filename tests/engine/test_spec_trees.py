@@ -233,3 +233,30 @@ def test_parse_methods_and_build_drafters(toy_tokenizer: Any) -> None:
     assert set(build_drafters(("ngram", "forced"), target)) == {"ngram"}
     with pytest.raises(ValueError, match="--draft-model"):
         build_drafters(("draft",), target)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_mask_budget_stretches_to_the_forward_running_alongside(
+    toy_tokenizer: Any, backend: str
+) -> None:
+    # A budget of 0 s starts no node past the root; a forward expected to run 60 s alongside
+    # the fills stretches it so the whole forced chain is filled (on the CPU, where fills share
+    # the cores with a forward of hundreds of ms, a fixed 2 ms budget cut every forced chain of
+    # `espalier generate --local --speculative forced`).
+    from espalier.engine.spec.masks import MaskBuilder
+
+    matcher = compile_matcher(toy_tokenizer, backend)
+    chain = root_chain(matcher, 16)
+    assert len(chain) >= 2
+    builder = TreeBuilder(0)
+    builder.add_path(0, chain, None, NodeSource.FORCED)
+    draft = builder.build()
+    masks = MaskBuilder(toy_tokenizer.vocab_size, threads=1, budget_s=0.0)
+    try:
+        cut = masks.submit([matcher], [draft]).result()
+        assert cut.filled.tolist() == [True] + [False] * len(chain)
+        full = masks.submit([matcher], [draft], hidden_s=60.0).result()
+        assert full.filled.tolist() == [True] * (len(chain) + 1)
+        assert full.valid.tolist() == [True] * (len(chain) + 1)
+    finally:
+        masks.close()
