@@ -155,25 +155,15 @@ def fill_tree_bitmask(
     result = WalkResult.empty(tree.num_nodes)
     if budget is None:
         walker(matcher, tree, rows, float("inf"), root_ready, result)
-    elif tree.num_nodes > 1 and _needs_helper(matcher, budget):
+    elif tree.num_nodes > 1 and _needs_helper(matcher):
         from espalier.constrained.traverse_bounded import walk_bounded
 
-        native_flags = False
         if walker is not walk_generic and _backend(matcher) == "xgrammar":
             from espalier.constrained.traverse_xgrammar import walk_xgrammar_nodes as walker
         elif walker is not walk_generic and _backend(matcher) == "llguidance":
-            from espalier.constrained.traverse_llguidance import (
-                native_walk_ready,
-                walk_llguidance_py,
-            )
+            from espalier.constrained.traverse_llguidance import walk_llguidance_py as walker
 
-            native_flags = native_walk_ready(matcher)  # the native walk writes numpy flags
-            if not native_flags:
-                walker = walk_llguidance_py
-
-        result = walk_bounded(
-            walker, matcher, tree, rows, start + budget, root_ready, native_flags=native_flags
-        )
+        result = walk_bounded(walker, matcher, tree, rows, start + budget, root_ready)
     else:
         walker(matcher, tree, rows, start + budget, root_ready, result)
     # One array for the three flags: each numpy call costs tens of µs just after a native walk
@@ -200,25 +190,16 @@ def fill_tree_bitmask(
 
 
 SLOW_FILL_BACKENDS = frozenset({"xgrammar", "llguidance"})
-"""Backends whose single mask fill can take milliseconds: budgeted walks go to a helper
-(llguidance's native walk only under :data:`NATIVE_INLINE_FROM_S`)."""
-
-NATIVE_INLINE_FROM_S = 0.010
-"""llguidance's native walk checks its budget between nodes, in C, and starts a node only if
-the slowest one so far still fits; one mask much slower than those before it (6.3 ms on
-Github_hard/o33924 with Gemma's vocabulary, against ~20 µs per node usually) overruns the
-budget by its own length. Budgets shorter than this go to a helper thread
-(``traverse_bounded``), so the call returns by its deadline whatever one mask costs; longer
-ones (the engine stretches its budget to the target's time per step) stay inline, where such
-a mask is hidden anyway and a hand-off would only cost."""
+"""Backends whose single mask fill can take milliseconds: budgeted walks go to a helper,
+except llguidance's native walk (it checks the deadline between nodes, in C: inline)."""
 
 
-def _needs_helper(matcher: Any, budget: float) -> bool:
+def _needs_helper(matcher: Any) -> bool:
     name = _backend(matcher)
     if name == "llguidance":
         from espalier.constrained.traverse_llguidance import native_walk_ready
 
-        return budget < NATIVE_INLINE_FROM_S or not native_walk_ready(matcher)
+        return not native_walk_ready(matcher)
     return name in SLOW_FILL_BACKENDS
 
 

@@ -77,8 +77,6 @@ def walk_bounded(
     rows: np.ndarray,
     deadline: float,
     root_ready: bool,
-    *,
-    native_flags: bool = False,
 ) -> WalkResult:
     """Run ``walker`` for ``matcher`` on a helper thread; return by ``deadline``.
 
@@ -86,13 +84,6 @@ def walk_bounded(
     node the result marks ``filled``; the matcher's state unchanged), plus: the call returns by
     ``deadline`` unless the root row itself has to be computed after it. When the walk is
     abandoned, ``result.late_writes`` is an event set when it ends (see :class:`WalkResult`).
-
-    native_flags: the walker writes numpy flags (``WalkResult.flags``: llguidance's native
-    walk, from C, each node's ``filled`` after its row) into an array made here, which a
-    snapshot reads while it runs. That walk moves the matcher's C-side twin
-    (``traverse_llguidance``): its new position is handed back to ``matcher`` when the walk
-    ends in time; an abandoned walk keeps the twin, so ``matcher`` drops it (its next walk
-    starts a new one).
     """
     # a loaded machine must not make the margin eat the budget: at most a quarter of what is left
     margin = min(LATENCY.margin, MAX_MARGIN_SHARE * (deadline - time.perf_counter()))
@@ -106,15 +97,11 @@ def walk_bounded(
         spare = matcher.fork().native
         give_up = deadline - margin
         walk_deadline = give_up - FILL_ALLOWANCE_S
-        view = copy.copy(matcher)
-        walk = _HelperWalk(walker, view, tree, rows, walk_deadline, root_ready)
-        if native_flags:
-            walk.result.flags = np.zeros((3, tree.num_nodes), dtype=bool)
+        walk = _HelperWalk(walker, copy.copy(matcher), tree, rows, walk_deadline, root_ready)
         _helpers().submit(walk.run)
         walk.done.wait(max(give_up - time.perf_counter(), 0.0))
         with walk.lock:
             if walk.done.is_set():
-                _take_twin(matcher, view)
                 if walk.error is not None:
                     raise walk.error
                 # the caller could have returned when the walk ended (or at give-up, if later)
@@ -123,8 +110,6 @@ def walk_bounded(
             walk.abandoned = True
             result = walk.snapshot()
         matcher.native = spare
-        if getattr(matcher, "shadow", None) is not None:
-            matcher.shadow = None  # the abandoned walk may still be moving it
         LATENCY.record(time.perf_counter() - give_up)
     if not result.filled[0]:  # the root row is always exact: the caller's own matcher fills it
         result.valid[0] = True
@@ -201,28 +186,10 @@ class _HelperWalk:
         Rows not in the snapshot may still be written by the walk's fill in flight, until
         ``late_writes`` (this walk's ``ended``) is set.
         """
-        flags = self.result.flags
-        if flags is not None:  # written from C as the walk goes (filled after the row)
-            filled = [bool(f) for f in flags[1]]
-            terminated = [bool(t) and f for t, f in zip(flags[2], filled)]
-            filled[0] = filled[0] or self.result.filled[0]  # the root, from _root
-            terminated[0] = self.result.terminated[0] if self.result.filled[0] else terminated[0]
-        else:
-            filled = list(self.result.filled)  # rows of these nodes are written
-            terminated = [t and f for t, f in zip(self.result.terminated, filled)]
+        filled = list(self.result.filled)  # rows of these nodes are written
+        terminated = [t and f for t, f in zip(self.result.terminated, filled)]
         late = None if self.ended.is_set() else self.ended
         return WalkResult(list(filled), filled, terminated, True, True, late)
-
-
-_TWIN_FIELDS = ("shadow", "shadow_len", "shadow_agree", "shadow_tail", "shadow_memo_stale")
-
-
-def _take_twin(matcher: Any, view: Any) -> None:
-    """The walk on ``view`` (a shallow copy of ``matcher``) ended: where it left the C-side
-    twin of an llguidance matcher (``traverse_llguidance``) is now ``matcher``'s to know."""
-    if hasattr(view, "shadow"):
-        for name in _TWIN_FIELDS:
-            setattr(matcher, name, getattr(view, name))
 
 
 def _root_scratch(words: int) -> torch.Tensor:

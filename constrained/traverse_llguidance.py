@@ -6,10 +6,7 @@ which a walk first catches up with the request (rolls back what the request roll
 what it accepted since) and then walks from in ``llg_walk.c``: the same DFS as below, with no
 Python per node and the GIL dropped for the whole tree, so trees of a batch fill in parallel. It
 checks the budget between nodes (a walk overruns it by at most one mask), so budgeted native
-walks run inline (``traverse.fill_tree_bitmask``) unless the budget is short
-(``traverse.NATIVE_INLINE_FROM_S``): then on a helper thread, whose result carries the twin's
-new position back to the request's matcher, or drops the twin if the walk is abandoned
-(``traverse_bounded``).
+walks run inline (``traverse.fill_tree_bitmask``).
 
 **Python walk** (:func:`walk_llguidance_py`): an iterative DFS over ``deep_copy`` snapshots of
 the ``LLMatcher``.
@@ -154,13 +151,11 @@ def walk_llguidance(
     """Fill ``rows`` for an llguidance-backed matcher: natively when it can (module docstring),
     else :func:`walk_llguidance_py`."""
     if matcher.is_terminated() or matcher.native.is_error():
-        result.flags = None  # the lists count (caller-made flags included)
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     shadow = matcher.shadow
     if shadow is None:
         shadow = matcher.compiled.native_start()
         if shadow is None:
-            result.flags = None
             return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
         matcher.shadow, matcher.shadow_len, matcher.shadow_agree = shadow, 0, 0
         matcher.shadow_tail, matcher.shadow_memo_stale = [], False
@@ -176,9 +171,7 @@ def walk_llguidance(
             matched += 1
         agree += matched
     n = tree.num_nodes
-    # flags the caller made (a walk on a helper thread: read while the walk runs) or new ones
-    given = result.flags
-    flags = given.view(np.uint8) if given is not None else np.zeros((3, n), dtype=np.uint8)
+    flags = np.zeros((3, n), dtype=np.uint8)
     if deadline == float("inf"):
         budget = -1.0
     else:  # leave the wrap-up after the walk (flags, unfilled rows) inside the budget too

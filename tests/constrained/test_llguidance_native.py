@@ -1,12 +1,10 @@
 """llguidance's native tree walk (``constrained/native/``): the twin matcher keeps up with the
-request through accepts, rollbacks, resets and forks; the budget holds (inline, or on a helper
-thread for short budgets, which hands the twin back or drops it); without a C compiler the
-Python walk takes over."""
+request through accepts, rollbacks, resets and forks; the budget holds inline; without a C
+compiler the Python walk takes over."""
 
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 import numpy as np
@@ -88,7 +86,7 @@ def test_twin_follows_accepts_rollbacks_resets_and_forks(toy_tokenizer_padded: A
     assert problems == []
 
 
-def test_budget_prunes_and_the_twin_survives(toy_tokenizer: Any) -> None:
+def test_budget_prunes_inline_and_the_twin_survives(toy_tokenizer: Any) -> None:
     grammar = native_grammar(toy_tokenizer)
     rng = np.random.default_rng(9)
     matcher = grammar.matcher()
@@ -97,7 +95,7 @@ def test_budget_prunes_and_the_twin_survives(toy_tokenizer: Any) -> None:
     oracle = replay_tree(grammar.matcher, [], tree)
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=0)
     masks = fill_tree_bitmask(matcher, tree, out, budget=0.0)
-    assert masks.budget_hit and not masks.abandoned  # no time: no helper, nothing left running
+    assert masks.budget_hit and not masks.abandoned  # inline: no helper, nothing left running
     assert masks.filled.tolist() == [True] + [False] * (tree.num_nodes - 1)
     assert compare(masks, out, tree, oracle) == []
     # a budget that stops the walk part way: every kept row exact, the rest pruned
@@ -233,71 +231,3 @@ def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> No
     assert compare(masks, out, tree, replay_tree(grammar.matcher, [], tree)) == []
     if build.find_compiler() is not None:
         assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # type: ignore[attr-defined]
-
-
-def test_short_budgets_walk_on_a_helper_that_hands_the_twin_back(toy_tokenizer: Any) -> None:
-    """Budgets under ``NATIVE_INLINE_FROM_S`` run the native walk on a helper thread; when it
-    ends in time, the request's matcher learns where the walk left its twin. Walks of both
-    kinds, alternating with decoding, all stay exact (a twin position not handed back makes
-    the next walk catch up from the wrong place)."""
-    from espalier.constrained.traverse import NATIVE_INLINE_FROM_S
-
-    grammar = native_grammar(toy_tokenizer)
-    rng = np.random.default_rng(21)
-    stops = set(toy_tokenizer.stop_token_ids)
-    matcher = grammar.matcher()
-    problems: list[str] = []
-    for step in range(16):
-        body = [t for t in sample_instance(matcher.fork(), rng, max_tokens=8) if t not in stops]
-        if not body:
-            break
-        history = list(matcher.history)
-        tree = grow_tree(grammar.matcher, history, body, 24, rng)
-        out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=-1)
-        budget = NATIVE_INLINE_FROM_S / 2 if step % 2 else None
-        masks = fill_tree_bitmask(matcher, tree, out, budget=budget)
-        if not masks.abandoned:  # ended in time (always, but on a machine stalled for ms)
-            assert matcher.shadow is not None and matcher.shadow_len >= len(history)
-        problems += compare(masks, out, tree, replay_tree(grammar.matcher, history, tree))
-        keep = int(rng.integers(0, len(body) + 1))
-        assert matcher.accept_tokens(body[:keep]) == keep
-    assert problems == []
-
-
-def test_an_abandoned_native_walk_drops_the_twin(
-    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A helper walk still running at the deadline is abandoned: the caller keeps the root row,
-    prunes the rest, and drops the twin the walk still moves; later walks start a new twin and
-    stay exact."""
-    grammar = native_grammar(toy_tokenizer)
-    rng = np.random.default_rng(4)
-    matcher = grammar.matcher()
-    body = sample_instance(matcher.fork(), rng, max_tokens=12)
-    tree = grow_tree(grammar.matcher, [], body, 32, rng)
-    oracle = replay_tree(grammar.matcher, [], tree)
-    out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=0)
-    assert fill_tree_bitmask(matcher, tree, out, budget=None).filled.sum() > 1  # a twin walked
-    twin = matcher.shadow
-    assert twin is not None
-    release = threading.Event()
-    real_walk = native.walk
-
-    def stalled(*args: Any) -> Any:  # the walk in flight past the deadline (if it got this far)
-        release.wait(10.0)
-        return real_walk(*args)
-
-    monkeypatch.setattr(native, "walk", stalled)
-    masks = fill_tree_bitmask(matcher, tree, out, budget=0.004)
-    returned = out.numpy().copy()
-    assert masks.abandoned and masks.budget_hit
-    assert matcher.shadow is None  # the abandoned walk still holds the old twin
-    release.set()
-    assert masks.wait_late_writes(10.0)
-    assert masks.filled[0] and not masks.filled[1:].any()
-    assert compare(masks, returned, tree, oracle) == []
-    monkeypatch.setattr(native, "walk", real_walk)
-    masks = fill_tree_bitmask(matcher, tree, out, budget=None)
-    assert matcher.shadow is not None and matcher.shadow is not twin
-    assert not masks.budget_hit and masks.filled.sum() > 1
-    assert compare(masks, out, tree, oracle) == []
