@@ -33,7 +33,8 @@ class ProposalItem:
 
     context: every verified token (last = root). matcher: the request's grammar at the root
     (it has accepted the root), None when unconstrained. methods: drafter names, may include
-    ``"forced"``. budget: most draft nodes.
+    ``"forced"``. budget: most draft nodes. max_drafted: most nodes the drafters may add
+    (grammar-forced chains do not count against it); None = the whole budget.
     """
 
     request_id: str
@@ -41,6 +42,7 @@ class ProposalItem:
     matcher: GrammarMatcher | None
     methods: tuple[str, ...]
     budget: int
+    max_drafted: int | None = None
 
 
 @dataclass
@@ -67,17 +69,12 @@ class Proposer:
                     anchors[i] = nodes[-1]
         for name, drafter in self.drafters.items():
             users = [i for i, item in enumerate(items) if name in item.methods]
-            users = [i for i in users if items[i].budget - len(chains[i]) > 0]
+            room = [_drafted_room(item, len(chain)) for item, chain in zip(items, chains)]
+            users = [i for i in users if room[i] > 0]
             if not users:
                 continue
             inputs = [
-                DraftInput(
-                    items[i].request_id,
-                    items[i].context,
-                    chains[i],
-                    items[i].budget - len(chains[i]),
-                )
-                for i in users
+                DraftInput(items[i].request_id, items[i].context, chains[i], room[i]) for i in users
             ]
             for i, draft in zip(users, drafter.propose(inputs)):
                 builders[i].graft(anchors[i], draft)
@@ -88,3 +85,9 @@ class Proposer:
                 draft = extend_leaves(draft, item.matcher, item.budget, self.forced)
             drafts.append(draft)
         return drafts
+
+
+def _drafted_room(item: ProposalItem, chain: int) -> int:
+    """Nodes the drafters may add for ``item`` after its forced chain of ``chain`` tokens."""
+    room = item.budget - chain
+    return room if item.max_drafted is None else min(room, item.max_drafted)

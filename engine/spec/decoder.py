@@ -82,6 +82,7 @@ class SpecSeq:
     sampling: SamplingSpec | None = None
     context_len: int = -1  # -1 = len(tokens) - 1 (decoding)
     logprobs: int = 0  # top-n logprobs per emitted token (0 = none)
+    max_drafted: int | None = None  # nodes the drafters may add (forced chains aside); None: all
 
     def __post_init__(self) -> None:
         if self.context_len < 0:
@@ -278,6 +279,7 @@ class SpeculativeDecoder:
                     seqs[i].matcher,
                     seqs[i].methods,
                     seqs[i].num_draft_tokens,
+                    seqs[i].max_drafted,
                 )
                 for i in wanted
             ]

@@ -15,6 +15,7 @@ speculation on or off, pick methods among the drafters loaded, and set its node 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class SpecConfig:
     (``engine/closing_ahead.py``); off: each emitted token is decided inline. None = on the CPU
     only, where it takes the closing probes off the main thread; on the H200 at batch 32 it
     made no measurable difference (ABBA in one process: 0.688 off against 0.685 on).
+    adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
+    lately (``SpeculativeDecoding._max_drafted``); grammar-forced chains are not cut.
     """
 
     enabled: bool = True
@@ -68,6 +71,11 @@ class SpecConfig:
     forced: ForcedConfig = field(default_factory=ForcedConfig)
     launch_first: bool | None = None
     close_ahead: bool | None = None
+    adaptive_drafts: bool = True
+
+
+ACCEPT_SMOOTHING = 0.5
+"""Weight of the past in a request's accepted-drafts rate (per step, exponential)."""
 
 
 class SpeculativeDecoding:
@@ -102,6 +110,8 @@ class SpeculativeDecoding:
             runner, Proposer(drafters, config.forced), masks, launch_first=config.launch_first
         )
         self._live: dict[str, Request] = {}
+        # per request: drafted (not forced) tokens accepted per step, smoothed (adaptive_drafts)
+        self._accepted: dict[str, float] = {}
 
     def settings(self, request: Request) -> tuple[tuple[str, ...], int]:
         """``(methods, num_draft_tokens)`` for ``request``; ``((), 0)`` = does not speculate."""
@@ -201,7 +211,21 @@ class SpeculativeDecoding:
             sampling=sampling,
             context_len=sched.context_len,
             logprobs=params.logprobs,
+            max_drafted=self._max_drafted(request.request_id, budget),
         )
+
+    def _max_drafted(self, request_id: str, budget: int) -> int | None:
+        """Drafted nodes for the request's next tree: twice what its drafters got accepted per
+        step lately, plus one (at least one; forced chains aside). A verify forward costs
+        per tree node (on the CPU in proportion; on a GPU in mask work and, at large batches,
+        compute), so drafts that keep being rejected are cut back; accepted ones grow the
+        tree again within a few steps. None: the whole budget (adaptive_drafts off)."""
+        if not self.config.adaptive_drafts:
+            return None
+        rate = self._accepted.get(request_id)
+        if rate is None:
+            return None  # no evidence yet: the whole budget
+        return max(1, min(budget, math.ceil(2 * rate) + 1))
 
     def _account(
         self,
@@ -232,6 +256,11 @@ class SpeculativeDecoding:
         stats.draft_tokens += drafted
         stats.accepted_tokens += result.acceptance.accept_length
         stats.forced_tokens += result.acceptance.forced
+        got = result.acceptance.accept_length - result.acceptance.forced
+        last = self._accepted.get(request.request_id)
+        self._accepted[request.request_id] = (
+            float(got) if last is None else ACCEPT_SMOOTHING * last + (1 - ACCEPT_SMOOTHING) * got
+        )
         stats.draft_s += times.draft_s
         stats.mask_s += times.mask_s
         stats.verify_s += times.verify_s
@@ -247,6 +276,7 @@ class SpeculativeDecoding:
         ]
         for rid in gone:
             del self._live[rid]
+            self._accepted.pop(rid, None)
             self.decoder.release(rid)
 
     def close(self) -> None:

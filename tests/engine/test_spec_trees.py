@@ -260,3 +260,31 @@ def test_mask_budget_stretches_to_the_forward_running_alongside(
         assert full.valid.tolist() == [True] * (len(chain) + 1)
     finally:
         masks.close()
+
+
+def test_max_drafted_caps_the_drafters_not_the_forced_chain(toy_tokenizer: Any) -> None:
+    matcher = compile_matcher(toy_tokenizer, "llguidance")
+    chain = root_chain(matcher, 16)
+    context = [5, 6, *chain[:1], 7, 8, 9, 5, 6]  # "5 6" was followed by a long continuation
+    proposer = Proposer({"ngram": NgramDrafter(NgramConfig(min_n=2, max_n=2))})
+    [free] = proposer.propose([ProposalItem("a", context, None, ("ngram",), 8)])
+    [capped] = proposer.propose([ProposalItem("b", context, None, ("ngram",), 8, 1)])
+    assert free.num_draft_tokens > 1 and capped.num_draft_tokens == 1
+    assert capped.path_tokens(1) == free.path_tokens(1)  # the best drafted node stays
+    [forced] = proposer.propose([ProposalItem("c", context, matcher, ("ngram", "forced"), 16, 1)])
+    assert forced.path_tokens(len(chain)) == chain  # the chain is whole
+    assert sum(s != NodeSource.FORCED for s in forced.sources[1:]) <= 1
+
+
+def test_adaptive_drafts_follow_what_was_accepted() -> None:
+    from espalier.engine.spec.strategy import SpecConfig, SpeculativeDecoding
+
+    strategy = SpeculativeDecoding.__new__(SpeculativeDecoding)  # the rule alone: no model
+    strategy.config = SpecConfig()
+    strategy._accepted = {}
+    assert strategy._max_drafted("r", 8) is None  # no evidence yet: the whole budget
+    for rate, cap in [(0.0, 1), (0.4, 2), (0.75, 3), (2.0, 5), (6.0, 8)]:
+        strategy._accepted["r"] = rate
+        assert strategy._max_drafted("r", 8) == cap
+    strategy.config = SpecConfig(adaptive_drafts=False)
+    assert strategy._max_drafted("r", 8) is None
