@@ -67,10 +67,9 @@ class Proposer:
                 if chains[i]:
                     nodes = builders[i].add_path(0, chains[i], None, NodeSource.FORCED)
                     anchors[i] = nodes[-1]
+        room = [_drafted_room(item, len(chain)) for item, chain in zip(items, chains)]
         for name, drafter in self.drafters.items():
-            users = [i for i, item in enumerate(items) if name in item.methods]
-            room = [_drafted_room(item, len(chain)) for item, chain in zip(items, chains)]
-            users = [i for i in users if room[i] > 0]
+            users = [i for i, item in enumerate(items) if name in item.methods and room[i] > 0]
             if not users:
                 continue
             inputs = [

@@ -256,14 +256,14 @@ class SpeculativeDecoding:
         stats.draft_tokens += drafted
         stats.accepted_tokens += result.acceptance.accept_length
         stats.forced_tokens += result.acceptance.forced
+        stats.draft_s += times.draft_s
+        stats.mask_s += times.mask_s
+        stats.verify_s += times.verify_s
         got = result.acceptance.accept_length - result.acceptance.forced
         last = self._accepted.get(request.request_id)
         self._accepted[request.request_id] = (
             float(got) if last is None else ACCEPT_SMOOTHING * last + (1 - ACCEPT_SMOOTHING) * got
         )
-        stats.draft_s += times.draft_s
-        stats.mask_s += times.mask_s
-        stats.verify_s += times.verify_s
 
     def _release_finished(self) -> None:
         """Drop drafter state of requests that finished (or were preempted) since last step."""
