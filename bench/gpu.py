@@ -11,7 +11,16 @@
    the residual adds as separate kernels (``layers.FUSE_RESIDUAL_ADD = False``), the anchor of
    the fused add + RMSNorm; and graphs with every projection on cuBLAS
    (``layers.SMALL_M_GEMV = False``), the anchor of the skinny GEMM kernel of decode steps
-   (``espalier.kernels.gemv``; ``bench/gemv.py`` times it per shape).
+   (``espalier.kernels.gemv``; ``bench/gemv.py`` times it per shape); graphs whose decode steps
+   attend with flashinfer's decode kernel (off by default: ``flashinfer.DECODE_KERNEL_UP_TO``
+   says why) at every batch size, on tensor cores or on CUDA cores (``DECODE_TENSOR_CORES``),
+   against the default prefill kernel; graphs with rope and the K/V write as three launches
+   (``layers.FUSE_ROPE_STORE = False``), the anchor of the fused ``rope_store``; one graph per
+   decode shape planned after each step's sync (``cuda_graphs.PLAN_AHEAD = False``), the anchor
+   of planning the next step during the replay. ``pre_replay_ms``: host time from a graph
+   step's call to its replay (the GPU idles through it, after the previous step's sync).
+   ``graph_replay_ms``: GPU time of one replay of the step's captured graph (everything but the
+   LM head), from back-to-back replays: the kernels' share of ``step_ms``, free of host noise.
 3. ``profile``: top CUDA ops of batch-1 decode steps (torch.profiler), per path, and the host
    time to launch one eager step: what limits each.
 4. ``spec_equal_work``: constrained vs unconstrained, plain and speculative (oracle drafter),
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -50,28 +60,44 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_unfused_add": ("flashinfer", (1, 8, 64)),
     # the anchor of the skinny GEMM: graphs captured (and LM heads run) with cuBLAS only
     "flashinfer_graphs_cublas": ("flashinfer", (1, 8, 64)),
+    # the decode kernel at every batch size, with tensor cores and on CUDA cores
+    "flashinfer_graphs_decode_tc": ("flashinfer", (1, 8, 64)),
+    "flashinfer_graphs_decode_cc": ("flashinfer", (1, 8, 64)),
+    # the anchor of the fused rope + K/V write: rope kernel, then two index_copy launches
+    "flashinfer_graphs_unfused_rope": ("flashinfer", (1, 8, 64)),
+    # the anchor of planning ahead: one graph per decode shape, planned after each step's sync
+    "flashinfer_graphs_no_plan_ahead": ("flashinfer", (1, 8, 64)),
 }
-PATH_FLAGS = {  # name -> ``layers`` flags while the path is built (graphs captured) and measured
-    "flashinfer_graphs_unfused_add": {"FUSE_RESIDUAL_ADD": False},
-    "flashinfer_graphs_cublas": {"SMALL_M_GEMV": False},
+LAYERS = "espalier.engine.models.layers"
+FLASHINFER = "espalier.engine.attention.flashinfer"
+GRAPHS = "espalier.engine.cuda_graphs"
+PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and measured
+    "flashinfer_graphs_unfused_add": {(LAYERS, "FUSE_RESIDUAL_ADD"): False},
+    "flashinfer_graphs_cublas": {(LAYERS, "SMALL_M_GEMV"): False},
+    "flashinfer_graphs_decode_tc": {(FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30},
+    "flashinfer_graphs_decode_cc": {
+        (FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30,
+        (FLASHINFER, "DECODE_TENSOR_CORES"): False,
+    },
+    "flashinfer_graphs_unfused_rope": {(LAYERS, "FUSE_ROPE_STORE"): False},
+    "flashinfer_graphs_no_plan_ahead": {(GRAPHS, "PLAN_AHEAD"): False},
 }
 
 
 @contextlib.contextmanager
 def path_flags(name: str) -> Iterator[None]:
-    """Set the path's ``layers`` flags (read at capture time, and per call by eager parts such
-    as the LM head), restoring them after."""
-    from espalier.engine.models import layers
-
+    """Set the path's module flags (read at capture time and planning, and per call by eager
+    parts such as the LM head), restoring them after."""
     flags = PATH_FLAGS.get(name, {})
-    saved = {flag: getattr(layers, flag) for flag in flags}
-    for flag, value in flags.items():
-        setattr(layers, flag, value)
+    modules = {module: importlib.import_module(module) for module, _ in flags}
+    saved = {(m, flag): getattr(modules[m], flag) for m, flag in flags}
+    for (m, flag), value in flags.items():
+        setattr(modules[m], flag, value)
     try:
         yield
     finally:
-        for flag, value in saved.items():
-            setattr(layers, flag, value)
+        for (m, flag), value in saved.items():
+            setattr(modules[m], flag, value)
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -101,11 +127,13 @@ def decode_rate(runner: Any, batch: int, steps: int, seed: int = 0) -> dict[str,
     tokens = out.logits.argmax(-1).tolist()
     ctx = PROMPT_LEN
     launch_s: list[float] = []
-    start = 0.0
+    start = prepare_s = 0.0
+    graphs = runner.graphs
     for step in range(steps + 4):
         if step == 4:  # warm-up done (lazy init, JIT, allocator)
             torch.cuda.synchronize()
             start = time.perf_counter()
+            prepare_s = graphs.prepare_s if graphs is not None else 0.0
         t0 = time.perf_counter()
         out = runner.forward([SeqInput(t, [tok], ctx) for t, tok in zip(tables, tokens)])
         launch_s.append(time.perf_counter() - t0)
@@ -113,11 +141,38 @@ def decode_rate(runner: Any, batch: int, steps: int, seed: int = 0) -> dict[str,
         tokens = out.logits.argmax(-1).tolist()
         ctx += 1
     seconds = time.perf_counter() - start
+    replay_ms = graph_replay_ms(runner, batch)
+    if graphs is not None:
+        prepare_s = graphs.prepare_s - prepare_s
     return {
         "tok_per_s": batch * steps / seconds,
         "step_ms": 1e3 * seconds / steps,
         "host_launch_ms": 1e3 * statistics.median(launch_s[4:]),
+        # host time the graph runner spends planning and copying inputs before each replay
+        # (part of the GPU's idle time after the previous step's sync; 0 when eager)
+        "pre_replay_ms": 1e3 * prepare_s / steps,
+        "graph_replay_ms": replay_ms,
     }
+
+
+def graph_replay_ms(runner: Any, batch: int, replays: int = 20) -> float:
+    """GPU ms of one replay of the decode graph that served ``batch`` (as last planned), from
+    ``replays`` back-to-back replays between CUDA events; 0 when no graph fits (eager)."""
+    graphs = runner.graphs
+    if graphs is None:
+        return 0.0
+    bucket = next((b for b, n in graphs.captured if n == 1 and b >= batch), None)
+    if bucket is None:
+        return 0.0
+    graph = graphs.graphs[(bucket, 1)].graph
+    graph.replay()  # the same step again: it rewrites its own K/V slots
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / replays
 
 
 def profile_decode(runner: Any, steps: int = 6, top: int = 12) -> list[dict[str, Any]]:

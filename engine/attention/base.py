@@ -81,10 +81,11 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes each layer's new K/V into the paged cache and attends over it.
+    """Attends each layer's new queries over the paged cache.
 
     ``prepare`` runs once per step (plan: index tensors, masks, flashinfer ``plan()``);
-    ``forward`` once per layer with the step's prepared metadata.
+    ``attend`` once per layer with the step's prepared metadata, after the layer has written its
+    new K/V to the cache (at ``meta.slot_mapping``; on CUDA fused with the rope kernel).
     """
 
     name: str
@@ -93,16 +94,10 @@ class AttentionBackend(Protocol):
         """Fill ``meta.backend_state`` for this step."""
         ...
 
-    def forward(
-        self,
-        spec: LayerSpec,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
+    def attend(
+        self, spec: LayerSpec, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """q: ``[T, H, D]``, k/v: ``[T, Hkv, D]`` (roped, model dtype) -> ``[T, H, D]``."""
+        """q: ``[T, H, D]`` (roped, model dtype) -> ``[T, H, D]``."""
         ...
 
 

@@ -1,15 +1,21 @@
-"""flashinfer paged attention (CUDA, bf16/fp16): prefill chunks, decodes and draft trees alike.
+"""flashinfer paged attention (CUDA, bf16/fp16): prefill chunks, decodes and draft trees.
 
-One ``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, "NHD" layout = ``engine/kv_cache.py``)
-per distinct layer window (None = full attention: Llama has one kind, Gemma 3 two). ``prepare``
-plans each wrapper once per step from the step's CSR arrays (``paged_plan``); ``forward`` writes
-the layer's new K/V into the cache and runs the planned wrapper. GQA is native (``num_heads`` a
-multiple of ``num_kv_heads``); the softmax scale is the model's ``attn_scale``.
+Per distinct layer window (None = full attention: Llama has one kind, Gemma 3 two) one
+``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, "NHD" layout = ``engine/kv_cache.py``) for
+prefill chunks, trees and (by default) decodes, and one ``BatchDecodeWithPagedKVCacheWrapper``
+for steps whose every sequence feeds one token under the causal rule, in batches of up to
+``DECODE_KERNEL_UP_TO`` (0 by default: see there).
+``prepare`` plans the step's wrappers once from its CSR arrays (``paged_plan``); ``attend`` runs
+the planned wrapper over the cache, which already holds the layer's new K/V. GQA is native
+(``num_heads`` a multiple of ``num_kv_heads``); the softmax scale is the model's ``attn_scale``.
 
 Masks: a causal step (prefill chunks, decodes) plans with flashinfer's causal rule and
 ``window_left = window - 1``. A step with a draft tree (custom masks, positions by depth) plans
 explicit masks (``paged_plan.step_mask``), bit-packed on the CPU and uploaded without blocking.
-Either way ``plan`` reads only CPU arrays: no host sync.
+Either way ``plan`` reads only CPU arrays: nothing is read back from the device. Its copies to
+the device come from pageable memory, though, so a plan made while the stream is busy waits for
+it (H200 run 33: planning a decode graph's next step during the current replay made the call
+last the whole step), which is why graphs are planned after the step's sync.
 
 CUDA graphs (``engine/cuda_graphs.py``): ``graph_wrappers`` makes wrappers in flashinfer's
 CUDA-graph mode with fixed-size index (and packed-mask) buffers for one captured shape;
@@ -34,6 +40,29 @@ from espalier.engine.attention.paged_plan import (
 )
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
+
+DECODE_KERNEL_UP_TO = 0
+"""One-token causal steps (plain decode) of at most this many sequences run flashinfer's decode
+wrapper; bigger ones, like every other step, its prefill kernel. Read when a step is planned or
+a CUDA graph's wrappers are made. Off (0) by default: in bf16 the decode kernel's logits differ
+in the last bits from those the prefill kernel gives the same row of a verified tree, so a
+near-tie can make speculative output differ from plain decoding (H200 run 34:
+``test_speculative_lossless_cuda[bfloat16-llguidance]`` diverged at token 20 with 4); with one
+kernel for both they agree token for token. What it would gain (run 33, 8B Llama shape,
+128-token context, GPU time of a captured decode step): batch 1 4.339 ms (decode, tensor cores)
+vs 4.465 (prefill kernel) vs 4.656 (decode, CUDA cores); batch 8 4.579 vs 4.529 vs 4.94; batch
+64 7.654 vs 5.53 vs 5.622. Set it (to 4, say) where no request speculates."""
+
+DECODE_TENSOR_CORES = True
+"""The decode wrapper's ``use_tensor_cores``: on Hopper flashinfer's FA3 kernel for one-token
+queries, no split-KV merge (batch 1: 7.6 us per layer, vs 15.4 on CUDA cores and 9.0 + 2.4
+(merge) on the prefill kernel; run 33's profile)."""
+
+
+def use_decode_kernel(num_seqs: int) -> bool:
+    """Whether a one-token causal step of ``num_seqs`` sequences runs the decode wrapper."""
+    return num_seqs <= DECODE_KERNEL_UP_TO
+
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-KV partial results)
@@ -87,18 +116,35 @@ class FlashinferBackend:
         )
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._eager: Wrappers = {w: self._wrapper() for w in self.windows}
+        self._eager_decode: Wrappers = {}  # made at the first decode step (its JIT module)
 
     def _wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2", **graph_buffers
         )
 
+    def _decode_wrapper(self, **graph_buffers: Any) -> Any:
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=DECODE_TENSOR_CORES, **graph_buffers
+        )
+
+    def _is_decode(self, wrapper: Any) -> bool:
+        return isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
+
     # -- planning (host side, once per step) ---------------------------------------------------
 
     def prepare(self, meta: AttentionMetadata) -> None:
         layout = meta_layout(meta)
+        masks = {window: step_mask(meta, window) for window in self.windows}
+        causal = all(segments is None for segments in masks.values())
+        if causal and meta.num_tokens == meta.num_seqs and use_decode_kernel(meta.num_seqs):
+            if not self._eager_decode:
+                self._eager_decode = {w: self._decode_wrapper() for w in self.windows}
+            self.plan_causal(self._eager_decode, layout, meta.block_size)
+            meta.backend_state = self._eager_decode
+            return
         for window, wrapper in self._eager.items():
-            segments = step_mask(meta, window)
+            segments = masks[window]
             if segments is None:
                 self._plan(wrapper, layout, meta.block_size, window=window)
             else:
@@ -126,7 +172,8 @@ class FlashinferBackend:
         wrapper._mask_indptr_buf = torch.from_numpy(indptr).to(self.device, non_blocking=True)
 
     def plan_causal(self, wrappers: Wrappers, layout: PagedLayout, block_size: int) -> None:
-        """Plan ``wrappers`` (eager or CUDA-graph mode) for the causal step ``layout``."""
+        """Plan ``wrappers`` (prefill or decode, eager or CUDA-graph mode) for the causal step
+        ``layout`` (decode wrappers: one token per sequence)."""
         for window, wrapper in wrappers.items():
             self._plan(wrapper, layout, block_size, window=window)
 
@@ -140,29 +187,35 @@ class FlashinferBackend:
         custom_mask: torch.Tensor | None = None,
         causal: bool = True,
     ) -> None:
+        """Plan a prefill or decode ``wrapper`` (decode: causal, one token per sequence)."""
         cfg = self.config
+        paged = (layout.kv_indptr, layout.kv_indices, layout.last_page_len)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
+        common = {
+            "sm_scale": cfg.scale,
+            "window_left": -1 if window is None else window - 1,
+            "q_data_type": self.dtype,
+            "kv_data_type": self.dtype,
+        }
+        if self._is_decode(wrapper):
+            wrapper.plan(*paged, *heads, **common)
+            return
         wrapper.plan(
             layout.qo_indptr,
-            layout.kv_indptr,
-            layout.kv_indices,
-            layout.last_page_len,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            block_size,
+            *paged,
+            *heads,
             custom_mask=custom_mask,
             causal=causal and custom_mask is None,
-            sm_scale=cfg.scale,
-            window_left=-1 if window is None else window - 1,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            **common,
         )
 
     def graph_wrappers(
         self, batch_size: int, max_pages: int, tokens_per_seq: int = 1, mask_bytes: int = 0
     ) -> GraphWrappers:
         """Wrappers in CUDA-graph mode for ``batch_size`` sequences of ``tokens_per_seq`` new
-        tokens over at most ``max_pages`` pages in all (fixed int32 index buffers on the device).
+        tokens over at most ``max_pages`` pages in all (fixed int32 index buffers on the device):
+        decode wrappers for one causal token per sequence (``DECODE_KERNEL_UP_TO``), else prefill
+        ones.
         ``mask_bytes > 0``: custom-mask mode, with a packed-mask buffer of that many bytes per
         layer window (``plan_graph_masked`` fills it)."""
 
@@ -171,6 +224,15 @@ class FlashinferBackend:
 
         step = tokens_per_seq
         out = GraphWrappers({}, {})
+        if step == 1 and not mask_bytes and use_decode_kernel(batch_size):
+            for window in self.windows:
+                out.wrappers[window] = self._decode_wrapper(
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=ints(batch_size + 1),
+                    paged_kv_indices_buffer=ints(max_pages),
+                    paged_kv_last_page_len_buffer=ints(batch_size) + 1,
+                )
+            return out
         for window in self.windows:
             masks: dict[str, torch.Tensor] = {}
             if mask_bytes:
@@ -210,19 +272,13 @@ class FlashinferBackend:
 
     # -- per layer -------------------------------------------------------------------------------
 
-    def forward(
-        self,
-        spec: LayerSpec,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
+    def attend(
+        self, spec: LayerSpec, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """q: ``[T, H, D]``, k/v: ``[T, Hkv, D]`` (roped, bf16/fp16, CUDA) -> ``[T, H, D]``."""
+        """q: ``[T, H, D]`` (roped, bf16/fp16, CUDA; the step's K/V already in the cache) ->
+        ``[T, H, D]``."""
         if spec.logit_softcap is not None:
             raise ValueError("the flashinfer backend plans no attention softcapping")
-        kv_cache.write(spec.layer, meta.slot_mapping, k, v)
         wrapper = meta.backend_state[spec.sliding_window]
         out: torch.Tensor = wrapper.run(q, (kv_cache.k[spec.layer], kv_cache.v[spec.layer]))
         return out

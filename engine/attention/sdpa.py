@@ -2,8 +2,9 @@
 
 Per step, ``prepare`` groups the sequences (similar ``q_len`` together, to bound padding) and
 builds per group, on the device: the packed-row index of each padded query, the physical slot of
-each padded key, and one bool mask per distinct sliding window. Per layer, ``forward`` writes the
-new K/V into the cache, gathers each group's keys from the cache and runs one SDPA call per group.
+each padded key, and one bool mask per distinct sliding window. Per layer, ``attend`` gathers
+each group's keys from the cache (the layer has written its new K/V there) and runs one SDPA call
+per group.
 """
 
 from __future__ import annotations
@@ -56,16 +57,9 @@ class SdpaBackend:
             self._build_group(meta, members) for members in _group_sequences(meta)
         ]
 
-    def forward(
-        self,
-        spec: LayerSpec,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
+    def attend(
+        self, spec: LayerSpec, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        kv_cache.write(spec.layer, meta.slot_mapping, k, v)
         k_flat, v_flat = kv_cache.flat(spec.layer)
         groups: list[_Group] = meta.backend_state
         if (

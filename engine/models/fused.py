@@ -2,7 +2,7 @@
 
 A decode step of an 8B model is a few milliseconds of weight streaming; every extra kernel costs
 microseconds even inside a CUDA graph. The eager layer code launches ~40 kernels per layer (an
-RMSNorm alone is eight); these four replace most of them, and ``fuse_projections`` turns the
+RMSNorm alone is eight); these five replace most of them, and ``fuse_projections`` turns the
 q/k/v and gate/up projections into one GEMM each:
 
 - ``rms_norm``: Llama style ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` or Gemma style
@@ -11,11 +11,13 @@ q/k/v and gate/up projections into one GEMM each:
   delta))`` in one launch; the decoder layers defer each residual add to the next norm for it.
 - ``rope``: rotate-half rotary embedding of q and k in one launch (q/k may be strided views of a
   fused qkv output), outputs contiguous; the same bf16 roundings as ``layers.apply_rope``.
+- ``rope_store``: the same rotation with the K/V cache write folded in: roped k and v go straight
+  to their paged-cache slots (one launch instead of rope + two ``index_copy``).
 - ``gated_act``: ``act(gate) * up`` of a fused ``[T, 2 * I]`` gate/up output (SiLU or tanh-GELU).
 
-The two norm kernels live in ``models/fused_norm.py``. Used on CUDA tensors only; the layer code
-keeps its torch path for CPU (and as the oracle: ``tests/engine/test_fused_ops.py`` runs these
-kernels in Triton's CPU interpreter).
+The norm kernels live in ``models/fused_norm.py``, the rope kernels in ``models/fused_rope.py``.
+Used on CUDA tensors only; the layer code keeps its torch path for CPU (and as the oracle:
+``tests/engine/test_fused_ops.py`` runs these kernels in Triton's CPU interpreter).
 """
 
 from __future__ import annotations
@@ -26,78 +28,9 @@ import triton.language as tl
 from torch import nn
 
 from espalier.engine.models.fused_norm import add_rms_norm, rms_norm
+from espalier.engine.models.fused_rope import rope, rope_store
 
-__all__ = ["add_rms_norm", "fuse_projections", "gated_act", "rms_norm", "rope"]
-
-
-@triton.jit
-def _rope_kernel(
-    q_ptr,
-    k_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    q_stride_t,
-    q_stride_h,
-    k_stride_t,
-    k_stride_h,
-    n_q_heads,
-    n_k_heads,
-    HALF: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs = tl.arange(0, HALF)
-    dtype = q_out_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + t * 2 * HALF + offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + offs).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * 2 * HALF + offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + offs).to(tl.float32)
-    if h < n_q_heads:
-        src = q_ptr + t * q_stride_t + h * q_stride_h
-        dst = q_out_ptr + (t * n_q_heads + h) * 2 * HALF
-    else:
-        src = k_ptr + t * k_stride_t + (h - n_q_heads) * k_stride_h
-        dst = k_out_ptr + (t * n_k_heads + h - n_q_heads) * 2 * HALF
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
-    # x * cos + cat(-x2, x1) * sin, rounded to the model dtype after each op (as in torch)
-    a1 = (x1 * c1).to(dtype).to(tl.float32)
-    b1 = (-x2 * s1).to(dtype).to(tl.float32)
-    a2 = (x2 * c2).to(dtype).to(tl.float32)
-    b2 = (x1 * s2).to(dtype).to(tl.float32)
-    tl.store(dst + offs, (a1 + b1).to(dtype))
-    tl.store(dst + HALF + offs, (a2 + b2).to(dtype))
-
-
-def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (unit stride in D; may be views
-    of a fused projection) with ``cos, sin [T, 1, D]`` (contiguous) -> contiguous ``(q, k)``."""
-    t, hq, d = q.shape
-    hk = k.shape[1]
-    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
-    if t:
-        _rope_kernel[(t, hq + hk)](
-            q,
-            k,
-            cos.contiguous(),
-            sin.contiguous(),
-            q_out,
-            k_out,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            hq,
-            hk,
-            HALF=d // 2,
-            num_warps=1,
-        )
-    return q_out, k_out
+__all__ = ["add_rms_norm", "fuse_projections", "gated_act", "rms_norm", "rope", "rope_store"]
 
 
 @triton.jit

@@ -64,6 +64,12 @@ FUSE_RESIDUAL_ADD = True
 (``RMSNormBase.add_norm``); False launches the add and the norm separately (for A/B timing)."""
 
 
+FUSE_ROPE_STORE = True
+"""On CUDA, rotate q/k and write the new K/V to the paged cache in one kernel
+(``fused.rope_store``); False: the rope kernel, then ``KVCache.write`` (for A/B timing). Read
+per call, so a CUDA graph keeps the choice made when it was captured."""
+
+
 def norm_kernels(x: torch.Tensor) -> bool:
     """Whether the norms of ``x`` run as Triton kernels (``models/fused_norm.py``): on CUDA."""
     return x.is_cuda or KERNELS_ON_CPU
@@ -234,9 +240,14 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        if q.is_cuda:
-            q, k = fused.rope(q, k, cos, sin)
+        layer = self.spec.layer
+        if q.is_cuda and FUSE_ROPE_STORE:  # rotation and cache write in one launch
+            q = fused.rope_store(q, k, v, cos, sin, *kv_cache.flat(layer), meta.slot_mapping)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention.forward(self.spec, q, k, v, kv_cache, meta)
+            if q.is_cuda:
+                q, k = fused.rope(q, k, cos, sin)
+            else:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kv_cache.write(layer, meta.slot_mapping, k, v)
+        out = attention.attend(self.spec, q, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -76,6 +76,52 @@ def test_rope_on_views_of_a_fused_projection(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got_k.cpu(), apply_rope(k, cos, sin), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_store_writes_the_cache_as_rope_and_write(dtype: torch.dtype) -> None:
+    """``rope_store`` on views of a fused projection: q is ``rope``'s q, and the cache holds
+    ``rope``'s k and the unrotated v at the given slots, bit for bit, every other slot untouched
+    (``KVCache.write`` after ``rope``, the path it replaces)."""
+    from espalier.engine.kv_cache import KVCache
+
+    torch.manual_seed(3)
+    t, hq, hk, d, blocks, bs = 5, 4, 2, 32, 4, 4
+    dev = torch.device(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype).to(dev)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_cos_sin(inv_freq, torch.tensor([0, 3, 9, 9, 40]), dtype)
+    cos, sin = cos.to(dev), sin.to(dev)
+    slots = torch.tensor([13, 2, 7, 0, 14], device=dev)  # scattered over blocks, not in order
+
+    def cache() -> KVCache:
+        shape = (blocks, bs, hk, d)
+        k_data = [torch.randn(shape).to(dtype).to(dev)]
+        return KVCache(k=k_data, v=[torch.randn(shape).to(dtype).to(dev)], block_size=bs)
+
+    torch.manual_seed(4)
+    want_cache = cache()
+    want_q, want_k = fused.rope(q, k, cos, sin)
+    want_cache.write(0, slots, want_k, v)
+    torch.manual_seed(4)
+    got_cache = cache()
+    got_q = fused.rope_store(q, k, v, cos, sin, *got_cache.flat(0), slots)
+    assert got_q.is_contiguous() and got_q.shape == (t, hq, d)
+    identical(got_q.cpu(), want_q.cpu())
+    identical(got_cache.k[0].cpu(), want_cache.k[0].cpu())
+    identical(got_cache.v[0].cpu(), want_cache.v[0].cpu())
+
+
+def test_rope_store_refuses_slots_of_another_shape() -> None:
+    t, h, d = 2, 2, 16
+    x = torch.zeros(t, h, d, dtype=torch.bfloat16, device=DEVICE)
+    flat = torch.zeros(8, h, d, dtype=torch.bfloat16, device=DEVICE)
+    cos = torch.ones(t, 1, d, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="slots"):
+        fused.rope_store(x, x, x, cos, cos, flat, flat, torch.zeros(3, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 def test_gated_act(gelu: bool) -> None:
     torch.manual_seed(2)

@@ -79,23 +79,70 @@ def test_flashinfer_logits_match_sdpa(family: str, window: int | None) -> None:
         assert (want - got).abs().max() <= 0.03 * scale, (want - got).abs().max() / scale
 
 
-def test_graph_replay_matches_eager_logits() -> None:
-    """Padded replay (3 sequences in the bucket of 4) gives the eager logits."""
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_kernel_matches_the_prefill_kernel(
+    family: str, tensor_cores: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-token causal steps run flashinfer's decode kernel (sliding-window layers too), with
+    the logits of its prefill kernel; tree steps keep the prefill kernel."""
+    from espalier.engine.attention import flashinfer as fi
+
+    config = gpu_config(97, family=family, window=6)
+    state = gpu_state(config, seed=3)
+    monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 0)
+    prefill = gpu_runner(config, state, backend="flashinfer")
+    want = step_logits(prefill)
+    assert not prefill.attention._eager_decode
+    monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)  # the decode step has 2 sequences
+    monkeypatch.setattr(fi, "DECODE_TENSOR_CORES", tensor_cores)
+    decode = gpu_runner(config, state, backend="flashinfer")
+    got = step_logits(decode)
+    assert decode.attention._eager_decode  # the decode step was planned on decode wrappers
+    for a, b in zip(want, got):
+        assert a.shape == b.shape
+        scale = a.abs().max()
+        assert (a - b).abs().max() <= 0.02 * scale, (a - b).abs().max() / scale
+
+
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_graph_replay_matches_eager_logits(
+    plan_ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Padded replay (3, then 2 sequences in the buckets of 4 and 2) gives the eager logits;
+    decode graphs of up to ``DECODE_KERNEL_UP_TO`` sequences run flashinfer's decode kernel,
+    bigger ones its prefill kernel (both kinds here, around a limit of 2); with plans made ahead
+    (during the previous replay, into the bucket's second graph) or after each sync, and a plan
+    made ahead for a step that does not come (a sequence left) left unused."""
+    import flashinfer
+
+    from espalier.engine import cuda_graphs
+    from espalier.engine.attention import flashinfer as fi
+
+    monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)
+    monkeypatch.setattr(cuda_graphs, "PLAN_AHEAD", plan_ahead)
     config = gpu_config(97, window=6)
     state = gpu_state(config, seed=2)
     eager = gpu_runner(config, state, backend="flashinfer")
     graphs = gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4))
     assert graphs.graphs is not None and graphs.graphs.captured == [(1, 1), (2, 1), (4, 1)]
     assert graphs.num_blocks == eager.num_blocks  # the scratch block is extra
+    kinds = {b: type(graphs.graphs.graphs[(b, 1)].wrappers.wrappers[None]) for b in (2, 4)}
+    assert kinds[2] is flashinfer.BatchDecodeWithPagedKVCacheWrapper
+    assert kinds[4] is flashinfer.BatchPrefillWithPagedKVCacheWrapper
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34]]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
     for runner in (eager, graphs):
         runner.forward([SeqInput(t, p, 0, logits="none") for t, p in zip(tables, prompts)])
     for step in range(12):
-        batch = [SeqInput(t, [40 + step], len(p) + step) for t, p in zip(tables, prompts)]
+        live = [0, 1, 2] if step < 6 else [0, 2]  # the second sequence leaves at step 6
+        batch = [SeqInput(tables[i], [40 + step], len(prompts[i]) + step) for i in live]
         want, got = eager.forward(batch).logits, graphs.forward(batch).logits
         assert torch.allclose(want, got, atol=0.02 * float(want.abs().max()), rtol=0), step
     assert graphs.graphs.replays == {1: 12}
+    # ahead: every step but the first of each batch (and the spare graphs exist)
+    assert graphs.graphs.planned_ahead == (10 if plan_ahead else 0)
+    assert sorted(graphs.graphs.spares) == ([1, 2, 4] if plan_ahead else [])
 
 
 def test_tree_verify_graph_matches_eager_logits() -> None:
