@@ -58,17 +58,21 @@ class CompileProbe:
         self._lines: queue.Queue[str | None] = queue.Queue()
 
     def compile(self, backend: str, spec: GrammarSpec, timeout: float) -> ProbeResult:
-        """Compile ``spec`` with ``backend`` in the child; kill the child past ``timeout`` s."""
+        """Compile ``spec`` with ``backend`` in the child; kill the child past ``timeout`` s
+        (also when its reply says the compile took longer: it came in while this thread was not
+        looking)."""
         child = self._ready_child()
         request = {"backend": backend, "kind": spec.kind.name, "source": spec.source}
         assert child.stdin is not None
         child.stdin.write(json.dumps(request) + "\n")
         child.stdin.flush()
         line = self._next_line(timeout)
-        if line is None:
+        reply = json.loads(line) if line is not None else None
+        # a reply can be waiting already when this thread first looks (it was descheduled
+        # while the child compiled): the compile's own time decides, as the wait would have
+        if reply is None or float(reply["seconds"]) > timeout:
             self._kill()
             return ProbeResult(False, timeout, timed_out=True)
-        reply = json.loads(line)
         return ProbeResult(bool(reply["ok"]), float(reply["seconds"]), error=reply.get("error", ""))
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,26 @@ def test_compiles_reports_refusals_and_kills_at_timeout(tokenizer_dir: Path, bac
         again = probe.compile(backend, GrammarSpec.json_schema(SCHEMA), timeout=60.0)
         assert again.ok and probe.pid not in (None, first)
     assert probe.pid is None
+
+
+def test_a_reply_read_late_still_times_out(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply of a compile that ran past its timeout can be waiting already when the parent
+    first looks (it was descheduled meanwhile: CI saw a cached compile pass a 1 µs timeout this
+    way); the compile's own time decides, and the child is killed as on a timed-out wait."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    with CompileProbe(["xgrammar"], str(tokenizer_dir)) as probe:
+        assert probe.compile("xgrammar", spec, timeout=60.0).ok
+        first = probe.pid
+        assert first is not None
+        look = probe._next_line
+
+        def look_late(timeout: float) -> str | None:
+            time.sleep(0.5)  # the child answers meanwhile
+            return look(timeout)
+
+        monkeypatch.setattr(probe, "_next_line", look_late)
+        late = probe.compile("xgrammar", spec, timeout=1e-6)
+        assert late.timed_out and not late.ok
+        assert probe.kills == 1 and not alive(first)
