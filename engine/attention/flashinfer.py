@@ -15,7 +15,8 @@ explicit masks (``paged_plan.step_mask``), bit-packed on the CPU and uploaded wi
 Either way ``plan`` reads only CPU arrays: nothing is read back from the device. Its copies to
 the device come from pageable memory, though, so a plan made while the stream is busy waits for
 it (H200 run 33: planning a decode graph's next step during the current replay made the call
-last the whole step), which is why graphs are planned after the step's sync.
+last the whole step); ``engine/cuda_graphs.py`` plans ahead on a side stream, into a second
+graph, for that reason.
 
 CUDA graphs (``engine/cuda_graphs.py``): ``graph_wrappers`` makes wrappers in flashinfer's
 CUDA-graph mode with fixed-size index (and packed-mask) buffers for one captured shape;
