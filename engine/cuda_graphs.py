@@ -169,8 +169,7 @@ class StepGraphs:
             return None
         graph = self.graphs[(bucket, n)]
         started = time.perf_counter()
-        key = _layout_key(batch, self.runner.block_size) if n == 1 else None
-        ahead = self._planned_for(bucket, key)
+        ahead = self._planned_for(bucket, batch) if n == 1 else None
         if ahead is not None:
             graph = ahead
             self.planned_ahead += 1
@@ -205,11 +204,12 @@ class StepGraphs:
             self._plan_ahead(graph, batch, bucket)
         return ForwardOutput(logits=logits, logits_indptr=indptr, hidden_states=captured)
 
-    def _planned_for(self, bucket: int, key: LayoutKey | None) -> _Graph | None:
-        """The graph of ``bucket`` planned ahead for the decode layout ``key``, made ready to
+    def _planned_for(self, bucket: int, batch: Sequence[SeqInput]) -> _Graph | None:
+        """The graph of ``bucket`` planned ahead for the decode step ``batch``, made ready to
         replay (the current stream waits for its plan's copies); None when there is none."""
-        if key is None or bucket not in self.spares:
+        if bucket not in self.spares:
             return None
+        key = _layout_key(batch, self.runner.block_size)
         for graph in (self.graphs[(bucket, 1)], self.spares[bucket]):
             if graph.planned == key and graph.plan_ready is not None:
                 torch.cuda.current_stream().wait_event(graph.plan_ready)
