@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -131,6 +131,7 @@ def fill_tree_bitmask(
     budget: float | None = DEFAULT_BUDGET_S,
     *,
     root_row: torch.Tensor | np.ndarray | None = None,
+    threads: int = 1,
 ) -> TreeMasks:
     """Fill rows ``0..n-1`` of ``out`` with the masks of ``tree``'s nodes (see module docstring).
 
@@ -145,6 +146,9 @@ def fill_tree_bitmask(
             between nodes.
         root_row: the root's mask if already known (step reuse, see :func:`advance`); copied to
             row 0 instead of asking the grammar again.
+        threads: threads the fill may use. Only llguidance's native walk uses a second one
+            (for trees of ``traverse_llguidance.SPLIT_MIN_NODES`` nodes or more); give 1 where
+            other fills already keep every core busy (a batch with a tree per thread).
     """
     start = time.perf_counter()
     rows = _rows_view(out, tree.num_nodes, matcher.vocab_size)
@@ -152,6 +156,11 @@ def fill_tree_bitmask(
     if root_row is not None:
         rows[0] = np.asarray(root_row.numpy() if isinstance(root_row, torch.Tensor) else root_row)
     walker = walker_for(matcher)
+    if threads > 1 and _backend(matcher) == "llguidance":
+        from espalier.constrained.traverse_llguidance import walk_llguidance
+
+        if walker is walk_llguidance:
+            walker = partial(walk_llguidance, threads=threads)
     result = WalkResult.empty(tree.num_nodes)
     if budget is None:
         walker(matcher, tree, rows, float("inf"), root_ready, result)

@@ -1,12 +1,18 @@
-"""llguidance tree walks: native (one C call per tree) when it can, else a Python DFS.
+"""llguidance tree walks: a Python DFS over ``deep_copy`` snapshots (the default), or a native
+one (one C call per tree, opt-in).
 
-**Native walk** (:func:`walk_llguidance` when the C-API twin is available,
-``constrained/native/``): each request's matcher keeps a twin made through llguidance's C API,
-which a walk first catches up with the request (rolls back what the request rolled back, consumes
-what it accepted since) and then walks from in ``llg_walk.c``: the same DFS as below, with no
-Python per node and the GIL dropped for the whole tree, so trees of a batch fill in parallel. It
-checks the budget between nodes (a walk overruns it by at most one mask), so budgeted native
-walks run inline (``traverse.fill_tree_bitmask``).
+**Native walk** (:func:`walk_llguidance`, with ``BackendOptions.llguidance_native_walk`` and a C
+compiler, ``constrained/native/``): each request's matcher keeps a twin made through
+llguidance's C API, which a walk first catches up with the request (rolls back what the request
+rolled back, consumes what it accepted since) and then walks from in ``llg_walk.c``: the same
+DFS as below, with no Python per node and the GIL dropped for the whole tree, so trees of a
+batch fill in parallel; with ``threads`` > 1 a second twin walks part of a big tree on a second
+thread (work stealing between two deques). It checks the budget between nodes (a walk overruns
+it by at most one mask), so budgeted native walks run inline (``traverse.fill_tree_bitmask``).
+**It is not exact with llguidance 1.9.1**: it moves one matcher down and rolls it back between
+siblings, and after such a rollback llguidance can answer a mask of the rolled-back branch (one
+tree of 98 on JSONSchemaBench; ``tests/constrained/test_llguidance_stale_rollback.py``). Hence
+opt-in.
 
 **Python walk** (:func:`walk_llguidance_py`): an iterative DFS over ``deep_copy`` snapshots of
 the ``LLMatcher``.
@@ -39,6 +45,7 @@ import numpy as np
 
 from espalier.constrained.backends.llguidance import MatcherStateError
 from espalier.constrained.native import llguidance as native
+from espalier.constrained.native.twin import Twin
 from espalier.constrained.traverse import (
     WalkResult,
     flat_words,
@@ -140,6 +147,11 @@ def native_walk_ready(matcher: Any) -> bool:
     return matcher.compiled.native_template() is not None
 
 
+SPLIT_MIN_NODES = 8
+"""A tree walks on two threads (when allowed) only from this many nodes: below it, the second
+thread's start and catch-up (~30-60 µs) cost about what it would save."""
+
+
 def walk_llguidance(
     matcher: Any,
     tree: DraftTree,
@@ -147,29 +159,32 @@ def walk_llguidance(
     deadline: float,
     root_ready: bool,
     result: WalkResult,
+    *,
+    threads: int = 1,
 ) -> WalkResult:
     """Fill ``rows`` for an llguidance-backed matcher: natively when it can (module docstring),
-    else :func:`walk_llguidance_py`."""
+    else :func:`walk_llguidance_py`. ``threads`` > 1 lets a native walk of a tree of at least
+    :data:`SPLIT_MIN_NODES` nodes share it with a second thread (on a second twin)."""
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
-    shadow = matcher.shadow
-    if shadow is None:
-        shadow = matcher.compiled.native_start()
-        if shadow is None:
+    twin = matcher.twin
+    if twin is None:
+        start = matcher.compiled.native_start()
+        if start is None:
             return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
-        matcher.shadow, matcher.shadow_len, matcher.shadow_agree = shadow, 0, 0
-        matcher.shadow_tail, matcher.shadow_memo_stale = [], False
+        twin = matcher.twin = Twin(start)
     history = matcher.history
-    agree = matcher.shadow_agree
-    tail = matcher.shadow_tail  # the twin's last tokens: where its previous walk ended
-    base = matcher.shadow_len - len(tail)
-    if tail and agree == base:  # the request accepted a prefix of that path: keep it
-        matched = 0
-        for token, accepted in zip(tail, history[base:]):
-            if token != accepted:
-                break
-            matched += 1
-        agree += matched
+    rollback_n, sync = twin.catch_up(history)
+    helper_twin = None
+    helper = None
+    if threads > 1 and tree.num_nodes >= SPLIT_MIN_NODES:
+        helper_twin = matcher.helper_twin
+        if helper_twin is None:
+            start = matcher.compiled.native_start()
+            helper_twin = matcher.helper_twin = Twin(start) if start is not None else None
+        if helper_twin is not None:
+            back, catch = helper_twin.catch_up(history)
+            helper = native.HelperStart(helper_twin.native, helper_twin.memo_stale, back, catch)
     n = tree.num_nodes
     flags = np.zeros((3, n), dtype=np.uint8)
     if deadline == float("inf"):
@@ -178,24 +193,27 @@ def walk_llguidance(
         budget = max(deadline - time.perf_counter() - WRAP_UP_S, 0.0)
     try:
         end = native.walk(
-            shadow,
-            matcher.shadow_memo_stale,
-            matcher.shadow_len - agree,
-            history[agree:],
+            twin.native,
+            twin.memo_stale,
+            rollback_n,
+            sync,
             tree,
             rows,
             matcher.compiled.native_slot.tables,
             native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
             budget,
             flags,
+            helper,
         )
     except RuntimeError as exc:
-        matcher.shadow = None  # its state is unknown now: the next walk starts a new one
+        # their states are unknown now: the next walk starts new ones
+        matcher.twin = matcher.helper_twin = None
         raise MatcherStateError(str(exc)) from exc
-    matcher.shadow_agree = len(history)
-    matcher.shadow_len = len(history) + len(end.path)
-    matcher.shadow_tail = end.path
-    matcher.shadow_memo_stale = end.memo_stale
+    helped = 0
+    if helper_twin is not None and end.helper is not None:
+        helped = end.helper.filled
+        helper_twin.ended(len(history), end.helper.path, end.helper.memo_stale, helped)
+    twin.ended(len(history), end.path, end.memo_stale, end.filled - helped)
     result.flags = flags.view(bool)
     result.complete = end.filled == n
     result.budget_hit = end.status == native.WALK_BUDGET_HIT

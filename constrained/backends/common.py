@@ -63,17 +63,20 @@ class BackendOptions:
             a greedy model cannot write digits until max_tokens. ``None``: the libraries' own
             unbounded number grammars.
         llguidance_native_walk: fill llguidance tree masks with the native walk
-            (``constrained/native/``: GIL-free, so a batch of trees fills on all cores) when a C
-            compiler is there. False: the Python walk, whose copies keep llguidance's mask memo
-            (up to ~3x faster on single trees in slow-mask states, e.g. long strings of big
-            schemas) but hold the GIL between masks.
+            (``constrained/native/``: GIL-free, so a batch of trees fills on all cores, and a big
+            tree on two threads) when a C compiler is there. **Off by default: not exact with
+            llguidance 1.9.1.** That walk moves one matcher down and rolls it back, and after a
+            rollback llguidance can return a mask computed on the rolled-back branch, even
+            after a fresh mask at the rolled-back state (``tests/constrained/
+            test_llguidance_stale_rollback.py``: one tree of 98 on JSONSchemaBench). The Python
+            walk (False) never rolls back: siblings start from ``deep_copy`` snapshots.
     """
 
     json_max_whitespace: int = 4
     json_strict_properties: bool = False
     max_threads: int = 2
     json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
-    llguidance_native_walk: bool = True
+    llguidance_native_walk: bool = False
 
     def json_source(self, spec: GrammarSpec, backend: str) -> str:
         """The schema text ``backend`` compiles for a JSON_SCHEMA ``spec``: with the number

@@ -10,13 +10,18 @@
 An ``LLMatcher`` goes into a sticky error state when it consumes a bad token, so :meth:`accept`
 goes through ``try_consume_tokens``, which consumes a token only when it is allowed.
 
-llguidance (1.9.1) keeps a memo of the last mask it computed (keyed, as its behaviour shows, by
+llguidance (1.9.1) keeps a memo of the masks it computed (keyed, as its behaviour shows, by
 lexer state and Earley row index) that ``rollback`` does not clear: after a rollback, tokens that
 rebuild a row at the same index with the same lexer state (``[`` + ``["``, mask, rollback 1,
 `` "``: both inside a string, one array deep vs two) get the rolled-back branch's mask
-(``"]"`` allowed, ``"}"`` not). A mask computed at the rolled-back state itself is right (its rows
-are unchanged) and replaces the memo, so after a rollback the adapter computes one, into a scratch
-row, before the next consume unless a fill comes first (:meth:`Matcher.refresh_mask_memo`).
+(``"]"`` allowed, ``"}"`` not). After a rollback the adapter computes a mask at the rolled-back
+state, into a scratch row, before the next consume unless a fill comes first
+(:meth:`Matcher.refresh_mask_memo`): that repairs the case above, **but not every case**
+(``tests/constrained/test_llguidance_stale_rollback.py``: a mask two tokens down, a rollback, a
+mask at the rolled-back state, and a sibling still gets the branch's mask). So nothing that
+needs exact masks rolls an llguidance matcher back after computing masks below: the tree walk
+starts siblings from ``deep_copy`` snapshots (``traverse_llguidance``), and probes that roll
+back (closing paths, forced chains) check tokens by consuming them, not by masks.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from espalier.constrained.native import llguidance as llg_native
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
+    from espalier.constrained.native.twin import Twin
     from espalier.constrained.tokenizer import TokenizerInfo
 
 NAME = "llguidance"
@@ -233,16 +239,12 @@ class Matcher(MatcherBase):
         # rolled-back branch (module docstring), so the next consume must refresh it first.
         self.mask_memo_stale = False
         self._scratch: np.ndarray | None = None
-        # Tokens consumed natively, and the C-API twin the native tree walk runs from
-        # (``traverse_llguidance``): it has consumed ``shadow_len`` tokens, of which the first
-        # ``shadow_agree`` are ``history``'s and the last ``shadow_tail`` the path its last walk
-        # ended on; each walk catches it up first.
+        # Tokens consumed natively, and the C-API twins the native tree walk runs from
+        # (``traverse_llguidance``, ``native/twin.py``): the walk's, and a second one that
+        # walks part of a big tree on another thread; each walk catches them up first.
         self.history: list[int] = []
-        self.shadow: llg_native.NativeMatcher | None = None
-        self.shadow_len = 0
-        self.shadow_agree = 0
-        self.shadow_tail: list[int] = []
-        self.shadow_memo_stale = False
+        self.twin: Twin | None = None
+        self.helper_twin: Twin | None = None
 
     def refresh_mask_memo(self) -> None:
         """Compute the mask into a scratch row, so llguidance's memo describes this state.
@@ -294,7 +296,9 @@ class Matcher(MatcherBase):
             raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
         self.mask_memo_stale = True
         del self.history[len(self.history) - n :]
-        self.shadow_agree = min(self.shadow_agree, len(self.history))
+        for twin in (self.twin, self.helper_twin):
+            if twin is not None:
+                twin.forget_after(len(self.history))
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
@@ -333,9 +337,7 @@ class Matcher(MatcherBase):
         self.native.reset()
         self.mask_memo_stale = False
         self.history.clear()
-        self.shadow = None
-        self.shadow_len = self.shadow_agree = 0
-        self.shadow_tail = []
+        self.twin = self.helper_twin = None
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():

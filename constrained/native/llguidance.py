@@ -109,6 +109,26 @@ class _WalkArgs(ctypes.Structure):
     ]
 
 
+class _HelperArgs(ctypes.Structure):
+    """``EspHelperArgs`` of ``llg_walk.c``: the second matcher of a two-thread walk."""
+
+    _fields_ = [
+        ("matcher", ctypes.c_void_p),
+        ("memo_stale", ctypes.c_int64),
+        ("rollback_n", ctypes.c_int64),
+        ("sync", ctypes.c_void_p),
+        ("n_sync", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("err", ctypes.c_void_p),
+        ("err_len", ctypes.c_int64),
+        ("end_path", ctypes.c_void_p),
+        ("end_depth", ctypes.c_int64),
+        ("memo_stale_out", ctypes.c_int64),
+        ("ran", ctypes.c_int64),
+        ("n_filled", ctypes.c_int64),
+    ]
+
+
 TOKENIZE_CACHE_ENTRIES = 8192
 """Slots of the C tokenize cache (texts remembered: up to half of it; cleared when full)."""
 
@@ -156,9 +176,9 @@ class Api:
                 )
             )
         )
-        walk_fn = walk.espalier_llg_walk
+        walk_fn = walk.espalier_llg_walk2
         walk_fn.restype = ctypes.c_int64
-        walk_fn.argtypes = [vp, vp]
+        walk_fn.argtypes = [vp, vp, vp]
         cache_new = walk.espalier_tokenize_cache_new
         cache_new.restype, cache_new.argtypes = vp, [vp, vp, sz]
         self.tokenize_cache_new = cache_new
@@ -324,13 +344,34 @@ class WalkTables:
 @dataclass
 class WalkEnd:
     """Where a walk left its root matcher: ``status`` (WALK_DONE or WALK_BUDGET_HIT), the tokens
-    it consumed below the tree's root (``path``), whether its memo may be stale; and how many
-    rows it filled."""
+    it consumed below the tree's root (``path``), whether its memo may be stale; how many rows
+    it filled (both threads); and where the helper matcher ended (None if it did not run)."""
 
     status: int
     path: list[int]
     memo_stale: bool
     filled: int
+    helper: HelperEnd | None = None
+
+
+@dataclass
+class HelperEnd:
+    """Where a two-thread walk left its second matcher (as :class:`WalkEnd`), and how many of
+    the walk's rows it filled."""
+
+    path: list[int]
+    memo_stale: bool
+    filled: int
+
+
+@dataclass
+class HelperStart:
+    """The second matcher of a two-thread walk and how it catches up first (as the root)."""
+
+    matcher: NativeMatcher
+    memo_stale: bool
+    rollback_n: int
+    sync: Sequence[int]
 
 
 def walk(
@@ -344,13 +385,17 @@ def walk(
     root_mode: int,
     budget_s: float,
     flags: np.ndarray,
+    helper: HelperStart | None = None,
 ) -> WalkEnd:
     """Run ``llg_walk.c`` (see its comment) from ``root``, which stays where the walk ends.
-    ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated), written in place. Raises
-    RuntimeError on a library error (with its message; ``root``'s state is then unknown)."""
+    ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated), written in place. With
+    ``helper``, a second thread walks part of the tree on that matcher (a twin of the same
+    request). Raises RuntimeError on a library error (with its message; the states of ``root``
+    and the helper's matcher are then unknown)."""
     lib = root.tokenizer.api
     n = tree.num_nodes
-    scratch = _thread_scratch(tables.words, n, len(sync))
+    room = max(len(sync), len(helper.sync) if helper is not None else 0)
+    scratch = _thread_scratch(tables.words, n, room)
     args = scratch.args
     args.root = root.pointer
     args.memo_stale = memo_stale
@@ -369,16 +414,34 @@ def walk(
     args.valid, args.filled, args.terminated = address, address + n, address + 2 * n
     if scratch.tables is not tables:
         scratch.use(tables)
-    status = int(lib.walk_fn(lib.fns_address, scratch.args_address))
+    helper_address = None
+    if helper is not None:
+        h = scratch.helper
+        h.matcher = helper.matcher.pointer
+        h.memo_stale = helper.memo_stale
+        h.rollback_n = helper.rollback_n
+        if helper.sync:
+            scratch.helper_sync[: len(helper.sync)] = helper.sync
+        h.n_sync = len(helper.sync)
+        helper_address = scratch.helper_address
+    scratch.error[0] = scratch.helper_error[0] = b"\0"
+    status = int(lib.walk_fn(lib.fns_address, scratch.args_address, helper_address))
     if status < 0:
-        raise RuntimeError(f"llguidance tree walk: {scratch.error.value.decode(errors='replace')}")
+        message = scratch.error.value or scratch.helper_error.value
+        raise RuntimeError(f"llguidance tree walk: {message.decode(errors='replace')}")
     path = scratch.path[: args.end_depth].tolist()
-    return WalkEnd(status, path, bool(args.memo_stale_out), args.n_filled)
+    end = WalkEnd(status, path, bool(args.memo_stale_out), args.n_filled)
+    if helper is not None and scratch.helper.ran:
+        h = scratch.helper
+        path = scratch.helper_path[: h.end_depth].tolist()
+        end.helper = HelperEnd(path, bool(h.memo_stale_out), h.n_filled)
+    return end
 
 
 class _WalkScratch:
-    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` once):
-    the tree's links, the catch-up tokens, the end path, a scratch mask row, the error text."""
+    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` and
+    :class:`_HelperArgs` once): the tree's links, the catch-up tokens, the end paths, scratch
+    mask rows, the error texts."""
 
     def __init__(self, words: int, nodes: int, sync: int) -> None:
         self.words, self.nodes, self.sync_room = words, nodes, sync
@@ -399,6 +462,18 @@ class _WalkScratch:
         a.words = words
         a.err = ctypes.addressof(self.error)
         a.err_len = ERROR_BYTES
+        self.helper = _HelperArgs()
+        self.helper_address = ctypes.addressof(self.helper)
+        self.helper_sync = np.zeros(sync, dtype=np.uint32)
+        self.helper_path = np.zeros(nodes, dtype=np.uint32)
+        self.helper_row = np.zeros(words, dtype=np.uint32)
+        self.helper_error = ctypes.create_string_buffer(ERROR_BYTES)
+        h = self.helper
+        h.sync = self.helper_sync.ctypes.data
+        h.scratch = self.helper_row.ctypes.data
+        h.end_path = self.helper_path.ctypes.data
+        h.err = ctypes.addressof(self.helper_error)
+        h.err_len = ERROR_BYTES
 
     def use(self, tables: WalkTables) -> None:
         a = self.args

@@ -109,6 +109,7 @@ class MaskBuilder:
         self.pin_memory = pin_memory
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tree-mask")
+        self._tree_threads = 1
         self._buffer: torch.Tensor | None = None
         self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
@@ -178,6 +179,9 @@ class MaskBuilder:
             jobs.append((index, functools.partial(self._fill_one, matcher, draft, out, budget)))
             mask_rows.extend(range(row, row + n))
             row += n
+        # fewer trees than threads: a tree may share its walk with a spare thread (only
+        # llguidance's opt-in native walk does)
+        self._tree_threads = max(1, min(2, self.threads // max(1, len(jobs))))
         fills = FillJobs(jobs, [None] * len(drafts), unconstrained)
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
@@ -199,7 +203,7 @@ class MaskBuilder:
         from espalier.constrained.tree import DraftTree
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = fill_tree_bitmask(matcher, tree, out, budget_s)
+        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=self._tree_threads)
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled

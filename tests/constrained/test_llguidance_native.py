@@ -17,9 +17,14 @@ from espalier.constrained.native import build
 from espalier.constrained.native import llguidance as native
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.traverse_llguidance import SPLIT_MIN_NODES
 from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree_random import grow_tree, sample_instance
+
+NATIVE = BackendOptions(llguidance_native_walk=True)
+"""The native walk is opt-in (inexact with llguidance 1.9.1: ``test_llguidance_stale_rollback``);
+these tests check it where it is exact, on small grammars."""
 
 SCHEMA = GrammarSpec.json_schema(
     {
@@ -37,7 +42,7 @@ SCHEMA = GrammarSpec.json_schema(
 def native_grammar(tokenizer: Any, spec: GrammarSpec = SCHEMA) -> Any:
     if build.find_compiler() is None:
         pytest.skip("no C compiler: the native llguidance walk is not built here")
-    grammar = get_backend("llguidance", tokenizer).compile(spec)
+    grammar = get_backend("llguidance", tokenizer, NATIVE).compile(spec)
     assert grammar.native_slot.wait(60) is not None, grammar.native_slot.error
     return grammar
 
@@ -47,25 +52,41 @@ def history_of(matcher: Any) -> list[int]:
     return list(matcher.history)
 
 
-def check_walk(grammar: Any, matcher: Any, rng: np.random.Generator, size: int) -> list[str]:
+def check_walk(
+    grammar: Any, matcher: Any, rng: np.random.Generator, size: int, threads: int = 1
+) -> list[str]:
     """Grow a tree at ``matcher``'s state, walk it natively, compare with the oracle."""
     prefix = history_of(matcher)
     body = sample_instance(matcher.fork(), rng, max_tokens=20)
     tree = grow_tree(grammar.matcher, prefix, body, size, rng)
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=-1)
-    masks = fill_tree_bitmask(matcher, tree, out, budget=None)
-    assert matcher.shadow is not None  # the native walk ran
+    masks = fill_tree_bitmask(matcher, tree, out, budget=None, threads=threads)
+    assert matcher.twin is not None  # the native walk ran
+    if threads > 1 and tree.num_nodes >= SPLIT_MIN_NODES:
+        assert matcher.helper_twin is not None  # and the second thread had a twin to walk on
     return compare(masks, out, tree, replay_tree(grammar.matcher, prefix, tree))
 
 
-def test_twin_follows_accepts_rollbacks_resets_and_forks(toy_tokenizer_padded: Any) -> None:
+def helper_rows(matcher: Any) -> int:
+    return matcher.helper_twin.rows_filled if matcher.helper_twin is not None else 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_twin_follows_accepts_rollbacks_resets_and_forks(
+    toy_tokenizer_padded: Any, threads: int
+) -> None:
+    """Both twins (``threads=2``: the second walks part of each tree on its own thread) keep up
+    with the request: every row is exact across accepts, rollbacks, resets and forks."""
     grammar = native_grammar(toy_tokenizer_padded)
     rng = np.random.default_rng(5)
     stops = set(toy_tokenizer_padded.stop_token_ids)
     matcher = grammar.matcher()
     problems: list[str] = []
+    helped = 0
     for step in range(40):
-        problems += check_walk(grammar, matcher, rng, int(rng.choice([4, 16, 48])))
+        before = helper_rows(matcher)
+        problems += check_walk(grammar, matcher, rng, int(rng.choice([4, 16, 48])), threads)
+        helped += helper_rows(matcher) - before
         action = step % 5
         if action in (0, 1):  # decode a few tokens, as after an accepted path
             for token in sample_instance(matcher.fork(), rng, max_tokens=int(rng.integers(1, 5))):
@@ -79,11 +100,12 @@ def test_twin_follows_accepts_rollbacks_resets_and_forks(toy_tokenizer_padded: A
             for token in sample_instance(fork.fork(), rng, max_tokens=3):
                 if token in stops or not fork.accept(token):
                     break
-            problems += check_walk(grammar, fork, rng, 16)
+            problems += check_walk(grammar, fork, rng, 16, threads)
         elif step % 10 == 4:
             matcher.reset()
-            assert matcher.shadow is None
+            assert matcher.twin is None and matcher.helper_twin is None
     assert problems == []
+    assert (helped > 0) == (threads > 1)  # the second thread did fill rows, and only then
 
 
 def test_budget_prunes_inline_and_the_twin_survives(toy_tokenizer: Any) -> None:
@@ -140,7 +162,7 @@ def chain_tree(root: int, chain: list[int]) -> DraftTree:
 
 
 def test_twin_stays_where_the_walk_ended(toy_tokenizer: Any) -> None:
-    """A walk leaves the twin at its last node and says so (``shadow_tail``); the next walk
+    """A walk leaves the twin at its last node and says so (``twin.tail``); the next walk
     keeps what the request accepted of that path and rolls back the rest. Chains accepted in
     full, in part, and not at all all give exact masks."""
     grammar = native_grammar(toy_tokenizer)
@@ -158,8 +180,9 @@ def test_twin_stays_where_the_walk_ended(toy_tokenizer: Any) -> None:
         masks = fill_tree_bitmask(matcher, tree, out, budget=None)
         history = list(matcher.history)
         problems += compare(masks, out, tree, replay_tree(grammar.matcher, history, tree))
-        assert matcher.shadow_tail == body  # the whole chain is valid: the walk ends at its leaf
-        assert matcher.shadow_len == len(history) + len(body)
+        assert matcher.twin is not None
+        assert matcher.twin.tail == body  # the whole chain is valid: the walk ends at its leaf
+        assert matcher.twin.length == len(history) + len(body)
         keep = [len(body), 0, len(body) // 2][step % 3]
         assert matcher.accept_tokens(body[:keep]) == keep
         if keep < len(body) and step % 2:  # diverge from the chain after the kept part
@@ -219,7 +242,7 @@ def test_without_a_compiler_the_build_says_why(
 
 
 def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> None:
-    backend = get_backend("llguidance", toy_tokenizer, BackendOptions(llguidance_native_walk=False))
+    backend = get_backend("llguidance", toy_tokenizer)  # the default: the Python walk
     assert backend.tree_walk().startswith("python")  # type: ignore[attr-defined]
     grammar = backend.compile(SCHEMA)
     rng = np.random.default_rng(2)
@@ -227,7 +250,7 @@ def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> No
     tree = grow_tree(grammar.matcher, [], sample_instance(matcher.fork(), rng, 16), 32, rng)
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=0)
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
-    assert matcher.shadow is None
+    assert matcher.twin is None
     assert compare(masks, out, tree, replay_tree(grammar.matcher, [], tree)) == []
     if build.find_compiler() is not None:
-        assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # type: ignore[attr-defined]
+        assert get_backend("llguidance", toy_tokenizer, NATIVE).tree_walk(60) == "native"  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ import pytest
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
+from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import WalkResult, fill_tree_bitmask, walk_generic
@@ -73,7 +74,9 @@ def test_tree_rows_after_rollback_match_fresh_replay(gemma_tokenizer: Any, walke
     if not SCHEMA.exists():
         pytest.skip(f"{SCHEMA} is missing")
     schema = json.loads(SCHEMA.read_text())["schema"]
-    compiled = get_backend("llguidance", gemma_tokenizer).compile(GrammarSpec.json_schema(schema))
+    options = BackendOptions(llguidance_native_walk=walker == "native")  # the native one: opt-in
+    backend = get_backend("llguidance", gemma_tokenizer, options)
+    compiled = backend.compile(GrammarSpec.json_schema(schema))
     if walker == "native":
         if build.find_compiler() is None:
             pytest.skip("no C compiler: the native llguidance walk is not built here")
@@ -101,7 +104,7 @@ def test_tree_rows_after_rollback_match_fresh_replay(gemma_tokenizer: Any, walke
         budget = 60.0 if walker == "budgeted" else None
         masks = fill_tree_bitmask(matcher, tree, out, budget)
         assert not masks.budget_hit
-        assert (matcher.shadow is not None) == (walker == "native")
+        assert (matcher.twin is not None) == (walker == "native")
         valid = list(masks.valid)
     else:
         rows = out.numpy()[:n]

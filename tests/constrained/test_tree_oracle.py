@@ -2,8 +2,9 @@
 
 Random EAGLE-like trees (``constrained.tree_random``: 1-256 nodes, depth <= 16, grammar-valid,
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
-schemas, on all three backends; llguidance twice: its native walk (``constrained/native/``) and
-its Python walk (``llguidance-python``). Toy vocabularies always; the Gemma tokenizer with
+schemas, on all three backends; llguidance twice: its default Python walk and its opt-in native
+walk (``llguidance-native``, ``constrained/native/``), which shares big trees with a second
+thread every other tree. Toy vocabularies always; the Gemma tokenizer with
 JSONSchemaBench schemas and the shared GBNF grammars under ``model`` (a representative part) and
 all of it under ``slow`` / ``ESPALIER_SLOW=1``.
 """
@@ -21,6 +22,7 @@ import pytest
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS, get_backend
+from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarKind, GrammarSpec
@@ -47,21 +49,23 @@ TOY_GRAMMARS = [
 ]
 
 
-WALKS = [*BACKENDS, "llguidance-python"]
-"""Backends, plus llguidance with its Python walk (the fallback without a C compiler)."""
+WALKS = [*BACKENDS, "llguidance-native"]
+"""Backends (llguidance: its default Python walk), plus llguidance's opt-in native walk, which
+is exact on these grammars (not on every one: ``test_llguidance_stale_rollback``)."""
 
 
 def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
-    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); llguidance with its native walk
-    ready (or its Python walk only, for ``llguidance-python``)."""
-    if walk == "llguidance" and build.find_compiler() is None:
+    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); for ``llguidance-native`` with
+    its native walk ready."""
+    if walk == "llguidance-native" and build.find_compiler() is None:
         pytest.skip("no C compiler: the native llguidance walk is not built here")
-    grammar = get_backend(walk.removesuffix("-python"), tokenizer).compile(spec)
-    if walk == "llguidance":
+    options = BackendOptions(llguidance_native_walk=walk == "llguidance-native")
+    grammar = get_backend(walk.removesuffix("-native"), tokenizer, options).compile(spec)
+    if walk == "llguidance-native":
         assert grammar.native_slot.wait(120) is not None, grammar.native_slot.error
         assert grammar.native_template() is not None
-    elif walk == "llguidance-python":
-        grammar.native_slot = None
+    elif walk == "llguidance":
+        assert grammar.native_slot is None  # the default: the Python walk
     return grammar
 
 
@@ -81,10 +85,11 @@ def check_trees(
         tree = grow_tree(grammar.matcher, prefix, body, sizes[k % len(sizes)], rng)
         out = bm.allocate(tree.num_nodes, start.vocab_size, fill=int(rng.integers(-1, 1)))
         oracle = replay_tree(grammar.matcher, prefix, tree)
-        masks = fill_tree_bitmask(start, tree, out, budget=None)
+        threads = 1 + k % 2  # the native llguidance walk shares big trees with a second thread
+        masks = fill_tree_bitmask(start, tree, out, budget=None, threads=threads)
         found = compare(masks, out, tree, oracle)
         if getattr(grammar, "native_slot", None) is not None and not start.is_terminated():
-            assert start.shadow is not None  # the native walk ran
+            assert start.twin is not None  # the native walk ran
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)
         found += compare(masks, out, tree, oracle) + ["budget hit"] * masks.budget_hit
@@ -161,7 +166,7 @@ def test_oracle_gemma_schemas(backend: str, gemma_tokenizer: Any) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "llguidance-python"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "llguidance-native"])
 def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None:
     names = sorted(p.name for p in (SHARED / "grammars" / "gbnf").glob("*.gbnf"))
     if not SLOW:
@@ -170,13 +175,16 @@ def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None
     specs += [GrammarSpec.regex(r"\d{3}-\d{4}( ext\. \d+)?")]
     rng = np.random.default_rng(11)
     problems: list[str] = []
+    checked = 0
     for spec in specs:
         try:
             grammar = compile_for(backend, gemma_tokenizer, spec)
         except GrammarError:
             continue
-        _, found = check_trees(grammar, rng, 10 if SLOW else 2, [32, 16, 128])
+        nodes, found = check_trees(grammar, rng, 10 if SLOW else 2, [32, 16, 128])
         problems += found
+        checked += nodes
+    assert checked > 0  # at least one grammar compiled and was checked
     assert problems == []
 
 
