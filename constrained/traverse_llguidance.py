@@ -1,18 +1,17 @@
-"""llguidance tree walks: a Python DFS over ``deep_copy`` snapshots (the default), or a native
-one (one C call per tree, opt-in).
+"""llguidance tree walks: native (one C call per tree) for chain-like trees, a Python DFS over
+``deep_copy`` snapshots for branchy ones. Neither ever rolls a matcher back (below).
 
-**Native walk** (:func:`walk_llguidance`, with ``BackendOptions.llguidance_native_walk`` and a C
-compiler, ``constrained/native/``): each request's matcher keeps a twin made through
-llguidance's C API, which a walk first catches up with the request (rolls back what the request
-rolled back, consumes what it accepted since) and then walks from in ``llg_walk.c``: the same
-DFS as below, with no Python per node and the GIL dropped for the whole tree, so trees of a
-batch fill in parallel; with ``threads`` > 1 a second twin walks part of a big tree on a second
-thread (work stealing between two deques). It checks the budget between nodes (a walk overruns
-it by at most one mask), so budgeted native walks run inline (``traverse.fill_tree_bitmask``).
-**It is not exact with llguidance 1.9.1**: it moves one matcher down and rolls it back between
-siblings, and after such a rollback llguidance can answer a mask of the rolled-back branch (one
-tree of 98 on JSONSchemaBench; ``tests/constrained/test_llguidance_stale_rollback.py``). Hence
-opt-in.
+**Native walk** (:func:`walk_llguidance`, with ``BackendOptions.llguidance_native_walk``, on by
+default, and a C compiler, ``constrained/native/``): each request's matcher keeps a twin made
+through llguidance's C API, which only moves forward with the request (each walk first makes it
+consume what the request accepted since; it computes the root row). ``llg_walk.c`` walks the
+tree on clones of it: the same DFS as below, with no Python per node and the GIL dropped for the
+whole tree, so trees of a batch fill in parallel; with ``threads`` > 1 a second thread shares a
+big tree (work stealing between two deques). A node off the current path gets a fresh clone,
+which costs more than the Python walk's ``deep_copy``, so trees with more than
+:data:`NATIVE_MAX_BRANCHES` branches take the Python walk. It checks the budget between nodes (a
+walk overruns it by at most one mask), so budgeted native walks run inline
+(``traverse.fill_tree_bitmask``).
 
 **Python walk** (:func:`walk_llguidance_py`): an iterative DFS over ``deep_copy`` snapshots of
 the ``LLMatcher``.
@@ -26,9 +25,11 @@ at or above the tokenizer vocabulary are invalid, and after a stop token only fu
 tokens are accepted. Stop tokens are never consumed natively: the parent's row says whether one
 may come (the grammar can terminate), and its row is the stop row.
 
-**No rollback.** llguidance's mask memo survives a rollback (``backends/llguidance.py``), so a
-rollback-based walk must compute one extra mask after each rollback (+60 % walk time on
-sibling-heavy trees). Instead, siblings start from copies of their parent's state: the last
+**No rollback.** After a rollback llguidance (1.9.1) can answer a mask of the rolled-back branch,
+even after a fresh mask at the rolled-back state (``backends/llguidance.py``,
+``tests/constrained/test_llguidance_stale_rollback.py``: the former native walk, which rolled one
+matcher back between siblings, got 1 tree of 98 wrong on JSONSchemaBench). Instead, siblings
+start from copies of their parent's state: the last
 sibling that needs one consumes on the parent's matcher itself, every earlier one on a
 ``deep_copy`` of it taken just before (p50 ~7 µs on Gemma, against ~15 µs for a mask). Each copy
 only ever moves forward, like a decoding request, and its memo (copied along) describes its own
@@ -147,6 +148,13 @@ def native_walk_ready(matcher: Any) -> bool:
     return matcher.compiled.native_template() is not None
 
 
+NATIVE_MAX_BRANCHES = 3
+"""Trees with more branches than this (children beyond the first, summed over nodes) take the
+Python walk: each branch costs the native walk a clone (~25-60 µs, and a colder lexer cache)
+where the Python walk's ``deep_copy`` costs ~10 µs. 64-node EAGLE-like trees on 39
+JSONSchemaBench schemas (Gemma, 2 cores): Python p50 1.53 ms, native 4.22 ms (2 threads 2.94).
+Chains (oracle, forced and n-gram drafts) take one clone and no ``deep_copy``."""
+
 SPLIT_MIN_NODES = 8
 """A tree walks on two threads (when allowed) only from this many nodes: below it, the second
 thread's start and catch-up (~30-60 µs) cost about what it would save."""
@@ -164,9 +172,12 @@ def walk_llguidance(
 ) -> WalkResult:
     """Fill ``rows`` for an llguidance-backed matcher: natively when it can (module docstring),
     else :func:`walk_llguidance_py`. ``threads`` > 1 lets a native walk of a tree of at least
-    :data:`SPLIT_MIN_NODES` nodes share it with a second thread (on a second twin)."""
+    :data:`SPLIT_MIN_NODES` nodes share it with a second thread."""
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
+    n = tree.num_nodes
+    if n - 1 - int(np.count_nonzero(tree.first_child >= 0)) > NATIVE_MAX_BRANCHES:
+        return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
     twin = matcher.twin
     if twin is None:
         start = matcher.compiled.native_start()
@@ -174,18 +185,6 @@ def walk_llguidance(
             return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
         twin = matcher.twin = Twin(start)
     history = matcher.history
-    rollback_n, sync = twin.catch_up(history)
-    helper_twin = None
-    helper = None
-    if threads > 1 and tree.num_nodes >= SPLIT_MIN_NODES:
-        helper_twin = matcher.helper_twin
-        if helper_twin is None:
-            start = matcher.compiled.native_start()
-            helper_twin = matcher.helper_twin = Twin(start) if start is not None else None
-        if helper_twin is not None:
-            back, catch = helper_twin.catch_up(history)
-            helper = native.HelperStart(helper_twin.native, helper_twin.memo_stale, back, catch)
-    n = tree.num_nodes
     flags = np.zeros((3, n), dtype=np.uint8)
     if deadline == float("inf"):
         budget = -1.0
@@ -194,26 +193,20 @@ def walk_llguidance(
     try:
         end = native.walk(
             twin.native,
-            twin.memo_stale,
-            rollback_n,
-            sync,
+            0,
+            twin.catch_up(history),
             tree,
             rows,
             matcher.compiled.native_slot.tables,
             native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
             budget,
             flags,
-            helper,
+            2 if threads > 1 and n >= SPLIT_MIN_NODES else 1,
         )
     except RuntimeError as exc:
-        # their states are unknown now: the next walk starts new ones
-        matcher.twin = matcher.helper_twin = None
+        matcher.twin = None  # its state is unknown now: the next walk starts a new one
         raise MatcherStateError(str(exc)) from exc
-    helped = 0
-    if helper_twin is not None and end.helper is not None:
-        helped = end.helper.filled
-        helper_twin.ended(len(history), end.helper.path, end.helper.memo_stale, helped)
-    twin.ended(len(history), end.path, end.memo_stale, end.filled - helped)
+    twin.ended(len(history), end.helper_filled)
     result.flags = flags.view(bool)
     result.complete = end.filled == n
     result.budget_hit = end.status == native.WALK_BUDGET_HIT

@@ -62,21 +62,17 @@ class BackendOptions:
             Only the grammar is narrowed (outputs still validate under the caller's schema), so
             a greedy model cannot write digits until max_tokens. ``None``: the libraries' own
             unbounded number grammars.
-        llguidance_native_walk: fill llguidance tree masks with the native walk
-            (``constrained/native/``: GIL-free, so a batch of trees fills on all cores, and a big
-            tree on two threads) when a C compiler is there. **Off by default: not exact with
-            llguidance 1.9.1.** That walk moves one matcher down and rolls it back, and after a
-            rollback llguidance can return a mask computed on the rolled-back branch, even
-            after a fresh mask at the rolled-back state (``tests/constrained/
-            test_llguidance_stale_rollback.py``: one tree of 98 on JSONSchemaBench). The Python
-            walk (False) never rolls back: siblings start from ``deep_copy`` snapshots.
+        llguidance_native_walk: fill the llguidance masks of chain-like trees with the native
+            walk (``constrained/native/``: GIL-free, so a batch of trees fills on all cores)
+            when a C compiler is there; branchy trees take the Python walk either way
+            (``traverse_llguidance.NATIVE_MAX_BRANCHES``). False: the Python walk always.
     """
 
     json_max_whitespace: int = 4
     json_strict_properties: bool = False
     max_threads: int = 2
     json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
-    llguidance_native_walk: bool = False
+    llguidance_native_walk: bool = True
 
     def json_source(self, spec: GrammarSpec, backend: str) -> str:
         """The schema text ``backend`` compiles for a JSON_SCHEMA ``spec``: with the number

@@ -19,9 +19,9 @@ state, into a scratch row, before the next consume unless a fill comes first
 (:meth:`Matcher.refresh_mask_memo`): that repairs the case above, **but not every case**
 (``tests/constrained/test_llguidance_stale_rollback.py``: a mask two tokens down, a rollback, a
 mask at the rolled-back state, and a sibling still gets the branch's mask). So nothing that
-needs exact masks rolls an llguidance matcher back after computing masks below: the tree walk
-starts siblings from ``deep_copy`` snapshots (``traverse_llguidance``), and probes that roll
-back (closing paths, forced chains) check tokens by consuming them, not by masks.
+needs exact masks rolls an llguidance matcher back after computing masks below: the tree walks
+start siblings from ``deep_copy`` snapshots or clones (``traverse_llguidance``), and probes that
+roll back (closing paths, forced chains) check tokens by consuming them, not by masks.
 """
 
 from __future__ import annotations
@@ -239,12 +239,10 @@ class Matcher(MatcherBase):
         # rolled-back branch (module docstring), so the next consume must refresh it first.
         self.mask_memo_stale = False
         self._scratch: np.ndarray | None = None
-        # Tokens consumed natively, and the C-API twins the native tree walk runs from
-        # (``traverse_llguidance``, ``native/twin.py``): the walk's, and a second one that
-        # walks part of a big tree on another thread; each walk catches them up first.
+        # Tokens consumed natively, and the C-API twin the native tree walk runs from
+        # (``traverse_llguidance``, ``native/twin.py``): each walk catches it up first.
         self.history: list[int] = []
         self.twin: Twin | None = None
-        self.helper_twin: Twin | None = None
 
     def refresh_mask_memo(self) -> None:
         """Compute the mask into a scratch row, so llguidance's memo describes this state.
@@ -296,9 +294,8 @@ class Matcher(MatcherBase):
             raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
         self.mask_memo_stale = True
         del self.history[len(self.history) - n :]
-        for twin in (self.twin, self.helper_twin):
-            if twin is not None:
-                twin.forget_after(len(self.history))
+        if self.twin is not None and self.twin.length > len(self.history):
+            self.twin = None  # it never rolls back (native/twin.py): the next walk makes one
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
@@ -337,7 +334,7 @@ class Matcher(MatcherBase):
         self.native.reset()
         self.mask_memo_stale = False
         self.history.clear()
-        self.twin = self.helper_twin = None
+        self.twin = None
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():

@@ -4,14 +4,15 @@
  * child first, where a node is tried only when its parent's row allows its token. Stop tokens are
  * never consumed: their row is the stop row, and below them only stop tokens are valid.
  *
- * Unlike the Python walk, siblings do not start from copies: the C API's llg_clone_matcher is a
- * deep clone (10-60 us on Gemma, the lexer included, against ~2 us for the Python deep_copy,
- * which shares it), so the walk moves one matcher down and rolls it back. llguidance's mask memo
- * survives a rollback (backends/llguidance.py), so after each rollback one mask is computed at
- * the rolled-back state, into a scratch row, before the next consume. The walk leaves the
- * matcher where it ended (the last node it consumed) and reports that path: the next walk rolls
- * back only what the request did not accept of it. A chain draft accepted in full (an oracle,
- * a forced chain) then costs no rollback and no memo refresh at all.
+ * Nothing is ever rolled back: llguidance (1.9.1) can answer a mask of a rolled-back branch
+ * after a rollback, even after a fresh mask at the rolled-back state
+ * (tests/constrained/test_llguidance_stale_rollback.py). The request's twin only moves forward
+ * with the request (computing the root rows, as plain decoding would); a walk goes down a path
+ * on a clone of it, and a node off that path gets a fresh clone that consumes the path to its
+ * parent
+ * (llg_clone_matcher of such a twin: ~25 us on Gemma, and ~4 us a token to consume). Chains
+ * (oracle, forced, n-gram drafts) take one clone; each further branch one more. With two
+ * threads, each takes entries from its own deque and steals from the other's bottom.
  *
  * The llguidance functions come in as pointers (EspLlgApi), resolved by the caller from the
  * library Python already loaded; this file links against nothing but libc and pthreads.
@@ -33,6 +34,8 @@ typedef struct EspLlgApi {
     int32_t (*rollback)(void *matcher, size_t n);
     int32_t (*mask_into)(void *matcher, uint32_t *dest, size_t byte_len);
     const char *(*get_error)(void *matcher);
+    void *(*clone)(const void *matcher);
+    void (*free_matcher)(void *matcher);
 } EspLlgApi;
 
 enum { ROOT_COMPUTE = 0, ROOT_READY = 1 };
@@ -67,19 +70,17 @@ typedef struct Entry {
 /* Everything one walk reads and writes (one struct: a ctypes call with two pointer arguments
  * costs a few microseconds, one with 24 typed arguments tens).
  *
- * First the root catches up with the request: roll back `rollback_n` tokens, consume `sync`
- * (after one mask into `scratch` ([words]) when its memo is stale: `memo_stale`, or
- * rollback_n > 0). root_mode: ROOT_COMPUTE computes row 0; ROOT_READY trusts it.
- * budget_s < 0: no limit; else a node starts only if it would end by now + budget_s were it
- * as long as the longest node so far (one node's mask can take milliseconds inside a long
- * string: this keeps the overrun to the rare node slower than all before it).
+ * `root` is the request's twin. It is never walked: it only catches up with the request (roll
+ * back `rollback_n` tokens, then consume `sync`; the caller makes rollback_n 0) and computes
+ * row 0 (root_mode ROOT_COMPUTE; ROOT_READY trusts it); the walk runs on clones of it. budget_s < 0: no limit; else a node
+ * starts only if it would end by now + budget_s were it as long as the longest node so far (one
+ * node's mask can take milliseconds inside a long string: this keeps the overrun to the rare
+ * node slower than all before it). threads: 1, or 2 (a second thread shares the tree).
  * valid/filled/terminated: uint8 [n], zeroed by the caller; filled[i] is set last.
- * Out: end_path[0..end_depth) the tokens the root has consumed below the tree's root when the
- * walk ends (end_path: uint32 [n]); memo_stale_out whether its memo may be stale then;
- * n_filled the number of filled rows (by both workers). */
+ * Out: n_filled the number of filled rows (both threads), helper_filled the second thread's. */
 typedef struct EspWalkArgs {
     void *root;
-    int64_t memo_stale, rollback_n;
+    int64_t rollback_n;
     const uint32_t *sync;
     int64_t n_sync, n;
     const int64_t *tokens, *first_child, *next_sibling;
@@ -87,58 +88,36 @@ typedef struct EspWalkArgs {
     int64_t words, limit;
     const uint32_t *excluded, *stops; /* stops: also the stop row (the stop ids' bitmap) */
     int64_t root_mode;
-    uint32_t *scratch;
     double budget_s;
     uint8_t *valid, *filled, *terminated;
     char *err;
     int64_t err_len;
-    uint32_t *end_path;
-    int64_t end_depth, memo_stale_out, n_filled;
+    int64_t threads, n_filled, helper_filled;
 } EspWalkArgs;
-
-/* A second matcher of the same request (its own twin) that walks part of the tree on a thread
- * of its own: it catches up the same way (rollback_n, sync, memo_stale) and reports where it
- * ended in the same way. ran: 0 when its thread could not be started (its state unchanged);
- * n_filled: the rows it filled. */
-typedef struct EspHelperArgs {
-    void *matcher;
-    int64_t memo_stale, rollback_n;
-    const uint32_t *sync;
-    int64_t n_sync;
-    uint32_t *scratch;
-    char *err;
-    int64_t err_len;
-    uint32_t *end_path;
-    int64_t end_depth, memo_stale_out, ran, n_filled;
-} EspHelperArgs;
 
 struct Pool;
 
-/* One thread's share of a walk: its matcher, the nodes it has consumed below the tree's root
- * (path[0..depth)), and its deque of entries (stack[bottom..top): it pops the top, the other
- * worker steals the bottom, the shallowest entry: the largest subtree). */
+/* One thread's share of a walk: its matcher (a clone of the root, or NULL), the nodes that
+ * matcher has consumed below the tree's root (path[0..depth)), and its deque of entries
+ * (stack[bottom..top): it pops the top, the other worker steals the bottom, the shallowest
+ * entry: the largest subtree). */
 typedef struct Worker {
     struct Pool *pool;
     int id;
     void *m;
-    int memo_stale;
-    int64_t rollback_n, n_sync;
-    const uint32_t *sync;
-    uint32_t *scratch;
-    char *err;
-    size_t err_len;
     int64_t depth;
     int64_t *path, *chain, *kids;
     uint32_t *chain_tokens;
     Entry *stack;
     int64_t bottom, top;
     double slowest;
-    int64_t n_filled, status;
+    int64_t n_filled;
     int waiting;
 } Worker;
 
 typedef struct Pool {
     const EspLlgApi *api;
+    void *root;
     const int64_t *tokens, *first_child, *next_sibling;
     int64_t *parent, *depth_of;
     uint32_t *rows;
@@ -146,6 +125,8 @@ typedef struct Pool {
     size_t row_bytes;
     const uint32_t *excluded, *stops;
     uint8_t *valid, *filled, *terminated;
+    char *err;
+    size_t err_len;
     double deadline;
     int timed, workers;
     Worker w[2];
@@ -156,12 +137,19 @@ typedef struct Pool {
     int64_t status;
 } Pool;
 
-static void fail(Worker *w, int64_t status) {
+/* Record a failure (the first one's message) and stop the walk. */
+static void fail(Worker *w, void *matcher, int64_t status) {
     Pool *p = w->pool;
-    if (w->err_len) copy_error(p->api, w->m, w->err, w->err_len);
     pthread_mutex_lock(&p->lock);
-    w->status = status;
-    if (p->status >= 0) p->status = status;
+    if (p->status >= 0) {
+        p->status = status;
+        if (p->err_len) {
+            if (matcher != NULL)
+                copy_error(p->api, matcher, p->err, p->err_len);
+            else
+                strncpy(p->err, "llguidance could not clone a matcher", p->err_len - 1);
+        }
+    }
     p->stop = 1;
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->lock);
@@ -229,43 +217,34 @@ static void done_with(Worker *w) {
     pthread_mutex_unlock(&p->lock);
 }
 
-/* Refresh the memo (one mask into scratch) if a rollback left it stale. */
-static int refresh(Worker *w) {
-    if (!w->memo_stale) return 0;
-    if (w->pool->api->mask_into(w->m, w->scratch, w->pool->row_bytes) != 0) return -1;
-    w->memo_stale = 0;
-    return 0;
-}
-
-/* Bring the worker's matcher to the state after node `parent`: roll back to the longest common
- * prefix of its path and the parent's, then consume the rest (a stolen entry's branch).
- * Returns 0 or a negative WALK_ status. */
+/* Give the worker a matcher at the state after node `parent` (the root: 0). Its own matcher
+ * serves when it stands right there; else a fresh clone of the root consumes the path to
+ * `parent`. Matchers only ever move forward: llguidance (1.9.1) can answer a stale mask after
+ * a rollback (tests/constrained/test_llguidance_stale_rollback.py), so nothing here rolls
+ * back. Returns 0 or a negative WALK_ status (after fail()). */
 static int64_t move_to(Worker *w, int64_t parent) {
     Pool *p = w->pool;
     const EspLlgApi *api = p->api;
     const int64_t d = p->depth_of[parent];
-    int64_t target = d, have = d;
-    if (d > 0 && !(w->depth >= d && w->path[d - 1] == parent)) {
-        for (int64_t k = d, x = parent; k > 0; x = p->parent[x]) w->chain[--k] = x;
-        target = 0;
-        while (target < w->depth && target < d && w->path[target] == w->chain[target]) target++;
-        have = target;
+    if (w->m != NULL && w->depth == d && (d == 0 || w->path[d - 1] == parent)) return 0;
+    if (w->m != NULL) api->free_matcher(w->m);
+    w->m = api->clone(p->root);
+    w->depth = 0;
+    if (w->m == NULL) {
+        fail(w, NULL, WALK_NO_MEMORY);
+        return WALK_NO_MEMORY;
     }
-    if (w->depth > target) {
-        if (api->rollback(w->m, (size_t)(w->depth - target)) != 0) return WALK_ROLLBACK_ERROR;
-        w->depth = target;
-        w->memo_stale = 1;
+    if (d == 0) return 0;
+    for (int64_t k = d, x = parent; k > 0; x = p->parent[x]) w->chain[--k] = x;
+    for (int64_t i = 0; i < d; i++) {
+        w->chain_tokens[i] = (uint32_t)p->tokens[w->chain[i]];
+        w->path[i] = w->chain[i];
     }
-    if (refresh(w) != 0) return WALK_MASK_ERROR; /* a consume must not meet a stale memo */
-    if (have < d) {
-        for (int64_t i = have; i < d; i++) {
-            w->chain_tokens[i - have] = (uint32_t)p->tokens[w->chain[i]];
-            w->path[i] = w->chain[i];
-        }
-        if (api->consume_many(w->m, w->chain_tokens, (size_t)(d - have)) != 0)
-            return WALK_ROLLBACK_ERROR;
-        w->depth = d;
+    if (api->consume_many(w->m, w->chain_tokens, (size_t)d) != 0) {
+        fail(w, w->m, WALK_ROLLBACK_ERROR);
+        return WALK_ROLLBACK_ERROR;
     }
+    w->depth = d;
     return 0;
 }
 
@@ -297,20 +276,16 @@ static void visit(Worker *w, Entry e) {
         push_children(w, node, -1);
         return;
     }
-    int64_t status = move_to(w, e.parent);
-    if (status != 0) {
-        fail(w, status);
-        return;
-    }
+    if (move_to(w, e.parent) != 0) return;
     /* the parent's row allows the token, so this fails only on a library inconsistency (the
      * matcher is then in its error state: stop) */
     if (api->consume(w->m, (uint32_t)p->tokens[node]) != 0) {
-        fail(w, WALK_ROLLBACK_ERROR);
+        fail(w, w->m, WALK_ROLLBACK_ERROR);
         return;
     }
     w->path[w->depth++] = node;
     if (api->mask_into(w->m, row, p->row_bytes) != 0) {
-        fail(w, WALK_MASK_ERROR);
+        fail(w, w->m, WALK_MASK_ERROR);
         return;
     }
     p->valid[node] = 1;
@@ -323,20 +298,6 @@ static void visit(Worker *w, Entry e) {
     if (p->first_child[node] >= 0) push_children(w, node, node);
 }
 
-/* Catch the worker's matcher up with the request. Returns 0 or WALK_SYNC_ERROR. */
-static int64_t catch_up(Worker *w) {
-    const EspLlgApi *api = w->pool->api;
-    if (w->rollback_n > 0) {
-        if (api->rollback(w->m, (size_t)w->rollback_n) != 0) return WALK_SYNC_ERROR;
-        w->memo_stale = 1;
-    }
-    if (w->n_sync > 0) {
-        if (refresh(w) != 0) return WALK_SYNC_ERROR;
-        if (api->consume_many(w->m, w->sync, (size_t)w->n_sync) != 0) return WALK_SYNC_ERROR;
-    }
-    return 0;
-}
-
 static void work(Worker *w) {
     Entry e;
     while (take(w, &e)) {
@@ -346,15 +307,7 @@ static void work(Worker *w) {
 }
 
 static void *helper_main(void *arg) {
-    Worker *w = (Worker *)arg;
-    int64_t status = catch_up(w);
-    if (status != 0) {
-        fail(w, status);
-        done_with(w); /* its catch-up counted as busy */
-        return NULL;
-    }
-    done_with(w);
-    work(w);
+    work((Worker *)arg);
     return NULL;
 }
 
@@ -370,6 +323,7 @@ static int alloc_worker(Worker *w, Pool *p, int id, int64_t n) {
 }
 
 static void free_worker(Worker *w) {
+    if (w->m != NULL) w->pool->api->free_matcher(w->m);
     free(w->path);
     free(w->chain);
     free(w->kids);
@@ -377,21 +331,15 @@ static void free_worker(Worker *w) {
     free(w->stack);
 }
 
-static void end_state(Worker *w, uint32_t *end_path, int64_t *end_depth, int64_t *memo_out) {
-    for (int64_t i = 0; i < w->depth; i++) end_path[i] = (uint32_t)w->pool->tokens[w->path[i]];
-    *end_depth = w->depth;
-    *memo_out = w->memo_stale;
-}
-
-/* The walk, on the calling thread, with `helper` (may be NULL) walking part of the tree on a
- * thread of its own. Returns WALK_DONE, WALK_BUDGET_HIT, or a negative error (message in the
- * failing matcher's `err`); after an error the states of both matchers are unknown. */
-int64_t espalier_llg_walk2(const EspLlgApi *api, EspWalkArgs *a, EspHelperArgs *helper) {
+/* Returns WALK_DONE, WALK_BUDGET_HIT, or a negative error (message in `err`); after a
+ * WALK_SYNC_ERROR the root's state is unknown (it is otherwise at the request's state). */
+int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
     const int64_t n = a->n;
     Pool pool;
     memset(&pool, 0, sizeof(pool));
     Pool *p = &pool;
     p->api = api;
+    p->root = a->root;
     p->tokens = a->tokens;
     p->first_child = a->first_child;
     p->next_sibling = a->next_sibling;
@@ -405,22 +353,30 @@ int64_t espalier_llg_walk2(const EspLlgApi *api, EspWalkArgs *a, EspHelperArgs *
     p->valid = a->valid;
     p->filled = a->filled;
     p->terminated = a->terminated;
+    p->err = a->err;
+    p->err_len = (size_t)a->err_len;
     p->timed = a->budget_s >= 0;
     p->deadline = p->timed ? now_s() + a->budget_s : 0.0;
     p->status = WALK_DONE;
-    a->end_depth = 0;
-    a->memo_stale_out = 1;
     a->n_filled = 0;
-    if (helper != NULL) helper->ran = 0;
-    const int split = helper != NULL && n > 2 && a->first_child[0] >= 0;
+    a->helper_filled = 0;
+    /* the twin catches up with the request first */
+    if (a->rollback_n > 0 && api->rollback(a->root, (size_t)a->rollback_n) != 0) {
+        copy_error(api, a->root, a->err, (size_t)a->err_len);
+        return WALK_SYNC_ERROR;
+    }
+    if (a->n_sync > 0 && api->consume_many(a->root, a->sync, (size_t)a->n_sync) != 0) {
+        copy_error(api, a->root, a->err, (size_t)a->err_len);
+        return WALK_SYNC_ERROR;
+    }
+    const int split = a->threads > 1 && n > 2 && a->first_child[0] >= 0;
     p->workers = split ? 2 : 1;
     p->parent = malloc(sizeof(int64_t) * (size_t)n);
     p->depth_of = malloc(sizeof(int64_t) * (size_t)n);
     int ok = p->parent && p->depth_of && alloc_worker(&p->w[0], p, 0, n);
     if (split) ok = ok && alloc_worker(&p->w[1], p, 1, n);
-    int64_t status = WALK_DONE;
     if (!ok) {
-        status = WALK_NO_MEMORY;
+        p->status = WALK_NO_MEMORY;
         goto out;
     }
     /* parents and depths, root first (a valid tree: every node below the root, no cycle) */
@@ -441,44 +397,17 @@ int64_t espalier_llg_walk2(const EspLlgApi *api, EspWalkArgs *a, EspHelperArgs *
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->wake, NULL);
     Worker *w0 = &p->w[0];
-    w0->m = a->root;
-    w0->memo_stale = a->memo_stale != 0;
-    w0->rollback_n = a->rollback_n;
-    w0->sync = a->sync;
-    w0->n_sync = a->n_sync;
-    w0->scratch = a->scratch;
-    w0->err = a->err;
-    w0->err_len = (size_t)a->err_len;
     p->busy = 1; /* the root phase below: it pushes the root's children */
     pthread_t thread;
     int started = 0;
     if (split) {
-        Worker *w1 = &p->w[1];
-        w1->m = helper->matcher;
-        w1->memo_stale = helper->memo_stale != 0;
-        w1->rollback_n = helper->rollback_n;
-        w1->sync = helper->sync;
-        w1->n_sync = helper->n_sync;
-        w1->scratch = helper->scratch;
-        w1->err = helper->err;
-        w1->err_len = (size_t)helper->err_len;
-        p->busy = 2; /* and the helper's catch-up */
-        started = pthread_create(&thread, NULL, helper_main, w1) == 0;
-        if (!started) {
-            p->busy = 1;
-            p->workers = 1;
-        }
-        helper->ran = started;
+        started = pthread_create(&thread, NULL, helper_main, &p->w[1]) == 0;
+        if (!started) p->workers = 1;
     }
-    status = catch_up(w0);
-    if (status == 0 && a->root_mode == ROOT_COMPUTE) {
-        if (api->mask_into(a->root, a->rows, p->row_bytes) != 0)
-            status = WALK_MASK_ERROR;
-        else
-            w0->memo_stale = 0;
-    }
-    if (status != 0) {
-        fail(w0, status);
+    /* the root row on the twin itself (a mask at its current state, as in plain decoding): its
+     * lexer's lazily built automaton then grows with the request, and the clones start warm */
+    if (a->root_mode == ROOT_COMPUTE && api->mask_into(a->root, a->rows, p->row_bytes) != 0) {
+        fail(w0, a->root, WALK_MASK_ERROR);
     } else {
         a->valid[0] = 1;
         a->filled[0] = 1;
@@ -490,24 +419,14 @@ int64_t espalier_llg_walk2(const EspLlgApi *api, EspWalkArgs *a, EspHelperArgs *
     if (started) pthread_join(thread, NULL);
     pthread_cond_destroy(&p->wake);
     pthread_mutex_destroy(&p->lock);
-    status = p->status;
     a->n_filled = w0->n_filled + (started ? p->w[1].n_filled : 0);
-    end_state(w0, a->end_path, &a->end_depth, &a->memo_stale_out);
-    if (started) {
-        end_state(&p->w[1], helper->end_path, &helper->end_depth, &helper->memo_stale_out);
-        helper->n_filled = p->w[1].n_filled;
-    }
+    a->helper_filled = started ? p->w[1].n_filled : 0;
 out:
     free(p->parent);
     free(p->depth_of);
     free_worker(&p->w[0]);
-    free_worker(&p->w[1]);
-    return status;
-}
-
-/* The walk on the calling thread alone. */
-int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
-    return espalier_llg_walk2(api, a, NULL);
+    if (split) free_worker(&p->w[1]);
+    return p->status;
 }
 
 /* -- the tokenize callback's cache ----------------------------------------------------------- */

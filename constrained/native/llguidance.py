@@ -72,6 +72,8 @@ class _WalkApi(ctypes.Structure):
             "rollback",
             "mask_into",
             "get_error",
+            "clone",
+            "free_matcher",
         )
     ]
 
@@ -81,7 +83,6 @@ class _WalkArgs(ctypes.Structure):
 
     _fields_ = [
         ("root", ctypes.c_void_p),
-        ("memo_stale", ctypes.c_int64),
         ("rollback_n", ctypes.c_int64),
         ("sync", ctypes.c_void_p),
         ("n_sync", ctypes.c_int64),
@@ -95,37 +96,15 @@ class _WalkArgs(ctypes.Structure):
         ("excluded", ctypes.c_void_p),
         ("stops", ctypes.c_void_p),
         ("root_mode", ctypes.c_int64),
-        ("scratch", ctypes.c_void_p),
         ("budget_s", ctypes.c_double),
         ("valid", ctypes.c_void_p),
         ("filled", ctypes.c_void_p),
         ("terminated", ctypes.c_void_p),
         ("err", ctypes.c_void_p),
         ("err_len", ctypes.c_int64),
-        ("end_path", ctypes.c_void_p),
-        ("end_depth", ctypes.c_int64),
-        ("memo_stale_out", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
         ("n_filled", ctypes.c_int64),
-    ]
-
-
-class _HelperArgs(ctypes.Structure):
-    """``EspHelperArgs`` of ``llg_walk.c``: the second matcher of a two-thread walk."""
-
-    _fields_ = [
-        ("matcher", ctypes.c_void_p),
-        ("memo_stale", ctypes.c_int64),
-        ("rollback_n", ctypes.c_int64),
-        ("sync", ctypes.c_void_p),
-        ("n_sync", ctypes.c_int64),
-        ("scratch", ctypes.c_void_p),
-        ("err", ctypes.c_void_p),
-        ("err_len", ctypes.c_int64),
-        ("end_path", ctypes.c_void_p),
-        ("end_depth", ctypes.c_int64),
-        ("memo_stale_out", ctypes.c_int64),
-        ("ran", ctypes.c_int64),
-        ("n_filled", ctypes.c_int64),
+        ("helper_filled", ctypes.c_int64),
     ]
 
 
@@ -173,12 +152,14 @@ class Api:
                     "llg_matcher_rollback",
                     "llg_matcher_compute_mask_into",
                     "llg_matcher_get_error",
+                    "llg_clone_matcher",
+                    "llg_free_matcher",
                 )
             )
         )
-        walk_fn = walk.espalier_llg_walk2
+        walk_fn = walk.espalier_llg_walk
         walk_fn.restype = ctypes.c_int64
-        walk_fn.argtypes = [vp, vp, vp]
+        walk_fn.argtypes = [vp, vp]
         cache_new = walk.espalier_tokenize_cache_new
         cache_new.restype, cache_new.argtypes = vp, [vp, vp, sz]
         self.tokenize_cache_new = cache_new
@@ -343,40 +324,16 @@ class WalkTables:
 
 @dataclass
 class WalkEnd:
-    """Where a walk left its root matcher: ``status`` (WALK_DONE or WALK_BUDGET_HIT), the tokens
-    it consumed below the tree's root (``path``), whether its memo may be stale; how many rows
-    it filled (both threads); and where the helper matcher ended (None if it did not run)."""
+    """How a walk ended: ``status`` (WALK_DONE or WALK_BUDGET_HIT), how many rows it filled, of
+    which the second thread filled ``helper_filled``."""
 
     status: int
-    path: list[int]
-    memo_stale: bool
     filled: int
-    helper: HelperEnd | None = None
-
-
-@dataclass
-class HelperEnd:
-    """Where a two-thread walk left its second matcher (as :class:`WalkEnd`), and how many of
-    the walk's rows it filled."""
-
-    path: list[int]
-    memo_stale: bool
-    filled: int
-
-
-@dataclass
-class HelperStart:
-    """The second matcher of a two-thread walk and how it catches up first (as the root)."""
-
-    matcher: NativeMatcher
-    memo_stale: bool
-    rollback_n: int
-    sync: Sequence[int]
+    helper_filled: int = 0
 
 
 def walk(
     root: NativeMatcher,
-    memo_stale: bool,
     rollback_n: int,
     sync: Sequence[int],
     tree: Any,
@@ -385,20 +342,18 @@ def walk(
     root_mode: int,
     budget_s: float,
     flags: np.ndarray,
-    helper: HelperStart | None = None,
+    threads: int = 1,
 ) -> WalkEnd:
-    """Run ``llg_walk.c`` (see its comment) from ``root``, which stays where the walk ends.
-    ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated), written in place. With
-    ``helper``, a second thread walks part of the tree on that matcher (a twin of the same
-    request). Raises RuntimeError on a library error (with its message; the states of ``root``
-    and the helper's matcher are then unknown)."""
+    """Run ``llg_walk.c`` (see its comment) on clones of ``root`` (the request's twin), after
+    ``root`` catches up: rolls back ``rollback_n`` tokens (pass 0 unless it never computed a
+    mask), consumes ``sync``. ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated),
+    written in place; ``threads``: 1 or 2. Raises RuntimeError on a library error (with its
+    message; ``root``'s state is then unknown)."""
     lib = root.tokenizer.api
     n = tree.num_nodes
-    room = max(len(sync), len(helper.sync) if helper is not None else 0)
-    scratch = _thread_scratch(tables.words, n, room)
+    scratch = _thread_scratch(tables.words, n, len(sync))
     args = scratch.args
     args.root = root.pointer
-    args.memo_stale = memo_stale
     args.rollback_n = rollback_n
     if sync:
         scratch.sync[: len(sync)] = sync
@@ -410,38 +365,21 @@ def walk(
     args.rows = rows.ctypes.data
     args.root_mode = root_mode
     args.budget_s = budget_s
+    args.threads = threads
     address = flags.ctypes.data
     args.valid, args.filled, args.terminated = address, address + n, address + 2 * n
     if scratch.tables is not tables:
         scratch.use(tables)
-    helper_address = None
-    if helper is not None:
-        h = scratch.helper
-        h.matcher = helper.matcher.pointer
-        h.memo_stale = helper.memo_stale
-        h.rollback_n = helper.rollback_n
-        if helper.sync:
-            scratch.helper_sync[: len(helper.sync)] = helper.sync
-        h.n_sync = len(helper.sync)
-        helper_address = scratch.helper_address
-    scratch.error[0] = scratch.helper_error[0] = b"\0"
-    status = int(lib.walk_fn(lib.fns_address, scratch.args_address, helper_address))
+    scratch.error.value = b""
+    status = int(lib.walk_fn(lib.fns_address, scratch.args_address))
     if status < 0:
-        message = scratch.error.value or scratch.helper_error.value
-        raise RuntimeError(f"llguidance tree walk: {message.decode(errors='replace')}")
-    path = scratch.path[: args.end_depth].tolist()
-    end = WalkEnd(status, path, bool(args.memo_stale_out), args.n_filled)
-    if helper is not None and scratch.helper.ran:
-        h = scratch.helper
-        path = scratch.helper_path[: h.end_depth].tolist()
-        end.helper = HelperEnd(path, bool(h.memo_stale_out), h.n_filled)
-    return end
+        raise RuntimeError(f"llguidance tree walk: {scratch.error.value.decode(errors='replace')}")
+    return WalkEnd(status, args.n_filled, args.helper_filled)
 
 
 class _WalkScratch:
-    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` and
-    :class:`_HelperArgs` once): the tree's links, the catch-up tokens, the end paths, scratch
-    mask rows, the error texts."""
+    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` once):
+    the tree's links, the catch-up tokens, the error text."""
 
     def __init__(self, words: int, nodes: int, sync: int) -> None:
         self.words, self.nodes, self.sync_room = words, nodes, sync
@@ -449,31 +387,15 @@ class _WalkScratch:
         self.args_address = ctypes.addressof(self.args)
         self.tree = np.zeros((3, nodes), dtype=np.int64)
         self.sync = np.zeros(sync, dtype=np.uint32)
-        self.path = np.zeros(nodes, dtype=np.uint32)
-        self.row = np.zeros(words, dtype=np.uint32)
         self.error = ctypes.create_string_buffer(ERROR_BYTES)
         self.tables: WalkTables | None = None
         a = self.args
         a.tokens = self.tree.ctypes.data
         a.first_child, a.next_sibling = a.tokens + 8 * nodes, a.tokens + 16 * nodes
         a.sync = self.sync.ctypes.data
-        a.end_path = self.path.ctypes.data
-        a.scratch = self.row.ctypes.data
         a.words = words
         a.err = ctypes.addressof(self.error)
         a.err_len = ERROR_BYTES
-        self.helper = _HelperArgs()
-        self.helper_address = ctypes.addressof(self.helper)
-        self.helper_sync = np.zeros(sync, dtype=np.uint32)
-        self.helper_path = np.zeros(nodes, dtype=np.uint32)
-        self.helper_row = np.zeros(words, dtype=np.uint32)
-        self.helper_error = ctypes.create_string_buffer(ERROR_BYTES)
-        h = self.helper
-        h.sync = self.helper_sync.ctypes.data
-        h.scratch = self.helper_row.ctypes.data
-        h.end_path = self.helper_path.ctypes.data
-        h.err = ctypes.addressof(self.helper_error)
-        h.err_len = ERROR_BYTES
 
     def use(self, tables: WalkTables) -> None:
         a = self.args

@@ -11,20 +11,26 @@ import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained import traverse_llguidance
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.native import build
 from espalier.constrained.native import llguidance as native
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_llguidance import SPLIT_MIN_NODES
 from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree_random import grow_tree, sample_instance
 
 NATIVE = BackendOptions(llguidance_native_walk=True)
-"""The native walk is opt-in (inexact with llguidance 1.9.1: ``test_llguidance_stale_rollback``);
-these tests check it where it is exact, on small grammars."""
+"""The native walk, on (whatever the default) where a C compiler exists."""
+
+
+@pytest.fixture(autouse=True)
+def native_on_every_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tree is too branchy for the native walk here (its policy sends those to Python)."""
+    monkeypatch.setattr(traverse_llguidance, "NATIVE_MAX_BRANCHES", 1 << 30)
+
 
 SCHEMA = GrammarSpec.json_schema(
     {
@@ -62,21 +68,21 @@ def check_walk(
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=-1)
     masks = fill_tree_bitmask(matcher, tree, out, budget=None, threads=threads)
     assert matcher.twin is not None  # the native walk ran
-    if threads > 1 and tree.num_nodes >= SPLIT_MIN_NODES:
-        assert matcher.helper_twin is not None  # and the second thread had a twin to walk on
+    assert matcher.twin.length == len(prefix)  # it follows the request, never the walk
     return compare(masks, out, tree, replay_tree(grammar.matcher, prefix, tree))
 
 
 def helper_rows(matcher: Any) -> int:
-    return matcher.helper_twin.rows_filled if matcher.helper_twin is not None else 0
+    return matcher.twin.rows_filled if matcher.twin is not None else 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_twin_follows_accepts_rollbacks_resets_and_forks(
     toy_tokenizer_padded: Any, threads: int
 ) -> None:
-    """Both twins (``threads=2``: the second walks part of each tree on its own thread) keep up
-    with the request: every row is exact across accepts, rollbacks, resets and forks."""
+    """The twin keeps up with the request (a rollback below it makes a new one), on one thread
+    and on two (the second walks part of each tree): every row is exact across accepts,
+    rollbacks, resets and forks."""
     grammar = native_grammar(toy_tokenizer_padded)
     rng = np.random.default_rng(5)
     stops = set(toy_tokenizer_padded.stop_token_ids)
@@ -103,7 +109,7 @@ def test_twin_follows_accepts_rollbacks_resets_and_forks(
             problems += check_walk(grammar, fork, rng, 16, threads)
         elif step % 10 == 4:
             matcher.reset()
-            assert matcher.twin is None and matcher.helper_twin is None
+            assert matcher.twin is None
     assert problems == []
     assert (helped > 0) == (threads > 1)  # the second thread did fill rows, and only then
 
@@ -161,10 +167,10 @@ def chain_tree(root: int, chain: list[int]) -> DraftTree:
     return DraftTree(np.array([root, *chain], dtype=np.int64), links, np.full(n, -1))
 
 
-def test_twin_stays_where_the_walk_ended(toy_tokenizer: Any) -> None:
-    """A walk leaves the twin at its last node and says so (``twin.tail``); the next walk
-    keeps what the request accepted of that path and rolls back the rest. Chains accepted in
-    full, in part, and not at all all give exact masks."""
+def test_twin_only_follows_the_request(toy_tokenizer: Any) -> None:
+    """A walk runs on clones: the twin stays at the request's state (it never rolls back, see
+    ``test_llguidance_stale_rollback``), and the next walk only consumes what the request
+    accepted since. Chains accepted in full, in part, and not at all all give exact masks."""
     grammar = native_grammar(toy_tokenizer)
     rng = np.random.default_rng(11)
     stops = set(toy_tokenizer.stop_token_ids)
@@ -181,8 +187,7 @@ def test_twin_stays_where_the_walk_ended(toy_tokenizer: Any) -> None:
         history = list(matcher.history)
         problems += compare(masks, out, tree, replay_tree(grammar.matcher, history, tree))
         assert matcher.twin is not None
-        assert matcher.twin.tail == body  # the whole chain is valid: the walk ends at its leaf
-        assert matcher.twin.length == len(history) + len(body)
+        assert matcher.twin.length == len(history)  # the walk left it where the request is
         keep = [len(body), 0, len(body) // 2][step % 3]
         assert matcher.accept_tokens(body[:keep]) == keep
         if keep < len(body) and step % 2:  # diverge from the chain after the kept part
@@ -242,7 +247,7 @@ def test_without_a_compiler_the_build_says_why(
 
 
 def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> None:
-    backend = get_backend("llguidance", toy_tokenizer)  # the default: the Python walk
+    backend = get_backend("llguidance", toy_tokenizer, BackendOptions(llguidance_native_walk=False))
     assert backend.tree_walk().startswith("python")  # type: ignore[attr-defined]
     grammar = backend.compile(SCHEMA)
     rng = np.random.default_rng(2)
@@ -253,4 +258,4 @@ def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> No
     assert matcher.twin is None
     assert compare(masks, out, tree, replay_tree(grammar.matcher, [], tree)) == []
     if build.find_compiler() is not None:
-        assert get_backend("llguidance", toy_tokenizer, NATIVE).tree_walk(60) == "native"  # type: ignore[attr-defined]
+        assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # the default  # type: ignore[attr-defined]

@@ -74,7 +74,7 @@ def test_tree_rows_after_rollback_match_fresh_replay(gemma_tokenizer: Any, walke
     if not SCHEMA.exists():
         pytest.skip(f"{SCHEMA} is missing")
     schema = json.loads(SCHEMA.read_text())["schema"]
-    options = BackendOptions(llguidance_native_walk=walker == "native")  # the native one: opt-in
+    options = BackendOptions(llguidance_native_walk=walker == "native")
     backend = get_backend("llguidance", gemma_tokenizer, options)
     compiled = backend.compile(GrammarSpec.json_schema(schema))
     if walker == "native":

@@ -4,9 +4,9 @@ Found by the tree oracle on a JSONSchemaBench tree (BFCL_java/BFCL_java_56, Gemm
 inside the key ``"parserConfig``, masking after ``":["*`` (a string in an array), rolling back
 two tokens, masking at the key again and consuming ``":{"`` (a string in an object) gives the
 array string's mask (``",`` and ``"]`` allowed, ``":`` forbidden). A mask computed at the
-rolled-back state does not repair it, so the native walk, which rolls one matcher back between
-siblings, is opt-in (``BackendOptions.llguidance_native_walk``); the default Python walk starts
-siblings from ``deep_copy`` snapshots and never rolls back.
+rolled-back state does not repair it, so no walk rolls back: the Python walk starts siblings
+from ``deep_copy`` snapshots, the native one from fresh clones of a twin that only moves forward
+(it rolled one matcher back and refreshed the memo before: that walk failed here).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def mask(native: Any, words: int) -> np.ndarray:
 
 
 def test_a_rollback_can_leave_a_stale_mask(gemma_tokenizer: Any) -> None:
-    """The library behaviour the default walk avoids. If this starts failing, llguidance fixed
-    its rollback: the native walk can then be the default again (rerun the tree oracle)."""
+    """The library behaviour the walks avoid. If this starts failing, llguidance fixed its
+    rollback: walks may roll back again (cheaper than clones; rerun the tree oracle)."""
     grammar = get_backend("llguidance", gemma_tokenizer).compile(GrammarSpec.json_schema(SCHEMA))
     words = bm.words_per_row(gemma_tokenizer.vocab_size)
     start = gemma_tokenizer.encode(PREFIX) + gemma_tokenizer.encode(KEY)
@@ -95,16 +95,13 @@ def tree(tokenizer: Any) -> DraftTree:
     )
 
 
-@pytest.mark.parametrize("walk", ["default", "native"])
-def test_tree_masks_on_that_tree(gemma_tokenizer: Any, walk: str) -> None:
-    """The default walk is exact on it; the opt-in native walk is not (strict xfail: when it
-    passes, llguidance has fixed its rollback)."""
-    if walk == "native":
-        if build.find_compiler() is None:
-            pytest.skip("no C compiler: the native llguidance walk is not built here")
-        options = BackendOptions(llguidance_native_walk=True)
-    else:
-        options = BackendOptions()
+@pytest.mark.parametrize("walk", ["python", "native"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tree_masks_on_that_tree(gemma_tokenizer: Any, walk: str, threads: int) -> None:
+    """Both walks are exact on it (the native one on one thread and on two)."""
+    if walk == "native" and build.find_compiler() is None:
+        pytest.skip("no C compiler: the native llguidance walk is not built here")
+    options = BackendOptions(llguidance_native_walk=walk == "native")
     backend = get_backend("llguidance", gemma_tokenizer, options)
     grammar = backend.compile(GrammarSpec.json_schema(SCHEMA))
     if walk == "native":
@@ -114,13 +111,9 @@ def test_tree_masks_on_that_tree(gemma_tokenizer: Any, walk: str) -> None:
     matcher = grammar.matcher()
     assert matcher.accept_tokens([*prefix, int(draft.tokens[0])]) == len(prefix) + 1
     out = bm.allocate(draft.num_nodes, matcher.vocab_size, fill=-1)
-    masks = fill_tree_bitmask(matcher, draft, out, budget=None)
+    masks = fill_tree_bitmask(matcher, draft, out, budget=None, threads=threads)
     assert masks.valid.all()  # every path is grammar-valid: each row is compared
     oracle = replay_tree(grammar.matcher, [*prefix, int(draft.tokens[0])], draft)
     problems = compare(masks, out, draft, oracle)
-    if walk == "native":
-        assert matcher.twin is not None  # the native walk ran
-        if problems:
-            pytest.xfail(f"llguidance 1.9.1 stale mask after rollback: {problems}")
-        pytest.fail("the native walk is exact here now: llguidance fixed its rollback?")
+    assert (matcher.twin is not None) == (walk == "native")  # that walk ran
     assert problems == []

@@ -2,9 +2,10 @@
 
 Random EAGLE-like trees (``constrained.tree_random``: 1-256 nodes, depth <= 16, grammar-valid,
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
-schemas, on all three backends; llguidance twice: its default Python walk and its opt-in native
-walk (``llguidance-native``, ``constrained/native/``), which shares big trees with a second
-thread every other tree. Toy vocabularies always; the Gemma tokenizer with
+schemas, on all three backends; llguidance three times: its default (native walk for chain-like
+trees, Python walk for branchy ones), the native walk on every tree (``llguidance-native``,
+``constrained/native/``; a second thread shares big trees every other tree) and the Python walk
+on every tree (``llguidance-python``). Toy vocabularies always; the Gemma tokenizer with
 JSONSchemaBench schemas and the shared GBNF grammars under ``model`` (a representative part) and
 all of it under ``slow`` / ``ESPALIER_SLOW=1``.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained import traverse_llguidance
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.errors import GrammarError
@@ -49,23 +51,33 @@ TOY_GRAMMARS = [
 ]
 
 
-WALKS = [*BACKENDS, "llguidance-native"]
-"""Backends (llguidance: its default Python walk), plus llguidance's opt-in native walk, which
-is exact on these grammars (not on every one: ``test_llguidance_stale_rollback``)."""
+WALKS = [*BACKENDS, "llguidance-native", "llguidance-python"]
+"""Backends (llguidance: its default policy), plus llguidance's native walk on every tree and its
+Python walk on every tree."""
+
+
+@pytest.fixture(autouse=True)
+def native_on_every_tree(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``llguidance-native``: no tree is too branchy for the native walk."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "llguidance-native":
+        monkeypatch.setattr(traverse_llguidance, "NATIVE_MAX_BRANCHES", 1 << 30)
 
 
 def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
-    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); for ``llguidance-native`` with
-    its native walk ready."""
+    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); with the native walk ready
+    (``llguidance``, ``llguidance-native``) or off (``llguidance-python``)."""
+    native = walk in ("llguidance", "llguidance-native")
     if walk == "llguidance-native" and build.find_compiler() is None:
         pytest.skip("no C compiler: the native llguidance walk is not built here")
-    options = BackendOptions(llguidance_native_walk=walk == "llguidance-native")
-    grammar = get_backend(walk.removesuffix("-native"), tokenizer, options).compile(spec)
-    if walk == "llguidance-native":
+    options = BackendOptions(llguidance_native_walk=walk != "llguidance-python")
+    name = walk.removesuffix("-native").removesuffix("-python")
+    grammar = get_backend(name, tokenizer, options).compile(spec)
+    if native and build.find_compiler() is not None:
         assert grammar.native_slot.wait(120) is not None, grammar.native_slot.error
         assert grammar.native_template() is not None
-    elif walk == "llguidance":
-        assert grammar.native_slot is None  # the default: the Python walk
+    elif walk == "llguidance-python":
+        assert grammar.native_slot is None
     return grammar
 
 
@@ -88,8 +100,10 @@ def check_trees(
         threads = 1 + k % 2  # the native llguidance walk shares big trees with a second thread
         masks = fill_tree_bitmask(start, tree, out, budget=None, threads=threads)
         found = compare(masks, out, tree, oracle)
-        if getattr(grammar, "native_slot", None) is not None and not start.is_terminated():
-            assert start.twin is not None  # the native walk ran
+        branches = tree.num_nodes - 1 - int(np.count_nonzero(tree.first_child >= 0))
+        native = getattr(grammar, "native_slot", None) is not None and not start.is_terminated()
+        if native and branches <= traverse_llguidance.NATIVE_MAX_BRANCHES:
+            assert start.twin is not None  # the native walk took this tree
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)
         found += compare(masks, out, tree, oracle) + ["budget hit"] * masks.budget_hit
@@ -166,7 +180,7 @@ def test_oracle_gemma_schemas(backend: str, gemma_tokenizer: Any) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "llguidance-native"])
+@pytest.mark.parametrize("backend", WALKS)
 def test_oracle_gemma_gbnf_and_regex(backend: str, gemma_tokenizer: Any) -> None:
     names = sorted(p.name for p in (SHARED / "grammars" / "gbnf").glob("*.gbnf"))
     if not SLOW:
