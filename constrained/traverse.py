@@ -164,7 +164,7 @@ def fill_tree_bitmask(
     result = WalkResult.empty(tree.num_nodes)
     if budget is None:
         walker(matcher, tree, rows, float("inf"), root_ready, result)
-    elif tree.num_nodes > 1 and _needs_helper(matcher):
+    elif tree.num_nodes > 1 and _needs_helper(matcher, tree):
         from espalier.constrained.traverse_bounded import walk_bounded
 
         if walker is not walk_generic and _backend(matcher) == "xgrammar":
@@ -200,15 +200,16 @@ def fill_tree_bitmask(
 
 SLOW_FILL_BACKENDS = frozenset({"xgrammar", "llguidance"})
 """Backends whose single mask fill can take milliseconds: budgeted walks go to a helper,
-except llguidance's native walk (it checks the deadline between nodes, in C: inline)."""
+except llguidance's native walk (it checks the deadline between nodes, in C: inline) on the
+trees it takes (``traverse_llguidance.native_takes``)."""
 
 
-def _needs_helper(matcher: Any) -> bool:
+def _needs_helper(matcher: Any, tree: DraftTree) -> bool:
     name = _backend(matcher)
     if name == "llguidance":
-        from espalier.constrained.traverse_llguidance import native_walk_ready
+        from espalier.constrained.traverse_llguidance import native_takes, native_walk_ready
 
-        return not native_walk_ready(matcher)
+        return not (native_walk_ready(matcher) and native_takes(tree))
     return name in SLOW_FILL_BACKENDS
 
 

@@ -143,6 +143,13 @@ JSONSchemaBench schemas (2 ms budget) finished within it for 94-96 % at 100 µs,
 200 µs, 100 % at 300 µs."""
 
 
+def native_takes(tree: DraftTree) -> bool:
+    """The native walk takes ``tree`` (at most :data:`NATIVE_MAX_BRANCHES` branches: children
+    beyond the first, summed over the nodes)."""
+    branches = tree.num_nodes - 1 - int(np.count_nonzero(tree.first_child >= 0))
+    return branches <= NATIVE_MAX_BRANCHES
+
+
 def native_walk_ready(matcher: Any) -> bool:
     """The native walk can serve ``matcher`` now (its grammar's C-API template exists)."""
     return matcher.compiled.native_template() is not None
@@ -176,7 +183,7 @@ def walk_llguidance(
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     n = tree.num_nodes
-    if n - 1 - int(np.count_nonzero(tree.first_child >= 0)) > NATIVE_MAX_BRANCHES:
+    if not native_takes(tree):
         return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
     twin = matcher.twin
     if twin is None:

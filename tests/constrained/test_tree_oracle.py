@@ -100,9 +100,8 @@ def check_trees(
         threads = 1 + k % 2  # the native llguidance walk shares big trees with a second thread
         masks = fill_tree_bitmask(start, tree, out, budget=None, threads=threads)
         found = compare(masks, out, tree, oracle)
-        branches = tree.num_nodes - 1 - int(np.count_nonzero(tree.first_child >= 0))
         native = getattr(grammar, "native_slot", None) is not None and not start.is_terminated()
-        if native and branches <= traverse_llguidance.NATIVE_MAX_BRANCHES:
+        if native and traverse_llguidance.native_takes(tree):
             assert start.twin is not None  # the native walk took this tree
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)
