@@ -109,7 +109,6 @@ class MaskBuilder:
         self.pin_memory = pin_memory
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tree-mask")
-        self._tree_threads = 1
         self._buffer: torch.Tensor | None = None
         self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
@@ -166,6 +165,10 @@ class MaskBuilder:
         array = self._array() if bitmask is not None else None
         mask_rows: list[int] = []
         jobs: list[tuple[int, Callable[[], Fill]]] = []
+        # fewer trees than threads: a tree may share its walk with a spare thread (only
+        # llguidance's native walk does, ``constrained.traverse_llguidance``)
+        constrained = sum(m is not None for m in matchers)
+        tree_threads = max(1, min(2, self.threads // max(1, constrained)))
         unconstrained: dict[int, int] = {}
         row = 0
         for index, (matcher, draft) in enumerate(zip(matchers, drafts)):
@@ -176,12 +179,10 @@ class MaskBuilder:
                 continue
             assert array is not None
             out = array[row : row + n]
-            jobs.append((index, functools.partial(self._fill_one, matcher, draft, out, budget)))
+            fill = functools.partial(self._fill_one, matcher, draft, out, budget, tree_threads)
+            jobs.append((index, fill))
             mask_rows.extend(range(row, row + n))
             row += n
-        # fewer trees than threads: a tree may share its walk with a spare thread (only
-        # llguidance's opt-in native walk does)
-        self._tree_threads = max(1, min(2, self.threads // max(1, len(jobs))))
         fills = FillJobs(jobs, [None] * len(drafts), unconstrained)
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
@@ -197,13 +198,18 @@ class MaskBuilder:
         return self._buffer_array[1]
 
     def _fill_one(
-        self, matcher: GrammarMatcher, draft: Draft, out: np.ndarray, budget_s: float | None
+        self,
+        matcher: GrammarMatcher,
+        draft: Draft,
+        out: np.ndarray,
+        budget_s: float | None,
+        threads: int,
     ) -> tuple[np.ndarray, np.ndarray]:
         from espalier.constrained.traverse import fill_tree_bitmask
         from espalier.constrained.tree import DraftTree
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=self._tree_threads)
+        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=threads)
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled
