@@ -143,11 +143,14 @@ JSONSchemaBench schemas (2 ms budget) finished within it for 94-96 % at 100 µs,
 200 µs, 100 % at 300 µs."""
 
 
+def branches(tree: DraftTree) -> int:
+    """Children beyond the first, summed over the nodes (0: a chain)."""
+    return tree.num_nodes - 1 - int(np.count_nonzero(tree.first_child >= 0))
+
+
 def native_takes(tree: DraftTree) -> bool:
-    """The native walk takes ``tree`` (at most :data:`NATIVE_MAX_BRANCHES` branches: children
-    beyond the first, summed over the nodes)."""
-    branches = tree.num_nodes - 1 - int(np.count_nonzero(tree.first_child >= 0))
-    return branches <= NATIVE_MAX_BRANCHES
+    """The native walk takes ``tree``: at most :data:`NATIVE_MAX_BRANCHES` :func:`branches`."""
+    return branches(tree) <= NATIVE_MAX_BRANCHES
 
 
 def native_walk_ready(matcher: Any) -> bool:
@@ -163,8 +166,9 @@ JSONSchemaBench schemas (Gemma, 2 cores): Python p50 1.53 ms, native 4.22 ms (2 
 Chains (oracle, forced and n-gram drafts) take one clone and no ``deep_copy``."""
 
 SPLIT_MIN_NODES = 8
-"""A tree walks on two threads (when allowed) only from this many nodes: below it, the second
-thread's start and catch-up (~30-60 µs) cost about what it would save."""
+"""A tree walks on two threads (when allowed) only from this many nodes and with a branch: below
+it, the second thread's start (~30-60 µs) costs about what it would save, and a chain has no
+second subtree to give it."""
 
 
 def walk_llguidance(
@@ -183,7 +187,8 @@ def walk_llguidance(
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     n = tree.num_nodes
-    if not native_takes(tree):
+    forks = branches(tree)
+    if forks > NATIVE_MAX_BRANCHES:
         return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
     twin = matcher.twin
     if twin is None:
@@ -208,7 +213,7 @@ def walk_llguidance(
             native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
             budget,
             flags,
-            2 if threads > 1 and n >= SPLIT_MIN_NODES else 1,
+            2 if threads > 1 and n >= SPLIT_MIN_NODES and forks > 0 else 1,  # chains: one
         )
     except RuntimeError as exc:
         matcher.twin = None  # its state is unknown now: the next walk starts a new one

@@ -112,6 +112,7 @@ typedef struct Worker {
     int64_t bottom, top;
     double slowest;
     int64_t n_filled;
+    int64_t at; /* the node its matcher stood at when it last pushed children (under the lock) */
     int waiting;
 } Worker;
 
@@ -169,6 +170,7 @@ static void push_children(Worker *w, int64_t parent, int64_t state) {
     }
     if (count == 0) return;
     pthread_mutex_lock(&p->lock);
+    if (state >= 0) w->at = state;
     for (int64_t i = count - 1; i >= 0; i--) {
         w->stack[w->top].node = w->kids[i];
         w->stack[w->top].parent = state;
@@ -178,8 +180,10 @@ static void push_children(Worker *w, int64_t parent, int64_t state) {
     pthread_mutex_unlock(&p->lock);
 }
 
-/* Take the next entry: own top, else the other worker's bottom; wait while the other may still
- * push; 0 when the walk is over (everything done, or stop). */
+/* Take the next entry: own top, else the other worker's bottom, unless that is the only entry
+ * there and continues the other's path (a chain: the other takes it for one consume, a thief
+ * would need a clone); wait while the other may still push; 0 when the walk is over
+ * (everything done, or stop). */
 static int take(Worker *w, Entry *e) {
     Pool *p = w->pool;
     Worker *other = p->workers > 1 ? &p->w[1 - w->id] : NULL;
@@ -193,7 +197,8 @@ static int take(Worker *w, Entry *e) {
             got = 1;
             break;
         }
-        if (other != NULL && other->top > other->bottom) {
+        const int64_t left = other != NULL ? other->top - other->bottom : 0;
+        if (left > 1 || (left == 1 && other->stack[other->bottom].parent != other->at)) {
             *e = other->stack[other->bottom++];
             if (other->top == other->bottom) other->top = other->bottom = 0;
             got = 1;
