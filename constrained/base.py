@@ -45,6 +45,13 @@ class GrammarMatcher(Protocol):
         """Undo the last ``n`` accepted tokens."""
         ...
 
+    @property
+    def exact_rollback(self) -> bool:
+        """Masks after any ``rollback`` are exact. False (llguidance 1.9.1): a mask computed
+        below the rolled-back point can leak into later ones, so callers that probe ahead
+        should probe on a :meth:`fork`."""
+        ...
+
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         """Write the allowed next tokens into row ``index`` of ``bitmask`` (int32, CPU, contiguous).
 

@@ -131,6 +131,8 @@ class MatcherBase:
 
     tokenizer: TokenizerInfo
     native: Any
+    exact_rollback: bool = True
+    """See ``GrammarMatcher.exact_rollback``."""
 
     def __init__(self, tokenizer: TokenizerInfo, facts: VocabFacts) -> None:
         self.tokenizer = tokenizer

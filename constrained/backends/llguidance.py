@@ -21,7 +21,8 @@ state, into a scratch row, before the next consume unless a fill comes first
 mask at the rolled-back state, and a sibling still gets the branch's mask). So nothing that
 needs exact masks rolls an llguidance matcher back after computing masks below: the tree walks
 start siblings from ``deep_copy`` snapshots or clones (``traverse_llguidance``), and probes that
-roll back (closing paths, forced chains) check tokens by consuming them, not by masks.
+roll back check tokens by consuming them, not by masks (closing paths), or probe on a fork
+(forced chains below draft leaves: ``Matcher.exact_rollback`` is False).
 """
 
 from __future__ import annotations
@@ -224,6 +225,8 @@ class CompiledGrammar(CompiledBase):
 
 class Matcher(MatcherBase):
     """Per-request state; ``native`` is the ``llguidance.LLMatcher``."""
+
+    exact_rollback = False  # a stale mask can survive a rollback (module docstring)
 
     def __init__(self, compiled: CompiledGrammar, native: llguidance.LLMatcher) -> None:
         super().__init__(compiled.tokenizer, compiled._facts)

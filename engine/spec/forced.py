@@ -44,7 +44,8 @@ def extend_leaves(
 ) -> Draft:
     """Graft forced chains below the best leaves of ``draft`` while node budget remains.
 
-    Each probed leaf's path is accepted on ``matcher`` and rolled back (state unchanged on return).
+    Each probed leaf's path is accepted on ``matcher`` and rolled back (state unchanged on return),
+    or on a fork where the backend's rollback is not exact (``exact_rollback``).
     A path the grammar rejects gets no chain (the target will reject it anyway).
     """
     room = budget - draft.num_draft_tokens
@@ -67,6 +68,8 @@ def extend_leaves(
 
 
 def _forced_after(matcher: GrammarMatcher, path: list[int], limit: int) -> list[int]:
+    if not matcher.exact_rollback:  # probing would roll the request back: probe a copy
+        matcher = matcher.fork()
     accepted = 0
     try:
         for token in path:

@@ -152,6 +152,36 @@ def test_forced_chains_from_a_real_grammar(toy_tokenizer: Any) -> None:
     assert root_chain(matcher, 16) == chain  # the matcher state is unchanged
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_forced_chain_probes_roll_back_only_exact_matchers(
+    toy_tokenizer: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probing leaves for forced chains never rolls back a matcher whose rollback is not exact
+    (llguidance: a stale mask can survive it, ``test_llguidance_stale_rollback``): it probes a
+    fork. Exact ones are probed in place and rolled back. Same chains either way."""
+    matcher = compile_matcher(toy_tokenizer, backend)
+    chain = root_chain(matcher, 16)
+    builder = TreeBuilder(0)
+    builder.add_path(0, chain[:1], [-0.1], NodeSource.MODEL)
+    rollbacks: list[int] = []
+    original = type(matcher).rollback
+
+    def counted(self: Any, n: int) -> None:
+        if self is matcher:  # the request's own matcher, not a fork
+            rollbacks.append(n)
+        original(self, n)
+
+    monkeypatch.setattr(type(matcher), "rollback", counted)
+    draft = extend_leaves(builder.build(), matcher, 32, ForcedConfig())
+    assert draft.path_tokens(draft.num_nodes - 1) == chain  # the chain was grafted
+    assert matcher.exact_rollback == (backend != "llguidance")
+    if matcher.exact_rollback:
+        assert rollbacks  # probed in place, then rolled back
+    else:
+        assert rollbacks == []  # a fork was probed
+    assert root_chain(matcher, 16) == chain  # the matcher state is unchanged
+
+
 def test_proposer_merges_forced_chain_and_drafts(toy_tokenizer: Any) -> None:
     matcher = compile_matcher(toy_tokenizer, "llguidance")
     chain = root_chain(matcher, 16)
