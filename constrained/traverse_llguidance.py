@@ -205,7 +205,6 @@ def walk_llguidance(
     try:
         end = native.walk(
             twin.native,
-            0,
             twin.catch_up(history),
             tree,
             rows,

@@ -31,7 +31,6 @@
 typedef struct EspLlgApi {
     int32_t (*consume)(void *matcher, uint32_t token);
     int32_t (*consume_many)(void *matcher, const uint32_t *tokens, size_t n);
-    int32_t (*rollback)(void *matcher, size_t n);
     int32_t (*mask_into)(void *matcher, uint32_t *dest, size_t byte_len);
     const char *(*get_error)(void *matcher);
     void *(*clone)(const void *matcher);
@@ -70,9 +69,9 @@ typedef struct Entry {
 /* Everything one walk reads and writes (one struct: a ctypes call with two pointer arguments
  * costs a few microseconds, one with 24 typed arguments tens).
  *
- * `root` is the request's twin. It is never walked: it only catches up with the request (roll
- * back `rollback_n` tokens, then consume `sync`; the caller makes rollback_n 0) and computes
- * row 0 (root_mode ROOT_COMPUTE; ROOT_READY trusts it); the walk runs on clones of it. budget_s < 0: no limit; else a node
+ * `root` is the request's twin. It is never walked: it only catches up with the request
+ * (consumes `sync`; it never rolls back) and computes row 0 (root_mode ROOT_COMPUTE;
+ * ROOT_READY trusts it); the walk runs on clones of it. budget_s < 0: no limit; else a node
  * starts only if it would end by now + budget_s were it as long as the longest node so far (one
  * node's mask can take milliseconds inside a long string: this keeps the overrun to the rare
  * node slower than all before it). threads: 1, or 2 (a second thread shares the tree).
@@ -80,7 +79,6 @@ typedef struct Entry {
  * Out: n_filled the number of filled rows (both threads), helper_filled the second thread's. */
 typedef struct EspWalkArgs {
     void *root;
-    int64_t rollback_n;
     const uint32_t *sync;
     int64_t n_sync, n;
     const int64_t *tokens, *first_child, *next_sibling;
@@ -366,10 +364,6 @@ int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
     a->n_filled = 0;
     a->helper_filled = 0;
     /* the twin catches up with the request first */
-    if (a->rollback_n > 0 && api->rollback(a->root, (size_t)a->rollback_n) != 0) {
-        copy_error(api, a->root, a->err, (size_t)a->err_len);
-        return WALK_SYNC_ERROR;
-    }
     if (a->n_sync > 0 && api->consume_many(a->root, a->sync, (size_t)a->n_sync) != 0) {
         copy_error(api, a->root, a->err, (size_t)a->err_len);
         return WALK_SYNC_ERROR;

@@ -69,7 +69,6 @@ class _WalkApi(ctypes.Structure):
         for name in (
             "consume",
             "consume_many",
-            "rollback",
             "mask_into",
             "get_error",
             "clone",
@@ -83,7 +82,6 @@ class _WalkArgs(ctypes.Structure):
 
     _fields_ = [
         ("root", ctypes.c_void_p),
-        ("rollback_n", ctypes.c_int64),
         ("sync", ctypes.c_void_p),
         ("n_sync", ctypes.c_int64),
         ("n", ctypes.c_int64),
@@ -149,7 +147,6 @@ class Api:
                 for name in (
                     "llg_matcher_consume_token",
                     "llg_matcher_consume_tokens",
-                    "llg_matcher_rollback",
                     "llg_matcher_compute_mask_into",
                     "llg_matcher_get_error",
                     "llg_clone_matcher",
@@ -334,7 +331,6 @@ class WalkEnd:
 
 def walk(
     root: NativeMatcher,
-    rollback_n: int,
     sync: Sequence[int],
     tree: Any,
     rows: np.ndarray,
@@ -345,16 +341,14 @@ def walk(
     threads: int = 1,
 ) -> WalkEnd:
     """Run ``llg_walk.c`` (see its comment) on clones of ``root`` (the request's twin), after
-    ``root`` catches up: rolls back ``rollback_n`` tokens (pass 0 unless it never computed a
-    mask), consumes ``sync``. ``flags``: zeroed uint8 ``[3, n]`` (valid, filled, terminated),
-    written in place; ``threads``: 1 or 2. Raises RuntimeError on a library error (with its
+    ``root`` catches up by consuming ``sync`` (it never rolls back). ``flags``: zeroed uint8
+    ``[3, n]`` (valid, filled, terminated), written in place; ``threads``: 1 or 2. Raises RuntimeError on a library error (with its
     message; ``root``'s state is then unknown)."""
     lib = root.tokenizer.api
     n = tree.num_nodes
     scratch = _thread_scratch(tables.words, n, len(sync))
     args = scratch.args
     args.root = root.pointer
-    args.rollback_n = rollback_n
     if sync:
         scratch.sync[: len(sync)] = sync
     args.n_sync = len(sync)
