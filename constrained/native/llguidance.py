@@ -342,8 +342,8 @@ def walk(
 ) -> WalkEnd:
     """Run ``llg_walk.c`` (see its comment) on clones of ``root`` (the request's twin), after
     ``root`` catches up by consuming ``sync`` (it never rolls back). ``flags``: zeroed uint8
-    ``[3, n]`` (valid, filled, terminated), written in place; ``threads``: 1 or 2. Raises RuntimeError on a library error (with its
-    message; ``root``'s state is then unknown)."""
+    ``[3, n]`` (valid, filled, terminated), written in place; ``threads``: 1 or 2. Raises
+    RuntimeError on a library error (with its message; ``root``'s state is then unknown)."""
     lib = root.tokenizer.api
     n = tree.num_nodes
     scratch = _thread_scratch(tables.words, n, len(sync))
