@@ -67,6 +67,8 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_unfused_rope": ("flashinfer", (1, 8, 64)),
     # the anchor of planning ahead: one graph per decode shape, planned after each step's sync
     "flashinfer_graphs_no_plan_ahead": ("flashinfer", (1, 8, 64)),
+    # prefill-kernel steps planned without split-KV (no merge kernel): an A/B of the default
+    "flashinfer_graphs_no_split_kv": ("flashinfer", (1, 8, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
@@ -81,6 +83,7 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     },
     "flashinfer_graphs_unfused_rope": {(LAYERS, "FUSE_ROPE_STORE"): False},
     "flashinfer_graphs_no_plan_ahead": {(GRAPHS, "PLAN_AHEAD"): False},
+    "flashinfer_graphs_no_split_kv": {(FLASHINFER, "SPLIT_KV"): False},
 }
 
 
@@ -318,6 +321,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             closing=not args.no_closing,
             launch_first=False if args.masks_first else None,
             close_ahead=ahead,
+            reps=args.spec_reps,
         )
         prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_"
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
@@ -348,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="converted tokenizer folder")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument(
+        "--prompt-len", type=int, default=PROMPT_LEN, help="decode part: prompt tokens per sequence"
+    )
     parser.add_argument("--spec-batches", default="1,32")
     parser.add_argument("--spec-max-tokens", type=int, default=96)
     parser.add_argument("--schemas", type=int, default=6)
@@ -366,6 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
     parser.add_argument(
+        "--spec-reps",
+        type=int,
+        default=5,
+        help="speculative constrained/unconstrained pairs per batch size (ABBA; median ratio)",
+    )
+    parser.add_argument(
         "--no-closing", action="store_true", help="EngineConfig(close_within_budget=False)"
     )
     parser.add_argument(
@@ -377,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--paths", default=",".join(PATHS), help="decode paths to measure")
     args = parser.parse_args(argv)
+    global PROMPT_LEN
+    PROMPT_LEN = args.prompt_len
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
         return 0

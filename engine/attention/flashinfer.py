@@ -60,6 +60,15 @@ queries, no split-KV merge (batch 1: 7.6 us per layer, vs 15.4 on CUDA cores and
 (merge) on the prefill kernel; run 33's profile)."""
 
 
+SPLIT_KV = True
+"""Whether prefill-kernel steps let flashinfer split the KV into chunks (its default: more CTAs
+for short queries over long contexts, then a merge kernel). False plans them with
+``disable_split_kv`` (one CTA per query tile, no merge), for every step alike so that plain
+decoding and tree verification still run the same kernel. Read when a step is planned and when
+a CUDA graph is captured (an A/B flag for ``bench/gpu.py``, path
+``flashinfer_graphs_no_split_kv``)."""
+
+
 def use_decode_kernel(num_seqs: int) -> bool:
     """Whether a one-token causal step of ``num_seqs`` sequences runs the decode wrapper."""
     return num_seqs <= DECODE_KERNEL_UP_TO
@@ -207,6 +216,7 @@ class FlashinferBackend:
             *heads,
             custom_mask=custom_mask,
             causal=causal and custom_mask is None,
+            disable_split_kv=not SPLIT_KV,
             **common,
         )
 
