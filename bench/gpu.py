@@ -348,6 +348,7 @@ def llama_8b_config(vocab_size: int) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global PROMPT_LEN
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default=None, help="converted tokenizer folder")
     parser.add_argument("--batches", default="1,8,64")
@@ -390,7 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--paths", default=",".join(PATHS), help="decode paths to measure")
     args = parser.parse_args(argv)
-    global PROMPT_LEN
     PROMPT_LEN = args.prompt_len
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
