@@ -117,18 +117,20 @@ def weight_bytes(runner: Any) -> int:
     return int(total)
 
 
-def decode_rate(runner: Any, batch: int, steps: int, seed: int = 0) -> dict[str, float]:
+def decode_rate(
+    runner: Any, batch: int, steps: int, seed: int = 0, prompt_len: int = PROMPT_LEN
+) -> dict[str, float]:
     """Greedy decode tokens/s at ``batch`` after a 128-token prefill (one sync per step)."""
     from espalier.engine.kv_cache import blocks_needed
     from espalier.engine.runner import SeqInput
 
-    per_seq = blocks_needed(PROMPT_LEN + steps + 8, runner.block_size)
+    per_seq = blocks_needed(prompt_len + steps + 8, runner.block_size)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 200_000, (PROMPT_LEN,), generator=gen).tolist() for _ in tables]
+    prompts = [torch.randint(0, 200_000, (prompt_len,), generator=gen).tolist() for _ in tables]
     out = runner.forward([SeqInput(t, p, 0) for t, p in zip(tables, prompts)])
     tokens = out.logits.argmax(-1).tolist()
-    ctx = PROMPT_LEN
+    ctx = prompt_len
     launch_s: list[float] = []
     start = prepare_s = 0.0
     graphs = runner.graphs
@@ -196,7 +198,11 @@ def profile_decode(runner: Any, steps: int = 6, top: int = 12) -> list[dict[str,
 
 
 def build_runners(
-    tokenizer_vocab: int, batches: Sequence[int], steps: int, paths: Sequence[str] = tuple(PATHS)
+    tokenizer_vocab: int,
+    batches: Sequence[int],
+    steps: int,
+    paths: Sequence[str] = tuple(PATHS),
+    prompt_len: int = PROMPT_LEN,
 ) -> dict[str, Any]:
     from spec import _random_state  # bench/spec.py (this script's folder is on sys.path)
 
@@ -206,7 +212,7 @@ def build_runners(
 
     config = llama_8b_config(tokenizer_vocab)
     state = _random_state(config, "cuda")
-    blocks = max(batches) * blocks_needed(PROMPT_LEN + steps + 8, 16)
+    blocks = max(batches) * blocks_needed(prompt_len + steps + 8, 16)
     runners = {}
     for name, (backend, graphs) in PATHS.items():
         if name not in paths:
@@ -229,7 +235,11 @@ def build_runners(
 
 
 def decode_part(
-    runners: dict[str, Any], bandwidth: float, batches: Sequence[int], steps: int
+    runners: dict[str, Any],
+    bandwidth: float,
+    batches: Sequence[int],
+    steps: int,
+    prompt_len: int = PROMPT_LEN,
 ) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for name, runner in runners.items():
@@ -238,7 +248,7 @@ def decode_part(
         for batch in batches:
             try:
                 with path_flags(name):
-                    rate = decode_rate(runner, batch, steps)
+                    rate = decode_rate(runner, batch, steps, prompt_len=prompt_len)
             except Exception as exc:
                 emit({"part": "decode", "path": name, "batch": batch, "error": repr(exc)[:400]})
                 continue
@@ -348,7 +358,6 @@ def llama_8b_config(vocab_size: int) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global PROMPT_LEN
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default=None, help="converted tokenizer folder")
     parser.add_argument("--batches", default="1,8,64")
@@ -391,7 +400,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--paths", default=",".join(PATHS), help="decode paths to measure")
     args = parser.parse_args(argv)
-    PROMPT_LEN = args.prompt_len
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
         return 0
@@ -412,8 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if not args.skip_decode:
         paths = [p for p in args.paths.split(",") if p]
-        runners = build_runners(tokenizer.vocab_size, batches, args.steps, paths)
-        summary.update(decode_part(runners, bandwidth, batches, args.steps))
+        runners = build_runners(tokenizer.vocab_size, batches, args.steps, paths, args.prompt_len)
+        summary.update(decode_part(runners, bandwidth, batches, args.steps, args.prompt_len))
         del runners
         gc.collect()
         torch.cuda.empty_cache()

@@ -36,21 +36,17 @@ def _reset() -> None:
     _stats["threads"] = set()
 
 
-def _add(key: str, seconds: float) -> None:
-    with _lock:
-        _stats[key] += seconds
-
-
 def _timed(key: str, function: Callable[..., Any], count: str | None = None) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            _add(key, time.perf_counter() - start)
-            if count is not None:
-                with _lock:
+            with _lock:
+                _stats[key] += time.perf_counter() - start
+                if count is not None:
                     _stats[count] += 1
+                if count == "fills":  # the threads that filled (result() runs on the engine's)
                     _stats["threads"].add(threading.current_thread().name)
 
     return wrapper

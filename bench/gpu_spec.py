@@ -21,6 +21,7 @@ batch B runs B requests at once.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -173,9 +174,9 @@ def _one_batch(
 ) -> dict[tuple[bool, bool], dict[str, Any]]:
     """The four runs of one batch size, keyed by (constrained, speculative). The speculative
     pair runs ``reps`` times after an uncounted pair, interleaved (ABBA); each side reports its
-    median run, with every
-    run's tok/s (``tok_per_s_reps``) and the constrained side the run-by-run ratios
-    (``ratio_reps``, pairs run back to back)."""
+    median run, with every run's tok/s (``tok_per_s_reps``), and the constrained side the
+    run-by-run ratios (``ratio_reps``, pairs run back to back) and the host profile of its
+    first counted run when ``profile``."""
     count = len(prompts)
     results: dict[tuple[bool, bool], dict[str, Any]] = {}
     full = [max_tokens] * count
@@ -204,7 +205,12 @@ def _one_batch(
     for constrained, done in runs.items():
         rates = [r["tok_per_s"] for r in done]
         median = sorted(done, key=lambda r: r["tok_per_s"])[(len(done) - 1) // 2]
-        results[(constrained, True)] = {**median, "tok_per_s_reps": [round(t, 1) for t in rates]}
+        profiled = {k: v for k, v in done[0].items() if k.startswith("host_top")}
+        results[(constrained, True)] = {
+            **median,
+            **profiled,  # the profiled run need not be the median one
+            "tok_per_s_reps": [round(t, 1) for t in rates],
+        }
     pairs = [c["tok_per_s"] / u["tok_per_s"] for c, u in zip(runs[True], runs[False])]
     results[(True, True)]["ratio_reps"] = [round(r, 3) for r in pairs]
     return results
@@ -267,8 +273,7 @@ def equal_work(
         def tps(constrained: bool, speculative: bool, results: Any = results) -> float:
             return float(results[(constrained, speculative)]["tok_per_s"])
 
-        pairs = sorted(results[(True, True)]["ratio_reps"])
-        ratio = (pairs[(len(pairs) - 1) // 2] + pairs[len(pairs) // 2]) / 2  # median
+        ratio = statistics.median(results[(True, True)]["ratio_reps"])
         plain_ratio = tps(True, False) / tps(False, False)
         emit(
             {

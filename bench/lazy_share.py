@@ -56,9 +56,11 @@ def decode_one(
         ok = bool(mask[free])
         assert not ok or choice == free  # an allowed global argmax is the masked argmax
         steps, allowed, forced = steps + 1, allowed + ok, forced + (int(mask.sum()) == 1)
-        if choice in tokenizer.stop_token_ids or not matcher.accept(choice):
-            break
-        if matcher.is_terminated():
+        if (
+            choice in tokenizer.stop_token_ids
+            or not matcher.accept(choice)
+            or matcher.is_terminated()
+        ):
             break
         out = runner.forward([SeqInput(table, [choice], context)])
         context += 1
