@@ -33,6 +33,7 @@ The last line is a summary. Usage (on the GPU machine)::
 
     python3 bench/gpu.py --tokenizer .data/gpu/gemma_tok [--batches 1,8,64] [--steps 64]
         [--spec-batches 1,32] [--spec-max-tokens 96] [--mask-threads 8] [--skip-spec]
+        [--tight-budget]
 """
 
 from __future__ import annotations
@@ -332,6 +333,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             launch_first=False if args.masks_first else None,
             close_ahead=ahead,
             reps=args.spec_reps,
+            tight_budget=args.tight_budget,
         )
         prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_"
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
@@ -372,9 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--close-ahead",
         default="default",
-        help="SpecConfig.close_ahead per equal-work pass, comma-separated from default (on the "
-        "CPU only), on, off: e.g. default,off,on,on,off (a warm-up pass, then an ABBA A/B: the "
-        "first pass in a process meets cold grammar caches)",
+        help="SpecConfig.close_ahead per equal-work pass, comma-separated from default (the "
+        "engine's: on), on, off: e.g. default,off,on,on,off (a warm-up pass, then an ABBA A/B: "
+        "the first pass in a process meets cold grammar caches)",
     )
     parser.add_argument(
         "--mask-threads",
@@ -390,6 +392,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-closing", action="store_true", help="EngineConfig(close_within_budget=False)"
+    )
+    parser.add_argument(
+        "--tight-budget",
+        action="store_true",
+        help="constrained speculative requests get max_tokens = their plain output length (the "
+        "old setting: closing checks on every request's last tokens), not --spec-max-tokens",
     )
     parser.add_argument(
         "--masks-first",

@@ -9,11 +9,18 @@ drafter, machinery from ``bench/spec.py``):
    continuation for the constrained speculative run);
 2. plain unconstrained run with ``max_tokens = L_i`` per request (its continuation for the
    unconstrained speculative run);
-3. both speculative runs (each after a warm-up run of the same requests); tokens/s, the ratio,
+3. both speculative runs (each after a warm-up run of the same requests; the constrained one
+   with the plain run's ``max_tokens``, which it ends at or before exactly as the plain run did,
+   the unconstrained one with ``max_tokens = L_i``); tokens/s, the ratio,
    accept lengths, and the speculative step's time split (draft / waiting for masks / verify).
    With ``reps`` > 1 the pair runs that many times, interleaved ABBA (a batch-32 run lasts
    ~0.3-0.5 s on the H200, and single runs of the same code gave ratios 0.68 and 0.88: runs
    39a/b); the ratio is then the median of the run-by-run ratios.
+
+``tight_budget`` gives the constrained speculative run ``max_tokens = L_i`` too (the setting
+of runs 40-46): every request then ends exactly at its budget, so the closing policy
+(``engine/closing.py``) checks its tokens from the budget's last 64 on, which the user's budget
+only asks for where the output runs into it (``at_budget`` requests).
 
 Batch 1 runs the schemas one after another (each request alone; tokens and seconds summed);
 batch B runs B requests at once.
@@ -119,7 +126,8 @@ class _Setup:
     mask_threads: int
     closing: bool = True  # EngineConfig.close_within_budget (per-token checks near max_tokens)
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
-    close_ahead: bool | None = None  # SpecConfig.close_ahead (None: on the CPU only)
+    close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default, on)
+    tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -184,6 +192,7 @@ def _one_batch(
         setup.plain, setup.groups(_requests(prompts, grammars, full, False, "c")), profile
     )
     lengths = [max(1, len(c_plain["outputs"][f"c{i}"])) for i in range(count)]
+    c_plain["at_budget"] = sum(n >= max_tokens for n in lengths)
     free = [None] * count
     u_plain = _run(setup.plain, setup.groups(_requests(prompts, free, lengths, False, "u")))
     results[(True, False)], results[(False, False)] = c_plain, u_plain
@@ -192,7 +201,8 @@ def _one_batch(
         continuations = {
             f"{prefix}{i}": (len(p), base["outputs"][f"{prefix}{i}"]) for i, p in enumerate(prompts)
         }
-        reqs = _requests(prompts, grammars if constrained else free, lengths, True, prefix)
+        budgets = full if constrained and not setup.tight_budget else lengths
+        reqs = _requests(prompts, grammars if constrained else free, budgets, True, prefix)
         jobs[constrained] = (setup.oracle(continuations), setup.groups(reqs))
     runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     if reps > 1:  # a pair not counted: the first runs of a process meet cold caches (grammar
@@ -211,6 +221,9 @@ def _one_batch(
             **profiled,  # the profiled run need not be the median one
             "tok_per_s_reps": [round(t, 1) for t in rates],
         }
+    for constrained, base in ((True, c_plain), (False, u_plain)):  # lossless: the same tokens
+        same = all(r["outputs"] == base["outputs"] for r in runs[constrained])
+        results[(constrained, True)]["outputs_match_plain"] = same
     pairs = [c["tok_per_s"] / u["tok_per_s"] for c, u in zip(runs[True], runs[False])]
     results[(True, True)]["ratio_reps"] = [round(r, 3) for r in pairs]
     return results
@@ -229,6 +242,7 @@ def equal_work(
     launch_first: bool | None = None,
     close_ahead: bool | None = None,
     reps: int = 1,
+    tight_budget: bool = False,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios."""
@@ -251,7 +265,15 @@ def equal_work(
         prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(count)]
         grammars = [GrammarSpec.json_schema(schemas[i % len(schemas)][1]) for i in range(count)]
         setup = _Setup(
-            runner, tokenizer, service, batch, mask_threads, closing, launch_first, close_ahead
+            runner,
+            tokenizer,
+            service,
+            batch,
+            mask_threads,
+            closing,
+            launch_first,
+            close_ahead,
+            tight_budget,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         for (constrained, speculative), r in results.items():
@@ -266,6 +288,7 @@ def equal_work(
                     "closing": closing,
                     "launch_first": launch_first,
                     "close_ahead": close_ahead,
+                    "tight_budget": tight_budget,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -282,6 +305,7 @@ def equal_work(
                 "mask_threads": mask_threads,
                 "closing": closing,
                 "close_ahead": close_ahead,
+                "tight_budget": tight_budget,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

@@ -3,7 +3,8 @@
 The GPU machine's speculative step at batch 32 is host-bound (issues 7/8): what limits it is
 Python and grammar work on the main thread, not the target. That work is CPU work, so it is
 measured here on the same engine flow as ``bench/gpu_spec.py`` (equal work: the constrained
-requests' plain output lengths bound the unconstrained ones; oracle drafter, 8 draft tokens per
+requests' plain output lengths bound the unconstrained ones, ``--tight-budget`` the constrained
+ones too; oracle drafter, 8 draft tokens per
 tree, JSONSchemaBench schemas, the real Gemma tokenizer, 262,144-token vocabulary) with a tiny
 random-weight target on the CPU. The target's own work (``runner.forward`` and the verification
 kernel: on a GPU, device time) is timed and subtracted; what remains is host time.
@@ -25,6 +26,7 @@ host functions of the constrained run (cProfile of the main thread, paused durin
 
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
         [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--profile] [--warmup]
+        [--tight-budget]
 """
 
 from __future__ import annotations
@@ -265,8 +267,9 @@ def run(args: argparse.Namespace) -> None:
                 f"{prefix}{i}": (len(p), base["outputs"][f"{prefix}{i}"])
                 for i, p in enumerate(prompts)
             }
+            budgets = full if constrained and not args.tight_budget else lengths
             reqs = gpu_spec._requests(
-                prompts, grammars if constrained else free, lengths, True, prefix
+                prompts, grammars if constrained else free, budgets, True, prefix
             )
             factory = setup.oracle(continuations)
             results[constrained] = measure(factory, reqs, probe, False, args.warmup)
@@ -281,6 +284,7 @@ def run(args: argparse.Namespace) -> None:
                     "mask_threads": args.mask_threads,
                     "closing": not args.no_closing,
                     "close_ahead": args.close_ahead,
+                    "tight_budget": args.tight_budget,
                     **results[constrained],
                 }
             )
@@ -304,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mask-threads", type=int, default=2)
     parser.add_argument("--no-closing", action="store_true", help="close_within_budget=False")
     parser.add_argument("--profile", action="store_true", help="cProfile the constrained run")
+    parser.add_argument(
+        "--tight-budget",
+        action="store_true",
+        help="constrained max_tokens = plain output length (as bench/gpu.py --tight-budget)",
+    )
     parser.add_argument(
         "--close-ahead",
         choices=("default", "on", "off"),

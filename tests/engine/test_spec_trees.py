@@ -318,3 +318,42 @@ def test_adaptive_drafts_follow_what_was_accepted() -> None:
         assert strategy._max_drafted("r", 8) == cap
     strategy.config = SpecConfig(adaptive_drafts=False)
     assert strategy._max_drafted("r", 8) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: int) -> None:
+    # MaskBuilder.submit's `after` jobs (the closing decisions made ahead) must not compete
+    # with the fills for the GIL: each one sees every fill of its step finished.
+    import threading
+
+    from espalier.engine.spec.masks import MaskBuilder
+
+    matchers = [compile_matcher(toy_tokenizer, "llguidance") for _ in range(4)]
+    drafts = []
+    for matcher in matchers:
+        builder = TreeBuilder(0)
+        builder.add_path(0, root_chain(matcher, 8), None, NodeSource.FORCED)
+        drafts.append(builder.build())
+    masks = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
+    seen: list[list[bool]] = []
+    submitted = threading.Event()
+    pending: list[Any] = []
+
+    def after() -> None:
+        assert submitted.wait(10.0)
+        seen.append([part is not None for part in pending[0].fills.results])
+
+    try:
+        pending.append(masks.submit(matchers, drafts, [after, after]))
+        submitted.set()
+        result = pending[0].result()
+        masks.close()  # waits for the pool, so both after jobs have run
+        assert seen == [[True] * 4, [True] * 4]
+        assert result.valid.all()
+        # no fills at all (unconstrained requests only): they start at once
+        idle = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
+        idle.submit([None], [drafts[0]], [lambda: seen.append([])])
+        idle.close()
+        assert len(seen) == 3
+    finally:
+        masks.close()

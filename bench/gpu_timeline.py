@@ -1,0 +1,222 @@
+"""Where a speculative engine step's wall time goes, phase by phase, on the GPU machine:
+``bench/gpu.py`` with timing probes, printing one JSON line per timed equal-work run.
+
+``bench/gpu_mask_diag.py`` times the mask fills alone; this splits the whole engine step, on
+the engine thread, into its phases (ms per engine step, means over the timed run; the warm-up
+run each ``gpu_spec._run`` makes first is not counted):
+
+- ``schedule``, ``execute`` (the strategy), and inside it ``draft``, ``forward`` (launching the
+  verify forward: asynchronous on CUDA), ``mask_wait`` (``PendingMasks.result``: helping with
+  fills, then waiting), ``verify`` (masked verification: it waits for the GPU), ``logprobs``,
+  ``copy_slots``;
+- ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
+  (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
+  for a running job, or runs it inline);
+- ``other``: ``Engine.step`` minus schedule, execute and append;
+
+and, from every thread: ``fill_sum`` (tree fills), ``lookahead_sum`` (closing lookahead jobs,
+``lookahead_inline``: those run by the engine thread), and per step ``fill_span`` (from the
+end of ``MaskBuilder.submit`` to the end of the step's last fill) and ``fill_max`` (its slowest
+tree).
+
+    python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
+        --spec-reps 3 --spec-batches 32 --profile-batch 0
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import gpu  # bench/gpu.py (this folder is on sys.path)
+import gpu_spec  # bench/gpu_spec.py
+import spec as spec_bench  # bench/spec.py
+
+import espalier.engine.closing as closing
+import espalier.engine.closing_ahead as closing_ahead
+import espalier.engine.engine as engine_mod
+import espalier.engine.runner as runner_mod
+import espalier.engine.scheduler as scheduler_mod
+import espalier.engine.spec.decoder as decoder_mod
+import espalier.engine.spec.masks as masks
+import espalier.engine.spec.strategy as strategy_mod
+
+MAIN_PHASES = {
+    "step": (engine_mod.Engine, "step"),
+    "schedule": (scheduler_mod.Scheduler, "schedule"),
+    "execute": (strategy_mod.SpeculativeDecoding, "execute"),
+    "draft": (decoder_mod.SpeculativeDecoder, "_propose"),
+    "forward": (runner_mod.ModelRunner, "forward"),
+    "mask_wait": (masks.PendingMasks, "result"),
+    "verify": (decoder_mod.SpeculativeDecoder, "_verify"),
+    "logprobs": (decoder_mod.SpeculativeDecoder, "_logprobs"),
+    "copy_slots": (runner_mod.ModelRunner, "copy_slots"),
+    "append": (engine_mod.Engine, "_append"),
+    "accept_run": (engine_mod.Engine, "_accept_run"),
+    "closing": (closing.BudgetCloser, "instead"),
+    "take": (closing_ahead.Lookahead, "take"),
+    "decide": (closing.BudgetCloser, "decide"),
+    "search": (closing.ClosingPaths, "search"),
+}
+
+
+class Timeline:
+    """Phase sums (engine thread), fill and lookahead sums (any thread), per-step fill spans."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.main = threading.main_thread()
+        self.on = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.steps = 0
+        self.spans: list[float] = []
+        self.maxes: list[float] = []
+        self._submitted = 0.0
+        self._fill_end = 0.0
+        self._fill_max = 0.0
+
+    def phase(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self.on or threading.current_thread() is not self.main:
+                return function(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.sums[name] += time.perf_counter() - start
+                self.calls[name] += 1
+                if name == "step":
+                    self.steps += 1
+
+        return wrapper
+
+    def submit(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.on and self._submitted:  # close the previous step's span
+                self._close_span()
+            out = function(*args, **kwargs)
+            self._submitted = time.perf_counter()
+            self._fill_end = self._submitted
+            self._fill_max = 0.0
+            return out
+
+        return wrapper
+
+    def _close_span(self) -> None:
+        self.spans.append(self._fill_end - self._submitted)
+        self.maxes.append(self._fill_max)
+        self._submitted = 0.0
+
+    def worker(self, key: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                if self.on:
+                    with self.lock:
+                        self.sums[key] += end - start
+                        if key == "fill_sum":
+                            self._fill_end = max(self._fill_end, end)
+                            self._fill_max = max(self._fill_max, end - start)
+                        elif threading.current_thread() is self.main:
+                            self.sums["lookahead_inline"] += end - start
+
+        return wrapper
+
+    def record(self) -> dict[str, Any]:
+        if self._submitted:
+            self._close_span()
+        steps = max(self.steps, 1)
+        ms = {k: round(v * 1e3 / steps, 3) for k, v in sorted(self.sums.items())}
+        ms["other"] = round(
+            ms.get("step", 0.0)
+            - ms.get("schedule", 0.0)
+            - ms.get("execute", 0.0)
+            - ms.get("append", 0.0),
+            3,
+        )
+        spans = sorted(self.spans)
+        maxes = sorted(self.maxes)
+
+        def pct(values: list[float], q: float) -> float:
+            return round(values[int(q * (len(values) - 1))] * 1e3, 3) if values else 0.0
+
+        return {
+            "engine_steps": self.steps,
+            "ms_per_step": ms,
+            "calls": dict(sorted(self.calls.items())),
+            "fill_span_ms_p50_p90_max": [pct(spans, 0.5), pct(spans, 0.9), pct(spans, 1.0)],
+            "fill_max_ms_p50_p90_max": [pct(maxes, 0.5), pct(maxes, 0.9), pct(maxes, 1.0)],
+        }
+
+
+def _count_replays(line: Timeline) -> None:
+    """Count verify forwards by outcome: a graph replay, or eager (no graph fits the step:
+    ``cuda_graphs._step_shape`` wants every tree of the batch the same size)."""
+    import espalier.engine.cuda_graphs as graphs
+
+    forward = graphs.StepGraphs.forward
+
+    def wrapper(self: Any, batch: Any, hidden_layers: Any) -> Any:
+        out = forward(self, batch, hidden_layers)
+        if line.on:
+            sizes = {len(s.token_ids) for s in batch}
+            key = "replayed" if out is not None else "eager"
+            line.calls[f"forward_{key}"] += 1
+            line.calls[f"forward_{key}_tree_sizes_{len(sizes)}"] += 1
+        return out
+
+    graphs.StepGraphs.forward = wrapper  # type: ignore[method-assign]
+
+
+def install() -> Timeline:
+    """Wrap the phases (class attributes, looked up at call time), ``spec.run_engine`` (the
+    warm-up run: not counted) and ``gpu_spec._run`` (one line per run)."""
+    line = Timeline()
+    _count_replays(line)
+    for name, (owner, attr) in MAIN_PHASES.items():
+        setattr(owner, attr, line.phase(name, getattr(owner, attr)))
+    masks.MaskBuilder.submit = line.submit(masks.MaskBuilder.submit)  # type: ignore[method-assign]
+    masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
+    closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
+    warm_up = spec_bench.run_engine
+
+    def warm_up_off(*args: Any, **kwargs: Any) -> Any:
+        line.on = False
+        try:
+            return warm_up(*args, **kwargs)
+        finally:
+            line.reset()
+            line.on = True
+
+    spec_bench.run_engine = warm_up_off
+    run = gpu_spec._run
+
+    def run_and_print(factory: Any, groups: list[list[Any]], profile: bool = False) -> Any:
+        out = run(factory, groups, profile)
+        line.on = False
+        constrained = any(r.grammar is not None for group in groups for r in group)
+        speculative = any(r.speculative.enabled for group in groups for r in group)
+        head = {"part": "timeline", "constrained": constrained, "speculative": speculative}
+        head |= {"requests": sum(len(g) for g in groups), "tok_per_s": round(out["tok_per_s"], 1)}
+        print(json.dumps(head | line.record()), flush=True)
+        return out
+
+    gpu_spec._run = run_and_print
+    return line
+
+
+if __name__ == "__main__":
+    install()
+    sys.exit(gpu.main(sys.argv[1:]))
