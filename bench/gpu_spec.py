@@ -126,7 +126,7 @@ class _Setup:
     mask_threads: int
     closing: bool = True  # EngineConfig.close_within_budget (per-token checks near max_tokens)
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
-    close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default, on)
+    close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
@@ -142,6 +142,8 @@ class _Setup:
         """A factory of speculative engines proposing ``continuations`` (the oracle drafter)."""
         from espalier.engine.spec.strategy import SpecConfig, install
 
+        ahead = SpecConfig.close_ahead if self.close_ahead is None else self.close_ahead
+
         def make() -> Any:
             engine = self.plain()
             config = SpecConfig(
@@ -150,7 +152,7 @@ class _Setup:
                 mask_budget_s=None,
                 mask_threads=self.mask_threads,
                 launch_first=self.launch_first,
-                close_ahead=self.close_ahead,
+                close_ahead=ahead,
             )
             install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
             return engine

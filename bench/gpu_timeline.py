@@ -1,23 +1,23 @@
 """Where a speculative engine step's wall time goes, phase by phase, on the GPU machine:
 ``bench/gpu.py`` with timing probes, printing one JSON line per timed equal-work run.
 
-``bench/gpu_mask_diag.py`` times the mask fills alone; this splits the whole engine step, on
-the engine thread, into its phases (ms per engine step, means over the timed run; the warm-up
-run each ``gpu_spec._run`` makes first is not counted):
+It splits the engine step, on the engine thread, into its phases (ms per engine step, means
+over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not counted):
 
-- ``schedule``, ``execute`` (the strategy), and inside it ``draft``, ``forward`` (launching the
-  verify forward: asynchronous on CUDA), ``mask_wait`` (``PendingMasks.result``: helping with
-  fills, then waiting), ``verify`` (masked verification: it waits for the GPU), ``logprobs``,
-  ``copy_slots``;
+- ``schedule``, ``execute`` (the strategy, plain or speculative), and inside it ``draft``,
+  ``forward`` (launching the verify forward: asynchronous on CUDA), ``mask_wait``
+  (``PendingMasks.result``: helping with fills, then waiting), ``verify`` (masked verification:
+  it waits for the GPU), ``logprobs``, ``copy_slots``;
 - ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
   for a running job, or runs it inline);
 - ``other``: ``Engine.step`` minus schedule, execute and append;
 
-and, from every thread: ``fill_sum`` (tree fills), ``lookahead_sum`` (closing lookahead jobs,
-``lookahead_inline``: those run by the engine thread), and per step ``fill_span`` (from the
-end of ``MaskBuilder.submit`` to the end of the step's last fill) and ``fill_max`` (its slowest
-tree).
+and, from every thread: ``fill_sum`` (tree fills; ``fill_threads``: the threads that filled),
+``native_walk`` (the part of them inside llguidance's native walk call, GIL re-acquisition on
+return included), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those run by
+the engine thread), and per step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the
+end of the step's last fill) and ``fill_max`` (its slowest tree).
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -37,6 +37,7 @@ import gpu  # bench/gpu.py (this folder is on sys.path)
 import gpu_spec  # bench/gpu_spec.py
 import spec as spec_bench  # bench/spec.py
 
+import espalier.constrained.native.llguidance as native_llguidance
 import espalier.engine.closing as closing
 import espalier.engine.closing_ahead as closing_ahead
 import espalier.engine.engine as engine_mod
@@ -45,24 +46,26 @@ import espalier.engine.scheduler as scheduler_mod
 import espalier.engine.spec.decoder as decoder_mod
 import espalier.engine.spec.masks as masks
 import espalier.engine.spec.strategy as strategy_mod
+import espalier.engine.step as step_mod
 
-MAIN_PHASES = {
-    "step": (engine_mod.Engine, "step"),
-    "schedule": (scheduler_mod.Scheduler, "schedule"),
-    "execute": (strategy_mod.SpeculativeDecoding, "execute"),
-    "draft": (decoder_mod.SpeculativeDecoder, "_propose"),
-    "forward": (runner_mod.ModelRunner, "forward"),
-    "mask_wait": (masks.PendingMasks, "result"),
-    "verify": (decoder_mod.SpeculativeDecoder, "_verify"),
-    "logprobs": (decoder_mod.SpeculativeDecoder, "_logprobs"),
-    "copy_slots": (runner_mod.ModelRunner, "copy_slots"),
-    "append": (engine_mod.Engine, "_append"),
-    "accept_run": (engine_mod.Engine, "_accept_run"),
-    "closing": (closing.BudgetCloser, "instead"),
-    "take": (closing_ahead.Lookahead, "take"),
-    "decide": (closing.BudgetCloser, "decide"),
-    "search": (closing.ClosingPaths, "search"),
-}
+MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
+    ("step", engine_mod.Engine, "step"),
+    ("schedule", scheduler_mod.Scheduler, "schedule"),
+    ("execute", strategy_mod.SpeculativeDecoding, "execute"),
+    ("execute", step_mod.PlainDecoding, "execute"),
+    ("draft", decoder_mod.SpeculativeDecoder, "_propose"),
+    ("forward", runner_mod.ModelRunner, "forward"),
+    ("mask_wait", masks.PendingMasks, "result"),
+    ("verify", decoder_mod.SpeculativeDecoder, "_verify"),
+    ("logprobs", decoder_mod.SpeculativeDecoder, "_logprobs"),
+    ("copy_slots", runner_mod.ModelRunner, "copy_slots"),
+    ("append", engine_mod.Engine, "_append"),
+    ("accept_run", engine_mod.Engine, "_accept_run"),
+    ("closing", closing.BudgetCloser, "instead"),
+    ("take", closing_ahead.Lookahead, "take"),
+    ("decide", closing.BudgetCloser, "decide"),
+    ("search", closing.ClosingPaths, "search"),
+)
 
 
 class Timeline:
@@ -80,6 +83,7 @@ class Timeline:
         self.steps = 0
         self.spans: list[float] = []
         self.maxes: list[float] = []
+        self.fill_threads: set[str] = set()
         self._submitted = 0.0
         self._fill_end = 0.0
         self._fill_max = 0.0
@@ -126,10 +130,12 @@ class Timeline:
                 if self.on:
                     with self.lock:
                         self.sums[key] += end - start
+                        thread = threading.current_thread()
                         if key == "fill_sum":
                             self._fill_end = max(self._fill_end, end)
                             self._fill_max = max(self._fill_max, end - start)
-                        elif threading.current_thread() is self.main:
+                            self.fill_threads.add(thread.name)
+                        elif key == "lookahead_sum" and thread is self.main:
                             self.sums["lookahead_inline"] += end - start
 
         return wrapper
@@ -156,6 +162,7 @@ class Timeline:
             "engine_steps": self.steps,
             "ms_per_step": ms,
             "calls": dict(sorted(self.calls.items())),
+            "fill_threads": sorted(self.fill_threads),
             "fill_span_ms_p50_p90_max": [pct(spans, 0.5), pct(spans, 0.9), pct(spans, 1.0)],
             "fill_max_ms_p50_p90_max": [pct(maxes, 0.5), pct(maxes, 0.9), pct(maxes, 1.0)],
         }
@@ -185,11 +192,12 @@ def install() -> Timeline:
     warm-up run: not counted) and ``gpu_spec._run`` (one line per run)."""
     line = Timeline()
     _count_replays(line)
-    for name, (owner, attr) in MAIN_PHASES.items():
+    for name, owner, attr in MAIN_PHASES:
         setattr(owner, attr, line.phase(name, getattr(owner, attr)))
     masks.MaskBuilder.submit = line.submit(masks.MaskBuilder.submit)  # type: ignore[method-assign]
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
+    native_llguidance.walk = line.worker("native_walk", native_llguidance.walk)
     warm_up = spec_bench.run_engine
 
     def warm_up_off(*args: Any, **kwargs: Any) -> Any:

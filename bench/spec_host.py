@@ -4,10 +4,10 @@ The GPU machine's speculative step at batch 32 is host-bound (issues 7/8): what 
 Python and grammar work on the main thread, not the target. That work is CPU work, so it is
 measured here on the same engine flow as ``bench/gpu_spec.py`` (equal work: the constrained
 requests' plain output lengths bound the unconstrained ones, ``--tight-budget`` the constrained
-ones too; oracle drafter, 8 draft tokens per
-tree, JSONSchemaBench schemas, the real Gemma tokenizer, 262,144-token vocabulary) with a tiny
-random-weight target on the CPU. The target's own work (``runner.forward`` and the verification
-kernel: on a GPU, device time) is timed and subtracted; what remains is host time.
+ones too; oracle drafter, 8 draft tokens per tree, JSONSchemaBench schemas, the real Gemma
+tokenizer, 262,144-token vocabulary) with a tiny random-weight target on the CPU. The target's
+own work (``runner.forward`` and the verification kernel: on a GPU, device time) is timed and
+subtracted; what remains is host time.
 
 Per side (constrained / unconstrained), one JSON line:
 
@@ -226,11 +226,16 @@ def tiny_runner(tokenizer: Any) -> Any:
 def run(args: argparse.Namespace) -> None:
     import torch
 
+    from espalier.constrained.backends import get_backend
     from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
 
     tokenizer = TokenizerInfo.default()
     runner = tiny_runner(tokenizer)
+    # llguidance's native walk serves grammars compiled after its tokenizer is ready (as on the
+    # GPU, bench/gpu.py): else every tree took the Python walk here
+    walk = get_backend("llguidance", tokenizer).tree_walk()  # type: ignore[attr-defined]
+    emit({"part": "spec_host", "llguidance_walk": walk})
     schemas = [
         s
         for s in spec_bench.sample_schemas(args.schemas, with_instances=False)
@@ -317,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--close-ahead",
         choices=("default", "on", "off"),
         default="default",
-        help="SpecConfig.close_ahead (default: on the CPU; off is what the GPU runs)",
+        help="SpecConfig.close_ahead (default: the engine's, on)",
     )
     parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
     run(parser.parse_args(argv))

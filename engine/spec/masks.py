@@ -54,7 +54,7 @@ class FillJobs:
     unconstrained: dict[int, int]
     then: Callable[[], None] | None = None
     """Called once, by the thread that finishes the last job (``MaskBuilder.submit``'s
-    ``after`` jobs start there)."""
+    ``after`` jobs start there); never when there are no jobs."""
     _next: itertools.count[int] = field(default_factory=itertools.count)
     _done: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -163,7 +163,7 @@ class MaskBuilder:
         fill ends (``result()`` does not wait for them; they must not touch the matchers: they
         own what they use; one that raises is logged, the rest still run). Not before: run
         alongside the fills, their Python competed with the fills' for the GIL (H200, batch
-        32, closing decisions ahead: fills summed 29 -> 47 ms per step, run 48).
+        32, closing decisions ahead: fills summed 26-33 -> 44-52 ms per step, run 47).
 
         hidden_s: how long the target's forward is expected to run alongside the fills. A
         tree's budget stretches to it (never below ``budget_s``): the budget exists so that
@@ -198,7 +198,7 @@ class MaskBuilder:
             mask_rows.extend(range(row, row + n))
             row += n
         start_after = functools.partial(self._start, list(after))
-        fills = FillJobs(jobs, [None] * len(drafts), unconstrained, start_after if jobs else None)
+        fills = FillJobs(jobs, [None] * len(drafts), unconstrained, start_after)
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
         if not jobs:
@@ -210,7 +210,7 @@ class MaskBuilder:
         decisions ahead), so more threads would only take turns at the GIL, and each turn the
         engine thread waits for is a switch interval (5 ms) long. Their consumer runs a job not
         yet started itself (``Lookahead.take``). H200, batch 32 (run 50, one process each):
-        the jobs' summed wall time 11-14 -> 3.0-3.6 ms per step, step 28-34 -> 24-29 ms,
+        the jobs' summed wall time 11-14 -> 3.0-5.0 ms per step, step 28-34 -> 24-29 ms,
         constrained/unconstrained speculative 0.744 / 0.715 -> 0.783 / 0.820."""
         if not jobs:
             return

@@ -55,11 +55,12 @@ class SpecConfig:
     launch_first: launch the verify forward before starting the mask fills (None = on CUDA,
     where the launch is asynchronous; ``engine/spec/decoder.py``). close_ahead: the budget
     closer decides for every tree node on the mask threads while the verify forward runs
-    (``engine/closing_ahead.py``); off: each emitted token is decided inline. None = on. On
-    the H200 at batch 32 (runs 47-49, ``bench/gpu_timeline.py``) it cuts the closing work left
-    on the engine thread from 3.7-5.8 to 1.3-2.3 ms per step, once the jobs start after the
-    step's fills (``MaskBuilder.submit``): started with them, their Python slowed the fills
-    (summed 29 -> 47 ms per step) and it made no measurable difference (0.688 off, 0.685 on).
+    (``engine/closing_ahead.py``); off: each emitted token is decided inline. On the H200 at
+    batch 32 (runs 48-49, ``bench/gpu_timeline.py``) it cuts the closing work left on the
+    engine thread from 3.7-5.8 to 1.3-2.5 ms per step, once the jobs start after the step's
+    fills (``MaskBuilder.submit``): started with them, their Python slowed the fills (summed
+    26-33 -> 44-52 ms per step, run 47) and it made no measurable difference (0.688 off,
+    0.685 on; it was then off by default on CUDA).
     adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
     lately (``SpeculativeDecoding._max_drafted``); grammar-forced chains are not cut.
     """
@@ -72,7 +73,7 @@ class SpecConfig:
     mask_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))
     forced: ForcedConfig = field(default_factory=ForcedConfig)
     launch_first: bool | None = None
-    close_ahead: bool | None = None
+    close_ahead: bool = True
     adaptive_drafts: bool = True
 
 
@@ -297,14 +298,9 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
         config,
         drafters,
         mask_vocab_size=engine.tokenizer.vocab_size,
-        closer=engine.closer if _close_ahead(config) else None,
+        closer=engine.closer if config.close_ahead else None,
         max_model_len=engine.max_model_len,
     )
     engine.strategy = strategy
     engine.scheduler.decode_lookahead = strategy.lookahead
     return engine
-
-
-def _close_ahead(config: SpecConfig) -> bool:
-    """Whether closing decisions are made ahead (``SpecConfig.close_ahead``; None = on)."""
-    return True if config.close_ahead is None else config.close_ahead
