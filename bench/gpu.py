@@ -318,8 +318,14 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         threads = threads * len(names)
     if len(names) != len(threads):
         raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
+    defers = [name.strip() for name in args.defer_appends.split(",") if name.strip()]
+    if len(defers) == 1:
+        defers = defers * len(names)
+    if len(defers) != len(names):
+        raise SystemExit("--defer-appends: one value, or as many as --close-ahead")
     aheads = [values[name] for name in names]
-    for i, (name, ahead, mask_threads) in enumerate(zip(names, aheads, threads)):
+    passes = zip(names, aheads, threads, defers)
+    for i, (name, ahead, mask_threads, defer) in enumerate(passes):
         ratios = equal_work(
             runner,
             tokenizer,
@@ -334,8 +340,9 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             close_ahead=ahead,
             reps=args.spec_reps,
             tight_budget=args.tight_budget,
+            defer_appends=values[defer],
         )
-        prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_"
+        prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_"
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
         emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
@@ -377,6 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.close_ahead per equal-work pass, comma-separated from default (the "
         "engine's: on), on, off: e.g. default,off,on,on,off (a warm-up pass, then an ABBA A/B: "
         "the first pass in a process meets cold grammar caches)",
+    )
+    parser.add_argument(
+        "--defer-appends",
+        default="default",
+        help="SpecConfig.defer_appends per equal-work pass (default: the engine's, off; on; "
+        "off), one value or as many as --close-ahead: e.g. --close-ahead default,on,on,on,on "
+        "--defer-appends on,on,off,off,on",
     )
     parser.add_argument(
         "--mask-threads",

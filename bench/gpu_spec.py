@@ -128,6 +128,7 @@ class _Setup:
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
+    defer_appends: bool | None = None  # SpecConfig.defer_appends (None: its default, off)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -143,6 +144,7 @@ class _Setup:
         from espalier.engine.spec.strategy import SpecConfig, install
 
         ahead = SpecConfig.close_ahead if self.close_ahead is None else self.close_ahead
+        defer = SpecConfig.defer_appends if self.defer_appends is None else self.defer_appends
 
         def make() -> Any:
             engine = self.plain()
@@ -153,6 +155,7 @@ class _Setup:
                 mask_threads=self.mask_threads,
                 launch_first=self.launch_first,
                 close_ahead=ahead,
+                defer_appends=defer,
             )
             install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
             return engine
@@ -245,6 +248,7 @@ def equal_work(
     close_ahead: bool | None = None,
     reps: int = 1,
     tight_budget: bool = False,
+    defer_appends: bool | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios."""
@@ -276,6 +280,7 @@ def equal_work(
             launch_first,
             close_ahead,
             tight_budget,
+            defer_appends,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         for (constrained, speculative), r in results.items():
@@ -291,6 +296,7 @@ def equal_work(
                     "launch_first": launch_first,
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
+                    "defer_appends": defer_appends,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -308,6 +314,7 @@ def equal_work(
                 "closing": closing,
                 "close_ahead": close_ahead,
                 "tight_budget": tight_budget,
+                "defer_appends": defer_appends,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

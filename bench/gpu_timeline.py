@@ -8,16 +8,22 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   ``forward`` (launching the verify forward: asynchronous on CUDA), ``mask_wait``
   (``PendingMasks.result``: helping with fills, then waiting), ``verify`` (masked verification:
   it waits for the GPU), ``logprobs``, ``copy_slots``;
+- ``settle`` (``Engine._settle``: the appends deferred from the last step, run inside
+  ``execute`` after the forward's launch, ``engine/deferred.py``; they count in ``append``
+  too);
 - ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
   for a running job, or runs it inline);
-- ``other``: ``Engine.step`` minus schedule, execute and append;
+- ``other``: ``Engine.step`` minus schedule, execute and append, plus settle (counted in both
+  execute and append);
 
 and, from every thread: ``fill_sum`` (tree fills; ``fill_threads``: the threads that filled),
 ``native_walk`` (the part of them inside llguidance's native walk call, GIL re-acquisition on
 return included), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those run by
 the engine thread), and per step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the
-end of the step's last fill) and ``fill_max`` (its slowest tree).
+end of the step's last fill) and ``fill_max`` (its slowest tree); per step, in ms after the
+verify forward's call starts: ``gpu_forward_end`` (CUDA events), ``masks_ready`` and
+``verified`` (``_gpu_clock``).
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -59,6 +65,7 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("verify", decoder_mod.SpeculativeDecoder, "_verify"),
     ("logprobs", decoder_mod.SpeculativeDecoder, "_logprobs"),
     ("copy_slots", runner_mod.ModelRunner, "copy_slots"),
+    ("settle", engine_mod.Engine, "_settle"),
     ("append", engine_mod.Engine, "_append"),
     ("accept_run", engine_mod.Engine, "_accept_run"),
     ("closing", closing.BudgetCloser, "instead"),
@@ -84,6 +91,7 @@ class Timeline:
         self.spans: list[float] = []
         self.maxes: list[float] = []
         self.fill_threads: set[str] = set()
+        self.clock: dict[str, list[float]] = defaultdict(list)  # _gpu_clock, seconds
         self._submitted = 0.0
         self._fill_end = 0.0
         self._fill_max = 0.0
@@ -149,7 +157,8 @@ class Timeline:
             ms.get("step", 0.0)
             - ms.get("schedule", 0.0)
             - ms.get("execute", 0.0)
-            - ms.get("append", 0.0),
+            - ms.get("append", 0.0)
+            + ms.get("settle", 0.0),  # settled appends ran inside execute (deferred)
             3,
         )
         spans = sorted(self.spans)
@@ -165,6 +174,10 @@ class Timeline:
             "fill_threads": sorted(self.fill_threads),
             "fill_span_ms_p50_p90_max": [pct(spans, 0.5), pct(spans, 0.9), pct(spans, 1.0)],
             "fill_max_ms_p50_p90_max": [pct(maxes, 0.5), pct(maxes, 0.9), pct(maxes, 1.0)],
+            **{
+                f"{key}_ms_p50_p90_max": [pct(v, 0.5), pct(v, 0.9), pct(v, 1.0)]
+                for key, v in ((k, sorted(vs)) for k, vs in sorted(self.clock.items()))
+            },
         }
 
 
@@ -187,11 +200,59 @@ def _count_replays(line: Timeline) -> None:
     graphs.StepGraphs.forward = wrapper  # type: ignore[method-assign]
 
 
+def _gpu_clock(line: Timeline) -> None:
+    """Per speculative step, on the engine thread, ms after the verify forward's call starts:
+    when its GPU work ends (CUDA events around the call; the stream is idle when it starts,
+    after the last step's host sync), when the masks are ready (``PendingMasks.result``
+    returns) and when verification returns. GPU end before masks ready: the masks were late;
+    the other way round: the forward was."""
+    import torch
+
+    forward = runner_mod.ModelRunner.forward
+    result = masks.PendingMasks.result
+    verify = decoder_mod.SpeculativeDecoder._verify
+    state: dict[str, Any] = {}
+
+    def timed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not line.on or self.device.type != "cuda":
+            return forward(self, *args, **kwargs)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        state["t0"] = time.perf_counter()
+        begin.record()
+        out = forward(self, *args, **kwargs)
+        end.record()
+        state["events"] = (begin, end)
+        state.pop("masks", None)
+        return out
+
+    def timed_result(self: Any) -> Any:
+        out = result(self)
+        if line.on and "t0" in state and "masks" not in state:
+            state["masks"] = time.perf_counter() - state["t0"]
+        return out
+
+    def timed_verify(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = verify(self, *args, **kwargs)
+        events = state.pop("events", None)
+        if line.on and events is not None:
+            begin, end = events
+            end.synchronize()
+            line.clock["gpu_forward_end"].append(begin.elapsed_time(end) / 1e3)
+            line.clock["masks_ready"].append(state.get("masks", 0.0))
+            line.clock["verified"].append(time.perf_counter() - state["t0"])
+        return out
+
+    runner_mod.ModelRunner.forward = timed_forward  # type: ignore[method-assign]
+    masks.PendingMasks.result = timed_result  # type: ignore[method-assign]
+    decoder_mod.SpeculativeDecoder._verify = timed_verify  # type: ignore[method-assign]
+
+
 def install() -> Timeline:
     """Wrap the phases (class attributes, looked up at call time), ``spec.run_engine`` (the
     warm-up run: not counted) and ``gpu_spec._run`` (one line per run)."""
     line = Timeline()
     _count_replays(line)
+    _gpu_clock(line)  # inside the phase timers: its own work is not in the phases' times
     for name, owner, attr in MAIN_PHASES:
         setattr(owner, attr, line.phase(name, getattr(owner, attr)))
     masks.MaskBuilder.submit = line.submit(masks.MaskBuilder.submit)  # type: ignore[method-assign]

@@ -205,14 +205,26 @@ class BudgetCloser:
         """How many of ``tokens`` (the request's next ones, none a stop token) :meth:`instead`
         lets through without grammar work, one after the other; the memo is updated for them
         exactly as those calls would (so a run appended at once closes as one by one does).
-        Stops at the first token that needs a check, or at a lookahead's (decided ahead)."""
+        Stops at the first token that needs a check; with a lookahead (decided ahead), at the
+        first token it has no decision for or that it closes at."""
         if self.paths is None or request.matcher is None:
             return len(tokens)
         request_id = request.request_id
-        if request_id in self._ahead:
-            return 0
         memo = start = self._memo.get(request_id, NO_MEMO)
         here = len(request.output_ids)
+        ahead = self._ahead.get(request_id)
+        if ahead is not None:
+            passed = 0
+            for i, token in enumerate(tokens):
+                outcome = ahead.peek(here + i, token)
+                if outcome is None or outcome[0] is not None:
+                    break  # off the tree, or a closing: for ``instead``
+                ahead.take(here + i, token)
+                memo = outcome[1]
+                passed += 1
+            if memo is not start:
+                self._memo[request_id] = memo
+            return passed
         budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
         exempt = request.sampling.ignore_eos
         passed = 0

@@ -110,17 +110,26 @@ class Lookahead:
     def take(self, here: int, token: int) -> Outcome | None:
         """The decision for ``token`` appended at output length ``here``, when it continues the
         tree path taken so far; None: decide inline (and from then on)."""
+        found = self._find(here, token)
+        if found is None:
+            return None
+        self._node = found[0]
+        self._here += 1
+        return found[1]
+
+    def peek(self, here: int, token: int) -> Outcome | None:
+        """:meth:`take`'s answer without moving along the tree."""
+        found = self._find(here, token)
+        return None if found is None else found[1]
+
+    def _find(self, here: int, token: int) -> tuple[int, Outcome] | None:
         if here != self._here:
             return None
         self.run()  # not started yet: run it here (as PendingMasks.result takes fills left)
         self._done.wait()
         child = self._child.get((self._node, token))
         outcome = None if child is None else self._outcomes[child]
-        if outcome is not None:
-            assert child is not None
-            self._node = child
-            self._here += 1
-        return outcome
+        return None if child is None or outcome is None else (child, outcome)
 
     def _decide_all(self) -> None:
         """Depth first from the root; a node is descended below only when the engine would go

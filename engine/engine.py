@@ -33,6 +33,7 @@ from espalier.engine.api import (
 )
 from espalier.engine.closing import BudgetCloser
 from espalier.engine.constraints import GrammarService
+from espalier.engine.deferred import Deferred, DeferredAppends
 from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.kv_cache import BlockAllocator
 from espalier.engine.request import Request, RequestStatus
@@ -100,6 +101,7 @@ class Engine:
         self.max_model_len = min(limit, self.scheduler.capacity_tokens)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
+        self._deferred = DeferredAppends()
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
         self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
@@ -177,6 +179,7 @@ class Engine:
         """Stop a request wherever it is and free its blocks; its final chunk (``ABORT``, or
         ``ERROR`` with ``error``) comes out of the next ``step`` (or :meth:`take_pending`).
         False when no such request is unfinished."""
+        self._settle()  # tokens of the last step not yet appended: stream them first
         request = self._requests.get(request_id)
         if request is None:
             return False
@@ -200,31 +203,89 @@ class Engine:
         """Run one step; returns a chunk for every request that produced tokens or finished."""
         outputs = self.take_pending()
         self._poll_grammars(outputs)
+        if self._deferred:  # drafts that read the grammar need it at the last step's tokens
+            self._settle(self._deferred.take(self.strategy.drafts_read_grammar))
+            outputs.extend(self.take_pending())
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            self._settle()
+            outputs.extend(self.take_pending())
             self._wait_for_grammars()
             return outputs
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted)
+        defer = self.strategy.defers_appends
         t0 = _now()
         try:
-            result = self.strategy.execute(plan)
+            result = self.strategy.execute(plan, settle=self._settle_one if defer else None)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             log.exception("step failed")
+            self._settle()
+            outputs.extend(self.take_pending())
             for seq in plan.seqs:
-                out = self._finish(seq.request, FinishReason.ERROR, "", error=repr(exc))
-                outputs.append(out)
+                if not seq.request.is_finished:
+                    out = self._finish(seq.request, FinishReason.ERROR, "", error=repr(exc))
+                    outputs.append(out)
             return outputs
         elapsed = _now() - t0
+        self._settle()  # left by the strategy (it settles all; an exception may cut it short)
+        outputs.extend(self.take_pending())
         for seq, outcome in zip(plan.seqs, result.outcomes):
             timeline = seq.request.timeline
             if seq.is_prefill:
                 timeline.prefill_s += elapsed
             else:
                 timeline.decode_s += elapsed
-            if outcome is not None:
+            if outcome is None or seq.request.is_finished:  # finished: by the settled tokens
+                continue
+            if not (defer and self._defer(seq.request, outcome)):
                 outputs.append(self._append(seq.request, outcome))
         return outputs
+
+    # -- appends deferred into the next step (``engine/deferred.py``) ------------------------
+
+    def _stops(self, request: Request) -> set[int]:
+        stops = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos:
+            stops.update(self.tokenizer.stop_token_ids)
+        return stops
+
+    def _defer(self, request: Request, outcome: SeqOutcome) -> bool:
+        """Append ``outcome``'s tokens to ``request.output_ids`` only, leaving the rest of
+        :meth:`_append` to :meth:`_settle`, when the request surely goes on after them (no stop
+        token, below max_tokens and the model's length); False (nothing done) otherwise."""
+        tokens = outcome.token_ids
+        if not tokens or outcome.num_computed_tokens is not None:
+            return False
+        n = len(tokens)
+        if len(request.output_ids) + n >= request.sampling.max_tokens:
+            return False
+        if request.num_tokens + n >= self.max_model_len:
+            return False
+        if not self._stops(request).isdisjoint(tokens):
+            return False
+        start = len(request.output_ids)
+        request.output_ids.extend(tokens)
+        self._deferred.add(request, outcome, start)
+        return True
+
+    def _settle_one(self, request: Request | None) -> None:
+        """``StepStrategy.execute``'s ``settle``: ``request``'s deferred append (None: all)."""
+        self._settle(None if request is None else self._deferred.take_for(request))
+
+    def _settle(self, items: Sequence[Deferred] | None = None) -> None:
+        """Finish the appends :meth:`_defer` left (``items``; default: all): grammar, closing,
+        stops, detokenization; their chunks go to :meth:`take_pending`. Each one either
+        appends exactly the tokens already in ``output_ids`` or finishes the request."""
+        for item in self._deferred.take() if items is None else items:
+            request = item.request
+            if request.is_finished:
+                continue
+            provisional = request.output_ids[item.start :]
+            del request.output_ids[item.start :]
+            out = self._append(request, item.outcome)
+            assert out.finished or request.output_ids[item.start :] == provisional
+            self._pending.append(out)
 
     def _append(self, request: Request, outcome: SeqOutcome) -> RequestOutput:
         if outcome.num_computed_tokens is not None:
@@ -232,9 +293,7 @@ class Engine:
         if request.timeline.first_token is None:
             request.timeline.first_token = _now()
         params = request.sampling
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.tokenizer.stop_token_ids)
+        stops = self._stops(request)
         new_ids: list[int] = []
         text_ids: list[int] = []
         reason: FinishReason | None = None

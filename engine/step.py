@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -59,8 +59,23 @@ class StepResult:
     mask_s: float = 0.0
 
 
+Settle = Callable[["Request | None"], None]
+"""``settle(request)``: finish the append the engine deferred for ``request`` from the last
+step, if any (``engine/deferred.py``); ``settle(None)``: all of those left."""
+
+
 class StepStrategy(Protocol):
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    """defers_appends: the engine may defer appends into the next step and pass ``settle`` to
+    :meth:`execute`, which must settle each planned request after launching the forward and
+    before reading its grammar, and settle all (None) before returning (``engine/deferred.py``).
+    drafts_read_grammar: the request's drafts depend on its grammar state (the engine settles
+    it before ``execute`` then)."""
+
+    defers_appends: bool
+
+    def execute(self, plan: StepPlan, settle: Settle | None = None) -> StepResult: ...
+
+    def drafts_read_grammar(self, request: Request) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -105,9 +120,17 @@ class PlainDecoding:
             else None
         )
 
+    defers_appends = False  # its masks are filled before the forward: nothing to overlap
+
+    def drafts_read_grammar(self, request: Request) -> bool:
+        return False
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, settle: Settle | None = None) -> StepResult:
         from espalier.engine.runner import SeqInput
+
+        if settle is not None:
+            settle(None)
 
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
         constrained_rows = [

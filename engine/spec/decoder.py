@@ -192,13 +192,18 @@ class SpeculativeDecoder:
         ensure_blocks: Callable[[SpecSeq, int], None],
         passthrough: Sequence[tuple[str, SeqInput]] = (),
         lookahead: Lookahead | None = None,
+        settle: Callable[[SpecSeq | None], None] | None = None,
     ) -> tuple[list[SeqOutcome], StepTimes]:
         """One step for ``seqs``; ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover
         ``n`` cache entries (the caller allocates; when it cannot, the draft is cut to what the
         table covers). ``passthrough``: ``(request_id, input)`` of other sequences of the same
         forward that want no logits (prefill chunks); they go after ``seqs``. ``lookahead``:
         given the drafts, host jobs to run on the mask threads after the fills (called before
-        any fill starts; e.g. the engine's closing decisions, ``engine/closing_ahead.py``)."""
+        any fill starts; e.g. the engine's closing decisions, ``engine/closing_ahead.py``).
+        ``settle(seq)``: the engine's append of ``seq``'s last step, which advances its
+        matcher (``engine/deferred.py``); called after the forward is launched (when it
+        launches first), for each constrained sequence before its ``lookahead`` and fill, the
+        fills of those settled before running meanwhile; ``settle(None)`` then does the rest."""
         start = time.perf_counter()
         drafts = self._propose(seqs)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
@@ -214,8 +219,22 @@ class SpeculativeDecoder:
         inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
 
         def submit_fills() -> PendingMasks:
-            after = lookahead(seqs, drafts) if lookahead is not None else []
-            return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
+            if settle is None:
+                after = lookahead(seqs, drafts) if lookahead is not None else []
+                return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
+            jobs: list[Callable[[], None]] = []
+            settle_seq = settle
+
+            def prepare(i: int) -> None:
+                settle_seq(seqs[i])
+                if lookahead is not None:
+                    jobs.extend(lookahead(seqs[i : i + 1], drafts[i : i + 1]))
+
+            pending = self.masks.submit(
+                matchers, drafts, jobs, hidden_s=self.target_s, prepare=prepare
+            )
+            settle(None)
+            return pending
 
         pending = None if self._launch_first else submit_fills()
         out = self.runner.forward(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,12 +56,26 @@ class FillJobs:
     then: Callable[[], None] | None = None
     """Called once, by the thread that finishes the last job (``MaskBuilder.submit``'s
     ``after`` jobs start there); never when there are no jobs."""
+    available: int = -1
+    """Jobs that may start (the first ``available``; -1: all): ``submit`` with ``prepare``
+    releases them one by one (:meth:`release`)."""
     _next: itertools.count[int] = field(default_factory=itertools.count)
     _done: itertools.count[int] = field(default_factory=itertools.count)
+    _released: threading.Condition = field(default_factory=threading.Condition)
+
+    def release(self, count: int) -> None:
+        """Let the first ``count`` jobs start."""
+        with self._released:
+            self.available = count
+            self._released.notify_all()
 
     def work(self) -> None:
         """Run jobs until none is left (on whichever thread calls it)."""
         while (job := next(self._next)) < len(self.jobs):
+            if 0 <= self.available <= job:  # taken before its release: wait for it
+                with self._released:
+                    while 0 <= self.available <= job:
+                        self._released.wait()
             index, fill = self.jobs[job]
             try:
                 self.results[index] = fill()
@@ -156,6 +171,7 @@ class MaskBuilder:
         after: Sequence[Callable[[], None]] = (),
         *,
         hidden_s: float = 0.0,
+        prepare: Callable[[int], None] | None = None,
     ) -> PendingMasks:
         """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
         at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
@@ -170,7 +186,12 @@ class MaskBuilder:
         one slow tree cannot hold the batch past the point where the masks are needed, and
         that point is the forward's end. (On the CPU the fills share the cores with a forward
         of hundreds of ms: a fixed 2 ms budget there cut trees, and so their accepted tokens,
-        for nothing.)"""
+        for nothing.)
+
+        prepare: called on this thread with each constrained request's index, in order, just
+        before its fill may start, while the fills released before run on the workers (the
+        engine's deferred appends advance each matcher there, ``engine/deferred.py``); it may
+        append to ``after`` when that is a list (the jobs start after the last fill)."""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
@@ -197,10 +218,19 @@ class MaskBuilder:
             jobs.append((index, fill))
             mask_rows.extend(range(row, row + n))
             row += n
-        start_after = functools.partial(self._start, list(after))
-        fills = FillJobs(jobs, [None] * len(drafts), unconstrained, start_after)
+        after_jobs = after if isinstance(after, list) else list(after)
+        start_after = functools.partial(self._start, after_jobs)
+        gated = 0 if prepare is not None else -1
+        fills = FillJobs(jobs, [None] * len(drafts), unconstrained, start_after, gated)
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
+        if prepare is not None:
+            try:
+                for count, (index, _) in enumerate(jobs, 1):
+                    prepare(index)
+                    fills.release(count)
+            finally:
+                fills.release(-1)
         if not jobs:
             start_after()
         return PendingMasks(bitmask, mask_rows_t, fills, workers)

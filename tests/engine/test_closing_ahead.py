@@ -116,6 +116,63 @@ def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyP
     assert answered[0] > taken // 3  # the lookahead did answer (the rest: off the tree)
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_pass_through_takes_lookahead_decisions_like_instead(backend: str) -> None:
+    # ``pass_through`` over a step's tokens with a lookahead (one accept call for the run, as
+    # ``Engine._accept_run`` does) must answer as ``instead`` token by token: let through
+    # exactly the tokens ``instead`` lets through before its first closing or off-tree token.
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    stops = set(tokenizer.stop_token_ids)
+    runs = closings = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        stream = _stream(tokenizer, compiled, rng, 40)
+        each, run = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+        requests = [Request("r", [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
+        for request in requests:
+            request.matcher = compiled.matcher()
+        pos = 0
+        while pos < len(stream):
+            root = stream[pos - 1] if pos else 1
+            tree = _tree(stream[pos:], root, rng)
+            for closer, request in ((each, requests[0]), (run, requests[1])):
+                job = closer.lookahead(request, *tree, 10_000)
+                if job is not None:
+                    job()
+            room = 29 - len(requests[0].output_ids)
+            step = [t for t in stream[pos : pos + min(rng.randint(1, 7), room)]]
+            if not step or any(t in stops for t in step):
+                break
+            answers: list[Any] = []
+            for token in step:
+                answers.append(each.instead(requests[0], token, stops, 10_000))
+                if answers[-1] is not None:
+                    break
+                requests[0].output_ids.append(token)
+                assert requests[0].matcher is not None and requests[0].matcher.accept(token)
+            passed = run.pass_through(requests[1], step, 10_000)
+            assert passed <= len(answers) and not any(answers[:passed])
+            runs += passed > 1
+            taken = step[:passed]
+            requests[1].output_ids.extend(taken)
+            assert requests[1].matcher is not None
+            assert requests[1].matcher.accept_tokens(taken) == len(taken)
+            for k in range(passed, len(answers)):
+                answer = run.instead(requests[1], step[k], stops, 10_000)
+                assert answer == answers[k]
+                if answer is None:
+                    requests[1].output_ids.append(step[k])
+                    assert requests[1].matcher.accept(step[k])
+            assert run._memo.get("r", NO_MEMO) == each._memo.get("r", NO_MEMO)
+            assert requests[1].output_ids == requests[0].output_ids
+            if answers[-1] is not None:
+                closings += 1
+                break
+            pos += len(step)
+    assert runs > 8 and closings > 0  # long runs were let through, and some steps closed
+
+
 def test_speculative_engine_takes_lookahead_decisions(
     toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -357,3 +357,54 @@ def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: i
         assert len(seen) == 3
     finally:
         masks.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prepare_runs_before_each_fill_and_may_add_after_jobs(
+    toy_tokenizer: Any, threads: int
+) -> None:
+    # MaskBuilder.submit's `prepare` (the engine's deferred append of one request): called in
+    # order on the submitting thread, each request's fill starting only after it, and its
+    # additions to `after` run once every fill has ended.
+    import threading
+
+    from espalier.engine.spec.masks import MaskBuilder
+
+    matchers = [compile_matcher(toy_tokenizer, "llguidance") for _ in range(4)]
+    drafts = []
+    for matcher in matchers:
+        builder = TreeBuilder(0)
+        builder.add_path(0, root_chain(matcher, 8), None, NodeSource.FORCED)
+        drafts.append(builder.build())
+    constrained = [matchers[0], None, matchers[2], matchers[3]]
+    masks = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    fill_one = masks._fill_one
+
+    def logged_fill(matcher: Any, *args: Any) -> Any:
+        with lock:
+            events.append(("fill", constrained.index(matcher)))
+        return fill_one(matcher, *args)
+
+    masks._fill_one = logged_fill  # type: ignore[method-assign]
+    after: list[Any] = []
+
+    def prepare(index: int) -> None:
+        with lock:
+            events.append(("prepare", index))
+        after.append(lambda: events.append(("after", index)))
+
+    try:
+        pending = masks.submit(constrained, drafts, after, prepare=prepare)
+        result = pending.result()
+        masks.close()  # waits for the pool: the after jobs have run
+    finally:
+        masks.close()
+    assert [i for kind, i in events if kind == "prepare"] == [0, 2, 3]
+    for index in (0, 2, 3):
+        assert events.index(("prepare", index)) < events.index(("fill", index))
+    last_fill = max(k for k, (kind, _) in enumerate(events) if kind == "fill")
+    afters = [k for k, (kind, _) in enumerate(events) if kind == "after"]
+    assert len(afters) == 3 and min(afters) > last_fill
+    assert result.valid.all()
