@@ -3,13 +3,26 @@ greedy oracle (full recompute every step: no KV reuse, no trees, no compaction).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
 from espalier.engine.runner import ModelRunner, SeqInput
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test (modules that import it): the mask threads and the
+    tiny models' forwards do not fight over the 2 cores, and results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 SCHEMA = {
     "type": "object",

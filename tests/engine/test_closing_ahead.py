@@ -64,6 +64,15 @@ def _tree(stream: list[int], root: int, rng: random.Random) -> tuple[list[int], 
     return tokens, parents
 
 
+def _two_closers(tokenizer: Any, compiled: Any) -> tuple[Any, list[Request]]:
+    """Two budget closers and two requests (max_tokens 30) with fresh matchers, to be fed the
+    same tokens."""
+    requests = [Request("r", [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
+    for request in requests:
+        request.matcher = compiled.matcher()
+    return (BudgetCloser(tokenizer), BudgetCloser(tokenizer)), requests
+
+
 def count_answers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the closing decisions ``Lookahead.take`` hands back (``[count]``, updated live)."""
     answers = [0]
@@ -88,10 +97,7 @@ def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyP
     for seed in range(8):
         rng = random.Random(seed)
         stream = _stream(tokenizer, compiled, rng, 40)
-        ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
-        requests = [Request("r", [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
-        for request in requests:
-            request.matcher = compiled.matcher()
+        (ahead, inline), requests = _two_closers(tokenizer, compiled)
         pos, done = 0, False
         while pos < len(stream) and not done:
             root = stream[pos - 1] if pos else 1
@@ -128,10 +134,7 @@ def test_pass_through_takes_lookahead_decisions_like_instead(backend: str) -> No
     for seed in range(8):
         rng = random.Random(seed)
         stream = _stream(tokenizer, compiled, rng, 40)
-        each, run = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
-        requests = [Request("r", [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
-        for request in requests:
-            request.matcher = compiled.matcher()
+        (each, run), requests = _two_closers(tokenizer, compiled)
         pos = 0
         while pos < len(stream):
             root = stream[pos - 1] if pos else 1

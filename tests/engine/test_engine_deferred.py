@@ -3,13 +3,11 @@ reasons, texts and usage as appending at once, on the speculative engine (CPU, t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer  # noqa: F401 (fixture)
-from spec_helpers import SCHEMA, random_runner, tiny_config
+from spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine import deferred
@@ -23,14 +21,6 @@ from espalier.engine.api import (
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.strategy import SpecConfig, install
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Counts:

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
-from spec_helpers import SCHEMA, random_runner, tiny_config
+from spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
@@ -21,14 +19,6 @@ from espalier.engine.api import (
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.strategy import SpecConfig, install
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[list[int], Any]]:

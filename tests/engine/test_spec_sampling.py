@@ -6,12 +6,10 @@ on each of the first three tokens and on the pair of the first two, at fixed see
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
-from spec_helpers import SCHEMA, random_runner, tiny_config
+from spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import GenerationRequest, SamplingParams, SpeculativeOptions
@@ -22,14 +20,6 @@ from espalier.engine.spec.strategy import SpecConfig, install
 
 N = 1200
 PROMPT = (5, 6, 7, 8, 9)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sample_first_tokens(

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from spec_helpers import compile_matcher, random_eagle, random_runner, tiny_config
+from spec_helpers import compile_matcher, one_thread, random_eagle, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.tree import DraftTree
 from espalier.engine.spec.base import DraftInput
@@ -29,6 +28,7 @@ from espalier.engine.spec.combine import ProposalItem, Proposer
 from espalier.engine.spec.forced import ForcedConfig, extend_leaves, root_chain
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter, NgramIndex
 from espalier.engine.spec.tree_builder import (
+    Draft,
     NodeSource,
     TreeBuilder,
     select_top,
@@ -39,14 +39,6 @@ from espalier.engine.spec.verify import compaction_slots
 
 PARENTS = [-1, 0, 1, 1, 0, 4]
 TOKENS = [9, 4, 5, 6, 7, 8]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_builder_dedupes_and_keeps_best_score() -> None:
@@ -320,6 +312,17 @@ def test_adaptive_drafts_follow_what_was_accepted() -> None:
     assert strategy._max_drafted("r", 8) is None
 
 
+def _chains(tokenizer: Any, n: int) -> tuple[list[Any], list[Draft]]:
+    """``n`` fresh llguidance matchers, each with a draft of its forced chain (8 tokens)."""
+    matchers = [compile_matcher(tokenizer, "llguidance") for _ in range(n)]
+    drafts = []
+    for matcher in matchers:
+        builder = TreeBuilder(0)
+        builder.add_path(0, root_chain(matcher, 8), None, NodeSource.FORCED)
+        drafts.append(builder.build())
+    return matchers, drafts
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: int) -> None:
     # MaskBuilder.submit's `after` jobs (the closing decisions made ahead) must not compete
@@ -328,12 +331,7 @@ def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: i
 
     from espalier.engine.spec.masks import MaskBuilder
 
-    matchers = [compile_matcher(toy_tokenizer, "llguidance") for _ in range(4)]
-    drafts = []
-    for matcher in matchers:
-        builder = TreeBuilder(0)
-        builder.add_path(0, root_chain(matcher, 8), None, NodeSource.FORCED)
-        drafts.append(builder.build())
+    matchers, drafts = _chains(toy_tokenizer, 4)
     masks = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
     seen: list[list[bool]] = []
     submitted = threading.Event()
@@ -370,12 +368,7 @@ def test_prepare_runs_before_each_fill_and_may_add_after_jobs(
 
     from espalier.engine.spec.masks import MaskBuilder
 
-    matchers = [compile_matcher(toy_tokenizer, "llguidance") for _ in range(4)]
-    drafts = []
-    for matcher in matchers:
-        builder = TreeBuilder(0)
-        builder.add_path(0, root_chain(matcher, 8), None, NodeSource.FORCED)
-        drafts.append(builder.build())
+    matchers, drafts = _chains(toy_tokenizer, 4)
     constrained = [matchers[0], None, matchers[2], matchers[3]]
     masks = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
     events: list[tuple[str, int]] = []
