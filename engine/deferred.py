@@ -24,7 +24,7 @@ Chunks come out one step later; the tokens and finish reasons are the same.
 
 Off by default (``SpecConfig.defer_appends``): on the H200 at batch 32 (8B shape, oracle
 drafts, ``bench/gpu_timeline.py`` runs 52-57) it did not move the constrained/unconstrained
-speculative ratio beyond the noise (0.784 mean of 15 passes on, 0.775 of 10 off). The
+speculative ratio (0.770 mean of 18 passes on, 0.770 of 12 off, standard deviation 0.05). The
 timeline's clock shows why: settling before the fills makes the masks ready 10-12 ms after
 the forward's call (p50) instead of 8-9, when the GPU is done at about 11; and the settled
 appends are the same Python as before, on the same GIL, so the step's host time barely

@@ -66,10 +66,11 @@ class SpecConfig:
     defer_appends: the engine appends a step's tokens (grammar, closing, detokenization) in the
     next step, after its forward is launched, request by request just before each mask fill
     (``engine/deferred.py``). Off by default: on the H200 at batch 32 it made no measurable
-    difference (runs 52-57: constrained/unconstrained speculative 0.784 mean of 15 passes on,
-    0.775 of 10 off; pass-to-pass spread about 0.04), because the settled appends delay the
-    fills (masks ready 10-12 ms after the forward's call, p50, against 8-9 ms off; the GPU is
-    done at about 11) and the engine thread's Python per step, not its order, bounds the step.
+    difference (runs 52-57, closing decisions ahead on: constrained/unconstrained speculative
+    0.770 mean of 18 passes on, 0.770 of 12 off; standard deviation 0.05), because the
+    settled appends delay the fills (masks ready 10-12 ms after the forward's call, p50,
+    against 8-9 ms off; the GPU is done at about 11) and the engine thread's Python per
+    step, not its order, bounds the step.
     """
 
     enabled: bool = True
