@@ -244,6 +244,9 @@ def run(args: argparse.Namespace) -> None:
     service = spec_bench.shared_grammars(
         tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas]
     )
+    from espalier.server.gc_freeze import freeze_startup_heap
+
+    freeze_startup_heap()  # as the server does once loaded (and bench/gpu_spec.py)
     gen = torch.Generator().manual_seed(0)
     batch = args.batch
     prompts = [torch.randint(0, 200_000, (128,), generator=gen).tolist() for _ in range(batch)]
