@@ -216,10 +216,9 @@ class BudgetCloser:
         if ahead is not None:
             passed = 0
             for i, token in enumerate(tokens):
-                outcome = ahead.peek(here + i, token)
+                outcome = ahead.take(here + i, token, unless_closing=True)
                 if outcome is None or outcome[0] is not None:
                     break  # off the tree, or a closing: for ``instead``
-                ahead.take(here + i, token)
                 memo = outcome[1]
                 passed += 1
             if memo is not start:

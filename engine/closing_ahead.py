@@ -107,26 +107,25 @@ class Lookahead:
                 self._state = _CANCELLED
                 self._done.set()
 
-    def take(self, here: int, token: int) -> Outcome | None:
+    def take(self, here: int, token: int, *, unless_closing: bool = False) -> Outcome | None:
         """The decision for ``token`` appended at output length ``here``, when it continues the
-        tree path taken so far; None: decide inline (and from then on)."""
+        tree path taken so far; None: decide inline (and from then on). ``unless_closing``: a
+        decision to close is returned without moving along the tree (the caller leaves the
+        token to :meth:`BudgetCloser.instead`, which takes it again)."""
         found = self._find(here, token)
         if found is None:
             return None
-        self._node = found[0]
-        self._here += 1
+        if not (unless_closing and found[1][0] is not None):
+            self._node = found[0]
+            self._here += 1
         return found[1]
-
-    def peek(self, here: int, token: int) -> Outcome | None:
-        """:meth:`take`'s answer without moving along the tree."""
-        found = self._find(here, token)
-        return None if found is None else found[1]
 
     def _find(self, here: int, token: int) -> tuple[int, Outcome] | None:
         if here != self._here:
             return None
-        self.run()  # not started yet: run it here (as PendingMasks.result takes fills left)
-        self._done.wait()
+        if self._state != _DONE:  # once done, the outcomes never change (no lock needed)
+            self.run()  # not started yet: run it here (as PendingMasks.result takes fills)
+            self._done.wait()
         child = self._child.get((self._node, token))
         outcome = None if child is None else self._outcomes[child]
         return None if child is None or outcome is None else (child, outcome)
