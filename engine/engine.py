@@ -12,6 +12,9 @@ wrapper's loop thread). Each ``step``:
    Near the end of a constrained request's budget, a token after which the grammar could no
    longer be completed within max_tokens is replaced by a closing path and a stop token
    (``engine/closing.py``), so constrained outputs finish valid instead of being cut.
+   With a strategy that defers appends (``SpecConfig.defer_appends``), all of step 4 but
+   adding the tokens runs in the next step, after its forward is launched
+   (``engine/deferred.py``).
 """
 
 from __future__ import annotations
