@@ -231,8 +231,7 @@ class Engine:
                     outputs.append(out)
             return outputs
         elapsed = _now() - t0
-        self._settle()  # left by the strategy (it settles all; an exception may cut it short)
-        outputs.extend(self.take_pending())
+        outputs.extend(self.take_pending())  # the chunks the strategy's settle made
         for seq, outcome in zip(plan.seqs, result.outcomes):
             timeline = seq.request.timeline
             if seq.is_prefill:
