@@ -20,10 +20,11 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
 and, from every thread: ``fill_sum`` (tree fills; ``fill_threads``: the threads that filled),
 ``native_walk`` (the part of them inside llguidance's native walk call, GIL re-acquisition on
 return included), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those run by
-the engine thread), and per step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the
-end of the step's last fill) and ``fill_max`` (its slowest tree); per step, in ms after the
-verify forward's call starts: ``gpu_forward_end`` (CUDA events), ``masks_ready`` and
-``verified`` (``_gpu_clock``).
+the engine thread), ``calls["fill_ahead"]`` (fills started before their request's deferred
+append was settled, ``MaskBuilder.submit``'s ``pending``), and per step ``fill_span`` (from
+the end of ``MaskBuilder.submit`` to the end of the step's last fill) and ``fill_max`` (its
+slowest tree); per step, in ms after the verify forward's call starts: ``gpu_forward_end``
+(CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``).
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -259,6 +260,15 @@ def install() -> Timeline:
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
     native_llguidance.walk = line.worker("native_walk", native_llguidance.walk)
+    walker_after = masks.walker_after
+
+    def counted_walker_after(*args: Any, **kwargs: Any) -> Any:
+        walker = walker_after(*args, **kwargs)
+        if walker is not None and line.on:
+            line.calls["fill_ahead"] += 1  # a fill released before its request's settle
+        return walker
+
+    masks.walker_after = counted_walker_after
     warm_up = spec_bench.run_engine
 
     def warm_up_off(*args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,7 @@ nothing is restored at the end and an abandoned walk (``traverse_bounded``) leav
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ from espalier.constrained.backends.llguidance import MatcherStateError
 from espalier.constrained.native import llguidance as native
 from espalier.constrained.native.twin import Twin
 from espalier.constrained.traverse import (
+    Walker,
     WalkResult,
     flat_words,
     stop_row,
@@ -186,17 +188,94 @@ def walk_llguidance(
     :data:`SPLIT_MIN_NODES` nodes share it with a second thread."""
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
-    n = tree.num_nodes
-    forks = branches(tree)
-    if forks > NATIVE_MAX_BRANCHES:
+    if branches(tree) > NATIVE_MAX_BRANCHES:
         return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
-    twin = matcher.twin
+    twin = _twin(matcher)
+    if twin is None:
+        return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
+    history = matcher.history
+    return _walk_native(
+        matcher,
+        twin,
+        twin.catch_up(history),
+        len(history),
+        tree,
+        rows,
+        deadline,
+        root_ready,
+        result,
+        threads,
+    )
+
+
+def walker_after(
+    matcher: Any, pending: Sequence[int], parents: Sequence[int], *, threads: int = 1
+) -> Walker | None:
+    """A walker that fills a tree as if ``matcher`` had accepted ``pending`` first, without
+    using ``matcher`` itself (only its twin): the engine's deferred appends
+    (``engine/deferred.py``) release a request's fill this way before advancing its matcher.
+
+    Call it on the thread that owns ``matcher``, with the tree's ``parents`` (node 0 = root,
+    the last of ``pending`` when there are any). The walker may run on another thread while
+    the owner makes ``matcher`` accept exactly ``pending`` (or drops it); it reads no state of
+    ``matcher`` but what is fixed (grammar, tokenizer facts) and ignores its own ``matcher``
+    argument. None: the native walk cannot take this tree or matcher now (fill after the
+    accepts instead). ``pending`` must not hold stop tokens."""
+    extra_children = len(parents) - 1 - len(set(parents[1:]))
+    if extra_children > NATIVE_MAX_BRANCHES or not native_walk_ready(matcher):
+        return None
+    if matcher.is_terminated() or matcher.native.is_error():
+        return None
+    twin = _twin(matcher)
+    if twin is None:
+        return None
+    history = matcher.history
+    sync = [*twin.catch_up(history), *pending]
+    length = len(history) + len(pending)
+
+    def walk(
+        _matcher: Any,
+        tree: DraftTree,
+        rows: np.ndarray,
+        deadline: float,
+        root_ready: bool,
+        result: WalkResult,
+    ) -> WalkResult:
+        assert not root_ready, "the root row is the pending tokens' end: computed here"
+        return _walk_native(
+            matcher, twin, sync, length, tree, rows, deadline, False, result, threads
+        )
+
+    return walk
+
+
+def _twin(matcher: Any) -> Twin | None:
+    """``matcher``'s twin, made when it has none (None: no C-API template for its grammar)."""
+    twin: Twin | None = matcher.twin
     if twin is None:
         start = matcher.compiled.native_start()
         if start is None:
-            return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
+            return None
         twin = matcher.twin = Twin(start)
-    history = matcher.history
+    return twin
+
+
+def _walk_native(
+    matcher: Any,
+    twin: Twin,
+    sync: list[int],
+    length: int,
+    tree: DraftTree,
+    rows: np.ndarray,
+    deadline: float,
+    root_ready: bool,
+    result: WalkResult,
+    threads: int,
+) -> WalkResult:
+    """The native walk on ``twin`` after it consumes ``sync`` (it then stands at ``length``
+    tokens of ``matcher``'s history)."""
+    n = tree.num_nodes
+    forks = branches(tree)
     flags = np.zeros((3, n), dtype=np.uint8)
     if deadline == float("inf"):
         budget = -1.0
@@ -205,7 +284,7 @@ def walk_llguidance(
     try:
         end = native.walk(
             twin.native,
-            twin.catch_up(history),
+            sync,
             tree,
             rows,
             matcher.compiled.native_slot.tables,
@@ -215,9 +294,10 @@ def walk_llguidance(
             2 if threads > 1 and n >= SPLIT_MIN_NODES and forks > 0 else 1,  # chains: one
         )
     except RuntimeError as exc:
-        matcher.twin = None  # its state is unknown now: the next walk starts a new one
+        if matcher.twin is twin:
+            matcher.twin = None  # its state is unknown now: the next walk starts a new one
         raise MatcherStateError(str(exc)) from exc
-    twin.ended(len(history), end.helper_filled)
+    twin.ended(length, end.helper_filled)
     result.flags = flags.view(bool)
     result.complete = end.filled == n
     result.budget_hit = end.status == native.WALK_BUDGET_HIT

@@ -85,3 +85,23 @@ class DeferredAppends:
         """Remove and return ``request``'s item ([] when it has none)."""
         item = self._items.pop(request.request_id, None)
         return [] if item is None else [item]
+
+    def tokens(self, request: Request) -> list[int]:
+        """``request``'s deferred tokens (in its ``output_ids``; [] when it has no item)."""
+        item = self._items.get(request.request_id)
+        return [] if item is None else request.output_ids[item.start :]
+
+
+@dataclass(frozen=True)
+class Settler:
+    """What a strategy gets as ``settle`` (``engine/step.py``'s ``Settle``): the engine's
+    settle of one request (None: all), and the deferred tokens of each."""
+
+    settle: Callable[[Request | None], None]
+    appends: DeferredAppends
+
+    def __call__(self, request: Request | None) -> None:
+        self.settle(request)
+
+    def unsettled(self, request: Request) -> list[int]:
+        return self.appends.tokens(request)

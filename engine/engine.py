@@ -36,7 +36,7 @@ from espalier.engine.api import (
 )
 from espalier.engine.closing import BudgetCloser
 from espalier.engine.constraints import GrammarService
-from espalier.engine.deferred import Deferred, DeferredAppends
+from espalier.engine.deferred import Deferred, DeferredAppends, Settler
 from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.kv_cache import BlockAllocator
 from espalier.engine.request import Request, RequestStatus
@@ -105,6 +105,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._deferred = DeferredAppends()
+        self._settler = Settler(self._settle_one, self._deferred)
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
         self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
@@ -220,7 +221,7 @@ class Engine:
         defer = self.strategy.defers_appends
         t0 = _now()
         try:
-            result = self.strategy.execute(plan, settle=self._settle_one if defer else None)
+            result = self.strategy.execute(plan, settle=self._settler if defer else None)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             log.exception("step failed")
             self._settle()

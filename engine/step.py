@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -59,9 +59,15 @@ class StepResult:
     mask_s: float = 0.0
 
 
-Settle = Callable[["Request | None"], None]
-"""``settle(request)``: finish the append the engine deferred for ``request`` from the last
-step, if any (``engine/deferred.py``); ``settle(None)``: all of those left."""
+class Settle(Protocol):
+    """The engine's appends deferred from the last step (``engine/deferred.py``)."""
+
+    def __call__(self, request: Request | None) -> None:
+        """Finish the append deferred for ``request``, if any; None: all of those left."""
+
+    def unsettled(self, request: Request) -> Sequence[int]:
+        """The tokens of ``request``'s deferred append: in its ``output_ids`` already, not
+        yet accepted by its matcher (empty when it has none)."""
 
 
 class StepStrategy(Protocol):

@@ -193,6 +193,7 @@ class SpeculativeDecoder:
         passthrough: Sequence[tuple[str, SeqInput]] = (),
         lookahead: Lookahead | None = None,
         settle: Callable[[SpecSeq | None], None] | None = None,
+        unsettled: Callable[[SpecSeq], Sequence[int]] | None = None,
     ) -> tuple[list[SeqOutcome], StepTimes]:
         """One step for ``seqs``; ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover
         ``n`` cache entries (the caller allocates; when it cannot, the draft is cut to what the
@@ -203,7 +204,10 @@ class SpeculativeDecoder:
         ``settle(seq)``: the engine's append of ``seq``'s last step, which advances its
         matcher (``engine/deferred.py``); called after the forward is launched (when it
         launches first), for each constrained sequence before its ``lookahead`` and fill, the
-        fills of those settled before running meanwhile; ``settle(None)`` then does the rest."""
+        fills of those settled before running meanwhile; ``settle(None)`` then does the rest.
+        ``unsettled(seq)``: the tokens ``settle(seq)`` will make its matcher accept; a fill
+        that can be made as if they were accepted (``MaskBuilder.submit``'s ``pending``)
+        starts before ``settle(seq)``, which then runs alongside it."""
         start = time.perf_counter()
         drafts = self._propose(seqs)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
@@ -230,8 +234,11 @@ class SpeculativeDecoder:
                 if lookahead is not None:
                     jobs.extend(lookahead(seqs[i : i + 1], drafts[i : i + 1]))
 
+            ahead = None
+            if unsettled is not None:
+                ahead = [None if s.matcher is None else unsettled(s) for s in seqs]
             pending = self.masks.submit(
-                matchers, drafts, jobs, hidden_s=self.target_s, prepare=prepare
+                matchers, drafts, jobs, hidden_s=self.target_s, prepare=prepare, pending=ahead
             )
             settle(None)
             return pending

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained.traverse import Walker, fill_tree_bitmask, walker_after
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
@@ -135,6 +136,7 @@ class MaskBuilder:
         self.pin_memory = pin_memory
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tree-mask")
+        self.ahead_fills = 0  # fills started before their request's prepare (``submit``)
         self._buffer: torch.Tensor | None = None
         self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
@@ -172,6 +174,7 @@ class MaskBuilder:
         *,
         hidden_s: float = 0.0,
         prepare: Callable[[int], None] | None = None,
+        pending: Sequence[Sequence[int] | None] | None = None,
     ) -> PendingMasks:
         """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
         at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
@@ -191,7 +194,12 @@ class MaskBuilder:
         prepare: called on this thread with each constrained request's index, in order, just
         before its fill may start, while the fills released before run on the workers (the
         engine's deferred appends advance each matcher there, ``engine/deferred.py``); it may
-        append to ``after`` when that is a list (the jobs start after the last fill)."""
+        append to ``after`` when that is a list (the jobs start after the last fill).
+
+        pending: with ``prepare``, per request, the tokens ``prepare`` will make its matcher
+        accept (None: unknown). A fill the grammar layer can make as if they were accepted
+        without using the matcher (``constrained.traverse.walker_after``) does not wait for
+        ``prepare``: those start at once, and ``prepare`` runs for the others first."""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
@@ -205,6 +213,7 @@ class MaskBuilder:
         constrained = sum(m is not None for m in matchers)
         tree_threads = max(1, min(2, self.threads // max(1, constrained)))
         unconstrained: dict[int, int] = {}
+        ahead: list[tuple[int, Callable[[], Fill]]] = []  # need no prepare: released at once
         row = 0
         for index, (matcher, draft) in enumerate(zip(matchers, drafts)):
             n = draft.num_nodes
@@ -214,24 +223,42 @@ class MaskBuilder:
                 continue
             assert array is not None
             out = array[row : row + n]
-            fill = functools.partial(self._fill_one, matcher, draft, out, budget, tree_threads)
-            jobs.append((index, fill))
+            tokens = pending[index] if prepare is not None and pending is not None else None
+            walker = None
+            if tokens is not None:
+                walker = walker_after(matcher, tokens, draft.parents, threads=tree_threads)
+            fill = functools.partial(
+                self._fill_one, matcher, draft, out, budget, tree_threads, walker
+            )
+            (jobs if walker is None else ahead).append((index, fill))
             mask_rows.extend(range(row, row + n))
             row += n
+        jobs = ahead + jobs
+        self.ahead_fills += len(ahead)
         after_jobs = after if isinstance(after, list) else list(after)
-        start_after = functools.partial(self._start, after_jobs)
-        gated = 0 if prepare is not None else -1
-        fills = FillJobs(jobs, [None] * len(drafts), unconstrained, start_after, gated)
+        start_after: Callable[[], None] = functools.partial(self._start, after_jobs)
+        if prepare is not None and jobs:  # after the last fill *and* the last prepare (which
+            start_after = _Latch(2, start_after).count_down  # may add jobs after the fills)
+        fills = FillJobs(
+            jobs,
+            [None] * len(drafts),
+            unconstrained,
+            start_after,
+            len(ahead) if prepare is not None else -1,
+        )
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
         if prepare is not None:
-            try:
-                for count, (index, _) in enumerate(jobs, 1):
+            try:  # the fills that wait for their prepare first, then those already running
+                for count, (index, _) in enumerate(jobs[len(ahead) :], len(ahead) + 1):
                     prepare(index)
                     fills.release(count)
+                fills.release(-1)
+                for index, _ in ahead:
+                    prepare(index)
             finally:
                 fills.release(-1)
-        if not jobs:
+        if not jobs or prepare is not None:
             start_after()
         return PendingMasks(bitmask, mask_rows_t, fills, workers)
 
@@ -263,15 +290,32 @@ class MaskBuilder:
         out: np.ndarray,
         budget_s: float | None,
         threads: int,
+        walker: Walker | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        from espalier.constrained.traverse import fill_tree_bitmask
+        """One tree's fill (``walker``: one from ``walker_after``, see :meth:`submit`)."""
         from espalier.constrained.tree import DraftTree
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=threads)
+        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=threads, walker=walker)
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled
+
+
+class _Latch:
+    """Calls ``then`` at the ``count``-th :meth:`count_down` (from whichever thread)."""
+
+    def __init__(self, count: int, then: Callable[[], None]) -> None:
+        self._left = count
+        self._then = then
+        self._lock = threading.Lock()
+
+    def count_down(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._then()
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:

@@ -173,12 +173,15 @@ class SpeculativeDecoding:
             if need > 0:
                 request.block_table.extend(self.pool.allocate(need))
 
-        settle_seq = None
+        settle_seq = unsettled = None
         if settle is not None:
             engine_settle = settle
 
             def settle_seq(seq: SpecSeq | None) -> None:
                 engine_settle(None if seq is None else by_seq[id(seq)])
+
+            def unsettled(seq: SpecSeq) -> Sequence[int]:
+                return engine_settle.unsettled(by_seq[id(seq)])
 
         lookahead = None
         if self.closer is not None:
@@ -187,7 +190,7 @@ class SpeculativeDecoding:
         times = StepTimes(0.0, 0.0, 0.0)
         if seqs or passthrough:
             results, times = (
-                self.decoder.step(seqs, ensure, passthrough, lookahead, settle_seq)
+                self.decoder.step(seqs, ensure, passthrough, lookahead, settle_seq, unsettled)
                 if seqs
                 else ([], times)
             )

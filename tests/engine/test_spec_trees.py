@@ -401,3 +401,104 @@ def test_prepare_runs_before_each_fill_and_may_add_after_jobs(
     afters = [k for k, (kind, _) in enumerate(events) if kind == "after"]
     assert len(afters) == 3 and min(afters) > last_fill
     assert result.valid.all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fills_that_need_no_prepare_start_before_it(toy_tokenizer: Any, threads: int) -> None:
+    # MaskBuilder.submit's `pending`: a fill the grammar layer can make as if its request's
+    # pending tokens were accepted (llguidance's native walk) is released at once, without
+    # waiting for any prepare; the others wait for theirs, whose prepares run first. The
+    # masks are those of a submit without prepare.
+    import threading
+
+    from espalier.constrained.native import build
+    from espalier.engine.spec.masks import MaskBuilder
+
+    if build.find_compiler() is None:
+        pytest.skip("no C compiler: the native llguidance walk is not built here")
+    matchers, drafts = _chains(toy_tokenizer, 4)
+    assert matchers[0].compiled.native_slot.wait(60) is not None
+    constrained = [matchers[0], None, matchers[2], matchers[3]]
+    masks = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
+    events: list[tuple[str, int]] = []
+    started = {0: threading.Event(), 3: threading.Event()}
+    fill_one = masks._fill_one
+
+    def logged_fill(matcher: Any, *args: Any) -> Any:
+        index = constrained.index(matcher)
+        events.append(("fill", index))
+        if index in started:
+            started[index].set()
+        return fill_one(matcher, *args)
+
+    masks._fill_one = logged_fill  # type: ignore[method-assign]
+
+    def prepare(index: int) -> None:
+        events.append(("prepare", index))
+        if index == 2:  # the first prepare: the released fills need none of it
+            assert started[0].wait(10.0) and started[3].wait(10.0)
+
+    try:
+        pending = masks.submit(constrained, drafts, prepare=prepare, pending=[[], None, None, []])
+        result = pending.result()
+        reference = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
+        expected = reference.submit(constrained, drafts).result()
+        reference.close()
+    finally:
+        masks.close()
+    assert masks.ahead_fills == 2
+    assert [i for kind, i in events if kind == "prepare"] == [2, 0, 3]
+    assert events.index(("prepare", 2)) < events.index(("fill", 2))
+    assert result.valid.all() and result.filled.all()
+    assert result.bitmask is not None and expected.bitmask is not None
+    assert torch.equal(result.bitmask, expected.bitmask)
+
+
+def test_after_jobs_added_by_a_prepare_run_after_fills_that_ended_before_it(
+    toy_tokenizer: Any,
+) -> None:
+    # With `pending`, every fill may end before the last prepare: the after jobs that
+    # prepare adds must still run on the pool (they start after the last fill *and* the last
+    # prepare), each once.
+    import threading
+
+    from espalier.constrained.native import build
+    from espalier.engine.spec.masks import MaskBuilder
+
+    if build.find_compiler() is None:
+        pytest.skip("no C compiler: the native llguidance walk is not built here")
+    matchers, drafts = _chains(toy_tokenizer, 2)
+    assert matchers[0].compiled.native_slot.wait(60) is not None
+    masks = MaskBuilder(toy_tokenizer.vocab_size, threads=2)
+    ran: list[tuple[str, str]] = []
+    pool_ran = threading.Event()
+
+    def job(name: str) -> Any:
+        return lambda: (ran.append((name, threading.current_thread().name)), pool_ran.set())
+
+    after: list[Any] = [job("given")]
+
+    def prepare(index: int) -> None:
+        if index == 1:  # the last prepare: wait until both fills have ended
+            assert done_fills.wait(10.0)
+            after.append(job("added"))
+
+    done_fills = threading.Event()
+    fill_one = masks._fill_one
+    ended: list[int] = []
+
+    def counted_fill(*args: Any) -> Any:
+        out = fill_one(*args)
+        ended.append(1)
+        if len(ended) == 2:
+            done_fills.set()
+        return out
+
+    masks._fill_one = counted_fill  # type: ignore[method-assign]
+    try:
+        masks.submit(matchers, drafts, after, prepare=prepare, pending=[[], []]).result()
+        assert pool_ran.wait(10.0)
+    finally:
+        masks.close()  # waits for the pool
+    assert [name for name, _ in ran] == ["given", "added"]
+    assert all(thread.startswith("tree-mask") for _, thread in ran)
