@@ -332,6 +332,8 @@ class BudgetCloser:
         )
         if len(tokens) < 2 or memo.unclosable or budget > CLOSING_WINDOW:
             return None
+        if deepest < memo.next_check:  # no node needs a check: ``pass_through`` lets all by
+            return None
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         ahead = Lookahead(
             self,

@@ -211,3 +211,21 @@ def test_speculative_engine_takes_lookahead_decisions(
     spec = run(engine, requests())
     assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
     assert answered[0] > 0
+
+
+def test_no_lookahead_when_no_node_of_the_tree_needs_a_check() -> None:
+    # A tree whose deepest check comes before the memo's next check gets no job (the
+    # decisions are the memo's, no grammar work); one that reaches it does.
+    from espalier.engine.closing import Memo
+
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    request = Request("r", [1], SamplingParams(max_tokens=30), 0)
+    request.matcher = compiled.matcher()
+    request.output_ids.extend([5] * 4)  # here = 4: inside the closing window
+    chain = ([1, 2, 3, 4], [-1, 0, 1, 2])  # depth 3: checks at output lengths 4, 5, 6
+    closer._memo["r"] = Memo(None, next_check=7)
+    assert closer.lookahead(request, *chain, 10_000) is None
+    closer._memo["r"] = Memo(None, next_check=6)
+    assert closer.lookahead(request, *chain, 10_000) is not None
