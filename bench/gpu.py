@@ -325,7 +325,11 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--defer-appends: one value, or as many as --close-ahead")
     aheads = [values[name] for name in names]
     passes = zip(names, aheads, threads, defers)
+    from espalier.engine.spec import decoder as decoder_mod
+
     for i, (name, ahead, mask_threads, defer) in enumerate(passes):
+        # "early": deferred, fills run ahead settled before the masks are waited for
+        decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
         ratios = equal_work(
             runner,
             tokenizer,
@@ -340,7 +344,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             close_ahead=ahead,
             reps=args.spec_reps,
             tight_budget=args.tight_budget,
-            defer_appends=values[defer],
+            defer_appends=True if defer == "early" else values[defer],
         )
         prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_"
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
@@ -389,8 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--defer-appends",
         default="default",
         help="SpecConfig.defer_appends per equal-work pass (default: the engine's, off; on; "
-        "off), one value or as many as --close-ahead: e.g. --close-ahead default,on,on,on,on "
-        "--defer-appends on,on,off,off,on",
+        "off; early: on with decoder.SETTLE_AFTER_MASKS off), one value or as many as "
+        "--close-ahead: e.g. --close-ahead default,on,on,on,on --defer-appends on,on,off,off,on",
     )
     parser.add_argument(
         "--mask-threads",

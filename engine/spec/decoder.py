@@ -58,6 +58,14 @@ TARGET_SMOOTHING = 0.5
 """Weight of the past in :attr:`SpeculativeDecoder.target_s` (per step, exponential)."""
 
 
+SETTLE_AFTER_MASKS = True
+"""With deferred appends, the requests whose fills start before they are settled (llguidance's
+native walk, ``MaskBuilder.submit``'s ``pending``) are settled once the step's masks are
+ready, while the GPU finishes the forward, instead of while their fills run: the settles'
+Python then does not hold the GIL that each fill's own Python waits for. False: right after
+the other settles (``bench/gpu.py --defer-appends early``)."""
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """Sampling parameters of one request (temperature > 0) and its generator."""
@@ -238,7 +246,13 @@ class SpeculativeDecoder:
             if unsettled is not None:
                 ahead = [None if s.matcher is None else unsettled(s) for s in seqs]
             pending = self.masks.submit(
-                matchers, drafts, jobs, hidden_s=self.target_s, prepare=prepare, pending=ahead
+                matchers,
+                drafts,
+                jobs,
+                hidden_s=self.target_s,
+                prepare=prepare,
+                pending=ahead,
+                prepare_ahead_later=SETTLE_AFTER_MASKS,
             )
             settle(None)
             return pending
@@ -251,6 +265,7 @@ class SpeculativeDecoder:
             pending = submit_fills()
         forwarded = time.perf_counter()
         masks = self._upload(pending.result())
+        pending.prepare_rest()  # settles whose fills ran ahead (SETTLE_AFTER_MASKS)
         masked = time.perf_counter()
         accepted = self._verify(out.logits, seqs, drafts, masks)
         logprobs = self._logprobs(out.logits, seqs, drafts, masks, accepted)

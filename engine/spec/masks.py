@@ -94,6 +94,14 @@ class PendingMasks:
     fills: FillJobs
     workers: list[Future[None]]
     ready: TreeMasks | None = None
+    rest: Callable[[], None] | None = None
+    """The prepares ``submit`` left for :meth:`prepare_rest` (``settle_ahead_later``)."""
+
+    def prepare_rest(self) -> None:
+        """Run the prepares ``submit`` left (once; a no-op when none)."""
+        rest, self.rest = self.rest, None
+        if rest is not None:
+            rest()
 
     def result(self) -> TreeMasks:
         if self.ready is None:
@@ -175,6 +183,7 @@ class MaskBuilder:
         hidden_s: float = 0.0,
         prepare: Callable[[int], None] | None = None,
         pending: Sequence[Sequence[int] | None] | None = None,
+        prepare_ahead_later: bool = False,
     ) -> PendingMasks:
         """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
         at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
@@ -199,7 +208,10 @@ class MaskBuilder:
         pending: with ``prepare``, per request, the tokens ``prepare`` will make its matcher
         accept (None: unknown). A fill the grammar layer can make as if they were accepted
         without using the matcher (``constrained.traverse.walker_after``) does not wait for
-        ``prepare``: those start at once, and ``prepare`` runs for the others first."""
+        ``prepare``: those start at once, and ``prepare`` runs for the others first; with
+        ``prepare_ahead_later``, not in this call but in the result's
+        :meth:`PendingMasks.prepare_rest` (the caller runs it once it has the masks: its
+        Python then does not hold the GIL the fills' Python waits for)."""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
@@ -248,19 +260,21 @@ class MaskBuilder:
         )
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
+        rest = None
         if prepare is not None:
             try:  # the fills that wait for their prepare first, then those already running
                 for count, (index, _) in enumerate(jobs[len(ahead) :], len(ahead) + 1):
                     prepare(index)
                     fills.release(count)
-                fills.release(-1)
-                for index, _ in ahead:
-                    prepare(index)
             finally:
                 fills.release(-1)
-        if not jobs or prepare is not None:
+            rest = functools.partial(_prepare_all, prepare, [i for i, _ in ahead], start_after)
+            if not prepare_ahead_later:
+                rest()
+                rest = None
+        elif not jobs:
             start_after()
-        return PendingMasks(bitmask, mask_rows_t, fills, workers)
+        return PendingMasks(bitmask, mask_rows_t, fills, workers, rest=rest)
 
     def _start(self, jobs: list[Callable[[], None]]) -> None:
         """Run ``jobs`` one after the other on one pool thread: they are Python (the closing
@@ -300,6 +314,14 @@ class MaskBuilder:
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled
+
+
+def _prepare_all(
+    prepare: Callable[[int], None], indices: list[int], then: Callable[[], None]
+) -> None:
+    for index in indices:
+        prepare(index)
+    then()
 
 
 class _Latch:
