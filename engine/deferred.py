@@ -16,6 +16,11 @@ the next step right after its forward is launched and before its mask fills star
 its mask fill is released to the mask threads (``MaskBuilder.submit``'s ``prepare``), so the
 fills of the requests settled first run while the engine thread settles the others. Requests
 whose drafters read the grammar (forced chains) are settled before drafting instead.
+A fill that llguidance's native walk can make from the request's C-API twin, as if the deferred
+tokens were accepted (``constrained.traverse.walker_after``), does not wait: it starts with the
+first ones, and its request is settled once the step's masks are ready
+(``decoder.SETTLE_AFTER_MASKS``), so the settles' Python does not hold the GIL the fills'
+Python waits for.
 
 Settling either appends exactly the tokens already added (the request goes on) or finishes
 the request (the closer closed it, the grammar terminated, a stop string matched): then the
@@ -28,8 +33,12 @@ speculative ratio (0.770 mean of 18 passes on, 0.770 of 12 off, standard deviati
 timeline's clock shows why: settling before the fills makes the masks ready 10-12 ms after
 the forward's call (p50) instead of 8-9, when the GPU is done at about 11; and the settled
 appends are the same Python as before, on the same GIL, so the step's host time barely
-shrinks. It is kept as an option, tested (``tests/engine/test_engine_deferred.py``), for
-hosts where the forward is long against the appends.
+shrinks. Fills started ahead (runs 63-64, session 13) made the masks ready earlier (p50
+9.8-10.7 ms with the settles after them) but not the step: the settles then delay the
+verification instead (verified p50 15-18 ms), and the ratio stayed within the noise (on
+0.745-0.784, off 0.715-0.791, on a noisier machine instance). It is kept as an option,
+tested (``tests/engine/test_engine_deferred.py``), for hosts where the forward is long
+against the appends.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ class SpecConfig:
     0.770 mean of 18 passes on, 0.770 of 12 off; standard deviation 0.05), because the
     settled appends delay the fills (masks ready 10-12 ms after the forward's call, p50,
     against 8-9 ms off; the GPU is done at about 11) and the engine thread's Python per
-    step, not its order, bounds the step.
+    step, not its order, bounds the step. Fills started before the settles (llguidance's
+    native walk, runs 63-64) did not change that (``engine/deferred.py``).
     """
 
     enabled: bool = True
