@@ -18,7 +18,11 @@ speedup of two threads (best of ``--repeat``):
 - ``llguidance_native_walk``: a 12-node chain per call through the native tree walk
   (``constrained/native/``, the GIL dropped for the whole tree): the way our fills call it;
 - ``llguidance_executor``: llguidance's own parallel ``LLExecutor`` on all the states at once,
-  2 threads against 1.
+  2 threads against 1;
+- ``gil``: per ``LLMatcher`` call the closing decisions and the Python walk make, its time
+  alone and with a busy pure-Python thread alongside (``spinner_us``). A call that drops the
+  GIL (the mask) then waits for the other thread to give it back, up to a switch interval
+  (5 ms): the convoy that makes µs-scale GIL-dropping calls expensive next to Python work.
 
 The last line is a summary. ``python bench/mask_threads.py [--data .data/jsonschemabench]
 [--schemas 8] [--states 8] [--rounds 60] [--repeat 5] [--tokenizer DIR]``
@@ -239,6 +243,47 @@ def executor_seconds(
     return best, len(natives)
 
 
+def gil_convoy(loaded: list[tuple[Any, list[int]]], words: int, calls: int) -> dict[str, Any]:
+    """Per ``LLMatcher`` call: µs alone, and with a pure-Python thread spinning alongside."""
+    matcher = python_matchers(loaded[:1])[-1]
+    native = matcher.native
+    token = loaded[0][1][-1]
+    row = np.zeros(words, dtype=np.int32)
+    ops: dict[str, Callable[[], Any]] = {
+        "deep_copy": native.deep_copy,
+        "try_consume_tokens": lambda: native.deep_copy().try_consume_tokens([token]),
+        "is_accepting": native.is_accepting,
+        "compute_ff_tokens": native.compute_ff_tokens,
+        "unsafe_compute_mask_ptr": lambda: native.unsafe_compute_mask_ptr(
+            row.ctypes.data, row.nbytes
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, op in ops.items():
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        alone = (time.perf_counter() - start) / calls
+        stop = threading.Event()
+
+        def spin(stop: threading.Event = stop) -> None:
+            count = 0
+            while not stop.is_set():
+                count += 1
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        time.sleep(0.01)
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        busy = (time.perf_counter() - start) / calls
+        stop.set()
+        spinner.join()
+        out[name] = {"alone_us": round(1e6 * alone, 2), "spinner_us": round(1e6 * busy, 2)}
+    return out
+
+
 def record(name: str, one: float, two: float, masks: int) -> dict[str, Any]:
     return {
         "part": "mask_threads",
@@ -299,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     two, _ = executor_seconds(llg, words, 2, args.rounds, args.repeat)
     emit(record("llguidance_executor", one, two, masks) | {"schemas": len(llg)})
     summary["llguidance_executor"] = round(one / two, 3)
+    emit({"part": "mask_threads", "kind": "gil", "calls": gil_convoy(llg, words, 200)})
     xgr = grammars("xgrammar", files, tokenizer, args.states)
     one, two = speedup(xgrammar_fill(xgr, tokenizer.vocab_size), args.rounds, args.repeat)
     xgr_masks = args.rounds * sum(len(body) for _, body in xgr)
