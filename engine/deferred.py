@@ -33,10 +33,11 @@ speculative ratio (0.770 mean of 18 passes on, 0.770 of 12 off, standard deviati
 timeline's clock shows why: settling before the fills makes the masks ready 10-12 ms after
 the forward's call (p50) instead of 8-9, when the GPU is done at about 11; and the settled
 appends are the same Python as before, on the same GIL, so the step's host time barely
-shrinks. Fills started ahead (runs 63-64, session 13) made the masks ready earlier (p50
-9.8-10.7 ms with the settles after them) but not the step: the settles then delay the
-verification instead (verified p50 15-18 ms), and the ratio stayed within the noise (on
-0.745-0.784, off 0.715-0.791, on a noisier machine instance). It is kept as an option,
+shrinks. Fills started ahead with the settles after the masks (run 69, session 13) made
+the masks ready earlier (p50 6.6-8.5 ms) but not the step: the settles then delay the
+verification instead (verified p50 12.7-17.5 ms, against 12.3-15.6 off), and the ratio did
+not improve (on 0.603 in the cold first pass, then 0.750; settles first 0.619, 0.756; off
+0.774, 0.841). It is kept as an option,
 tested (``tests/engine/test_engine_deferred.py``), for hosts where the forward is long
 against the appends.
 """

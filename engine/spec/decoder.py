@@ -254,7 +254,8 @@ class SpeculativeDecoder:
                 pending=ahead,
                 prepare_ahead_later=SETTLE_AFTER_MASKS,
             )
-            settle(None)
+            if not SETTLE_AFTER_MASKS:  # else after the masks: it would settle those left too
+                settle(None)
             return pending
 
         pending = None if self._launch_first else submit_fills()
@@ -266,6 +267,8 @@ class SpeculativeDecoder:
         forwarded = time.perf_counter()
         masks = self._upload(pending.result())
         pending.prepare_rest()  # settles whose fills ran ahead (SETTLE_AFTER_MASKS)
+        if settle is not None:
+            settle(None)  # the requests without a fill (a no-op when done at submit)
         masked = time.perf_counter()
         accepted = self._verify(out.logits, seqs, drafts, masks)
         logprobs = self._logprobs(out.logits, seqs, drafts, masks, accepted)

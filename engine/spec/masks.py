@@ -95,7 +95,7 @@ class PendingMasks:
     workers: list[Future[None]]
     ready: TreeMasks | None = None
     rest: Callable[[], None] | None = None
-    """The prepares ``submit`` left for :meth:`prepare_rest` (``settle_ahead_later``)."""
+    """The prepares ``submit`` left for :meth:`prepare_rest` (``prepare_ahead_later``)."""
 
     def prepare_rest(self) -> None:
         """Run the prepares ``submit`` left (once; a no-op when none)."""

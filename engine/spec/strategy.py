@@ -71,7 +71,7 @@ class SpecConfig:
     settled appends delay the fills (masks ready 10-12 ms after the forward's call, p50,
     against 8-9 ms off; the GPU is done at about 11) and the engine thread's Python per
     step, not its order, bounds the step. Fills started before the settles (llguidance's
-    native walk, runs 63-64) did not change that (``engine/deferred.py``).
+    native walk, runs 63-69) did not change that (``engine/deferred.py``).
     """
 
     enabled: bool = True

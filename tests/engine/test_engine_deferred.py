@@ -173,3 +173,51 @@ def test_take_selects_and_keeps_order() -> None:
     assert len(appends) == 2 and bool(appends)
     assert [d.start for d in appends.take()] == [0, 2]
     assert not appends and appends.take() == []
+
+
+def test_requests_whose_fills_ran_ahead_settle_after_the_masks(
+    toy_tokenizer: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ``decoder.SETTLE_AFTER_MASKS``: a request whose fill started before its settle (the
+    # native walk) is settled once the step's masks are ready, before verification; with it
+    # off, no deferred append is settled between the masks and verification.
+    from espalier.engine.spec import decoder, masks
+
+    if build.find_compiler() is None:
+        pytest.skip("no C compiler: the native llguidance walk is not built here")
+    events: list[str] = []
+    result = masks.PendingMasks.result
+    verify = decoder.SpeculativeDecoder._verify
+    settle = Engine._settle
+
+    def logged_result(self: Any) -> Any:
+        if self.ready is None:
+            events.append("m")
+        return result(self)
+
+    def logged_verify(self: Any, *args: Any) -> Any:
+        events.append("v")
+        return verify(self, *args)
+
+    def logged_settle(engine: Engine, items: Any = None) -> None:
+        taken = len(engine._deferred)
+        settle(engine, items)
+        if len(engine._deferred) < taken:
+            events.append("s")
+
+    monkeypatch.setattr(masks.PendingMasks, "result", logged_result)
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "_verify", logged_verify)
+    monkeypatch.setattr(Engine, "_settle", logged_settle)
+    for after_masks in (True, False):
+        monkeypatch.setattr(decoder, "SETTLE_AFTER_MASKS", after_masks)
+        events.clear()
+        run(speculative(toy_tokenizer, defer=True), requests())
+        trace = "".join(events)
+        between = [part.split("v")[0] for part in trace.split("m")[1:]]  # masks .. verify
+        settled_between = sum("s" in part for part in between)
+        assert trace.count("m") > 5 and trace.count("s") > 5, trace
+        if after_masks:
+            assert settled_between > 5, trace
+        else:
+            assert settled_between == 0, trace
