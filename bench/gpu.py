@@ -70,21 +70,27 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_no_plan_ahead": ("flashinfer", (1, 8, 64)),
     # prefill-kernel steps planned without split-KV (no merge kernel): an A/B of the default
     "flashinfer_graphs_no_split_kv": ("flashinfer", (1, 8, 64)),
+    # the anchor of the small-query attention kernel: decode steps on flashinfer's prefill kernel
+    "flashinfer_graphs_prefill_attention": ("flashinfer", (1, 8, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
 GRAPHS = "espalier.engine.cuda_graphs"
+SMALL_Q = "espalier.engine.attention.small_query"
+NO_SMALL_Q = {(SMALL_Q, "SMALL_QUERY_UP_TO"): 0}
 PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and measured
     "flashinfer_graphs_unfused_add": {(LAYERS, "FUSE_RESIDUAL_ADD"): False},
     "flashinfer_graphs_cublas": {(LAYERS, "SMALL_M_GEMV"): False},
-    "flashinfer_graphs_decode_tc": {(FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30},
+    "flashinfer_graphs_decode_tc": {(FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30, **NO_SMALL_Q},
     "flashinfer_graphs_decode_cc": {
         (FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30,
         (FLASHINFER, "DECODE_TENSOR_CORES"): False,
+        **NO_SMALL_Q,
     },
     "flashinfer_graphs_unfused_rope": {(LAYERS, "FUSE_ROPE_STORE"): False},
     "flashinfer_graphs_no_plan_ahead": {(GRAPHS, "PLAN_AHEAD"): False},
-    "flashinfer_graphs_no_split_kv": {(FLASHINFER, "SPLIT_KV"): False},
+    "flashinfer_graphs_no_split_kv": {(FLASHINFER, "SPLIT_KV"): False, **NO_SMALL_Q},
+    "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
 }
 
 

@@ -38,6 +38,13 @@ def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 2 for the interpreter (small test grids)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else 0)
+    return 2
+
+
 def target_programs(device: torch.device) -> int:
     """Programs one launch should have to fill the device (4 per SM); small on the interpreter."""
     if device.type == "cuda":

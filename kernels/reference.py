@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NO_TOKEN = -1
@@ -317,3 +318,51 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, *, gelu: bool) -> torch
         else torch.nn.functional.silu(gate)
     )
     return act * up
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qo_indptr: Sequence[int],
+    kv_indptr: Sequence[int],
+    kv_indices: Sequence[int],
+    kv_lens: Sequence[int],
+    *,
+    page_size: int,
+    scale: float,
+    window_left: int = -1,
+    mask: tuple[torch.Tensor, Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Twin of :func:`espalier.kernels.paged_attention.paged_attention` (its docstring has the
+    layout), sequence by sequence in fp32: ``q [T, H, D]`` -> ``[T, H, D]`` in q's dtype.
+    ``mask``: (int32 row-aligned words, word offset of each sequence) or None (causal, optional
+    window). A row that sees no entry gets zeros."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.zeros_like(q, dtype=torch.float32)
+    words = None if mask is None else mask[0].cpu().numpy().astype("<i4")
+    for b in range(len(kv_lens)):
+        lo, hi, kv_len = qo_indptr[b], qo_indptr[b + 1], kv_lens[b]
+        q_len = hi - lo
+        entries = torch.arange(kv_len)
+        pages = torch.tensor(kv_indices[kv_indptr[b] : kv_indptr[b + 1]], dtype=torch.int64)
+        slots = pages[entries // page_size] * page_size + entries % page_size
+        keys = k[slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [kv, H, D]
+        values = v[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        rows = torch.arange(q_len)
+        if words is not None and mask is not None:
+            width = -(-kv_len // 32)
+            start = int(mask[1][b])
+            row_words = words[start : start + q_len * width].reshape(q_len, width)
+            unpacked = np.unpackbits(row_words.view(np.uint8), axis=1, bitorder="little")
+            seen = torch.from_numpy(unpacked[:, :kv_len].astype(bool))
+        else:
+            last = kv_len - q_len + rows[:, None]
+            seen = entries[None, :] <= last
+            if window_left >= 0:
+                seen &= entries[None, :] >= last - window_left
+        scores = torch.einsum("thd,jhd->htj", q[lo:hi].float(), keys) * scale
+        scores = scores.masked_fill(~seen[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[lo:hi] = torch.einsum("htj,jhd->thd", probs, values)
+    return out.to(q.dtype)

@@ -39,8 +39,10 @@ from espalier.engine.attention.paged_plan import (
     pack_mask_segments,
     step_mask,
 )
+from espalier.engine.attention.small_query import SmallQueryWrapper, use_small_query
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
+from espalier.kernels.paged_attention import Workspace
 
 DECODE_KERNEL_UP_TO = 0
 """One-token causal steps (plain decode) of at most this many sequences run flashinfer's decode
@@ -130,6 +132,8 @@ class FlashinferBackend:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._eager: Wrappers = {w: self._wrapper() for w in self.windows}
         self._eager_decode: Wrappers = {}  # made at the first decode step (its JIT module)
+        self._small_workspace = Workspace.empty(device)  # split partials of small-query steps
+        self._eager_small: Wrappers = {w: self._small_wrapper(w) for w in self.windows}
 
     def _wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -141,6 +145,25 @@ class FlashinferBackend:
             self.workspace, "NHD", use_tensor_cores=DECODE_TENSOR_CORES, **graph_buffers
         )
 
+    def _small_wrapper(
+        self,
+        window: int | None,
+        graph: tuple[int, int, int] | None = None,
+        mask_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SmallQueryWrapper:
+        cfg = self.config
+        return SmallQueryWrapper(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            scale=cfg.scale,
+            window_left=-1 if window is None else window - 1,
+            device=self.device,
+            workspace=self._small_workspace,
+            graph=graph,
+            mask_buffers=mask_buffers,
+        )
+
     def _is_decode(self, wrapper: Any) -> bool:
         return isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
 
@@ -149,6 +172,12 @@ class FlashinferBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         layout = meta_layout(meta)
         masks = {window: step_mask(meta, window) for window in self.windows}
+        q_lens = (meta.q_indptr[b + 1] - meta.q_indptr[b] for b in range(meta.num_seqs))
+        if use_small_query(max(q_lens)):
+            for window, small in self._eager_small.items():
+                small.plan(layout, meta.block_size, masks[window])
+            meta.backend_state = self._eager_small
+            return
         causal = all(segments is None for segments in masks.values())
         if causal and meta.num_tokens == meta.num_seqs and use_decode_kernel(meta.num_seqs):
             if not self._eager_decode:
@@ -201,6 +230,9 @@ class FlashinferBackend:
         causal: bool = True,
     ) -> None:
         """Plan a prefill or decode ``wrapper`` (decode: causal, one token per sequence)."""
+        if isinstance(wrapper, SmallQueryWrapper):  # causal: its window is its own
+            wrapper.plan(layout, block_size)
+            return
         cfg = self.config
         paged = (layout.kv_indptr, layout.kv_indices, layout.last_page_len)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
@@ -238,6 +270,20 @@ class FlashinferBackend:
 
         step = tokens_per_seq
         out = GraphWrappers({}, {})
+        if use_small_query(step):
+            for window in self.windows:
+                buffers = None
+                if mask_bytes:  # row-aligned words: up to 4 more bytes per row
+                    words = torch.zeros(
+                        -(-mask_bytes // 4) + batch_size * step,
+                        dtype=torch.int32,
+                        device=self.device,
+                    )
+                    buffers = (words, ints(batch_size + 1))
+                    out.mask_buffers[window] = buffers
+                graph = (batch_size, step, max_pages)
+                out.wrappers[window] = self._small_wrapper(window, graph, buffers)
+            return out
         if step == 1 and not mask_bytes and use_decode_kernel(batch_size):
             for window in self.windows:
                 out.wrappers[window] = self._decode_wrapper(
@@ -276,6 +322,9 @@ class FlashinferBackend:
         window folded in, ``paged_plan.sequence_mask``); the packed masks are copied into the
         fixed buffers. Raises ValueError when they do not fit."""
         for window, wrapper in graph.wrappers.items():
+            if isinstance(wrapper, SmallQueryWrapper):  # packs into its own buffers
+                wrapper.plan(layout, block_size, segments[window])
+                continue
             mask_buf, indptr_buf = graph.mask_buffers[window]
             packed, indptr = pack_mask_segments(segments[window])
             if len(packed) > mask_buf.numel():

@@ -1,13 +1,16 @@
 """The fast GPU path against the plain one: flashinfer vs torch SDPA, CUDA-graph replay vs eager.
 
 Logits agree within bf16 tolerance for prefill, decode and draft-tree steps (full and
-sliding-window layers, Llama and Gemma 3); greedy outputs are identical token for token for plain
-and speculative decoding, with and without a grammar; greedy ties break the same way (lowest id)
-in the plain sampler and in tree verification.
+sliding-window layers, Llama and Gemma 3); greedy outputs of eager steps and graph replays are
+identical token for token, for plain and speculative decoding, with and without a grammar; across
+kernels (SDPA, flashinfer, the small-query kernel; tree rows against decode rows) they may part
+only at a bf16 near-tie; greedy ties break the same way (lowest id) in the plain sampler and in
+tree verification.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -87,7 +90,9 @@ def test_decode_kernel_matches_the_prefill_kernel(
     """One-token causal steps run flashinfer's decode kernel (sliding-window layers too), with
     the logits of its prefill kernel; tree steps keep the prefill kernel."""
     from espalier.engine.attention import flashinfer as fi
+    from espalier.engine.attention import small_query
 
+    monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)  # flashinfer's kernels only
     config = gpu_config(97, family=family, window=6)
     state = gpu_state(config, seed=3)
     monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 0)
@@ -105,20 +110,25 @@ def test_decode_kernel_matches_the_prefill_kernel(
         assert (a - b).abs().max() <= 0.02 * scale, (a - b).abs().max() / scale
 
 
+@pytest.mark.parametrize("small", [True, False])
 @pytest.mark.parametrize("plan_ahead", [True, False])
 def test_graph_replay_matches_eager_logits(
-    plan_ahead: bool, monkeypatch: pytest.MonkeyPatch
+    plan_ahead: bool, small: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Padded replay (3, then 2 sequences in the buckets of 4 and 2) gives the eager logits;
-    decode graphs of up to ``DECODE_KERNEL_UP_TO`` sequences run flashinfer's decode kernel,
-    bigger ones its prefill kernel (both kinds here, around a limit of 2); with plans made ahead
-    (during the previous replay, into the bucket's second graph) or after each sync, and a plan
-    made ahead for a step that does not come (a sequence left) left unused."""
+    decode graphs attend with the small-query kernel or (``small`` False) with flashinfer: up to
+    ``DECODE_KERNEL_UP_TO`` sequences its decode kernel, bigger ones its prefill kernel (both
+    kinds here, around a limit of 2); with plans made ahead (during the previous replay, into
+    the bucket's second graph) or after each sync, and a plan made ahead for a step that does
+    not come (a sequence left) left unused."""
     import flashinfer
 
     from espalier.engine import cuda_graphs
     from espalier.engine.attention import flashinfer as fi
+    from espalier.engine.attention import small_query
 
+    if not small:
+        monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)
     monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)
     monkeypatch.setattr(cuda_graphs, "PLAN_AHEAD", plan_ahead)
     config = gpu_config(97, window=6)
@@ -128,8 +138,11 @@ def test_graph_replay_matches_eager_logits(
     assert graphs.graphs is not None and graphs.graphs.captured == [(1, 1), (2, 1), (4, 1)]
     assert graphs.num_blocks == eager.num_blocks  # the scratch block is extra
     kinds = {b: type(graphs.graphs.graphs[(b, 1)].wrappers.wrappers[None]) for b in (2, 4)}
-    assert kinds[2] is flashinfer.BatchDecodeWithPagedKVCacheWrapper
-    assert kinds[4] is flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    if small:
+        assert kinds[2] is kinds[4] is small_query.SmallQueryWrapper
+    else:
+        assert kinds[2] is flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        assert kinds[4] is flashinfer.BatchPrefillWithPagedKVCacheWrapper
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34]]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
     for runner in (eager, graphs):
@@ -184,16 +197,19 @@ def make_loop(runner: Any) -> SpecLoop:
     return SpecLoop(SpeculativeDecoder(runner, proposer, MaskBuilder(runner.vocab_size)))
 
 
+SETUPS = [  # prompt, grammar backend, drafters
+    ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "llguidance", ("ngram", "forced")),
+    ([40, 41, 42, 43, 44, 45, 40, 41, 42], None, ("ngram",)),
+    ([99, 100, 101], "xgrammar", ("forced",)),
+    ([7, 7, 7, 7], None, ("ngram",)),
+]
+
+
 def loop_outputs(runner: Any, tokenizer: Any, speculate: bool) -> list[list[int]]:
     """Greedy outputs of a mixed batch: constrained (two backends) and free requests."""
     stops = frozenset(tokenizer.stop_token_ids)
     draft = 6 if speculate else 0
-    setups = [
-        ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "llguidance", ("ngram", "forced")),
-        ([40, 41, 42, 43, 44, 45, 40, 41, 42], None, ("ngram",)),
-        ([99, 100, 101], "xgrammar", ("forced",)),
-        ([7, 7, 7, 7], None, ("ngram",)),
-    ]
+    setups = SETUPS
     requests = [
         LoopRequest(
             f"r{i}",
@@ -209,9 +225,36 @@ def loop_outputs(runner: Any, tokenizer: Any, speculate: bool) -> list[list[int]
     return [r.output_ids for r in make_loop(runner).generate(requests)]
 
 
+def bf16_ulp(x: float) -> float:
+    """The spacing of bf16 numbers around ``x`` (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
+
+
+def diverges_at_a_near_tie(runner: Any, prompt: list[int], want: list[int], got: list[int]) -> str:
+    """'' when ``got == want``; else why the first token where they differ is not a near-tie:
+    there, the reference ``runner``'s logits (teacher-forced on the common prefix) of the two
+    tokens must lie within 2 bf16 spacings of each other (one rounding of a logit or of the
+    attention in between can flip such a pair; a real fault moves logits further)."""
+    if got == want:
+        return ""
+    i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    if i == min(len(want), len(got)):
+        return f"one output is a prefix of the other ({len(want)} vs {len(got)} tokens)"
+    table = list(range(64))
+    logits = runner.forward([SeqInput(table, prompt + want[:i], 0)]).logits[0].float()
+    a, b = float(logits[want[i]]), float(logits[got[i]])
+    if abs(a - b) <= 2 * bf16_ulp(max(abs(a), abs(b))):
+        return ""
+    return f"token {i}: {want[i]} ({a}) vs {got[i]} ({b}) is no near-tie"
+
+
 def test_greedy_outputs_identical_across_paths(toy_tokenizer: Any) -> None:
     """SDPA eager, flashinfer eager, flashinfer + graphs: plain and speculative, with and without
-    grammars: the same tokens (and speculative == plain on each)."""
+    grammars: the same tokens where the kernels are the same (flashinfer eager and graphs,
+    token for token), and across kernels up to bf16 near-ties (SDPA against flashinfer's paths,
+    speculative against plain: tree rows and decode rows round differently; seed 4's second
+    prompt has its first two logits 13.125 / 13.0 under SDPA, which the small-query kernel's
+    rounding ties; ``diverges_at_a_near_tie``)."""
     config = gpu_config(toy_tokenizer.vocab_size, window=8)
     state = gpu_state(config, seed=4)
     runners = {
@@ -226,8 +269,14 @@ def test_greedy_outputs_identical_across_paths(toy_tokenizer: Any) -> None:
     }
     reference = results[("sdpa", False)]
     assert any(len(out) > 5 for out in reference)
+    for spec in (False, True):
+        assert results[("graphs", spec)] == results[("flashinfer", spec)], spec
     for key, outputs in results.items():
-        assert outputs == reference, key
+        for (prompt, _, _), want, got in zip(SETUPS, reference, outputs):
+            assert not (why := diverges_at_a_near_tie(runners["sdpa"], prompt, want, got)), (
+                key,
+                why,
+            )
     assert runners["graphs"].graphs is not None
     assert sum(runners["graphs"].graphs.replays.values()) > 0
 
