@@ -16,6 +16,7 @@ Usage (GPU machine): ``python3 bench/attention.py [--tree 9]``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -42,7 +43,9 @@ def _tree_segments(batch: int, n: int, kv_len: int, gen: torch.Generator) -> lis
     return segments
 
 
-def case(backend: Any, small: bool, batch: int, n: int, ctx: int, seed: int) -> dict[str, Any]:
+def case(
+    backend: Any, small: bool, batch: int, n: int, ctx: int, seed: int, check: bool = True
+) -> dict[str, Any]:
     from espalier.engine.attention import small_query
     from espalier.engine.attention.paged_plan import paged_layout
     from espalier.kernels import paged_attention as pa
@@ -68,6 +71,9 @@ def case(backend: Any, small: bool, batch: int, n: int, ctx: int, seed: int) -> 
         backend.plan_graph_masked(graph, layout, PAGE, {None: segments})
     wrapper = graph.wrappers[None]
     out = wrapper.run(q, (k, v))
+    us = graph_us([lambda: wrapper.run(q, (k, v))] * 32)
+    if not check:
+        return {"us": round(us, 2)}
     bits = None
     if segments is not None:
         words, offsets = pa.pack_row_masks(segments, [kv_len] * batch)
@@ -85,7 +91,6 @@ def case(backend: Any, small: bool, batch: int, n: int, ctx: int, seed: int) -> 
         mask=bits,
     )
     err = float((out.float().cpu() - want).abs().max())
-    us = graph_us([lambda: wrapper.run(q, (k, v))] * 32)
     return {"us": round(us, 2), "max_err": round(err, 5)}
 
 
@@ -95,6 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--decode-batches", default="1,8,32,64")
     parser.add_argument("--tree-batches", default="1,32")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time our kernel per launch shape (loop step, warps, stages, programs per SM)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
@@ -104,8 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config = ModelConfig("llama", 1000, 4096, 14336, 1, HEADS, KV_HEADS, DIM)
     backend = FlashinferBackend(config, device=torch.device("cuda"), dtype=torch.bfloat16)
-    shapes = [(b, 1) for b in map(int, args.decode_batches.split(","))]
-    shapes += [(b, args.tree) for b in map(int, args.tree_batches.split(","))]
+    shapes = [(int(b), 1) for b in args.decode_batches.split(",") if b]
+    shapes += [(int(b), args.tree) for b in args.tree_batches.split(",") if b]
     summary: dict[str, Any] = {"part": "summary"}
     for ctx in map(int, args.contexts.split(",")):
         for batch, n in shapes:
@@ -120,8 +130,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 record["vs_flashinfer"] = round(record["flashinfer_us"] / record["ours_us"], 3)
                 summary[f"b{batch}_n{n}_ctx{ctx}_vs_flashinfer"] = record["vs_flashinfer"]
             emit(record)
+            if args.sweep:
+                summary.update(sweep(backend, batch, n, ctx))
     emit(summary)
     return 0
+
+
+def sweep(backend: Any, batch: int, n: int, ctx: int) -> dict[str, Any]:
+    """Our kernel's time per launch shape for one case (JSON line each); the best one."""
+    from espalier.kernels import paged_attention as pa
+
+    best: tuple[float, str] = (float("inf"), "")
+    for block, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (1, 2, 3), (1, 4)):
+        pa.LAUNCH[DIM] = pa.LaunchConfig(block, warps, stages)
+        pa.PROGRAMS_PER_SM = per_sm
+        name = f"n{block}_w{warps}_s{stages}_p{per_sm}"
+        try:
+            us = case(backend, True, batch, n, ctx, seed=batch * 7 + n + ctx, check=False)["us"]
+        except Exception as exc:
+            emit({"part": "sweep", "batch": batch, "n": n, "ctx": ctx, "config": name,
+                  "error": repr(exc)[:200]})  # fmt: skip
+            continue
+        emit({"part": "sweep", "batch": batch, "n": n, "ctx": ctx, "config": name, "us": us})
+        best = min(best, (us, name))
+    pa.LAUNCH.clear()
+    pa.PROGRAMS_PER_SM = 4
+    return {f"b{batch}_n{n}_ctx{ctx}_best": f"{best[1]} {best[0]}"}
 
 
 if __name__ == "__main__":

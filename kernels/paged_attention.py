@@ -84,24 +84,46 @@ class StepPlan:
         return self.meta[lo:hi]
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """K/V entries per loop step (a multiple of 32), warps and software-pipeline stages."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+LAUNCH: dict[int, LaunchConfig] = {}
+"""Overrides of ``launch_config`` per head dim (``bench/attention.py`` sweeps them)."""
+PROGRAMS_PER_SM = 4
+"""Programs a launch aims at per SM when it picks its splits (``choose_splits``)."""
+
+
+def launch_config(head_dim: int) -> LaunchConfig:
+    """The launch shape for ``head_dim``: 64-entry steps up to dim 128 (registers: ``[BLOCK_N,
+    D]`` K and V tiles), 32 beyond."""
+    if head_dim in LAUNCH:
+        return LAUNCH[head_dim]
+    return LaunchConfig(64 if head_dim <= 128 else 32)
+
+
 def block_n(head_dim: int) -> int:
-    """K/V entries per loop step (registers: ``[BLOCK_N, D]`` K and V tiles)."""
-    return 64 if head_dim <= 128 else 32
+    return launch_config(head_dim).block_n
 
 
 def split_len_for(max_kv_len: int, splits: int, head_dim: int) -> int:
     """Entries per split so that ``splits`` splits cover ``max_kv_len`` (a multiple of the loop
     step, at least ``MIN_SPLIT``)."""
     step = block_n(head_dim)
-    per = max(-(-max(max_kv_len, 1) // splits), MIN_SPLIT)
+    per = max(-(-max(max_kv_len, 1) // splits), MIN_SPLIT, step)
     return -(-per // step) * step
 
 
 def choose_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
     """Splits for a launch of ``programs`` (tiles x K/V heads) over at most ``max_kv_len``
-    entries: enough for one program per SM, no split under ``MIN_SPLIT`` entries (a launch
-    that fills the SMs already gains nothing from splits: it only adds the merge)."""
-    want = -(-sm_count(device) // max(programs, 1))
+    entries: enough for ``PROGRAMS_PER_SM`` programs per SM, no split under ``MIN_SPLIT``
+    entries."""
+    want = -(-PROGRAMS_PER_SM * sm_count(device) // max(programs, 1))
     by_length = max(-(-max_kv_len // MIN_SPLIT), 1)
     return max(1, min(want, by_length, MAX_SPLITS))
 
@@ -231,15 +253,19 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         allowed = row_ok[:, None] & j_ok[None, :]
-        if HAS_MASK:  # start is a multiple of BLOCK_N: the tile's bits are 1-2 whole words
+        if HAS_MASK:  # start is a multiple of BLOCK_N: the tile's bits are whole words
             jl = tl.arange(0, BLOCK_N)
-            word = tl.load(mask_ptr + row_word + start // 32, mask=row_ok, other=0)
-            if BLOCK_N == 64:
-                high_ok = row_ok & ((r * 0 + start + 32) < hi)  # a row's second word exists
-                high = tl.load(mask_ptr + row_word + start // 32 + 1, mask=high_ok, other=0)
-                words = tl.where(jl[None, :] < 32, word[:, None], high[:, None])
-            else:
+            if BLOCK_N > 64:  # each entry reads its word (a row's lanes share few addresses)
+                words = tl.load(
+                    mask_ptr + row_word[:, None] + (j // 32)[None, :], mask=allowed, other=0
+                )
+            else:  # one or two words per row
+                word = tl.load(mask_ptr + row_word + start // 32, mask=row_ok, other=0)
                 words = word[:, None]
+                if BLOCK_N == 64:
+                    high_ok = row_ok & ((r * 0 + start + 32) < hi)  # a row's second word exists
+                    high = tl.load(mask_ptr + row_word + start // 32 + 1, mask=high_ok, other=0)
+                    words = tl.where(jl[None, :] < 32, word[:, None], high[:, None])
             allowed = allowed & (((words >> (jl % 32)[None, :]) & 1) != 0)
         else:
             allowed = allowed & (j[None, :] <= diag + t[:, None])
@@ -384,6 +410,7 @@ def paged_attention(
         return out
     t, h, d = q.shape
     kvh = k.shape[1]
+    launch = launch_config(d)
     block_m, block_q = tile_shape(h, kvh, plan.max_q_len)
     tiles = -(-plan.max_q_len // block_q)
     split = plan.splits > 1
@@ -425,15 +452,15 @@ def paged_attention(
         D=d,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        BLOCK_N=block_n(d),
+        BLOCK_N=launch.block_n,
         TILES=tiles,
         NUM_HEADS=h,
         HAS_MASK=mask is not None,
         HAS_WINDOW=mask is None and window_left >= 0,
         SPLIT=split,
         DOT_FP32=interpreter_on() and not q.is_cuda,
-        num_warps=4,
-        num_stages=2,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out
 

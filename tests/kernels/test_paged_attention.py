@@ -248,3 +248,15 @@ def test_split_tickets_reset_between_launches(monkeypatch: pytest.MonkeyPatch) -
         )  # fmt: skip
         _close(got, want)
         assert not workspace.counters.any(), layer
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_other_loop_steps_match_the_twin(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """32- and 128-entry loop steps (one mask word per row; a word per entry) on trees and
+    windows, with splits of the step's size."""
+    monkeypatch.setattr(pa, "LAUNCH", {32: pa.LaunchConfig(block), 16: pa.LaunchConfig(block)})
+    monkeypatch.setattr(pa, "MIN_SPLIT", 32)
+    kw = {"heads": 4, "kv_heads": 1, "dim": 32, "dtype": torch.float32, "splits": 3}
+    _close(*_run([5, 1, 9], [300, 17, 90], tree=True, seed=7, **kw))
+    kw["dim"] = 16
+    _close(*_run([12, 1], [200, 33], window_left=40, seed=8, **kw))
