@@ -17,11 +17,7 @@
    against the default prefill kernel; graphs with rope and the K/V write as three launches
    (``layers.FUSE_ROPE_STORE = False``), the anchor of the fused ``rope_store``; one graph per
    decode shape planned after each step's sync (``cuda_graphs.PLAN_AHEAD = False``), the anchor
-   of planning the next step during the replay; decode and tree steps on flashinfer's prefill
-   kernel (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention
-   kernel (``kernels/paged_attention``); the batch-1 block-end projections, residual adds and
-   norms launched apart (``layers.FUSE_LINEAR_NORM = False``), the anchor of
-   ``models/fused_linear_norm``. ``pre_replay_ms``: host time from a graph
+   of planning the next step during the replay. ``pre_replay_ms``: host time from a graph
    step's call to its replay (the GPU idles through it, after the previous step's sync).
    ``graph_replay_ms``: GPU time of one replay of the step's captured graph (everything but the
    LM head), from back-to-back replays: the kernels' share of ``step_ms``, free of host noise.
@@ -76,8 +72,6 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_no_split_kv": ("flashinfer", (1, 8, 64)),
     # the anchor of the small-query attention kernel: decode steps on flashinfer's prefill kernel
     "flashinfer_graphs_prefill_attention": ("flashinfer", (1, 8, 64)),
-    # the anchor of the fused projection + add + norm: the GEMV, then add_rms_norm
-    "flashinfer_graphs_unfused_linear_norm": ("flashinfer", (1, 8, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
@@ -97,7 +91,6 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_no_plan_ahead": {(GRAPHS, "PLAN_AHEAD"): False},
     "flashinfer_graphs_no_split_kv": {(FLASHINFER, "SPLIT_KV"): False, **NO_SMALL_Q},
     "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
-    "flashinfer_graphs_unfused_linear_norm": {(LAYERS, "FUSE_LINEAR_NORM"): False},
 }
 
 

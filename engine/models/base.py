@@ -14,7 +14,7 @@ from torch import nn
 from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models.layers import PendingLinear, RMSNormBase, linear, rope_cos_sin
+from espalier.engine.models.layers import RMSNormBase, linear, rope_cos_sin
 
 
 class DecoderStack(nn.Module):
@@ -36,8 +36,7 @@ class CausalLM(nn.Module):
     ``embed(token_ids)``; each decoder layer is called as
     ``layer(x, delta, cos_sin, kv_cache, attention, meta) -> (x, delta)``: the residual stream
     is ``x + delta``, the add left to the next norm (``RMSNormBase.add_norm``: one kernel with
-    the norm on CUDA); ``delta`` is None into layer 0, and may be a ``PendingLinear`` (the
-    layer's last projection, applied by that norm).
+    the norm on CUDA); ``delta`` is None into layer 0.
     """
 
     config: ModelConfig
@@ -88,13 +87,10 @@ class CausalLM(nn.Module):
         cos_sin = self.layer_cos_sin(positions, hidden.dtype)
         wanted = set(hidden_layers)
         captured: dict[int, torch.Tensor] = {}
-        delta: torch.Tensor | PendingLinear | None = None
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             hidden, delta = layer(hidden, delta, cos_sin[i], kv_cache, attention, meta)
             if i in wanted:  # the stream itself: add now, the next norm has nothing to add
-                if isinstance(delta, PendingLinear):
-                    delta = delta.materialize()
-                assert delta is not None
                 hidden, delta = hidden + delta, None
                 captured[i] = hidden
         _, hidden = self.model.norm.add_norm(hidden, delta)

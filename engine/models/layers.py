@@ -7,7 +7,6 @@ the step across all sequences. Parameter names follow Hugging Face checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 from espalier.engine.attention.base import AttentionBackend, AttentionMetadata, LayerSpec
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models import cpu_packed, fused, fused_linear_norm
+from espalier.engine.models import cpu_packed, fused
 from espalier.kernels import gemv
 
 SMALL_M_GEMV = True
@@ -65,26 +64,6 @@ FUSE_RESIDUAL_ADD = True
 (``RMSNormBase.add_norm``); False launches the add and the norm separately (for A/B timing)."""
 
 
-FUSE_LINEAR_NORM = True
-"""Where the norms run as kernels, a batch-1 decode step's ``o_proj`` / ``down_proj`` GEMV also
-does the residual add and the next norm (``fused_linear_norm``; llama-family layers hand their
-last projection over as a ``PendingLinear``); False: the GEMV, then ``add_rms_norm`` (A/B
-timing). Read per call, so a CUDA graph keeps the choice made when it was captured."""
-
-
-@dataclass(frozen=True)
-class PendingLinear:
-    """A block's last projection, not applied yet: ``linear(inp, weight, bias)`` ([T, out]).
-    The next ``add_norm`` applies it, fused with the add and the norm where it can."""
-
-    inp: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None = None
-
-    def materialize(self) -> torch.Tensor:
-        return linear(self.inp, self.weight, self.bias)
-
-
 FUSE_ROPE_STORE = True
 """On CUDA, rotate q/k and write the new K/V to the paged cache in one kernel
 (``fused.rope_store``); False: the rope kernel, then ``KVCache.write`` (for A/B timing). Read
@@ -117,26 +96,13 @@ class RMSNormBase(nn.Module):
         return self._torch_norm(x)
 
     def add_norm(
-        self, x: torch.Tensor, delta: torch.Tensor | PendingLinear | None
+        self, x: torch.Tensor, delta: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, self(x + delta))`` for ``x, delta [..., C]`` (model dtype, one device);
         ``delta=None``: nothing to add, ``(x, self(x))``. On CUDA one kernel
-        (``fused.add_rms_norm``: the same values as the add followed by the norm kernel); a
-        ``PendingLinear`` delta of one row: one kernel for it all (``FUSE_LINEAR_NORM``)."""
+        (``fused.add_rms_norm``: the same values as the add followed by the norm kernel)."""
         if delta is None:
             return x, self(x)
-        if isinstance(delta, PendingLinear):
-            if (
-                FUSE_LINEAR_NORM
-                and norm_kernels(x)
-                and x.dim() == 2
-                and x.is_contiguous()
-                and fused_linear_norm.fusable(delta.inp, delta.weight, delta.bias)
-            ):
-                return fused_linear_norm.linear_add_rms_norm(
-                    delta.inp, delta.weight, x, self.weight, self.eps, gemma=self.gemma
-                )
-            delta = delta.materialize()
         if FUSE_RESIDUAL_ADD and norm_kernels(x):
             return fused.add_rms_norm(x, delta, self.weight, self.eps, gemma=self.gemma)
         summed = x + delta
@@ -217,21 +183,13 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported activation {act!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(x))
-
-    def pending(self, x: torch.Tensor) -> PendingLinear:
-        """``forward`` with the down projection left to the next norm (``PendingLinear``)."""
-        return PendingLinear(self.activation(x), self.down_proj.weight, self.down_proj.bias)
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(gate(x)) * up(x)``: the down projection's input ``[T, intermediate]``."""
         if self.gate_up_weight is not None and x.is_cuda:  # ``fused.fuse_projections``
             gelu = self.act is _gelu_tanh
             if SMALL_M_GEMV and gemv.preferred_gated(x, self.gate_up_weight):  # one launch
-                return gemv.gated_gemv(x, self.gate_up_weight, gelu=gelu)
+                return self.down_proj(gemv.gated_gemv(x, self.gate_up_weight, gelu=gelu))
             gate_up = linear(x, self.gate_up_weight)
-            return fused.gated_act(gate_up, gelu=gelu)
-        return self.act(self.gate_proj(x)) * self.up_proj(x)
+            return self.down_proj(fused.gated_act(gate_up, gelu=gelu))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class PagedAttention(nn.Module):
@@ -268,30 +226,6 @@ class PagedAttention(nn.Module):
         attention: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """``x [T, hidden]`` -> the attention block's output ``[T, hidden]``."""
-        return self.o_proj(self.heads(x, cos_sin, kv_cache, attention, meta))
-
-    def pending(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        attention: AttentionBackend,
-        meta: AttentionMetadata,
-    ) -> PendingLinear:
-        """``forward`` with ``o_proj`` left to the next norm (``PendingLinear``)."""
-        out = self.heads(x, cos_sin, kv_cache, attention, meta)
-        return PendingLinear(out, self.o_proj.weight, self.o_proj.bias)
-
-    def heads(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        attention: AttentionBackend,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The attention heads' output, flattened: ``o_proj``'s input ``[T, heads * head_dim]``."""
         t = x.shape[0]
         if self.qkv_weight is not None and x.is_cuda:  # one GEMM (``fused.fuse_projections``)
             qkv = linear(x, self.qkv_weight, self.qkv_bias)
@@ -316,4 +250,4 @@ class PagedAttention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv_cache.write(layer, meta.slot_mapping, k, v)
         out = attention.attend(self.spec, q, kv_cache, meta)
-        return out.reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -9,13 +9,7 @@ from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.models.base import CausalLM, DecoderStack
-from espalier.engine.models.layers import (
-    GatedMLP,
-    Linear,
-    PagedAttention,
-    PendingLinear,
-    RMSNorm,
-)
+from espalier.engine.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -35,20 +29,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        delta: torch.Tensor | PendingLinear | None,
+        delta: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         attention: AttentionBackend,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, PendingLinear]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
         stream after the layer, again as ``(x, delta)``: each residual add is left to the next
-        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``), and each block's
-        last projection too (``PendingLinear``: at batch 1 the norm folds into its GEMV)."""
+        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
         x, h = self.input_layernorm.add_norm(x, delta)
-        attn = self.self_attn.pending(h, cos_sin, kv_cache, attention, meta)
+        attn = self.self_attn(h, cos_sin, kv_cache, attention, meta)
         x, h = self.post_attention_layernorm.add_norm(x, attn)
-        return x, self.mlp.pending(h)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):

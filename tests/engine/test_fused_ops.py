@@ -263,7 +263,6 @@ def test_fused_residual_adds_keep_the_logits(
     def run(*, kernels: bool, fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         monkeypatch.setattr(layers, "KERNELS_ON_CPU", kernels)
         monkeypatch.setattr(layers, "FUSE_RESIDUAL_ADD", fuse)
-        monkeypatch.setattr(layers, "FUSE_LINEAR_NORM", False)  # its own test below
         # prefill 8 tokens, then decode one (the KV cache is rewritten on every run)
         runner.forward([SeqInput(block_table=[0, 1, 2], token_ids=tokens[:8], logits="all")])
         calls["add_rms_norm"] = 0
@@ -286,76 +285,3 @@ def test_fused_residual_adds_keep_the_logits(
     if DEVICE == "cpu":
         identical(fused_logits, torch_logits)
         identical(fused_hidden, torch_hidden)
-
-
-def test_fused_linear_norm_keeps_the_logits(
-    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch-1 decode step with each block's last projection, residual add and next norm in
-    one kernel (``layers.FUSE_LINEAR_NORM``) against the projection and ``add_rms_norm``
-    launched apart: every such norm ran fused, and the logits and the captured stream agree
-    (on CUDA the sums bit for bit: the same GEMV tiles; the norm's reduction order differs)."""
-    from espalier.engine.config import CacheConfig, RunnerConfig
-    from espalier.engine.models import fused_linear_norm
-    from espalier.engine.runner import ModelRunner, SeqInput
-
-    config = RunnerConfig(
-        device=DEVICE, dtype="bfloat16", cache=CacheConfig(block_size=4), attention_backend="sdpa"
-    )
-    runner = ModelRunner.from_pretrained(tiny_checkpoint, config)
-    num_layers = runner.model_config.num_layers
-    tokens = random.Random(4).choices(range(runner.model_config.vocab_size), k=9)
-    calls = {"fused": 0}
-    original = fused_linear_norm.linear_add_rms_norm
-
-    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls["fused"] += 1
-        return original(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fused_linear_norm, "linear_add_rms_norm", counted)
-    monkeypatch.setattr(layers, "KERNELS_ON_CPU", True)
-
-    def run(fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(layers, "FUSE_LINEAR_NORM", fuse)
-        runner.forward([SeqInput(block_table=[0, 1, 2], token_ids=tokens[:8], logits="all")])
-        calls["fused"] = 0
-        seq = SeqInput(block_table=[0, 1, 2], token_ids=tokens[8:], context_len=8)
-        out = runner.forward([seq], hidden_layers=(0,))
-        return out.logits, out.hidden_states[0]
-
-    apart_logits, apart_hidden = run(False)
-    assert calls["fused"] == 0
-    fused_logits, fused_hidden = run(True)
-    # llama: per layer the post-attention norm and the next layer's (or the final) norm, less
-    # layer 1's input norm after the layer-0 capture (its projection applied eagerly); Gemma 3
-    # norms each block's output before the add: nothing to fuse
-    llama = runner.model_config.family == "llama"
-    assert calls["fused"] == (2 * num_layers - 1 if llama else 0)
-    scale = float(apart_logits.abs().max())
-    torch.testing.assert_close(fused_logits, apart_logits, rtol=0, atol=0.02 * scale)
-    # the stream: one rounding of its largest entries (a sum near zero keeps their error)
-    stream_scale = float(apart_hidden.abs().max())
-    torch.testing.assert_close(fused_hidden, apart_hidden, rtol=0, atol=stream_scale / 64)
-
-
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 100)])
-@pytest.mark.parametrize("gemma", [False, True])
-def test_linear_add_rms_norm_matches_the_pair(n: int, k: int, gemma: bool) -> None:
-    """The fused kernel against ``gemv`` then ``add_rms_norm`` (N not a multiple of the
-    column blocks, K with a tail): the sums bit for bit, the norm to one rounding."""
-    from espalier.engine.models.fused_linear_norm import linear_add_rms_norm
-    from espalier.kernels.gemv import gemv
-
-    gen = torch.Generator().manual_seed(n + k)
-    inp = torch.randn(1, k, generator=gen).bfloat16().to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16().to(DEVICE)
-    residual = torch.randn(1, n, generator=gen).bfloat16().to(DEVICE)
-    norm_weight = (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16().to(DEVICE)
-    for _ in range(2):  # the ticket counter is reset for the next launch
-        summed, normed = linear_add_rms_norm(inp, weight, residual, norm_weight, 1e-6, gemma=gemma)
-        delta = gemv(inp, weight, backend="triton")
-        want_summed, want_normed = fused.add_rms_norm(
-            residual, delta, norm_weight, 1e-6, gemma=gemma
-        )
-        identical(summed, want_summed)
-        close(normed, want_normed)
