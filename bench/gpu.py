@@ -17,8 +17,11 @@
    against the default prefill kernel; graphs with rope and the K/V write as three launches
    (``layers.FUSE_ROPE_STORE = False``), the anchor of the fused ``rope_store``; one graph per
    decode shape planned after each step's sync (``cuda_graphs.PLAN_AHEAD = False``), the anchor
-   of planning the next step during the replay. ``pre_replay_ms``: host time from a graph
-   step's call to its replay (the GPU idles through it, after the previous step's sync).
+   of planning the next step during the replay; decode and tree steps on flashinfer's prefill
+   kernel (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention
+   kernel (``kernels/paged_attention``, the default for them). ``pre_replay_ms``: host time
+   from a graph step's call to its replay (the GPU idles through it, after the previous step's
+   sync).
    ``graph_replay_ms``: GPU time of one replay of the step's captured graph (everything but the
    LM head), from back-to-back replays: the kernels' share of ``step_ms``, free of host noise.
 3. ``profile``: top CUDA ops of batch-1 decode steps (torch.profiler), per path, and the host
