@@ -4,7 +4,10 @@ Per distinct layer window (None = full attention: Llama has one kind, Gemma 3 tw
 ``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, "NHD" layout = ``engine/kv_cache.py``) for
 prefill chunks, trees and (by default) decodes, and one ``BatchDecodeWithPagedKVCacheWrapper``
 for steps whose every sequence feeds one token under the causal rule, in batches of up to
-``DECODE_KERNEL_UP_TO`` (0 by default: see there).
+``DECODE_KERNEL_UP_TO`` (0 by default: see there). Steps of at most
+``small_query.SMALL_QUERY_UP_TO`` new tokens per sequence (decodes, draft trees, short prefill
+chunks) do not reach flashinfer's kernels by default: ``small_query.SmallQueryWrapper`` (the same
+planning surface, espalier's ``kernels/paged_attention``) takes them, eager and in CUDA graphs.
 ``prepare`` plans the step's wrappers once from its CSR arrays (``paged_plan``); ``attend`` runs
 the planned wrapper over the cache, which already holds the layer's new K/V. GQA is native
 (``num_heads`` a multiple of ``num_kv_heads``); the softmax scale is the model's ``attn_scale``.
