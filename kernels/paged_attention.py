@@ -33,7 +33,6 @@ end write empty partials. A row that sees no entry writes zeros.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,24 +63,13 @@ class StepPlan:
     meta: ``[3B + 3]`` = qo_indptr ``[B + 1]``, kv_indptr ``[B + 1]``, kv_lens ``[B]``,
     split_len ``[1]``. kv_indices: ``[pages]``. ``max_q_len``: most rows of one sequence;
     ``splits``: the launch's split dimension. A CUDA graph's plan keeps its tensors and rewrites
-    them in place (``plan_into``)."""
+    them in place (``engine/attention/small_query.py``)."""
 
     meta: torch.Tensor
     kv_indices: torch.Tensor
     batch: int
     max_q_len: int
     splits: int
-
-    def field(self, name: str) -> torch.Tensor:
-        b = self.batch
-        spans = {
-            "qo_indptr": (0, b + 1),
-            "kv_indptr": (b + 1, 2 * b + 2),
-            "kv_lens": (2 * b + 2, 3 * b + 2),
-            "split_len": (3 * b + 2, 3 * b + 3),
-        }
-        lo, hi = spans[name]
-        return self.meta[lo:hi]
 
 
 @dataclass(frozen=True)
@@ -157,6 +145,11 @@ def pack_row_masks(segments: list[np.ndarray], kv_lens: list[int]) -> tuple[np.n
         words.append(packed)
         offsets.append(offsets[-1] + len(packed))
     return np.concatenate(words).astype(np.int32), np.asarray(offsets, dtype=np.int32)
+
+
+def tiles_per_sequence(num_heads: int, num_kv_heads: int, max_q_len: int) -> int:
+    """Query tiles of one sequence (``tile_shape``'s ``BLOCK_Q`` rows each)."""
+    return -(-max_q_len // tile_shape(num_heads, num_kv_heads, max_q_len)[1])
 
 
 def tile_shape(num_heads: int, num_kv_heads: int, max_q_len: int) -> tuple[int, int]:
@@ -419,7 +412,7 @@ def paged_attention(
     kvh = k.shape[1]
     launch = launch_config(d)
     block_m, block_q = tile_shape(h, kvh, plan.max_q_len)
-    tiles = -(-plan.max_q_len // block_q)
+    tiles = tiles_per_sequence(h, kvh, plan.max_q_len)
     split = plan.splits > 1
     counters = plan.meta  # unused without splits
     if split:
@@ -472,6 +465,31 @@ def paged_attention(
     return out
 
 
+def build_plan(
+    q_lens: list[int],
+    kv_lens: list[int],
+    pages: list[int],
+    kv_indices: torch.Tensor,
+    *,
+    head_dim: int,
+    splits: int,
+    device: torch.device,
+) -> StepPlan:
+    """A fresh ``StepPlan`` on ``device`` (one host-to-device copy per tensor) of at most
+    ``splits`` splits: as many as ``split_len_for``'s length needs to cover the longest
+    sequence. ``pages[b]``: pages of sequence b; kv_indices: int32 CPU ``[sum(pages)]``."""
+    max_kv = max(kv_lens)
+    split_len = split_len_for(max_kv, splits, head_dim)
+    meta = host_meta(q_lens, kv_lens, pages, split_len)
+    return StepPlan(
+        torch.tensor(meta, dtype=torch.int32).to(device, non_blocking=True),
+        kv_indices.to(device, non_blocking=True),
+        batch=len(q_lens),
+        max_q_len=max(q_lens),
+        splits=-(-max_kv // split_len),
+    )
+
+
 def make_plan(
     q_lens: list[int],
     kv_lens: list[int],
@@ -482,16 +500,10 @@ def make_plan(
     splits: int,
     device: torch.device,
 ) -> StepPlan:
-    """A fresh ``StepPlan`` (one host-to-device copy per tensor) with ``splits`` splits."""
+    """``build_plan`` from per-sequence block tables (tests, benchmarks)."""
     pages = [-(-n // page_size) for n in kv_lens]
     indices = [p for table, n in zip(block_tables, pages) for p in table[:n]]
-    split = split_len_for(max(kv_lens), splits, head_dim)
-    splits = max(1, min(splits, math.ceil(max(kv_lens) / split)))
-    meta = host_meta(q_lens, kv_lens, pages, split)
-    return StepPlan(
-        torch.tensor(meta, dtype=torch.int32).to(device, non_blocking=True),
-        torch.tensor(indices or [0], dtype=torch.int32).to(device, non_blocking=True),
-        batch=len(q_lens),
-        max_q_len=max(q_lens),
-        splits=splits,
+    kv_indices = torch.tensor(indices or [0], dtype=torch.int32)
+    return build_plan(
+        q_lens, kv_lens, pages, kv_indices, head_dim=head_dim, splits=splits, device=device
     )

@@ -340,7 +340,6 @@ def paged_attention(
     window). A row that sees no entry gets zeros."""
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.zeros_like(q, dtype=torch.float32)
-    words = None if mask is None else mask[0].cpu().numpy().astype("<i4")
     for b in range(len(kv_lens)):
         lo, hi, kv_len = qo_indptr[b], qo_indptr[b + 1], kv_lens[b]
         q_len = hi - lo
@@ -350,10 +349,11 @@ def paged_attention(
         keys = k[slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [kv, H, D]
         values = v[slots].float().repeat_interleave(heads // kv_heads, dim=1)
         rows = torch.arange(q_len)
-        if words is not None and mask is not None:
+        if mask is not None:
             width = -(-kv_len // 32)
             start = int(mask[1][b])
-            row_words = words[start : start + q_len * width].reshape(q_len, width)
+            words = mask[0][start : start + q_len * width].cpu().numpy().astype("<i4")
+            row_words = words.reshape(q_len, width)
             unpacked = np.unpackbits(row_words.view(np.uint8), axis=1, bitorder="little")
             seen = torch.from_numpy(unpacked[:, :kv_len].astype(bool))
         else:

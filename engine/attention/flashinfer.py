@@ -42,7 +42,12 @@ from espalier.engine.attention.paged_plan import (
     pack_mask_segments,
     step_mask,
 )
-from espalier.engine.attention.small_query import SmallQueryWrapper, use_small_query
+from espalier.engine.attention.small_query import (
+    SmallQueryWrapper,
+    plan_windows,
+    use_small_query,
+    window_wrappers,
+)
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.kernels.paged_attention import Workspace
@@ -136,7 +141,9 @@ class FlashinferBackend:
         self._eager: Wrappers = {w: self._wrapper() for w in self.windows}
         self._eager_decode: Wrappers = {}  # made at the first decode step (its JIT module)
         self._small_workspace = Workspace.empty(device)  # split partials of small-query steps
-        self._eager_small: Wrappers = {w: self._small_wrapper(w) for w in self.windows}
+        self._eager_small: Wrappers = window_wrappers(
+            model_config, self.windows, device, self._small_workspace
+        )
 
     def _wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -146,25 +153,6 @@ class FlashinferBackend:
     def _decode_wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=DECODE_TENSOR_CORES, **graph_buffers
-        )
-
-    def _small_wrapper(
-        self,
-        window: int | None,
-        graph: tuple[int, int, int] | None = None,
-        mask_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> SmallQueryWrapper:
-        cfg = self.config
-        return SmallQueryWrapper(
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            scale=cfg.scale,
-            window_left=-1 if window is None else window - 1,
-            device=self.device,
-            workspace=self._small_workspace,
-            graph=graph,
-            mask_buffers=mask_buffers,
         )
 
     def _is_decode(self, wrapper: Any) -> bool:
@@ -177,8 +165,7 @@ class FlashinferBackend:
         masks = {window: step_mask(meta, window) for window in self.windows}
         q_lens = (meta.q_indptr[b + 1] - meta.q_indptr[b] for b in range(meta.num_seqs))
         if use_small_query(max(q_lens)):
-            for window, small in self._eager_small.items():
-                small.plan(layout, meta.block_size, masks[window])
+            plan_windows(self._eager_small, layout, meta.block_size, masks)
             meta.backend_state = self._eager_small
             return
         causal = all(segments is None for segments in masks.values())
@@ -219,6 +206,9 @@ class FlashinferBackend:
     def plan_causal(self, wrappers: Wrappers, layout: PagedLayout, block_size: int) -> None:
         """Plan ``wrappers`` (prefill or decode, eager or CUDA-graph mode) for the causal step
         ``layout`` (decode wrappers: one token per sequence)."""
+        if _small(wrappers):  # one shared plan; each wrapper's window is its own
+            plan_windows(wrappers, layout, block_size)
+            return
         for window, wrapper in wrappers.items():
             self._plan(wrapper, layout, block_size, window=window)
 
@@ -233,9 +223,6 @@ class FlashinferBackend:
         causal: bool = True,
     ) -> None:
         """Plan a prefill or decode ``wrapper`` (decode: causal, one token per sequence)."""
-        if isinstance(wrapper, SmallQueryWrapper):  # causal: its window is its own
-            wrapper.plan(layout, block_size)
-            return
         cfg = self.config
         paged = (layout.kv_indptr, layout.kv_indices, layout.last_page_len)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
@@ -273,19 +260,14 @@ class FlashinferBackend:
 
         step = tokens_per_seq
         out = GraphWrappers({}, {})
-        if use_small_query(step):
-            for window in self.windows:
-                buffers = None
-                if mask_bytes:  # row-aligned words: up to 4 more bytes per row
-                    words = torch.zeros(
-                        -(-mask_bytes // 4) + batch_size * step,
-                        dtype=torch.int32,
-                        device=self.device,
-                    )
-                    buffers = (words, ints(batch_size + 1))
-                    out.mask_buffers[window] = buffers
-                graph = (batch_size, step, max_pages)
-                out.wrappers[window] = self._small_wrapper(window, graph, buffers)
+        if use_small_query(step):  # row-aligned mask words: up to 4 more bytes per row
+            words = -(-mask_bytes // 4) + batch_size * step if mask_bytes else 0
+            graph = (batch_size, step, max_pages)
+            out.wrappers.update(
+                window_wrappers(
+                    self.config, self.windows, self.device, self._small_workspace, graph, words
+                )
+            )
             return out
         if step == 1 and not mask_bytes and use_decode_kernel(batch_size):
             for window in self.windows:
@@ -324,10 +306,10 @@ class FlashinferBackend:
         """Plan custom-mask ``graph_wrappers`` for a step: ``segments[window]`` per sequence (the
         window folded in, ``paged_plan.sequence_mask``); the packed masks are copied into the
         fixed buffers. Raises ValueError when they do not fit."""
+        if _small(graph.wrappers):  # one shared plan; masks into each wrapper's buffers
+            plan_windows(graph.wrappers, layout, block_size, segments)
+            return
         for window, wrapper in graph.wrappers.items():
-            if isinstance(wrapper, SmallQueryWrapper):  # packs into its own buffers
-                wrapper.plan(layout, block_size, segments[window])
-                continue
             mask_buf, indptr_buf = graph.mask_buffers[window]
             packed, indptr = pack_mask_segments(segments[window])
             if len(packed) > mask_buf.numel():
@@ -348,3 +330,8 @@ class FlashinferBackend:
         wrapper = meta.backend_state[spec.sliding_window]
         out: torch.Tensor = wrapper.run(q, (kv_cache.k[spec.layer], kv_cache.v[spec.layer]))
         return out
+
+
+def _small(wrappers: Wrappers) -> bool:
+    """Whether ``wrappers`` are small-query wrappers (``small_query``), not flashinfer's."""
+    return isinstance(next(iter(wrappers.values())), SmallQueryWrapper)

@@ -135,3 +135,34 @@ def test_graph_plan_rejects_steps_that_do_not_fit() -> None:
     meta = build_metadata(two, block_size=PAGE, device=CPU)
     with pytest.raises(ValueError, match="pages"):
         decode.plan(meta_layout(meta), PAGE)
+
+
+def test_windows_share_one_plan() -> None:
+    """``window_wrappers`` + ``plan_windows``: the windows' wrappers over one plan, each with
+    its own window (causal steps) or masks (a tree step), against SDPA per window."""
+    from espalier.engine.attention.small_query import plan_windows, window_wrappers
+
+    config = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, scale=SCALE)
+    windows = [None, 3]
+    cache = _cache(4)
+    gen = torch.Generator().manual_seed(5)
+    for graph in (None, (3, 4, BLOCKS)):
+        wrappers = window_wrappers(
+            config,  # type: ignore[arg-type]
+            windows,
+            CPU,
+            pa.Workspace.empty(CPU),
+            graph,
+            mask_words=64 if graph else 0,
+        )
+        assert len({id(w.shared) for w in wrappers.values()}) == 1
+        for step in _steps():
+            batch = step if graph is None else step[:3]  # a graph: its captured shape
+            meta = build_metadata(batch, block_size=PAGE, device=CPU)
+            q = torch.randn(meta.num_tokens, HEADS, DIM, generator=gen)
+            masks = {w: step_mask(meta, w) for w in windows}
+            plan_windows(wrappers, meta_layout(meta), PAGE, masks)
+            for window, wrapper in wrappers.items():
+                got = wrapper.run(q, (cache.k[0], cache.v[0]))
+                want = _sdpa(meta, q, cache, window)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
