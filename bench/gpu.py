@@ -19,7 +19,10 @@
    decode shape planned after each step's sync (``cuda_graphs.PLAN_AHEAD = False``), the anchor
    of planning the next step during the replay; decode and tree steps on flashinfer's prefill
    kernel (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention
-   kernel (``kernels/paged_attention``, the default for them). ``pre_replay_ms``: host time
+   kernel (``kernels/paged_attention``, the default for them); every kernel in plain stream
+   order (``kernels.pdl.PDL = False``), the anchor of programmatic dependent launch, and PDL
+   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``).
+   ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
    ``graph_replay_ms``: GPU time of one replay of the step's captured graph (everything but the
@@ -75,11 +78,17 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_no_split_kv": ("flashinfer", (1, 8, 64)),
     # the anchor of the small-query attention kernel: decode steps on flashinfer's prefill kernel
     "flashinfer_graphs_prefill_attention": ("flashinfer", (1, 8, 64)),
+    # the anchor of programmatic dependent launch: every kernel in plain stream order
+    "flashinfer_graphs_no_pdl": ("flashinfer", (1, 8, 64)),
+    # PDL, but the batch-1 gate/up projection on cuBLAS (outside the chain of early launches)
+    "flashinfer_graphs_pdl_cublas_gate_up": ("flashinfer", (1, 8, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
 GRAPHS = "espalier.engine.cuda_graphs"
 SMALL_Q = "espalier.engine.attention.small_query"
+PDL = "espalier.kernels.pdl"
+GEMV = "espalier.kernels.gemv"
 NO_SMALL_Q = {(SMALL_Q, "SMALL_QUERY_UP_TO"): 0}
 PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and measured
     "flashinfer_graphs_unfused_add": {(LAYERS, "FUSE_RESIDUAL_ADD"): False},
@@ -94,6 +103,8 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_no_plan_ahead": {(GRAPHS, "PLAN_AHEAD"): False},
     "flashinfer_graphs_no_split_kv": {(FLASHINFER, "SPLIT_KV"): False, **NO_SMALL_Q},
     "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
+    "flashinfer_graphs_no_pdl": {(PDL, "PDL"): False},
+    "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
 }
 
 

@@ -20,6 +20,9 @@ Two inner products (``SkinnyConfig.use_dot``):
 - DOT: ``tl.dot`` of the ``[BLOCK_M >= 16, BLOCK_K]`` activation tile (rows >= M masked to zero)
   with the transposed weight tile (tensor cores), fp32 accumulation.
 
+Under programmatic dependent launch (``kernels/pdl.py``) the first K step's weight tiles are
+loaded before the wait for the previous kernel, so they stream during its tail.
+
 Both accumulate in fp32 and round once to the output dtype, like cuBLAS (results agree with
 ``F.linear`` to bf16/fp16 rounding, not bit for bit: the summation order differs).
 """
@@ -34,6 +37,7 @@ import triton.language as tl
 
 from espalier.kernels import reference
 from espalier.kernels._dispatch import Backend, next_power_of_2, use_triton
+from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 MAX_M = 16
 """Largest number of rows ``gemv`` takes (decode and small verify batches)."""
@@ -75,6 +79,32 @@ def _load_weight(ptrs, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _step(
+    acc,
+    acc_up,
+    x_ptrs,
+    w,
+    w_up,
+    m_ok,
+    k_ok,
+    GATED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One K step: load the activation tile at ``x_ptrs`` and add its products with the loaded
+    weight tiles ``w`` (and ``w_up`` when gated) to the accumulators."""
+    if EVEN_K:  # no mask along K: full-width vector loads
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+    acc = _accumulate(acc, x, w, USE_DOT, DOT_FP32)
+    if GATED:
+        acc_up = _accumulate(acc_up, x, w_up, USE_DOT, DOT_FP32)
+    return acc, acc_up
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -95,6 +125,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program p: ``out[:M, p * BLOCK_N : (p + 1) * BLOCK_N]`` over the whole of K.
 
@@ -117,18 +148,26 @@ def _skinny_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = (k + cols) < K
-        if EVEN_K:  # no mask along K: full-width vector loads
-            x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-        acc = _accumulate(acc, x, _load_weight(w_ptrs, k_ok, EVEN_K), USE_DOT, DOT_FP32)
-        if GATED:
-            w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
-            acc_up = _accumulate(acc_up, x, w_up, USE_DOT, DOT_FP32)
+    # The first K step, peeled: its weight tiles load before the wait for the previous kernel
+    # (no kernel writes weights), so under PDL they stream during that kernel's tail.
+    k_ok = cols < K
+    w = _load_weight(w_ptrs, k_ok, EVEN_K)
+    w_up = w
+    if GATED:
+        w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
+    acc, acc_up = _step(acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K)
+    for k in range(BLOCK_K, K, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        k_ok = (k + cols) < K
+        w = _load_weight(w_ptrs, k_ok, EVEN_K)
+        if GATED:
+            w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
+        acc, acc_up = _step(
+            acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K
+        )
     dtype = out_ptr.dtype.element_ty
     if USE_DOT:
         total = acc
@@ -173,6 +212,11 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
     return SkinnyConfig(True, 16, 32, 256, num_stages=4)
 
 
+GATE_UP_M1_UNDER_PDL = True
+"""At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,
+not cuBLAS: a cuBLAS kernel does not take part in PDL, so it would break the chain of early
+launches twice per layer. False: cuBLAS (the A/B of ``bench/gpu.py``)."""
+
 PREFERRED_MAX_M = 16
 """Most rows for which ``preferred`` picks the kernel over cuBLAS (decode at small batches and
 batch-1 tree verification)."""
@@ -186,7 +230,8 @@ def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     to 9 % between runs and even between M in one run, ours by 1-2 %):
 
     - M = 1: every weight but those of 16384 <= N < 65536 rows (the fused gate/up projection:
-      cuBLAS streams it at 0.87-0.96 of copy bandwidth and won two of three runs by 4 %).
+      cuBLAS streams it at 0.87-0.96 of copy bandwidth and won two of three runs by 4 %), and
+      those too under PDL (``GATE_UP_M1_UNDER_PDL``).
       Ours vs cuBLAS: o +13-15 %, qkv +2-11 %, LM head +1-3 %, down -1 to +1 %.
     - M >= 2: K <= 8192 (cuBLAS wins the down projection, K = 14336, by 2-7 %) and N <= 4096 or
       N >= 16384: with 32-row tiles N = 6144 (qkv) makes 192 programs, 1.45 waves on 132 SMs,
@@ -209,7 +254,7 @@ def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     m, k = x.shape
     n = weight.shape[0]
     if m == 1:
-        return not 16384 <= n < 65536
+        return not 16384 <= n < 65536 or (GATE_UP_M1_UNDER_PDL and pdl(x.device))
     return k <= 8192 and (n <= 4096 or n >= 16384)
 
 
@@ -279,6 +324,7 @@ def _launch(
     cfg = config or default_config(m, weight.shape[0], k, x.device)
     if cfg.block_m < m or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config {cfg} does not fit M={m}")
+    use_pdl = pdl(x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
         weight,
@@ -295,12 +341,14 @@ def _launch(
         GELU=bool(gelu),
         USE_DOT=cfg.use_dot,
         DOT_FP32=not x.is_cuda or x.dtype == torch.float32,
-        EVEN_K=k % cfg.block_k == 0,
+        EVEN_K=k > 0 and k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=use_pdl,
     )
     return out
 

@@ -48,6 +48,7 @@ from espalier.kernels._dispatch import (
     sm_count,
     use_triton,
 )
+from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -197,6 +198,7 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -209,6 +211,10 @@ def _attention_kernel(
     kv_len = tl.load(meta_ptr + 2 * batch + 2 + b)
     split_len = tl.load(meta_ptr + 3 * batch + 2)
     diag = kv_len - q_len  # row t sees j <= diag + t (causal)
+    # The step's metadata is uploaded before the step (no kernel writes it): read above, before
+    # the wait. q, the new K/V entries and the split workspace come from kernels: below.
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
 
     r = tl.arange(0, BLOCK_M)
     t = t0 + r // G
@@ -423,6 +429,7 @@ def paged_attention(
         part_o = part_ml = out  # unused
     mask_bits, mask_indptr = mask if mask is not None else (plan.meta, plan.meta)
     grid = (plan.batch * tiles, kvh, plan.splits)
+    use_pdl = pdl(q.device)
     _attention_kernel[grid](
         q,
         k,
@@ -459,8 +466,10 @@ def paged_attention(
         HAS_WINDOW=mask is None and window_left >= 0,
         SPLIT=split,
         DOT_FP32=interpreter_on() and not q.is_cuda,
+        USE_PDL=use_pdl,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        launch_pdl=use_pdl,
     )
     return out
 

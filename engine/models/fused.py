@@ -29,16 +29,21 @@ from torch import nn
 
 from espalier.engine.models.fused_norm import add_rms_norm, rms_norm
 from espalier.engine.models.fused_rope import rope, rope_store
+from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 __all__ = ["add_rms_norm", "fuse_projections", "gated_act", "rms_norm", "rope", "rope_store"]
 
 
 @triton.jit
-def _gated_act_kernel(x_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_act_kernel(
+    x_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < n_cols
     dtype = out_ptr.dtype.element_ty
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
     g = tl.load(x_ptr + t * 2 * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + t * 2 * n_cols + n_cols + cols, mask=inside, other=0.0).to(tl.float32)
     if GELU:  # tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1)
@@ -57,8 +62,16 @@ def gated_act(gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = 1024
+        use_pdl = pdl(gate_up.device)
         _gated_act_kernel[(t, triton.cdiv(n, block))](
-            gate_up.contiguous(), out, n, GELU=gelu, BLOCK=block, num_warps=4
+            gate_up.contiguous(),
+            out,
+            n,
+            GELU=gelu,
+            BLOCK=block,
+            USE_PDL=use_pdl,
+            num_warps=4,
+            launch_pdl=use_pdl,
         )
     return out
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
+
 
 @triton.jit
 def _round(y, dtype: tl.constexpr):
@@ -46,12 +48,23 @@ def _normalize(x, w, n_cols, eps, GEMMA: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    n_cols,
+    eps,
+    GEMMA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)  # a weight: before the wait
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     y = _normalize(x, w, n_cols, eps, GEMMA, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * n_cols + cols, y, mask=inside)
 
@@ -67,17 +80,20 @@ def _add_rms_norm_kernel(
     eps,
     GEMMA: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
     offs = row * n_cols + cols
     dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)  # a weight: before the wait
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     summed = _round(x + d, dtype)  # torch's add: fp32 sum, one rounding (exact in fp32)
     tl.store(sum_ptr + offs, summed, mask=inside)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     y = _normalize(summed.to(tl.float32), w, n_cols, eps, GEMMA, dtype)
     tl.store(out_ptr + offs, y, mask=inside)
 
@@ -96,8 +112,16 @@ def _launch_per_row(
     ``rows`` (``[R, C]``, contiguous); nothing for zero rows."""
     if rows.shape[0]:
         block = triton.next_power_of_2(rows.shape[1])
+        use_pdl = pdl(rows.device)
         kernel[(rows.shape[0],)](
-            *tensors, rows.shape[1], eps, GEMMA=gemma, BLOCK=block, num_warps=_num_warps(block)
+            *tensors,
+            rows.shape[1],
+            eps,
+            GEMMA=gemma,
+            BLOCK=block,
+            USE_PDL=use_pdl,
+            num_warps=_num_warps(block),
+            launch_pdl=use_pdl,
         )
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
+
 
 @triton.jit
 def _rope_kernel(
@@ -40,11 +42,14 @@ def _rope_kernel(
     n_q_heads,
     HALF: tl.constexpr,
     STORE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
     c1 = tl.load(cos_ptr + t * 2 * HALF + offs).to(tl.float32)
     c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + offs).to(tl.float32)
     s1 = tl.load(sin_ptr + t * 2 * HALF + offs).to(tl.float32)
@@ -128,6 +133,7 @@ def _launch(
     store: bool,
 ) -> None:
     t, hq, d = q.shape
+    use_pdl = pdl(q.device)
     _rope_kernel[(t, hq + k.shape[1])](
         q,
         k,
@@ -149,5 +155,7 @@ def _launch(
         hq,
         HALF=d // 2,
         STORE=store,
+        USE_PDL=use_pdl,
         num_warps=1,
+        launch_pdl=use_pdl,
     )

@@ -158,6 +158,53 @@ def test_graph_replay_matches_eager_logits(
     assert sorted(graphs.graphs.spares) == ([1, 2, 4] if plan_ahead else [])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_pdl_replay_gives_the_logits_of_plain_stream_order(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode graphs (batch 1 and a padded 3) and tree-verify graphs captured with programmatic
+    dependent launch (``kernels/pdl.py``) give, bit for bit, the logits of graphs captured
+    without it: the same kernels, so any difference is a kernel reading before the previous
+    one finished. At M = 1 the gate/up projection stays on cuBLAS on both sides
+    (``GATE_UP_M1_UNDER_PDL``), so that the kernels are the same."""
+    from espalier.kernels import gemv as gemv_mod
+    from espalier.kernels import pdl as pdl_mod
+
+    monkeypatch.setattr(gemv_mod, "GATE_UP_M1_UNDER_PDL", False)
+    config = gpu_config(97, family=family, window=6)
+    state = gpu_state(config, seed=3)
+    runners = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl_mod, "PDL", on)
+        runners.append(
+            gpu_runner(config, state, backend="flashinfer", graphs=(1, 4), trees=(7,), block_size=8)
+        )
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34]]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for runner, out in zip(runners, outs):
+        runner.forward([SeqInput(t, p, 0, logits="none") for t, p in zip(tables, prompts)])
+        ctx = [len(p) for p in prompts]
+        for step in range(6):
+            live = [0] if step % 2 else [0, 1, 2]
+            batch = [SeqInput(tables[i], [40 + step], ctx[i]) for i in live]
+            out.append(runner.forward(batch).logits)
+            ctx = [c + (i in live) for i, c in enumerate(ctx)]
+        tree = SeqInput(
+            tables[0],
+            [50 + i for i in range(len(TREE_PARENTS))],
+            ctx[0],
+            positions=[ctx[0] + d for d in _depths(TREE_PARENTS)],
+            custom_mask=tree_attention_mask(TREE_PARENTS, ctx[0]),
+            logits="all",
+        )
+        out.append(runner.forward([tree]).logits)
+    for runner in runners:
+        assert runner.graphs is not None and runner.graphs.replays == {1: 6, 7: 1}
+    for step, (want, got) in enumerate(zip(*outs)):
+        assert torch.equal(want, got), step
+
+
 def test_tree_verify_graph_matches_eager_logits() -> None:
     """Three sequences verifying 7-node trees (bucket 4, padded; sliding-window layer too)."""
     config = gpu_config(97, window=6)

@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from espalier.kernels import gemv as gemv_mod
 from espalier.kernels.gemv import SkinnyConfig, gated_gemv, gemv, preferred
+from espalier.kernels.pdl import pdl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,8 +82,13 @@ def test_gated_matches_cublas_and_act(m: int, gelu: bool) -> None:
     _assert_bf16_close(ours, act * up)
 
 
-def test_preferred_follows_the_h200_sweep() -> None:
-    """The static rule on the 8B-Llama shapes (see ``preferred``)."""
+@pytest.mark.parametrize("gate_up_m1", [True, False])
+def test_preferred_follows_the_h200_sweep(
+    gate_up_m1: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The static rule on the 8B-Llama shapes (see ``preferred``); at M = 1 under PDL the
+    gate/up projection too, unless ``GATE_UP_M1_UNDER_PDL`` is off."""
+    monkeypatch.setattr(gemv_mod, "GATE_UP_M1_UNDER_PDL", gate_up_m1)
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)}
     shapes |= {"down": (4096, 14336), "lm_head": (128256, 4096)}
     picked: dict[int, set[str]] = {}
@@ -91,6 +98,7 @@ def test_preferred_follows_the_h200_sweep() -> None:
             x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
             if preferred(x, torch.empty(n, k, device="cuda", dtype=torch.bfloat16)):
                 picked[m].add(name)
-    assert picked[1] == {"qkv", "o", "down", "lm_head"}
+    under_pdl = {"gate_up"} if gate_up_m1 and pdl(torch.device("cuda")) else set()
+    assert picked[1] == {"qkv", "o", "down", "lm_head"} | under_pdl
     assert picked[2] == picked[16] == {"o", "gate_up", "lm_head"}
     assert picked[17] == set()
