@@ -21,7 +21,10 @@
    kernel (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention
    kernel (``kernels/paged_attention``, the default for them); every kernel in plain stream
    order (``kernels.pdl.PDL = False``), the anchor of programmatic dependent launch, and PDL
-   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``).
+   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``),
+   with the GEMV letting the next kernel launch at its start, not after its K loop
+   (``gemv.LAUNCH_NEXT_AFTER_LOOP = False``), or with its tensor-core tiles loading their first
+   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``).
    ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
@@ -38,6 +41,7 @@
 The last line is a summary. Usage (on the GPU machine)::
 
     python3 bench/gpu.py --tokenizer .data/gpu/gemma_tok [--batches 1,8,64] [--steps 64]
+        [--decode-reps 5] [--skip-profile] [--paths a,b]
         [--spec-batches 1,32] [--spec-max-tokens 96] [--mask-threads 8] [--skip-spec]
         [--tight-budget]
 """
@@ -82,6 +86,10 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_no_pdl": ("flashinfer", (1, 8, 64)),
     # PDL, but the batch-1 gate/up projection on cuBLAS (outside the chain of early launches)
     "flashinfer_graphs_pdl_cublas_gate_up": ("flashinfer", (1, 8, 64)),
+    # PDL variants of the GEMV: the next launch let go at the start (not after the K loop);
+    # tensor-core tiles loading their first weight tile before the wait
+    "flashinfer_graphs_pdl_early_trigger": ("flashinfer", (1, 8, 64)),
+    "flashinfer_graphs_pdl_dot_prefetch": ("flashinfer", (1, 8, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
@@ -105,6 +113,8 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
     "flashinfer_graphs_no_pdl": {(PDL, "PDL"): False},
     "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
+    "flashinfer_graphs_pdl_early_trigger": {(GEMV, "LAUNCH_NEXT_AFTER_LOOP"): False},
+    "flashinfer_graphs_pdl_dot_prefetch": {(GEMV, "PREFETCH_WITH_DOT"): True},
 }
 
 
@@ -261,19 +271,39 @@ def decode_part(
     batches: Sequence[int],
     steps: int,
     prompt_len: int = PROMPT_LEN,
+    reps: int = 1,
+    skip_profile: bool = False,
 ) -> dict[str, Any]:
+    """Each path's decode rate at each batch, ``reps`` times: the paths in turn, in reverse
+    order on odd reps (ABBA, so drift in clocks or temperature does not favour one path). Each
+    record holds the median over the reps (``of_roofline``, ``step_ms``, ...) and every rep's
+    ``of_roofline_reps``. Then a batch-1 profile per path (unless ``skip_profile``)."""
     summary: dict[str, Any] = {}
-    for name, runner in runners.items():
+    rates: dict[tuple[str, int], list[dict[str, float]]] = {}
+    names = list(runners)
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            for batch in batches:
+                if (name, batch) in rates and not rates[(name, batch)]:
+                    continue  # failed before
+                try:
+                    with path_flags(name):
+                        rate = decode_rate(runners[name], batch, steps, prompt_len=prompt_len)
+                except Exception as exc:
+                    emit({"part": "decode", "path": name, "batch": batch, "error": repr(exc)[:400]})
+                    rates[(name, batch)] = []
+                    continue
+                rates.setdefault((name, batch), []).append(rate)
+    for name in names:
+        runner = runners[name]
         wbytes = weight_bytes(runner)
         graphs = runner.graphs
         for batch in batches:
-            try:
-                with path_flags(name):
-                    rate = decode_rate(runner, batch, steps, prompt_len=prompt_len)
-            except Exception as exc:
-                emit({"part": "decode", "path": name, "batch": batch, "error": repr(exc)[:400]})
+            measured = rates.get((name, batch), [])
+            if not measured:
                 continue
             roofline = batch * bandwidth / wbytes
+            rate = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
             record = {
                 "part": "decode",
                 "path": name,
@@ -283,6 +313,7 @@ def decode_part(
                 **{k: round(v, 3) for k, v in rate.items()},
                 "roofline_tok_per_s": round(roofline, 1),
                 "of_roofline": round(rate["tok_per_s"] / roofline, 3),
+                "of_roofline_reps": [round(r["tok_per_s"] / roofline, 3) for r in measured],
                 "weight_gb": round(wbytes / 1e9, 3),
             }
             emit(record)
@@ -291,6 +322,8 @@ def decode_part(
         if graphs is not None and graphs.failures:
             failures = {f"{b}x{n}": reason for (b, n), reason in graphs.failures.items()}
             emit({"part": "decode", "path": name, "graph_failures": failures})
+    if skip_profile:
+        return summary
     for name, runner in runners.items():
         try:
             with path_flags(name):
@@ -444,6 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument(
+        "--decode-reps", type=int, default=1, help="ABBA repetitions of the decode paths"
+    )
+    parser.add_argument("--skip-profile", action="store_true", help="no batch-1 decode profile")
     parser.add_argument("--paths", default=",".join(PATHS), help="decode paths to measure")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -467,7 +504,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_decode:
         paths = [p for p in args.paths.split(",") if p]
         runners = build_runners(tokenizer.vocab_size, batches, args.steps, paths, args.prompt_len)
-        summary.update(decode_part(runners, bandwidth, batches, args.steps, args.prompt_len))
+        summary.update(
+            decode_part(
+                runners,
+                bandwidth,
+                batches,
+                args.steps,
+                args.prompt_len,
+                reps=args.decode_reps,
+                skip_profile=args.skip_profile,
+            )
+        )
         del runners
         gc.collect()
         torch.cuda.empty_cache()

@@ -126,6 +126,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     """Program p: ``out[:M, p * BLOCK_N : (p + 1) * BLOCK_N]`` over the whole of K.
 
@@ -148,26 +150,41 @@ def _skinny_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # The first K step, peeled: its weight tiles load before the wait for the previous kernel
-    # (no kernel writes weights), so under PDL they stream during that kernel's tail.
-    k_ok = cols < K
-    w = _load_weight(w_ptrs, k_ok, EVEN_K)
-    w_up = w
-    if GATED:
-        w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
-    launch_dependents(USE_PDL)
-    wait_previous(USE_PDL)
-    acc, acc_up = _step(acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K)
-    for k in range(BLOCK_K, K, BLOCK_K):
+    first = 0
+    if PREFETCH:
+        # The first K step, peeled: its weight tiles load before the wait for the previous
+        # kernel (no kernel writes weights), so under PDL they stream during that kernel's tail.
+        k_ok = cols < K
+        w = _load_weight(w_ptrs, k_ok, EVEN_K)
+        w_up = w
+        if GATED:
+            w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
+        if not LATE_TRIGGER:
+            launch_dependents(USE_PDL)
+        wait_previous(USE_PDL)
+        acc, acc_up = _step(
+            acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K
+        )
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        first = BLOCK_K
+    else:
+        if not LATE_TRIGGER:
+            launch_dependents(USE_PDL)
+        wait_previous(USE_PDL)
+    for k in range(first, K, BLOCK_K):
         k_ok = (k + cols) < K
         w = _load_weight(w_ptrs, k_ok, EVEN_K)
+        w_up = w
         if GATED:
             w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
         acc, acc_up = _step(
             acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K
         )
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if LATE_TRIGGER:
+        launch_dependents(USE_PDL)
     dtype = out_ptr.dtype.element_ty
     if USE_DOT:
         total = acc
@@ -211,6 +228,20 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
         return SkinnyConfig(True, 16, 32, 128, num_stages=3)
     return SkinnyConfig(True, 16, 32, 256, num_stages=4)
 
+
+PREFETCH_WITH_DOT = False
+"""Whether the tensor-core tiles (M >= 2) also peel their first K step, loading its weight tile
+before the wait for the previous kernel (the FMA tiles of M = 1 always do; without PDL the wait
+is a no-op). Off: they wait first, then run the plain loop. H200, run 79 (8B-Llama decode, of
+roofline, median of 5 ABBA reps, with ``LAUNCH_NEXT_AFTER_LOOP``): batch 8 0.755 with the
+prefetch, 0.759 without; batch 64 (cuBLAS: not the kernel) 0.638 / 0.636."""
+
+LAUNCH_NEXT_AFTER_LOOP = True
+"""Under PDL, let the next kernel launch after the K loop, not at the start: its programs are
+then placed on SMs this kernel's programs are leaving, not squeezed in beside them while the
+loop streams. H200, run 79 (of roofline, median of 5 ABBA reps, against PDL off): batch 1
+0.827 after the loop, 0.811 at the start, 0.802 without PDL; batch 8 0.755 / 0.740 / 0.762;
+batch 64 0.638 / 0.635 / 0.637."""
 
 GATE_UP_M1_UNDER_PDL = True
 """At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,
@@ -346,6 +377,8 @@ def _launch(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         USE_PDL=use_pdl,
+        PREFETCH=PREFETCH_WITH_DOT or not cfg.use_dot,
+        LATE_TRIGGER=LAUNCH_NEXT_AFTER_LOOP,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=use_pdl,

@@ -5,9 +5,11 @@ O GEMV, norm, gate/up, activation, down GEMV), each waiting for the one before. 
 kernel's programs start only after the previous kernel has finished and drained: the gap and
 the ramp-up of every launch are idle memory bandwidth. With PDL (sm90+, ``launch_pdl=True``):
 
-- each kernel calls ``launch_dependents`` first thing, so the next kernel is launched as soon
-  as all of this kernel's programs are running (never earlier: the previous kernel's programs
-  are then all resident, so the waiting ones cannot starve it);
+- each kernel calls ``launch_dependents`` once its own programs need no more launching help:
+  first thing in the small kernels, after the K loop in the GEMV (``gemv.LAUNCH_NEXT_AFTER_LOOP``).
+  The next kernel is launched when every program of this one has called it or exited, so the
+  programs of this kernel are all resident by then and the next kernel's waiting programs
+  cannot starve them;
 - each kernel calls ``wait_previous`` before it reads anything the previous kernel may have
   written and before it writes anything at all (``griddepcontrol.wait``: returns when the
   previous kernel has completed and its writes are visible). Every program waits before it
@@ -20,6 +22,11 @@ the ramp-up of every launch are idle memory bandwidth. With PDL (sm90+, ``launch
 A kernel launched without PDL (cuBLAS, torch) waits for full completion as usual, and one that
 follows it sees the implicit trigger at that kernel's end, so mixing is safe. ``pdl(device)``
 says whether launches on a device use it; ``PDL = False`` turns it off everywhere.
+
+H200, 8B-Llama decode in CUDA graphs (``bench/gpu.py`` run 79, share of the HBM roofline,
+median of 5 ABBA reps, the default GEMV variants): batch 1 0.825 with PDL against 0.802
+without (graph replay 3.999 vs 4.123 ms); batch 8 0.759 vs 0.762 and batch 64 0.636 vs 0.637,
+within the reps' spread.
 """
 
 from __future__ import annotations
