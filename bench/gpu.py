@@ -24,7 +24,8 @@
    with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``),
    with the GEMV letting the next kernel launch at its start, not after its K loop
    (``gemv.LAUNCH_NEXT_AFTER_LOOP = False``), or with its tensor-core tiles loading their first
-   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``).
+   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``), or with every projection of 2-16
+   rows on the GEMV kernel (``gemv.EVERY_SHAPE_UNDER_PDL``).
    ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
@@ -90,6 +91,8 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     # tensor-core tiles loading their first weight tile before the wait
     "flashinfer_graphs_pdl_early_trigger": ("flashinfer", (1, 8, 64)),
     "flashinfer_graphs_pdl_dot_prefetch": ("flashinfer", (1, 8, 64)),
+    # PDL with every projection of 2-16 rows on the GEMV kernel (none on cuBLAS)
+    "flashinfer_graphs_pdl_every_shape": ("flashinfer", (1, 8, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
@@ -115,6 +118,7 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
     "flashinfer_graphs_pdl_early_trigger": {(GEMV, "LAUNCH_NEXT_AFTER_LOOP"): False},
     "flashinfer_graphs_pdl_dot_prefetch": {(GEMV, "PREFETCH_WITH_DOT"): True},
+    "flashinfer_graphs_pdl_every_shape": {(GEMV, "EVERY_SHAPE_UNDER_PDL"): True},
 }
 
 

@@ -248,6 +248,11 @@ GATE_UP_M1_UNDER_PDL = True
 not cuBLAS: a cuBLAS kernel does not take part in PDL, so it would break the chain of early
 launches twice per layer. False: cuBLAS (the A/B of ``bench/gpu.py``)."""
 
+EVERY_SHAPE_UNDER_PDL = False
+"""At 2 <= M <= 16 under PDL, run every projection as ``gemv`` (also the QKV and down shapes,
+where cuBLAS won without PDL), so that no cuBLAS launch breaks the chain (an A/B of
+``bench/gpu.py``)."""
+
 PREFERRED_MAX_M = 16
 """Most rows for which ``preferred`` picks the kernel over cuBLAS (decode at small batches and
 batch-1 tree verification)."""
@@ -286,6 +291,8 @@ def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     n = weight.shape[0]
     if m == 1:
         return not 16384 <= n < 65536 or (GATE_UP_M1_UNDER_PDL and pdl(x.device))
+    if EVERY_SHAPE_UNDER_PDL and pdl(x.device):
+        return True
     return k <= 8192 and (n <= 4096 or n >= 16384)
 
 
