@@ -24,8 +24,8 @@
    with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``),
    with the GEMV letting the next kernel launch at its start, not after its K loop
    (``gemv.LAUNCH_NEXT_AFTER_LOOP = False``), or with its tensor-core tiles loading their first
-   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``), or with every projection of 2-16
-   rows on the GEMV kernel (``gemv.EVERY_SHAPE_UNDER_PDL``).
+   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``); PDL at every batch size
+   (``pdl.PDL_MAX_ROWS``), not only for steps of one token.
    ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
@@ -84,15 +84,14 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     # the anchor of the small-query attention kernel: decode steps on flashinfer's prefill kernel
     "flashinfer_graphs_prefill_attention": ("flashinfer", (1, 8, 64)),
     # the anchor of programmatic dependent launch: every kernel in plain stream order
-    "flashinfer_graphs_no_pdl": ("flashinfer", (1, 8, 64)),
+    "flashinfer_graphs_no_pdl": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
     # PDL, but the batch-1 gate/up projection on cuBLAS (outside the chain of early launches)
     "flashinfer_graphs_pdl_cublas_gate_up": ("flashinfer", (1, 8, 64)),
     # PDL variants of the GEMV: the next launch let go at the start (not after the K loop);
     # tensor-core tiles loading their first weight tile before the wait
     "flashinfer_graphs_pdl_early_trigger": ("flashinfer", (1, 8, 64)),
     "flashinfer_graphs_pdl_dot_prefetch": ("flashinfer", (1, 8, 64)),
-    # PDL with every projection of 2-16 rows on the GEMV kernel (none on cuBLAS)
-    "flashinfer_graphs_pdl_every_shape": ("flashinfer", (1, 8, 64)),
+    "flashinfer_graphs_pdl_every_batch": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
 }
 LAYERS = "espalier.engine.models.layers"
 FLASHINFER = "espalier.engine.attention.flashinfer"
@@ -118,7 +117,7 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
     "flashinfer_graphs_pdl_early_trigger": {(GEMV, "LAUNCH_NEXT_AFTER_LOOP"): False},
     "flashinfer_graphs_pdl_dot_prefetch": {(GEMV, "PREFETCH_WITH_DOT"): True},
-    "flashinfer_graphs_pdl_every_shape": {(GEMV, "EVERY_SHAPE_UNDER_PDL"): True},
+    "flashinfer_graphs_pdl_every_batch": {(PDL, "PDL_MAX_ROWS"): 1 << 30},
 }
 
 

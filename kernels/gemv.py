@@ -232,14 +232,15 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
 PREFETCH_WITH_DOT = False
 """Whether the tensor-core tiles (M >= 2) also peel their first K step, loading its weight tile
 before the wait for the previous kernel (the FMA tiles of M = 1 always do; without PDL the wait
-is a no-op). Off: they wait first, then run the plain loop. H200, run 79 (8B-Llama decode, of
+is a no-op; PDL only reaches them when ``pdl.PDL_MAX_ROWS`` admits steps of 2+ rows). Off:
+they wait first, then run the plain loop. H200, run 79 (8B-Llama decode, of
 roofline, median of 5 ABBA reps, with ``LAUNCH_NEXT_AFTER_LOOP``): batch 8 0.755 with the
 prefetch, 0.759 without; batch 64 (cuBLAS: not the kernel) 0.638 / 0.636."""
 
 LAUNCH_NEXT_AFTER_LOOP = True
-"""Under PDL, let the next kernel launch after the K loop, not at the start: its programs are
-then placed on SMs this kernel's programs are leaving, not squeezed in beside them while the
-loop streams. H200, run 79 (of roofline, median of 5 ABBA reps, against PDL off): batch 1
+"""Under PDL, let the next kernel launch after the K loop, not at the start (measured faster;
+my guess at why, not checked: fewer of the next kernel's programs sit resident beside this
+one's while its loop streams). H200, run 79 (of roofline, median of 5 ABBA reps, against PDL off): batch 1
 0.827 after the loop, 0.811 at the start, 0.802 without PDL; batch 8 0.755 / 0.740 / 0.762;
 batch 64 0.638 / 0.635 / 0.637."""
 
@@ -247,11 +248,6 @@ GATE_UP_M1_UNDER_PDL = True
 """At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,
 not cuBLAS: a cuBLAS kernel does not take part in PDL, so it would break the chain of early
 launches twice per layer. False: cuBLAS (the A/B of ``bench/gpu.py``)."""
-
-EVERY_SHAPE_UNDER_PDL = False
-"""At 2 <= M <= 16 under PDL, run every projection as ``gemv`` (also the QKV and down shapes,
-where cuBLAS won without PDL), so that no cuBLAS launch breaks the chain (an A/B of
-``bench/gpu.py``)."""
 
 PREFERRED_MAX_M = 16
 """Most rows for which ``preferred`` picks the kernel over cuBLAS (decode at small batches and
@@ -290,9 +286,7 @@ def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     m, k = x.shape
     n = weight.shape[0]
     if m == 1:
-        return not 16384 <= n < 65536 or (GATE_UP_M1_UNDER_PDL and pdl(x.device))
-    if EVERY_SHAPE_UNDER_PDL and pdl(x.device):
-        return True
+        return not 16384 <= n < 65536 or (GATE_UP_M1_UNDER_PDL and pdl(x.device, m))
     return k <= 8192 and (n <= 4096 or n >= 16384)
 
 
@@ -362,7 +356,7 @@ def _launch(
     cfg = config or default_config(m, weight.shape[0], k, x.device)
     if cfg.block_m < m or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config {cfg} does not fit M={m}")
-    use_pdl = pdl(x.device)
+    use_pdl = pdl(x.device, m)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
         weight,

@@ -429,7 +429,7 @@ def paged_attention(
         part_o = part_ml = out  # unused
     mask_bits, mask_indptr = mask if mask is not None else (plan.meta, plan.meta)
     grid = (plan.batch * tiles, kvh, plan.splits)
-    use_pdl = pdl(q.device)
+    use_pdl = pdl(q.device, t)
     _attention_kernel[grid](
         q,
         k,

@@ -20,13 +20,13 @@ the ramp-up of every launch are idle memory bandwidth. With PDL (sm90+, ``launch
   while the previous kernel finishes.
 
 A kernel launched without PDL (cuBLAS, torch) waits for full completion as usual, and one that
-follows it sees the implicit trigger at that kernel's end, so mixing is safe. ``pdl(device)``
-says whether launches on a device use it; ``PDL = False`` turns it off everywhere.
+follows it sees the implicit trigger at that kernel's end, so mixing is safe. ``pdl(device,
+rows)`` says whether a launch uses it: on sm90+, for steps of one token (``PDL_MAX_ROWS``);
+``PDL = False`` turns it off everywhere.
 
-H200, 8B-Llama decode in CUDA graphs (``bench/gpu.py`` run 79, share of the HBM roofline,
-median of 5 ABBA reps, the default GEMV variants): batch 1 0.825 with PDL against 0.802
-without (graph replay 3.999 vs 4.123 ms); batch 8 0.759 vs 0.762 and batch 64 0.636 vs 0.637,
-within the reps' spread.
+H200, 8B-Llama decode in CUDA graphs (``bench/gpu.py``, share of the HBM roofline, medians of
+ABBA reps, the default GEMV variants): batch 1 0.825 with PDL against 0.802 without (run 79;
+graph replay 3.999 vs 4.123 ms), 0.820 against 0.782 (run 83; 4.032 vs 4.273 ms).
 """
 
 from __future__ import annotations
@@ -43,16 +43,27 @@ False: plain stream order (the anchor path ``flashinfer_graphs_no_pdl`` of ``ben
 Read per launch, so a CUDA graph keeps the choice made when it was captured."""
 
 
+PDL_MAX_ROWS = 1
+"""Use PDL for launches over at most this many token rows: steps of one token (batch-1 decode).
+H200, run 83 (8B-Llama decode in graphs, of roofline, median of 4 ABBA reps, PDL / without):
+batch 1 0.820 / 0.782; batch 2 0.773 / 0.782; 4 0.765 / 0.776; 8 0.750 / 0.762; 16 0.731 /
+0.743. Above one row PDL lost 1-1.5 % at every size measured (the cause is not isolated: the
+tensor-core GEMV tiles of 2+ rows, with the first weight tile before the wait or not, and with
+every projection on the kernel instead of cuBLAS, all lost)."""
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     major, minor = torch.cuda.get_device_capability(index)
     return int(major), int(minor)
 
 
-def pdl(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` use PDL: ``PDL`` is on and ``device`` is a CUDA
-    device of compute capability 9.0 or newer (never the CPU interpreter)."""
-    if not PDL or device.type != "cuda":
+def pdl(device: torch.device, rows: int) -> bool:
+    """Whether a kernel launched on ``device`` over ``rows`` token rows uses PDL: ``PDL`` is on,
+    ``rows <= PDL_MAX_ROWS`` and ``device`` is a CUDA device of compute capability 9.0 or newer
+    (never the CPU interpreter). Every kernel of a step sees the step's rows, so a step's chain
+    is all PDL or none (mixing would be safe too: see the module docstring)."""
+    if not PDL or rows > PDL_MAX_ROWS or device.type != "cuda":
         return False
     return _capability(device.index if device.index is not None else 0) >= (9, 0)
 

@@ -62,7 +62,7 @@ def gated_act(gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = 1024
-        use_pdl = pdl(gate_up.device)
+        use_pdl = pdl(gate_up.device, t)
         _gated_act_kernel[(t, triton.cdiv(n, block))](
             gate_up.contiguous(),
             out,

@@ -112,7 +112,7 @@ def _launch_per_row(
     ``rows`` (``[R, C]``, contiguous); nothing for zero rows."""
     if rows.shape[0]:
         block = triton.next_power_of_2(rows.shape[1])
-        use_pdl = pdl(rows.device)
+        use_pdl = pdl(rows.device, rows.shape[0])
         kernel[(rows.shape[0],)](
             *tensors,
             rows.shape[1],

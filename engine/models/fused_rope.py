@@ -133,7 +133,7 @@ def _launch(
     store: bool,
 ) -> None:
     t, hq, d = q.shape
-    use_pdl = pdl(q.device)
+    use_pdl = pdl(q.device, t)
     _rope_kernel[(t, hq + k.shape[1])](
         q,
         k,

@@ -165,14 +165,14 @@ def test_pdl_replay_gives_the_logits_of_plain_stream_order(
     """Decode graphs (batch 1 and a padded 3) and tree-verify graphs captured with programmatic
     dependent launch (``kernels/pdl.py``) give, bit for bit, the logits of graphs captured
     without it: the same kernels, so any difference is a kernel reading before the previous
-    one finished. Every projection takes the path it takes without PDL
-    (``GATE_UP_M1_UNDER_PDL``, ``EVERY_SHAPE_UNDER_PDL`` off), so that the kernels are the
-    same."""
+    one finished. PDL at every step size (``PDL_MAX_ROWS``: by default steps of one token
+    only), and every projection on the path it takes without PDL (``GATE_UP_M1_UNDER_PDL``
+    off), so that the kernels are the same."""
     from espalier.kernels import gemv as gemv_mod
     from espalier.kernels import pdl as pdl_mod
 
     monkeypatch.setattr(gemv_mod, "GATE_UP_M1_UNDER_PDL", False)
-    monkeypatch.setattr(gemv_mod, "EVERY_SHAPE_UNDER_PDL", False)
+    monkeypatch.setattr(pdl_mod, "PDL_MAX_ROWS", 1 << 30)  # the batch-4 and tree graphs too
     config = gpu_config(97, family=family, window=6)
     state = gpu_state(config, seed=3)
     runners = []

@@ -98,7 +98,7 @@ def test_preferred_follows_the_h200_sweep(
             x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
             if preferred(x, torch.empty(n, k, device="cuda", dtype=torch.bfloat16)):
                 picked[m].add(name)
-    under_pdl = {"gate_up"} if gate_up_m1 and pdl(torch.device("cuda")) else set()
+    under_pdl = {"gate_up"} if gate_up_m1 and pdl(torch.device("cuda"), 1) else set()
     assert picked[1] == {"qkv", "o", "down", "lm_head"} | under_pdl
     assert picked[2] == picked[16] == {"o", "gate_up", "lm_head"}
     assert picked[17] == set()

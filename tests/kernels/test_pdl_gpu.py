@@ -48,7 +48,7 @@ def test_dependent_chain_matches_plain_stream_order(
     ]
 
     monkeypatch.setattr(pdl_mod, "PDL", False)
-    assert not pdl(dev)
+    assert not pdl(dev, 1)
     want = [_chain(x, weights) for x in inputs]
     monkeypatch.setattr(pdl_mod, "PDL", True)
     if not graph:
@@ -72,8 +72,9 @@ def test_dependent_chain_matches_plain_stream_order(
         assert 0 < float(w.float().abs().max()) < float("inf")
 
 
-def test_pdl_follows_the_device() -> None:
+def test_pdl_follows_the_device_and_the_rows() -> None:
     dev = torch.device("cuda")
     major, _ = torch.cuda.get_device_capability()
-    assert pdl(dev) == (major >= 9)
-    assert not pdl(torch.device("cpu"))
+    assert pdl(dev, 1) == (major >= 9)
+    assert not pdl(dev, pdl_mod.PDL_MAX_ROWS + 1)
+    assert not pdl(torch.device("cpu"), 1)
