@@ -240,9 +240,9 @@ prefetch, 0.759 without; batch 64 (cuBLAS: not the kernel) 0.638 / 0.636."""
 LAUNCH_NEXT_AFTER_LOOP = True
 """Under PDL, let the next kernel launch after the K loop, not at the start (measured faster;
 my guess at why, not checked: fewer of the next kernel's programs sit resident beside this
-one's while its loop streams). H200, run 79 (of roofline, median of 5 ABBA reps, against PDL off): batch 1
-0.827 after the loop, 0.811 at the start, 0.802 without PDL; batch 8 0.755 / 0.740 / 0.762;
-batch 64 0.638 / 0.635 / 0.637."""
+one's while its loop streams). H200, run 79 (of roofline, median of 5 ABBA reps, against PDL
+off): batch 1 0.827 after the loop, 0.811 at the start, 0.802 without PDL; batch 8 0.755 /
+0.740 / 0.762; batch 64 0.638 / 0.635 / 0.637."""
 
 GATE_UP_M1_UNDER_PDL = True
 """At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,
