@@ -14,8 +14,6 @@ GPU the result is that of the hardware conversion; the interpreter then matches 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -48,29 +46,7 @@ def _normalize(x, w, n_cols, eps, GEMMA: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    n_cols,
-    eps,
-    GEMMA: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)  # a weight: before the wait
-    launch_dependents(USE_PDL)
-    wait_previous(USE_PDL)
-    x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
-    y = _normalize(x, w, n_cols, eps, GEMMA, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * n_cols + cols, y, mask=inside)
-
-
-@triton.jit
-def _add_rms_norm_kernel(
+def _norm_kernel(
     x_ptr,
     d_ptr,
     w_ptr,
@@ -78,10 +54,13 @@ def _add_rms_norm_kernel(
     out_ptr,
     n_cols,
     eps,
+    HAS_DELTA: tl.constexpr,
     GEMMA: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """One row: ``out = norm(x)``, or with ``HAS_DELTA`` ``sum = x + d`` and ``out = norm(sum)``
+    (``d_ptr`` and ``sum_ptr`` are not read without it)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
@@ -91,10 +70,12 @@ def _add_rms_norm_kernel(
     launch_dependents(USE_PDL)
     wait_previous(USE_PDL)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    d = tl.load(d_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    summed = _round(x + d, dtype)  # torch's add: fp32 sum, one rounding (exact in fp32)
-    tl.store(sum_ptr + offs, summed, mask=inside)
-    y = _normalize(summed.to(tl.float32), w, n_cols, eps, GEMMA, dtype)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        summed = _round(x + d, dtype)  # torch's add: fp32 sum, one rounding (exact in fp32)
+        tl.store(sum_ptr + offs, summed, mask=inside)
+        x = summed.to(tl.float32)
+    y = _normalize(x, w, n_cols, eps, GEMMA, dtype)
     tl.store(out_ptr + offs, y, mask=inside)
 
 
@@ -106,17 +87,24 @@ def _num_warps(block: int) -> int:
 
 
 def _launch_per_row(
-    kernel: Any, rows: torch.Tensor, tensors: tuple[torch.Tensor, ...], eps: float, gemma: bool
+    rows: torch.Tensor,
+    tensors: tuple[torch.Tensor, ...],
+    eps: float,
+    gemma: bool,
+    *,
+    has_delta: bool,
 ) -> None:
-    """Launch a norm ``kernel(*tensors, n_cols, eps, GEMMA, BLOCK)`` with one program per row of
-    ``rows`` (``[R, C]``, contiguous); nothing for zero rows."""
+    """Launch ``_norm_kernel(*tensors, n_cols, eps, ...)`` (``tensors``: x, d, w, sum, out) with
+    one program per row of ``rows`` (``[R, C]``, contiguous, the x); nothing for zero rows.
+    Without ``has_delta`` d and sum are not read or written (any tensors of the device)."""
     if rows.shape[0]:
         block = triton.next_power_of_2(rows.shape[1])
         use_pdl = pdl(rows.device, rows.shape[0])
-        kernel[(rows.shape[0],)](
+        _norm_kernel[(rows.shape[0],)](
             *tensors,
             rows.shape[1],
             eps,
+            HAS_DELTA=has_delta,
             GEMMA=gemma,
             BLOCK=block,
             USE_PDL=use_pdl,
@@ -135,7 +123,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) 
     device. Returns a new contiguous tensor of ``x``'s shape and dtype."""
     rows = _rows(x)
     out = torch.empty_like(rows)
-    _launch_per_row(_rms_norm_kernel, rows, (rows, weight, out), eps, gemma)
+    _launch_per_row(rows, (rows, rows, weight, out, out), eps, gemma, has_delta=False)
     return out.view(x.shape)
 
 
@@ -150,5 +138,5 @@ def add_rms_norm(
     """
     rows, deltas = _rows(x), _rows(delta)
     summed, out = torch.empty_like(rows), torch.empty_like(rows)
-    _launch_per_row(_add_rms_norm_kernel, rows, (rows, deltas, weight, summed, out), eps, gemma)
+    _launch_per_row(rows, (rows, deltas, weight, summed, out), eps, gemma, has_delta=True)
     return summed.view(x.shape), out.view(x.shape)
