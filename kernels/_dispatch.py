@@ -38,18 +38,19 @@ def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device ordinal of ``device`` (``cuda`` without an index: 0)."""
+    return device.index if device.index is not None else 0
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 2 for the interpreter (small test grids)."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else 0)
-    return 2
+    return _sm_count(cuda_index(device)) if device.type == "cuda" else 2
 
 
 def target_programs(device: torch.device) -> int:
     """Programs one launch should have to fill the device (4 per SM); small on the interpreter."""
-    if device.type == "cuda":
-        return 4 * _sm_count(device.index if device.index is not None else 0)
-    return 8
+    return 4 * sm_count(device)
 
 
 def next_power_of_2(n: int) -> int:

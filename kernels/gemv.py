@@ -20,8 +20,9 @@ Two inner products (``SkinnyConfig.use_dot``):
 - DOT: ``tl.dot`` of the ``[BLOCK_M >= 16, BLOCK_K]`` activation tile (rows >= M masked to zero)
   with the transposed weight tile (tensor cores), fp32 accumulation.
 
-Under programmatic dependent launch (``kernels/pdl.py``) the first K step's weight tiles are
-loaded before the wait for the previous kernel, so they stream during its tail.
+Under programmatic dependent launch (``kernels/pdl.py``) the first K step's weight tiles of the
+FMA tiles (and of the tensor-core ones with ``PREFETCH_WITH_DOT``) are loaded before the wait
+for the previous kernel, so they stream during its tail.
 
 Both accumulate in fp32 and round once to the output dtype, like cuBLAS (results agree with
 ``F.linear`` to bf16/fp16 rounding, not bit for bit: the summation order differs).
@@ -76,6 +77,17 @@ def _load_weight(ptrs, k_ok, EVEN_K: tl.constexpr):
     else:
         tile = tl.load(ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
     return tile
+
+
+@triton.jit
+def _load_tiles(w_ptrs, up_offset, k_ok, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step's weight tile and, when gated, its up tile ``up_offset`` elements further
+    (without ``GATED`` the second value is the first tile again, unused)."""
+    w = _load_weight(w_ptrs, k_ok, EVEN_K)
+    w_up = w
+    if GATED:
+        w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
+    return w, w_up
 
 
 @triton.jit
@@ -155,10 +167,7 @@ def _skinny_gemm_kernel(
         # The first K step, peeled: its weight tiles load before the wait for the previous
         # kernel (no kernel writes weights), so under PDL they stream during that kernel's tail.
         k_ok = cols < K
-        w = _load_weight(w_ptrs, k_ok, EVEN_K)
-        w_up = w
-        if GATED:
-            w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
+        w, w_up = _load_tiles(w_ptrs, up_offset, k_ok, GATED, EVEN_K)
         if not LATE_TRIGGER:
             launch_dependents(USE_PDL)
         wait_previous(USE_PDL)
@@ -174,10 +183,7 @@ def _skinny_gemm_kernel(
         wait_previous(USE_PDL)
     for k in range(first, K, BLOCK_K):
         k_ok = (k + cols) < K
-        w = _load_weight(w_ptrs, k_ok, EVEN_K)
-        w_up = w
-        if GATED:
-            w_up = _load_weight(w_ptrs + up_offset, k_ok, EVEN_K)
+        w, w_up = _load_tiles(w_ptrs, up_offset, k_ok, GATED, EVEN_K)
         acc, acc_up = _step(
             acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K
         )

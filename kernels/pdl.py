@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from espalier.kernels._dispatch import cuda_index
+
 PDL = True
 """Launch the decode-path kernels with programmatic dependent launch where the device has it;
 False: plain stream order (the anchor path ``flashinfer_graphs_no_pdl`` of ``bench/gpu.py``).
@@ -65,7 +67,7 @@ def pdl(device: torch.device, rows: int) -> bool:
     is all PDL or none (mixing would be safe too: see the module docstring)."""
     if not PDL or rows > PDL_MAX_ROWS or device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else 0) >= (9, 0)
+    return _capability(cuda_index(device)) >= (9, 0)
 
 
 @triton.jit
