@@ -379,11 +379,16 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         defers = defers * len(names)
     if len(defers) != len(names):
         raise SystemExit("--defer-appends: one value, or as many as --close-ahead")
+    workers = [w.strip() for w in args.close_workers.split(",") if w.strip()]
+    if len(workers) == 1:
+        workers = workers * len(names)
+    if len(workers) != len(names):
+        raise SystemExit("--close-workers: one value, or as many as --close-ahead")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, defers)
+    passes = zip(names, aheads, threads, defers, workers)
     from espalier.engine.spec import decoder as decoder_mod
 
-    for i, (name, ahead, mask_threads, defer) in enumerate(passes):
+    for i, (name, ahead, mask_threads, defer, procs) in enumerate(passes):
         # "early": deferred, fills run ahead settled before the masks are waited for
         decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
         ratios = equal_work(
@@ -401,8 +406,13 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             reps=args.spec_reps,
             tight_budget=args.tight_budget,
             defer_appends=True if defer == "early" else values[defer],
+            close_workers=None if procs == "default" else int(procs),
         )
-        prefix = "" if len(aheads) == 1 else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_"
+        prefix = (
+            ""
+            if len(aheads) == 1
+            else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_workers_{procs}_"
+        )
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
         emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
@@ -451,6 +461,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.defer_appends per equal-work pass (default: the engine's, off; on; "
         "off; early: on with decoder.SETTLE_AFTER_MASKS off), one value or as many as "
         "--close-ahead: e.g. --close-ahead default,on,on,on,on --defer-appends on,on,off,off,on",
+    )
+    parser.add_argument(
+        "--close-workers",
+        default="default",
+        help="SpecConfig.close_workers per equal-work pass (default: the engine's; 0: the "
+        "mask threads decide ahead; N: N worker processes), one value or as many as "
+        "--close-ahead: e.g. --close-ahead default,on,on,on,on --close-workers 2,2,0,0,2",
     )
     parser.add_argument(
         "--mask-threads",

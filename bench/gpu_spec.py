@@ -134,6 +134,7 @@ class _Setup:
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
     defer_appends: bool | None = None  # SpecConfig.defer_appends (None: its default, off)
+    close_workers: int | None = None  # SpecConfig.close_workers (None: its default)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -150,6 +151,7 @@ class _Setup:
 
         ahead = SpecConfig.close_ahead if self.close_ahead is None else self.close_ahead
         defer = SpecConfig.defer_appends if self.defer_appends is None else self.defer_appends
+        workers = SpecConfig.close_workers if self.close_workers is None else self.close_workers
 
         def make() -> Any:
             engine = self.plain()
@@ -161,6 +163,7 @@ class _Setup:
                 launch_first=self.launch_first,
                 close_ahead=ahead,
                 defer_appends=defer,
+                close_workers=workers,
             )
             install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
             return engine
@@ -254,6 +257,7 @@ def equal_work(
     reps: int = 1,
     tight_budget: bool = False,
     defer_appends: bool | None = None,
+    close_workers: int | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios."""
@@ -289,6 +293,7 @@ def equal_work(
             close_ahead,
             tight_budget,
             defer_appends,
+            close_workers,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         for (constrained, speculative), r in results.items():
@@ -305,6 +310,7 @@ def equal_work(
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
                     "defer_appends": defer_appends,
+                    "close_workers": close_workers,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -323,6 +329,7 @@ def equal_work(
                 "close_ahead": close_ahead,
                 "tight_budget": tight_budget,
                 "defer_appends": defer_appends,
+                "close_workers": close_workers,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

@@ -25,7 +25,8 @@ then the ratio line (``constrained_over_unconstrained_host``) and, with ``--prof
 host functions of the constrained run (cProfile of the main thread, paused during device work).
 
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
-        [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--profile] [--warmup]
+        [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--close-workers N]
+        [--profile] [--warmup]
         [--tight-budget]
 """
 
@@ -260,6 +261,7 @@ def run(args: argparse.Namespace) -> None:
         args.mask_threads,
         closing=not args.no_closing,
         close_ahead=ahead,
+        close_workers=args.close_workers,
     )
     # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
     full = [args.max_tokens] * batch
@@ -292,6 +294,7 @@ def run(args: argparse.Namespace) -> None:
                     "mask_threads": args.mask_threads,
                     "closing": not args.no_closing,
                     "close_ahead": args.close_ahead,
+                    "close_workers": args.close_workers,
                     "tight_budget": args.tight_budget,
                     **results[constrained],
                 }
@@ -315,6 +318,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schemas", type=int, default=6)
     parser.add_argument("--mask-threads", type=int, default=2)
     parser.add_argument("--no-closing", action="store_true", help="close_within_budget=False")
+    parser.add_argument(
+        "--close-workers",
+        type=int,
+        default=None,
+        help="SpecConfig.close_workers (default: the engine's; 0: decided on the mask threads)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the constrained run")
     parser.add_argument(
         "--tight-budget",

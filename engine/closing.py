@@ -19,6 +19,7 @@ output may be cut, as without this policy).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -27,13 +28,14 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from espalier.constrained import bitmask as bm
-from espalier.engine.closing_ahead import Lookahead, max_depth
+from espalier.engine.closing_ahead import Lookahead, decide_tree, max_depth
 
 if TYPE_CHECKING:
     import torch
 
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.closing_remote import ClosingWorkers
     from espalier.engine.request import Request
 
 CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are checked
@@ -196,6 +198,9 @@ class BudgetCloser:
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
         self._ahead: dict[str, Lookahead] = {}
+        # worker processes that make the lookaheads' decisions (``engine/closing_remote.py``);
+        # None: jobs for the mask threads
+        self.workers: ClosingWorkers | None = None
 
     def known(self, request_id: str) -> tuple[int, list[int]] | None:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
@@ -318,7 +323,9 @@ class BudgetCloser:
         the step's tokens are appended; None when there is nothing worth deciding ahead.
 
         Call it on the thread that owns the matcher, before anything else uses it in the step
-        (the job runs on a fork made here); the job may run on any thread."""
+        (the job runs on a fork made here); the job may run on any thread. With worker
+        processes (``workers``) there is no job: the tree goes to a worker with the next
+        :meth:`flush`, and :meth:`instead` waits for its answer."""
         matcher = request.matcher
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
@@ -335,16 +342,16 @@ class BudgetCloser:
         if deepest < memo.next_check:  # no node needs a check: ``pass_through`` lets all by
             return None
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
-        ahead = Lookahead(
-            self,
-            memo,
-            matcher.fork(),
-            list(tokens),
-            list(parents),
-            here,
-            (request.sampling.max_tokens, max_model_len - request.num_tokens + here),
-            stops,
+        tree, links = list(tokens), list(parents)
+        limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
+        if self.workers is not None and request.compiled is not None:
+            compute = self.workers.submit(request, memo, tree, links, here, limits, stops)
+            self._ahead[request.request_id] = Lookahead(tree, links, here, compute)
+            return None  # decided in a worker process: nothing to run here
+        compute = functools.partial(
+            decide_tree, self, memo, matcher.fork(), tree, links, here, limits, stops
         )
+        ahead = Lookahead(tree, links, here, compute)
         self._ahead[request.request_id] = ahead
         return ahead.run
 
@@ -363,10 +370,18 @@ class BudgetCloser:
             if token != self.stop_token:
                 text_ids.append(token)
 
+    def flush(self) -> None:
+        """Send the lookaheads queued for the worker processes (call once the step's trees
+        are all given to :meth:`lookahead`; a no-op without workers)."""
+        if self.workers is not None:
+            self.workers.flush()
+
     def forget(self, request_id: str) -> None:
         """The request finished: drop what is kept about it."""
         self._memo.pop(request_id, None)
         self._drop_ahead(request_id)
+        if self.workers is not None:
+            self.workers.forget(request_id)
 
     def _drop_ahead(self, request_id: str) -> None:
         ahead = self._ahead.pop(request_id, None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,37 +49,27 @@ def max_depth(parents: Sequence[int]) -> int:
 class Lookahead:
     """One request's decisions along its draft tree (see the module docstring).
 
-    closer: whose ``decide`` is used. memo, matcher: the request's memo and a fork of its
-    matcher at the root (it has accepted the root token). tokens, parents: the tree (node 0 =
-    root). here: output length when the step started (the first appended token's check sees
-    it). limits: ``(max_tokens, room)``: a check at output length ``h`` has budget
-    ``min(max_tokens - h, room - h)``. stops: the request's stop tokens (never checked).
+    tokens, parents: the tree (node 0 = root). here: output length when the step started (the
+    first appended token's check sees it). compute: makes the decisions, one per node (None
+    for the root and for nodes below a closing or a stop): :func:`decide_tree` on a matcher
+    fork, or the answer of a worker process (``engine/closing_remote.py``); it raises or
+    returns None when it has none (then every token is decided inline).
     """
 
     def __init__(
         self,
-        closer: BudgetCloser,
-        memo: Memo,
-        matcher: GrammarMatcher,
         tokens: list[int],
         parents: list[int],
         here: int,
-        limits: tuple[int, int],
-        stops: frozenset[int] | set[int],
+        compute: Callable[[], list[Outcome | None] | None],
     ) -> None:
-        self._closer = closer
-        self._memo = memo
-        self._matcher: GrammarMatcher | None = matcher
+        self._compute: Callable[[], list[Outcome | None] | None] | None = compute
         self._tokens = tokens
-        self._parents = parents
-        self._limits = limits
-        self._stops = stops
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
         self._child = {(p, tokens[i]): i for i, p in enumerate(parents) if i > 0}
         self._state = _PENDING
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._start = here
         self._node = 0  # the node the appended tokens have reached
         self._here = here  # the output length of the next check
 
@@ -90,12 +80,14 @@ class Lookahead:
                 return
             self._state = _RUNNING
         try:
-            self._decide_all()
+            assert self._compute is not None
+            outcomes = self._compute()
+            if outcomes is not None and len(outcomes) == len(self._tokens):
+                self._outcomes = outcomes
         except Exception:  # a grammar error: decide inline (where it will surface again)
             log.debug("closing lookahead failed; deciding inline", exc_info=True)
-            self._outcomes = [None] * len(self._tokens)
         finally:
-            self._matcher = None
+            self._compute = None
             with self._lock:
                 self._state = _DONE
             self._done.set()
@@ -105,6 +97,7 @@ class Lookahead:
         with self._lock:
             if self._state == _PENDING:
                 self._state = _CANCELLED
+                self._compute = None
                 self._done.set()
 
     def take(self, here: int, token: int, *, unless_closing: bool = False) -> Outcome | None:
@@ -130,30 +123,47 @@ class Lookahead:
         outcome = None if child is None else self._outcomes[child]
         return None if child is None or outcome is None else (child, outcome)
 
-    def _decide_all(self) -> None:
-        """Depth first from the root; a node is descended below only when the engine would go
-        on after it (no closing, not a stop, the grammar accepts it and is not terminated)."""
-        tokens, stops = self._tokens, self._stops
-        children: list[list[int]] = [[] for _ in tokens]
-        for i in range(1, len(tokens)):
-            children[self._parents[i]].append(i)
-        max_tokens, room = self._limits
-        decide = self._closer.decide
-        assert self._matcher is not None
-        stack: list[tuple[int, int, GrammarMatcher, Memo]] = [(0, 0, self._matcher, self._memo)]
-        while stack:
-            node, depth, matcher, memo = stack.pop()
-            here = self._start + depth  # output length when the children's tokens are checked
-            budget = min(max_tokens - here, room - here)
-            kids = children[node]
-            for k, child in enumerate(kids):
-                token = tokens[child]
-                exempt = token in stops
-                path, after = decide(memo, matcher, token, here, budget, exempt)
-                self._outcomes[child] = (path, after)
-                if path is not None or exempt or not children[child] or budget <= 1:
-                    continue
-                # the last child advances the node's own matcher (no one needs it after)
-                below = matcher if k == len(kids) - 1 else matcher.fork()
-                if below.accept(token) and not below.is_terminated():
-                    stack.append((child, depth + 1, below, after))
+
+def decide_tree(
+    closer: BudgetCloser,
+    memo: Memo,
+    matcher: GrammarMatcher,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    here: int,
+    limits: tuple[int, int],
+    stops: frozenset[int] | set[int],
+) -> list[Outcome | None]:
+    """``closer.decide`` for every node of a draft tree, depth first from the root.
+
+    memo, matcher: the request's memo and a matcher at the root (it has accepted the root
+    token; advanced and forked here: the caller gives up its own). tokens, parents: the tree
+    (node 0 = root). here: output length when the step starts (the first appended token's
+    check sees it). limits: ``(max_tokens, room)``: a check at output length ``h`` has budget
+    ``min(max_tokens - h, room - h)``. stops: the request's stop tokens (never checked).
+    A node is descended below only when the engine would go on after it (no closing, not a
+    stop, the grammar accepts it and is not terminated); the nodes not reached get None."""
+    outcomes: list[Outcome | None] = [None] * len(tokens)
+    children: list[list[int]] = [[] for _ in tokens]
+    for i in range(1, len(tokens)):
+        children[parents[i]].append(i)
+    max_tokens, room = limits
+    decide = closer.decide
+    stack: list[tuple[int, int, GrammarMatcher, Memo]] = [(0, 0, matcher, memo)]
+    while stack:
+        node, depth, at, memo_at = stack.pop()
+        check = here + depth  # output length when the children's tokens are checked
+        budget = min(max_tokens - check, room - check)
+        kids = children[node]
+        for k, child in enumerate(kids):
+            token = tokens[child]
+            exempt = token in stops
+            path, after = decide(memo_at, at, token, check, budget, exempt)
+            outcomes[child] = (path, after)
+            if path is not None or exempt or not children[child] or budget <= 1:
+                continue
+            # the last child advances the node's own matcher (no one needs it after)
+            below = at if k == len(kids) - 1 else at.fork()
+            if below.accept(token) and not below.is_terminated():
+                stack.append((child, depth + 1, below, after))
+    return outcomes

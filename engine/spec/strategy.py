@@ -61,6 +61,8 @@ class SpecConfig:
     fills (``MaskBuilder.submit``): started with them, their Python slowed the fills (summed
     26-33 -> 44-52 ms per step, run 47) and it made no measurable difference (0.688 off,
     0.685 on; it was then off by default on CUDA).
+    close_workers: worker processes that make the closing lookahead's decisions instead of
+    the mask threads (``engine/closing_remote.py``); 0: none. Not with ``defer_appends``.
     adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
     lately (``SpeculativeDecoding._max_drafted``); grammar-forced chains are not cut.
     defer_appends: the engine appends a step's tokens (grammar, closing, detokenization) in the
@@ -83,6 +85,7 @@ class SpecConfig:
     forced: ForcedConfig = field(default_factory=ForcedConfig)
     launch_first: bool | None = None
     close_ahead: bool = True
+    close_workers: int = 0
     adaptive_drafts: bool = True
     defer_appends: bool = False
 
@@ -223,6 +226,7 @@ class SpeculativeDecoding:
             job = closer.lookahead(request, draft.tokens, draft.parents, self.max_model_len)
             if job is not None:
                 jobs.append(job)
+        closer.flush()
         return jobs
 
     def _spec_seq(self, sched: ScheduledSeq) -> SpecSeq:
@@ -318,6 +322,9 @@ class SpeculativeDecoding:
             self.decoder.release(request_id)
         self._live.clear()
         self.decoder.masks.close()
+        if self.closer is not None and self.closer.workers is not None:
+            self.closer.workers.close()
+            self.closer.workers = None
 
 
 def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter]) -> Engine:
@@ -332,6 +339,15 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
         closer=engine.closer if config.close_ahead else None,
         max_model_len=engine.max_model_len,
     )
+    if (
+        config.close_ahead
+        and config.close_workers > 0
+        and not config.defer_appends
+        and engine.closer.paths is not None
+    ):
+        from espalier.engine.closing_remote import ClosingWorkers
+
+        engine.closer.workers = ClosingWorkers(engine.tokenizer, config.close_workers)
     engine.strategy = strategy
     engine.scheduler.decode_lookahead = strategy.lookahead
     return engine

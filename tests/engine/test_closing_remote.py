@@ -1,0 +1,150 @@
+"""Closing decisions made ahead in worker processes (``engine/closing_remote.py``) are exactly
+the inline ones, and a worker that stops leaves the decisions to the engine.
+
+Real child processes on a pipe, real grammars (llguidance, xgrammar), the toy tokenizer. The
+streams and trees come from ``test_closing_ahead`` (grammar-valid random tokens, budget 30:
+inside the closing window; trees that follow the stream for a while, then leave it).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
+from test_closing_ahead import _stream, _tree, count_answers
+
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import SamplingParams
+from espalier.engine.closing import NO_MEMO, BudgetCloser
+from espalier.engine.closing_remote import ClosingWorkers
+from espalier.engine.request import Request
+
+
+def _feed(
+    ahead: BudgetCloser,
+    inline: BudgetCloser,
+    compiled: Any,
+    stream: list[int],
+    rng: random.Random,
+    request_id: str,
+    stops: set[int],
+) -> int:
+    """Feed ``stream`` step by step to both closers (lookaheads made and flushed on ``ahead``
+    before each step); every answer and memo must agree. Returns the tokens compared."""
+    requests = [Request(request_id, [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
+    for request in requests:
+        request.compiled = compiled
+        request.matcher = compiled.matcher()
+    compared = pos = 0
+    while pos < len(stream):
+        root = stream[pos - 1] if pos else 1
+        assert ahead.lookahead(requests[0], *_tree(stream[pos:], root, rng), 10_000) is None
+        ahead.flush()
+        for token in stream[pos : pos + rng.randint(1, 7)]:
+            answers = [
+                closer.instead(request, token, stops, 10_000)
+                for closer, request in ((ahead, requests[0]), (inline, requests[1]))
+            ]
+            assert answers[0] == answers[1]
+            assert ahead._memo.get(request_id, NO_MEMO) == inline._memo.get(request_id, NO_MEMO)
+            compared += 1
+            pos += 1
+            if answers[0] is not None or len(requests[0].output_ids) + 1 >= 30:
+                ahead.forget(request_id)
+                inline.forget(request_id)
+                return compared
+            for request in requests:
+                request.output_ids.append(token)
+                assert request.matcher is not None and request.matcher.accept(token)
+    ahead.forget(request_id)
+    inline.forget(request_id)
+    return compared
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_worker_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, backend)
+    stops = set(tokenizer.stop_token_ids)
+    answered = count_answers(monkeypatch)
+    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+    ahead.workers = ClosingWorkers(tokenizer, 2)
+    try:
+        compared = 0
+        for seed in range(8):
+            rng = random.Random(seed)
+            stream = _stream(tokenizer, compiled, rng, 40)
+            # request ids repeat across seeds: a forgotten mirror must be built again
+            compared += _feed(ahead, inline, compiled, stream, rng, f"r{seed % 3}", stops)
+    finally:
+        ahead.workers.close()
+    assert answered[0] > compared // 3  # the workers did answer (the rest: off the tree)
+
+
+def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "llguidance")
+    stops = set(tokenizer.stop_token_ids)
+    answered = count_answers(monkeypatch)
+    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+    workers = ahead.workers = ClosingWorkers(tokenizer, 1)
+    try:
+        rng = random.Random(3)
+        _feed(ahead, inline, compiled, _stream(tokenizer, compiled, rng, 40), rng, "a", stops)
+        assert answered[0] > 0
+        worker = workers._workers[0]
+        worker.process.kill()
+        worker.process.wait()
+        answered[0] = 0
+        compared = 0
+        for seed in range(4):
+            rng = random.Random(seed)
+            stream = _stream(tokenizer, compiled, rng, 40)
+            compared += _feed(ahead, inline, compiled, stream, rng, f"b{seed}", stops)
+        assert compared > 20 and answered[0] == 0 and not worker.alive
+    finally:
+        workers.close()
+
+
+def test_speculative_engine_with_closing_workers_emits_plain_tokens(
+    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end: decisions made in a worker process, the plain engine's tokens."""
+    from spec_helpers import random_runner, tiny_config
+    from test_spec_engine import run
+
+    from espalier.engine.api import GenerationRequest, SpeculativeOptions
+    from espalier.engine.engine import Engine, EngineConfig
+    from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+    from espalier.engine.spec.strategy import SpecConfig, install
+
+    def requests() -> list[GenerationRequest]:
+        prompts = [(5, 6, 7, 8, 5, 6, 7, 8, 5, 6), (40, 41, 42, 43, 40, 41, 42), (9,) * 20]
+        return [
+            GenerationRequest(
+                f"r{i}",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=36 + 4 * i),
+                grammar=GrammarSpec.json_schema(CLOSING_SCHEMA),
+                speculative=SpeculativeOptions(methods=("ngram", "forced")),
+            )
+            for i, prompt in enumerate(prompts * 2)
+        ]
+
+    answered = count_answers(monkeypatch)
+    runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
+    plain = run(Engine(EngineConfig(), runner, toy_tokenizer), requests())
+    engine = Engine(EngineConfig(), runner, toy_tokenizer)
+    config = SpecConfig(num_draft_tokens=6, close_workers=1)
+    strategy = install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))}).strategy
+    assert engine.closer.workers is not None
+    try:
+        spec = run(engine, requests())
+    finally:
+        strategy.close()
+    assert engine.closer.workers is None
+    assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
+    assert answered[0] > 0
