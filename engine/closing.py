@@ -346,7 +346,7 @@ class BudgetCloser:
         limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
         if self.workers is not None and request.compiled is not None:
             compute = self.workers.submit(request, memo, tree, links, here, limits, stops)
-            self._ahead[request.request_id] = Lookahead(tree, links, here, compute)
+            self._ahead[request.request_id] = Lookahead(tree, links, here, compute, remote=True)
             return None  # decided in a worker process: nothing to run here
         compute = functools.partial(
             decide_tree, self, memo, matcher.fork(), tree, links, here, limits, stops
@@ -369,6 +369,19 @@ class BudgetCloser:
             new_ids.append(token)
             if token != self.stop_token:
                 text_ids.append(token)
+
+    def prefetch(self, request: Request, tokens: Sequence[int]) -> None:
+        """After verification, before the step's ``tokens`` are appended: when the last one
+        leaves the draft tree (the bonus token) and a worker decided the tree, ask that worker
+        for its decision too (sent by :meth:`flush`), so that :meth:`instead` takes it instead
+        of deciding inline. Without workers, a no-op."""
+        ahead = self._ahead.get(request.request_id)
+        if self.workers is None or ahead is None or not ahead.remote or not tokens:
+            return
+        path, token = list(tokens[:-1]), tokens[-1]
+        at = ahead.off_tree(path, token)
+        if at is not None:
+            ahead.expect(*at, token, self.workers.query(request.request_id, path, token))
 
     def flush(self) -> None:
         """Send the lookaheads queued for the worker processes (call once the step's trees

@@ -62,7 +62,10 @@ class Lookahead:
         parents: list[int],
         here: int,
         compute: Callable[[], list[Outcome | None] | None],
+        *,
+        remote: bool = False,
     ) -> None:
+        self.remote = remote  # compute fetches a worker's answer (``expect`` then applies)
         self._compute: Callable[[], list[Outcome | None] | None] | None = compute
         self._tokens = tokens
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
@@ -72,6 +75,9 @@ class Lookahead:
         self._done = threading.Event()
         self._node = 0  # the node the appended tokens have reached
         self._here = here  # the output length of the next check
+        self._start = here
+        # (node, output length, token, fetch): a decision asked for the token after the tree
+        self._after: tuple[int, int, int, Callable[[], Outcome | None]] | None = None
 
     def run(self) -> None:
         """Decide for every node (the job; a no-op once started elsewhere or cancelled)."""
@@ -113,6 +119,24 @@ class Lookahead:
             self._here += 1
         return found[1]
 
+    def off_tree(self, path: Sequence[int], token: int) -> tuple[int, int] | None:
+        """``(node, output length)`` where ``token`` would be appended after ``path`` (tree
+        tokens below the root), when ``token`` is not a child there; else None."""
+        node = 0
+        for step in path:
+            found = self._child.get((node, step))
+            if found is None:
+                return None
+            node = found
+        if (node, token) in self._child:
+            return None
+        return node, self._start + len(path)
+
+    def expect(self, node: int, here: int, token: int, fetch: Callable[[], Outcome | None]) -> None:
+        """The decision for ``token`` appended at output length ``here`` once the appended
+        tokens have reached ``node`` comes from ``fetch`` (None: inline); see ``off_tree``."""
+        self._after = (node, here, token, fetch)
+
     def _find(self, here: int, token: int) -> tuple[int, Outcome] | None:
         if here != self._here:
             return None
@@ -120,8 +144,14 @@ class Lookahead:
             self.run()  # not started yet: run it here (as PendingMasks.result takes fills)
             self._done.wait()
         child = self._child.get((self._node, token))
-        outcome = None if child is None else self._outcomes[child]
-        return None if child is None or outcome is None else (child, outcome)
+        if child is None:
+            if self._after is None or self._after[:3] != (self._node, here, token):
+                return None
+            outcome = self._after[3]()
+            self._after = None
+            return None if outcome is None else (-1, outcome)  # node -1: nothing below it
+        outcome = self._outcomes[child]
+        return None if outcome is None else (child, outcome)
 
 
 def decide_tree(

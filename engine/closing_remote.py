@@ -18,19 +18,23 @@ decision. The engine thread receives the answer when it first takes a decision o
 those of the engine's own matcher.
 
 A worker that cannot build a mirror answers None for that request, and one that died answers
-None for all: those tokens are decided inline, as without workers. The worker is a plain
-``python -m`` child (not ``multiprocessing``'s spawn, which would import the parent's main
-script again) talking over a ``multiprocessing`` pipe whose end it inherits.
+None for all: those tokens are decided inline, as without workers; so are those of requests
+whose worker has not started yet (a few seconds: it builds the tokenizer first). The worker is
+a plain ``python -m`` child (not ``multiprocessing``'s spawn, which would import the parent's
+main script again) talking over a ``multiprocessing`` pipe whose end it inherits.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
+import pickle
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from multiprocessing import Pipe
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+READY = "ready"  # the worker's first message: it has built the tokenizer
 MAX_COMPILED = 64  # grammars a worker keeps compiled (least recently opened dropped first)
 
 # One request's share of a message: request id, (backend, spec) when the worker must build the
@@ -63,22 +68,29 @@ Entry = tuple[
     tuple[int, int],
     frozenset[int],
 ]
+Query = tuple[str, list[int], int]
+"""A decision asked for after a step's verification: request id, the accepted tree tokens
+below the root, the token after them (off the tree: the bonus token)."""
 
 
-class _Batch:
-    """One message's answer: per entry, the node decisions (None: decide inline)."""
+class _Reply:
+    """One answer message the engine waits for: ``value`` once ``received`` (None: inline)."""
 
-    __slots__ = ("received", "results")
+    __slots__ = ("received", "value")
 
     def __init__(self) -> None:
         self.received = False
-        self.results: list[list[Outcome | None] | None] | None = None
+        self.value: Any = None
 
 
 class _Worker:
-    """One worker process and the engine's side of its pipe."""
+    """One worker process and the engine's side of its pipe.
 
-    def __init__(self, payload: tuple[Any, ...]) -> None:
+    ``payload``: the pickled tokenizer, sent from a thread (28 MB for Gemma's 262k ids: the
+    engine does not wait for the child to start); the worker answers ``READY`` once it has
+    built it. Until then :meth:`ClosingWorkers.submit` queues nothing for it (inline)."""
+
+    def __init__(self, payload: bytes) -> None:
         parent, child = Pipe()
         self.conn: Connection = parent
         fd = child.fileno()
@@ -87,65 +99,71 @@ class _Worker:
         )
         child.close()
         self.alive = True
+        self.ready = threading.Event()
         self.outbox: list[Entry] = []
+        self.queries: list[tuple[Query, _Reply]] = []
         self.forgets: list[str] = []
-        self.batch = _Batch()  # the answer to the outbox, once sent
-        self._sent: collections.deque[_Batch] = collections.deque()
+        self.batch = _Reply()  # the answer to the outbox, once sent
+        self._sent: collections.deque[_Reply] = collections.deque()
         self._lock = threading.Lock()
-        # the tokenizer is large (28 MB pickled for Gemma's 262k ids): sent from a thread, so
-        # that the engine does not wait for the child to start; the pipe's lock orders it
-        # before every message
-        self._lock.acquire()
+        self._lock.acquire()  # released by _start: the handshake comes before every message
         threading.Thread(target=self._start, args=(payload,), daemon=True).start()
 
-    def _start(self, payload: tuple[Any, ...]) -> None:
+    def _start(self, payload: bytes) -> None:
         try:
-            self.conn.send(payload)
-        except (OSError, ValueError):
-            self.alive = False
+            self.conn.send_bytes(payload)
+            if self.conn.recv() == READY:
+                self.ready.set()
+            else:
+                self._died()
+        except (EOFError, OSError, ValueError):
+            self._died()
         finally:
             self._lock.release()
 
     def flush(self) -> None:
-        """Send the outbox and the requests to forget (nothing when both are empty)."""
-        if not self.outbox and not self.forgets:
+        """Send the outbox, the queries and the requests to forget (nothing when all are
+        empty). The worker answers with one message for the outbox, then one per query."""
+        if not self.outbox and not self.queries and not self.forgets:
             return
-        message, batch = (self.forgets, self.outbox), self.batch
-        self.outbox, self.forgets, self.batch = [], [], _Batch()
+        message = (self.forgets, self.outbox, [query for query, _ in self.queries])
+        replies = [self.batch, *(reply for _, reply in self.queries)]
+        self.outbox, self.queries, self.forgets, self.batch = [], [], [], _Reply()
         with self._lock:
             self._drain()  # earlier answers first: a worker blocked on a full pipe never reads
             if self.alive:
                 try:
                     self.conn.send(message)
-                    self._sent.append(batch)
+                    self._sent.extend(replies)
                     return
                 except (OSError, ValueError):
                     self._died()
-            batch.received = True  # results None: inline
+            for reply in replies:
+                reply.received = True  # value None: inline
 
-    def answer(self, batch: _Batch) -> list[list[Outcome | None] | None] | None:
-        """``batch``'s results, waiting for them (sending it first if it is still the outbox)."""
-        if batch is self.batch:
+    def answer(self, reply: _Reply) -> Any:
+        """``reply``'s value, waiting for it (sending the outbox first if it is still there)."""
+        if not reply.received and reply not in self._sent:
             self.flush()
         with self._lock:
-            while not batch.received:
+            while not reply.received:
                 self._receive_one()
-        return batch.results
+        return reply.value
 
     def _drain(self) -> None:
         while self._sent:
             self._receive_one()
 
     def _receive_one(self) -> None:
-        batch = self._sent[0] if self._sent else None
-        if batch is None:
+        if not self._sent:
             return
+        reply = self._sent[0]
         try:
-            batch.results = self.conn.recv() if self.alive else None
+            reply.value = self.conn.recv() if self.alive else None
         except (EOFError, OSError):
             self._died()
         self._sent.popleft()
-        batch.received = True
+        reply.received = True
 
     def _died(self) -> None:
         if self.alive:
@@ -170,9 +188,17 @@ class ClosingWorkers:
     Used from the engine thread only."""
 
     def __init__(self, tokenizer: TokenizerInfo, processes: int) -> None:
-        payload = (tokenizer.hf, tokenizer.vocab_size, tokenizer.stop_token_ids, tokenizer.name)
+        payload = tokenizer.backend_view("espalier.engine.closing_remote.payload", _payload)
         self._workers = [_Worker(payload) for _ in range(max(1, processes))]
         self._synced: dict[str, int] = {}  # request id -> output tokens its mirror accepted
+
+    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """Block until every worker has started (or ``timeout_s`` passed); True when all did.
+        Not needed for correctness: until a worker is ready its requests are decided inline."""
+        deadline = time.monotonic() + timeout_s
+        for worker in self._workers:
+            worker.ready.wait(max(0.0, deadline - time.monotonic()))
+        return all(worker.ready.is_set() and worker.alive for worker in self._workers)
 
     def submit(
         self,
@@ -190,6 +216,8 @@ class ClosingWorkers:
         assert compiled is not None
         request_id = request.request_id
         worker = self._worker_of(request_id)
+        if not worker.ready.is_set() or not worker.alive:
+            return _inline
         synced = self._synced.get(request_id)
         output = request.output_ids
         opening = None
@@ -221,8 +249,20 @@ class ClosingWorkers:
 
         return fetch
 
+    def query(self, request_id: str, path: list[int], token: int) -> Callable[[], Outcome | None]:
+        """Queue the decision for ``token`` appended after ``path`` (tree tokens below the root
+        of ``request_id``'s last submitted tree; ``token`` is off the tree: the bonus token)
+        for the next :meth:`flush`; returns what fetches it (None: decide inline)."""
+        worker = self._worker_of(request_id)
+        if request_id not in self._synced or not worker.alive:
+            return _inline
+        reply = _Reply()
+        worker.queries.append(((request_id, path, token), reply))
+        return functools.partial(worker.answer, reply)
+
     def flush(self) -> None:
-        """Send what :meth:`submit` and :meth:`forget` queued (one message per worker)."""
+        """Send what :meth:`submit`, :meth:`query` and :meth:`forget` queued (one message per
+        worker)."""
         for worker in self._workers:
             worker.flush()
 
@@ -239,6 +279,17 @@ class ClosingWorkers:
         return self._workers[zlib.crc32(request_id.encode()) % len(self._workers)]
 
 
+def _inline() -> None:
+    """No decisions from a worker (it has not started, or it stopped): decide inline."""
+    return None
+
+
+def _payload(tokenizer: TokenizerInfo) -> bytes:
+    """What a worker needs to build ``tokenizer`` again, pickled (once per tokenizer)."""
+    hf, stops = tokenizer.hf, tokenizer.stop_token_ids
+    return pickle.dumps((hf, tokenizer.vocab_size, stops, tokenizer.name), protocol=5)
+
+
 class _Mirrors:
     """The worker's side: per request a matcher that follows the engine's (module docstring)."""
 
@@ -249,10 +300,42 @@ class _Mirrors:
         self.closer: BudgetCloser = BudgetCloser(tokenizer)
         self._compiled: dict[tuple[str, Any], CompiledGrammar] = {}
         self._matchers: dict[str, tuple[GrammarMatcher, int]] = {}
+        # per request, its last tree's entry and decisions (for the queries after it)
+        self._last: dict[str, tuple[Entry, list[Outcome | None]]] = {}
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
+            self._last.pop(request_id, None)
+
+    def answer(self, query: Query) -> Outcome | None:
+        """The decision for a query's token, after the path of the request's last tree; None
+        when the path is not one the engine goes along (off the tree, a closing or a stop on
+        it) or there is no mirror."""
+        request_id, path, token = query
+        last, mirror = self._last.get(request_id), self._matchers.get(request_id)
+        if last is None or mirror is None:
+            return None
+        entry, outcomes = last
+        memo, tokens, parents, here, limits, stops = entry[4:]
+        child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+        node = 0
+        for step in path:
+            node = child.get((node, step), 0)
+            outcome = outcomes[node] if node > 0 else None
+            if outcome is None or outcome[0] is not None or step in stops:
+                return None
+            memo = outcome[1]
+        try:
+            matcher = mirror[0].fork()
+            if matcher.accept_tokens(path) != len(path) or matcher.is_terminated():
+                return None
+            check = here + len(path)
+            budget = min(limits[0] - check, limits[1] - check)
+            return self.closer.decide(memo, matcher, token, check, budget, token in stops)
+        except Exception:
+            log.debug("closing worker: no decision for %s", request_id, exc_info=True)
+            return None
 
     def decide(self, entry: Entry) -> list[Outcome | None] | None:
         """The node decisions for one entry; None when there is no mirror for its request."""
@@ -269,12 +352,15 @@ class _Mirrors:
             if synced + len(new) != total or matcher.accept_tokens(new) != len(new):
                 raise ValueError(f"mirror of {request_id} out of step with its request")
             self._matchers[request_id] = (matcher, total)
-            return decide_tree(
+            outcomes = decide_tree(
                 self.closer, memo, matcher.fork(), tokens, parents, here, limits, stops
             )
+            self._last[request_id] = (entry, outcomes)
+            return outcomes
         except Exception:
             log.debug("closing worker: no decisions for %s", request_id, exc_info=True)
             self._matchers.pop(request_id, None)
+            self._last.pop(request_id, None)
             return None
 
     def _compile(self, backend: str, spec: Any) -> CompiledGrammar:
@@ -291,12 +377,14 @@ class _Mirrors:
 
 
 def serve(conn: Connection) -> None:
-    """The worker's loop: a tokenizer first, then ``(forgets, entries)`` messages, each
-    answered with the entries' decisions, until None or the engine's end of the pipe closes."""
+    """The worker's loop: a tokenizer first, then ``(forgets, entries, queries)`` messages,
+    each answered with the entries' decisions and then each query's, until None or the
+    engine's end of the pipe closes."""
     from espalier.constrained.tokenizer import TokenizerInfo
 
-    hf, vocab_size, stops, name = conn.recv()
+    hf, vocab_size, stops, name = pickle.loads(conn.recv_bytes())
     mirrors = _Mirrors(TokenizerInfo(hf, vocab_size=vocab_size, stop_token_ids=stops, name=name))
+    conn.send(READY)
     while True:
         try:
             message = conn.recv()
@@ -304,9 +392,11 @@ def serve(conn: Connection) -> None:
             return
         if message is None:
             return
-        forgets, entries = message
+        forgets, entries, queries = message
         mirrors.forget(forgets)
         conn.send([mirrors.decide(entry) for entry in entries])
+        for query in queries:  # one message each: the engine takes them one by one
+            conn.send(mirrors.answer(query))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Closing decisions made ahead in worker processes (``engine/closing_remote.py``) are exactly
-the inline ones, and a worker that stops leaves the decisions to the engine.
+"""Closing decisions made ahead in worker processes (``engine/closing_remote.py``), for the
+draft tree and for the token after it (``BudgetCloser.prefetch``), are exactly the inline ones,
+and a worker that stops leaves the decisions to the engine.
 
 Real child processes on a pipe, real grammars (llguidance, xgrammar), the toy tokenizer. The
 streams and trees come from ``test_closing_ahead`` (grammar-valid random tokens, budget 30:
@@ -17,6 +18,7 @@ from test_closing_ahead import _stream, _tree, count_answers
 
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
+from espalier.engine import closing_ahead
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import NO_MEMO, BudgetCloser
 from espalier.engine.closing_remote import ClosingWorkers
@@ -43,7 +45,10 @@ def _feed(
         root = stream[pos - 1] if pos else 1
         assert ahead.lookahead(requests[0], *_tree(stream[pos:], root, rng), 10_000) is None
         ahead.flush()
-        for token in stream[pos : pos + rng.randint(1, 7)]:
+        step = stream[pos : pos + rng.randint(1, 7)]
+        ahead.prefetch(requests[0], step)  # as after verification: the step's last token
+        ahead.flush()
+        for token in step:
             answers = [
                 closer.instead(request, token, stops, 10_000)
                 for closer, request in ((ahead, requests[0]), (inline, requests[1]))
@@ -64,14 +69,30 @@ def _feed(
     return compared
 
 
+def count_after_tree(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the decisions taken for a token after the tree (asked with ``prefetch``)."""
+    counted = [0]
+    original = closing_ahead.Lookahead._find
+
+    def counting_find(self: Any, here: int, token: int) -> Any:
+        found = original(self, here, token)
+        counted[0] += found is not None and found[0] == -1
+        return found
+
+    monkeypatch.setattr(closing_ahead.Lookahead, "_find", counting_find)
+    return counted
+
+
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_worker_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = toy_tokenizer()
     compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, backend)
     stops = set(tokenizer.stop_token_ids)
     answered = count_answers(monkeypatch)
+    after_tree = count_after_tree(monkeypatch)
     ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
     ahead.workers = ClosingWorkers(tokenizer, 2)
+    assert ahead.workers.wait_ready()
     try:
         compared = 0
         for seed in range(8):
@@ -82,6 +103,7 @@ def test_worker_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatc
     finally:
         ahead.workers.close()
     assert answered[0] > compared // 3  # the workers did answer (the rest: off the tree)
+    assert after_tree[0] >= 5  # and for tokens after the tree (bonus tokens)
 
 
 def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,6 +113,7 @@ def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.Monkey
     answered = count_answers(monkeypatch)
     ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
     workers = ahead.workers = ClosingWorkers(tokenizer, 1)
+    assert workers.wait_ready()
     try:
         rng = random.Random(3)
         _feed(ahead, inline, compiled, _stream(tokenizer, compiled, rng, 40), rng, "a", stops)
@@ -135,16 +158,17 @@ def test_speculative_engine_with_closing_workers_emits_plain_tokens(
         ]
 
     answered = count_answers(monkeypatch)
+    after_tree = count_after_tree(monkeypatch)
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
     plain = run(Engine(EngineConfig(), runner, toy_tokenizer), requests())
     engine = Engine(EngineConfig(), runner, toy_tokenizer)
     config = SpecConfig(num_draft_tokens=6, close_workers=1)
     strategy = install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))}).strategy
-    assert engine.closer.workers is not None
+    assert engine.closer.workers is not None and engine.closer.workers.wait_ready()
     try:
         spec = run(engine, requests())
     finally:
         strategy.close()
     assert engine.closer.workers is None
     assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
-    assert answered[0] > 0
+    assert answered[0] > 0 and after_tree[0] > 0
