@@ -330,6 +330,10 @@ class BudgetCloser:
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
         self._drop_ahead(request.request_id)
+        remote = self.workers is not None and self.workers.takes(request)
+        if remote:
+            assert self.workers is not None
+            self.workers.open(request)  # early: its grammar compiles there meanwhile
         memo = self._memo.get(request.request_id, NO_MEMO)
         here = len(request.output_ids)
         deepest = here + max_depth(parents) - 1  # output length at the deepest node's check
@@ -344,7 +348,8 @@ class BudgetCloser:
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)
         limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
-        if self.workers is not None and request.compiled is not None:
+        if remote:
+            assert self.workers is not None
             compute = self.workers.submit(request, memo, tree, links, here, limits, stops)
             self._ahead[request.request_id] = Lookahead(tree, links, here, compute, remote=True)
             return None  # decided in a worker process: nothing to run here

@@ -50,18 +50,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-READY = "ready"  # the worker's first message: it has built the tokenizer
+REMOTE_BACKENDS = ("llguidance", "xgrammar")
+"""Backends whose requests are decided in the workers. A worker compiles each grammar again;
+outlines-core's compiles take seconds (26 s for ``{"type": "object"}`` with Gemma's vocabulary
+here), so its requests keep the mask threads' lookahead."""
+WAIT_S = 0.02
+"""The longest the engine thread waits for a worker's answer before deciding inline (a worker
+still compiling a new grammar); the next waits of that step for the same worker do not wait."""
+
+READY = "ready"  # the worker's first message: it has built the tokenizer and the backends
 MAX_COMPILED = 64  # grammars a worker keeps compiled (least recently opened dropped first)
 
 # One request's share of a message: request id, (backend, spec) when the worker must build the
 # mirror (else None), tokens to append to it, output length after them, memo, tree tokens,
-# parents, output length at the step's start, limits, stop tokens.
+# parents, output length at the step's start, limits, stop tokens. No tree tokens: only the
+# mirror is built or advanced (``ClosingWorkers.open``).
 Entry = tuple[
     str,
     "tuple[str, Any] | None",
     list[int],
     int,
-    "Memo",
+    "Memo | None",
     list[int],
     list[int],
     int,
@@ -105,6 +114,7 @@ class _Worker:
         self.forgets: list[str] = []
         self.batch = _Reply()  # the answer to the outbox, once sent
         self._sent: collections.deque[_Reply] = collections.deque()
+        self._late = False  # an answer of this step did not come within WAIT_S
         self._lock = threading.Lock()
         self._lock.acquire()  # released by _start: the handshake comes before every message
         threading.Thread(target=self._start, args=(payload,), daemon=True).start()
@@ -130,7 +140,9 @@ class _Worker:
         replies = [self.batch, *(reply for _, reply in self.queries)]
         self.outbox, self.queries, self.forgets, self.batch = [], [], [], _Reply()
         with self._lock:
-            self._drain()  # earlier answers first: a worker blocked on a full pipe never reads
+            self._late = False
+            self._drain()  # the answers already there (a worker blocked on a full pipe would
+            # never read ours)
             if self.alive:
                 try:
                     self.conn.send(message)
@@ -142,16 +154,31 @@ class _Worker:
                 reply.received = True  # value None: inline
 
     def answer(self, reply: _Reply) -> Any:
-        """``reply``'s value, waiting for it (sending the outbox first if it is still there)."""
+        """``reply``'s value (sending the outbox first if it is still there); None when it
+        does not come within :data:`WAIT_S` (or, once one of this step did not, at once)."""
         if not reply.received and reply not in self._sent:
             self.flush()
+        deadline = time.monotonic() + (0.0 if self._late else WAIT_S)
         with self._lock:
             while not reply.received:
+                if not self._ready_to_receive(max(0.0, deadline - time.monotonic())):
+                    self._late = True
+                    return None
                 self._receive_one()
         return reply.value
 
+    def _ready_to_receive(self, timeout_s: float) -> bool:
+        """An answer is there to receive (or the worker died: then every one is None)."""
+        if not self.alive:
+            return True
+        try:
+            return self.conn.poll(timeout_s)
+        except (EOFError, OSError):
+            self._died()
+            return True
+
     def _drain(self) -> None:
-        while self._sent:
+        while self._sent and self._ready_to_receive(0.0):
             self._receive_one()
 
     def _receive_one(self) -> None:
@@ -199,6 +226,26 @@ class ClosingWorkers:
         for worker in self._workers:
             worker.ready.wait(max(0.0, deadline - time.monotonic()))
         return all(worker.ready.is_set() and worker.alive for worker in self._workers)
+
+    def takes(self, request: Request) -> bool:
+        """Whether ``request``'s decisions can be made here (a grammar of REMOTE_BACKENDS)."""
+        compiled = request.compiled
+        return compiled is not None and compiled.backend in REMOTE_BACKENDS
+
+    def open(self, request: Request) -> None:
+        """Have the worker build ``request``'s mirror now, with the next :meth:`flush` (the
+        grammar compiles there while the request is still outside the closing window)."""
+        request_id = request.request_id
+        worker = self._worker_of(request_id)
+        if request_id in self._synced or not worker.ready.is_set() or not worker.alive:
+            return
+        compiled = request.compiled
+        assert compiled is not None
+        output = list(request.output_ids)
+        self._synced[request_id] = len(output)
+        opening = (compiled.backend, compiled.spec)
+        entry: Entry = (request_id, opening, output, len(output), None, [], [], 0, (0, 0), _NONE)
+        worker.outbox.append(entry)  # its answer (no decisions) is not waited for
 
     def submit(
         self,
@@ -279,6 +326,9 @@ class ClosingWorkers:
         return self._workers[zlib.crc32(request_id.encode()) % len(self._workers)]
 
 
+_NONE: frozenset[int] = frozenset()
+
+
 def _inline() -> None:
     """No decisions from a worker (it has not started, or it stopped): decide inline."""
     return None
@@ -318,6 +368,8 @@ class _Mirrors:
             return None
         entry, outcomes = last
         memo, tokens, parents, here, limits, stops = entry[4:]
+        if memo is None:
+            return None
         child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
         node = 0
         for step in path:
@@ -352,6 +404,8 @@ class _Mirrors:
             if synced + len(new) != total or matcher.accept_tokens(new) != len(new):
                 raise ValueError(f"mirror of {request_id} out of step with its request")
             self._matchers[request_id] = (matcher, total)
+            if not tokens or memo is None:
+                return None
             outcomes = decide_tree(
                 self.closer, memo, matcher.fork(), tokens, parents, here, limits, stops
             )
@@ -376,6 +430,20 @@ class _Mirrors:
         return compiled
 
 
+def _warm_backends(tokenizer: TokenizerInfo) -> None:
+    """Bind REMOTE_BACKENDS to the tokenizer before the worker says it is ready: the first
+    compile would otherwise build their vocabulary views (1.44 s for llguidance, 0.29 s for
+    xgrammar with Gemma's 262k ids here) while the engine waits for an answer."""
+    from espalier.constrained.backends import get_backend
+    from espalier.constrained.errors import GrammarError
+
+    for name in REMOTE_BACKENDS:
+        try:
+            get_backend(name, tokenizer, None)
+        except GrammarError:  # not installed: no request of it can come
+            log.debug("closing worker: backend %s unavailable", name, exc_info=True)
+
+
 def serve(conn: Connection) -> None:
     """The worker's loop: a tokenizer first, then ``(forgets, entries, queries)`` messages,
     each answered with the entries' decisions and then each query's, until None or the
@@ -383,7 +451,9 @@ def serve(conn: Connection) -> None:
     from espalier.constrained.tokenizer import TokenizerInfo
 
     hf, vocab_size, stops, name = pickle.loads(conn.recv_bytes())
-    mirrors = _Mirrors(TokenizerInfo(hf, vocab_size=vocab_size, stop_token_ids=stops, name=name))
+    tokenizer = TokenizerInfo(hf, vocab_size=vocab_size, stop_token_ids=stops, name=name)
+    mirrors = _Mirrors(tokenizer)
+    _warm_backends(tokenizer)
     conn.send(READY)
     while True:
         try:

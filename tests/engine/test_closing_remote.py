@@ -172,3 +172,81 @@ def test_speculative_engine_with_closing_workers_emits_plain_tokens(
     assert engine.closer.workers is None
     assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
     assert answered[0] > 0 and after_tree[0] > 0
+
+
+def test_answers_late_or_missing_leave_the_decisions_inline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every third look at the pipe finds nothing (as if the worker were still compiling):
+    # those decisions are made inline, the late answers are received (in order) later, and
+    # every decision is still the inline one.
+    from espalier.engine import closing_remote
+
+    looks = [0, 0]  # all looks, looks made to find nothing
+    real = closing_remote._Worker._ready_to_receive
+
+    def sometimes_late(self: Any, timeout_s: float) -> bool:
+        looks[0] += 1
+        if looks[0] % 3 == 0:
+            looks[1] += 1
+            return False
+        return real(self, timeout_s)
+
+    monkeypatch.setattr(closing_remote._Worker, "_ready_to_receive", sometimes_late)
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "xgrammar")
+    stops = set(tokenizer.stop_token_ids)
+    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+    workers = ahead.workers = ClosingWorkers(tokenizer, 1)
+    assert workers.wait_ready()
+    try:
+        compared = 0
+        for seed in range(6):
+            rng = random.Random(seed)
+            stream = _stream(tokenizer, compiled, rng, 40)
+            compared += _feed(ahead, inline, compiled, stream, rng, f"r{seed}", stops)
+        assert compared > 30 and workers._workers[0].alive and looks[1] > 10
+    finally:
+        workers.close()
+
+
+def test_the_mirror_is_built_before_the_closing_window() -> None:
+    # A request far from its budget's end gets no lookahead, but its mirror is opened in the
+    # worker (its grammar compiles there meanwhile); its first tree then comes without one.
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    workers = closer.workers = ClosingWorkers(tokenizer, 1)
+    assert workers.wait_ready()
+    try:
+        request = Request("far", [1], SamplingParams(max_tokens=500), 0)
+        request.compiled, request.matcher = compiled, compiled.matcher()
+        chain = ([1, 2, 3], [-1, 0, 1])
+        assert closer.lookahead(request, *chain, 10_000) is None and "far" not in closer._ahead
+        worker = workers._workers[0]
+        assert [entry[1] for entry in worker.outbox] == [(compiled.backend, compiled.spec)]
+        closer.flush()
+        request.sampling = SamplingParams(max_tokens=20)  # now inside the window
+        closer.lookahead(request, *chain, 10_000)
+        assert "far" in closer._ahead and closer._ahead["far"].remote
+        assert [entry[1] for entry in worker.outbox] == [None]  # built already
+    finally:
+        workers.close()
+
+
+def test_outlines_requests_keep_the_mask_thread_lookahead() -> None:
+    # outlines-core compiles take seconds: its requests are not decided in the workers.
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(
+        GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "outlines_core"
+    )
+    closer = BudgetCloser(tokenizer)
+    workers = closer.workers = ClosingWorkers(tokenizer, 1)
+    try:
+        request = Request("o", [1], SamplingParams(max_tokens=20), 0)
+        request.compiled, request.matcher = compiled, compiled.matcher()
+        job = closer.lookahead(request, [1, 2, 3], [-1, 0, 1], 10_000)
+        assert job is not None and not closer._ahead["o"].remote
+        assert not workers._workers[0].outbox
+    finally:
+        workers.close()
