@@ -65,9 +65,10 @@ class SpecConfig:
     of each step's bonus token) instead of the mask threads and the engine thread
     (``engine/closing_remote.py``); 0: none; None: :data:`CUDA_CLOSE_WORKERS` on CUDA, else
     none (on a CPU the target's forward leaves the mask threads time, and a process would
-    take a core from it). Not with ``defer_appends``. H200, batch 32, run 86 (three ABBA
-    reps per pass): constrained/unconstrained speculative 0.840 and 0.862 with 2 workers,
-    0.665 and 0.709 without.
+    take a core from it). Not with ``defer_appends``. H200, batch 32, constrained /
+    unconstrained speculative, medians of three ABBA reps per pass: 0.840 and 0.862 with 2
+    workers against 0.665 and 0.709 without (run 86, tree decisions only); 0.846 against
+    0.755 with the final code (run 88: bonus tokens too, bounded waits).
     adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
     lately (``SpeculativeDecoding._max_drafted``); grammar-forced chains are not cut.
     defer_appends: the engine appends a step's tokens (grammar, closing, detokenization) in the
