@@ -13,6 +13,11 @@ decision of the tree node each token reaches; a token off the tree (the bonus to
 rejected branch) and everything after it is decided inline as before. So outputs are exactly
 those of deciding inline.
 
+With worker processes (``engine/closing_remote.py``) the same :func:`decide_tree` runs in a
+worker on a mirror of the request's matcher, and the :class:`Lookahead` fetches its answer; the
+worker also decides the token just after the tree (the bonus token) once verification has
+chosen it (``BudgetCloser.prefetch``, :meth:`Lookahead.expect`).
+
 Hand-off: the job runs once, on whichever thread starts it; ``take`` on the main thread waits
 for a running job and runs one not yet started itself (as ``PendingMasks.result`` does with the
 fills left). A job that fails (a grammar error) leaves no decisions: inline again.
