@@ -88,6 +88,25 @@ def count_answers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return answers
 
 
+def closing_requests() -> list[Any]:
+    """Six constrained requests (three prompts twice) whose budgets end inside their outputs,
+    speculating with n-grams and/or forced chains."""
+    from espalier.engine.api import GenerationRequest, SpeculativeOptions
+
+    prompts = [(5, 6, 7, 8, 5, 6, 7, 8, 5, 6), (40, 41, 42, 43, 40, 41, 42), (9,) * 20]
+    methods = [("ngram", "forced"), ("ngram",), ("forced",)]
+    return [
+        GenerationRequest(
+            f"r{i}",
+            prompt_token_ids=prompt,
+            sampling=SamplingParams(max_tokens=40 + 4 * i),
+            grammar=GrammarSpec.json_schema(SCHEMA),
+            speculative=SpeculativeOptions(methods=methods[i % 3]),
+        )
+        for i, prompt in enumerate(prompts * 2)
+    ]
+
+
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = toy_tokenizer()
@@ -184,31 +203,16 @@ def test_speculative_engine_takes_lookahead_decisions(
     from spec_helpers import random_runner, tiny_config
     from test_spec_engine import run
 
-    from espalier.engine.api import GenerationRequest, SpeculativeOptions
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
 
-    def requests() -> list[GenerationRequest]:
-        prompts = [(5, 6, 7, 8, 5, 6, 7, 8, 5, 6), (40, 41, 42, 43, 40, 41, 42), (9,) * 20]
-        methods = [("ngram", "forced"), ("ngram",), ("forced",)]
-        return [
-            GenerationRequest(
-                f"r{i}",
-                prompt_token_ids=prompt,
-                sampling=SamplingParams(max_tokens=40 + 4 * i),
-                grammar=GrammarSpec.json_schema(SCHEMA),
-                speculative=SpeculativeOptions(methods=methods[i % 3]),
-            )
-            for i, prompt in enumerate(prompts * 2)
-        ]
-
     answered = count_answers(monkeypatch)
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
-    plain = run(Engine(EngineConfig(), runner, toy_tokenizer), requests())
+    plain = run(Engine(EngineConfig(), runner, toy_tokenizer), closing_requests())
     engine = Engine(EngineConfig(), runner, toy_tokenizer)
     install(engine, SpecConfig(num_draft_tokens=6), {"ngram": NgramDrafter(NgramConfig(1, 3))})
-    spec = run(engine, requests())
+    spec = run(engine, closing_requests())
     assert {rid: out[0] for rid, out in spec.items()} == {rid: out[0] for rid, out in plain.items()}
     assert answered[0] > 0
 

@@ -10,11 +10,13 @@ inside the closing window; trees that follow the stream for a while, then leave 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
-from test_closing_ahead import _stream, _tree, count_answers
+from test_closing_ahead import _stream, _tree, closing_requests, count_answers
 
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
@@ -69,6 +71,23 @@ def _feed(
     return compared
 
 
+@contextmanager
+def closers_with_workers(
+    backend: str, processes: int
+) -> Iterator[tuple[Any, Any, set[int], BudgetCloser, BudgetCloser, ClosingWorkers]]:
+    """``(tokenizer, compiled, stops, ahead, inline)`` for the schema on ``backend``, and
+    ``ahead``'s workers (started, closed on exit)."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, backend)
+    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+    workers = ahead.workers = ClosingWorkers(tokenizer, processes)
+    try:
+        assert workers.wait_ready()
+        yield tokenizer, compiled, set(tokenizer.stop_token_ids), ahead, inline, workers
+    finally:
+        workers.close()
+
+
 def count_after_tree(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the decisions taken for a token after the tree (asked with ``prefetch``)."""
     counted = [0]
@@ -85,40 +104,26 @@ def count_after_tree(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_worker_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = toy_tokenizer()
-    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, backend)
-    stops = set(tokenizer.stop_token_ids)
     answered = count_answers(monkeypatch)
     after_tree = count_after_tree(monkeypatch)
-    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
-    ahead.workers = ClosingWorkers(tokenizer, 2)
-    assert ahead.workers.wait_ready()
-    try:
+    with closers_with_workers(backend, 2) as (tokenizer, compiled, stops, ahead, inline, _):
         compared = 0
         for seed in range(8):
             rng = random.Random(seed)
             stream = _stream(tokenizer, compiled, rng, 40)
             # request ids repeat across seeds: a forgotten mirror must be built again
             compared += _feed(ahead, inline, compiled, stream, rng, f"r{seed % 3}", stops)
-    finally:
-        ahead.workers.close()
     assert answered[0] > compared // 3  # the workers did answer (the rest: off the tree)
     assert after_tree[0] >= 5  # and for tokens after the tree (bonus tokens)
 
 
 def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = toy_tokenizer()
-    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "llguidance")
-    stops = set(tokenizer.stop_token_ids)
     answered = count_answers(monkeypatch)
-    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
-    workers = ahead.workers = ClosingWorkers(tokenizer, 1)
-    assert workers.wait_ready()
-    try:
+    with closers_with_workers("llguidance", 1) as (tokenizer, compiled, stops, ahead, inline, w):
         rng = random.Random(3)
         _feed(ahead, inline, compiled, _stream(tokenizer, compiled, rng, 40), rng, "a", stops)
         assert answered[0] > 0
-        worker = workers._workers[0]
+        worker = w._workers[0]
         worker.process.kill()
         worker.process.wait()
         answered[0] = 0
@@ -128,8 +133,6 @@ def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.Monkey
             stream = _stream(tokenizer, compiled, rng, 40)
             compared += _feed(ahead, inline, compiled, stream, rng, f"b{seed}", stops)
         assert compared > 20 and answered[0] == 0 and not worker.alive
-    finally:
-        workers.close()
 
 
 def test_speculative_engine_with_closing_workers_emits_plain_tokens(
@@ -139,34 +142,20 @@ def test_speculative_engine_with_closing_workers_emits_plain_tokens(
     from spec_helpers import random_runner, tiny_config
     from test_spec_engine import run
 
-    from espalier.engine.api import GenerationRequest, SpeculativeOptions
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
 
-    def requests() -> list[GenerationRequest]:
-        prompts = [(5, 6, 7, 8, 5, 6, 7, 8, 5, 6), (40, 41, 42, 43, 40, 41, 42), (9,) * 20]
-        return [
-            GenerationRequest(
-                f"r{i}",
-                prompt_token_ids=prompt,
-                sampling=SamplingParams(max_tokens=36 + 4 * i),
-                grammar=GrammarSpec.json_schema(CLOSING_SCHEMA),
-                speculative=SpeculativeOptions(methods=("ngram", "forced")),
-            )
-            for i, prompt in enumerate(prompts * 2)
-        ]
-
     answered = count_answers(monkeypatch)
     after_tree = count_after_tree(monkeypatch)
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
-    plain = run(Engine(EngineConfig(), runner, toy_tokenizer), requests())
+    plain = run(Engine(EngineConfig(), runner, toy_tokenizer), closing_requests())
     engine = Engine(EngineConfig(), runner, toy_tokenizer)
     config = SpecConfig(num_draft_tokens=6, close_workers=1)
     strategy = install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))}).strategy
     assert engine.closer.workers is not None and engine.closer.workers.wait_ready()
     try:
-        spec = run(engine, requests())
+        spec = run(engine, closing_requests())
     finally:
         strategy.close()
     assert engine.closer.workers is None
@@ -193,21 +182,13 @@ def test_answers_late_or_missing_leave_the_decisions_inline(
         return real(self, timeout_s)
 
     monkeypatch.setattr(closing_remote._Worker, "_ready_to_receive", sometimes_late)
-    tokenizer = toy_tokenizer()
-    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "xgrammar")
-    stops = set(tokenizer.stop_token_ids)
-    ahead, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
-    workers = ahead.workers = ClosingWorkers(tokenizer, 1)
-    assert workers.wait_ready()
-    try:
+    with closers_with_workers("xgrammar", 1) as (tokenizer, compiled, stops, ahead, inline, w):
         compared = 0
         for seed in range(6):
             rng = random.Random(seed)
             stream = _stream(tokenizer, compiled, rng, 40)
             compared += _feed(ahead, inline, compiled, stream, rng, f"r{seed}", stops)
-        assert compared > 30 and workers._workers[0].alive and looks[1] > 10
-    finally:
-        workers.close()
+        assert compared > 30 and w._workers[0].alive and looks[1] > 10
 
 
 def test_the_mirror_is_built_before_the_closing_window() -> None:
