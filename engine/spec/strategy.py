@@ -15,6 +15,7 @@ speculation on or off, pick methods among the drafters loaded, and set its node 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,8 @@ from espalier.engine.spec.forced import ForcedConfig
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.tree_builder import Draft
 from espalier.engine.step import SeqOutcome, Settle, StepResult
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from espalier.engine.closing import BudgetCloser
@@ -364,7 +367,12 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
     ):
         from espalier.engine.closing_remote import ClosingWorkers
 
-        engine.closer.workers = ClosingWorkers(engine.tokenizer, workers)
+        try:
+            engine.closer.workers = ClosingWorkers(engine.tokenizer, workers)
+        except Exception:  # a tokenizer that does not pickle, no interpreter to start...
+            log.warning(
+                "closing worker processes not started; deciding ahead in threads", exc_info=True
+            )
     engine.strategy = strategy
     engine.scheduler.decode_lookahead = strategy.lookahead
     return engine

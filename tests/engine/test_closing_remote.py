@@ -231,3 +231,24 @@ def test_outlines_requests_keep_the_mask_thread_lookahead() -> None:
         assert not workers._workers[0].outbox
     finally:
         workers.close()
+
+
+def test_workers_that_cannot_start_leave_the_lookahead_to_the_threads() -> None:
+    # A tokenizer that does not pickle cannot go to a worker: the engine still installs, and
+    # decides ahead on the mask threads.
+    from spec_helpers import random_runner, tiny_config
+
+    from espalier.engine.engine import Engine, EngineConfig
+    from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+    from espalier.engine.spec.strategy import SpecConfig, install
+
+    tokenizer = toy_tokenizer()
+    tokenizer.hf.unpicklable = lambda: None  # a lambda does not pickle
+    runner = random_runner(tiny_config(tokenizer.vocab_size), seed=1)
+    engine = Engine(EngineConfig(), runner, tokenizer)
+    config = SpecConfig(num_draft_tokens=6, close_workers=1)
+    strategy = install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))}).strategy
+    try:
+        assert engine.closer.workers is None and strategy.closer is engine.closer
+    finally:
+        strategy.close()
