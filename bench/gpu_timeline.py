@@ -20,11 +20,12 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
 and, from every thread: ``fill_sum`` (tree fills; ``fill_threads``: the threads that filled),
 ``native_walk`` (the part of them inside llguidance's native walk call, GIL re-acquisition on
 return included), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those run by
-the engine thread), ``calls["fill_ahead"]`` (fills started before their request's deferred
-append was settled, ``MaskBuilder.submit``'s ``pending``), and per step ``fill_span`` (from
-the end of ``MaskBuilder.submit`` to the end of the step's last fill) and ``fill_max`` (its
-slowest tree); per step, in ms after the verify forward's call starts: ``gpu_forward_end``
-(CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``).
+the engine thread; with closing worker processes, ``engine/closing_remote.py``, every job is
+the engine thread fetching a worker's answer), ``calls["fill_ahead"]`` (fills started before
+their request's deferred append was settled, ``MaskBuilder.submit``'s ``pending``), and per
+step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the end of the step's last fill)
+and ``fill_max`` (its slowest tree); per step, in ms after the verify forward's call starts:
+``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``).
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
