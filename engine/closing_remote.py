@@ -198,14 +198,23 @@ class _Worker:
         self.alive = False
 
     def close(self) -> None:
-        with self._lock:
-            with contextlib.suppress(OSError, ValueError):
-                self.conn.send(None)
-            self.conn.close()
+        """Ask the worker to exit (killed when it does not within 5 s, or when it is still
+        starting and holds the pipe that long)."""
+        if self._lock.acquire(timeout=5):
+            try:
+                with contextlib.suppress(OSError, ValueError):
+                    self.conn.send(None)
+            finally:
+                self._lock.release()
+        else:
+            self.process.kill()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
+        self.alive = False
+        self.conn.close()
 
 
 class ClosingWorkers:

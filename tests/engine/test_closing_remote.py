@@ -236,14 +236,17 @@ def test_outlines_requests_keep_the_mask_thread_lookahead() -> None:
 def test_workers_that_cannot_start_leave_the_lookahead_to_the_threads() -> None:
     # A tokenizer that does not pickle cannot go to a worker: the engine still installs, and
     # decides ahead on the mask threads.
+    from conftest import build_byte_level_hf
     from spec_helpers import random_runner, tiny_config
 
+    from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
 
-    tokenizer = toy_tokenizer()
-    tokenizer.hf.unpicklable = lambda: None  # a lambda does not pickle
+    hf = build_byte_level_hf()  # a fresh one: toy_tokenizer() is shared
+    hf.unpicklable = lambda: None  # a lambda does not pickle
+    tokenizer = TokenizerInfo(hf, stop_token_ids=[hf.convert_tokens_to_ids("<eos>")], name="x")
     runner = random_runner(tiny_config(tokenizer.vocab_size), seed=1)
     engine = Engine(EngineConfig(), runner, tokenizer)
     config = SpecConfig(num_draft_tokens=6, close_workers=1)
