@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
+from engine_fixtures import CLOSING_SCHEMA, build_byte_level_hf, toy_tokenizer
 from test_closing_ahead import _stream, _tree, closing_requests, count_answers
 
 from espalier.constrained.compile import compile_grammar
@@ -236,7 +236,6 @@ def test_outlines_requests_keep_the_mask_thread_lookahead() -> None:
 def test_workers_that_cannot_start_leave_the_lookahead_to_the_threads() -> None:
     # A tokenizer that does not pickle cannot go to a worker: the engine still installs, and
     # decides ahead on the mask threads.
-    from conftest import build_byte_level_hf
     from spec_helpers import random_runner, tiny_config
 
     from espalier.constrained.tokenizer import TokenizerInfo
