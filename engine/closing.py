@@ -180,6 +180,12 @@ class Memo:
     next_check: int = 0
     unclosable: bool = False
 
+    def __reduce__(self) -> tuple[type[Memo], tuple[tuple[int, list[int]] | None, int, bool]]:
+        """Pickled as its constructor's arguments: a worker's answer (``closing_remote.py``)
+        carries one per tree node, and the default (``__dict__`` state) made unpickling one
+        answer of 32 nine-node trees take 528 us instead of 187 us here."""
+        return (Memo, (self.known, self.next_check, self.unclosable))
+
 
 NO_MEMO = Memo()
 

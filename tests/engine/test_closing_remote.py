@@ -254,3 +254,13 @@ def test_workers_that_cannot_start_leave_the_lookahead_to_the_threads() -> None:
         assert engine.closer.workers is None and strategy.closer is engine.closer
     finally:
         strategy.close()
+
+
+def test_memos_cross_the_pipe_unchanged() -> None:
+    import pickle
+
+    from espalier.engine.closing import Memo
+
+    for memo in (NO_MEMO, Memo((7, [1, 2]), 9, False), Memo(None, 3, True)):
+        again = pickle.loads(pickle.dumps(memo))
+        assert again == memo and type(again) is Memo and again is not memo
