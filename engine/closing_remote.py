@@ -297,11 +297,12 @@ class ClosingWorkers:
         worker.outbox.append(entry)
 
         def fetch() -> list[Outcome | None] | None:
-            results = worker.answer(batch)
-            outcomes = None if results is None else results[index]
-            if outcomes is None:  # no mirror there (any more): build it with the next message
+            results = worker.answer(batch)  # None: late (the mirror is fine) or a dead worker
+            if results is None:
+                return None
+            if results[index] is None:  # no mirror there (any more): build it with the next one
                 self._synced.pop(request_id, None)
-            return outcomes
+            return results[index]
 
         return fetch
 

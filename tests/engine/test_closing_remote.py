@@ -182,6 +182,14 @@ def test_answers_late_or_missing_leave_the_decisions_inline(
         return real(self, timeout_s)
 
     monkeypatch.setattr(closing_remote._Worker, "_ready_to_receive", sometimes_late)
+    openings: list[str] = []  # a late answer must not make the engine build a mirror again
+    real_flush = closing_remote._Worker.flush
+
+    def counting_flush(self: Any) -> None:
+        openings.extend(entry[0] for entry in self.outbox if entry[1] is not None)
+        real_flush(self)
+
+    monkeypatch.setattr(closing_remote._Worker, "flush", counting_flush)
     with closers_with_workers("xgrammar", 1) as (tokenizer, compiled, stops, ahead, inline, w):
         compared = 0
         for seed in range(6):
@@ -189,6 +197,7 @@ def test_answers_late_or_missing_leave_the_decisions_inline(
             stream = _stream(tokenizer, compiled, rng, 40)
             compared += _feed(ahead, inline, compiled, stream, rng, f"r{seed}", stops)
         assert compared > 30 and w._workers[0].alive and looks[1] > 10
+    assert sorted(openings) == [f"r{seed}" for seed in range(6)]  # one opening per request
 
 
 def test_the_mirror_is_built_before_the_closing_window() -> None:
