@@ -374,16 +374,8 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         threads = threads * len(names)
     if len(names) != len(threads):
         raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
-    defers = [name.strip() for name in args.defer_appends.split(",") if name.strip()]
-    if len(defers) == 1:
-        defers = defers * len(names)
-    if len(defers) != len(names):
-        raise SystemExit("--defer-appends: one value, or as many as --close-ahead")
-    workers = [w.strip() for w in args.close_workers.split(",") if w.strip()]
-    if len(workers) == 1:
-        workers = workers * len(names)
-    if len(workers) != len(names):
-        raise SystemExit("--close-workers: one value, or as many as --close-ahead")
+    defers = _per_pass(args.defer_appends, len(names), "--defer-appends")
+    workers = _per_pass(args.close_workers, len(names), "--close-workers")
     aheads = [values[name] for name in names]
     passes = zip(names, aheads, threads, defers, workers)
     from espalier.engine.spec import decoder as decoder_mod
@@ -417,6 +409,16 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     if runner.graphs is not None:
         emit({"part": "spec_equal_work", "graph_replays": runner.graphs.replays})
     return out
+
+
+def _per_pass(values: str, passes: int, flag: str) -> list[str]:
+    """A comma-separated flag's value per equal-work pass: one value for all, or one each."""
+    listed = [value.strip() for value in values.split(",") if value.strip()]
+    if len(listed) == 1:
+        listed = listed * passes
+    if len(listed) != passes:
+        raise SystemExit(f"{flag}: one value, or as many as --close-ahead")
+    return listed
 
 
 def llama_8b_config(vocab_size: int) -> Any:

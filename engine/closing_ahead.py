@@ -43,6 +43,23 @@ after it."""
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 
 
+def child_index(tokens: Sequence[int], parents: Sequence[int]) -> dict[tuple[int, int], int]:
+    """``(parent node, token) -> node`` for the tree (node 0 = root, ``parents[i] < i``)."""
+    return {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+
+
+def path_nodes(child: dict[tuple[int, int], int], path: Sequence[int]) -> list[int] | None:
+    """The nodes ``path`` (tokens below the root) goes through; None when it leaves the tree."""
+    nodes: list[int] = []
+    node = 0
+    for token in path:
+        found = child.get((node, token))
+        if found is None:
+            return None
+        nodes.append(node := found)
+    return nodes
+
+
 def max_depth(parents: Sequence[int]) -> int:
     """Depth of the deepest node (``parents[i] < i``; root 0 has depth 0)."""
     depth = [0] * len(parents)
@@ -74,7 +91,7 @@ class Lookahead:
         self._compute: Callable[[], list[Outcome | None] | None] | None = compute
         self._tokens = tokens
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
-        self._child = {(p, tokens[i]): i for i, p in enumerate(parents) if i > 0}
+        self._child = child_index(tokens, parents)
         self._state = _PENDING
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -127,12 +144,10 @@ class Lookahead:
     def off_tree(self, path: Sequence[int], token: int) -> tuple[int, int] | None:
         """``(node, output length)`` where ``token`` would be appended after ``path`` (tree
         tokens below the root), when ``token`` is not a child there; else None."""
-        node = 0
-        for step in path:
-            found = self._child.get((node, step))
-            if found is None:
-                return None
-            node = found
+        nodes = path_nodes(self._child, path)
+        if nodes is None:
+            return None
+        node = nodes[-1] if nodes else 0
         if (node, token) in self._child:
             return None
         return node, self._start + len(path)

@@ -39,13 +39,14 @@ import zlib
 from collections.abc import Callable, Sequence
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from espalier.engine.closing_ahead import Outcome, child_index, decide_tree, path_nodes
 
 if TYPE_CHECKING:
     from espalier.constrained.base import CompiledGrammar, GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.closing import BudgetCloser, Memo
-    from espalier.engine.closing_ahead import Outcome
     from espalier.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -61,22 +62,23 @@ still compiling a new grammar); the next waits of that step for the same worker 
 READY = "ready"  # the worker's first message: it has built the tokenizer and the backends
 MAX_COMPILED = 64  # grammars a worker keeps compiled (least recently opened dropped first)
 
-# One request's share of a message: request id, (backend, spec) when the worker must build the
-# mirror (else None), tokens to append to it, output length after them, memo, tree tokens,
-# parents, output length at the step's start, limits, stop tokens. No tree tokens: only the
-# mirror is built or advanced (``ClosingWorkers.open``).
-Entry = tuple[
-    str,
-    "tuple[str, Any] | None",
-    list[int],
-    int,
-    "Memo | None",
-    list[int],
-    list[int],
-    int,
-    tuple[int, int],
-    frozenset[int],
-]
+
+class Entry(NamedTuple):
+    """One request's share of a message. No tree tokens: only the mirror is built or advanced
+    (``ClosingWorkers.open``)."""
+
+    request_id: str
+    opening: tuple[str, Any] | None  # (backend, spec): the worker must build the mirror
+    new: list[int]  # tokens to append to the mirror
+    total: int  # the request's output length after them
+    memo: Memo | None
+    tokens: list[int]  # the draft tree (node 0 = root)
+    parents: list[int]
+    here: int  # output length at the step's start
+    limits: tuple[int, int]
+    stops: frozenset[int]
+
+
 Query = tuple[str, list[int], int]
 """A decision asked for after a step's verification: request id, the accepted tree tokens
 below the root, the token after them (off the tree: the bonus token)."""
@@ -85,9 +87,10 @@ below the root, the token after them (off the tree: the bonus token)."""
 class _Reply:
     """One answer message the engine waits for: ``value`` once ``received`` (None: inline)."""
 
-    __slots__ = ("received", "value")
+    __slots__ = ("received", "sent", "value")
 
     def __init__(self) -> None:
+        self.sent = False  # its message went to the worker (else it is still queued)
         self.received = False
         self.value: Any = None
 
@@ -147,6 +150,8 @@ class _Worker:
                 try:
                     self.conn.send(message)
                     self._sent.extend(replies)
+                    for reply in replies:
+                        reply.sent = True
                     return
                 except (OSError, ValueError):
                     self._died()
@@ -156,7 +161,7 @@ class _Worker:
     def answer(self, reply: _Reply) -> Any:
         """``reply``'s value (sending the outbox first if it is still there); None when it
         does not come within :data:`WAIT_S` (or, once one of this step did not, at once)."""
-        if not reply.received and reply not in self._sent:
+        if not reply.received and not reply.sent:
             self.flush()
         deadline = time.monotonic() + (0.0 if self._late else WAIT_S)
         with self._lock:
@@ -253,7 +258,7 @@ class ClosingWorkers:
         output = list(request.output_ids)
         self._synced[request_id] = len(output)
         opening = (compiled.backend, compiled.spec)
-        entry: Entry = (request_id, opening, output, len(output), None, [], [], 0, (0, 0), _NONE)
+        entry = Entry(request_id, opening, output, len(output), None, [], [], 0, (0, 0), _NONE)
         worker.outbox.append(entry)  # its answer (no decisions) is not waited for
 
     def submit(
@@ -280,7 +285,7 @@ class ClosingWorkers:
         if synced is None or synced > len(output):
             opening, synced = (compiled.backend, compiled.spec), 0
         self._synced[request_id] = len(output)
-        entry: Entry = (
+        entry = Entry(
             request_id,
             opening,
             list(output[synced:]),
@@ -380,11 +385,11 @@ class _Mirrors:
         memo, tokens, parents, here, limits, stops = entry[4:]
         if memo is None:
             return None
-        child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-        node = 0
-        for step in path:
-            node = child.get((node, step), 0)
-            outcome = outcomes[node] if node > 0 else None
+        nodes = path_nodes(child_index(tokens, parents), path)
+        if nodes is None:
+            return None
+        for node, step in zip(nodes, path):
+            outcome = outcomes[node]
             if outcome is None or outcome[0] is not None or step in stops:
                 return None
             memo = outcome[1]
@@ -401,8 +406,6 @@ class _Mirrors:
 
     def decide(self, entry: Entry) -> list[Outcome | None] | None:
         """The node decisions for one entry; None when there is no mirror for its request."""
-        from espalier.engine.closing_ahead import decide_tree
-
         request_id, opening, new, total, memo, tokens, parents, here, limits, stops = entry
         try:
             if opening is not None:
@@ -480,4 +483,7 @@ def serve(conn: Connection) -> None:
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    # the package's copy of this module, not ``__main__``: the engine pickles its ``Entry``
+    from espalier.engine.closing_remote import serve as _serve
+
+    _serve(Connection(int(sys.argv[1])))
