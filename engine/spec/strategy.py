@@ -56,7 +56,8 @@ class SpecConfig:
     mask_budget_s: time budget of one tree-mask fill (None = none). mask_threads: CPU threads
     filling tree masks (default: one per core, at most 8; the mask libraries drop the GIL).
     launch_first: launch the verify forward before starting the mask fills (None = on CUDA,
-    where the launch is asynchronous; ``engine/spec/decoder.py``). close_ahead: the budget
+    where the launch is asynchronous; a step no CUDA graph fits starts its fills first even
+    then: its eager launch is long; ``engine/spec/decoder.py``). close_ahead: the budget
     closer decides for every tree node on the mask threads while the verify forward runs
     (``engine/closing_ahead.py``); off: each emitted token is decided inline. On the H200 at
     batch 32 (runs 48-49, ``bench/gpu_timeline.py``) it cuts the closing work left on the
@@ -68,7 +69,8 @@ class SpecConfig:
     of each step's bonus token) instead of the mask threads and the engine thread
     (``engine/closing_remote.py``); 0: none; None: :data:`CUDA_CLOSE_WORKERS` on CUDA, else
     none (on a CPU the target's forward leaves the mask threads time, and a process would
-    take a core from it). Not with ``defer_appends``. H200, batch 32, constrained /
+    take a core from it). With ``defer_appends``, each request's tree goes to its
+    worker as the request settles. H200, batch 32, constrained /
     unconstrained speculative, medians of three ABBA reps per pass: 0.840 and 0.862 with 2
     workers against 0.665 and 0.709 without (run 86, tree decisions only); 0.846 against
     0.755 with the final code (run 88: bonus tokens too, bounded waits).
@@ -359,12 +361,7 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
     workers = config.close_workers
     if workers is None:
         workers = CUDA_CLOSE_WORKERS if engine.runner.device.type == "cuda" else 0
-    if (
-        config.close_ahead
-        and workers > 0
-        and not config.defer_appends
-        and engine.closer.paths is not None
-    ):
+    if config.close_ahead and workers > 0 and engine.closer.paths is not None:
         from espalier.engine.closing_remote import ClosingWorkers
 
         try:

@@ -135,10 +135,12 @@ def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.Monkey
         assert compared > 20 and answered[0] == 0 and not worker.alive
 
 
+@pytest.mark.parametrize("defer", [False, True])
 def test_speculative_engine_with_closing_workers_emits_plain_tokens(
-    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, defer: bool
 ) -> None:
-    """End to end: decisions made in a worker process, the plain engine's tokens."""
+    """End to end: decisions made in a worker process, the plain engine's tokens; with
+    deferred appends too (the lookaheads are then made as each request settles)."""
     from spec_helpers import random_runner, tiny_config
     from test_spec_engine import run
 
@@ -151,7 +153,7 @@ def test_speculative_engine_with_closing_workers_emits_plain_tokens(
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)
     plain = run(Engine(EngineConfig(), runner, toy_tokenizer), closing_requests())
     engine = Engine(EngineConfig(), runner, toy_tokenizer)
-    config = SpecConfig(num_draft_tokens=6, close_workers=1)
+    config = SpecConfig(num_draft_tokens=6, close_workers=1, defer_appends=defer)
     strategy = install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))}).strategy
     assert engine.closer.workers is not None and engine.closer.workers.wait_ready()
     try:

@@ -11,7 +11,7 @@ from spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa:
 
 from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine import deferred
+from espalier.engine import closing_ahead, deferred
 from espalier.engine.api import (
     FinishReason,
     GenerationRequest,
@@ -44,6 +44,20 @@ class Counts:
 
         monkeypatch.setattr(deferred.DeferredAppends, "add", counting_add)
         monkeypatch.setattr(Engine, "_settle", counting_settle)
+
+
+def count_remote_answers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the closing decisions taken from a worker process's answer (``[count]``)."""
+    answers = [0]
+    original_take = closing_ahead.Lookahead.take
+
+    def counting_take(self: Any, here: int, token: int, **kwargs: Any) -> Any:
+        outcome = original_take(self, here, token, **kwargs)
+        answers[0] += self.remote and outcome is not None
+        return outcome
+
+    monkeypatch.setattr(closing_ahead.Lookahead, "take", counting_take)
+    return answers
 
 
 def requests() -> list[GenerationRequest]:
@@ -100,11 +114,16 @@ def run(engine: Engine, batch: list[GenerationRequest]) -> dict[str, list[Reques
     return chunks
 
 
-def speculative(tokenizer: Any, defer: bool) -> Engine:
+def speculative(tokenizer: Any, defer: bool, workers: int = 0) -> Engine:
+    """``workers``: closing worker processes (``engine/closing_remote.py``), started here."""
     runner = random_runner(tiny_config(tokenizer.vocab_size), seed=1)
     engine = Engine(EngineConfig(), runner, tokenizer)
-    config = SpecConfig(num_draft_tokens=6, mask_budget_s=None, defer_appends=defer)
+    config = SpecConfig(
+        num_draft_tokens=6, mask_budget_s=None, defer_appends=defer, close_workers=workers
+    )
     install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))})
+    if workers:
+        assert engine.closer.workers is not None and engine.closer.workers.wait_ready()
     return engine
 
 
@@ -117,14 +136,20 @@ def summary(chunks: list[RequestOutput]) -> tuple[Any, ...]:
     return tokens, text, final.finish_reason, final.error, final.usage, final.validation
 
 
+@pytest.mark.parametrize("workers", [0, 1])
 def test_deferred_appends_give_the_same_outputs(
     toy_tokenizer: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
+    workers: int,
 ) -> None:
+    """``workers``: the deferred engine's closing decisions come from a worker process (its
+    lookaheads are then submitted as each request settles)."""
     at_once = run(speculative(toy_tokenizer, defer=False), requests())
     counts = Counts(monkeypatch)
-    engine = speculative(toy_tokenizer, defer=True)
+    answered = count_remote_answers(monkeypatch)
+    engine = speculative(toy_tokenizer, defer=True, workers=workers)
     later = run(engine, requests())
+    assert (answered[0] > 0) == (workers > 0)
     for rid, chunks in at_once.items():
         assert summary(later[rid]) == summary(chunks), rid
     reasons = {summary(c)[2] for c in at_once.values()}
