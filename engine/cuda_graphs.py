@@ -160,13 +160,10 @@ class StepGraphs:
         """The step's output through a graph replay, or None when no graph fits the step."""
         from espalier.engine.runner import ForwardOutput
 
-        final = self.runner.model_config.num_layers
-        n = _step_shape(batch)
-        if n is None or any(layer != final for layer in hidden_layers):
+        fit = self._fit(batch, hidden_layers)
+        if fit is None:
             return None
-        bucket = next((b for b, k in self.captured if k == n and b >= len(batch)), None)
-        if bucket is None:
-            return None
+        bucket, n = fit
         graph = self.graphs[(bucket, n)]
         started = time.perf_counter()
         ahead = self._planned_for(bucket, batch) if n == 1 else None
@@ -199,10 +196,24 @@ class StepGraphs:
         else:
             index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
             logits = model.compute_logits(hidden.index_select(0, index))
-        captured = {final: hidden.clone()} if hidden_layers else {}
+        captured = {self.runner.model_config.num_layers: hidden.clone()} if hidden_layers else {}
         if n == 1 and bucket in self.spares:  # the GPU is busy with this step meanwhile
             self._plan_ahead(graph, batch, bucket)
         return ForwardOutput(logits=logits, logits_indptr=indptr, hidden_states=captured)
+
+    def fits(self, batch: Sequence[SeqInput], hidden_layers: Sequence[int]) -> bool:
+        """Whether :meth:`forward` would replay a graph for this step (host work only; a plan
+        that overflows the fixed buffers still runs eagerly)."""
+        return self._fit(batch, hidden_layers) is not None
+
+    def _fit(self, batch: Sequence[SeqInput], hidden_layers: Sequence[int]) -> Shape | None:
+        """The captured shape ``(bucket, n)`` this step replays; None: it runs eagerly."""
+        final = self.runner.model_config.num_layers
+        n = _step_shape(batch)
+        if n is None or any(layer != final for layer in hidden_layers):
+            return None
+        bucket = next((b for b, k in self.captured if k == n and b >= len(batch)), None)
+        return None if bucket is None else (bucket, n)
 
     def _planned_for(self, bucket: int, batch: Sequence[SeqInput]) -> _Graph | None:
         """The graph of ``bucket`` planned ahead for the decode step ``batch``, made ready to

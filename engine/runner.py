@@ -190,6 +190,13 @@ class ModelRunner:
             logits=logits, logits_indptr=meta.logits_indptr, hidden_states=captured
         )
 
+    def replays(self, batch: Sequence[SeqInput], *, hidden_layers: Sequence[int] = ()) -> bool:
+        """Whether :meth:`forward` would replay a CUDA graph for ``batch`` (its call then only
+        enqueues work); False: it runs eagerly (on CUDA its call launches kernel by kernel from
+        Python: 14-29 ms of host time for an 8B-shaped verify step at batch 32 on the H200,
+        ``bench/gpu_timeline.py`` run 91)."""
+        return self.graphs is not None and self.graphs.fits(batch, hidden_layers)
+
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy K/V of physical slots ``src[i]`` to ``dst[i]`` in every layer.
 

@@ -149,9 +149,12 @@ class SpeculativeDecoder:
             layers.update(drafter.hidden_layers)  # type: ignore[attr-defined]
         self._hidden_layers = tuple(sorted(layers))
         # CUDA: the forward only launches (asynchronous), so the fills start after it and run
-        # while the GPU works, instead of competing with the launch's Python for the GIL. CPU:
-        # the forward runs to completion inside the call (releasing the GIL in its kernels), so
-        # the fills start before it to overlap with it.
+        # while the GPU works, instead of competing with the launch's Python for the GIL; but
+        # not when it runs eagerly (no CUDA graph fits the step, ``ModelRunner.replays``): that
+        # launch takes as long as the fills or longer (H200, batch 32, 8B shape, run 91: 14-29
+        # ms of host time, and the masks came 7-9 ms after it). CPU: the forward runs to
+        # completion inside the call (releasing the GIL in its kernels), so the fills start
+        # before it to overlap with it.
         self._launch_first = runner.device.type == "cuda" if launch_first is None else launch_first
         self._copy_stream: torch.cuda.Stream | None = None  # mask uploads (CUDA, _upload)
         # the target's time per step (forward + verification), smoothed: how long this step's
@@ -258,10 +261,13 @@ class SpeculativeDecoder:
                 settle(None)
             return pending
 
-        pending = None if self._launch_first else submit_fills()
-        out = self.runner.forward(
-            [*inputs, *(i for _, i in passthrough)], hidden_layers=self._hidden_layers
+        batch = [*inputs, *(i for _, i in passthrough)]
+        # an eager forward's call lasts as long as its launch from Python: the fills go first
+        launch_first = self._launch_first and self.runner.replays(
+            batch, hidden_layers=self._hidden_layers
         )
+        pending = None if launch_first else submit_fills()
+        out = self.runner.forward(batch, hidden_layers=self._hidden_layers)
         if pending is None:
             pending = submit_fills()
         forwarded = time.perf_counter()

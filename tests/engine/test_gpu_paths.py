@@ -11,6 +11,7 @@ tree verification.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -233,6 +234,8 @@ def test_tree_verify_graph_matches_eager_logits() -> None:
             )
             for t, c in zip(tables, ctx)
         ]
+        assert graphs.replays(batch) and not eager.replays(batch)
+        assert not graphs.replays(batch[:2] + [replace(batch[2], token_ids=[1, 2, 3])])
         want, got = eager.forward(batch), graphs.forward(batch)
         assert got.logits_indptr == want.logits_indptr == [0, 7, 14, 21]
         scale = float(want.logits.abs().max())

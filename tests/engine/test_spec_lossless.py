@@ -89,13 +89,39 @@ def test_mixed_batch_matches_plain(runner: Any, toy_tokenizer: Any) -> None:
     assert loop.allocator.num_free_blocks == runner.num_blocks  # every block came back
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_masks_after_launch_match_plain(runner: Any, toy_tokenizer: Any, threads: int) -> None:
+@pytest.mark.parametrize(("threads", "eager_every"), [(1, 0), (3, 0), (3, 2)])
+def test_masks_after_launch_match_plain(
+    runner: Any, toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, threads: int, eager_every: int
+) -> None:
     """The CUDA order (forward launched, then the fills, shared by the pool and the waiting
-    thread) gives the same tokens as plain decoding, constrained and not, in one batch."""
+    thread) gives the same tokens as plain decoding, constrained and not, in one batch.
+    ``eager_every``: every that many steps the forward is one no CUDA graph fits
+    (``ModelRunner.replays`` False, as on a GPU), and its fills start before it instead."""
     stops = frozenset(toy_tokenizer.stop_token_ids)
     proposer = Proposer({"ngram": NgramDrafter(NgramConfig(min_n=1, max_n=3))})
     masks = MaskBuilder(runner.vocab_size, threads=threads)
+    steps: list[list[str]] = []  # per verify step: "replay" or "eager", then the calls in order
+
+    def replays(batch: Any, *, hidden_layers: Any = ()) -> bool:
+        replay = not eager_every or (len(steps) + 1) % eager_every != 0
+        steps.append(["replay" if replay else "eager"])
+        return replay
+
+    forward, submit = runner.forward, masks.submit
+
+    def recording_forward(*args: Any, **kwargs: Any) -> Any:
+        if steps:
+            steps[-1].append("forward")
+        return forward(*args, **kwargs)
+
+    def recording_submit(*args: Any, **kwargs: Any) -> Any:
+        if steps:
+            steps[-1].append("fills")
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "replays", replays)
+    monkeypatch.setattr(runner, "forward", recording_forward)
+    monkeypatch.setattr(masks, "submit", recording_submit)
     loop = SpecLoop(SpeculativeDecoder(runner, proposer, masks, launch_first=True))
     setups = [
         (PROMPTS[0], "llguidance", ("ngram", "forced")),
@@ -115,6 +141,11 @@ def test_masks_after_launch_match_plain(runner: Any, toy_tokenizer: Any, threads
         matcher = compile_matcher(toy_tokenizer, backend) if backend else None
         expected = plain_greedy(runner, prompt, 20, matcher=matcher, stop_ids=stops)
         assert result.output_ids == expected
+    assert len(steps) > 4
+    for step in steps:  # a step's own calls come first (prefill or oracle forwards follow)
+        fills_first = ["fills", "forward"] if step[0] == "eager" else ["forward", "fills"]
+        assert step[1:3] == fills_first, steps
+    assert any(step[0] == "eager" for step in steps) == bool(eager_every)
 
 
 def test_sliding_window_target_matches_plain(toy_tokenizer: Any) -> None:
