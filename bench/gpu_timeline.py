@@ -13,7 +13,8 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   too);
 - ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
-  for a running job, or runs it inline);
+  for a running job, or runs it inline), ``finish`` (``Engine._finish``: a finished request's
+  last chunk, with its post-validation);
 - ``other``: ``Engine.step`` minus schedule, execute and append, plus settle (counted in both
   execute and append);
 
@@ -25,7 +26,11 @@ the engine thread fetching a worker's answer), ``calls["fill_ahead"]`` (fills st
 their request's deferred append was settled, ``MaskBuilder.submit``'s ``pending``), and per
 step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the end of the step's last fill)
 and ``fill_max`` (its slowest tree); per step, in ms after the verify forward's call starts:
-``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``).
+``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``);
+``gc``: garbage collections (any thread, ``gc.callbacks``; ``calls["gc_genN"]``).
+
+Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases) and ``clock_per_step_ms``
+(the clock above), to tell a uniformly slower step from a few slow ones.
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -33,6 +38,7 @@ and ``fill_max`` (its slowest tree); per step, in ms after the verify forward's 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
@@ -74,7 +80,25 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("take", closing_ahead.Lookahead, "take"),
     ("decide", closing.BudgetCloser, "decide"),
     ("search", closing.ClosingPaths, "search"),
+    ("finish", engine_mod.Engine, "_finish"),
 )
+
+PER_STEP = (
+    "step",
+    "draft",
+    "forward",
+    "mask_wait",
+    "verify",
+    "settle",
+    "append",
+    "accept_run",
+    "closing",
+    "take",
+    "lookahead_inline",
+    "finish",
+    "gc",
+)
+"""Phases also reported step by step (``per_step_ms``: ms per engine step, in order)."""
 
 
 class Timeline:
@@ -97,6 +121,24 @@ class Timeline:
         self._submitted = 0.0
         self._fill_end = 0.0
         self._fill_max = 0.0
+        self.per_step: dict[str, list[float]] = defaultdict(list)  # PER_STEP phases, ms
+        self._step_base: dict[str, float] = {}
+        self._gc_start = 0.0
+
+    def _close_step(self) -> None:
+        """Record this step's share of the PER_STEP phases (sums since the last step)."""
+        for key in PER_STEP:
+            total = self.sums.get(key, 0.0)
+            self.per_step[key].append(round((total - self._step_base.get(key, 0.0)) * 1e3, 2))
+            self._step_base[key] = total
+
+    def gc_callback(self, phase: str, info: dict[str, int]) -> None:
+        """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self.on and self._gc_start:
+            self.sums["gc"] += time.perf_counter() - self._gc_start
+            self.calls[f"gc_gen{info.get('generation', -1)}"] += 1
 
     def phase(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -110,6 +152,7 @@ class Timeline:
                 self.calls[name] += 1
                 if name == "step":
                     self.steps += 1
+                    self._close_step()
 
         return wrapper
 
@@ -179,6 +222,10 @@ class Timeline:
             **{
                 f"{key}_ms_p50_p90_max": [pct(v, 0.5), pct(v, 0.9), pct(v, 1.0)]
                 for key, v in ((k, sorted(vs)) for k, vs in sorted(self.clock.items()))
+            },
+            "per_step_ms": dict(self.per_step),
+            "clock_per_step_ms": {
+                k: [round(v * 1e3, 2) for v in vs] for k, vs in sorted(self.clock.items())
             },
         }
 
@@ -253,6 +300,7 @@ def install() -> Timeline:
     """Wrap the phases (class attributes, looked up at call time), ``spec.run_engine`` (the
     warm-up run: not counted) and ``gpu_spec._run`` (one line per run)."""
     line = Timeline()
+    gc.callbacks.append(line.gc_callback)
     _count_replays(line)
     _gpu_clock(line)  # inside the phase timers: its own work is not in the phases' times
     for name, owner, attr in MAIN_PHASES:
