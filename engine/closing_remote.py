@@ -10,12 +10,13 @@ unconstrained, with the masks ready at 10.3-10.5 and the GPU at 10.0.
 Here the same decisions (:func:`~espalier.engine.closing_ahead.decide_tree`, the same
 ``BudgetCloser.decide``) are made in worker processes, with their own GIL. A worker holds, per
 request, a *mirror*: the request's grammar compiled again there (its backend and the spec it
-compiled) in a matcher that has accepted the request's output tokens. Per step the engine sends
-each worker one message (:meth:`ClosingWorkers.flush`): per request, the tokens appended since
-its last message, the draft tree, the memo and the limits; the worker answers with every node's
-decision. The engine thread receives the answer when it first takes a decision of the step
-(appending after verification). The decisions are a function of the tokens alone, so they are
-those of the engine's own matcher.
+compiled) in a matcher that has accepted the request's output tokens. A request goes to the
+worker with the fewest requests when it is first seen, and stays there. Per step the engine
+sends each worker one message (:meth:`ClosingWorkers.flush`): per request, the tokens appended
+since its last message, the draft tree, the memo and the limits; the worker answers with every
+node's decision, in parts (:data:`CHUNK_S`). The engine thread receives a request's part when
+it first takes a decision of the request in the step (appending after verification). The
+decisions are a function of the tokens alone, so they are those of the engine's own matcher.
 
 A worker that cannot build a mirror answers None for that request, and one that died answers
 None for all: those tokens are decided inline, as without workers; so are those of requests
@@ -35,7 +36,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -58,6 +58,14 @@ here), so its requests keep the mask threads' lookahead."""
 WAIT_S = 0.02
 """The longest the engine thread waits for a worker's answer before deciding inline (a worker
 still compiling a new grammar); the next waits of that step for the same worker do not wait."""
+
+CHUNK_S = 0.001
+"""A worker sends the tree decisions it has made so far once making them took this long since
+its last send (then goes on), so the engine appends the first requests of a step while the
+worker decides for the last ones: one message in a step of quick decisions, several in a step
+where many requests search for closing paths at once (their first checks in the window: H200,
+batch 32, ``bench/gpu_timeline.py`` run 91, appends of 8.5-15.6 ms in such steps against 2-3
+in the others)."""
 
 READY = "ready"  # the worker's first message: it has built the tokenizer and the backends
 MAX_COMPILED = 64  # grammars a worker keeps compiled (least recently opened dropped first)
@@ -85,14 +93,18 @@ below the root, the token after them (off the tree: the bonus token)."""
 
 
 class _Reply:
-    """One answer message the engine waits for: ``value`` once ``received`` (None: inline)."""
+    """One answer the engine waits for: ``value`` once ``received`` (None: inline).
 
-    __slots__ = ("received", "sent", "value")
+    ``parts``: the answer to a message's entries, which comes in parts (``(decisions, last)``
+    messages, :data:`CHUNK_S`): ``value`` is the list of the decisions received so far."""
 
-    def __init__(self) -> None:
+    __slots__ = ("parts", "received", "sent", "value")
+
+    def __init__(self, *, parts: bool = False) -> None:
+        self.parts = parts
         self.sent = False  # its message went to the worker (else it is still queued)
         self.received = False
-        self.value: Any = None
+        self.value: Any = [] if parts else None
 
 
 class _Worker:
@@ -102,12 +114,13 @@ class _Worker:
     engine does not wait for the child to start); the worker answers ``READY`` once it has
     built it. Until then :meth:`ClosingWorkers.submit` queues nothing for it (inline)."""
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self, payload: bytes, chunk_s: float = CHUNK_S) -> None:
         parent, child = Pipe()
         self.conn: Connection = parent
         fd = child.fileno()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "espalier.engine.closing_remote", str(fd)], pass_fds=(fd,)
+            [sys.executable, "-m", "espalier.engine.closing_remote", str(fd), repr(chunk_s)],
+            pass_fds=(fd,),
         )
         child.close()
         self.alive = True
@@ -115,7 +128,8 @@ class _Worker:
         self.outbox: list[Entry] = []
         self.queries: list[tuple[Query, _Reply]] = []
         self.forgets: list[str] = []
-        self.batch = _Reply()  # the answer to the outbox, once sent
+        self.batch = _Reply(parts=True)  # the answer to the outbox, once sent
+        self.requests = 0  # requests assigned to this worker (``ClosingWorkers._worker_of``)
         self._sent: collections.deque[_Reply] = collections.deque()
         self._late = False  # an answer of this step did not come within WAIT_S
         self._lock = threading.Lock()
@@ -141,7 +155,8 @@ class _Worker:
             return
         message = (self.forgets, self.outbox, [query for query, _ in self.queries])
         replies = [self.batch, *(reply for _, reply in self.queries)]
-        self.outbox, self.queries, self.forgets, self.batch = [], [], [], _Reply()
+        self.outbox, self.queries, self.forgets = [], [], []
+        self.batch = _Reply(parts=True)
         with self._lock:
             self._late = False
             self._drain()  # the answers already there (a worker blocked on a full pipe would
@@ -161,16 +176,29 @@ class _Worker:
     def answer(self, reply: _Reply) -> Any:
         """``reply``'s value (sending the outbox first if it is still there); None when it
         does not come within :data:`WAIT_S` (or, once one of this step did not, at once)."""
+        return reply.value if self._wait(reply, None) else None
+
+    def answer_part(self, reply: _Reply, index: int) -> tuple[bool, Any]:
+        """``(True, decision)`` for entry ``index`` of a multi-part ``reply`` once its part is
+        there (without waiting for the later parts); ``(False, None)`` when it does not come
+        in time (as :meth:`answer`) or the worker stopped before sending it."""
+        if not self._wait(reply, index) or index >= len(reply.value):
+            return False, None
+        return True, reply.value[index]
+
+    def _wait(self, reply: _Reply, index: int | None) -> bool:
+        """Receive until ``reply`` (with ``index``: its part holding entry ``index``) is
+        there; False when it does not come within the step's wait."""
         if not reply.received and not reply.sent:
             self.flush()
         deadline = time.monotonic() + (0.0 if self._late else WAIT_S)
         with self._lock:
-            while not reply.received:
+            while not reply.received and (index is None or len(reply.value) <= index):
                 if not self._ready_to_receive(max(0.0, deadline - time.monotonic())):
                     self._late = True
-                    return None
+                    return False
                 self._receive_one()
-        return reply.value
+        return True
 
     def _ready_to_receive(self, timeout_s: float) -> bool:
         """An answer is there to receive (or the worker died: then every one is None)."""
@@ -187,13 +215,24 @@ class _Worker:
             self._receive_one()
 
     def _receive_one(self) -> None:
+        """Receive one message, for the oldest reply still waiting (a part of it, when it
+        comes in parts and this is not the last one)."""
         if not self._sent:
             return
         reply = self._sent[0]
+        message = None
         try:
-            reply.value = self.conn.recv() if self.alive else None
+            if self.alive:
+                message = self.conn.recv()
         except (EOFError, OSError):
             self._died()
+        if reply.parts and message is not None:
+            decisions, last = message
+            reply.value.extend(decisions)
+            if not last:
+                return
+        elif not reply.parts:
+            reply.value = message
         self._sent.popleft()
         reply.received = True
 
@@ -228,10 +267,15 @@ class ClosingWorkers:
     ``processes``: how many; a request always goes to the same one (its mirror lives there).
     Used from the engine thread only."""
 
-    def __init__(self, tokenizer: TokenizerInfo, processes: int) -> None:
+    def __init__(
+        self, tokenizer: TokenizerInfo, processes: int, *, chunk_s: float | None = None
+    ) -> None:
+        """chunk_s: the workers' :data:`CHUNK_S` (None: that default)."""
         payload = tokenizer.backend_view("espalier.engine.closing_remote.payload", _payload)
-        self._workers = [_Worker(payload) for _ in range(max(1, processes))]
+        chunk = CHUNK_S if chunk_s is None else chunk_s
+        self._workers = [_Worker(payload, chunk) for _ in range(max(1, processes))]
         self._synced: dict[str, int] = {}  # request id -> output tokens its mirror accepted
+        self._assigned: dict[str, _Worker] = {}  # request id -> the worker with its mirror
 
     def wait_ready(self, timeout_s: float = 60.0) -> bool:
         """Block until every worker has started (or ``timeout_s`` passed); True when all did.
@@ -302,12 +346,12 @@ class ClosingWorkers:
         worker.outbox.append(entry)
 
         def fetch() -> list[Outcome | None] | None:
-            results = worker.answer(batch)  # None: late (the mirror is fine) or a dead worker
-            if results is None:
+            arrived, decisions = worker.answer_part(batch, index)
+            if not arrived:  # late (the mirror is fine), or a dead worker
                 return None
-            if results[index] is None:  # no mirror there (any more): build it with the next one
+            if decisions is None:  # no mirror there (any more): build it with the next one
                 self._synced.pop(request_id, None)
-            return results[index]
+            return decisions  # type: ignore[no-any-return]
 
         return fetch
 
@@ -315,8 +359,10 @@ class ClosingWorkers:
         """Queue the decision for ``token`` appended after ``path`` (tree tokens below the root
         of ``request_id``'s last submitted tree; ``token`` is off the tree: the bonus token)
         for the next :meth:`flush`; returns what fetches it (None: decide inline)."""
+        if request_id not in self._synced:
+            return _inline
         worker = self._worker_of(request_id)
-        if request_id not in self._synced or not worker.alive:
+        if not worker.alive:
             return _inline
         reply = _Reply()
         worker.queries.append(((request_id, path, token), reply))
@@ -330,15 +376,28 @@ class ClosingWorkers:
 
     def forget(self, request_id: str) -> None:
         """The request finished: its mirror is dropped with the next message."""
+        worker = self._assigned.pop(request_id, None)
+        if worker is None:
+            return
+        worker.requests -= 1
         if self._synced.pop(request_id, None) is not None:
-            self._worker_of(request_id).forgets.append(request_id)
+            worker.forgets.append(request_id)
 
     def close(self) -> None:
         for worker in self._workers:
             worker.close()
 
     def _worker_of(self, request_id: str) -> _Worker:
-        return self._workers[zlib.crc32(request_id.encode()) % len(self._workers)]
+        """The request's worker: on first use, the live one with the fewest requests (a step's
+        decisions wait for the busiest worker; hashing ids split the benchmark's 32 requests
+        14 / 18 between two)."""
+        worker = self._assigned.get(request_id)
+        if worker is None:
+            live = [w for w in self._workers if w.alive] or self._workers
+            worker = min(live, key=lambda w: w.requests)
+            worker.requests += 1
+            self._assigned[request_id] = worker
+        return worker
 
 
 _NONE: frozenset[int] = frozenset()
@@ -457,10 +516,11 @@ def _warm_backends(tokenizer: TokenizerInfo) -> None:
             log.debug("closing worker: backend %s unavailable", name, exc_info=True)
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, chunk_s: float = CHUNK_S) -> None:
     """The worker's loop: a tokenizer first, then ``(forgets, entries, queries)`` messages,
-    each answered with the entries' decisions and then each query's, until None or the
-    engine's end of the pipe closes."""
+    each answered with the entries' decisions, in parts (``(decisions, last)``, a part sent
+    once its decisions took ``chunk_s``, :data:`CHUNK_S`), then each query's decision, until
+    None or the engine's end of the pipe closes."""
     from espalier.constrained.tokenizer import TokenizerInfo
 
     hf, vocab_size, stops, name = pickle.loads(conn.recv_bytes())
@@ -477,7 +537,14 @@ def serve(conn: Connection) -> None:
             return
         forgets, entries, queries = message
         mirrors.forget(forgets)
-        conn.send([mirrors.decide(entry) for entry in entries])
+        part: list[list[Outcome | None] | None] = []
+        start = time.perf_counter()
+        for count, entry in enumerate(entries, 1):
+            part.append(mirrors.decide(entry))
+            if count < len(entries) and time.perf_counter() - start >= chunk_s:
+                conn.send((part, False))
+                part, start = [], time.perf_counter()
+        conn.send((part, True))
         for query in queries:  # one message each: the engine takes them one by one
             conn.send(mirrors.answer(query))
 
@@ -486,4 +553,4 @@ if __name__ == "__main__":
     # the package's copy of this module, not ``__main__``: the engine pickles its ``Entry``
     from espalier.engine.closing_remote import serve as _serve
 
-    _serve(Connection(int(sys.argv[1])))
+    _serve(Connection(int(sys.argv[1])), float(sys.argv[2]) if len(sys.argv) > 2 else CHUNK_S)

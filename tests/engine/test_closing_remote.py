@@ -20,7 +20,7 @@ from test_closing_ahead import _stream, _tree, closing_requests, count_answers
 
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine import closing_ahead
+from espalier.engine import closing_ahead, closing_remote
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import NO_MEMO, BudgetCloser
 from espalier.engine.closing_remote import ClosingWorkers
@@ -135,12 +135,15 @@ def test_a_stopped_worker_leaves_the_decisions_inline(monkeypatch: pytest.Monkey
         assert compared > 20 and answered[0] == 0 and not worker.alive
 
 
-@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize(("defer", "chunk_s"), [(False, None), (True, None), (False, 0.0)])
 def test_speculative_engine_with_closing_workers_emits_plain_tokens(
-    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, defer: bool
+    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, defer: bool, chunk_s: float | None
 ) -> None:
     """End to end: decisions made in a worker process, the plain engine's tokens; with
-    deferred appends too (the lookaheads are then made as each request settles)."""
+    deferred appends too (the lookaheads are then made as each request settles); with every
+    request's decisions in a part of its own (``chunk_s`` 0)."""
+    if chunk_s is not None:
+        monkeypatch.setattr(closing_remote, "CHUNK_S", chunk_s)
     from spec_helpers import random_runner, tiny_config
     from test_spec_engine import run
 
@@ -275,3 +278,69 @@ def test_memos_cross_the_pipe_unchanged() -> None:
     for memo in (NO_MEMO, Memo((7, [1, 2]), 9, False), Memo(None, 3, True)):
         again = pickle.loads(pickle.dumps(memo))
         assert again == memo and type(again) is Memo and again is not memo
+
+
+def test_a_step_answer_comes_in_parts_taken_as_they_arrive() -> None:
+    # chunk_s 0: one part per request. Taking the first request's decisions receives only its
+    # part; every request's decisions are those of decide_tree on the engine's own matcher.
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    stops = set(tokenizer.stop_token_ids)
+    workers = ClosingWorkers(tokenizer, 1, chunk_s=0.0)
+    try:
+        assert workers.wait_ready()
+        rng = random.Random(5)
+        fetches, expected = [], []
+        for i in range(5):
+            stream = _stream(tokenizer, compiled, rng, 40)
+            request = Request(f"p{i}", [1], SamplingParams(max_tokens=30), 0)
+            request.compiled, request.matcher = compiled, compiled.matcher()
+            cut = rng.randint(1, 12)
+            assert request.matcher.accept_tokens(stream[:cut]) == cut
+            request.output_ids.extend(stream[:cut])
+            tokens, parents = _tree(stream[cut:], stream[cut - 1], rng)
+            limits = (cut + rng.randint(10, 16), 10_000)  # about a closing path's length
+            fetches.append(workers.submit(request, NO_MEMO, tokens, parents, cut, limits, stops))
+            fork = request.matcher.fork()
+            expected.append(
+                closing_ahead.decide_tree(
+                    closer, NO_MEMO, fork, tokens, parents, cut, limits, stops
+                )
+            )
+        workers.flush()
+        batch = workers._workers[0]._sent[0]
+        assert batch.parts and not batch.received
+        assert fetches[0]() == expected[0]
+        assert len(batch.value) == 1 and not batch.received  # the later parts not yet taken
+        assert [fetch() for fetch in fetches] == expected
+        assert batch.received and len(batch.value) == 5
+        decided = [d for e in expected for d in e if d is not None]
+        assert any(d[0] is not None for d in decided)  # some nodes close
+        assert any(d[1].known is not None for d in decided)  # others found a closing path
+    finally:
+        workers.close()
+
+
+def test_a_request_goes_to_the_worker_with_the_fewest() -> None:
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "llguidance")
+    workers = ClosingWorkers(tokenizer, 2)
+    try:
+        assert workers.wait_ready()
+        first, second = workers._workers
+        for i in range(6):
+            request = Request(f"q{i}", [1], SamplingParams(max_tokens=30), 0)
+            request.compiled, request.matcher = compiled, compiled.matcher()
+            workers.open(request)
+        assert (first.requests, second.requests) == (3, 3)
+        placed = {rid: workers._worker_of(rid) for rid in (f"q{i}" for i in range(6))}
+        gone = [rid for rid, worker in placed.items() if worker is first][:2]
+        for rid in gone:
+            workers.forget(rid)
+        assert (first.requests, second.requests) == (1, 3) and first.forgets == gone
+        assert workers._worker_of("new0") is first and workers._worker_of("new1") is first
+        assert workers._worker_of("new2") in (first, second)
+        assert workers._worker_of("q5") is placed["q5"]  # a request stays where its mirror is
+    finally:
+        workers.close()
