@@ -376,13 +376,18 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
     defers = _per_pass(args.defer_appends, len(names), "--defer-appends")
     workers = _per_pass(args.close_workers, len(names), "--close-workers")
+    chunks = _per_pass(args.close_chunk_ms, len(names), "--close-chunk-ms")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, defers, workers)
+    passes = zip(names, aheads, threads, defers, workers, chunks)
+    from espalier.engine import closing_remote
     from espalier.engine.spec import decoder as decoder_mod
 
-    for i, (name, ahead, mask_threads, defer, procs) in enumerate(passes):
+    default_chunk_s = closing_remote.CHUNK_S
+    for i, (name, ahead, mask_threads, defer, procs, chunk) in enumerate(passes):
         # "early": deferred, fills run ahead settled before the masks are waited for
         decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
+        # the workers' answer parts ("inf": one message per step, as before parts)
+        closing_remote.CHUNK_S = default_chunk_s if chunk == "default" else float(chunk) / 1e3
         ratios = equal_work(
             runner,
             tokenizer,
@@ -404,6 +409,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             ""
             if len(aheads) == 1
             else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_workers_{procs}_"
+            + ("" if chunk == "default" else f"chunk_{chunk}_")
         )
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
@@ -470,6 +476,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.close_workers per equal-work pass (default: the engine's; 0: the "
         "mask threads decide ahead; N: N worker processes), one value or as many as "
         "--close-ahead: e.g. --close-ahead default,on,on,on,on --close-workers 2,2,0,0,2",
+    )
+    parser.add_argument(
+        "--close-chunk-ms",
+        default="default",
+        help="the closing workers' answer parts per equal-work pass (closing_remote.CHUNK_S, "
+        "in ms; inf: one message per step), one value or as many as --close-ahead: e.g. "
+        "--close-ahead default,default,default,default --close-chunk-ms default,inf,inf,default",
     )
     parser.add_argument(
         "--mask-threads",

@@ -267,6 +267,7 @@ def equal_work(
     import torch
 
     from espalier.constrained.spec import GrammarSpec
+    from espalier.engine import closing_remote
 
     schemas = [
         s
@@ -314,6 +315,7 @@ def equal_work(
                     "tight_budget": tight_budget,
                     "defer_appends": defer_appends,
                     "close_workers": close_workers,
+                    "close_chunk_s": closing_remote.CHUNK_S,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -333,6 +335,7 @@ def equal_work(
                 "tight_budget": tight_budget,
                 "defer_appends": defer_appends,
                 "close_workers": close_workers,
+                "close_chunk_s": closing_remote.CHUNK_S,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),
