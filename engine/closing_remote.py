@@ -351,7 +351,7 @@ class ClosingWorkers:
                 return None
             if decisions is None:  # no mirror there (any more): build it with the next one
                 self._synced.pop(request_id, None)
-            return decisions  # type: ignore[no-any-return]
+            return decisions
 
         return fetch
 
