@@ -377,17 +377,19 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     defers = _per_pass(args.defer_appends, len(names), "--defer-appends")
     workers = _per_pass(args.close_workers, len(names), "--close-workers")
     chunks = _per_pass(args.close_chunk_ms, len(names), "--close-chunk-ms")
+    bonuses = _per_pass(args.bonus_ahead, len(names), "--bonus-ahead")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, defers, workers, chunks)
-    from espalier.engine import closing_remote
+    passes = zip(names, aheads, threads, defers, workers, zip(chunks, bonuses))
+    from espalier.engine import closing, closing_remote
     from espalier.engine.spec import decoder as decoder_mod
 
     default_chunk_s = closing_remote.CHUNK_S
-    for i, (name, ahead, mask_threads, defer, procs, chunk) in enumerate(passes):
+    for i, (name, ahead, mask_threads, defer, procs, (chunk, bonus)) in enumerate(passes):
         # "early": deferred, fills run ahead settled before the masks are waited for
         decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
         # the workers' answer parts ("inf": one message per step, as before parts)
         closing_remote.CHUNK_S = default_chunk_s if chunk == "default" else float(chunk) / 1e3
+        closing.BONUS_AHEAD = bonus != "off"  # the bonus token's check decided in the workers
         ratios = equal_work(
             runner,
             tokenizer,
@@ -410,6 +412,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             if len(aheads) == 1
             else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_workers_{procs}_"
             + ("" if chunk == "default" else f"chunk_{chunk}_")
+            + ("" if bonus == "default" else f"bonus_{bonus}_")
         )
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
@@ -483,6 +486,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the closing workers' answer parts per equal-work pass (closing_remote.CHUNK_S, "
         "in ms; inf: one message per step), one value or as many as --close-ahead: e.g. "
         "--close-ahead default,default,default,default --close-chunk-ms default,inf,inf,default",
+    )
+    parser.add_argument(
+        "--bonus-ahead",
+        default="default",
+        help="closing.BONUS_AHEAD per equal-work pass (default and on: on; off), one value or "
+        "as many as --close-ahead",
     )
     parser.add_argument(
         "--mask-threads",

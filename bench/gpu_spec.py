@@ -267,7 +267,7 @@ def equal_work(
     import torch
 
     from espalier.constrained.spec import GrammarSpec
-    from espalier.engine import closing_remote
+    from espalier.engine import closing, closing_remote
 
     schemas = [
         s
@@ -316,6 +316,7 @@ def equal_work(
                     "defer_appends": defer_appends,
                     "close_workers": close_workers,
                     "close_chunk_s": closing_remote.CHUNK_S,
+                    "bonus_ahead": closing.BONUS_AHEAD,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -336,6 +337,7 @@ def equal_work(
                 "defer_appends": defer_appends,
                 "close_workers": close_workers,
                 "close_chunk_s": closing_remote.CHUNK_S,
+                "bonus_ahead": closing.BONUS_AHEAD,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

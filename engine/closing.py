@@ -48,6 +48,12 @@ MARGIN = 4
 REPEAT_LIMIT = 16  # a search choosing one token this many times in a row gives up (a loop)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
+BONUS_AHEAD = True
+"""With closing workers, a draft tree goes to its worker when the check of the token after its
+deepest node (the step's bonus token, decided there through ``BudgetCloser.prefetch``) is due,
+even when no node's is: else that check runs inline on the engine thread, and when it is the
+request's first in the window it searches for a closing path (``bench/closing_steady.py``).
+Read at each lookahead; False: only when a node's check is due (the bench's anchor)."""
 
 
 class ClosingPaths:
@@ -342,14 +348,19 @@ class BudgetCloser:
             workers.open(request)  # early: its grammar compiles there meanwhile
         memo = self._memo.get(request.request_id, NO_MEMO)
         here = len(request.output_ids)
-        deepest = here + max_depth(parents) - 1  # output length at the deepest node's check
+        # output length at the last check worth making ahead: the deepest node's; with
+        # workers, the one after it (BONUS_AHEAD)
+        bonus = workers is not None and BONUS_AHEAD
+        last = here + max_depth(parents) - (0 if bonus else 1)
         budget = min(
-            request.sampling.max_tokens - deepest,
-            max_model_len - request.num_tokens - (deepest - here),
+            request.sampling.max_tokens - last,
+            max_model_len - request.num_tokens - (last - here),
         )
-        if len(tokens) < 2 or memo.unclosable or budget > CLOSING_WINDOW:
+        if len(tokens) < (1 if bonus else 2):
             return None
-        if deepest < memo.next_check:  # no node needs a check: ``pass_through`` lets all by
+        if memo.unclosable or budget > CLOSING_WINDOW:
+            return None
+        if last < memo.next_check:  # no check is needed: ``pass_through`` lets all by
             return None
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)

@@ -531,7 +531,7 @@ def serve(conn: Connection, chunk_s: float = CHUNK_S) -> None:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the engine's end closed (or its process died)
             return
         if message is None:
             return

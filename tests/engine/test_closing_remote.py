@@ -344,3 +344,58 @@ def test_a_request_goes_to_the_worker_with_the_fewest() -> None:
         assert workers._worker_of("q5") is placed["q5"]  # a request stays where its mirror is
     finally:
         workers.close()
+
+
+def test_with_workers_the_bonus_tokens_check_gets_a_lookahead() -> None:
+    # The token after the deepest node (the bonus token) is checked one output length later.
+    # When only that check is due (the memo's next check, or the window's first check), the
+    # tree still goes to the worker, which then answers the bonus query: no decision inline.
+    # Without workers there is no job for it (the bonus is decided inline anyway).
+    from espalier.engine.closing import CLOSING_WINDOW, Memo
+
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(CLOSING_SCHEMA), tokenizer, "llguidance")
+    stream = _stream(tokenizer, compiled, random.Random(2), 12)
+    with_workers = BudgetCloser(tokenizer)
+    workers = with_workers.workers = ClosingWorkers(tokenizer, 1)
+    try:
+        assert workers.wait_ready()
+        for closer in (with_workers, BudgetCloser(tokenizer)):
+            for case in ("next_check", "window"):
+                max_tokens = 30 if case == "next_check" else 4 + 3 + CLOSING_WINDOW
+                request = Request(f"b_{case}", [1], SamplingParams(max_tokens=max_tokens), 0)
+                request.compiled, request.matcher = compiled, compiled.matcher()
+                assert request.matcher.accept_tokens(stream[:4]) == 4
+                request.output_ids.extend(stream[:4])  # here = 4
+                chain = (stream[3:7], [-1, 0, 1, 2])  # depth 3: checks at 4, 5, 6; bonus at 7
+                if case == "next_check":
+                    closer._memo[request.request_id] = Memo(None, next_check=7)
+                made = closer.lookahead(request, *chain, 10_000)
+                if closer is with_workers:
+                    assert made is None and closer._ahead[request.request_id].remote
+                    closer.flush()
+                    bonus = stream[7]
+                    closer.prefetch(request, [*stream[4:7], bonus])
+                    closer.flush()
+                    assert closer.pass_through(request, stream[4:7], 10_000) == 3
+                    request.output_ids.extend(stream[4:7])
+                    assert request.matcher.accept_tokens(stream[4:7]) == 3
+                    inline = BudgetCloser(tokenizer)
+                    inline._memo[request.request_id] = closer._memo.get(request.request_id, NO_MEMO)
+                    ahead = closer._ahead[request.request_id]
+                    taken = ahead.take(7, bonus)
+                    assert taken is not None  # the worker's answer, not inline
+                    expected = inline.decide(
+                        inline._memo[request.request_id],
+                        request.matcher,
+                        bonus,
+                        7,
+                        max_tokens - 7,
+                        False,
+                    )
+                    assert taken == expected
+                else:
+                    assert made is None and request.request_id not in closer._ahead
+                closer.forget(request.request_id)
+    finally:
+        workers.close()
