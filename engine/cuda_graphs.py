@@ -42,6 +42,8 @@ from espalier.engine.attention.base import AttentionMetadata
 from espalier.engine.attention.paged_plan import paged_layout, sequence_mask
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
     from espalier.engine.attention.flashinfer import FlashinferBackend, GraphWrappers
     from espalier.engine.runner import ForwardOutput, ModelRunner, SeqInput
 
@@ -101,7 +103,7 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every shape, largest first per ``n`` (smaller ones reuse its memory pool)."""
-        pool = None
+        pool: _POOL_HANDLE | None = None
         for n in [1, *self.tree_sizes]:
             for bucket in reversed(self.batch_sizes):
                 try:
@@ -123,7 +125,7 @@ class StepGraphs:
                     except Exception as exc:  # plan this bucket after each sync instead
                         log.warning("no second decode graph for %d: %s", bucket, exc)
 
-    def _capture_one(self, bucket: int, n: int, pool: object) -> _Graph:
+    def _capture_one(self, bucket: int, n: int, pool: _POOL_HANDLE | None) -> _Graph:
         runner, device = self.runner, self.runner.device
         bs = runner.block_size
         max_pages = runner.kv_cache.num_blocks + bucket

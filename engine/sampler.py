@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -63,7 +64,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     device = logits.device
     index = torch.tensor(list(rows), dtype=torch.int64, device=device)
     # Triton on CUDA; on CPU the torch twin (the Triton interpreter is for kernel tests only).
-    backend = "auto" if logits.is_cuda else "torch"
+    backend: Literal["auto", "torch"] = "auto" if logits.is_cuda else "torch"
     apply_bitmask_(logits, bitmask.to(device, non_blocking=True), index, backend=backend)
 
 

@@ -31,7 +31,7 @@ from espalier.engine.sampler import RowParams, Sampler
 
 if TYPE_CHECKING:
     from espalier.engine.request import Request
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.runner import LogitsSelect, ModelRunner
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
 
@@ -158,7 +158,7 @@ class PlainDecoding:
         greedy_rows = {r for r, p in enumerate(params) if p.greedy and not p.logprobs}
         screening = self.screen is not None and self.screen.ready and bool(greedy_rows)
         use_hidden = self.sparse_head and (bool(constrained_rows) or screening)
-        logits_mode = "none" if use_hidden else "last"
+        logits_mode: LogitsSelect = "none" if use_hidden else "last"
         inputs = [
             SeqInput(
                 block_table=s.request.block_table,

@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/ruff format --check constrained
+.venv/bin/ruff format --check .
 # mypy needs to see the package-dir mapping: .typecheck/espalier links to the repo root.
 mkdir -p .typecheck && ln -sfn .. .typecheck/espalier
-MYPYPATH=.typecheck .venv/bin/mypy -p espalier.constrained
+MYPYPATH=.typecheck .venv/bin/mypy -p espalier.kernels -p espalier.constrained \
+    -p espalier.engine -p espalier.server -p espalier.clients
 .venv/bin/lint-imports
 # Kernel tests run Triton through its interpreter on CPU (tests/kernels sets TRITON_INTERPRET=1).
 .venv/bin/python -m pytest -q "$@"

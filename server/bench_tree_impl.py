@@ -195,6 +195,7 @@ def run_size(
             if name == item.case.auto:
                 add_run(tallies["auto"], run)
             if k < oracle_trees:
+                assert compiled is not None  # a matcher came from it
                 for bound in (None, budget):
                     masks = fill_tree_bitmask(matcher, DraftTree(*arrays_of(tree)), out, bound)
                     masks.wait_late_writes()

@@ -53,7 +53,8 @@ def paged_layout(
 ) -> PagedLayout:
     """The CSR arrays of sequences with ``q_lens[b]`` new tokens and ``kv_lens[b]`` cache entries
     after the step (the new tokens included), stored in ``block_tables[b]``."""
-    qo, kv, indices, last = [0], [0], [], []
+    qo, kv, last = [0], [0], []
+    indices: list[int] = []
     for q_len, kv_len, table in zip(q_lens, kv_lens, block_tables):
         pages = -(-kv_len // block_size)
         if len(table) < pages:

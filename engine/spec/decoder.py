@@ -418,7 +418,11 @@ class SpeculativeDecoder:
         node_index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in rows])
         sub = [drafts[i] for i in rows]
         first_child, next_sibling, tokens, sub_offsets = tree_tensors(sub)
-        specs = [seqs[i].sampling for i in rows]
+        specs: list[SamplingSpec] = []
+        for i in rows:
+            spec = seqs[i].sampling
+            assert spec is not None, "rows are the sampled requests"
+            specs.append(spec)
         params = SamplingTensors(
             torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
             torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device),

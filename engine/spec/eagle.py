@@ -33,7 +33,13 @@ from torch import nn
 from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models.layers import GatedMLP, PagedAttention, RMSNorm, rope_cos_sin
+from espalier.engine.models.layers import (
+    GatedMLP,
+    Linear,
+    PagedAttention,
+    RMSNorm,
+    rope_cos_sin,
+)
 
 
 @dataclass(frozen=True)
@@ -121,9 +127,9 @@ class _Layer(nn.Module):
         self.self_attn = PagedAttention(mc, index, qkv_bias=False, o_bias=False, norm_cls=None)
         if self.eagle3:
             attn = self.self_attn
-            attn.q_proj = nn.Linear(2 * h, config.num_heads * config.head_dim, bias=False)
-            attn.k_proj = nn.Linear(2 * h, config.num_kv_heads * config.head_dim, bias=False)
-            attn.v_proj = nn.Linear(2 * h, config.num_kv_heads * config.head_dim, bias=False)
+            attn.q_proj = Linear(2 * h, config.num_heads * config.head_dim, bias=False)
+            attn.k_proj = Linear(2 * h, config.num_kv_heads * config.head_dim, bias=False)
+            attn.v_proj = Linear(2 * h, config.num_kv_heads * config.head_dim, bias=False)
             self.hidden_norm = RMSNorm(h, eps)
         if self.eagle3 or index != 0:
             self.input_layernorm = RMSNorm(h, eps)
@@ -205,7 +211,7 @@ class EagleHead(nn.Module):
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.config.kind == "eagle3":
-            return ids + self.d2t[ids]
+            return ids + self.get_buffer("d2t")[ids]
         return ids
 
 

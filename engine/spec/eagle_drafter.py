@@ -162,7 +162,9 @@ class EagleDrafter(DraftModelDrafter):
 
     def _extend(self, items: list[DraftInput], jobs: list[_Job]) -> None:
         """Pairs up to the root (target features), then the forced chain (own features)."""
-        batch, hidden, last = [], [], []
+        batch: list[SeqInput] = []
+        hidden: list[torch.Tensor] = []
+        last: list[int] = []  # each sequence's last row in the forward's output
         for item, job in zip(items, jobs):
             seq, m = job.seq, len(item.context)
             feats = self._features[item.request_id].take(seq.computed, m - 1)

@@ -108,16 +108,13 @@ def verify_greedy(
 
     device = logits.device
     first_child, next_sibling, tokens, offsets = tree_tensors(drafts)
-    kwargs = {}
+    bitmask = mask_rows = valid = filled = None
     if masks is not None:
-        kwargs = {
-            "bitmask": None
-            if masks.bitmask is None
-            else masks.bitmask.to(device, non_blocking=True),
-            "mask_rows": masks.mask_rows.to(device, non_blocking=True),
-            "valid": masks.valid.to(device, non_blocking=True),
-            "filled": masks.filled.to(device, non_blocking=True),
-        }
+        if masks.bitmask is not None:
+            bitmask = masks.bitmask.to(device, non_blocking=True)
+        mask_rows = masks.mask_rows.to(device, non_blocking=True)
+        valid = masks.valid.to(device, non_blocking=True)
+        filled = masks.filled.to(device, non_blocking=True)
     result = kernel(
         logits,
         first_child.to(device, non_blocking=True),
@@ -125,7 +122,10 @@ def verify_greedy(
         tokens.to(device, non_blocking=True),
         offsets,
         vocab_size=vocab_size,
-        **kwargs,
+        bitmask=bitmask,
+        mask_rows=mask_rows,
+        valid=valid,
+        filled=filled,
     )
     return acceptances(drafts, result.path, result.accept_length, result.bonus_token)
 
