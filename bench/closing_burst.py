@@ -46,30 +46,12 @@ def _busy(seconds: float) -> None:
 
 
 def _requests(args: argparse.Namespace, tokenizer: Any) -> list[tuple[Any, list[int], int]]:
-    """``(compiled, instance tokens, prefix)`` per request: schemas round-robin, each one's
-    valid instances in turn, those with at least prefix + depth + 1 tokens."""
-    from espalier.constrained.compile import compile_grammar
-    from espalier.constrained.spec import GrammarSpec
-
-    pool: list[tuple[Any, list[int]]] = []
-    for _, schema, instances in spec_bench.sample_schemas(args.schemas, with_instances=True):
-        try:
-            compiled, _ = compile_grammar(
-                GrammarSpec.json_schema(schema), tokenizer, "llguidance", allow_weakening=True
-            )
-        except Exception:  # a schema the backend refuses: not part of this bench
-            continue
-        for instance in instances:
-            tokens = tokenizer.encode(json.dumps(instance))
-            if len(tokens) > args.prefix + args.depth and _valid(compiled, tokens):
-                pool.append((compiled, tokens))
+    """``(compiled, instance tokens, prefix)`` per request: the valid instances with more than
+    prefix + depth tokens, round-robin."""
+    pool = spec_bench.instance_pool(tokenizer, args.schemas, args.prefix + args.depth + 1)
     if not pool:
         raise SystemExit("no instance long enough: lower --prefix")
     return [(*pool[i % len(pool)], args.prefix) for i in range(args.requests)]
-
-
-def _valid(compiled: Any, tokens: Sequence[int]) -> bool:
-    return int(compiled.matcher().accept_tokens(tokens)) == len(tokens)
 
 
 def _step(

@@ -45,29 +45,6 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def _pool(tokenizer: Any, schemas: int, length: int) -> list[tuple[Any, list[int]]]:
-    """``(compiled grammar, instance tokens)`` for the valid instances of at least ``length``
-    tokens."""
-    from espalier.constrained.compile import compile_grammar
-    from espalier.constrained.spec import GrammarSpec
-
-    pool = []
-    for _, schema, instances in spec_bench.sample_schemas(schemas, with_instances=True):
-        try:
-            compiled, _ = compile_grammar(
-                GrammarSpec.json_schema(schema), tokenizer, "llguidance", allow_weakening=True
-            )
-        except Exception:  # a schema the backend refuses: not part of this bench
-            continue
-        for instance in instances:
-            tokens = tokenizer.encode(json.dumps(instance))
-            if len(tokens) >= length and compiled.matcher().accept_tokens(tokens) == len(tokens):
-                pool.append((compiled, tokens))
-    if not pool:
-        raise SystemExit("no instance long enough: lower --max-tokens")
-    return pool
-
-
 class _Probe:
     """Engine-thread time in ``instead``, and the engine thread's decides and searches."""
 
@@ -180,7 +157,9 @@ def run(args: argparse.Namespace) -> None:
     from espalier.engine.closing_remote import ClosingWorkers
 
     tokenizer = TokenizerInfo.default()
-    pool = _pool(tokenizer, args.schemas, args.depth + 3)
+    pool = spec_bench.instance_pool(tokenizer, args.schemas, args.depth + 3)
+    if not pool:
+        raise SystemExit("no instance long enough")
     probe = _Probe()
     probe.install()
     workers = ClosingWorkers(tokenizer, args.workers)

@@ -69,6 +69,24 @@ def sample_schemas(n: int, with_instances: bool) -> list[tuple[str, dict[str, An
     return chosen
 
 
+def instance_pool(tokenizer: Any, n_schemas: int, min_tokens: int) -> list[tuple[Any, list[int]]]:
+    """``(compiled grammar, tokens)`` for the valid instances of :func:`sample_schemas`'s
+    schemas (llguidance, weakening allowed) that tokenize to at least ``min_tokens`` tokens and
+    that the grammar accepts whole; in schema order."""
+    pool = []
+    for _, schema, instances in sample_schemas(n_schemas, with_instances=True):
+        compiled = compile_schema(schema, tokenizer)
+        if compiled is None:
+            continue
+        for instance in instances:
+            tokens = tokenizer.encode(json.dumps(instance))
+            if len(tokens) >= min_tokens and compiled.matcher().accept_tokens(tokens) == len(
+                tokens
+            ):
+                pool.append((compiled, tokens))
+    return pool
+
+
 def compile_schema(
     schema: dict[str, Any], tokenizer: Any, backend: str = "llguidance"
 ) -> Any | None:
