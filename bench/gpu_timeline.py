@@ -13,8 +13,9 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   too);
 - ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
-  for a running job, or runs it inline), ``finish`` (``Engine._finish``: a finished request's
-  last chunk, with its post-validation);
+  for a running job, or runs it inline), ``decide`` and ``search`` (the closer's decisions and
+  closing-path searches made on the engine thread itself), ``finish`` (``Engine._finish``: a
+  finished request's last chunk, with its post-validation);
 - ``other``: ``Engine.step`` minus schedule, execute and append, plus settle (counted in both
   execute and append);
 
@@ -29,8 +30,9 @@ and ``fill_max`` (its slowest tree); per step, in ms after the verify forward's 
 ``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``);
 ``gc``: garbage collections (any thread, ``gc.callbacks``; ``calls["gc_genN"]``).
 
-Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases) and ``clock_per_step_ms``
-(the clock above), to tell a uniformly slower step from a few slow ones.
+Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases), ``per_step_counts``
+(:data:`PER_STEP_COUNTS`: the closing workers' late answers and answer messages) and
+``clock_per_step_ms`` (the clock above), to tell a uniformly slower step from a few slow ones.
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -54,6 +56,7 @@ import spec as spec_bench  # bench/spec.py
 import espalier.constrained.native.llguidance as native_llguidance
 import espalier.engine.closing as closing
 import espalier.engine.closing_ahead as closing_ahead
+import espalier.engine.closing_remote as closing_remote
 import espalier.engine.engine as engine_mod
 import espalier.engine.runner as runner_mod
 import espalier.engine.scheduler as scheduler_mod
@@ -97,8 +100,16 @@ PER_STEP = (
     "lookahead_inline",
     "finish",
     "gc",
+    "decide",
+    "search",
 )
 """Phases also reported step by step (``per_step_ms``: ms per engine step, in order)."""
+
+PER_STEP_COUNTS = ("late_answers", "answer_parts")
+"""Engine-thread counts also reported step by step (``per_step_counts``): closing workers'
+answers that did not come within their wait (the decisions then inline), and answer messages
+received (``engine/closing_remote.py``: one per query, one per part of a step's tree
+decisions)."""
 
 
 class Timeline:
@@ -123,6 +134,8 @@ class Timeline:
         self._fill_max = 0.0
         self.per_step: dict[str, list[float]] = defaultdict(list)  # PER_STEP phases, ms
         self._step_base: dict[str, float] = {}
+        self.per_step_counts: dict[str, list[int]] = defaultdict(list)
+        self._count_base: dict[str, int] = {}
         self._gc_start = 0.0
 
     def _close_step(self) -> None:
@@ -131,6 +144,10 @@ class Timeline:
             total = self.sums.get(key, 0.0)
             self.per_step[key].append(round((total - self._step_base.get(key, 0.0)) * 1e3, 2))
             self._step_base[key] = total
+        for key in PER_STEP_COUNTS:
+            count = self.calls.get(key, 0)
+            self.per_step_counts[key].append(count - self._count_base.get(key, 0))
+            self._count_base[key] = count
 
     def gc_callback(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
@@ -224,6 +241,7 @@ class Timeline:
                 for key, v in ((k, sorted(vs)) for k, vs in sorted(self.clock.items()))
             },
             "per_step_ms": dict(self.per_step),
+            "per_step_counts": dict(self.per_step_counts),
             "clock_per_step_ms": {
                 k: [round(v * 1e3, 2) for v in vs] for k, vs in sorted(self.clock.items())
             },
@@ -296,6 +314,26 @@ def _gpu_clock(line: Timeline) -> None:
     decoder_mod.SpeculativeDecoder._verify = timed_verify  # type: ignore[method-assign]
 
 
+def _count_answers(line: Timeline) -> None:
+    """Count the closing workers' late answers and received messages (engine thread)."""
+    worker = closing_remote._Worker
+    wait, receive = worker._wait, worker._receive_one
+
+    def counted_wait(self: Any, reply: Any, index: Any) -> bool:
+        arrived = wait(self, reply, index)
+        if line.on and not arrived and threading.current_thread() is line.main:
+            line.calls["late_answers"] += 1
+        return arrived
+
+    def counted_receive(self: Any) -> None:
+        if line.on and self._sent and threading.current_thread() is line.main:
+            line.calls["answer_parts"] += 1
+        receive(self)
+
+    worker._wait = counted_wait  # type: ignore[method-assign]
+    worker._receive_one = counted_receive  # type: ignore[method-assign]
+
+
 def install() -> Timeline:
     """Wrap the phases (class attributes, looked up at call time), ``spec.run_engine`` (the
     warm-up run: not counted) and ``gpu_spec._run`` (one line per run)."""
@@ -305,6 +343,7 @@ def install() -> Timeline:
     _gpu_clock(line)  # inside the phase timers: its own work is not in the phases' times
     for name, owner, attr in MAIN_PHASES:
         setattr(owner, attr, line.phase(name, getattr(owner, attr)))
+    _count_answers(line)
     masks.MaskBuilder.submit = line.submit(masks.MaskBuilder.submit)  # type: ignore[method-assign]
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
