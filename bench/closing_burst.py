@@ -79,10 +79,7 @@ def _step(
         requests.append(request)
     if workers is not None:  # the mirrors, built and synced before the timed step
         workers.flush()
-        for worker in workers._workers:
-            with worker._lock:
-                while worker._sent:
-                    worker._receive_one()
+        workers.receive_all()
     chains = []
     for request, (_, tokens, prefix) in zip(requests, items):
         chain = tokens[prefix - 1 : prefix + args.depth]

@@ -96,7 +96,8 @@ def _run(
     closer = BudgetCloser(tokenizer)
     closer.workers = workers
     run_id = next(_RUNS)  # fresh request ids: each run opens its own mirrors
-    live: list[tuple[Request, list[int]]] = []
+    live: list[tuple[Request, list[int], list[Any]]] = []  # and the request's decisions
+    decisions: list[list[Any]] = []
     for i in range(args.requests):
         compiled, tokens = pool[i % len(pool)]
         rid = f"s{run_id}_{i}"
@@ -104,29 +105,28 @@ def _run(
         request.compiled, request.matcher = compiled, compiled.matcher()
         assert request.matcher.accept(tokens[0])
         request.output_ids.append(tokens[0])
-        live.append((request, tokens))
+        decisions.append([])
+        live.append((request, tokens, decisions[-1]))
     stops: set[int] = set()
-    decisions: dict[str, list[Any]] = {r.request_id.split("_")[1]: [] for r, _ in live}
     appends: list[float] = []
     depth = args.depth
     while live:
-        for request, tokens in live:
+        for request, tokens, _ in live:
             pos = len(request.output_ids)
             chain = tokens[pos - 1 : pos + depth]
             closer.lookahead(request, chain, list(range(-1, len(chain) - 1)), 1 << 20)
         closer.flush()
         time.sleep(args.forward_ms / 1e3)
         steps = {}
-        for request, tokens in live:
+        for request, tokens, _ in live:
             pos = len(request.output_ids)
             steps[request.request_id] = tokens[pos : pos + depth + 1]
             closer.prefetch(request, steps[request.request_id])
         closer.flush()
         start = time.perf_counter()
         going = []
-        for request, tokens in live:
+        for request, tokens, decided in live:
             step = steps[request.request_id]
-            key = request.request_id.split("_")[1]
             run = closer.pass_through(request, step[:-1], 1 << 20)
             if run:
                 assert request.matcher is not None
@@ -135,20 +135,20 @@ def _run(
             path = None
             for token in step[run:]:
                 path = closer.instead(request, token, stops, 1 << 20)
-                decisions[key].append(path)
+                decided.append(path)
                 if path is not None:
                     break
                 request.output_ids.append(token)
                 assert request.matcher is not None and request.matcher.accept(token)
             done = len(request.output_ids) + depth + 2 > min(args.max_tokens, len(tokens))
             if path is None and not done:
-                going.append((request, tokens))
+                going.append((request, tokens, decided))
             else:
-                decisions[key].append(closer._memo.get(request.request_id))
+                decided.append(closer._memo.get(request.request_id))
                 closer.forget(request.request_id)
         appends.append(time.perf_counter() - start)
         live = going
-    return appends, [decisions[k] for k in sorted(decisions)]
+    return appends, decisions
 
 
 def run(args: argparse.Namespace) -> None:

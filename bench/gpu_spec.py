@@ -78,7 +78,7 @@ def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) ->
     for group in groups:
         engine = engine_factory()
         spec_bench.run_engine(engine, group)  # warm-up: kernels, graphs, allocator
-        workers = getattr(engine.closer, "workers", None)
+        workers = engine.closer.workers
         if workers is not None:  # closing worker processes started (their first seconds)
             workers.wait_ready()
         # the collector's debt from setup and warm-up is not the timed run's: a full collection

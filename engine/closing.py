@@ -356,10 +356,8 @@ class BudgetCloser:
             request.sampling.max_tokens - last,
             max_model_len - request.num_tokens - (last - here),
         )
-        if len(tokens) < (1 if bonus else 2):
-            return None
-        if memo.unclosable or budget > CLOSING_WINDOW:
-            return None
+        if (len(tokens) < 2 and not bonus) or memo.unclosable or budget > CLOSING_WINDOW:
+            return None  # (with workers a root-only tree still has its bonus token's check)
         if last < memo.next_check:  # no check is needed: ``pass_through`` lets all by
             return None
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
