@@ -267,7 +267,8 @@ def equal_work(
     import torch
 
     from espalier.constrained.spec import GrammarSpec
-    from espalier.engine import closing, closing_remote
+    from espalier.engine import closing as closing_policy
+    from espalier.engine import closing_remote, cuda_graphs
 
     schemas = [
         s
@@ -316,7 +317,8 @@ def equal_work(
                     "defer_appends": defer_appends,
                     "close_workers": close_workers,
                     "close_chunk_s": closing_remote.CHUNK_S,
-                    "bonus_ahead": closing.BONUS_AHEAD,
+                    "bonus_ahead": closing_policy.BONUS_AHEAD,
+                    "pad_trees": cuda_graphs.PAD_TREES,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -337,7 +339,8 @@ def equal_work(
                 "defer_appends": defer_appends,
                 "close_workers": close_workers,
                 "close_chunk_s": closing_remote.CHUNK_S,
-                "bonus_ahead": closing.BONUS_AHEAD,
+                "bonus_ahead": closing_policy.BONUS_AHEAD,
+                "pad_trees": cuda_graphs.PAD_TREES,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

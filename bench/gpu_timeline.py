@@ -250,7 +250,8 @@ class Timeline:
 
 def _count_replays(line: Timeline) -> None:
     """Count verify forwards by outcome: a graph replay, or eager (no graph fits the step:
-    ``cuda_graphs._step_shape`` wants every tree of the batch the same size)."""
+    a prefill, or with ``cuda_graphs.PAD_TREES`` off trees of different sizes), with the
+    number of distinct tree sizes in the step."""
     import espalier.engine.cuda_graphs as graphs
 
     forward = graphs.StepGraphs.forward

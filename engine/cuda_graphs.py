@@ -2,9 +2,11 @@
 
 A shape is ``(bucket, n)``: ``bucket`` sequences of ``n`` new tokens each. ``n = 1`` is a plain
 decode step (causal); ``n`` in ``tree_sizes`` is a verification step whose every sequence feeds a
-draft tree of exactly ``n`` nodes (custom masks, positions by depth, logits for every node). A
-step replays the graph of the smallest captured bucket >= its batch; other steps (prefill chunks,
-trees of other sizes, inner-layer hidden states, bigger batches) run eagerly.
+draft tree of at most ``n`` nodes (custom masks, positions by depth, logits for every node), or
+one token. A step replays the graph of the smallest captured tree size that holds its largest
+tree, then of the smallest bucket >= its batch; smaller trees are padded with dummy rows
+(``engine/graph_padding.py``). Other steps (prefill chunks, trees larger than every captured
+size, inner-layer hidden states, bigger batches) run eagerly.
 
 Captured: embedding -> decoder layers (K/V writes + flashinfer attention) -> final norm into a
 static hidden-state buffer ``[bucket * n, hidden]``; the LM head runs eagerly after the replay
@@ -35,11 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from espalier.engine.attention.base import AttentionMetadata
-from espalier.engine.attention.paged_plan import paged_layout, sequence_mask
+from espalier.engine.graph_padding import PaddedStep, pad_step, step_tokens
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 
 Shape = tuple[int, int]  # (sequences, new tokens per sequence)
 LayoutKey = tuple[tuple[int, tuple[int, ...]], ...]  # per sequence: context_len, pages used
+
+PAD_TREES = True
+"""Steps whose trees are smaller than a captured tree size replay it, padded
+(``engine/graph_padding.py``); False: only steps whose every tree has exactly a captured size
+replay (the others run eagerly: the anchor in ``bench/gpu.py --pad-trees``). Read per step."""
 
 PLAN_AHEAD = True
 """Capture decode shapes twice and plan each step's successor during its replay (module
@@ -94,6 +100,7 @@ class StepGraphs:
         self.planned_ahead = 0  # decode steps that found their plan made during the last one
         self.failures: dict[Shape, str] = {}
         self.replays: dict[int, int] = {}  # tokens per sequence -> replays
+        self.padded_replays: dict[int, int] = {}  # the replays with smaller trees padded
         self.prepare_s = 0.0  # host seconds spent planning and copying inputs before replays
 
     @property
@@ -135,9 +142,9 @@ class StepGraphs:
             mask_bytes = bucket * (-(-n * max_kv // 8))
         inputs = torch.zeros((3, bucket * n), dtype=torch.int64, device=device)
         wrappers = self.backend.graph_wrappers(bucket, max_pages, n, mask_bytes)
-        self._plan(wrappers, [], bucket, n)
-        pad = self._padding(bucket, n)
-        inputs.copy_(torch.tensor(pad, dtype=torch.int64))
+        empty = self._pad([], bucket, n)  # all dummy sequences
+        self._plan(wrappers, empty)
+        inputs.copy_(empty.inputs)
         meta = _static_metadata(inputs, bucket, n, bs, device, wrappers)
 
         def run() -> torch.Tensor:
@@ -168,6 +175,7 @@ class StepGraphs:
         bucket, n = fit
         graph = self.graphs[(bucket, n)]
         started = time.perf_counter()
+        step = self._pad(batch, bucket, n)
         ahead = self._planned_for(bucket, batch) if n == 1 else None
         if ahead is not None:
             graph = ahead
@@ -177,31 +185,27 @@ class StepGraphs:
             if graph.plan_ready is not None:  # its last plan ahead fed copies from the pinned
                 graph.plan_ready.synchronize()  # host buffers this plan rewrites (long done)
             try:
-                self._plan(graph.wrappers, batch, bucket, n)
+                self._plan(graph.wrappers, step)
             except ValueError:  # more pages or mask bytes than the fixed buffers hold: eager
                 return None
-        graph.inputs.copy_(self._inputs(batch, bucket, n), non_blocking=True)
+        graph.inputs.copy_(step.inputs, non_blocking=True)
         self.prepare_s += time.perf_counter() - started
         graph.graph.replay()
         self.replays[n] = self.replays.get(n, 0) + 1
-        hidden = graph.hidden[: len(batch) * n]
-        if n == 1:
-            rows = [i for i, s in enumerate(batch) if s.logits != "none"]
-        else:
-            rows = list(range(len(batch) * n))
-        indptr = [0]
-        for s in batch:
-            indptr.append(indptr[-1] + (n if s.logits == "all" else int(s.logits != "none")))
-        model = self.runner.model
-        if len(rows) == hidden.shape[0]:
-            logits = model.compute_logits(hidden)
-        else:
-            index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-            logits = model.compute_logits(hidden.index_select(0, index))
-        captured = {self.runner.model_config.num_layers: hidden.clone()} if hidden_layers else {}
+        if step.padded:
+            self.padded_replays[n] = self.padded_replays.get(n, 0) + 1
+        logits = self.runner.model.compute_logits(_take(graph.hidden, step.logits_rows))
+        captured = {}
+        if hidden_layers:  # the output buffer is the next replay's: a copy
+            rows = _take(graph.hidden, step.rows)
+            captured[self.runner.model_config.num_layers] = (
+                rows.clone() if rows.data_ptr() == graph.hidden.data_ptr() else rows
+            )
         if n == 1 and bucket in self.spares:  # the GPU is busy with this step meanwhile
             self._plan_ahead(graph, batch, bucket)
-        return ForwardOutput(logits=logits, logits_indptr=indptr, hidden_states=captured)
+        return ForwardOutput(
+            logits=logits, logits_indptr=step.logits_indptr, hidden_states=captured
+        )
 
     def fits(self, batch: Sequence[SeqInput], hidden_layers: Sequence[int]) -> bool:
         """Whether :meth:`forward` would replay a graph for this step (host work only; a plan
@@ -209,13 +213,20 @@ class StepGraphs:
         return self._fit(batch, hidden_layers) is not None
 
     def _fit(self, batch: Sequence[SeqInput], hidden_layers: Sequence[int]) -> Shape | None:
-        """The captured shape ``(bucket, n)`` this step replays; None: it runs eagerly."""
+        """The captured shape ``(bucket, n)`` this step replays: for a decode step ``n = 1``,
+        else the smallest tree size that holds its largest tree (smaller trees padded,
+        ``graph_padding``), then the smallest bucket; None: it runs eagerly."""
         final = self.runner.model_config.num_layers
-        n = _step_shape(batch)
-        if n is None or any(layer != final for layer in hidden_layers):
+        m = step_tokens(batch)
+        if m is None or any(layer != final for layer in hidden_layers):
             return None
-        bucket = next((b for b, k in self.captured if k == n and b >= len(batch)), None)
-        return None if bucket is None else (bucket, n)
+        if m > 1 and not PAD_TREES and any(s.q_len != m for s in batch):
+            return None
+        shapes = ((k, b) for b, k in self.captured if b >= len(batch))
+        fits = sorted((k, b) for k, b in shapes if (k == 1) == (m == 1) and k >= m)
+        if fits and m > 1 and not PAD_TREES and fits[0][0] != m:
+            return None
+        return (fits[0][1], fits[0][0]) if fits else None
 
     def _planned_for(self, bucket: int, batch: Sequence[SeqInput]) -> _Graph | None:
         """The graph of ``bucket`` planned ahead for the decode step ``batch``, made ready to
@@ -252,57 +263,30 @@ class StepGraphs:
         other.planned = None
         try:
             with torch.cuda.stream(stream):
-                self._plan(other.wrappers, following, bucket, 1)
+                self._plan(other.wrappers, self._pad(following, bucket, 1))
         except ValueError:  # does not fit the fixed buffers: that step will plan (and fail)
             return
         other.plan_ready = other.plan_ready or torch.cuda.Event()
         other.plan_ready.record(stream)
         other.planned = _layout_key(following, bs)
 
-    def _padding(self, count: int, n: int) -> list[list[int]]:
-        """tokens, positions, slots of ``count`` dummy sequences in the scratch block."""
-        base = self.scratch_block * self.runner.block_size
-        return [[0] * (count * n), list(range(n)) * count, [base + i for i in range(n)] * count]
-
-    def _inputs(self, batch: Sequence[SeqInput], bucket: int, n: int) -> torch.Tensor:
-        bs = self.runner.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for s in batch:
-            ctx, table = s.context_len, s.block_table
-            tokens.extend(s.token_ids)
-            positions.extend(range(ctx, ctx + n) if s.positions is None else s.positions)
-            slots.extend(table[i // bs] * bs + i % bs for i in range(ctx, ctx + n))
-        pad = self._padding(bucket - len(batch), n)
-        return torch.tensor(
-            [tokens + pad[0], positions + pad[1], slots + pad[2]], dtype=torch.int64
+    def _pad(self, batch: Sequence[SeqInput], bucket: int, n: int) -> PaddedStep:
+        return pad_step(
+            batch,
+            bucket,
+            n,
+            block_size=self.runner.block_size,
+            scratch_block=self.scratch_block,
+            windows=self.backend.windows,
         )
 
-    def _plan(
-        self, wrappers: GraphWrappers, batch: Sequence[SeqInput], bucket: int, n: int
-    ) -> None:
-        bs, pad = self.runner.block_size, bucket - len(batch)
-        kv_lens = [s.context_len + n for s in batch] + [n] * pad
-        tables = [list(s.block_table) for s in batch] + [[self.scratch_block]] * pad
-        layout = paged_layout([n] * bucket, kv_lens, tables, bs)
-        if n == 1:
+    def _plan(self, wrappers: GraphWrappers, step: PaddedStep) -> None:
+        bs = self.runner.block_size
+        layout = step.layout(bs)
+        if step.masks is None:
             self.backend.plan_causal(wrappers.wrappers, layout, bs)
-            return
-        dummy = np.tril(np.ones((n, n), dtype=bool)).ravel()  # padding: causal among itself
-        positions = [
-            range(s.context_len, s.context_len + n) if s.positions is None else s.positions
-            for s in batch
-        ]
-        segments = {
-            window: [
-                sequence_mask(s.context_len, s.context_len + n, pos, s.custom_mask, window).ravel()
-                for s, pos in zip(batch, positions)
-            ]
-            + [dummy] * pad
-            for window in wrappers.wrappers
-        }
-        self.backend.plan_graph_masked(wrappers, layout, bs, segments)
+        else:
+            self.backend.plan_graph_masked(wrappers, layout, bs, step.masks)
 
 
 def _layout_key(batch: Sequence[SeqInput], block_size: int) -> LayoutKey:
@@ -312,22 +296,12 @@ def _layout_key(batch: Sequence[SeqInput], block_size: int) -> LayoutKey:
     )
 
 
-def _step_shape(batch: Sequence[SeqInput]) -> int | None:
-    """New tokens per sequence when the step fits a graph: all decodes (1, causal, positions at
-    the cache index), or all trees of one size (custom masks, logits for every node)."""
-    if not batch:
-        return None
-    n = len(batch[0].token_ids)
-    if any(len(s.token_ids) != n for s in batch):
-        return None
-    if n == 1:
-        ok = all(
-            s.custom_mask is None and (s.positions is None or s.positions[0] == s.context_len)
-            for s in batch
-        )
-        return 1 if ok else None
-    ok = all(s.custom_mask is not None and s.logits == "all" for s in batch)
-    return n if ok else None
+def _take(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden[rows]``: a view when ``rows`` are the first ones in order, else a gather."""
+    if rows == list(range(len(rows))):
+        return hidden[: len(rows)]
+    index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+    return hidden.index_select(0, index)
 
 
 def _static_metadata(

@@ -11,7 +11,6 @@ tree verification.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -235,13 +234,73 @@ def test_tree_verify_graph_matches_eager_logits() -> None:
             for t, c in zip(tables, ctx)
         ]
         assert graphs.replays(batch) and not eager.replays(batch)
-        assert not graphs.replays(batch[:2] + [replace(batch[2], token_ids=[1, 2, 3])])
+        larger = SeqInput(
+            tables[2],
+            list(range(8)),
+            ctx[2],
+            custom_mask=tree_attention_mask(list(range(-1, 7)), ctx[2]),
+            logits="all",
+        )
+        assert not graphs.replays(batch[:2] + [larger])  # 8 nodes: no captured size holds it
         want, got = eager.forward(batch), graphs.forward(batch)
         assert got.logits_indptr == want.logits_indptr == [0, 7, 14, 21]
         scale = float(want.logits.abs().max())
         assert torch.allclose(want.logits, got.logits, atol=0.02 * scale, rtol=0), step
         ctx = [c + 3 for c in ctx]  # as if 2 nodes + a bonus were accepted
     assert graphs.graphs.replays == {7: 4}
+
+
+@pytest.mark.parametrize("small_query_up_to", [16, 0])
+def test_padded_tree_verify_graph_matches_eager_logits(
+    small_query_up_to: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trees of 9, 3 and 1 nodes and a plain decode in one step replay the 9-node graph, padded
+    (``engine/graph_padding.py``), on espalier's small-query kernel and on flashinfer's: the
+    logits of the eager step, and the same K/V outside the scratch block."""
+    from espalier.engine.attention import small_query
+
+    monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", small_query_up_to)
+    config = gpu_config(97, window=6)
+    state = gpu_state(config, seed=6)
+    eager = gpu_runner(config, state, backend="flashinfer", block_size=16, num_blocks=64)
+    graphs = gpu_runner(
+        config, state, backend="flashinfer", graphs=(4, 8), trees=(9,), block_size=16, num_blocks=64
+    )
+    assert graphs.graphs is not None and (8, 9) in graphs.graphs.captured
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34], [40] * 12, [41] * 3]
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
+    for runner in (eager, graphs):
+        runner.forward([SeqInput(t, p, 0, logits="none") for t, p in zip(tables, prompts)])
+    ctx = [len(p) for p in prompts]
+    shapes = [[-1, 0, 0, 0, 1, 1, 3, 4, 6], [-1, 0, 1], [-1], [-1, 0]]
+    for step in range(3):
+        batch = [
+            SeqInput(
+                t,
+                [50 + step + i for i in range(len(parents))],
+                c,
+                positions=[c + d for d in _depths(parents)],
+                custom_mask=tree_attention_mask(parents, c),
+                logits="all",
+            )
+            for t, c, parents in zip(tables, ctx, shapes)
+        ]
+        batch.append(SeqInput(tables[4], [60 + step], ctx[4]))  # a plain decode
+        assert graphs.replays(batch) and not eager.replays(batch)
+        want, got = eager.forward(batch), graphs.forward(batch)
+        assert got.logits_indptr == want.logits_indptr == [0, 9, 12, 13, 15, 16]
+        scale = float(want.logits.abs().max())
+        assert torch.allclose(want.logits, got.logits, atol=0.02 * scale, rtol=0), step
+        scratch = graphs.graphs.scratch_block
+        for layer in range(config.num_layers):
+            for a, b in (
+                (eager.kv_cache.k, graphs.kv_cache.k),
+                (eager.kv_cache.v, graphs.kv_cache.v),
+            ):
+                diff = (a[layer][:scratch].float() - b[layer][:scratch].float()).abs().max()
+                assert float(diff) <= 0.02 * max(float(a[layer].abs().max()), 1e-3), (step, layer)
+        ctx = [c + k for c, k in zip(ctx, (3, 2, 1, 2, 1))]
+    assert graphs.graphs.replays == {9: 3} and graphs.graphs.padded_replays == {9: 3}
 
 
 def make_loop(runner: Any) -> SpecLoop:
