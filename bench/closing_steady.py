@@ -154,13 +154,33 @@ def _run(
     return appends, decisions
 
 
+def _streams(args: argparse.Namespace, tokenizer: Any) -> list[tuple[Any, list[int]]]:
+    """``(compiled grammar, tokens)`` of the ``--batch`` lines of a ``bench/gpu.py
+    --dump-streams`` file (a GPU run's constrained outputs, closings included); sets
+    ``args.max_tokens`` to theirs."""
+    pool = []
+    with open(args.streams) as lines:
+        for line in lines:
+            record = json.loads(line)
+            if record["batch"] != args.batch:
+                continue
+            compiled = spec_bench.compile_schema(record["schema"], tokenizer)
+            if compiled is not None and len(record["tokens"]) > args.depth + 2:
+                pool.append((compiled, record["tokens"]))
+                args.max_tokens = record["max_tokens"]
+    return pool
+
+
 def run(args: argparse.Namespace) -> None:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine import closing, closing_remote
     from espalier.engine.closing_remote import ClosingWorkers
 
     tokenizer = TokenizerInfo.default()
-    pool = spec_bench.instance_pool(tokenizer, args.schemas, args.depth + 3)
+    if args.streams:
+        pool = _streams(args, tokenizer)
+    else:
+        pool = spec_bench.instance_pool(tokenizer, args.schemas, args.depth + 3)
     if not pool:
         raise SystemExit("no instance long enough")
     probe = _Probe()
@@ -225,6 +245,7 @@ def run(args: argparse.Namespace) -> None:
                 "requests": args.requests,
                 "workers": args.workers,
                 "max_tokens": args.max_tokens,
+                "streams": args.streams or "jsonschemabench instances",
                 "depth": args.depth,
                 "forward_ms": args.forward_ms,
                 "reps": args.reps,
@@ -256,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=7, help="tree tokens below the root")
     parser.add_argument("--forward-ms", type=float, default=12.0)
     parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument(
+        "--streams",
+        default=None,
+        help="replay a GPU run's constrained outputs (bench/gpu.py --dump-streams) instead of "
+        "JSONSchemaBench instances",
+    )
+    parser.add_argument("--batch", type=int, default=32, help="which batch of --streams")
     run(parser.parse_args(argv))
     return 0
 

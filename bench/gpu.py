@@ -340,8 +340,11 @@ def decode_part(
 def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Constrained vs unconstrained, plain and oracle-speculative, equal work
     (``bench/gpu_spec.py``) on the default path (flashinfer, decode + tree-verify graphs)."""
+    import gpu_spec
     from gpu_spec import equal_work
     from spec import _random_state
+
+    gpu_spec.DUMP_STREAMS = args.dump_streams
 
     from espalier.engine.config import CacheConfig, RunnerConfig
     from espalier.engine.runner import ModelRunner
@@ -504,6 +507,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="default",
         help="cuda_graphs.PAD_TREES per equal-work pass (default and on: on; off: steps with "
         "smaller trees run eagerly), one value or as many as --close-ahead",
+    )
+    parser.add_argument(
+        "--dump-streams",
+        default=None,
+        help="append each batch's constrained outputs (schema, tokens, max_tokens) to this "
+        "JSON-lines file, for bench/closing_steady.py --streams",
     )
     parser.add_argument(
         "--seeds-ahead",

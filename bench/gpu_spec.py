@@ -245,6 +245,29 @@ def _one_batch(
     return results
 
 
+DUMP_STREAMS: str | None = None
+"""A JSON-lines file that gets each batch's constrained outputs (``bench/gpu.py
+--dump-streams``): the closing work of the run, to replay on a CPU (``bench/closing_steady.py
+--streams``)."""
+
+
+def _dump_streams(
+    path: str, batch: int, schemas: list[Any], plain: dict[str, Any], max_tokens: int
+) -> None:
+    """Append one line per constrained request: its schema, output tokens and max_tokens."""
+    import json
+
+    with open(path, "a") as out:
+        for i in range(len(plain["outputs"])):
+            line = {
+                "batch": batch,
+                "schema": schemas[i % len(schemas)][1],
+                "tokens": plain["outputs"][f"c{i}"],
+                "max_tokens": max_tokens,
+            }
+            out.write(json.dumps(line) + "\n")
+
+
 def equal_work(
     runner: Any,
     tokenizer: Any,
@@ -301,6 +324,8 @@ def equal_work(
             close_workers,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
+        if DUMP_STREAMS:
+            _dump_streams(DUMP_STREAMS, batch, schemas, results[(True, False)], max_tokens)
         for (constrained, speculative), r in results.items():
             emit(
                 {
