@@ -102,8 +102,13 @@ PER_STEP = (
     "gc",
     "decide",
     "search",
+    "workers_busy",
+    "workers_answer",
 )
-"""Phases also reported step by step (``per_step_ms``: ms per engine step, in order)."""
+"""Phases also reported step by step (``per_step_ms``: ms per engine step, in order).
+``workers_busy``: the closing workers' own time making the step's tree decisions (summed over
+workers); ``workers_answer``: from sending each worker its step message to that message's last
+answer part (summed over workers): the two apart tell a slow worker from a late answer."""
 
 PER_STEP_COUNTS = ("late_answers", "answer_parts")
 """Engine-thread counts also reported step by step (``per_step_counts``): closing workers'
@@ -329,7 +334,12 @@ def _count_answers(line: Timeline) -> None:
     def counted_receive(self: Any) -> None:
         if line.on and self._sent and threading.current_thread() is line.main:
             line.calls["answer_parts"] += 1
+        busy, answer = self.busy_s, self.answer_s
         receive(self)
+        if line.on:  # the worker's decisions, and from sending to the last part (any thread)
+            with line.lock:
+                line.sums["workers_busy"] += self.busy_s - busy
+                line.sums["workers_answer"] += self.answer_s - answer
 
     worker._wait = counted_wait  # type: ignore[method-assign]
     worker._receive_one = counted_receive  # type: ignore[method-assign]

@@ -104,14 +104,16 @@ below the root, the token after them (off the tree: the bonus token)."""
 class _Reply:
     """One answer the engine waits for: ``value`` once ``received`` (None: inline).
 
-    ``parts``: the answer to a message's entries, which comes in parts (``(decisions, last)``
-    messages, :data:`CHUNK_S`): ``value`` is the list of the decisions received so far."""
+    ``parts``: the answer to a message's entries, which comes in parts (``(decisions, last,
+    seconds)`` messages, :data:`CHUNK_S`): ``value`` is the list of the decisions received so
+    far."""
 
-    __slots__ = ("parts", "received", "sent", "value")
+    __slots__ = ("parts", "received", "sent", "sent_at", "value")
 
     def __init__(self, *, parts: bool = False) -> None:
         self.parts = parts
         self.sent = False  # its message went to the worker (else it is still queued)
+        self.sent_at = 0.0  # perf_counter when it did
         self.received = False
         self.value: Any = [] if parts else None
 
@@ -140,6 +142,10 @@ class _Worker:
         self.forgets: list[str] = []
         self.batch = _Reply(parts=True)  # the answer to the outbox, once sent
         self.requests = 0  # requests assigned to this worker (``ClosingWorkers._worker_of``)
+        # seconds the worker reported deciding entries, and from sending a message to its
+        # entries' last part (the two apart: time in the pipe, or the worker busy before it)
+        self.busy_s = 0.0
+        self.answer_s = 0.0
         self._sent: collections.deque[_Reply] = collections.deque()
         self._late = False  # an answer of this step did not come within WAIT_S
         self._lock = threading.Lock()
@@ -175,8 +181,9 @@ class _Worker:
                 try:
                     self.conn.send(message)
                     self._sent.extend(replies)
+                    sent_at = time.perf_counter()
                     for reply in replies:
-                        reply.sent = True
+                        reply.sent, reply.sent_at = True, sent_at
                     return
                 except (OSError, ValueError):
                     self._died()
@@ -237,10 +244,12 @@ class _Worker:
         except (EOFError, OSError):
             self._died()
         if reply.parts and message is not None:
-            decisions, last = message
+            decisions, last, seconds = message
             reply.value.extend(decisions)
+            self.busy_s += seconds
             if not last:
                 return
+            self.answer_s += time.perf_counter() - reply.sent_at
         elif not reply.parts:
             reply.value = message
         self._sent.popleft()
@@ -392,6 +401,15 @@ class ClosingWorkers:
         worker.requests -= 1
         if self._synced.pop(request_id, None) is not None:
             worker.forgets.append(request_id)
+
+    def busy(self) -> tuple[float, float]:
+        """``(deciding, answering)``: seconds the workers reported making tree decisions, and
+        seconds from sending a message to its last part, summed over workers and messages
+        (differences over a step tell whether the workers were slow or the answers late)."""
+        return (
+            sum(worker.busy_s for worker in self._workers),
+            sum(worker.answer_s for worker in self._workers),
+        )
 
     def receive_all(self) -> None:
         """Block until every answer already sent for has come back (for a benchmark that
@@ -592,10 +610,11 @@ def _warm_backends(tokenizer: TokenizerInfo) -> None:
 
 def serve(conn: Connection, chunk_s: float = CHUNK_S, seeds: bool = True) -> None:
     """The worker's loop: a tokenizer first, then ``(forgets, entries, queries)`` messages,
-    each answered with the entries' decisions, in parts (``(decisions, last)``, a part sent
-    once its decisions took ``chunk_s``, :data:`CHUNK_S`), then each query's decision, then
-    (``seeds``, :data:`SEEDS_AHEAD`) the entries' first seeds for the next message's queries,
-    until None or the engine's end of the pipe closes."""
+    each answered with the entries' decisions, in parts (``(decisions, last, seconds)``, a
+    part sent once its decisions took ``chunk_s``, :data:`CHUNK_S`; ``seconds``: making
+    them), then each query's decision, then (``seeds``, :data:`SEEDS_AHEAD`) the entries'
+    first seeds for the next message's queries, until None or the engine's end of the pipe
+    closes."""
     from espalier.constrained.tokenizer import TokenizerInfo
 
     hf, vocab_size, stops, name = pickle.loads(conn.recv_bytes())
@@ -617,9 +636,9 @@ def serve(conn: Connection, chunk_s: float = CHUNK_S, seeds: bool = True) -> Non
         for count, entry in enumerate(entries, 1):
             part.append(mirrors.decide(entry))
             if count < len(entries) and time.perf_counter() - start >= chunk_s:
-                conn.send((part, False))
+                conn.send((part, False, time.perf_counter() - start))
                 part, start = [], time.perf_counter()
-        conn.send((part, True))
+        conn.send((part, True, time.perf_counter() - start))
         for query in queries:  # one message each: the engine takes them one by one
             conn.send(mirrors.answer(query))
         for entry in entries if seeds else ():  # while the forward runs: first seeds

@@ -318,6 +318,8 @@ def test_a_step_answer_comes_in_parts_taken_as_they_arrive() -> None:
         decided = [d for e in expected for d in e if d is not None]
         assert any(d[0] is not None for d in decided)  # some nodes close
         assert any(d[1].known is not None for d in decided)  # others found a closing path
+        deciding, answering = workers.busy()  # the worker's own time, inside the round trip
+        assert 0.0 < deciding <= answering
     finally:
         workers.close()
 
