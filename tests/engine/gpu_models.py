@@ -2,7 +2,8 @@
 
 ``gpu_config`` builds a Llama-family config (optionally with alternating sliding-window and
 full layers) or a Gemma 3 one; ``gpu_state`` its random weights (CPU fp32, seeded, LM head
-sharpened so that greedy choices are rarely near ties); ``gpu_runner`` a CUDA runner over them.
+sharpened so that greedy choices are rarely near ties); ``gpu_runner`` a CUDA runner over them;
+``tree_input`` a verify step's draft tree for a runner.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from espalier.engine.config import CacheConfig, ModelConfig, RopeConfig, RunnerConfig
-from espalier.engine.runner import ModelRunner
+from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.spec.tree_builder import tree_attention_mask
 
 
 def gpu_config(vocab_size: int, *, family: str = "llama", window: int | None = None) -> ModelConfig:
@@ -86,4 +88,25 @@ def gpu_runner(
             cuda_graph_batch_sizes=tuple(graphs),
             cuda_graph_tree_sizes=tuple(trees),
         ),
+    )
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth (``parents[i] < i``; the root, -1, at depth 0)."""
+    out = [0] * len(parents)
+    for i, p in enumerate(parents):
+        out[i] = 0 if p < 0 else out[p] + 1
+    return out
+
+
+def tree_input(table: list[int], ctx: int, parents: list[int], first: int) -> SeqInput:
+    """A verify step's draft tree over ``ctx`` cached entries: tokens ``first, first + 1, ...``,
+    positions by depth, the tree's attention mask, logits for every node."""
+    return SeqInput(
+        table,
+        [first + i for i in range(len(parents))],
+        ctx,
+        positions=[ctx + d for d in depths(parents)],
+        custom_mask=tree_attention_mask(parents, ctx),
+        logits="all",
     )

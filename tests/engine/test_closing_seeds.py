@@ -29,6 +29,14 @@ def _setup(seed: int) -> tuple[object, list[int]]:
     return compiled, _stream(tokenizer, compiled, random.Random(seed), 14)
 
 
+def _entry(stream: list[int], tokens: list[int], parents: list[int], max_tokens: int) -> Entry:
+    """Request "r" at output length HERE (the stream's first tokens), opening its mirror, with
+    the draft tree ``tokens``/``parents`` (node 0: the last output token)."""
+    stops = frozenset(toy_tokenizer().stop_token_ids)
+    opening, limits = ("llguidance", SPEC), (max_tokens, 10_000)
+    return Entry("r", opening, stream[:HERE], HERE, NO_MEMO, tokens, parents, HERE, limits, stops)
+
+
 @pytest.mark.parametrize("seed", [2, 5, 11])
 @pytest.mark.parametrize("depth", [3, 1])
 def test_the_bonus_first_check_is_searched_ahead(seed: int, depth: int) -> None:
@@ -38,19 +46,7 @@ def test_the_bonus_first_check_is_searched_ahead(seed: int, depth: int) -> None:
     tokenizer = toy_tokenizer()
     max_tokens = HERE + depth + CLOSING_WINDOW
     tokens, parents = stream[HERE - 1 : HERE + depth], list(range(-1, depth))
-    stops = frozenset(tokenizer.stop_token_ids)
-    entry = Entry(
-        "r",
-        ("llguidance", SPEC),
-        stream[:HERE],
-        HERE,
-        NO_MEMO,
-        tokens,
-        parents,
-        HERE,
-        (max_tokens, 10_000),
-        stops,
-    )
+    entry = _entry(stream, tokens, parents, max_tokens)
     mirrors = _Mirrors(tokenizer)
     outcomes = mirrors.decide(entry)
     assert outcomes is not None and all(o == (None, NO_MEMO) for o in outcomes[1:])
@@ -85,18 +81,7 @@ def test_only_the_node_before_the_window_gets_a_seed() -> None:
     tokenizer = toy_tokenizer()
     max_tokens = HERE + 1 + CLOSING_WINDOW
     tokens, parents = stream[HERE - 1 : HERE + 3], [-1, 0, 1, 2]
-    entry = Entry(
-        "r",
-        ("llguidance", SPEC),
-        stream[:HERE],
-        HERE,
-        NO_MEMO,
-        tokens,
-        parents,
-        HERE,
-        (max_tokens, 10_000),
-        frozenset(tokenizer.stop_token_ids),
-    )
+    entry = _entry(stream, tokens, parents, max_tokens)
     mirrors = _Mirrors(tokenizer)
     outcomes = mirrors.decide(entry)
     assert outcomes is not None

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_models import gpu_config, gpu_runner, gpu_state
+from gpu_models import depths, gpu_config, gpu_runner, gpu_state, tree_input
 from spec_helpers import compile_matcher
 
 from espalier.engine.runner import SeqInput
@@ -39,13 +39,6 @@ pytestmark = [
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 3]
 
 
-def _depths(parents: list[int]) -> list[int]:
-    depths = [0] * len(parents)
-    for i, p in enumerate(parents):
-        depths[i] = 0 if p < 0 else depths[p] + 1
-    return depths
-
-
 def step_logits(runner: Any) -> list[torch.Tensor]:
     """Prefill two prompts, decode both, then verify a tree for one while the other decodes."""
     gen = torch.Generator().manual_seed(1)
@@ -59,7 +52,7 @@ def step_logits(runner: Any) -> list[torch.Tensor]:
         tables[0],
         tree_tokens,
         ctx[0],
-        positions=[ctx[0] + d for d in _depths(TREE_PARENTS)],
+        positions=[ctx[0] + d for d in depths(TREE_PARENTS)],
         custom_mask=tree_attention_mask(TREE_PARENTS, ctx[0]),
         logits="all",
     )
@@ -196,7 +189,7 @@ def test_pdl_replay_gives_the_logits_of_plain_stream_order(
             tables[0],
             [50 + i for i in range(len(TREE_PARENTS))],
             ctx[0],
-            positions=[ctx[0] + d for d in _depths(TREE_PARENTS)],
+            positions=[ctx[0] + d for d in depths(TREE_PARENTS)],
             custom_mask=tree_attention_mask(TREE_PARENTS, ctx[0]),
             logits="all",
         )
@@ -222,17 +215,7 @@ def test_tree_verify_graph_matches_eager_logits() -> None:
         runner.forward([SeqInput(t, p, 0, logits="none") for t, p in zip(tables, prompts)])
     ctx = [len(p) for p in prompts]
     for step in range(4):
-        batch = [
-            SeqInput(
-                t,
-                [50 + step + i for i in range(len(TREE_PARENTS))],
-                c,
-                positions=[c + d for d in _depths(TREE_PARENTS)],
-                custom_mask=tree_attention_mask(TREE_PARENTS, c),
-                logits="all",
-            )
-            for t, c in zip(tables, ctx)
-        ]
+        batch = [tree_input(t, c, TREE_PARENTS, 50 + step) for t, c in zip(tables, ctx)]
         assert graphs.replays(batch) and not eager.replays(batch)
         larger = SeqInput(
             tables[2],
@@ -274,17 +257,7 @@ def test_padded_tree_verify_graph_matches_eager_logits(
     ctx = [len(p) for p in prompts]
     shapes = [[-1, 0, 0, 0, 1, 1, 3, 4, 6], [-1, 0, 1], [-1], [-1, 0]]
     for step in range(3):
-        batch = [
-            SeqInput(
-                t,
-                [50 + step + i for i in range(len(parents))],
-                c,
-                positions=[c + d for d in _depths(parents)],
-                custom_mask=tree_attention_mask(parents, c),
-                logits="all",
-            )
-            for t, c, parents in zip(tables, ctx, shapes)
-        ]
+        batch = [tree_input(t, c, p, 50 + step) for t, c, p in zip(tables, ctx, shapes)]
         batch.append(SeqInput(tables[4], [60 + step], ctx[4]))  # a plain decode
         assert graphs.replays(batch) and not eager.replays(batch)
         want, got = eager.forward(batch), graphs.forward(batch)

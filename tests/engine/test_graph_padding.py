@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_models import gpu_config, gpu_state
+from gpu_models import gpu_config, gpu_state, tree_input
 
 from espalier.engine.attention.base import AttentionMetadata, LayerSpec
 from espalier.engine.attention.small_query import plan_windows, window_wrappers
@@ -19,7 +19,6 @@ from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.graph_padding import PaddedStep, pad_step, step_tokens
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.runner import ModelRunner, SeqInput
-from espalier.engine.spec.tree_builder import tree_attention_mask
 from espalier.kernels.paged_attention import Workspace
 
 BLOCK = 16
@@ -53,24 +52,6 @@ def _runner(config: Any, state: dict[str, torch.Tensor]) -> ModelRunner:
 def _windows(runner: ModelRunner) -> list[int | None]:
     config = runner.model_config
     return list({config.window(i): None for i in range(config.num_layers)})
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depths = [0] * len(parents)
-    for i, p in enumerate(parents):
-        depths[i] = 0 if p < 0 else depths[p] + 1
-    return depths
-
-
-def _tree(table: list[int], ctx: int, parents: list[int], first: int) -> SeqInput:
-    return SeqInput(
-        table,
-        [first + i for i in range(len(parents))],
-        ctx,
-        positions=[ctx + d for d in _depths(parents)],
-        custom_mask=tree_attention_mask(parents, ctx),
-        logits="all",
-    )
 
 
 def _padded_forward(runner: ModelRunner, step: PaddedStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,9 +96,9 @@ def test_padded_step_gives_the_eager_logits_and_cache(family: str, window: int |
     small = [-1, 0, 1]  # 3 nodes: 6 dummy rows
     for step in range(3):
         batch = [
-            _tree(tables[0], ctx[0], full, 50 + step),
-            _tree(tables[1], ctx[1], small, 60 + step),
-            _tree(tables[2], ctx[2], [-1], 70 + step),  # a root-only tree
+            tree_input(tables[0], ctx[0], full, 50 + step),
+            tree_input(tables[1], ctx[1], small, 60 + step),
+            tree_input(tables[2], ctx[2], [-1], 70 + step),  # a root-only tree
             SeqInput(tables[3], [80 + step], ctx[3]),  # a plain decode sharing the step
         ]
         assert step_tokens(batch) == N
@@ -141,9 +122,9 @@ def test_padded_step_gives_the_eager_logits_and_cache(family: str, window: int |
 
 
 def test_step_tokens_picks_the_shape() -> None:
-    tree = _tree([0], 2, [-1, 0, 1, 1], 5)
+    tree = tree_input([0], 2, [-1, 0, 1, 1], 5)
     decode = SeqInput([1], [7], 3)
-    root_only = _tree([2], 4, [-1], 9)
+    root_only = tree_input([2], 4, [-1], 9)
     prefill = SeqInput([3], [1, 2, 3], 0)
     assert step_tokens([decode, decode]) == 1
     assert step_tokens([tree, decode]) == 4
