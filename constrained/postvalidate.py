@@ -73,7 +73,8 @@ def postvalidate(
             return PostValidation(True, False, (f"/: not valid JSON: {exc}",))
         if spec.kind is GrammarKind.ANY_JSON:
             return PostValidation(True, True)
-        return validate_instance(spec.schema, instance, registry=registry)
+        # keyed on the spec's text: no parse and no serialization of the schema per output
+        return _check(_validator_from_text(spec.source, registry), instance)
     if replay is None:
         return PostValidation(False, False, ("/: no independent validator for this grammar kind",))
     ok = replay(text)
@@ -87,7 +88,10 @@ def validate_instance(
     registry: referencing.Registry[Any] | None = None,
 ) -> PostValidation:
     """Validate an already-parsed instance against a schema (format assertion on)."""
-    validator = _validator(schema, registry)
+    return _check(_validator(schema, registry), instance)
+
+
+def _check(validator: Any, instance: Any) -> PostValidation:
     try:
         errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
     except (re.error, regex.error) as exc:
@@ -142,8 +146,11 @@ def _pointer(path: list[Any]) -> str:
 
 
 VALIDATOR_CACHE_ENTRIES = 256
-"""Validators kept per (schema, registry): building one (class, format checker, ref resolver)
-costs ~2 ms, far more than validating a typical output, and requests repeat schemas."""
+"""Validators kept per (schema text, registry): building one (class, format checker, ref
+resolver) costs ~2 ms, far more than validating a typical output, and requests repeat schemas.
+A spec's output is looked up by the spec's own text; the key of a schema object is its JSON
+with sorted keys (made per call: for the 32 schemas of ``bench/gpu.py``'s batch, that
+serialization alone took as long as validating their outputs, ``bench/postvalidate.py``)."""
 
 _validators: OrderedDict[tuple[str, int], tuple[Any, Any]] = OrderedDict()
 _validators_lock = threading.Lock()
@@ -152,13 +159,28 @@ _validators_lock = threading.Lock()
 def _validator(schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None) -> Any:
     """A (cached) validator for ``schema``; validators are stateless, so sharing them across
     threads is safe."""
-    key = (json.dumps(schema, sort_keys=True, separators=(",", ":")), id(registry))
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return _cached(text, registry, lambda: schema)
+
+
+def _validator_from_text(text: str, registry: referencing.Registry[Any] | None) -> Any:
+    """A (cached) validator for the schema whose JSON is ``text`` (parsed only to build it)."""
+    return _cached(text, registry, lambda: json.loads(text))
+
+
+def _cached(
+    text: str,
+    registry: referencing.Registry[Any] | None,
+    schema: Callable[[], dict[str, Any] | bool],
+) -> Any:
+    """The validator cached under ``(text, registry)``, else built from ``schema()``."""
+    key = (text, id(registry))
     with _validators_lock:
         hit = _validators.get(key)
         if hit is not None and hit[1] is registry:
             _validators.move_to_end(key)
             return hit[0]
-    validator = _build_validator(schema, registry)
+    validator = _build_validator(schema(), registry)
     with _validators_lock:
         _validators[key] = (validator, registry)  # the registry is kept: its id stays unique
         while len(_validators) > VALIDATOR_CACHE_ENTRIES:

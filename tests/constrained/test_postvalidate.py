@@ -107,3 +107,33 @@ def test_replay_with_a_real_matcher(toy_tokenizer: Any) -> None:
     replay = replay_with(compiled, toy_tokenizer)
     assert postvalidate(spec, "aab", replay=replay).valid
     assert not postvalidate(spec, "aa", replay=replay).valid
+
+
+def test_a_spec_builds_its_validator_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outputs of one spec (and of another spec with the same text) share a validator built
+    # once from the spec's text, which is not parsed again per output; another schema builds
+    # its own. Verdicts are those of validate_instance on the parsed schema.
+    from espalier.constrained import postvalidate as pv
+
+    built: list[Any] = []
+    build = pv._build_validator
+
+    def counting(schema: Any, registry: Any) -> Any:
+        built.append(schema)
+        return build(schema, registry)
+
+    def unparsed(_: GrammarSpec) -> Any:
+        raise AssertionError("the spec's schema parsed per output")
+
+    monkeypatch.setattr(pv, "_build_validator", counting)
+    monkeypatch.setattr(pv, "_validators", type(pv._validators)())
+    monkeypatch.setattr(GrammarSpec, "schema", property(unparsed))
+    schema = {"type": "object", "properties": {"n": {"maximum": 3}}, "required": ["n"]}
+    outputs = ['{"n": 1}', '{"n": 7}', "{}", '{"n": 2}']
+    got = [postvalidate(GrammarSpec.json_schema(schema), text) for text in outputs]
+    assert [r.valid for r in got] == [True, False, False, True]
+    assert built == [schema]
+    assert not check({"type": "string"}, "1").valid
+    assert built == [schema, {"type": "string"}]
+    for text, result in zip(outputs, got):
+        assert result == pv.validate_instance(schema, pv.parse_strict_json(text))
