@@ -11,14 +11,12 @@ verify forward (H200, batch 32, 8B shape: the GPU is done about 10 ms after the 
 request's tokens are appended (``pass_through`` and its matcher's ``accept_tokens`` for all
 but the last, ``instead`` for the last, as ``Engine._accept_run`` and ``Engine._append``).
 
-The anchors in the same run (in turns over ``--reps``, reversed every other rep):
-``closing.BONUS_AHEAD`` off, where a tree goes to a worker only when one of its nodes' checks
-is due, so the bonus token's check, when it is the only one due, runs inline on the engine
-thread; and workers without ``closing_remote.SEEDS_AHEAD``, where a bonus query that is the
-request's first check in the window searches after verification instead of during the
-forward (``no_seeds_ahead``). Per mode: ``append_ms`` per step
-(median, p90, max over all steps of all reps), ``instead_ms_per_step`` (the engine thread's
-time in ``BudgetCloser.instead``: waiting for answers or deciding inline), ``inline_decides``
+The anchor in the same run (ABBA over ``--reps``): ``closing.BONUS_AHEAD`` off, where a tree
+goes to a worker only when one of its nodes' checks is due, so the bonus token's check, when it
+is the only one due, runs inline on the engine thread. Per mode: ``append_ms`` per step
+(median, p90, max over all steps of all reps; and step by step, the median over reps),
+``instead_ms_per_step`` (the engine thread's time in ``BudgetCloser.instead``: waiting for
+answers or deciding inline), ``inline_decides``
 (``BudgetCloser.decide`` calls on the engine thread, the quick ones without grammar work
 included) and ``searches_inline``; the decisions (closing paths and memos) are checked equal
 across modes.
@@ -173,7 +171,7 @@ def _streams(args: argparse.Namespace, tokenizer: Any) -> list[tuple[Any, list[i
 
 def run(args: argparse.Namespace) -> None:
     from espalier.constrained.tokenizer import TokenizerInfo
-    from espalier.engine import closing, closing_remote
+    from espalier.engine import closing
     from espalier.engine.closing_remote import ClosingWorkers
 
     tokenizer = TokenizerInfo.default()
@@ -186,30 +184,22 @@ def run(args: argparse.Namespace) -> None:
     probe = _Probe()
     probe.install()
     workers = ClosingWorkers(tokenizer, args.workers)
-    closing_remote.SEEDS_AHEAD = False
-    unseeded = ClosingWorkers(tokenizer, args.workers)
-    closing_remote.SEEDS_AHEAD = True
     try:
-        assert workers.wait_ready(120.0) and unseeded.wait_ready(120.0)
-        modes = {  # BONUS_AHEAD, the workers
-            "bonus_ahead": (True, workers),
-            "no_seeds_ahead": (True, unseeded),
-            "anchor_nodes_only": (False, workers),
-        }
+        assert workers.wait_ready(120.0)
+        modes = {"bonus_ahead": True, "anchor_nodes_only": False}
         stats: dict[str, dict[str, Any]] = {
             m: {"appends": [], "runs": [], "instead_s": 0.0, "counts": Counter(), "steps": 0}
             for m in modes
         }
         reference = None
         closing.BONUS_AHEAD = True
-        for pool_workers in (workers, unseeded):  # warm-up (mirrors' grammars, caches)
-            _run(args, tokenizer, pool, pool_workers)
+        _run(args, tokenizer, pool, workers)  # warm-up (mirrors' grammars, caches)
         for rep in range(args.reps):
             order = list(modes) if rep % 2 == 0 else list(modes)[::-1]
             for mode in order:
-                closing.BONUS_AHEAD, mode_workers = modes[mode]
+                closing.BONUS_AHEAD = modes[mode]
                 probe.instead_s, probe.counts = 0.0, Counter()
-                appends, decisions = _run(args, tokenizer, pool, mode_workers)
+                appends, decisions = _run(args, tokenizer, pool, workers)
                 reference = decisions if reference is None else reference
                 assert decisions == reference, f"{mode}: decisions differ"
                 entry = stats[mode]
@@ -255,17 +245,11 @@ def run(args: argparse.Namespace) -> None:
                     / out["anchor_nodes_only"]["instead_ms_per_step"],
                     3,
                 ),
-                "seeds_ahead_instead_ratio": round(
-                    out["bonus_ahead"]["instead_ms_per_step"]
-                    / out["no_seeds_ahead"]["instead_ms_per_step"],
-                    3,
-                ),
                 "decisions_equal": True,
             }
         )
     finally:
         workers.close()
-        unseeded.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -382,23 +382,19 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     chunks = _per_pass(args.close_chunk_ms, len(names), "--close-chunk-ms")
     bonuses = _per_pass(args.bonus_ahead, len(names), "--bonus-ahead")
     pads = _per_pass(args.pad_trees, len(names), "--pad-trees")
-    seeds = _per_pass(args.seeds_ahead, len(names), "--seeds-ahead")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, defers, workers, zip(chunks, bonuses, pads, seeds))
+    passes = zip(names, aheads, threads, defers, workers, zip(chunks, bonuses, pads))
     from espalier.engine import closing, closing_remote, cuda_graphs
     from espalier.engine.spec import decoder as decoder_mod
 
     default_chunk_s = closing_remote.CHUNK_S
-    for i, (name, ahead, mask_threads, defer, procs, (chunk, bonus, pad, seed)) in enumerate(
-        passes
-    ):
+    for i, (name, ahead, mask_threads, defer, procs, (chunk, bonus, pad)) in enumerate(passes):
         # "early": deferred, fills run ahead settled before the masks are waited for
         decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
         # the workers' answer parts ("inf": one message per step, as before parts)
         closing_remote.CHUNK_S = default_chunk_s if chunk == "default" else float(chunk) / 1e3
         closing.BONUS_AHEAD = bonus != "off"  # the bonus token's check decided in the workers
         cuda_graphs.PAD_TREES = pad != "off"  # smaller trees replay a larger tree graph, padded
-        closing_remote.SEEDS_AHEAD = seed != "off"  # workers search the first checks ahead
         ratios = equal_work(
             runner,
             tokenizer,
@@ -513,13 +509,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="append each batch's constrained outputs (schema, tokens, max_tokens) to this "
         "JSON-lines file, for bench/closing_steady.py --streams",
-    )
-    parser.add_argument(
-        "--seeds-ahead",
-        default="default",
-        help="closing_remote.SEEDS_AHEAD per equal-work pass (default and on: on; off: a bonus "
-        "query that is a first check searches after verification), one value or as many as "
-        "--close-ahead",
     )
     parser.add_argument(
         "--mask-threads",

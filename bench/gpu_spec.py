@@ -344,7 +344,6 @@ def equal_work(
                     "close_chunk_s": closing_remote.CHUNK_S,
                     "bonus_ahead": closing_policy.BONUS_AHEAD,
                     "pad_trees": cuda_graphs.PAD_TREES,
-                    "seeds_ahead": closing_remote.SEEDS_AHEAD,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -367,7 +366,6 @@ def equal_work(
                 "close_chunk_s": closing_remote.CHUNK_S,
                 "bonus_ahead": closing_policy.BONUS_AHEAD,
                 "pad_trees": cuda_graphs.PAD_TREES,
-                "seeds_ahead": closing_remote.SEEDS_AHEAD,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

@@ -197,13 +197,6 @@ class Memo:
 NO_MEMO = Memo()
 
 
-class Unset:
-    """The type of :data:`UNSET`: an argument not given (None is a value there)."""
-
-
-UNSET = Unset()
-
-
 class BudgetCloser:
     """The engine's side of the policy: when to close a request, and appending the closing.
 
@@ -300,7 +293,6 @@ class BudgetCloser:
         here: int,
         budget: int,
         exempt: bool,
-        before: list[int] | Unset | None = UNSET,
     ) -> tuple[list[int] | None, Memo]:
         """:meth:`instead`'s decision from ``memo`` and ``matcher`` (the state before ``token``,
         not changed: the checks run on forks): the closing path or None, and the memo after.
@@ -309,11 +301,6 @@ class BudgetCloser:
         token its rest closes the next state (no grammar work). Else the last path found (for
         this state, or stale: found some tokens ago) is tried after ``token``, then paths
         stitched from it (:meth:`ClosingPaths.stitch`), accepts only, before a new search.
-        With no path found yet (the request's first check in the window), a closing path of
-        the state before ``token`` is found first (:meth:`first_seed`) and serves as that seed:
-        that search needs only tokens known before ``token``, so a closing worker makes it
-        ahead, while the target's forward runs, for the token after a draft tree (the bonus
-        token, which verification chooses); ``before`` is its result when the caller has it.
         ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
         quick = _without_check(memo, token, here, budget, exempt)
@@ -322,9 +309,6 @@ class BudgetCloser:
         known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
         seed = known[1] if known is not None else None  # only tried: it may be stale
-        searched = known is None
-        if searched:
-            seed = path = self.first_seed(matcher, budget) if isinstance(before, Unset) else before
         probe = matcher.fork()
         # after token: a path that leaves room for the stop token (searched on the probe itself)
         after = _closes_after(probe, token, seed, budget - 2)
@@ -338,18 +322,11 @@ class BudgetCloser:
             slack = budget - 2 - len(after) - MARGIN
             next_check = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
             return None, Memo((here + 1, after), next_check, False)
-        if path is None and not searched:
+        if path is None:
             path = self.paths.find(matcher, budget - 1)
         if path is None:
             return None, replace(memo, unclosable=True)
         return path, memo
-
-    def first_seed(self, matcher: GrammarMatcher, budget: int) -> list[int] | None:
-        """The closing path :meth:`decide` finds first for the state of ``matcher`` when a
-        token checked there with ``budget`` tokens left is the request's first check (it is
-        also the path emitted if that token cannot be let through)."""
-        assert self.paths is not None
-        return self.paths.find(matcher, budget - 1)
 
     def lookahead(
         self, request: Request, tokens: Sequence[int], parents: Sequence[int], max_model_len: int
@@ -442,18 +419,6 @@ class BudgetCloser:
         ahead = self._ahead.pop(request_id, None)
         if ahead is not None:
             ahead.cancel()
-
-
-def first_check_due(memo: Memo, here: int, budget: int) -> bool:
-    """Whether a token appended at output length ``here`` with ``budget`` tokens left is
-    checked (unless exempt) with no closing path found yet: :meth:`BudgetCloser.decide` then
-    finds one for the state before the token first (:meth:`BudgetCloser.first_seed`)."""
-    return (
-        memo.known is None
-        and not memo.unclosable
-        and budget <= CLOSING_WINDOW
-        and here >= memo.next_check
-    )
 
 
 def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool) -> Memo | None:

@@ -17,9 +17,6 @@ since its last message, the draft tree, the memo and the limits; the worker answ
 node's decision, in parts (:data:`CHUNK_S`). The engine thread receives a request's part when
 it first takes a decision of the request in the step (appending after verification). The
 decisions are a function of the tokens alone, so they are those of the engine's own matcher.
-Then, while the forward still runs, the worker searches ahead for the token after the tree
-where that token may be the request's first check in the window (:data:`SEEDS_AHEAD`): the
-query for it, after verification, is then answered without that search.
 
 A worker that cannot build a mirror answers None for that request, and one that died answers
 None for all: those tokens are decided inline, as without workers; so are those of requests
@@ -44,7 +41,6 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from espalier.engine.closing import UNSET, first_check_due
 from espalier.engine.closing_ahead import Outcome, child_index, decide_tree, path_nodes
 
 if TYPE_CHECKING:
@@ -70,11 +66,6 @@ worker decides for the last ones: one message in a step of quick decisions, seve
 where many requests search for closing paths at once (their first checks in the window: H200,
 batch 32, ``bench/gpu_timeline.py`` run 91, appends of 8.5-15.6 ms in such steps against 2-3
 in the others)."""
-
-SEEDS_AHEAD = True
-"""After answering a step's trees, a worker makes the first seeds the queries after them will
-need (``_Mirrors.prepare``), while the forward runs; False: the query searches (the anchor in
-``bench/closing_steady.py`` and ``bench/gpu.py --seeds-ahead``). Read when workers start."""
 
 READY = "ready"  # the worker's first message: it has built the tokenizer and the backends
 MAX_COMPILED = 64  # grammars a worker keeps compiled (least recently opened dropped first)
@@ -125,13 +116,12 @@ class _Worker:
     engine does not wait for the child to start); the worker answers ``READY`` once it has
     built it. Until then :meth:`ClosingWorkers.submit` queues nothing for it (inline)."""
 
-    def __init__(self, payload: bytes, chunk_s: float = CHUNK_S, seeds: bool = True) -> None:
+    def __init__(self, payload: bytes, chunk_s: float = CHUNK_S) -> None:
         parent, child = Pipe()
         self.conn: Connection = parent
         fd = child.fileno()
-        module = "espalier.engine.closing_remote"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, str(fd), repr(chunk_s), str(int(seeds))],
+            [sys.executable, "-m", "espalier.engine.closing_remote", str(fd), repr(chunk_s)],
             pass_fds=(fd,),
         )
         child.close()
@@ -292,7 +282,7 @@ class ClosingWorkers:
         """chunk_s: the workers' :data:`CHUNK_S` (None: that default)."""
         payload = tokenizer.backend_view("espalier.engine.closing_remote.payload", _payload)
         chunk = CHUNK_S if chunk_s is None else chunk_s
-        self._workers = [_Worker(payload, chunk, SEEDS_AHEAD) for _ in range(max(1, processes))]
+        self._workers = [_Worker(payload, chunk) for _ in range(max(1, processes))]
         self._synced: dict[str, int] = {}  # request id -> output tokens its mirror accepted
         self._assigned: dict[str, _Worker] = {}  # request id -> the worker with its mirror
 
@@ -460,16 +450,13 @@ class _Mirrors:
         self.closer: BudgetCloser = BudgetCloser(tokenizer)
         self._compiled: dict[tuple[str, Any], CompiledGrammar] = {}
         self._matchers: dict[str, tuple[GrammarMatcher, int]] = {}
-        # per request, its last tree's entry and decisions (for the queries after it), and the
-        # first seeds made ahead for the token after some of its nodes (:meth:`prepare`)
+        # per request, its last tree's entry and decisions (for the queries after it)
         self._last: dict[str, tuple[Entry, list[Outcome | None]]] = {}
-        self._seeds: dict[str, dict[int, list[int] | None]] = {}
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
             self._last.pop(request_id, None)
-            self._seeds.pop(request_id, None)
 
     def answer(self, query: Query) -> Outcome | None:
         """The decision for a query's token, after the path of the request's last tree; None
@@ -497,10 +484,7 @@ class _Mirrors:
                 return None
             check = here + len(path)
             budget = min(limits[0] - check, limits[1] - check)
-            before = self._seeds.get(request_id, {}).get(nodes[-1] if nodes else 0, UNSET)
-            return self.closer.decide(
-                memo, matcher, token, check, budget, token in stops, before=before
-            )
+            return self.closer.decide(memo, matcher, token, check, budget, token in stops)
         except Exception:
             log.debug("closing worker: no decision for %s", request_id, exc_info=True)
             return None
@@ -524,41 +508,12 @@ class _Mirrors:
                 self.closer, memo, matcher.fork(), tokens, parents, here, limits, stops
             )
             self._last[request_id] = (entry, outcomes)
-            self._seeds.pop(request_id, None)
             return outcomes
         except Exception:
             log.debug("closing worker: no decisions for %s", request_id, exc_info=True)
             self._matchers.pop(request_id, None)
             self._last.pop(request_id, None)
             return None
-
-    def prepare(self, request_id: str) -> None:
-        """Make ahead the first seeds (``BudgetCloser.first_seed``) that a query after the
-        request's last tree will need: for each node the engine may stop at whose next token
-        is the request's first check in the window (no path found yet). That is the search
-        of the window's first check, made while the target's forward runs, not after its
-        verification chose the token (``engine/closing.py``, ``BudgetCloser.decide``)."""
-        last, mirror = self._last.get(request_id), self._matchers.get(request_id)
-        if last is None or mirror is None or request_id in self._seeds:
-            return
-        entry, outcomes = last
-        memo, tokens, parents, here, limits, stops = entry[4:]
-        seeds: dict[int, list[int] | None] = {}
-        self._seeds[request_id] = seeds
-        if memo is None:
-            return
-        for node, path, at in _reached(tokens, parents, outcomes, stops, memo):
-            check = here + len(path)
-            budget = min(limits[0] - check, limits[1] - check)
-            if not first_check_due(at, check, budget):
-                continue
-            try:
-                matcher = mirror[0].fork()
-                if matcher.accept_tokens(path) != len(path) or matcher.is_terminated():
-                    continue
-                seeds[node] = self.closer.first_seed(matcher, budget)
-            except Exception:  # the query decides it all (and raises again, or not)
-                log.debug("closing worker: no seed for %s", request_id, exc_info=True)
 
     def _compile(self, backend: str, spec: Any) -> CompiledGrammar:
         from espalier.constrained.backends import get_backend
@@ -571,27 +526,6 @@ class _Mirrors:
                 del self._compiled[next(iter(self._compiled))]
         self._compiled[key] = compiled
         return compiled
-
-
-def _reached(
-    tokens: Sequence[int],
-    parents: Sequence[int],
-    outcomes: Sequence[Outcome | None],
-    stops: frozenset[int],
-    memo: Memo,
-) -> list[tuple[int, list[int], Memo]]:
-    """``(node, tree tokens below the root up to it, memo after it)`` for the root and every
-    node the engine goes on after (no closing or stop on the way), parents first."""
-    reached: list[tuple[int, list[int], Memo]] = [(0, [], memo)]
-    index = {0: 0}
-    for node in range(1, len(tokens)):
-        parent = index.get(parents[node])
-        outcome = outcomes[node]
-        if parent is None or outcome is None or outcome[0] is not None or tokens[node] in stops:
-            continue
-        index[node] = len(reached)
-        reached.append((node, [*reached[parent][1], tokens[node]], outcome[1]))
-    return reached
 
 
 def _warm_backends(tokenizer: TokenizerInfo) -> None:
@@ -608,13 +542,11 @@ def _warm_backends(tokenizer: TokenizerInfo) -> None:
             log.debug("closing worker: backend %s unavailable", name, exc_info=True)
 
 
-def serve(conn: Connection, chunk_s: float = CHUNK_S, seeds: bool = True) -> None:
+def serve(conn: Connection, chunk_s: float = CHUNK_S) -> None:
     """The worker's loop: a tokenizer first, then ``(forgets, entries, queries)`` messages,
     each answered with the entries' decisions, in parts (``(decisions, last, seconds)``, a
     part sent once its decisions took ``chunk_s``, :data:`CHUNK_S`; ``seconds``: making
-    them), then each query's decision, then (``seeds``, :data:`SEEDS_AHEAD`) the entries'
-    first seeds for the next message's queries, until None or the engine's end of the pipe
-    closes."""
+    them), then each query's decision, until None or the engine's end of the pipe closes."""
     from espalier.constrained.tokenizer import TokenizerInfo
 
     hf, vocab_size, stops, name = pickle.loads(conn.recv_bytes())
@@ -641,17 +573,10 @@ def serve(conn: Connection, chunk_s: float = CHUNK_S, seeds: bool = True) -> Non
         conn.send((part, True, time.perf_counter() - start))
         for query in queries:  # one message each: the engine takes them one by one
             conn.send(mirrors.answer(query))
-        for entry in entries if seeds else ():  # while the forward runs: first seeds
-            if entry.tokens:
-                mirrors.prepare(entry.request_id)
 
 
 if __name__ == "__main__":
     # the package's copy of this module, not ``__main__``: the engine pickles its ``Entry``
     from espalier.engine.closing_remote import serve as _serve
 
-    _serve(
-        Connection(int(sys.argv[1])),
-        float(sys.argv[2]) if len(sys.argv) > 2 else CHUNK_S,
-        sys.argv[3] != "0" if len(sys.argv) > 3 else SEEDS_AHEAD,
-    )
+    _serve(Connection(int(sys.argv[1])), float(sys.argv[2]) if len(sys.argv) > 2 else CHUNK_S)
