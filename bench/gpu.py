@@ -382,19 +382,27 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     chunks = _per_pass(args.close_chunk_ms, len(names), "--close-chunk-ms")
     bonuses = _per_pass(args.bonus_ahead, len(names), "--bonus-ahead")
     pads = _per_pass(args.pad_trees, len(names), "--pad-trees")
+    pools = _per_pass(args.torch_threads, len(names), "--torch-threads")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, defers, workers, zip(chunks, bonuses, pads))
+    passes = zip(names, aheads, threads, defers, workers, zip(chunks, bonuses, pads, pools))
     from espalier.engine import closing, closing_remote, cuda_graphs
     from espalier.engine.spec import decoder as decoder_mod
 
     default_chunk_s = closing_remote.CHUNK_S
-    for i, (name, ahead, mask_threads, defer, procs, (chunk, bonus, pad)) in enumerate(passes):
+    import torch
+
+    default_pool = torch.get_num_threads()
+    for i, (name, ahead, mask_threads, defer, procs, (chunk, bonus, pad, pool)) in enumerate(
+        passes
+    ):
         # "early": deferred, fills run ahead settled before the masks are waited for
         decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
         # the workers' answer parts ("inf": one message per step, as before parts)
         closing_remote.CHUNK_S = default_chunk_s if chunk == "default" else float(chunk) / 1e3
         closing.BONUS_AHEAD = bonus != "off"  # the bonus token's check decided in the workers
         cuda_graphs.PAD_TREES = pad != "off"  # smaller trees replay a larger tree graph, padded
+        # torch's CPU thread pool of the engine process (the closing workers are processes)
+        torch.set_num_threads(default_pool if pool == "default" else int(pool))
         ratios = equal_work(
             runner,
             tokenizer,
@@ -503,6 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="default",
         help="cuda_graphs.PAD_TREES per equal-work pass (default and on: on; off: steps with "
         "smaller trees run eagerly), one value or as many as --close-ahead",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        default="default",
+        help="torch.set_num_threads of the engine process per equal-work pass (default: torch's, "
+        "one per core), one value or as many as --close-ahead: e.g. --close-ahead "
+        "default,default --torch-threads default,4",
     )
     parser.add_argument(
         "--dump-streams",

@@ -344,6 +344,7 @@ def equal_work(
                     "close_chunk_s": closing_remote.CHUNK_S,
                     "bonus_ahead": closing_policy.BONUS_AHEAD,
                     "pad_trees": cuda_graphs.PAD_TREES,
+                    "torch_threads": torch.get_num_threads(),
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -366,6 +367,7 @@ def equal_work(
                 "close_chunk_s": closing_remote.CHUNK_S,
                 "bonus_ahead": closing_policy.BONUS_AHEAD,
                 "pad_trees": cuda_graphs.PAD_TREES,
+                "torch_threads": torch.get_num_threads(),
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),
