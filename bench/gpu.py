@@ -426,6 +426,8 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_workers_{procs}_"
             + ("" if chunk == "default" else f"chunk_{chunk}_")
             + ("" if bonus == "default" else f"bonus_{bonus}_")
+            + ("" if pad == "default" else f"pad_{pad}_")
+            + ("" if pool == "default" else f"torch_threads_{pool}_")
         )
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
