@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from espalier.engine.attention.base import AttentionMetadata
-from espalier.engine.graph_padding import PaddedStep, pad_step, step_tokens
+from espalier.engine.graph_padding import PaddedStep, pad_step, padded_layout, step_tokens
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -263,7 +263,10 @@ class StepGraphs:
         other.planned = None
         try:
             with torch.cuda.stream(stream):
-                self._plan(other.wrappers, self._pad(following, bucket, 1))
+                layout = padded_layout(
+                    following, bucket, 1, block_size=bs, scratch_block=self.scratch_block
+                )
+                self.backend.plan_causal(other.wrappers.wrappers, layout, bs)
         except ValueError:  # does not fit the fixed buffers: that step will plan (and fail)
             return
         other.plan_ready = other.plan_ready or torch.cuda.Event()

@@ -89,7 +89,7 @@ class PaddedStep:
     n: int
     inputs: torch.Tensor
     kv_lens: list[int]
-    tables: list[list[int]]
+    tables: list[Sequence[int]]
     masks: dict[Window, list[np.ndarray]] | None
     rows: list[int]
     logits_rows: list[int]
@@ -99,6 +99,25 @@ class PaddedStep:
     def layout(self, block_size: int) -> PagedLayout:
         """The paged layout of the padded step (``n`` query rows per sequence)."""
         return paged_layout([self.n] * self.bucket, self.kv_lens, self.tables, block_size)
+
+
+def _padded_tables(
+    batch: Sequence[SeqInput], bucket: int, n: int, scratch_block: int
+) -> tuple[list[int], list[Sequence[int]]]:
+    """Per padded sequence, cache entries after the step and its pages (the batch's tables
+    themselves, not copies: this runs on every replay): what a plan reads."""
+    kv_lens = [s.context_len + s.q_len for s in batch] + [n] * (bucket - len(batch))
+    tables = [s.block_table for s in batch] + [[scratch_block]] * (bucket - len(batch))
+    return kv_lens, tables
+
+
+def padded_layout(
+    batch: Sequence[SeqInput], bucket: int, n: int, *, block_size: int, scratch_block: int
+) -> PagedLayout:
+    """The paged layout of ``batch`` padded to ``bucket x n`` rows, without the inputs (a plan
+    made ahead needs only this)."""
+    kv_lens, tables = _padded_tables(batch, bucket, n, scratch_block)
+    return paged_layout([n] * bucket, kv_lens, tables, block_size)
 
 
 def pad_step(
@@ -118,8 +137,7 @@ def pad_step(
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    kv_lens: list[int] = []
-    tables: list[list[int]] = []
+    kv_lens, tables = _padded_tables(batch, bucket, n, scratch_block)
     rows: list[int] = []
     logits_rows: list[int] = []
     indptr = [0]
@@ -136,8 +154,6 @@ def pad_step(
         positions.extend(pos + [pos[0]] * pad)
         slots.extend(table[i // bs] * bs + i % bs for i in range(ctx, ctx + m))
         slots.extend(base + j for j in range(m, n))
-        kv_lens.append(ctx + m)
-        tables.append(list(table))
         first = b * n
         rows.extend(range(first, first + m))
         if s.logits == "all":
@@ -155,8 +171,6 @@ def pad_step(
     tokens.extend([0] * (dummies * n))
     positions.extend(list(range(n)) * dummies)
     slots.extend([base + j for j in range(n)] * dummies)
-    kv_lens.extend([n] * dummies)
-    tables.extend([[scratch_block]] * dummies)
     if masks is not None and dummies:
         causal = np.tril(np.ones((n, n), dtype=bool)).ravel()
         for segments in masks.values():
