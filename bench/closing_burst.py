@@ -89,16 +89,8 @@ def _step(
     start = time.perf_counter()
     closer.flush()
     decisions = []
-    stops: set[int] = set()
     for request, chain in zip(requests, chains):
-        taken = []
-        for token in chain[1:]:  # as Engine._append: the decision, then its own matcher
-            path = closer.instead(request, token, stops, 1 << 20)
-            taken.append(path)
-            if path is not None:
-                break
-            request.output_ids.append(token)
-            assert request.matcher is not None and request.matcher.accept(token)
+        taken = spec_bench.append_deciding(closer, request, chain[1:])
         decisions.append((taken, closer._memo.get(request.request_id)))
         _busy(args.append_us * 1e-6)
     elapsed = time.perf_counter() - start

@@ -108,7 +108,6 @@ def _run(
         request.output_ids.append(tokens[0])
         decisions.append([])
         live.append((request, tokens, decisions[-1]))
-    stops: set[int] = set()
     appends: list[float] = []
     depth = args.depth
     while live:
@@ -133,14 +132,9 @@ def _run(
                 assert request.matcher is not None
                 assert request.matcher.accept_tokens(step[:run]) == run
                 request.output_ids.extend(step[:run])
-            path = None
-            for token in step[run:]:
-                path = closer.instead(request, token, stops, 1 << 20)
-                decided.append(path)
-                if path is not None:
-                    break
-                request.output_ids.append(token)
-                assert request.matcher is not None and request.matcher.accept(token)
+            taken = spec_bench.append_deciding(closer, request, step[run:])
+            decided.extend(taken)
+            path = taken[-1] if taken else None
             done = len(request.output_ids) + depth + 2 > min(args.max_tokens, len(tokens))
             if path is None and not done:
                 going.append((request, tokens, decided))
