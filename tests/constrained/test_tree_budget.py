@@ -11,7 +11,6 @@ helper only with its Python walk (its native walk checks the budget in C, inline
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -97,9 +96,10 @@ def test_slow_fill_is_abandoned_at_the_deadline_and_stays_exact(
     budget = 0.05
     proxy.armed = True
     recorded = LATENCY.recorded
-    start = time.perf_counter()
     masks = fill_tree_bitmask(matcher, tree, out, budget=budget)
-    took = time.perf_counter() - start
+    # returned while the stalled call still blocks (it waits for ``release``, set only below):
+    # the walk gave up at the deadline instead of waiting for the fill; no clock is read here
+    assert not proxy.finished.is_set()
     assert LATENCY.recorded == recorded + 1  # the give-up latency feeds the learnt margin
     returned = out.numpy().copy()
     assert masks.writes_pending()  # the stalled fill is still in flight
@@ -107,7 +107,6 @@ def test_slow_fill_is_abandoned_at_the_deadline_and_stays_exact(
     assert proxy.finished.wait(10.0)
     assert masks.wait_late_writes(10.0) and not masks.writes_pending()
     assert matcher.native is not proxy  # the caller got a copy at its state before the call
-    assert took < budget + 0.03  # generous for a loaded CI machine; the stall lasts seconds
     assert masks.budget_hit and masks.abandoned
     assert masks.filled[0] and masks.valid[0]
     assert masks.filled.sum() < tree.num_nodes
