@@ -37,6 +37,19 @@ from espalier.constrained.errors import CompileTimeoutError, GrammarError
 CompileResult = tuple[CompiledGrammar, CompileReport]
 CompileFn = Callable[[], CompileResult]
 
+_RUNNING = threading.local()
+
+
+def compile_deadline() -> tuple[float, float] | None:
+    """``(deadline, limit_s)`` of the compile running on this thread for a :class:`CompileCache`
+    (``deadline`` on ``time.monotonic``'s clock; past it the cache has answered its callers with
+    :class:`CompileTimeoutError` and abandoned this thread); None outside a cache's compile.
+
+    A compile that can stop early (a child process it can kill) reads it to stop at the deadline
+    instead of running on abandoned."""
+    running: tuple[float, float] | None = getattr(_RUNNING, "deadline", None)
+    return running
+
 
 @dataclass(frozen=True)
 class CacheKey:
@@ -291,18 +304,20 @@ class _Pool:
                 return
             job.started = True
             job.worker = worker
+        deadline = time.monotonic() + job.timeout_s
         with self._lock:
-            heapq.heappush(
-                self._deadlines, (time.monotonic() + job.timeout_s, next(self._counter), job)
-            )
+            heapq.heappush(self._deadlines, (deadline, next(self._counter), job))
             self._wake.notify()
         start = time.perf_counter()
         result: CompileResult | None = None
         error: BaseException | None = None
+        _RUNNING.deadline = (deadline, job.timeout_s)
         try:
             result = job.fn()
         except BaseException as exc:  # delivered to the callers, never raised in the worker
             error = exc
+        finally:
+            _RUNNING.deadline = None
         self.cache._finish(job, result, error, time.perf_counter() - start)
         if worker.abandoned:
             with self._lock:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from espalier.constrained.base import CompiledGrammar, CompileReport
 from espalier.constrained.errors import (
+    CompileTimeoutError,
     GrammarError,
     InvalidGrammarError,
     KeywordIssue,
@@ -136,6 +137,8 @@ def _compile_first(
             if spec.kind not in engine.kinds:
                 raise UnsupportedGrammarError(name, spec.kind.value)
             compiled = engine.compile(spec)
+        except CompileTimeoutError:  # a cache's deadline passed: no other backend has time left
+            raise
         except GrammarError as exc:
             first_error = first_error or exc
             continue

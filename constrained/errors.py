@@ -91,9 +91,30 @@ class CompileTimeoutError(GrammarError):
         super().__init__(f"grammar compilation exceeded its time limit of {seconds:g} s")
 
 
+class CompileMemoryError(GrammarError):
+    """A backend's compile needed more memory than its limit (the compile ran in a child
+    process under that limit, and the child ran out of it or died without answering)."""
+
+    reason = "COMPILE_MEMORY_LIMIT"
+
+    def __init__(self, backend: str, limit_bytes: int, detail: str) -> None:
+        self.backend = backend
+        self.limit_bytes = limit_bytes
+        self.detail = detail
+        super().__init__(
+            f"backend '{backend}' could not compile this grammar within its memory limit of "
+            f"{_size(limit_bytes)} ({detail}); another backend may compile it"
+        )
+
+
 class UnknownBackendError(GrammarError):
     reason = "UNKNOWN_BACKEND"
 
     def __init__(self, name: str, known: list[str]) -> None:
         self.name = name
         super().__init__(f"unknown grammar backend '{name}'; choose one of {', '.join(known)}")
+
+
+def _size(n: int) -> str:
+    """``n`` bytes as ``"4 GiB"`` or ``"64 MiB"``."""
+    return f"{n / (1 << 30):g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):g} MiB"

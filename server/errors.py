@@ -33,6 +33,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from espalier.constrained.errors import (
+    CompileMemoryError,
     CompileTimeoutError,
     GrammarError,
     InvalidGrammarError,
@@ -163,7 +164,7 @@ def _grammar_violations(exc: GrammarError, field_prefix: str) -> list[Violation]
         elif exc.line is not None:
             where = f":{exc.line}" + (f":{exc.column}" if exc.column is not None else "")
         return [Violation(f"{field_prefix}{grammar_field(exc.kind)}{where}", exc.detail)]
-    if isinstance(exc, (UnsupportedGrammarError, UnknownBackendError)):
+    if isinstance(exc, (UnsupportedGrammarError, UnknownBackendError, CompileMemoryError)):
         return [Violation(f"{field_prefix}constraint.backend", str(exc))]
     return []
 
@@ -180,6 +181,9 @@ def _grammar_metadata(exc: GrammarError) -> dict[str, str]:
             meta["pointer"] = exc.pointer
     elif isinstance(exc, (SchemaNotEnforceableError, UnsupportedGrammarError)):
         meta["backend"] = exc.backend
+    elif isinstance(exc, CompileMemoryError):
+        meta["backend"] = exc.backend
+        meta["memory_limit_bytes"] = str(exc.limit_bytes)
     elif isinstance(exc, CompileTimeoutError):
         meta["timeout_seconds"] = f"{exc.seconds:g}"
     return meta

@@ -66,6 +66,10 @@ class BackendOptions:
             walk (``constrained/native/``: GIL-free, so a batch of trees fills on all cores)
             when a C compiler is there; branchy trees take the Python walk either way
             (``traverse_llguidance.NATIVE_MAX_BRANCHES``). False: the Python walk always.
+        outlines_memory_limit: address-space cap in bytes of the child process that builds each
+            outlines-core Index (``backends/outlines_index.py``): a build past it fails with
+            ``CompileMemoryError``, and under a compile cache the child is killed at the
+            deadline. ``0``: build in the calling process, unbounded and not interruptible.
     """
 
     json_max_whitespace: int = 4
@@ -73,6 +77,7 @@ class BackendOptions:
     max_threads: int = 2
     json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
     llguidance_native_walk: bool = True
+    outlines_memory_limit: int = 4 << 30
 
     def json_source(self, spec: GrammarSpec, backend: str) -> str:
         """The schema text ``backend`` compiles for a JSON_SCHEMA ``spec``: with the number

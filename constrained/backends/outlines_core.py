@@ -6,7 +6,8 @@
   CHOICE: an alternation of escaped literals. EBNF and LARK are not regular, and ANY_JSON (a
   depth-3 unrolled regex) makes the token DFA explode (minutes even on a 300-token vocabulary):
   ``UnsupportedGrammarError``.
-- Index construction releases the GIL, so a caller's compile timeout can abandon a huge regex.
+- The Index is built in a child process (``backends/outlines_index.py``): capped in memory and
+  killed at a compile cache's deadline, since a build can take minutes and many GiB.
 - Stop tokens and special tokens are left out of its vocabulary (its one EOS id is never used).
 - outlines-core 0.2.14 drops every transition from a final DFA state to a non-final one (``a(bc)*``
   accepts ``a`` but then refuses ``b``). So the regex we compile is ``(?:R)`` followed by a sentinel
@@ -37,6 +38,7 @@ from espalier.constrained.backends.common import (
     canonical_forced_tokens,
     vocab_facts,
 )
+from espalier.constrained.backends.outlines_index import IndexBuilder
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.number_bounds import bound_number_regex
 from espalier.constrained.spec import GrammarKind, GrammarSpec
@@ -75,13 +77,19 @@ class Backend:
         self.vocabulary = tokenizer.backend_view(
             "outlines_core", lambda tok: _build_vocabulary(facts, sentinel_id)
         )
+        limit = options.outlines_memory_limit
+        self.builder = IndexBuilder(self.vocabulary, limit) if limit > 0 else None
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         regex = self.regex(spec)
-        try:
-            index = outlines_core.Index(f"(?:{regex}){_SENTINEL_REGEX}", self.vocabulary)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
+        sentinel_ended = f"(?:{regex}){_SENTINEL_REGEX}"
+        if self.builder is not None:
+            index = self.builder.build(sentinel_ended, spec.kind.value)
+        else:
+            try:
+                index = outlines_core.Index(sentinel_ended, self.vocabulary)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
         return CompiledGrammar(spec, self.tokenizer, self.facts, index, regex, self.sentinel_id)
 
     def regex(self, spec: GrammarSpec) -> str:

@@ -7,6 +7,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from espalier.constrained.errors import (
+    CompileMemoryError,
     CompileTimeoutError,
     InvalidGrammarError,
     KeywordIssue,
@@ -93,6 +94,17 @@ def test_backend_errors_point_at_the_backend_field() -> None:
         assert status.code is grpc.StatusCode.INVALID_ARGUMENT
         assert info.reason == exc.reason
         assert violations == [("constraint.backend", "")]
+
+
+def test_compile_past_its_memory_limit_points_at_the_backend() -> None:
+    status = to_grpc_status(CompileMemoryError("outlines_core", 4 << 30, "signal SIGABRT"))
+    info, violations, _ = unpack(status)
+    assert status.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert info.reason == "COMPILE_MEMORY_LIMIT"
+    assert info.metadata["backend"] == "outlines_core"
+    assert info.metadata["memory_limit_bytes"] == str(4 << 30)
+    assert violations == [("constraint.backend", "")]
+    assert "4 GiB" in status.details and "another backend" in status.details
 
 
 def test_compile_timeout_is_deadline_exceeded_with_its_own_reason() -> None:

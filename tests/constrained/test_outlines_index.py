@@ -1,0 +1,127 @@
+"""outlines-core Index builds in child processes (``backends/outlines_index.py``): the same Index
+as in process, a clear error past the memory cap, the child killed at a compile cache's deadline,
+and the builder serving on after each."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from espalier.constrained.backends import get_backend
+from espalier.constrained.backends.common import BackendOptions
+from espalier.constrained.cache import CacheKey, CompileCache
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import (
+    CompileMemoryError,
+    CompileTimeoutError,
+    InvalidGrammarError,
+)
+from espalier.constrained.spec import GrammarSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+    "required": ["name"],
+}
+# the DFA of "an 'a' 16 (or 22) characters from the end" has 2**17 (2**23) states
+EXPLODES = "[ab]*a[ab]{16}"
+EXPLODES_SLOWLY = "[ab]*a[ab]{22}"  # minutes and GiB on the toy vocabulary
+
+
+def backend(tokenizer: Any, memory_limit: int) -> Any:
+    return get_backend(
+        "outlines_core", tokenizer, BackendOptions(outlines_memory_limit=memory_limit)
+    )
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def index_facts(index: Any) -> tuple[Any, ...]:
+    return index.get_initial_state(), index.get_final_states(), index.get_transitions()
+
+
+@pytest.mark.parametrize(
+    "spec", [GrammarSpec.regex(r"(ab|c)+d?"), GrammarSpec.json_schema(SCHEMA)], ids=str
+)
+def test_child_builds_the_index_the_process_would(spec: GrammarSpec, toy_tokenizer: Any) -> None:
+    child = backend(toy_tokenizer, 1 << 30)
+    assert child.builder is not None
+    here = backend(toy_tokenizer, 0)
+    assert here.builder is None
+    built = child.compile(spec)
+    assert index_facts(built.native) == index_facts(here.compile(spec).native)
+    assert child.builder.live_pids()  # kept for the next build
+
+
+def test_past_the_memory_cap_is_a_clear_error_and_the_builder_goes_on(toy_tokenizer: Any) -> None:
+    outlines = backend(toy_tokenizer, 64 << 20)
+    builder = outlines.builder
+    builder.close()
+    started, killed = builder.started, builder.killed
+    with pytest.raises(CompileMemoryError) as info:
+        outlines.compile(GrammarSpec.regex(EXPLODES))
+    assert info.value.backend == "outlines_core" and info.value.limit_bytes == 64 << 20
+    assert "64 MiB" in str(info.value)
+    assert builder.killed == killed + 1 and builder.live_pids() == []
+    # a refused regex is the library's error, and the child that answered it stays
+    with pytest.raises(InvalidGrammarError) as refused:
+        outlines.compile(GrammarSpec.regex("(?<=a)b"))
+    assert refused.value.kind == "regex"
+    kept = builder.live_pids()
+    assert len(kept) == 1
+    assert outlines.compile(GrammarSpec.regex("ab+")).native.get_final_states()
+    assert builder.live_pids() == kept and builder.started == started + 2
+
+
+def test_cache_deadline_kills_the_building_child(toy_tokenizer: Any) -> None:
+    outlines = backend(toy_tokenizer, 4 << 30)
+    builder = outlines.builder
+    builder.close()
+    started, killed = builder.started, builder.killed
+    cache = CompileCache(timeout_s=0.5)
+    spec = GrammarSpec.regex(EXPLODES_SLOWLY)
+    finished = threading.Event()
+    raised: list[BaseException] = []
+
+    def compile_fn() -> Any:
+        try:
+            return compile_grammar(spec, toy_tokenizer, "outlines_core", options=outlines.options)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+        finally:
+            finished.set()
+
+    key = CacheKey(spec.cache_key, "outlines_core", toy_tokenizer.fingerprint)
+    try:
+        with pytest.raises(CompileTimeoutError):
+            cache.get(key, compile_fn)
+        # the abandoned compile thread stops with its child instead of building on for minutes
+        assert finished.wait(30.0)
+        assert [type(exc) for exc in raised] == [CompileTimeoutError]
+        assert builder.killed == killed + 1 and builder.live_pids() == []
+        assert builder.started == started + 1
+        # and the next compile on the backend starts a new child
+        assert outlines.compile(GrammarSpec.regex("xy?")).native is not None
+        (pid,) = builder.live_pids()
+        builder.close()
+        assert builder.live_pids() == [] and gone(pid)
+    finally:
+        cache.close()
+
+
+def test_a_cap_too_small_to_start_the_child_is_a_clear_error(toy_tokenizer: Any) -> None:
+    outlines = backend(toy_tokenizer, 1 << 20)  # 1 MiB: not even the interpreter fits
+    with pytest.raises(CompileMemoryError) as info:
+        outlines.compile(GrammarSpec.regex("ab+"))
+    assert "1 MiB" in str(info.value)  # at start or at the first build: where it reads
+    assert outlines.builder.live_pids() == []
