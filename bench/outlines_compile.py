@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from espalier.constrained.backends import get_backend
     from espalier.constrained.backends.common import BackendOptions
     from espalier.constrained.cache import CacheKey, CompileCache
-    from espalier.constrained.errors import GrammarError
+    from espalier.constrained.errors import CompileTimeoutError, GrammarError
     from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
 
@@ -56,9 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = CacheKey(spec.cache_key, "outlines_core", tokenizer.fingerprint)
         try:
             cache.get(key, lambda spec=spec: (child.compile(spec), None))  # type: ignore[misc]
-        except GrammarError as exc:
-            timed_out += type(exc).__name__ == "CompileTimeoutError"
-            refused += type(exc).__name__ != "CompileTimeoutError"
+        except CompileTimeoutError:
+            timed_out += 1
+            continue
+        except GrammarError:
+            refused += 1
             continue
         kept.append((name, spec))
     cache.close()
