@@ -44,6 +44,7 @@ class ServerProcess:
         listening = self.wait_event("listening")
         self.port: int = listening["port"]
         self.metrics_port: int | None = listening["metrics_port"]
+        self.smg_port: int | None = listening.get("smg_port")
         self.address = f"127.0.0.1:{self.port}"
 
     def _read(self) -> None:
