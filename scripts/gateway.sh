@@ -21,9 +21,11 @@ while [ $# -gt 0 ]; do
     *) serve_args+=("$1"); shift ;;
   esac
 done
-if [ "$gateway_port" = 0 ]; then
-  gateway_port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-fi
+free_port() {
+  "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+[ "$gateway_port" = 0 ] && gateway_port=$(free_port)
+metrics_port=$(free_port)
 
 work=$(mktemp -d)
 espalier_pid=""
@@ -65,7 +67,8 @@ worker_port=$(event_field listening smg_port)
 
 # The tokenizer (with its chat template) comes from the worker's GetTokenizer.
 "$SMG" launch --host 127.0.0.1 --port "$gateway_port" \
-  --worker-urls "grpc://127.0.0.1:$worker_port" --backend vllm >&2 &
+  --worker-urls "grpc://127.0.0.1:$worker_port" --backend vllm \
+  --prometheus-host 127.0.0.1 --prometheus-port "$metrics_port" >&2 &
 smg_pid=$!
 until [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$gateway_port/readiness")" = 200 ]; do
   kill -0 "$smg_pid" 2>/dev/null || { echo "gateway.sh: smg exited" >&2; exit 1; }

@@ -48,6 +48,8 @@ class SmgGateway:
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         args = ["launch", "--host", "127.0.0.1", "--port", str(self.port)]
         args += ["--worker-urls", f"grpc://127.0.0.1:{worker_port}", "--backend", "vllm"]
+        # SMG's Prometheus endpoint defaults to 0.0.0.0:29000: loopback, a free port.
+        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         self.proc = subprocess.Popen(
             [binary, *args],
             stdout=self._log,
