@@ -9,15 +9,18 @@ tokenizer: its words are noise, but every constrained output must validate.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from gateway_process import SmgGateway, smg_binary
-from server_process import ServerProcess
+from server_process import REPO, ServerProcess
 
 openai = pytest.importorskip("openai", reason="the gateway extra is not installed")
 
@@ -185,3 +188,36 @@ def test_worker_killed_mid_stream_gives_the_client_an_error() -> None:
             assert not isinstance(info.value, openai.APITimeoutError)
     finally:
         worker.discard()
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_gateway_script_serves_the_embedded_model(tmp_path: Path) -> None:
+    """scripts/gateway.sh: one JSON line when ready, a validated answer, SIGTERM stops both."""
+    env = dict(os.environ, PYTHON=sys.executable, SMG=smg_binary() or "smg")
+    log = (tmp_path / "gateway.log").open("w")
+    script = subprocess.Popen(
+        ["bash", str(REPO / "scripts" / "gateway.sh")],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+    )
+    try:
+        assert script.stdout is not None
+        ready = json.loads(script.stdout.readline())
+        client = openai.OpenAI(base_url=ready["openai_base_url"], api_key="-", max_retries=0)
+        (model,) = [m.id for m in client.models.list()]
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            temperature=0,
+            max_tokens=128,
+            response_format=json_schema_format(PERSON),
+        )
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    finally:
+        script.send_signal(signal.SIGTERM)
+        code = script.wait(timeout=300)
+        log.close()
+    assert code == 0, (tmp_path / "gateway.log").read_text()[-3000:]
