@@ -146,6 +146,16 @@ def test_named_tool_choice_calls_that_tool(client: Any) -> None:
     assert check_tool_calls(reply.choices[0].message, {"get_time"}) == ["get_time"]
 
 
+def test_without_max_tokens_the_worker_default_applies(client: Any) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A person."}],
+        temperature=0,
+        response_format=json_schema_format(PERSON),
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+
+
 def test_malformed_schema_is_http_400_naming_the_problem(client: Any) -> None:
     bad = {"type": "object", "properties": {"age": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as info:
