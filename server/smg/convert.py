@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 
 from espalier.server.errors import InvalidRequestError, Violation
@@ -21,6 +24,7 @@ _NEUTRAL_PENALTIES = {
     "presence_penalty": (0.0,),
     "repetition_penalty": (0.0, 1.0),
 }
+_DETAILS_KEY = "grpc-status-details-bin"
 # The one worker message field that says which prompt was sent, and which are out of scope.
 _UNSUPPORTED_REQUEST_FIELDS = ("mm_inputs", "media_refs", "kv_transfer_params")
 
@@ -191,3 +195,48 @@ def complete_response(
         complete.spec_accepted_tokens = last.speculative.accepted_tokens
         complete.spec_draft_tokens = last.speculative.draft_tokens
     return vpb.GenerateResponse(complete=complete)
+
+
+# espalier.v1 request fields as the worker protocol names them (longest prefix first).
+_FIELD_NAMES = (
+    ("constraint.choice.options", "sampling_params.choice.choices"),
+    ("constraint.ebnf", "sampling_params.grammar"),
+    ("constraint.lark", "sampling_params.grammar"),
+    ("constraint.any_json", "sampling_params.json_object"),
+    ("constraint.", "sampling_params."),
+    ("sampling.", "sampling_params."),
+    ("token_ids.ids", "tokenized.input_ids"),
+)
+
+
+def worker_field(name: str) -> str:
+    """An espalier.v1 field path in the worker protocol's words (unknown ones unchanged)."""
+    for ours, theirs in _FIELD_NAMES:
+        if name.startswith(ours):
+            return theirs + name[len(ours) :]
+    return name
+
+
+def spell_out(status: grpc.Status) -> grpc.Status:
+    """The same status, its BadRequest field violations also written into the message.
+
+    SMG hands the HTTP client the status message only, so "invalid request fields: x" becomes
+    "invalid request fields: x (sampling_params.max_tokens: must be <= 8192)".
+    """
+    details = dict(status.trailing_metadata or ()).get(_DETAILS_KEY)
+    if not isinstance(details, bytes):
+        return status
+    rich = status_pb2.Status.FromString(details)
+    violations = []
+    for packed in rich.details:
+        bad = error_details_pb2.BadRequest()
+        if packed.Unpack(bad):
+            violations += [
+                f"{worker_field(v.field)}: {v.description}"
+                for v in bad.field_violations
+                if v.description not in rich.message
+            ]
+    if not violations:
+        return status
+    rich.message = f"{rich.message} ({'; '.join(violations)})"[:4096]
+    return rpc_status.to_status(rich)

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
+from typing import Any, NoReturn, cast
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vpb
@@ -29,6 +30,21 @@ from espalier.server.smg.bundle import TokenizerBundle, build_bundle
 from espalier.server.state import ServingState
 
 SERVER_TYPE = "espalier-grpc"
+
+
+class _WorkerContext:
+    """The RPC's context as EspalierServicer sees it: a status it aborts with carries its field
+    violations in the message too (SMG gives the HTTP client the message alone)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        await self._context.abort_with_status(convert.spell_out(status))
+        raise AssertionError("unreachable: abort_with_status raises")
 
 
 class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
@@ -56,7 +72,8 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
         )
         self._in_flight.add(request.request_id)
         try:
-            async for chunk in self.generation.Generate(ours, context):
+            worker_context = cast(grpc.aio.ServicerContext, _WorkerContext(context))
+            async for chunk in self.generation.Generate(ours, worker_context):
                 state.record(chunk)
                 if request.stream:
                     yield convert.chunk_response(chunk, state)

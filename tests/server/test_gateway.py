@@ -92,9 +92,8 @@ def chat(client: Any, content: str, **kwargs: Any) -> Any:
         {"role": "system", "content": "Answer in JSON."},
         {"role": "user", "content": content},
     ]
-    return client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=96, **kwargs
-    )
+    kwargs.setdefault("max_tokens", 96)
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
 
 
 def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +167,12 @@ def test_refused_field_is_http_400_naming_it(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, "x", frequency_penalty=0.5)
     assert "frequency_penalty" in str(info.value)
+
+
+def test_over_the_limit_is_http_400_with_the_limit(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "x", max_tokens=100_000)
+    assert "max_tokens: must be <= 8192" in str(info.value)
 
 
 def test_worker_killed_mid_stream_gives_the_client_an_error() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 
@@ -145,3 +146,42 @@ def test_finish_reasons(reason: int, expected: str) -> None:
     last = chunk([], finished=True, finish_reason=reason)
     state = convert.StreamState(prompt_tokens=0, want_logprobs=None)
     assert convert.complete_response(last, state, stream=True).complete.finish_reason == expected
+
+
+def test_status_messages_spell_out_field_violations_in_worker_terms() -> None:
+    from espalier.server.errors import Violation, to_grpc_status
+
+    exc = InvalidRequestError(
+        "invalid request fields: sampling.max_tokens",
+        violations=[
+            Violation("sampling.max_tokens", "must be <= 8192"),
+            Violation("constraint.choice.options", "must not be empty"),
+        ],
+    )
+    status = convert.spell_out(to_grpc_status(exc))
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.max_tokens: must be <= 8192" in status.details
+    assert "sampling_params.choice.choices: must not be empty" in status.details
+    # The details stay machine-readable for other clients.
+    assert dict(status.trailing_metadata)["grpc-status-details-bin"]
+
+
+def test_statuses_without_violations_are_unchanged() -> None:
+    from espalier.server.errors import to_grpc_status
+
+    status = to_grpc_status(RuntimeError("boom"))
+    assert convert.spell_out(status) is status
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        ("constraint.json_schema#/properties/a", "sampling_params.json_schema#/properties/a"),
+        ("constraint.ebnf:1:4", "sampling_params.grammar:1:4"),
+        ("sampling.top_p", "sampling_params.top_p"),
+        ("token_ids.ids[3]", "tokenized.input_ids[3]"),
+        ("request_id", "request_id"),
+    ],
+)
+def test_worker_field_names(ours: str, theirs: str) -> None:
+    assert convert.worker_field(ours) == theirs
