@@ -36,7 +36,7 @@ needs_suite = pytest.mark.skipif(not DRAFT.is_dir(), reason="JSON Schema Test Su
 
 @pytest.fixture(scope="module")
 def toy_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.conftest import build_byte_level_hf
+    from tests.fixtures.tokenizers import build_byte_level_hf
 
     folder = tmp_path_factory.mktemp("toy-tokenizer")
     build_byte_level_hf().save_pretrained(str(folder))
