@@ -2,13 +2,13 @@
 
 A grammar compile cannot be interrupted from Python: run on a thread and abandoned at its timeout,
 it keeps running (some for many minutes, a few forever), stealing a core and the GIL from whatever
-runs next. ``espalier bench-tree`` measures sub-millisecond fills on a 2-core machine, so it asks
+runs next. ``bench/tree.py`` measures sub-millisecond fills on a 2-core machine, so it asks
 :class:`CompileProbe` first and compiles in-process only what the child finished in time.
 
 Protocol (one JSON object a line): the child prints ``{"ready": true}`` once its tokenizer is
 loaded, then answers each ``{"backend", "kind", "source"}`` request with ``{"ok", "seconds"}``
 (``ok`` false with ``"error"`` when the backend refuses the grammar). Run the child as
-``python -m espalier.server.compile_probe BACKENDS [TOKENIZER_DIR]`` (comma-separated backend
+``python bench/compile_probe.py BACKENDS [TOKENIZER_DIR]`` (comma-separated backend
 names, built before ``ready``; no folder: the embedded default tokenizer).
 """
 
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from espalier.constrained.spec import GrammarKind, GrammarSpec
@@ -101,7 +102,7 @@ class CompileProbe:
     def _ready_child(self) -> subprocess.Popen[str]:
         if self._child is not None and self._child.poll() is None:
             return self._child
-        command = [sys.executable, "-m", "espalier.server.compile_probe", ",".join(self.backends)]
+        command = [sys.executable, str(Path(__file__).resolve()), ",".join(self.backends)]
         if self.tokenizer_dir is not None:
             command.append(self.tokenizer_dir)
         child = subprocess.Popen(

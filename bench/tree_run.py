@@ -1,4 +1,4 @@
-"""The measurements behind ``espalier bench-tree`` (see ``server/cli_bench_tree.py``)."""
+"""The measurements behind ``bench/tree.py`` (which says what is measured)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from espalier.constrained import bitmask as bm
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_batch import TreeMaskBatch
-from espalier.constrained.traverse_oracle import compare, replay_tree
-from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree_random import grow_tree
-from espalier.server.bench_tree_measure import (
+from compile_probe import CompileProbe  # bench/compile_probe.py (this folder is on sys.path)
+from tree_measure import (  # bench/tree_measure.py
     Tally,
     add_run,
     arrays_of,
@@ -31,7 +25,13 @@ from espalier.server.bench_tree_measure import (
     tally_record,
     timed,
 )
-from espalier.server.compile_probe import CompileProbe
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.traverse_batch import TreeMaskBatch
+from espalier.constrained.traverse_oracle import compare, replay_tree
+from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree_random import grow_tree
 
 
 @dataclass

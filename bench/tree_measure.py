@@ -1,4 +1,4 @@
-"""Per-tree measurements and summaries behind ``espalier bench-tree`` (``bench_tree_impl``)."""
+"""Per-tree measurements and summaries behind ``bench/tree.py`` (``tree_run.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.tree import DraftTree
 
 if TYPE_CHECKING:
-    from espalier.server.bench_tree_impl import TreeCase
+    from tree_run import TreeCase
 
 
 def timed(repeat: int, fn: Callable[..., Any], *args: Any) -> float:

@@ -1,4 +1,5 @@
-"""``CompileProbe``: compiles in a child process, which is killed past the timeout and restarted."""
+"""``CompileProbe`` (``bench/compile_probe.py``): compiles in a child process, which is killed past
+the timeout and restarted."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from bench.compile_probe import CompileProbe
 from espalier.constrained.spec import GrammarSpec
-from espalier.server.compile_probe import CompileProbe
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
