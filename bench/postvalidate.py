@@ -9,7 +9,7 @@ caches first, and their verdicts are checked equal.
 
 Outputs: the valid JSONSchemaBench instances of ``--schemas`` schemas (default), or a GPU
 run's constrained outputs (``--streams``: ``bench/gpu.py --dump-streams``; H200 run 96's are in
-``bench/results/gpu_h200_run96_b32_streams.jsonl``).
+``bench/inputs/h200_b32_streams.jsonl``).
 
     .venv/bin/python bench/postvalidate.py [--streams FILE] [--rounds 20]
 """

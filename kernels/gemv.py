@@ -3,7 +3,7 @@
 At batch 1 a decode step is a stream of weight bytes: each projection reads its whole ``[N, K]``
 weight once. ``gated_gemv`` also fuses the MLP's activation: ``act(x @ gate^T) * (x @ up^T)``
 from the fused ``[2I, K]`` gate/up weight in one launch. ``preferred`` says where either beats
-cuBLAS (H200 numbers: ``bench/results/gemv_h200_run*.jsonl``).
+cuBLAS (H200 numbers: ``bench/BASELINES.md``, ``docs/decisions/skinny-gemv-per-shape.md``).
 
 Design: program ``p`` owns output columns ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, i.e. a block of
 ``BLOCK_N`` weight rows (plus the matching up rows when gated), and walks K in ``BLOCK_K`` steps
