@@ -143,9 +143,10 @@ def serve(names: list[str], tokenizer_dir: str | None, stdin: IO[str], stdout: I
     """The child's loop: load the tokenizer, then compile each request line, reply in order."""
     from espalier.constrained.backends import get_backend
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
     if tokenizer_dir is None:
-        tokenizer = TokenizerInfo.default()
+        tokenizer = default_tokenizer()
     else:
         tokenizer = TokenizerInfo.from_pretrained(tokenizer_dir)
     backends: dict[str, Any] = {name: get_backend(name, tokenizer) for name in names}

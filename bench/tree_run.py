@@ -286,10 +286,10 @@ def run_benchmark(
     seed: int,
     emit: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
     from espalier.server.gc_freeze import freeze_startup_heap
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     rng = np.random.default_rng(seed)
     with CompileProbe(backends) as probe:
         start = time.perf_counter()

@@ -55,9 +55,9 @@ def sentencepiece_tokenizer() -> Any:
 
 @pytest.fixture(scope="session")
 def gemma_tokenizer() -> Any:
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
-    return TokenizerInfo.default()
+    return default_tokenizer()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
