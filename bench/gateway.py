@@ -132,11 +132,9 @@ async def main_async(args: argparse.Namespace, port: int, base_url: str) -> None
     import openai
     from espalier_client import AsyncClient
 
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.loading import ModelOptions, load_tokenizer
 
-    hf = TokenizerInfo.default().hf if args.model in ("default", "tiny-random") else None
-    if hf is None:
-        hf = TokenizerInfo.from_gguf(args.model).hf
+    hf = load_tokenizer(ModelOptions(model=args.model)).hf  # the worker's own tokenizer
     rendered = [
         hf.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
         for i in range(args.requests)
