@@ -6,19 +6,20 @@ outlines-core Index has no serialization in its Python API. The file holds xgram
 ``CompiledGrammar.serialize_json`` text (without the tokenizer, which xgrammar checks again by its
 metadata when loading) and the compile report.
 
-One JSON file per grammar under ``directory``, named by the SHA-256 of its identity: the compile
-cache key (spec, backend request, tokenizer fingerprint, options), the backend options, the
-xgrammar version and :data:`FORMAT`. The file repeats the identity and a checksum of the
-xgrammar text, and is used only when both match; anything else (a corrupt, truncated, foreign
-or other-version file, an xgrammar load error) is a miss, and the bad file is removed. The
-directory is bounded to ``max_bytes``: after a store, the least recently used files (by mtime;
-a hit touches its file) are removed. Writes go to a temporary file renamed into place, so
-readers never see half a file. Nothing here raises to the caller: disk trouble is logged and
-counted.
+One file per grammar under ``directory`` (a JSON header line, then xgrammar's JSON text), named by
+the SHA-256 of its identity: the compile cache key (spec, backend request, tokenizer fingerprint,
+options), the backend options, the xgrammar version and :data:`FORMAT`. The file repeats the
+identity and a checksum of the xgrammar text, and is used only when both match; anything else (a
+corrupt, truncated, foreign or other-version file, an xgrammar load error) is a miss, and the bad
+file is removed. The directory is bounded to ``max_bytes``: after a store, the least recently used
+files (by mtime; a hit touches its file) are removed. Writes go to a temporary file renamed into
+place, so readers never see half a file. Nothing here raises to the caller: disk trouble is logged
+and counted.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import importlib.metadata
@@ -42,11 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """Version of the file layout below; bump it when the layout or the report changes."""
 
 STORED_BACKEND = "xgrammar"
-_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
+SUFFIX = ".xgrammar"
+_NAME = re.compile(r"^[0-9a-f]{64}\.xgrammar$")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ class GrammarDiskCache:
         self.xgrammar_version = importlib.metadata.version("xgrammar")
         self.stats = DiskCacheStats()
         self._lock = threading.Lock()
+        self._trim_lock = threading.Lock()
+        # one writer: serializing a grammar takes ~0.1 s per MB (xgrammar drops the GIL)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "espalier-grammar-disk")
+        self._pending: list[concurrent.futures.Future[None]] = []
 
     def identity(self, key: Any) -> str:
         """The text a file must repeat to be used for ``key`` (the compile cache's key)."""
@@ -96,7 +102,7 @@ class GrammarDiskCache:
 
     def path(self, key: Any) -> Path:
         digest = hashlib.sha256(self.identity(key).encode("utf-8")).hexdigest()
-        return self.directory / f"{digest}.json"
+        return self.directory / f"{digest}{SUFFIX}"
 
     def load(self, key: Any) -> tuple[CompiledGrammar, CompileReport] | None:
         """The stored grammar for ``key`` with a report saying ``cache_hit`` (``compile_seconds``:
@@ -106,8 +112,10 @@ class GrammarDiskCache:
         try:
             if path.stat().st_size > self.config.max_bytes:
                 raise ValueError("file larger than the cache bound")
-            data = json.loads(path.read_bytes())
-            result = self._rebuild(data, self.identity(key), start)
+            head, newline, body = path.read_bytes().partition(b"\n")
+            if not newline:
+                raise ValueError("no header line")
+            result = self._rebuild(json.loads(head), body, self.identity(key), start)
         except FileNotFoundError:
             self.stats.misses += 1
             return None
@@ -123,32 +131,50 @@ class GrammarDiskCache:
         return result
 
     def store(self, key: Any, result: tuple[CompiledGrammar, CompileReport]) -> None:
-        """Write ``result`` for ``key`` if xgrammar compiled it; then trim the directory."""
+        """Write ``result`` for ``key`` if xgrammar compiled it, on the writer thread (the
+        caller does not wait for the serialization: ~0.1 s per MB of grammar); then trim."""
         from espalier.constrained.backends.xgrammar import CompiledGrammar as XgrCompiled
 
         compiled, report = result
         if not isinstance(compiled, XgrCompiled) or report.cache_hit:
             return
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._writer.submit(self._write, key, compiled, report))
+
+    def flush(self) -> None:
+        """Wait until every store so far is on disk (or failed)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _write(self, key: Any, compiled: Any, report: CompileReport) -> None:
         try:
-            native = compiled.native.serialize_json()
-            payload = json.dumps(
-                {
-                    "identity": self.identity(key),
-                    "spec": {"kind": compiled.spec.kind.value, "source": compiled.spec.source},
-                    "report": {
-                        "weakened": [asdict(issue) for issue in report.weakened],
-                        "cache_key": report.cache_key,
-                        "notes": list(report.notes),
-                    },
-                    "digest": hashlib.sha256(native.encode("utf-8")).hexdigest(),
-                    "compiled": native,
-                }
-            ).encode("utf-8")
-            if len(payload) > self.config.max_bytes:
+            body = compiled.native.serialize_json().encode("utf-8")
+            header = {
+                "identity": self.identity(key),
+                "spec": {"kind": compiled.spec.kind.value, "source": compiled.spec.source},
+                "report": {
+                    "weakened": [asdict(issue) for issue in report.weakened],
+                    "cache_key": report.cache_key,
+                    "notes": list(report.notes),
+                },
+                "digest": hashlib.sha256(body).hexdigest(),
+            }
+            head = json.dumps(header, ensure_ascii=True).encode("ascii")
+            if len(head) + 1 + len(body) > self.config.max_bytes:
                 return
             path = self.path(key)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(payload)
+            with open(tmp, "wb") as f:
+                f.write(head + b"\n")
+                f.write(body)
             os.replace(tmp, path)
         except Exception as exc:  # a full disk or a read-only directory: serve on, uncached
             log.warning("grammar disk cache: cannot store: %s", exc)
@@ -157,25 +183,24 @@ class GrammarDiskCache:
         self.stats.stores += 1
         self._trim()
 
-    # -- internals ------------------------------------------------------------------------------
-
     def _rebuild(
-        self, data: dict[str, Any], identity: str, start: float
+        self, header: dict[str, Any], body: bytes, identity: str, start: float
     ) -> tuple[CompiledGrammar, CompileReport]:
         import xgrammar
 
         from espalier.constrained.backends import get_backend
         from espalier.constrained.backends.xgrammar import CompiledGrammar as XgrCompiled
 
-        if data["identity"] != identity:
+        if header["identity"] != identity:
             raise ValueError("identity mismatch (a foreign file or a hash collision)")
-        text = str(data["compiled"])
-        if hashlib.sha256(text.encode("utf-8")).hexdigest() != data["digest"]:
+        if hashlib.sha256(body).hexdigest() != header["digest"]:
             raise ValueError("checksum mismatch (a damaged file)")
-        spec = GrammarSpec(GrammarKind(data["spec"]["kind"]), str(data["spec"]["source"]))
+        spec = GrammarSpec(GrammarKind(header["spec"]["kind"]), str(header["spec"]["source"]))
         backend: Any = get_backend(STORED_BACKEND, self.tokenizer, self.options)
-        native = xgrammar.CompiledGrammar.deserialize_json(text, backend.tokenizer_info)
-        stored = data["report"]
+        native = xgrammar.CompiledGrammar.deserialize_json(
+            body.decode("utf-8"), backend.tokenizer_info
+        )
+        stored = header["report"]
         report = CompileReport(
             backend=STORED_BACKEND,
             weakened=tuple(KeywordIssue(**issue) for issue in stored["weakened"]),
@@ -188,7 +213,7 @@ class GrammarDiskCache:
 
     def _trim(self) -> None:
         """Remove least recently used files until the directory fits ``max_bytes``."""
-        with self._lock:
+        with self._trim_lock:
             files = []
             try:
                 for entry in os.scandir(self.directory):

@@ -81,3 +81,5 @@ class GrammarService:
     def close(self) -> None:
         if self._own_cache:
             self.cache.close()
+        if self.disk_cache is not None:
+            self.disk_cache.flush()  # grammars compiled so far reach the disk before exit

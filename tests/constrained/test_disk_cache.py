@@ -65,7 +65,7 @@ def test_restart_loads_instead_of_compiling_and_masks_the_same(
     compiled, report = compile_once(first, spec)
     assert report.backend == "xgrammar" and not report.cache_hit
     assert first.disk_cache is not None and first.disk_cache.stats.stores == 1
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("*.xgrammar"))) == 1
 
     second = service(toy_tokenizer, tmp_path)
     loaded, again = compile_once(second, spec)
@@ -83,34 +83,33 @@ def test_llguidance_results_are_not_stored(toy_tokenizer: Any, tmp_path: Path) -
     grammar = service(toy_tokenizer, tmp_path)
     _, report = compile_once(grammar, GrammarSpec.regex("[a-c]{2,5}"), ConstraintOptions())
     assert report.backend != "xgrammar"
-    assert list(tmp_path.glob("*.json")) == []
+    assert list(tmp_path.glob("*.xgrammar")) == []
 
 
 def _corrupt(kind: str, path: Path) -> None:
-    data = path.read_bytes()
+    """Damage the file: a JSON header line, then xgrammar's text."""
+    head, _, body = path.read_bytes().partition(b"\n")
+    doc = json.loads(head)
     if kind == "truncated":
-        path.write_bytes(data[: len(data) // 2])
+        path.write_bytes(head + b"\n" + body[: len(body) // 2])
+    elif kind == "truncated_header":
+        path.write_bytes(head[:20])
     elif kind == "garbage":
         path.write_bytes(b"\x00\xff not json at all \xfe" * 100)
     elif kind == "not_an_object":
-        path.write_text("[1, 2, 3]")
-    elif kind == "foreign":  # valid JSON of the right shape, for another grammar
-        doc = json.loads(data)
+        path.write_bytes(b"[1, 2, 3]\n" + body)
+    elif kind == "foreign":  # the right shape, for another grammar
         doc["identity"] = doc["identity"].replace("json_schema", "regex")
-        path.write_text(json.dumps(doc))
+        path.write_bytes(json.dumps(doc).encode() + b"\n" + body)
     elif kind == "tampered":  # the right identity, a changed xgrammar payload
-        doc = json.loads(data)
-        doc["compiled"] = doc["compiled"].replace("1", "2", 3)
-        path.write_text(json.dumps(doc))
+        path.write_bytes(head + b"\n" + body.replace(b"1", b"2", 3))
     elif kind == "broken_payload":  # checksum agrees, xgrammar refuses the text
-        doc = json.loads(data)
-        doc["compiled"] = doc["compiled"][:200] + '"}'
-        doc["digest"] = hashlib.sha256(doc["compiled"].encode("utf-8")).hexdigest()
-        path.write_text(json.dumps(doc))
+        cut = body[:200] + b'"}'
+        doc["digest"] = hashlib.sha256(cut).hexdigest()
+        path.write_bytes(json.dumps(doc).encode() + b"\n" + cut)
     elif kind == "wrong_types":
-        doc = json.loads(data)
         doc["report"]["weakened"] = [{"bogus": 1}]
-        path.write_text(json.dumps(doc))
+        path.write_bytes(json.dumps(doc).encode() + b"\n" + body)
     else:
         raise AssertionError(kind)
 
@@ -119,6 +118,7 @@ def _corrupt(kind: str, path: Path) -> None:
     "kind",
     [
         "truncated",
+        "truncated_header",
         "garbage",
         "not_an_object",
         "foreign",
@@ -130,7 +130,7 @@ def _corrupt(kind: str, path: Path) -> None:
 def test_a_bad_file_is_a_miss(toy_tokenizer: Any, tmp_path: Path, kind: str) -> None:
     spec = GrammarSpec.json_schema(SCHEMA)
     compile_once(service(toy_tokenizer, tmp_path), spec)
-    (path,) = tmp_path.glob("*.json")
+    (path,) = tmp_path.glob("*.xgrammar")
     _corrupt(kind, path)
     grammar = service(toy_tokenizer, tmp_path)
     compiled, report = compile_once(grammar, spec)
@@ -148,7 +148,7 @@ def test_another_tokenizer_never_loads_the_file(
 ) -> None:
     spec = GrammarSpec.json_schema(SCHEMA)
     compile_once(service(toy_tokenizer, tmp_path), spec)
-    (path,) = tmp_path.glob("*.json")
+    (path,) = tmp_path.glob("*.xgrammar")
     other = service(toy_tokenizer_padded, tmp_path)
     # renamed to the other tokenizer's file name: the identity inside still says the first one
     assert other.disk_cache is not None
@@ -168,11 +168,11 @@ def test_directory_is_bounded_least_recently_used_first(toy_tokenizer: Any, tmp_
     specs = [GrammarSpec.regex(f"item-{i}-[a-z]{{1,{i + 2}}}") for i in range(4)]
     probe = service(toy_tokenizer, tmp_path / "probe")
     compile_once(probe, specs[0])
-    size = max(p.stat().st_size for p in (tmp_path / "probe").glob("*.json"))
+    size = max(p.stat().st_size for p in (tmp_path / "probe").glob("*.xgrammar"))
     bound = int(size * 2.5)  # room for two files
     for spec in specs:
         compile_once(service(toy_tokenizer, tmp_path / "c", bound), spec)
-    files = list((tmp_path / "c").glob("*.json"))
+    files = list((tmp_path / "c").glob("*.xgrammar"))
     assert 1 <= len(files) <= 2
     assert sum(p.stat().st_size for p in files) <= bound
     newest = service(toy_tokenizer, tmp_path / "c", bound)

@@ -49,8 +49,9 @@ def test_restart_skips_the_compile_of_a_grammar_compiled_before(tmp_path: Path) 
     flags = ("--grammar-cache-dir", str(tmp_path), "--compile-timeout", "900")
     with ServerProcess(*flags) as srv:
         first = _compile(srv)
+        srv.wait_loaded()  # then stop: the engine's shutdown flushes the disk cache's writer
     assert first.backend == "xgrammar" and not first.cache_hit
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("*.xgrammar"))) == 1
     with ServerProcess(*flags) as srv:  # a new process: its in-memory compile cache is empty
         again = _compile(srv)
     assert again.backend == "xgrammar" and again.cache_hit
