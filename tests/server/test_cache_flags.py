@@ -56,3 +56,22 @@ def test_restart_skips_the_compile_of_a_grammar_compiled_before(tmp_path: Path) 
         again = _compile(srv)
     assert again.backend == "xgrammar" and again.cache_hit
     assert again.cache_key == first.cache_key
+
+
+def test_prefix_cache_gauges_read_the_engine_stats() -> None:
+    from espalier.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    stats = {
+        "prefix_queried_tokens": 4000,
+        "prefix_hit_tokens": 3000,
+        "prefix_cached_blocks": 70,
+        "prefix_evictions": 5,
+    }
+    metrics.bind_engine(lambda: stats)
+    value = metrics.registry.get_sample_value
+    assert value("espalier_engine_prefix_cache_hit_rate") == 0.75
+    assert value("espalier_engine_prefix_cache_blocks") == 70
+    assert value("espalier_engine_prefix_cache_evictions") == 5
+    stats["prefix_queried_tokens"] = 0  # nothing admitted yet: a rate of 0, not a division error
+    assert value("espalier_engine_prefix_cache_hit_rate") == 0.0
