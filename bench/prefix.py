@@ -12,7 +12,10 @@ Prints JSON lines: one per side, then a ``"summary"`` with the ratios and the is
 (TTFT p50 >= 5x lower, throughput >= 2x higher).
 
     .venv/bin/python bench/prefix.py [--requests 64] [--system-tokens 1000] [--max-tokens 16]
-        [--model default] [--threads N]
+        [--model default|PATH|8b-random] [--device cpu|cuda] [--threads N]
+
+``--model 8b-random``: the Llama-3-8B shape with random bf16 weights on CUDA (``bench/gpu.py``'s
+config, ``bench/spec.py``'s weights), over the default Gemma tokenizer.
 """
 
 from __future__ import annotations
@@ -141,12 +144,31 @@ def run_side(engine: Any, requests: list[Any]) -> dict[str, Any]:
     }
 
 
+def build_engine(args: argparse.Namespace) -> Any:
+    from espalier.engine.config import RunnerConfig
+    from espalier.engine.engine import Engine, EngineConfig
+
+    if args.model != "8b-random":
+        return Engine.from_model(args.model, runner_config=RunnerConfig(device=args.device))
+    from gpu import llama_8b_config  # bench/gpu.py (this script's folder is on sys.path)
+    from spec import _random_state
+
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.runner import ModelRunner
+
+    tokenizer = TokenizerInfo.default()
+    config = llama_8b_config(tokenizer.vocab_size)
+    runner = ModelRunner(config, _random_state(config, "cuda"), RunnerConfig(device="cuda"))
+    return Engine(EngineConfig(), runner, tokenizer)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--model", default="default")
+    parser.add_argument("--model", default="default", help="default | PATH | 8b-random")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -155,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.head_screen import HeadScreen
 
-    base = Engine.from_model(args.model)
+    base = build_engine(args)
     HeadScreen.for_model(base.runner.model).wait(600)  # built once, shared: not in either side
     requests = make_requests(base.tokenizer, args)
     sides: dict[str, dict[str, Any]] = {}
