@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from espalier.constrained.compile import compile_grammar
     from espalier.constrained.disk_cache import DiskCacheConfig, GrammarDiskCache
     from espalier.constrained.spec import GrammarSpec
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     # first compiles build each backend's vocabulary view: not part of any grammar's time
     compile_grammar(GrammarSpec.json_schema(schema(1)), tokenizer, "xgrammar")
     compile_grammar(GrammarSpec.json_schema(schema(1)), tokenizer, "llguidance")

@@ -147,16 +147,17 @@ def run_side(engine: Any, requests: list[Any]) -> dict[str, Any]:
 def build_engine(args: argparse.Namespace) -> Any:
     from espalier.engine.config import RunnerConfig
     from espalier.engine.engine import Engine, EngineConfig
+    from espalier.server.default_model import default_tokenizer, resolve_model
 
     if args.model != "8b-random":
-        return Engine.from_model(args.model, runner_config=RunnerConfig(device=args.device))
+        model = resolve_model(args.model)
+        return Engine.from_model(model, runner_config=RunnerConfig(device=args.device))
     from gpu import llama_8b_config  # bench/gpu.py (this script's folder is on sys.path)
     from spec import _random_state
 
-    from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.runner import ModelRunner
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     config = llama_8b_config(tokenizer.vocab_size)
     runner = ModelRunner(config, _random_state(config, "cuda"), RunnerConfig(device="cuda"))
     return Engine(EngineConfig(), runner, tokenizer)
