@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             result = compile_grammar(spec, tokenizer, "xgrammar")
             xgr_s = time.perf_counter() - start
             disk.store(key, result)
+            disk.flush()  # stores run on the writer thread
             fresh = GrammarDiskCache(DiskCacheConfig(directory), tokenizer)  # a restart
             start = time.perf_counter()
             loaded = fresh.load(key)
