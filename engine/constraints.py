@@ -16,6 +16,7 @@ from espalier.engine.api import ConstraintOptions, ValidationResult
 if TYPE_CHECKING:
     from espalier.constrained.base import CompiledGrammar, CompileReport
     from espalier.constrained.cache import CompileCache
+    from espalier.constrained.disk_cache import GrammarDiskCache
     from espalier.constrained.tokenizer import TokenizerInfo
 
 CompileOutcome = tuple["CompiledGrammar", "CompileReport"]
@@ -25,7 +26,8 @@ class GrammarService:
     """Compiles grammars for one tokenizer and checks finished outputs against the constraint.
 
     ``cache``: the compile cache to share (e.g. with the server's CompileGrammar); a private one
-    with ``compile_timeout_s`` when None.
+    with ``compile_timeout_s`` when None. ``disk_cache``: compiled xgrammar grammars kept across
+    restarts (``constrained/disk_cache.py``), consulted on an in-memory miss.
     """
 
     def __init__(
@@ -34,12 +36,14 @@ class GrammarService:
         *,
         compile_timeout_s: float = 30.0,
         cache: CompileCache | None = None,
+        disk_cache: GrammarDiskCache | None = None,
     ) -> None:
         from espalier.constrained.cache import CompileCache
 
         self.tokenizer = tokenizer
         self._own_cache = cache is None
         self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
+        self.disk_cache = disk_cache
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
         """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
@@ -52,10 +56,18 @@ class GrammarService:
             spec.cache_key, options.backend, self.tokenizer.fingerprint, (options.allow_weakening,)
         )
 
+        disk = self.disk_cache
+
         def compile_fn() -> Any:
-            return compile_grammar(
+            stored = disk.load(key) if disk is not None else None
+            if stored is not None:
+                return stored
+            result = compile_grammar(
                 spec, self.tokenizer, options.backend, allow_weakening=options.allow_weakening
             )
+            if disk is not None:
+                disk.store(key, result)
+            return result
 
         return self.cache.submit(key, compile_fn)
 
@@ -69,3 +81,5 @@ class GrammarService:
     def close(self) -> None:
         if self._own_cache:
             self.cache.close()
+        if self.disk_cache is not None:
+            self.disk_cache.flush()  # grammars compiled so far reach the disk before exit

@@ -230,6 +230,7 @@ class Engine:
                     outputs.append(out)
             return outputs
         elapsed = _now() - t0
+        self.scheduler.cache_computed(plan)  # the K/V it wrote is valid: share full prompt blocks
         outputs.extend(self.take_pending())  # the chunks the strategy's settle made
         for seq, outcome in zip(plan.seqs, result.outcomes):
             timeline = seq.request.timeline
@@ -486,6 +487,10 @@ class Engine:
             "steps": self.num_steps,
             "generated_tokens": self.num_generated_tokens,
             "preemptions": self.num_preemptions,
+            "prefix_queried_tokens": self.scheduler.prefix_queried_tokens,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_cached_blocks": self.pool.num_cached_blocks,
+            "prefix_evictions": self.pool.num_evictions,
         }
 
     def close(self) -> None:

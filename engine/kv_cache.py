@@ -8,7 +8,6 @@ the runner's device. Physical slot ``s = block * block_size + offset``; a sequen
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -22,39 +21,64 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list + reference counts over ``num_blocks`` block ids. No torch, no device.
+    """Free list + reference counts over ``num_blocks`` block ids, with a prefix cache. No torch.
 
     ``allocate`` hands out blocks with ref count 1; ``fork`` shares blocks (ref count + 1);
     ``free`` drops one reference and returns a block to the free list when none remain.
+
+    Prefix cache: a full block whose K/V is computed can be ``register``-ed under its key (the
+    scheduler's ``prefix_block_hashes``). It stays findable (``lookup``) while referenced and
+    after its last owner frees it: a free cached block keeps its K/V until ``allocate`` reuses
+    it. The free list is in LRU order (least recently freed first), so ``allocate`` evicts the
+    cached blocks unused the longest. ``acquire`` takes a reference to looked-up blocks, free or
+    not. A registered block is read-only for every owner: only the writer of a block registers
+    it, and only once every entry of it is computed.
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks ``allocate`` can hand out: never used, or free and cached (evictable)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by ``lookup`` (referenced or free)."""
+        return len(self._block_of)
+
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks (ref count 1 each); raises ``NoFreeBlocksError`` if fewer are free."""
+        """``n`` fresh blocks (ref count 1 each), evicting the least recently freed cached blocks;
+        raises ``NoFreeBlocksError`` if fewer are free."""
         if n < 0:
             raise ValueError("n must be >= 0")
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b = next(iter(self._free))
+            del self._free[b]
+            key = self._hash_of.pop(b, None)
+            if key is not None:
+                del self._block_of[key]
+                self.num_evictions += 1
             self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def fork(self, blocks: Iterable[int]) -> list[int]:
@@ -67,14 +91,15 @@ class BlockAllocator:
         return shared
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; a block with no references goes back to the pool."""
+        """Drop one reference to each block; a block with no references goes back to the pool,
+        at the end of the LRU order (pass a sequence's blocks tail first: its prefix lasts)."""
         for b in blocks:
             refs = self._refs[b]
             if refs <= 0:
                 raise ValueError(f"double free of block {b}")
             self._refs[b] = refs - 1
             if refs == 1:
-                self._free.append(b)
+                self._free[b] = None
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -82,6 +107,40 @@ class BlockAllocator:
     def is_shared(self, block: int) -> bool:
         """True when more than one owner holds ``block`` (a write needs copy-on-write first)."""
         return self._refs[block] > 1
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
+        """Cached blocks of the longest run of ``hashes`` found from the start (no side effect)."""
+        found = []
+        for key in hashes:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def acquire(self, blocks: Iterable[int]) -> list[int]:
+        """One more reference to each cached block (a free one leaves the free list)."""
+        taken = list(blocks)
+        for b in taken:
+            if b not in self._hash_of:
+                raise ValueError(f"acquire of uncached block {b}")
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+        return taken
+
+    def register(self, block: int, key: bytes) -> bool:
+        """Make the allocated, fully computed ``block`` findable under ``key``; False (nothing
+        done) when the block or the key is cached already (another owner computed it too)."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"register of unallocated block {block}")
+        if block in self._hash_of or key in self._block_of:
+            return False
+        self._hash_of[block] = key
+        self._block_of[key] = block
+        return True
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -88,6 +88,10 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # prefix cache: keys of the prompt's full blocks (set at first admission), and how many
+    # prompt tokens the first admission found cached (``usage.cached_prompt_tokens``)
+    prompt_block_hashes: list[bytes] | None = None
+    num_cached_tokens: int = 0
     # grammar
     grammar_future: Future[Any] | None = None
     compiled: CompiledGrammar | None = None
@@ -144,7 +148,11 @@ class Request:
         return self.grammar_future is not None or self.matcher is not None
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
+        return Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached_prompt_tokens=self.num_cached_tokens,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -20,13 +20,23 @@ compile Future is done.
 
 The scheduler owns the block tables: it allocates blocks from a :class:`BlockPool` (the KV cache's
 allocator) and frees them on finish, abort and preemption.
+
+Prefix cache (``SchedulerConfig.prefix_caching``): a request admitted with no blocks takes the
+cached blocks of the longest run of its prompt's full blocks (keys: :func:`prefix_block_hashes`)
+and computes only the rest, at least one token (so the step has logits). After each successful
+forward, :meth:`Scheduler.cache_computed` registers the prompt blocks the step completed. Only
+prompt blocks are cached: they are written once, by a causal prefill; generated tokens' K/V may
+come from draft-tree verification (compacted into place) or be followed by a closing path that
+was never fed, so their blocks stay private. A hit shares K/V only: grammar state is per request.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +57,20 @@ class BlockPool(Protocol):
 
     def free(self, blocks: Sequence[int]) -> None: ...
 
+    def ref_count(self, block: int) -> int: ...
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Cached blocks of the longest run of ``hashes`` from the start."""
+        ...
+
+    def acquire(self, blocks: Sequence[int]) -> list[int]:
+        """One more reference to each looked-up block (free ones leave the free list)."""
+        ...
+
+    def register(self, block: int, key: bytes) -> bool:
+        """Make a fully computed block findable under ``key``."""
+        ...
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -57,12 +81,14 @@ class SchedulerConfig:
     block_size: tokens per KV block (must equal the cache's).
     admission_watermark_blocks: free blocks kept in reserve when admitting a new request, so that
         running requests can keep decoding without preempting it right away.
+    prefix_caching: reuse cached K/V blocks of identical prompt prefixes (module docstring).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
     admission_watermark_blocks: int = 0
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
@@ -123,6 +149,9 @@ class Scheduler:
         # extra tokens a decoding request feeds beyond its one known token (a speculative
         # strategy's draft tree): they count against the step's token budget
         self.decode_lookahead: Callable[[Request], int] | None = None
+        # prefix cache: prompt tokens of admissions, and those found cached
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     # -- queue management ---------------------------------------------------------------------
 
@@ -206,26 +235,70 @@ class Scheduler:
                 return
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
                 continue  # keeps its place, blocks nobody
-            n = min(request.num_uncomputed_tokens, budget)
-            whole = self._blocks_for(request.num_tokens + 1) - len(request.block_table)
+            hits = self._cached_prefix(request)
+            start = request.num_computed_tokens + len(hits) * self.config.block_size
+            n = min(request.num_tokens - start, budget)
+            held = len(request.block_table) + len(hits)
+            whole = self._blocks_for(request.num_tokens + 1) - held
+            # cached blocks nobody holds count as free now, but the hit takes them
             free = self.pool.num_free_blocks - promised
+            free -= sum(self.pool.ref_count(b) == 0 for b in hits)
             # FIFO: a ready request that does not fit holds back the ones behind it, unless
             # nothing runs (then only the blocks for its first chunk are required).
             if whole + self.config.admission_watermark_blocks > free and (
-                self.running or self._blocks_for(n) > free
+                self.running or self._blocks_for(start + n) - held > free
             ):
                 return
             self.waiting.remove(request)
             self._insert_running(request)
             request.status = RequestStatus.RUNNING
+            self._take_prefix(request, hits)
             if request.timeline.first_scheduled is None:
                 request.timeline.first_scheduled = now
             planned = {id(s.request) for s in plan.seqs}
             ok = self._grow(request, request.num_computed_tokens + n, plan, planned)
             assert ok, "admission checked the free blocks"
             plan.seqs.append(self._commit(request, n))
-            promised += max(whole - self._blocks_for(request.num_computed_tokens), 0)
+            promised += max(self._blocks_for(request.num_tokens + 1) - len(request.block_table), 0)
             budget -= n
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks for the start of a request admitted without blocks (none when prefix
+        caching is off): at most its prompt's full blocks, and never its last known token."""
+        if not self.config.prefix_caching or request.block_table:
+            return []
+        size = self.config.block_size
+        if request.prompt_block_hashes is None:
+            request.prompt_block_hashes = prefix_block_hashes(request.prompt_ids, size)
+        limit = (request.num_tokens - 1) // size
+        return self.pool.lookup(request.prompt_block_hashes[:limit])
+
+    def _take_prefix(self, request: Request, hits: list[int]) -> None:
+        """Admit ``request`` onto its cached prefix ``hits`` (from :meth:`_cached_prefix`)."""
+        if not self.config.prefix_caching:
+            return
+        cached = len(hits) * self.config.block_size
+        if hits:
+            request.block_table = self.pool.acquire(hits)
+            request.num_computed_tokens = cached
+        if request.timeline.first_scheduled is None:
+            request.num_cached_tokens = cached
+        self.prefix_queried_tokens += request.num_prompt_tokens
+        self.prefix_hit_tokens += cached
+
+    def cache_computed(self, plan: StepPlan) -> None:
+        """After ``plan``'s forward succeeded: register the full prompt blocks it computed, so
+        later requests can share them. Requests the step finished are skipped."""
+        if not self.config.prefix_caching:
+            return
+        size = self.config.block_size
+        for seq in plan.seqs:
+            request, hashes = seq.request, seq.request.prompt_block_hashes
+            if hashes is None or request.is_finished:
+                continue
+            end = min(seq.context_len + seq.num_new_tokens, len(hashes) * size)
+            for i in range(seq.context_len // size, end // size):
+                self.pool.register(request.block_table[i], hashes[i])
 
     def _commit(self, request: Request, n: int) -> ScheduledSeq:
         context = request.num_computed_tokens
@@ -272,8 +345,8 @@ class Scheduler:
         plan.preempted.append(request)
 
     def _free_blocks(self, request: Request) -> None:
-        if request.block_table:
-            self.pool.free(request.block_table)
+        if request.block_table:  # tail first: its cached prefix is evicted last
+            self.pool.free(request.block_table[::-1])
             request.block_table = []
 
     def _insert_running(self, request: Request) -> None:
@@ -285,3 +358,17 @@ class Scheduler:
         i = self.running.index(request)
         del self.running[i]
         del self._running_keys[i]
+
+
+def prefix_block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Prefix-cache keys of the full blocks of ``tokens`` (a partial tail block has none).
+
+    Hash chain: a block's key is SHA-256 of its predecessor's key and its token ids, so equal keys
+    mean equal whole prefixes up to the block's end, with no token-by-token compare."""
+    keys = []
+    parent = b""
+    for i in range(len(tokens) // block_size):
+        chunk = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        keys.append(parent)
+    return keys

@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from espalier.server.config import MIB, ServerConfig
+
+if TYPE_CHECKING:
+    from espalier.server.loading import ModelOptions
 
 AUTH_TOKEN_ENV = "ESPALIER_AUTH_TOKEN"
 
@@ -32,6 +35,11 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests per batch")
     p.add_argument("--kv-blocks", type=int, default=0, help="KV cache blocks (0 = from memory)")
+    p.add_argument(
+        "--no-prefix-cache", action="store_true", help="recompute every prompt (no KV sharing)"
+    )
+    p.add_argument("--grammar-cache-dir", default=None, help="keep compiled xgrammar grammars here")
+    p.add_argument("--grammar-cache-max-mb", type=float, default=512.0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 = any free port (announced)")
     p.add_argument(
@@ -86,16 +94,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from espalier.server.app import serve
-    from espalier.server.loading import ModelOptions, make_loader
-    from espalier.server.state import ServingState
+def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> ModelOptions:
+    """What the model loader needs, from the flags (and the limits already in ``config``)."""
+    from espalier.server.loading import ModelOptions
 
-    config = config_from_args(args)
-    problems = config.validate()
-    if problems:
-        raise SystemExit("espalier serve: " + "; ".join(problems))
-    options = ModelOptions(
+    return ModelOptions(
         model=args.model,
         tokenizer=args.tokenizer,
         draft_model=args.draft_model,
@@ -108,7 +111,22 @@ def run(args: argparse.Namespace) -> int:
         max_queue=config.max_queue,
         max_num_seqs=args.max_num_seqs,
         kv_blocks=args.kv_blocks,
+        prefix_caching=not args.no_prefix_cache,
+        grammar_cache_dir=args.grammar_cache_dir,
+        grammar_cache_max_bytes=int(args.grammar_cache_max_mb * MIB),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from espalier.server.app import serve
+    from espalier.server.loading import make_loader
+    from espalier.server.state import ServingState
+
+    config = config_from_args(args)
+    problems = config.validate()
+    if problems:
+        raise SystemExit("espalier serve: " + "; ".join(problems))
+    options = model_options_from_args(args, config)
 
     async def main() -> None:
         state = ServingState(config)

@@ -42,6 +42,9 @@ class ModelOptions:
     max_queue: int = 1024
     max_num_seqs: int = 64
     kv_blocks: int = 0  # 0 = sized from memory
+    prefix_caching: bool = True
+    grammar_cache_dir: str | None = None  # on-disk xgrammar compile cache (None: none)
+    grammar_cache_max_bytes: int = 512 << 20
     seed: int = 0  # weights of tiny-random
 
 
@@ -55,6 +58,18 @@ def load_tokenizer(options: ModelOptions) -> TokenizerInfo:
     if options.model.endswith(".gguf"):
         return TokenizerInfo.from_gguf(options.model)
     return TokenizerInfo.from_pretrained(options.model)
+
+
+def grammar_service(options: ModelOptions, tokenizer: TokenizerInfo) -> GrammarService:
+    """The grammar service for ``tokenizer``, with the on-disk compile cache if configured."""
+    from espalier.constrained.disk_cache import DiskCacheConfig, GrammarDiskCache
+    from espalier.engine.constraints import GrammarService
+
+    disk = None
+    if options.grammar_cache_dir is not None:
+        config = DiskCacheConfig(options.grammar_cache_dir, options.grammar_cache_max_bytes)
+        disk = GrammarDiskCache(config, tokenizer)
+    return GrammarService(tokenizer, compile_timeout_s=options.compile_timeout_s, disk_cache=disk)
 
 
 def make_compiler(grammar: GrammarService, timeout_s: float) -> Compiler:
@@ -121,9 +136,11 @@ def load_engine(
     if tokenizer.vocab_size != max(runner.vocab_size, tokenizer.tokenizer_vocab_size):
         # The model pads its vocabulary: masks need its width, so a grammar service of its own.
         tokenizer = TokenizerInfo(tokenizer.hf, vocab_size=runner.vocab_size, name=tokenizer.name)
-        grammar = type(grammar)(tokenizer, compile_timeout_s=options.compile_timeout_s)
+        grammar = grammar_service(options, tokenizer)
     config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_seqs=options.max_num_seqs),
+        scheduler=SchedulerConfig(
+            max_num_seqs=options.max_num_seqs, prefix_caching=options.prefix_caching
+        ),
         compile_timeout_s=options.compile_timeout_s,
     )
     engine = Engine(config, runner, tokenizer, grammar=grammar)
@@ -192,11 +209,10 @@ def make_loader(
 ) -> Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]:
     async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
         from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
-        from espalier.engine.constraints import GrammarService
         from espalier.server.gc_freeze import freeze_startup_heap
 
         tokenizer = await asyncio.to_thread(load_tokenizer, options)
-        grammar = GrammarService(tokenizer, compile_timeout_s=options.compile_timeout_s)
+        grammar = grammar_service(options, tokenizer)
         state.tokenizer = tokenizer
         state.compiler = make_compiler(grammar, options.compile_timeout_s)
         state.metrics.bind_compile_cache(lambda: grammar.cache.stats)

@@ -18,6 +18,11 @@ def _queue_depth(stats: Mapping[str, Any]) -> float:
     return float(stats.get("waiting", 0)) + float(stats.get("compiling", 0))
 
 
+def _hit_rate(stats: Mapping[str, Any]) -> float:
+    queried = float(stats.get("prefix_queried_tokens", 0))
+    return float(stats.get("prefix_hit_tokens", 0)) / queried if queried else 0.0
+
+
 def _blocks_used(stats: Mapping[str, Any]) -> float:
     return float(stats.get("total_blocks", 0)) - float(stats.get("free_blocks", 0))
 
@@ -80,6 +85,15 @@ class ServerMetrics:
             "running": ("Requests running in the engine", lambda st: st.get("running", 0)),
             "kv_blocks_used": ("KV cache blocks in use", _blocks_used),
             "kv_blocks_free": ("KV cache blocks free", lambda st: st.get("free_blocks", 0)),
+            "prefix_cache_hit_rate": ("Prompt tokens found in the prefix cache", _hit_rate),
+            "prefix_cache_blocks": (
+                "KV blocks in the prefix cache",
+                lambda st: st.get("prefix_cached_blocks", 0),
+            ),
+            "prefix_cache_evictions": (
+                "Prefix cache blocks evicted since start",
+                lambda st: st.get("prefix_evictions", 0),
+            ),
         }
         for name, (doc, read) in gauges.items():
             gauge = Gauge(f"espalier_engine_{name}", doc, registry=r)

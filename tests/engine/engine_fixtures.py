@@ -58,6 +58,7 @@ def make_engine(
     overlap_masks: bool = True,
     sparse_head: bool = True,
     close_within_budget: bool = True,
+    prefix_caching: bool = True,
 ) -> Engine:
     from espalier.engine.config import CacheConfig, RunnerConfig
     from espalier.engine.runner import ModelRunner
@@ -67,7 +68,9 @@ def make_engine(
     runner = ModelRunner(model_config, state, RunnerConfig(cache=cache))
     config = EngineConfig(
         scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefix_caching=prefix_caching,
         ),
         overlap_masks=overlap_masks,
         sparse_head=sparse_head,

@@ -1,0 +1,238 @@
+"""On-disk cache of compiled xgrammar grammars, so compiles survive a restart.
+
+xgrammar precomputes token masks at compile time (seconds for a large schema on a 262k vocabulary);
+llguidance and outlines-core are not stored: llguidance compiles lazily in milliseconds, and an
+outlines-core Index has no serialization in its Python API. The file holds xgrammar's own
+``CompiledGrammar.serialize_json`` text (without the tokenizer, which xgrammar checks again by its
+metadata when loading) and the compile report.
+
+One file per grammar under ``directory`` (a JSON header line, then xgrammar's JSON text), named by
+the SHA-256 of its identity: the compile cache key (spec, backend request, tokenizer fingerprint,
+options), the backend options, the xgrammar version and :data:`FORMAT`. The file repeats the
+identity and a checksum of the xgrammar text, and is used only when both match; anything else (a
+corrupt, truncated, foreign or other-version file, an xgrammar load error) is a miss, and the bad
+file is removed. The directory is bounded to ``max_bytes``: after a store, the least recently used
+files (by mtime; a hit touches its file) are removed. Writes go to a temporary file renamed into
+place, so readers never see half a file. Nothing here raises to the caller: disk trouble is logged
+and counted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from espalier.constrained.base import CompiledGrammar, CompileReport
+from espalier.constrained.errors import KeywordIssue
+from espalier.constrained.spec import GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    from espalier.constrained.backends.common import BackendOptions
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2
+"""Version of the file layout below; bump it when the layout or the report changes."""
+
+STORED_BACKEND = "xgrammar"
+SUFFIX = ".xgrammar"
+_NAME = re.compile(r"^[0-9a-f]{64}\.xgrammar$")
+
+
+@dataclass(frozen=True)
+class DiskCacheConfig:
+    """directory: where the files live (created if missing). max_bytes: bound on the files'
+    total size; a single grammar larger than it is not stored."""
+
+    directory: str
+    max_bytes: int = 512 << 20
+
+
+@dataclass
+class DiskCacheStats:
+    """Monotonic counters."""
+
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    bad_files: int = 0
+    evictions: int = 0
+    errors: int = 0
+
+
+class GrammarDiskCache:
+    """Load and store compiled xgrammar grammars of one tokenizer; thread-safe."""
+
+    def __init__(
+        self,
+        config: DiskCacheConfig,
+        tokenizer: TokenizerInfo,
+        options: BackendOptions | None = None,
+    ) -> None:
+        from espalier.constrained.backends.common import BackendOptions
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.options = options or BackendOptions()
+        self.directory = Path(config.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.xgrammar_version = importlib.metadata.version("xgrammar")
+        self.stats = DiskCacheStats()
+        self._lock = threading.Lock()
+        self._trim_lock = threading.Lock()
+        # one writer: serializing a grammar takes ~0.1 s per MB (xgrammar drops the GIL)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "espalier-grammar-disk")
+        self._pending: list[concurrent.futures.Future[None]] = []
+
+    def identity(self, key: Any) -> str:
+        """The text a file must repeat to be used for ``key`` (the compile cache's key)."""
+        return repr((FORMAT, self.xgrammar_version, repr(self.options), repr(key)))
+
+    def path(self, key: Any) -> Path:
+        digest = hashlib.sha256(self.identity(key).encode("utf-8")).hexdigest()
+        return self.directory / f"{digest}{SUFFIX}"
+
+    def load(self, key: Any) -> tuple[CompiledGrammar, CompileReport] | None:
+        """The stored grammar for ``key`` with a report saying ``cache_hit`` (``compile_seconds``:
+        the load time); None on a miss, a bad file included."""
+        start = time.perf_counter()
+        path = self.path(key)
+        try:
+            if path.stat().st_size > self.config.max_bytes:
+                raise ValueError("file larger than the cache bound")
+            head, newline, body = path.read_bytes().partition(b"\n")
+            if not newline:
+                raise ValueError("no header line")
+            result = self._rebuild(json.loads(head), body, self.identity(key), start)
+        except FileNotFoundError:
+            self.stats.misses += 1
+            return None
+        except Exception as exc:  # any bad file is a miss, never a crash
+            log.warning("grammar disk cache: ignoring bad file %s: %s", path.name, exc)
+            self.stats.bad_files += 1
+            self.stats.misses += 1
+            self._remove(path)
+            return None
+        self.stats.hits += 1
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: evicted last
+        return result
+
+    def store(self, key: Any, result: tuple[CompiledGrammar, CompileReport]) -> None:
+        """Write ``result`` for ``key`` if xgrammar compiled it, on the writer thread (the
+        caller does not wait for the serialization: ~0.1 s per MB of grammar); then trim."""
+        from espalier.constrained.backends.xgrammar import CompiledGrammar as XgrCompiled
+
+        compiled, report = result
+        if not isinstance(compiled, XgrCompiled) or report.cache_hit:
+            return
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._writer.submit(self._write, key, compiled, report))
+
+    def flush(self) -> None:
+        """Wait until every store so far is on disk (or failed)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _write(self, key: Any, compiled: Any, report: CompileReport) -> None:
+        try:
+            body = compiled.native.serialize_json().encode("utf-8")
+            header = {
+                "identity": self.identity(key),
+                "spec": {"kind": compiled.spec.kind.value, "source": compiled.spec.source},
+                "report": {
+                    "weakened": [asdict(issue) for issue in report.weakened],
+                    "cache_key": report.cache_key,
+                    "notes": list(report.notes),
+                },
+                "digest": hashlib.sha256(body).hexdigest(),
+            }
+            head = json.dumps(header, ensure_ascii=True).encode("ascii")
+            if len(head) + 1 + len(body) > self.config.max_bytes:
+                return
+            path = self.path(key)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(head + b"\n")
+                f.write(body)
+            os.replace(tmp, path)
+        except Exception as exc:  # a full disk or a read-only directory: serve on, uncached
+            log.warning("grammar disk cache: cannot store: %s", exc)
+            self.stats.errors += 1
+            return
+        self.stats.stores += 1
+        self._trim()
+
+    def _rebuild(
+        self, header: dict[str, Any], body: bytes, identity: str, start: float
+    ) -> tuple[CompiledGrammar, CompileReport]:
+        import xgrammar
+
+        from espalier.constrained.backends import get_backend
+        from espalier.constrained.backends.xgrammar import CompiledGrammar as XgrCompiled
+
+        if header["identity"] != identity:
+            raise ValueError("identity mismatch (a foreign file or a hash collision)")
+        if hashlib.sha256(body).hexdigest() != header["digest"]:
+            raise ValueError("checksum mismatch (a damaged file)")
+        spec = GrammarSpec(GrammarKind(header["spec"]["kind"]), str(header["spec"]["source"]))
+        backend: Any = get_backend(STORED_BACKEND, self.tokenizer, self.options)
+        native = xgrammar.CompiledGrammar.deserialize_json(
+            body.decode("utf-8"), backend.tokenizer_info
+        )
+        stored = header["report"]
+        report = CompileReport(
+            backend=STORED_BACKEND,
+            weakened=tuple(KeywordIssue(**issue) for issue in stored["weakened"]),
+            compile_seconds=time.perf_counter() - start,
+            cache_hit=True,
+            cache_key=str(stored["cache_key"]),
+            notes=tuple(str(n) for n in stored["notes"]),
+        )
+        return XgrCompiled(spec, self.tokenizer, backend.facts, native), report
+
+    def _trim(self) -> None:
+        """Remove least recently used files until the directory fits ``max_bytes``."""
+        with self._trim_lock:
+            files = []
+            try:
+                for entry in os.scandir(self.directory):
+                    if _NAME.match(entry.name) and entry.is_file():
+                        st = entry.stat()
+                        files.append((st.st_mtime, st.st_size, Path(entry.path)))
+            except OSError as exc:
+                log.warning("grammar disk cache: cannot list %s: %s", self.directory, exc)
+                return
+            total = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files, key=lambda f: f[0]):
+                if total <= self.config.max_bytes:
+                    break
+                self._remove(path)
+                self.stats.evictions += 1
+                total -= size
+
+    def _remove(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("grammar disk cache: cannot remove %s: %s", path.name, exc)

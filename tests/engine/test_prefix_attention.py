@@ -1,0 +1,114 @@
+"""Prefill that starts after a shared cached prefix, on each attention backend: a request whose
+first ``cached`` cache entries are another request's blocks (read-only) computes the rest and
+gets the logits of a full prefill of its own prompt; the shared blocks are not written.
+
+CPU: torch SDPA (full and sliding-window layers). GPU (``gpu``-marked): flashinfer, and the
+engine with CUDA graphs, greedy outputs identical with the prefix cache on and off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from spec_helpers import one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
+
+from espalier.engine.runner import ModelRunner, SeqInput
+
+BLOCK = 4
+
+
+def prompts() -> tuple[list[int], list[int]]:
+    """Two prompts sharing their first 32 tokens (8 blocks of 4), then differing."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 90, (32,), generator=gen).tolist()
+    a = shared + torch.randint(3, 90, (5,), generator=gen).tolist()
+    b = shared + torch.randint(3, 90, (11,), generator=gen).tolist()
+    return a, b
+
+
+def shared_prefix_logits(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of b after a's cached prefix, logits of b prefilled alone), all rows + a decode."""
+    a, b = prompts()
+    a_table = list(range(0, 10))
+    runner.forward([SeqInput(a_table, a, 0, logits="none")])
+    snapshot = [t[:8].clone() for t in runner.kv_cache.k + runner.kv_cache.v]
+    # b: blocks 0-7 are a's (32 cached entries), then its own; prefilled in two chunks
+    b_table = a_table[:8] + [20, 21, 22]
+    first = runner.forward([SeqInput(b_table, b[32:37], 32, logits="all")]).logits
+    second = runner.forward([SeqInput(b_table, b[37:], 37, logits="all")]).logits
+    decode = runner.forward([SeqInput(b_table, [7], len(b))]).logits
+    after = [t[:8] for t in runner.kv_cache.k + runner.kv_cache.v]
+    assert all(torch.equal(x, y) for x, y in zip(snapshot, after)), "a shared block was written"
+    alone_table = list(range(40, 52))
+    alone = runner.forward([SeqInput(alone_table, b, 0, logits="all")]).logits[32:]
+    alone_decode = runner.forward([SeqInput(alone_table, [7], len(b))]).logits
+    return torch.cat([first, second, decode]), torch.cat([alone, alone_decode])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_sdpa_prefill_after_a_shared_prefix_equals_a_full_prefill(window: int | None) -> None:
+    runner = random_runner(tiny_config(97, window=window), seed=5, block_size=BLOCK)
+    assert runner.attention.name == "sdpa"
+    got, want = shared_prefix_logits(runner)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("backend", ["flashinfer", "sdpa"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_after_a_shared_prefix_equals_a_full_prefill(
+    backend: str, window: int | None
+) -> None:
+    from gpu_models import gpu_config, gpu_runner, gpu_state
+
+    config = gpu_config(97, window=window)
+    runner = gpu_runner(config, gpu_state(config, 5), backend=backend, block_size=BLOCK)
+    assert runner.attention.name == backend
+    got, want = shared_prefix_logits(runner)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_engine_with_graphs_is_the_same_with_and_without_the_cache(toy_tokenizer: Any) -> None:
+    from gpu_models import gpu_config, gpu_runner, gpu_state
+
+    from espalier.constrained.spec import GrammarSpec
+    from espalier.engine.api import GenerationRequest, SamplingParams
+    from espalier.engine.engine import Engine, EngineConfig
+    from espalier.engine.scheduler import SchedulerConfig
+
+    config = gpu_config(toy_tokenizer.vocab_size, window=8)
+    state = gpu_state(config, 7)
+    system = list(range(10, 60))
+    schema = GrammarSpec.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}})
+
+    def run(prefix_caching: bool) -> dict[str, list[int]]:
+        runner = gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4, 8))
+        sched = SchedulerConfig(max_num_batched_tokens=64, prefix_caching=prefix_caching)
+        engine = Engine(EngineConfig(scheduler=sched), runner, toy_tokenizer)
+        out: dict[str, list[int]] = {}
+        for wave in range(2):
+            for i in range(4):
+                rid = f"w{wave}-{i}"
+                engine.add_request(
+                    GenerationRequest(
+                        rid,
+                        prompt_token_ids=system + [70 + i, 71 + wave],
+                        sampling=SamplingParams(max_tokens=12),
+                        grammar=schema if i % 2 else None,
+                    )
+                )
+                out[rid] = []
+            while engine.has_unfinished():
+                for chunk in engine.step():
+                    out[chunk.request_id].extend(chunk.token_ids)
+        if prefix_caching:
+            assert engine.stats()["prefix_hit_tokens"] > 0
+        engine.close()
+        return out
+
+    assert run(True) == run(False)
