@@ -13,7 +13,6 @@ methods ``ngram,forced`` loaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,20 +46,21 @@ class AbuseCase:
 
 
 def _generate(constraint: pb.Constraint | None = None, **fields: Any) -> bytes:
-    msg = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=4), **fields)
+    fields.setdefault("sampling", pb.SamplingParams(max_tokens=4))
+    msg = pb.GenerateRequest(text=PROMPT, **fields)
     if constraint is not None:
         msg.constraint.CopyFrom(constraint)
     return msg.SerializeToString()
 
 
 def _schema(schema: Any, *, weaken: bool = False) -> bytes:
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     return _generate(pb.Constraint(json_schema=text, allow_weakening=weaken))
 
 
 def _bad_details_schema() -> dict[str, Any]:
     """~100 keywords no backend enforces: the refusal lists one violation per keyword."""
-    props = {f"p{i:03d}": {"type": "array", "uniqueItems": True} for i in range(90)}
+    props = {f"p{i:02d}": {"type": "array", "uniqueItems": True} for i in range(90)}
     return {"type": "object", "properties": props}
 
 
@@ -142,7 +142,7 @@ def cases(bait: Bait) -> list[AbuseCase]:
         AbuseCase(
             "stop_string_over_byte_limit",
             "GenerateUnary",
-            _generate(sampling=pb.SamplingParams(stop=["s" * 5000])),
+            _generate(sampling=pb.SamplingParams(stop=["s" * 5000], max_tokens=4)),
             INVALID,
         ),
         AbuseCase(
@@ -245,15 +245,13 @@ class Answer:
 
 def send_raw(channel: grpc.Channel, case: AbuseCase, timeout_s: float = 300.0) -> Answer:
     """Send ``case`` as raw bytes; the status, its ErrorInfo reason and violation count."""
-    identity: Callable[[bytes], bytes] = bytes
-    path = SERVICE + case.method
+    path = SERVICE + case.method  # no (de)serializers: the bytes go out as they are
     try:
         if case.method == "Generate":
-            call = channel.unary_stream(path, identity, identity)
-            for _ in call(case.payload, timeout=timeout_s):
+            for _ in channel.unary_stream(path)(case.payload, timeout=timeout_s):
                 pass
         else:
-            channel.unary_unary(path, identity, identity)(case.payload, timeout=timeout_s)
+            channel.unary_unary(path)(case.payload, timeout=timeout_s)
     except grpc.RpcError as exc:
         return _answer(exc)
     return Answer(grpc.StatusCode.OK, "", "", 0)
