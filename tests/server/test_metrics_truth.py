@@ -36,9 +36,10 @@ def test_a_passed_deadline_is_counted_as_deadline_exceeded(
     with pytest.raises(DeadlineExceededError):
         client.generate("Tell me", max_tokens=8000, ignore_eos=True, timeout=1.0)
     wait_until_idle(port)
-    assert requests_total(port, "GenerateUnary", "DEADLINE_EXCEEDED") == before[
-        "DEADLINE_EXCEEDED"
-    ] + 1
+    assert (
+        requests_total(port, "GenerateUnary", "DEADLINE_EXCEEDED")
+        == before["DEADLINE_EXCEEDED"] + 1
+    )
     assert requests_total(port, "GenerateUnary", "OK") == before["OK"]
 
 
