@@ -72,6 +72,8 @@ def postvalidate(
             instance = parse_strict_json(text)
         except ValueError as exc:
             return PostValidation(True, False, (f"/: not valid JSON: {exc}",))
+        except RecursionError:  # e.g. 8,000 nested arrays: valid JSON, too deep for Python
+            return PostValidation(False, False, ("/: nested too deeply to validate",))
         if spec.kind is GrammarKind.ANY_JSON:
             return PostValidation(True, True)
         # keyed on the spec's text: no parse and no serialization of the schema per output

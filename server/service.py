@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from espalier.engine.api import FinishReason, RequestOutput
+from espalier.engine.api import FinishReason, GenerationRequest, RequestOutput
 from espalier.server import convert
 from espalier.server.access_log import log_request
 from espalier.server.engine_port import ServingEngine
@@ -24,6 +24,7 @@ from espalier.server.errors import (
     InvalidRequestError,
     PromptTooLongError,
     RequestFailedError,
+    ResourceExhaustedError,
     Violation,
     to_grpc_status,
 )
@@ -66,6 +67,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
 
     def __init__(self, state: ServingState) -> None:
         self.state = state
+        self._admitting = 0  # requests waiting for or inside admission
         self._admission = ThreadPoolExecutor(
             max_workers=state.config.admission_threads, thread_name_prefix="espalier-admission"
         )
@@ -113,10 +115,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         engine: ServingEngine | None = None
         stream: AsyncIterator[RequestOutput] | None = None
         try:
-            limits = self._limits()
-            gen_request = await self._off_loop(
-                convert.request_from_proto, request, limits, self._count_tokens
-            )
+            gen_request = await self._admit_request(request)
             engine = state.require_engine()
             progress.request_id = gen_request.request_id
             state.admit()
@@ -147,6 +146,23 @@ class EspalierServicer(pb_grpc.EspalierServicer):
                 progress.completion_tokens,
                 seconds,
             )
+
+    async def _admit_request(self, request: pb.GenerateRequest) -> GenerationRequest:
+        """Validate, parse and measure ``request`` on the admission pool; at most ``max_queue``
+        requests wait for it (beyond: RESOURCE_EXHAUSTED, like a full engine queue)."""
+        limit = self.state.config.max_queue
+        if self._admitting >= limit:
+            raise ResourceExhaustedError(
+                f"{self._admitting} requests are being admitted, the limit is {limit}",
+                metadata={"limit": str(limit), "kind": "admission"},
+            )
+        self._admitting += 1
+        try:
+            return await self._off_loop(
+                convert.request_from_proto, request, self._limits(), self._count_tokens
+            )
+        finally:
+            self._admitting -= 1
 
     def _observe_chunk(self, out: RequestOutput, progress: _Progress) -> None:
         """Account one engine output; raises on a failed last chunk (typed when possible)."""

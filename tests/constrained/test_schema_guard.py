@@ -171,3 +171,10 @@ def test_alternatives_are_counted_outside_literals() -> None:
     with pytest.raises(InvalidGrammarError, match="2000 alternatives"):
         check_alternatives(big)
     check_alternatives(GrammarSpec.choice([f"o{i}" for i in range(1024)]))
+
+
+def test_a_deeply_nested_output_gets_no_verdict_instead_of_a_crash() -> None:
+    deep = "[" * 20_000 + "]" * 20_000  # a model may emit this under any_json
+    for spec in (GrammarSpec.any_json(), GrammarSpec.json_schema({"type": "array"})):
+        result = postvalidate(spec, deep)
+        assert not result.checked and "nested too deeply" in result.errors[0]
