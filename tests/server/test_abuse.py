@@ -147,3 +147,19 @@ def test_the_server_still_serves_after_every_abuse(
 ) -> None:
     reply = pb_grpc.EspalierStub(channel).GenerateUnary(VICTIM, timeout=600)
     assert list(reply.token_ids) == solo_victim
+
+
+def test_a_duplicate_request_id_is_refused_and_spares_the_victim(
+    channel: grpc.Channel, solo_victim: list[int]
+) -> None:
+    """Reusing an in-flight request's id must neither abort nor join the request holding it."""
+    started, victim = threading.Event(), {}
+    thread = threading.Thread(target=run_victim, args=(channel, started, victim))
+    thread.start()
+    assert started.wait(600)
+    thief = pb.GenerateRequest(request_id=VICTIM.request_id, text="x")
+    with pytest.raises(grpc.RpcError) as info:
+        pb_grpc.EspalierStub(channel).GenerateUnary(thief, timeout=600)
+    thread.join(600)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "error" not in victim and victim["tokens"] == solo_victim
