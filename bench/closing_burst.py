@@ -100,10 +100,10 @@ def _step(
 
 
 def run(args: argparse.Namespace) -> None:
-    from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.closing_remote import ClosingWorkers
+    from espalier.server.default_model import default_tokenizer
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     items = _requests(args, tokenizer)
     pools = {
         "one_message": ClosingWorkers(tokenizer, 1, chunk_s=float("inf")),

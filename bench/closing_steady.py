@@ -164,11 +164,11 @@ def _streams(args: argparse.Namespace, tokenizer: Any) -> list[tuple[Any, list[i
 
 
 def run(args: argparse.Namespace) -> None:
-    from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine import closing
     from espalier.engine.closing_remote import ClosingWorkers
+    from espalier.server.default_model import default_tokenizer
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     if args.streams:
         pool = _streams(args, tokenizer)
     else:

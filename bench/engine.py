@@ -170,16 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.scheduler import SchedulerConfig
     from espalier.engine.weights import resolve_model_dir
+    from espalier.server.default_model import default_gguf
 
     engine = Engine.from_model(
-        "default",
+        default_gguf(),
         EngineConfig(
             scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096),
             compile_timeout_s=600.0,
         ),
     )
     tok = engine.tokenizer
-    model_dir = resolve_model_dir("default")
+    model_dir = resolve_model_dir(default_gguf())
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
     ).eval()

@@ -565,9 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit({"skipped": "CUDA not available"})
         return 0
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
     tokenizer = (
-        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else TokenizerInfo.default()
+        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else default_tokenizer()
     )
     bandwidth = copy_bandwidth()
     emit(

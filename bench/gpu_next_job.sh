@@ -3,7 +3,7 @@
 # Needs .whl/ (../shared/gpu/wheels.sh) and a converted tokenizer in .data/gpu/gemma_tok; run on the device
 # machine from the repo root after the wheel install line, with $OUT set.
 nproc; lscpu | grep -E "Model name|MHz|Socket|Thread|NUMA node\(s\)" ; cat /proc/loadavg
-for w in 2 4; do timeout 60 python3 bench/closing_steady.py --streams bench/results/gpu_h200_run96_b32_streams.jsonl --depth 8 --reps 2 --workers $w 2>&1 | tail -1 | tee -a $OUT/steady97.jsonl; done
+for w in 2 4; do timeout 60 python3 bench/closing_steady.py --streams bench/inputs/h200_b32_streams.jsonl --depth 8 --reps 2 --workers $w 2>&1 | tail -1 | tee -a $OUT/steady97.jsonl; done
 A="--tokenizer .data/gpu/gemma_tok --skip-decode --spec-reps 2 --spec-batches 32 --profile-batch 0"
 timeout 360 python3 bench/gpu_timeline.py $A --close-ahead default,default --torch-threads default,4 > $OUT/tl97.jsonl 2> $OUT/tl97.err; echo tl rc $?
 tail -2 $OUT/tl97.err

@@ -74,13 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from espalier.constrained.backends import get_backend
     from espalier.constrained.spec import GrammarSpec
-    from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.config import CacheConfig, RunnerConfig
     from espalier.engine.runner import ModelRunner
+    from espalier.server.default_model import default_gguf, default_tokenizer
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     config = RunnerConfig(device="cpu", cache=CacheConfig(16, 512))
-    runner = ModelRunner.from_pretrained("default", config)
+    runner = ModelRunner.from_pretrained(default_gguf(), config)
     backend = get_backend("llguidance", tokenizer)
     total = [0, 0, 0]
     for name, schema, _ in spec_bench.sample_schemas(args.schemas, with_instances=False):

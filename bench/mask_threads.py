@@ -53,6 +53,7 @@ from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.traverse_llguidance import walk_llguidance
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree_random import sample_instance
+from espalier.server.default_model import default_tokenizer
 
 Work = Callable[[int], None]
 """``work(rounds)``: one thread's share, ``rounds`` times over."""
@@ -303,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: Gemma)")
     args = parser.parse_args(argv)
     tokenizer = (
-        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else TokenizerInfo.default()
+        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else default_tokenizer()
     )
     words = (tokenizer.vocab_size + 31) // 32
     files = sample_files(Path(args.data), args.schemas)

@@ -25,6 +25,7 @@ from espalier.constrained.compile import prepare_schema
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tokenizer import TokenizerInfo
+from espalier.server.default_model import default_tokenizer
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: Gemma)")
     args = parser.parse_args()
     tokenizer = (
-        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else TokenizerInfo.default()
+        TokenizerInfo.from_pretrained(args.tokenizer) if args.tokenizer else default_tokenizer()
     )
     files = sample_files(Path(args.data), args.schemas)
     torch.set_num_threads(1)

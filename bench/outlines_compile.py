@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from espalier.constrained.cache import CacheKey, CompileCache
     from espalier.constrained.errors import CompileTimeoutError, GrammarError
     from espalier.constrained.spec import GrammarSpec
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--schemas", type=int, default=16)
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit-s", type=float, default=20.0, help="compile time limit")
     args = parser.parse_args(argv)
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     child = get_backend("outlines_core", tokenizer)
     in_process = get_backend("outlines_core", tokenizer, BackendOptions(outlines_memory_limit=0))
     assert child.builder is not None and in_process.builder is None

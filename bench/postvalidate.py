@@ -9,7 +9,7 @@ caches first, and their verdicts are checked equal.
 
 Outputs: the valid JSONSchemaBench instances of ``--schemas`` schemas (default), or a GPU
 run's constrained outputs (``--streams``: ``bench/gpu.py --dump-streams``; H200 run 96's are in
-``bench/results/gpu_h200_run96_b32_streams.jsonl``).
+``bench/inputs/h200_b32_streams.jsonl``).
 
     .venv/bin/python bench/postvalidate.py [--streams FILE] [--rounds 20]
 """
@@ -30,7 +30,7 @@ import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 def _outputs(args: argparse.Namespace) -> list[tuple[Any, str]]:
     """``(GrammarSpec, output text)`` pairs."""
     from espalier.constrained.spec import GrammarSpec
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
     if not args.streams:
         return [
@@ -38,7 +38,7 @@ def _outputs(args: argparse.Namespace) -> list[tuple[Any, str]]:
             for _, schema, instances in spec_bench.sample_schemas(args.schemas, True)
             for instance in instances
         ]
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     stops = set(tokenizer.stop_token_ids)
     pairs = []
     with open(args.streams) as lines:

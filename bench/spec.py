@@ -122,9 +122,9 @@ def compile_schema(
 
 
 def forced_share(n_schemas: int, limit: int) -> None:
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     total = forced = steps = instances = 0
     for _name, schema, valid in sample_schemas(n_schemas, with_instances=True):
         compiled = compile_schema(schema, tokenizer)
@@ -246,8 +246,9 @@ def cpu_part(n_schemas: int, max_tokens: int) -> None:
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.spec.ngram import NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
+    from espalier.server.default_model import default_gguf
 
-    base = Engine.from_model("default", EngineConfig(compile_timeout_s=600))
+    base = Engine.from_model(default_gguf(), EngineConfig(compile_timeout_s=600))
     runner, tokenizer = base.runner, base.tokenizer
     base.close()
     schemas = [
@@ -354,6 +355,7 @@ def gpu_part(
     from espalier.engine.runner import ModelRunner
     from espalier.engine.scheduler import SchedulerConfig
     from espalier.engine.spec.strategy import SpecConfig, install
+    from espalier.server.default_model import default_tokenizer
 
     if not smoke and not torch.cuda.is_available():
         emit({"part": "gpu", "skipped": "CUDA not available"})
@@ -362,7 +364,7 @@ def gpu_part(
     if tokenizer_dir:
         tokenizer = TokenizerInfo.from_pretrained(tokenizer_dir)
     else:
-        tokenizer = TokenizerInfo.default()
+        tokenizer = default_tokenizer()
     dims = (
         dict(
             hidden_size=64,

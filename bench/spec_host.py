@@ -229,9 +229,9 @@ def run(args: argparse.Namespace) -> None:
 
     from espalier.constrained.backends import get_backend
     from espalier.constrained.spec import GrammarSpec
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
-    tokenizer = TokenizerInfo.default()
+    tokenizer = default_tokenizer()
     runner = tiny_runner(tokenizer)
     # llguidance's native walk serves grammars compiled after its tokenizer is ready (as on the
     # GPU, bench/gpu.py): else every tree took the Python walk here

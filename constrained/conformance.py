@@ -61,8 +61,8 @@ class FileResult:
 
 @dataclass(frozen=True)
 class RunConfig:
+    tokenizer: str  # a Hugging Face directory or a .gguf file (the CLI resolves its default)
     backend: str = "auto"
-    tokenizer: str | None = None  # None: the embedded default; else a Hugging Face directory
     remotes: str | None = None  # folder served at http://localhost:1234/
     timeout_s: float = 10.0
 
@@ -260,11 +260,11 @@ def run_files(files: list[Path], config: RunConfig, jobs: int = 1) -> Iterator[F
         yield from pool.imap(_run_in_worker, [str(p) for p in files], chunksize=4)
 
 
-def _load_tokenizer(source: str | None) -> TokenizerInfo:
+def _load_tokenizer(source: str) -> TokenizerInfo:
     from espalier.constrained.tokenizer import TokenizerInfo
 
-    if source is None:
-        return TokenizerInfo.default()
+    if source.endswith(".gguf"):
+        return TokenizerInfo.from_gguf(source)
     return TokenizerInfo.from_pretrained(source)
 
 

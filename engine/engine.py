@@ -119,19 +119,17 @@ class Engine:
     @classmethod
     def from_model(
         cls,
-        path: str | os.PathLike[str] = "default",
+        path: str | os.PathLike[str],
         config: EngineConfig | None = None,
         runner_config: RunnerConfig | None = None,
     ) -> Engine:
-        """Load a model (HF directory, ``.gguf`` file or ``"default"``) and its tokenizer."""
+        """Load a model (HF directory or ``.gguf`` file) and its tokenizer."""
         from espalier.constrained.tokenizer import TokenizerInfo
         from espalier.engine.runner import ModelRunner
 
         runner = ModelRunner.from_pretrained(path, runner_config)
         text = str(path)
-        if text == "default":
-            tok = TokenizerInfo.default()
-        elif text.endswith(".gguf"):
+        if text.endswith(".gguf"):
             tok = TokenizerInfo.from_gguf(text, vocab_size=runner.vocab_size)
         else:
             tok = TokenizerInfo.from_pretrained(text, vocab_size=runner.vocab_size)

@@ -21,7 +21,7 @@ Contract of one sequence's ``SeqInput`` in a step:
 
 Typical use (engineer F's scheduler)::
 
-    runner = ModelRunner.from_pretrained("default", RunnerConfig(cache=CacheConfig(num_blocks=512)))
+    runner = ModelRunner.from_pretrained(gguf_path, RunnerConfig(cache=CacheConfig(num_blocks=512)))
     out = runner.forward([SeqInput(block_table=[0, 1], token_ids=prompt, context_len=0),
                           SeqInput(block_table=[7], token_ids=[last_tok], context_len=12)])
     out.logits          # fp32 [2, V] on runner.device: one row per sequence ("last")
@@ -145,7 +145,7 @@ class ModelRunner:
     def from_pretrained(
         cls, path: str | os.PathLike[str], config: RunnerConfig | None = None
     ) -> ModelRunner:
-        """Load an HF directory, a ``.gguf`` file, or ``"default"`` (embedded Gemma 3 270M)."""
+        """Load an HF directory or a ``.gguf`` file."""
         from espalier.engine.weights import load_weights
 
         config = config or RunnerConfig()

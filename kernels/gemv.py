@@ -3,7 +3,7 @@
 At batch 1 a decode step is a stream of weight bytes: each projection reads its whole ``[N, K]``
 weight once. ``gated_gemv`` also fuses the MLP's activation: ``act(x @ gate^T) * (x @ up^T)``
 from the fused ``[2I, K]`` gate/up weight in one launch. ``preferred`` says where either beats
-cuBLAS (H200 numbers: ``bench/results/gemv_h200_run*.jsonl``).
+cuBLAS (H200 numbers: ``bench/BASELINES.md``, ``docs/decisions/skinny-gemv-per-shape.md``).
 
 Design: program ``p`` owns output columns ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, i.e. a block of
 ``BLOCK_N`` weight rows (plus the matching up rows when gated), and walks K in ``BLOCK_K`` steps
@@ -215,7 +215,7 @@ def _skinny_gemm_kernel(
 def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig:
     """The launch shape for ``[m, k] x [n, k]^T`` on ``device`` (for a gated call: n = 2I).
 
-    CUDA, from the H200 sweep of ``bench/gemv.py`` (run 1, 8B-Llama shapes): M = 1 streams with
+    CUDA (the H200 sweep of ``bench/gemv.py`` over 8B-Llama shapes chose them): M = 1 streams with
     FMA tiles of 8 x 512 (4 x 512 for the long-K down projection, 16 x 256 for LM heads); M >= 2
     with tensor-core tiles 32 x 256 (32 x 128 for the gate/up projection), 3-4 stages. The
     interpreter: small tiles so that CPU tests cover several programs, K steps and a K tail.
@@ -239,16 +239,12 @@ PREFETCH_WITH_DOT = False
 """Whether the tensor-core tiles (M >= 2) also peel their first K step, loading its weight tile
 before the wait for the previous kernel (the FMA tiles of M = 1 always do; without PDL the wait
 is a no-op; PDL only reaches them when ``pdl.PDL_MAX_ROWS`` admits steps of 2+ rows). Off:
-they wait first, then run the plain loop. H200, run 79 (8B-Llama decode, of
-roofline, median of 5 ABBA reps, with ``LAUNCH_NEXT_AFTER_LOOP``): batch 8 0.755 with the
-prefetch, 0.759 without; batch 64 (cuBLAS: not the kernel) 0.638 / 0.636."""
+they wait first, then run the plain loop (no gain measured on the H200:
+``docs/decisions/pdl-one-row-steps.md``)."""
 
 LAUNCH_NEXT_AFTER_LOOP = True
-"""Under PDL, let the next kernel launch after the K loop, not at the start (measured faster;
-my guess at why, not checked: fewer of the next kernel's programs sit resident beside this
-one's while its loop streams). H200, run 79 (of roofline, median of 5 ABBA reps, against PDL
-off): batch 1 0.827 after the loop, 0.811 at the start, 0.802 without PDL; batch 8 0.755 /
-0.740 / 0.762; batch 64 0.638 / 0.635 / 0.637."""
+"""Under PDL, let the next kernel launch after the K loop, not at the start (measured faster on
+the H200: ``docs/decisions/pdl-one-row-steps.md``; why is not checked)."""
 
 GATE_UP_M1_UNDER_PDL = True
 """At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,

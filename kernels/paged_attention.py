@@ -85,14 +85,9 @@ class LaunchConfig:
 LAUNCH: dict[int, LaunchConfig] = {}
 """Overrides of ``launch_config`` per head dim (``bench/attention.py`` sweeps them)."""
 PROGRAMS_PER_SM = 1
-"""Programs a launch aims at per SM when it picks its splits (``choose_splits``).
-
-H200 sweep (run 73, ``bench/attention.py --sweep``, 8B shape, us per layer in a graph; 24 launch
-shapes): the default (64-entry steps, 4 warps, 3 stages, 1 program per SM) took 6.46 at batch 1
-over 128 entries, 12.0 at batch 64, 11.2 for 32 nine-node trees, 32.4 at batch 8 over 2048 and
-78.1 at batch 32 over 2048 (flashinfer: 10.7, 24.6, 36.0, 29.1, 74.1). Four programs per SM won
-at batch 8 over 2048 entries (26.3) but lost 2x on 32 trees (25.5); 128-entry steps won at batch
-32 over 2048 (70.0) but lost 4x on trees (46.6)."""
+"""Programs a launch aims at per SM when it picks its splits (``choose_splits``). One: more won
+on long decode contexts but lost 2x on tree-verify steps in the H200 sweep of
+``bench/attention.py --sweep`` (``docs/decisions/small-query-attention.md``)."""
 
 
 def launch_config(head_dim: int) -> LaunchConfig:

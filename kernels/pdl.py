@@ -22,11 +22,8 @@ the ramp-up of every launch are idle memory bandwidth. With PDL (sm90+, ``launch
 A kernel launched without PDL (cuBLAS, torch) waits for full completion as usual, and one that
 follows it sees the implicit trigger at that kernel's end, so mixing is safe. ``pdl(device,
 rows)`` says whether a launch uses it: on sm90+, for steps of one token (``PDL_MAX_ROWS``);
-``PDL = False`` turns it off everywhere.
-
-H200, 8B-Llama decode in CUDA graphs (``bench/gpu.py``, share of the HBM roofline, medians of
-ABBA reps, the default GEMV variants): batch 1 0.825 with PDL against 0.802 without (run 79;
-graph replay 3.999 vs 4.123 ms), 0.820 against 0.782 (run 83; 4.032 vs 4.273 ms).
+``PDL = False`` turns it off everywhere. Why only one row, with the H200 numbers:
+``docs/decisions/pdl-one-row-steps.md``.
 """
 
 from __future__ import annotations
@@ -47,11 +44,8 @@ Read per launch, so a CUDA graph keeps the choice made when it was captured."""
 
 PDL_MAX_ROWS = 1
 """Use PDL for launches over at most this many token rows: steps of one token (batch-1 decode).
-H200, run 83 (8B-Llama decode in graphs, of roofline, median of 4 ABBA reps, PDL / without):
-batch 1 0.820 / 0.782; batch 2 0.773 / 0.782; 4 0.765 / 0.776; 8 0.750 / 0.762; 16 0.731 /
-0.743. Above one row PDL lost 1-1.5 % at every size measured (the cause is not isolated: the
-tensor-core GEMV tiles of 2+ rows, with the first weight tile before the wait or not, and with
-every projection on the kernel instead of cuBLAS, all lost)."""
+Above one row PDL lost 1-1.5 % at every batch measured on the H200, for every GEMV variant
+tried (``docs/decisions/pdl-one-row-steps.md``)."""
 
 
 @functools.cache

@@ -11,7 +11,8 @@ pipq() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "is ignored" >&2);
 pipq --upgrade pip
 # CPU build of torch from the local wheel first: an unpinned torch would pull a multi-GB CUDA build.
 pipq torch==2.13.0
-pipq -e ".[dev]"
+pipq -e ".[dev,gateway]"
 # The Python SDK (its own package; `espalier generate` and tests/server use it).
 pipq -e clients/python
 .venv/bin/python -c "import torch, espalier.constrained, espalier.v1.espalier_pb2, espalier_client"
+.venv/bin/smg --version >/dev/null

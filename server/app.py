@@ -90,12 +90,21 @@ async def shutdown(server: grpc.aio.Server, state: ServingState, grace_s: float)
 async def serve(config: ServerConfig, state: ServingState, loader: Loader | None) -> None:
     """Bind, start, load and warm the model (health SERVING), run until SIGTERM/SIGINT, drain."""
     server, port = create_server(config, state)
+    smg_server, smg_port = None, None
+    if config.smg_port is not None:
+        from espalier.server.smg.server import create_smg_server
+
+        smg_server, smg_port = create_smg_server(config, state)
     await state.init_health()
     await server.start()
+    if smg_server is not None:
+        await smg_server.start()
     metrics_port = None
     if config.metrics_port is not None:
         _http, metrics_port = state.metrics.serve_http(config.metrics_host, config.metrics_port)
-    announce(event="listening", host=config.host, port=port, metrics_port=metrics_port)
+    announce(
+        event="listening", host=config.host, port=port, metrics_port=metrics_port, smg_port=smg_port
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -119,5 +128,7 @@ async def serve(config: ServerConfig, state: ServingState, loader: Loader | None
     if load_task is not None and not load_task.done():
         load_task.cancel()
     await shutdown(server, state, config.shutdown_grace_s)
+    if smg_server is not None:
+        await smg_server.stop(grace=1.0)
     announce(event="stopped")
     sys.stdout.flush()

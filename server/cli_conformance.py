@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         run_files,
         total,
     )
+    from espalier.server.default_model import default_gguf
 
     path = Path(args.path)
     if not path.exists():
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     remotes = args.remotes or find_remotes(path.resolve())
     config = RunConfig(
         backend=args.backend,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or str(default_gguf()),
         remotes=str(remotes) if remotes else None,
         timeout_s=args.timeout,
     )

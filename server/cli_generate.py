@@ -94,6 +94,7 @@ def run_local(args: argparse.Namespace) -> int:
     from espalier.engine.api import InvalidRequestError
     from espalier.engine.config import RunnerConfig
     from espalier.engine.engine import Engine, EngineConfig
+    from espalier.server.default_model import resolve_model
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
@@ -110,7 +111,7 @@ def run_local(args: argparse.Namespace) -> int:
     config = EngineConfig(compile_timeout_s=600.0)
     runner_config = RunnerConfig(args.device, args.dtype)
     try:
-        engine = Engine.from_model(args.model, config, runner_config=runner_config)
+        engine = Engine.from_model(resolve_model(args.model), config, runner_config=runner_config)
     except (OSError, ValueError) as exc:  # no such model, an unreadable or unsupported one
         print(f"espalier generate: {exc}", file=sys.stderr)
         return 2

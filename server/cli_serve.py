@@ -34,6 +34,14 @@ def register(sub: Any) -> None:
     p.add_argument("--kv-blocks", type=int, default=0, help="KV cache blocks (0 = from memory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 = any free port (announced)")
+    p.add_argument(
+        "--smg-port",
+        type=int,
+        default=None,
+        help="also serve SMG's vLLM worker protocol on this port (0 = any free port; "
+        "unauthenticated: keep it on loopback)",
+    )
+    p.add_argument("--smg-host", default="127.0.0.1", help="bind address of --smg-port")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = free)")
     p.add_argument(
@@ -87,6 +95,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         reflection=not args.no_reflection,
+        smg_host=args.smg_host,
+        smg_port=args.smg_port,
     )
 
 

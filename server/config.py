@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIB = 1 << 20
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM file; TLS is on when both cert and key are set
     tls_key: str | None = None
     reflection: bool = True
+    # SMG's worker protocol on a second, unauthenticated port (None: off; 0: a free port).
+    smg_host: str = "127.0.0.1"
+    smg_port: int | None = None
     unauthenticated_methods: tuple[str, ...] = field(
         default=("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
     )
@@ -76,6 +80,12 @@ class ServerConfig:
             problems.append("default_max_tokens must be in [1, max_max_tokens]")
         if self.auth_token is not None and not self.auth_token:
             problems.append("the auth token must not be empty")
+        secured = self.auth_token is not None or self.tls
+        if self.smg_port is not None and secured and self.smg_host not in LOOPBACK_HOSTS:
+            problems.append(
+                "the SMG worker port has no authentication: with --auth-token or TLS, "
+                "bind --smg-host to loopback"
+            )
         return problems
 
     @property

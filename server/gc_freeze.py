@@ -5,7 +5,7 @@ tokenizer's tables, compiled grammars, model modules). A full collection walks a
 several milliseconds during which no Python thread runs, so a grammar mask due within its
 2 ms budget or a decode step waits for it. Freezing moves what exists into a permanent
 generation the collector skips; objects made later are collected as usual. Measured with
-``espalier bench-tree`` trees (llguidance, 64 nodes, 2 ms budget): the slowest budgeted fill
+``bench/tree.py`` trees (llguidance, 64 nodes, 2 ms budget): the slowest budgeted fill
 went from 5.0 to 2.9 ms and the share within the budget from 72 % to 88 %.
 """
 

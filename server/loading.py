@@ -17,6 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from espalier.server.default_model import DEFAULT_MODEL, default_tokenizer, resolve_model
 from espalier.server.engine_port import ServingEngine
 from espalier.server.state import Compiler, ModelFacts, ServingState, announce
 
@@ -29,7 +30,7 @@ TINY_RANDOM = "tiny-random"
 
 @dataclass(frozen=True)
 class ModelOptions:
-    model: str = "default"
+    model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     draft_model: str | None = None
     speculative: tuple[str, ...] = ()
@@ -49,8 +50,8 @@ def load_tokenizer(options: ModelOptions) -> TokenizerInfo:
 
     if options.tokenizer is not None:
         return TokenizerInfo.from_pretrained(options.tokenizer)
-    if options.model in ("default", TINY_RANDOM):
-        return TokenizerInfo.default()
+    if options.model in (DEFAULT_MODEL, TINY_RANDOM):
+        return default_tokenizer()
     if options.model.endswith(".gguf"):
         return TokenizerInfo.from_gguf(options.model)
     return TokenizerInfo.from_pretrained(options.model)
@@ -82,7 +83,7 @@ def _runner(options: ModelOptions, tokenizer: TokenizerInfo) -> Any:
     cache = CacheConfig(block_size=16, num_blocks=options.kv_blocks)
     config = RunnerConfig(device=device, dtype=options.dtype or "auto", cache=cache)
     if options.model != TINY_RANDOM:
-        return ModelRunner.from_pretrained(options.model, config)
+        return ModelRunner.from_pretrained(resolve_model(options.model), config)
     from espalier.engine.models.llama import LlamaForCausalLM
 
     model_config = ModelConfig(

@@ -18,7 +18,6 @@ SUBCOMMAND_MODULES = (
     "espalier.server.cli_serve",
     "espalier.server.cli_generate",
     "espalier.server.cli_conformance",
-    "espalier.server.cli_bench_tree",
 )
 
 

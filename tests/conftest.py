@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import os
-from functools import cache
 from typing import Any
 
 import pytest
 import torch
+
+from tests.fixtures.tokenizers import build_byte_level_hf, build_sentencepiece_hf
 
 # Without CUDA, Triton code runs in its CPU interpreter. ``triton.jit`` reads TRITON_INTERPRET when
 # it decorates, and that includes triton.language's own helpers (``tl.max`` ...) at triton's first
@@ -25,64 +26,6 @@ import torch
 # triton; set later, kernels mix interpreted and compiled functions and fail.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-TOY_CORPUS = [
-    '{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true}',
-    '{"id": 1, "value": null, "items": [1, 2, 3], "flag": false}',
-    '[{"a": 1}, {"b": "two"}, {"c": [true, false, null]}]',
-    "abc abab ababab 0123456789 -12.5e+3 yes no maybe",
-    "hello world, the quick brown fox jumps over the lazy dog.",
-    'root ::= "a" | "b"\nstart: item+\n',
-] * 4
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<eot>"]
-
-
-@cache
-def build_byte_level_hf() -> Any:
-    """A ~300-id byte-level BPE ``PreTrainedTokenizerFast`` with ``<eos>`` as eos token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(TOY_CORPUS, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token=None
-    )
-
-
-@cache
-def build_sentencepiece_hf() -> Any:
-    """A sentencepiece-style BPE: ``▁`` for space, ``<0xNN>`` byte fallback, a few merges."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab: dict[str, int] = {}
-    for token in ["<pad>", "<eos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256))]:
-        vocab[token] = len(vocab)
-    for char in 'abcdefghijklmnopqrstuvwxyz▁{}":,0123456789é':
-        vocab.setdefault(char, len(vocab))
-    merges: list[tuple[str, str]] = []
-    for word in ["▁a", "▁ab", "ab", "abc", '{"', '":', "▁t", "▁th", "▁the", "é▁"]:
-        left, right = word[:-1], word[-1]
-        merges.append((left, right))
-        vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
-    tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
 
 
 @pytest.fixture(scope="session")
@@ -112,9 +55,9 @@ def sentencepiece_tokenizer() -> Any:
 
 @pytest.fixture(scope="session")
 def gemma_tokenizer() -> Any:
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
-    return TokenizerInfo.default()
+    return default_tokenizer()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

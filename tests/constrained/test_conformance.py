@@ -25,6 +25,7 @@ from espalier.constrained.conformance import (
     run_files,
     total,
 )
+from espalier.server.default_model import default_gguf
 from espalier.server.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ needs_suite = pytest.mark.skipif(not DRAFT.is_dir(), reason="JSON Schema Test Su
 
 @pytest.fixture(scope="module")
 def toy_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.conftest import build_byte_level_hf
+    from tests.fixtures.tokenizers import build_byte_level_hf
 
     folder = tmp_path_factory.mktemp("toy-tokenizer")
     build_byte_level_hf().save_pretrained(str(folder))
@@ -142,5 +143,6 @@ def test_ratchet_ci_subset(backend: str, toy_tokenizer_dir: str) -> None:
 def test_ratchet_full_core(backend: str) -> None:
     files = find_files(DRAFT)
     remotes = find_remotes(DRAFT)
-    config = RunConfig(backend=backend, remotes=str(remotes) if remotes else None)
+    tokenizer = str(default_gguf())
+    config = RunConfig(tokenizer, backend=backend, remotes=str(remotes) if remotes else None)
     check_ratchet(total(list(run_files(files, config))), RATCHET["draft2020-12"][backend])

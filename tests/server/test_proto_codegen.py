@@ -51,3 +51,10 @@ def test_server_and_client_copies_describe_the_same_service() -> None:
         "lark",
         "choice",
     ]
+
+
+def test_typescript_package_carries_the_same_proto() -> None:
+    """clients/typescript builds on its own from its checked-in copy of the contract."""
+    copy = REPO / "clients/typescript/proto/espalier/v1/espalier.proto"
+    source = REPO / "proto/espalier/v1/espalier.proto"
+    assert copy.read_bytes() == source.read_bytes(), f"copy {source} to {copy} and commit"

@@ -1,0 +1,1 @@
+"""SMG (Shepherd Model Gateway) worker protocol: ``espalier serve --smg-port`` speaks vLLM's."""
