@@ -1,8 +1,11 @@
 """Load test of the gRPC server on loopback: N concurrent streaming requests (tiny random model,
 mixed constraints, fixed seeds), checked against the unary result of the same request, then the
-same with a fraction of clients cancelling at random points.
+same with a fraction of clients cancelling at random points; with ``--abusive-fraction`` a third
+phase mixes abusive requests (every kind of ``tests/server/abuse_cases.py``, at random moments)
+into the streams and counts victims: normal streams that failed or changed (0 expected).
 
     .venv/bin/python bench/load.py [--requests 256] [--cancel-fraction 0.2] [--address HOST:PORT]
+    .venv/bin/python bench/load.py --requests 64 --abusive-fraction 0.01
 
 Without --address it starts ``espalier serve --model tiny-random`` itself and stops it after.
 Prints JSON lines: one per phase (p50/p99 time to first token and total latency, lost /
@@ -15,17 +18,36 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from espalier_client import AsyncClient, EspalierError
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "server"))
+from abuse_cases import SERVICE, AbuseCase, Bait, cases  # noqa: E402  (tests/server/abuse_cases.py)
+
+# The limits tests/server/abuse_cases.py assumes (the shared test server's).
+ABUSE_SERVER_FLAGS = [
+    "--max-grammar-bytes",
+    "4096",
+    "--max-prompt-bytes",
+    "65536",
+    "--max-message-mb",
+    "1",
+    "--speculative",
+    "ngram,forced",
+    "--speculate-by-default",
+    "off",
+]
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}},
@@ -133,6 +155,8 @@ async def run_phase(
     max_tokens: int,
     cancel_fraction: float,
     rng: random.Random,
+    abusive: tuple[AbuseCase, ...] = (),
+    address: str = "",
 ) -> dict[str, Any]:
     # A cancelling client stops after a random number of chunks short of its full length (known
     # from the unary reference), so that it really cancels mid-stream.
@@ -142,9 +166,15 @@ async def run_phase(
         if rng.random() < cancel_fraction
     }
     start = time.perf_counter()
-    outcomes = await asyncio.gather(
-        *(one_stream(clients[i % len(clients)], i, max_tokens, cancel_at.get(i)) for i in range(n))
-    )
+    streams = [
+        one_stream(clients[i % len(clients)], i, max_tokens, cancel_at.get(i)) for i in range(n)
+    ]
+    async with grpc.aio.insecure_channel(address or "unused") as channel:
+        delays = [rng.uniform(0.0, 1.0) for _ in abusive]
+        answers, *outcomes = await asyncio.gather(
+            asyncio.gather(*(one_abusive(channel, c, d) for c, d in zip(abusive, delays))),
+            *streams,
+        )
     wall = time.perf_counter() - start
     failed = [o for o in outcomes if o.error]
     complete = [o for o in outcomes if not o.error and not o.cancelled]
@@ -180,7 +210,66 @@ async def run_phase(
         "tokens_per_s": round(sum(len(o.token_ids) for o in outcomes) / wall, 1),
         "first_errors": sorted({o.error for o in failed})[:3],
         "first_mismatch": [o.index for o in mismatched[:5]],
+        **(_abuse_summary(answers, failed, mismatched) if abusive else {}),
     }
+
+
+async def one_abusive(channel: grpc.aio.Channel, case: AbuseCase, delay_s: float) -> dict[str, Any]:
+    """Send one abusive case (raw bytes) after ``delay_s``; its status against the expected one."""
+    await asyncio.sleep(delay_s)
+    path = SERVICE + case.method
+    code, message = grpc.StatusCode.OK, ""
+    try:
+        if case.method == "Generate":
+            async for _ in channel.unary_stream(path)(case.payload, timeout=600):
+                pass
+        else:
+            await channel.unary_unary(path)(case.payload, timeout=600)
+    except grpc.aio.AioRpcError as exc:
+        code, message = exc.code(), exc.details() or ""
+    return {"case": case.name, "code": code.name, "ok": code == case.code, "message": message}
+
+
+def _abuse_summary(
+    answers: list[dict[str, Any]], failed: list[Outcome], mismatched: list[Outcome]
+) -> dict[str, Any]:
+    wrong = [a for a in answers if not a["ok"]]
+    return {
+        "abusive": len(answers),
+        "abusive_kinds": len({a["case"] for a in answers}),
+        "abusive_wrong_status": len(wrong),
+        "first_wrong_status": [(a["case"], a["code"]) for a in wrong[:5]],
+        "leaked_bait": sum("TOP-SECRET" in a["message"] for a in answers),
+        "victims": len(failed) + len(mismatched),
+    }
+
+
+class BaitListener:
+    """A bait file and a loopback port no request may make the server read or connect to."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.TemporaryDirectory(prefix="espalier-trap-")
+        secret = Path(self.folder.name) / "secret.json"
+        secret.write_text(json.dumps({"type": "string", "description": "TOP-SECRET"}))
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.setblocking(False)
+        port = self.sock.getsockname()[1]
+        self.bait = Bait(secret.as_uri(), f"http://127.0.0.1:{port}/schema.json")
+
+    def connections(self) -> int:
+        """Connections made to the bait port so far (each accepted and closed)."""
+        count = 0
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except BlockingIOError:
+                return count
+            conn.close()
+            count += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        self.folder.cleanup()
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str, int]:
@@ -200,8 +289,18 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str, int]:
     raise RuntimeError("the server exited before serving")
 
 
+def abusive_mix(n: int, fraction: float, bait: Bait, rng: random.Random) -> tuple[AbuseCase, ...]:
+    """``fraction`` of ``n`` requests, at least one of each kind, in random order."""
+    kinds = cases(bait)
+    count = max(len(kinds), round(fraction * n)) if fraction > 0 else 0
+    mix = [kinds[i % len(kinds)] for i in range(count)]
+    rng.shuffle(mix)
+    return tuple(mix)
+
+
 async def main_async(args: argparse.Namespace, address: str, metrics_port: int) -> int:
     rng = random.Random(args.seed)
+    bait = BaitListener()
     clients = [AsyncClient(address, timeout_s=1800.0) for _ in range(args.channels)]
     try:
         # Warm every grammar once so the phases measure serving, not first compiles.
@@ -233,10 +332,24 @@ async def main_async(args: argparse.Namespace, address: str, metrics_port: int) 
             flush=True,
         )
         phases = []
-        for name, fraction in (("stream", 0.0), ("stream_with_cancels", args.cancel_fraction)):
+        plan = [("stream", 0.0, 0.0), ("stream_with_cancels", args.cancel_fraction, 0.0)]
+        if args.abusive_fraction > 0:
+            plan.append(("stream_with_abuse", 0.0, args.abusive_fraction))
+        for name, fraction, abusive_fraction in plan:
+            abusive = abusive_mix(args.requests, abusive_fraction, bait.bait, rng)
             result = await run_phase(
-                name, clients, reference, args.requests, args.max_tokens, fraction, rng
+                name,
+                clients,
+                reference,
+                args.requests,
+                args.max_tokens,
+                fraction,
+                rng,
+                abusive,
+                address,
             )
+            if abusive:
+                result["bait_connections"] = bait.connections()
             idle = await wait_idle(metrics_port)
             result["kv_blocks_used_after"] = idle["espalier_engine_kv_blocks_used"]
             result["active_after"] = idle["espalier_active_requests"]
@@ -252,6 +365,10 @@ async def main_async(args: argparse.Namespace, address: str, metrics_port: int) 
                 and p["cancelled_prefix_mismatch"] == 0
                 and p["kv_blocks_used_after"] == 0
                 and p["health_after"] == "SERVING"
+                and p.get("victims", 0) == 0
+                and p.get("abusive_wrong_status", 0) == 0
+                and p.get("leaked_bait", 0) == 0
+                and p.get("bait_connections", 0) == 0
                 for p in phases
             )
             and len(reference) == args.requests
@@ -259,6 +376,7 @@ async def main_async(args: argparse.Namespace, address: str, metrics_port: int) 
         print(json.dumps({"verdict": "ok" if ok else "FAILED"}), flush=True)
         return 0 if ok else 1
     finally:
+        bait.close()
         for c in clients:
             await c.close()
 
@@ -270,12 +388,21 @@ def main() -> int:
     p.add_argument("--cancel-fraction", type=float, default=0.2)
     p.add_argument("--channels", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--abusive-fraction",
+        type=float,
+        default=0.0,
+        help="add a phase with this fraction of abusive requests (at least one of each kind)",
+    )
     p.add_argument("--address", default=None, help="an already running server")
     p.add_argument("--metrics-port", type=int, default=None, help="with --address")
     args = p.parse_args()
     proc = None
     if args.address is None:
-        proc, address, metrics_port = start_server(["--max-num-seqs", "64"])
+        flags = ["--max-num-seqs", "64"]
+        if args.abusive_fraction > 0:
+            flags += ABUSE_SERVER_FLAGS
+        proc, address, metrics_port = start_server(flags)
     else:
         address, metrics_port = args.address, args.metrics_port
     try:

@@ -128,6 +128,7 @@ def _compile_first(
 ) -> tuple[CompiledGrammar, CompileReport]:
     """Compile on the first backend of ``order`` that succeeds; re-raise the first failure."""
     from espalier.constrained.backends import get_backend
+    from espalier.constrained.productive import refuse_empty_language
 
     first_error: GrammarError | None = None
     for name in order:
@@ -137,6 +138,7 @@ def _compile_first(
             if spec.kind not in engine.kinds:
                 raise UnsupportedGrammarError(name, spec.kind.value)
             compiled = engine.compile(spec)
+            refuse_empty_language(compiled, tokenizer)
         except CompileTimeoutError:  # a cache's deadline passed: no other backend has time left
             raise
         except GrammarError as exc:

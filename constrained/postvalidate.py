@@ -4,8 +4,9 @@ The grammar a backend compiles may be weaker than the caller's constraint (``all
 so every final output is checked again here:
 
 - JSON schema: ``jsonschema`` with the schema's own ``$schema`` dialect (Draft 2020-12 when
-  absent), format assertion on (``jsonschema[format-nongpl]`` checkers), remote refs from the
-  supplied ``referencing`` registry, ``pattern`` / ``patternProperties`` through the ``regex``
+  absent), format assertion on (``jsonschema[format-nongpl]`` checkers), remote refs only from
+  the supplied ``referencing`` registry (none: the bundled meta-schemas alone; nothing is ever
+  retrieved from a file or the network), ``pattern`` / ``patternProperties`` through the ``regex``
   module (closer to ECMA-262 than ``re``: it knows ``\\p{L}``). Duplicate object keys, ``NaN``
   and ``Infinity`` are invalid JSON here.
 - regex: a full match with the ``regex`` module. Backends use their own dialects (Rust
@@ -71,6 +72,8 @@ def postvalidate(
             instance = parse_strict_json(text)
         except ValueError as exc:
             return PostValidation(True, False, (f"/: not valid JSON: {exc}",))
+        except RecursionError:  # e.g. 8,000 nested arrays: valid JSON, too deep for Python
+            return PostValidation(False, False, ("/: nested too deeply to validate",))
         if spec.kind is GrammarKind.ANY_JSON:
             return PostValidation(True, True)
         # keyed on the spec's text: no parse and no serialization of the schema per output
@@ -205,10 +208,11 @@ def _build_validator(
     import jsonschema.validators
 
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    kwargs: dict[str, Any] = {"format_checker": base.FORMAT_CHECKER}
-    if registry is not None:
-        kwargs["registry"] = registry
-    return _extended(base)(schema, **kwargs)
+    from espalier.constrained.schema_guard import LOCAL_REGISTRY
+
+    # jsonschema's default registry retrieves unknown URIs (file:, http:): never use it
+    local = registry if registry is not None else LOCAL_REGISTRY
+    return _extended(base)(schema, format_checker=base.FORMAT_CHECKER, registry=local)
 
 
 def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:

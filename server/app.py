@@ -16,10 +16,11 @@ from grpc_reflection.v1alpha import reflection
 
 from espalier.server.auth import BearerTokenInterceptor
 from espalier.server.config import ServerConfig
+from espalier.server.decode_guard import add_guarded_servicer
 from espalier.server.engine_port import ServingEngine
 from espalier.server.service import EspalierServicer
 from espalier.server.state import ModelFacts, ServingState, announce
-from espalier.v1 import espalier_pb2, espalier_pb2_grpc
+from espalier.v1 import espalier_pb2
 
 Loader = Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]
 
@@ -44,7 +45,11 @@ def create_server(config: ServerConfig, state: ServingState) -> tuple[grpc.aio.S
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    espalier_pb2_grpc.add_EspalierServicer_to_server(EspalierServicer(state), server)
+    add_guarded_servicer(
+        EspalierServicer(state),
+        server,
+        lambda method: state.metrics.requests.labels(method, "INVALID_ARGUMENT").inc(),
+    )
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     if config.reflection:
         names = (

@@ -18,6 +18,7 @@ from typing import Any
 from espalier.server.cli_remote import (
     add_generation_arguments,
     add_remote_arguments,
+    load_schema_file,
     run_remote,
 )
 
@@ -58,7 +59,7 @@ def local_request(args: argparse.Namespace, prompt: str) -> Any:
 
     grammar = None
     if args.schema:
-        grammar = GrammarSpec.json_schema(Path(args.schema).read_text())
+        grammar = GrammarSpec.json_schema(load_schema_file(args.schema))
     elif args.regex:
         grammar = GrammarSpec.regex(args.regex)
     elif args.grammar:

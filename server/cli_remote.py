@@ -44,11 +44,31 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
 
 
+class InputFileError(ValueError):
+    """A flag's input file is missing, unreadable or malformed: one line for the user."""
+
+
+def load_schema_file(path: str) -> Any:
+    """The JSON in ``path``; raises InputFileError with one line saying what is wrong where."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputFileError(f"--schema {path}: cannot read it ({exc})") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputFileError(
+            f"--schema {path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from exc
+    except RecursionError as exc:
+        raise InputFileError(f"--schema {path}: the JSON is nested too deeply") from exc
+
+
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The client's constraint keywords from the flags."""
     kw: dict[str, Any] = {"backend": args.backend, "allow_weakening": args.allow_weakening}
     if args.schema:
-        kw["schema"] = json.loads(Path(args.schema).read_text())
+        kw["schema"] = load_schema_file(args.schema)
     elif args.regex:
         kw["regex"] = args.regex
     elif args.grammar:
@@ -68,6 +88,11 @@ def run_remote(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     token = args.auth_token or os.environ.get(AUTH_TOKEN_ENV)
     root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    try:
+        constraint = constraint_kwargs(args)
+    except (InputFileError, OSError, UnicodeDecodeError) as exc:
+        print(f"espalier generate: {exc}", file=sys.stderr)
+        return 2
     kwargs: dict[str, Any] = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -75,7 +100,7 @@ def run_remote(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
-        **constraint_kwargs(args),
+        **constraint,
     )
     with Client(args.address, token=token, root_certificates=root, timeout_s=args.timeout) as c:
         try:

@@ -62,6 +62,14 @@ def register(sub: Any) -> None:
     p.add_argument("--max-message-mb", type=float, default=16.0)
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
     p.add_argument("--max-grammar-bytes", type=int, default=MIB)
+    p.add_argument("--max-prompt-bytes", type=int, default=MIB, help="text prompt, Tokenize text")
+    p.add_argument("--max-stop-bytes", type=int, default=1024, help="each stop string")
+    p.add_argument("--max-choices", type=int, default=1024, help="options of a choice")
+    p.add_argument(
+        "--max-grammar-alternatives", type=int, default=1024, help="'|' in a Lark/GBNF grammar"
+    )
+    p.add_argument("--max-schema-depth", type=int, default=128, help="JSON nesting of a schema")
+    p.add_argument("--admission-threads", type=int, default=4, help="request parsing threads")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-max-tokens", type=int, default=8192)
     p.add_argument("--compile-timeout", type=float, default=30.0, help="seconds")
@@ -81,6 +89,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=int(args.max_message_mb * MIB),
         max_prompt_tokens=args.max_prompt_tokens,
         max_grammar_bytes=args.max_grammar_bytes,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_stop_bytes=args.max_stop_bytes,
+        max_choices=args.max_choices,
+        max_grammar_alternatives=args.max_grammar_alternatives,
+        max_schema_depth=args.max_schema_depth,
+        admission_threads=args.admission_threads,
         default_max_tokens=args.default_max_tokens,
         max_max_tokens=args.max_max_tokens,
         compile_timeout_s=args.compile_timeout,

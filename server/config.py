@@ -16,6 +16,12 @@ class ServerConfig:
     Limits: ``max_concurrent_requests`` generations run or wait in the engine at once (beyond it a
     call is refused with RESOURCE_EXHAUSTED); ``max_queue`` bounds those still waiting for their
     first token; ``max_message_bytes`` bounds every gRPC message in both directions.
+    Admission limits, checked on the raw request before anything parses or tokenizes it:
+    ``max_prompt_bytes`` (a text prompt, Tokenize text), ``max_grammar_bytes`` (schema, regex,
+    grammar, all choice options together), ``max_stop_bytes`` (each stop string),
+    ``max_choices``, ``max_grammar_alternatives`` (``|`` in a Lark / GBNF grammar),
+    ``max_schema_depth`` (bracket nesting of a schema's JSON).
+    ``admission_threads`` parse, check and tokenize requests off the event loop.
     """
 
     host: str = "127.0.0.1"
@@ -27,6 +33,12 @@ class ServerConfig:
     max_message_bytes: int = 16 * MIB
     max_prompt_tokens: int = 8192
     max_grammar_bytes: int = 1 * MIB
+    max_prompt_bytes: int = 1 * MIB
+    max_stop_bytes: int = 1024
+    max_choices: int = 1024
+    max_grammar_alternatives: int = 1024
+    max_schema_depth: int = 128
+    admission_threads: int = 4
     default_max_tokens: int = 256
     max_max_tokens: int = 8192
     compile_timeout_s: float = 30.0
@@ -53,6 +65,17 @@ class ServerConfig:
             problems.append("max_queue must be >= 1")
         if self.max_message_bytes < 1024:
             problems.append("max_message_bytes must be >= 1024")
+        for name in (
+            "max_prompt_bytes",
+            "max_stop_bytes",
+            "max_choices",
+            "max_grammar_alternatives",
+            "admission_threads",
+        ):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if not 2 <= self.max_schema_depth <= 512:
+            problems.append("max_schema_depth must be in [2, 512]")
         if not 1 <= self.default_max_tokens <= self.max_max_tokens:
             problems.append("default_max_tokens must be in [1, max_max_tokens]")
         if self.auth_token is not None and not self.auth_token:

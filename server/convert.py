@@ -6,11 +6,14 @@ with one field violation each); a malformed grammar raises the grammar layer's o
 
 from __future__ import annotations
 
+import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from espalier.constrained.base import CompileReport
 from espalier.constrained.errors import KeywordIssue
+from espalier.constrained.grammar_limits import DEFAULT_MAX_ALTERNATIVES, check_alternatives
+from espalier.constrained.schema_guard import DEFAULT_MAX_SCHEMA_DEPTH, admit_schema
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
     ConstraintOptions,
@@ -29,6 +32,7 @@ from espalier.server.errors import (
 from espalier.v1 import espalier_pb2 as pb
 
 SPECULATIVE_METHODS = frozenset({"ngram", "draft", "eagle", "forced"})
+BACKEND_ALIASES = {"outlines": "outlines_core"}  # the name the proto documents
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_SEED = (1 << 63) - 1
@@ -36,49 +40,79 @@ MAX_SEED = (1 << 63) - 1
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The server limits a request is checked against (from ServerConfig and the model)."""
+    """The server limits a request is checked against (from ServerConfig and the model).
+
+    Byte limits are checked on the raw fields before anything parses or tokenizes them.
+    ``speculative_methods``: the drafters this server loaded (None: do not check).
+    """
 
     vocab_size: int
     max_prompt_tokens: int
     max_grammar_bytes: int
     default_max_tokens: int
     max_max_tokens: int
+    max_prompt_bytes: int = 1 << 20
+    max_stop_bytes: int = 256
+    max_choices: int = 1024
+    max_grammar_alternatives: int = DEFAULT_MAX_ALTERNATIVES
+    max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH
+    speculative_methods: frozenset[str] | None = field(default=None)
+
+
+def _too_large(kind: str, size: int, limit: int, unit: str = "bytes") -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the {kind} constraint is {size} {unit}, over the limit of {limit}",
+        violations=[Violation(grammar_field(kind), f"over {limit} {unit}", "TOO_LARGE")],
+        metadata={f"limit_{unit}": str(limit), f"size_{unit}": str(size)},
+    )
 
 
 def constraint_to_spec(
-    constraint: pb.Constraint, max_grammar_bytes: int
+    constraint: pb.Constraint, limits: RequestLimits
 ) -> tuple[GrammarSpec | None, ConstraintOptions]:
-    """The grammar (None when unset); raises InvalidRequestError or the grammar errors."""
-    options = ConstraintOptions(
-        backend=constraint.backend or "auto", allow_weakening=constraint.allow_weakening
-    )
+    """The grammar (None when unset); raises InvalidRequestError or the grammar errors.
+
+    Sizes (bytes, choice count) are checked before the text is parsed; a schema then goes
+    through :func:`admit_schema` (depth, meta-schema, local refs only).
+    """
+    backend = BACKEND_ALIASES.get(constraint.backend, constraint.backend) or "auto"
+    options = ConstraintOptions(backend=backend, allow_weakening=constraint.allow_weakening)
     kind = constraint.WhichOneof("kind")
     if kind is None:
+        if backend != "auto":
+            raise InvalidRequestError(
+                f"backend '{constraint.backend}' is set without a constraint",
+                violations=[
+                    Violation("constraint.backend", "applies only with a constraint kind set")
+                ],
+            )
         return None, options
     if kind == "any_json":
         return GrammarSpec.any_json(), options
+    max_bytes = limits.max_grammar_bytes
     if kind == "choice":
         options_list = list(constraint.choice.options)
+        if len(options_list) > limits.max_choices:
+            raise _too_large(kind, len(options_list), limits.max_choices, "options")
         size = sum(len(o.encode("utf-8")) for o in options_list)
     else:
         text: str = getattr(constraint, kind)
         size = len(text.encode("utf-8"))
-    if size > max_grammar_bytes:
-        raise InvalidRequestError(
-            f"the {kind} constraint is {size} bytes, over the limit of {max_grammar_bytes}",
-            violations=[
-                Violation(grammar_field(kind), f"over {max_grammar_bytes} bytes", "TOO_LARGE")
-            ],
-            metadata={"limit_bytes": str(max_grammar_bytes), "size_bytes": str(size)},
-        )
+    if size > max_bytes:
+        raise _too_large(kind, size, max_bytes)
     if kind == "json_schema":
-        return GrammarSpec.json_schema(text, max_grammar_bytes), options
+        schema = admit_schema(text, limits.max_schema_depth)
+        return GrammarSpec.json_schema(schema, max_bytes), options
     if kind == "regex":
-        return GrammarSpec.regex(text, max_grammar_bytes), options
-    if kind == "ebnf":
-        return GrammarSpec.ebnf(text, max_grammar_bytes), options
-    if kind == "lark":
-        return GrammarSpec.lark(text, max_grammar_bytes), options
+        return GrammarSpec.regex(text, max_bytes), options
+    if kind in ("ebnf", "lark"):
+        spec = (
+            GrammarSpec.ebnf(text, max_bytes)
+            if kind == "ebnf"
+            else GrammarSpec.lark(text, max_bytes)
+        )
+        check_alternatives(spec, limits.max_grammar_alternatives)
+        return spec, options
     return GrammarSpec.choice(options_list), options
 
 
@@ -86,6 +120,9 @@ def _sampling(
     msg: pb.SamplingParams, limits: RequestLimits, bad: list[Violation]
 ) -> SamplingParams:
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.default_max_tokens
+    for name in ("temperature", "top_p", "min_p"):
+        if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
+            bad.append(Violation(f"sampling.{name}", "must be a finite number"))
     params = SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_k=msg.top_k,
@@ -98,27 +135,48 @@ def _sampling(
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
     )
-    bad.extend(Violation(f"sampling.{name}", text) for name, text in params.validate())
+    named = {v.field for v in bad}
+    bad.extend(
+        Violation(f"sampling.{name}", text)
+        for name, text in params.validate()
+        if f"sampling.{name}" not in named
+    )
     if max_tokens > limits.max_max_tokens:
         bad.append(Violation("sampling.max_tokens", f"must be <= {limits.max_max_tokens}"))
     if params.seed is not None and params.seed < 0:
         bad.append(Violation("sampling.seed", "must be >= 0"))
     if len(params.stop) > MAX_STOP_STRINGS:
         bad.append(Violation("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
-    for i, stop in enumerate(params.stop):
+    for i, stop in enumerate(params.stop[:MAX_STOP_STRINGS]):
         if not stop:
             bad.append(Violation(f"sampling.stop[{i}]", "must not be empty"))
+        elif len(stop.encode("utf-8")) > limits.max_stop_bytes:
+            bad.append(Violation(f"sampling.stop[{i}]", f"over {limits.max_stop_bytes} bytes"))
     for i, token in enumerate(params.stop_token_ids):
         if token >= limits.vocab_size:
             bad.append(Violation(f"sampling.stop_token_ids[{i}]", "outside the vocabulary"))
+            break
     return params
 
 
-def _speculative(msg: pb.SpeculativeOptions, bad: list[Violation]) -> SpeculativeOptions:
-    for i, method in enumerate(msg.methods):
+def _speculative(
+    msg: pb.SpeculativeOptions, limits: RequestLimits, bad: list[Violation]
+) -> SpeculativeOptions:
+    loaded = limits.speculative_methods
+    for i, method in enumerate(msg.methods[:8]):
         if method not in SPECULATIVE_METHODS:
             known = ", ".join(sorted(SPECULATIVE_METHODS))
             bad.append(Violation(f"speculative.methods[{i}]", f"unknown method; one of {known}"))
+        elif loaded is not None and method not in loaded:
+            have = ", ".join(sorted(loaded)) or "none"
+            bad.append(
+                Violation(
+                    f"speculative.methods[{i}]",
+                    f"'{method}' is not loaded on this server; loaded: {have}",
+                )
+            )
+    if len(msg.methods) > 8:
+        bad.append(Violation("speculative.methods", "at most 8 methods"))
     num = msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None
     if num is not None and not 1 <= num <= 1024:
         bad.append(Violation("speculative.num_draft_tokens", "must be in [1, 1024]"))
@@ -148,6 +206,13 @@ def _prompt(
         text = None
     else:
         text, ids = msg.text, None
+        n_bytes = len(text.encode("utf-8"))
+        if n_bytes > limits.max_prompt_bytes:
+            raise PromptTooLongError(
+                f"the prompt is {n_bytes} bytes, over the limit of {limits.max_prompt_bytes}",
+                violations=[Violation(which, f"over {limits.max_prompt_bytes} bytes", "TOO_LONG")],
+                metadata={"limit_bytes": str(limits.max_prompt_bytes), "bytes": str(n_bytes)},
+            )
         n_tokens = count_tokens(text) if callable(count_tokens) else 0
     if n_tokens > limits.max_prompt_tokens:
         raise PromptTooLongError(
@@ -167,12 +232,11 @@ def request_from_proto(
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         bad.append(Violation("request_id", f"at most {MAX_REQUEST_ID_CHARS} printable characters"))
     sampling = _sampling(msg.sampling, limits, bad)
-    speculative = _speculative(msg.speculative, bad)
+    speculative = _speculative(msg.speculative, limits, bad)
     text, ids = _prompt(msg, limits, count_tokens, bad)
     if bad:
-        fields = ", ".join(v.field for v in bad)
-        raise InvalidRequestError(f"invalid request fields: {fields}", violations=bad)
-    grammar, options = constraint_to_spec(msg.constraint, limits.max_grammar_bytes)
+        raise _invalid_fields(bad)
+    grammar, options = constraint_to_spec(msg.constraint, limits)
     return GenerationRequest(
         request_id=request_id,
         prompt=text,
@@ -182,6 +246,11 @@ def request_from_proto(
         constraint=options,
         speculative=speculative,
     )
+
+
+def _invalid_fields(bad: list[Violation]) -> InvalidRequestError:
+    fields = ", ".join(v.field for v in bad[:8]) + (", ..." if len(bad) > 8 else "")
+    return InvalidRequestError(f"invalid request fields: {fields}", violations=bad)
 
 
 _FINISH = {

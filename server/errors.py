@@ -3,7 +3,8 @@
 | error                                   | code               | ErrorInfo.reason        |
 | --------------------------------------- | ------------------ | ----------------------- |
 | invalid request field                   | INVALID_ARGUMENT   | INVALID_ARGUMENT        |
-| prompt over the token limit             | INVALID_ARGUMENT   | PROMPT_TOO_LONG         |
+| prompt over the token or byte limit     | INVALID_ARGUMENT   | PROMPT_TOO_LONG         |
+| request bytes do not decode             | INVALID_ARGUMENT   | MALFORMED_REQUEST       |
 | grammar over the byte limit / malformed | INVALID_ARGUMENT   | INVALID_GRAMMAR         |
 | schema not enforceable (strict mode)    | INVALID_ARGUMENT   | SCHEMA_NOT_ENFORCEABLE  |
 | backend unknown / kind unsupported      | INVALID_ARGUMENT   | UNKNOWN_BACKEND, ...    |
@@ -19,7 +20,8 @@ deadline. Clients must not retry it blindly (only UNAVAILABLE is retried by our 
 
 Every BadRequest field violation names a request field (``sampling.top_p``); grammar locations add
 a JSON pointer after ``#`` (``constraint.json_schema#/properties/age``) or ``:line:column``.
-User errors never become UNKNOWN.
+User errors never become UNKNOWN. Details are bounded (the first violations that fit, the rest
+counted in ErrorInfo ``more_violations``) so the trailer fits grpc's default 8 KiB metadata limit.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ class PromptTooLongError(InvalidRequestError):
     reason = "PROMPT_TOO_LONG"
 
 
+class MalformedRequestError(InvalidRequestError):
+    """The request bytes did not decode (invalid UTF-8 in a string, a broken message)."""
+
+    reason = "MALFORMED_REQUEST"
+
+
 class ResourceExhaustedError(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "QUEUE_FULL"
@@ -112,6 +120,50 @@ def _pack(message: object) -> any_pb2.Any:
     return packed
 
 
+MAX_MESSAGE_BYTES = 1024
+"""The status message, percent-encoded as grpc sends it (non-ASCII bytes take 3)."""
+DETAILS_BUDGET_BYTES = 3072
+"""The serialized google.rpc.Status; grpc sends it base64 (4/3), so message and details stay
+near 5.5 KiB, under grpc's default 8 KiB limit on all response metadata."""
+MAX_FIELD_CHARS = 200
+MAX_DESCRIPTION_CHARS = 300
+MAX_METADATA_CHARS = 200
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fit_message(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` cut so that grpc's percent-encoding of it stays within ``limit`` bytes."""
+    size = 0
+    for i, char in enumerate(message):
+        size += 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8"))
+        if size > limit - 3:
+            return message[:i] + "..."
+    return message
+
+
+def _capped_violations(
+    violations: Iterable[Violation], budget: int
+) -> tuple[list[error_details_pb2.BadRequest.FieldViolation], int]:
+    """The first violations whose BadRequest fits ``budget`` bytes, and how many were left out."""
+    all_violations = list(violations)
+    kept: list[error_details_pb2.BadRequest.FieldViolation] = []
+    size = 0
+    for v in all_violations:
+        fv = error_details_pb2.BadRequest.FieldViolation(
+            field=_truncate(v.field, MAX_FIELD_CHARS),
+            description=_truncate(v.description, MAX_DESCRIPTION_CHARS),
+            reason=_truncate(v.reason, MAX_METADATA_CHARS),
+        )
+        size += fv.ByteSize() + 4  # the repeated field's tag and length
+        if size > budget:
+            break
+        kept.append(fv)
+    return kept, len(all_violations) - len(kept)
+
+
 def _status(
     code: grpc.StatusCode,
     message: str,
@@ -120,24 +172,24 @@ def _status(
     metadata: Mapping[str, str] | None = None,
     retry_after_s: float | None = None,
 ) -> grpc.Status:
-    details = [
-        _pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata or {}))
-    ]
-    field_violations = [
-        error_details_pb2.BadRequest.FieldViolation(
-            field=v.field, description=v.description, reason=v.reason
-        )
-        for v in violations
-    ]
+    """The status with its details, bounded: the first field violations that fit the budget
+    (ErrorInfo metadata ``more_violations`` counts the rest), long texts truncated."""
+    meta = {k: _truncate(v, MAX_METADATA_CHARS) for k, v in (metadata or {}).items()}
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=meta)
+    message = _fit_message(message, MAX_MESSAGE_BYTES - 64)  # room for the omitted count
+    budget = DETAILS_BUDGET_BYTES - info.ByteSize() - len(message.encode("utf-8")) - 64
+    field_violations, omitted = _capped_violations(violations, budget)
+    if omitted:
+        info.metadata["more_violations"] = str(omitted)
+        message = f"{message} (and {omitted} more field violations)"
+    details = [_pack(info)]
     if field_violations:
         details.append(_pack(error_details_pb2.BadRequest(field_violations=field_violations)))
     if retry_after_s is not None:
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(int(retry_after_s * 1000))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-    status = status_pb2.Status(
-        code=getattr(code_pb2, code.name), message=message[:4096], details=details
-    )
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
     return rpc_status.to_status(status)
 
 

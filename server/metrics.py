@@ -11,6 +11,8 @@ from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Accepted draft tokens per step: 0 (none accepted) up to a whole forced span or tree path.
+_ACCEPT_BUCKETS = (0, 0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 _COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
 
 
@@ -58,7 +60,13 @@ class ServerMetrics:
         )
         self.compile_time = Histogram(
             "espalier_grammar_compile_seconds",
-            "Grammar compile time (cache misses)",
+            "CompileGrammar calls that missed the compile cache: compile seconds",
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.grammar_wait = Histogram(
+            "espalier_request_grammar_wait_seconds",
+            "Constrained generations: seconds until the grammar was ready (cache hits included)",
             buckets=_COMPILE_BUCKETS,
             registry=r,
         )
@@ -71,12 +79,14 @@ class ServerMetrics:
         self.accept_length = Histogram(
             "espalier_speculative_accept_length",
             "Mean accepted tokens per speculative step, per request",
-            buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 16),
+            buckets=_ACCEPT_BUCKETS,
             registry=r,
         )
         self.active = Gauge("espalier_active_requests", "Generations in flight", registry=r)
         self.aborted = Counter(
-            "espalier_aborted_requests", "Generations aborted (cancel, deadline)", registry=r
+            "espalier_aborted_requests",
+            "Generations aborted in the engine (cancel, deadline, error after admission)",
+            registry=r,
         )
         self._engine_stats: Callable[[], Mapping[str, Any]] | None = None
         self._cache_collector: _CompileCacheCollector | None = None

@@ -9,24 +9,41 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
-from espalier.engine.api import FinishReason, RequestOutput
+from espalier.engine.api import FinishReason, GenerationRequest, RequestOutput
 from espalier.server import convert
+from espalier.server.access_log import log_request
 from espalier.server.engine_port import ServingEngine
-from espalier.server.errors import InvalidRequestError, RequestFailedError, to_grpc_status
+from espalier.server.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestFailedError,
+    ResourceExhaustedError,
+    Violation,
+    to_grpc_status,
+)
 from espalier.server.state import ServingState
 from espalier.v1 import espalier_pb2 as pb
 from espalier.v1 import espalier_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 async def _maybe_await(value: Any) -> None:
     if inspect.isawaitable(value):
         await value
+
+
+def _ended_code(context: grpc.aio.ServicerContext) -> str:
+    """The status of an RPC cut short without an error: its deadline passed, or it was cancelled."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 @dataclass
@@ -40,11 +57,23 @@ class _Progress:
     finished: bool = False
     first_at: float | None = None
     last_at: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class EspalierServicer(pb_grpc.EspalierServicer):
+    """Parsing, schema checks and tokenization of a request run on a small thread pool of
+    their own (``admission_threads``): never on the event loop, never behind compiles."""
+
     def __init__(self, state: ServingState) -> None:
         self.state = state
+        self._admitting = 0  # requests waiting for or inside admission
+        self._admission = ThreadPoolExecutor(
+            max_workers=state.config.admission_threads, thread_name_prefix="espalier-admission"
+        )
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._admission, fn, *args)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -52,12 +81,19 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         cfg = self.state.config
         tokenizer = self.state.tokenizer
         vocab = self.state.facts.vocab_size or (tokenizer.vocab_size if tokenizer else 1 << 31)
+        loaded = frozenset(self.state.facts.speculative_methods)
         return convert.RequestLimits(
             vocab_size=vocab,
             max_prompt_tokens=cfg.max_prompt_tokens,
             max_grammar_bytes=cfg.max_grammar_bytes,
             default_max_tokens=cfg.default_max_tokens,
             max_max_tokens=cfg.max_max_tokens,
+            max_prompt_bytes=cfg.max_prompt_bytes,
+            max_stop_bytes=cfg.max_stop_bytes,
+            max_choices=cfg.max_choices,
+            max_grammar_alternatives=cfg.max_grammar_alternatives,
+            max_schema_depth=cfg.max_schema_depth,
+            speculative_methods=loaded if self.state.engine is not None else None,
         )
 
     def _count_tokens(self, text: str) -> int:
@@ -75,11 +111,11 @@ class EspalierServicer(pb_grpc.EspalierServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         state, metrics = self.state, self.state.metrics
         progress = _Progress(time.monotonic())
-        code = "OK"
+        code: str | None = None
         engine: ServingEngine | None = None
         stream: AsyncIterator[RequestOutput] | None = None
         try:
-            gen_request = convert.request_from_proto(request, self._limits(), self._count_tokens)
+            gen_request = await self._admit_request(request)
             engine = state.require_engine()
             progress.request_id = gen_request.request_id
             state.admit()
@@ -90,21 +126,48 @@ class EspalierServicer(pb_grpc.EspalierServicer):
                 yield convert.output_to_proto(out)
                 if out.finished:
                     break
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
+            code = "OK"
         except Exception as exc:
             status = to_grpc_status(exc)
             code = status.code.name
             await context.abort_with_status(status)
         finally:
+            # No code yet: cancelled, its deadline passed, or the client went away mid-stream.
+            code = code or _ended_code(context)
             await self._release(engine, stream, progress)
             metrics.requests.labels(method, code).inc()
-            metrics.latency.observe(time.monotonic() - progress.start)
+            seconds = time.monotonic() - progress.start
+            metrics.latency.observe(seconds)
+            log_request(
+                method,
+                progress.request_id or request.request_id,
+                code,
+                progress.prompt_tokens,
+                progress.completion_tokens,
+                seconds,
+            )
+
+    async def _admit_request(self, request: pb.GenerateRequest) -> GenerationRequest:
+        """Validate, parse and measure ``request`` on the admission pool; at most ``max_queue``
+        requests wait for it (beyond: RESOURCE_EXHAUSTED, like a full engine queue)."""
+        limit = self.state.config.max_queue
+        if self._admitting >= limit:
+            raise ResourceExhaustedError(
+                f"{self._admitting} requests are being admitted, the limit is {limit}",
+                metadata={"limit": str(limit), "kind": "admission"},
+            )
+        self._admitting += 1
+        try:
+            return await self._off_loop(
+                convert.request_from_proto, request, self._limits(), self._count_tokens
+            )
+        finally:
+            self._admitting -= 1
 
     def _observe_chunk(self, out: RequestOutput, progress: _Progress) -> None:
         """Account one engine output; raises on a failed last chunk (typed when possible)."""
         progress.received = True
+        progress.completion_tokens += len(out.token_ids)
         now = time.monotonic()
         if out.token_ids:
             if progress.first_at is None:
@@ -115,6 +178,9 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         if not out.finished:
             return
         progress.finished = True
+        if out.usage is not None:
+            progress.prompt_tokens = out.usage.prompt_tokens
+            progress.completion_tokens = out.usage.completion_tokens
         self._observe_final(out, progress.first_at or now, progress.last_at or now)
         if out.finish_reason is FinishReason.ERROR:
             if isinstance(out.exception, Exception):
@@ -148,8 +214,8 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             if out.usage.completion_tokens > 1:
                 metrics.tpot.observe((last_at - first_at) / (out.usage.completion_tokens - 1))
         if out.timings is not None:
-            if out.timings.compile_s > 0:
-                metrics.compile_time.observe(out.timings.compile_s)
+            if out.backend:
+                metrics.grammar_wait.observe(out.timings.compile_s)
             if out.backend:
                 metrics.mask_time.observe(out.timings.mask_s)
         if out.speculative is not None and out.speculative.steps:
@@ -174,8 +240,8 @@ class EspalierServicer(pb_grpc.EspalierServicer):
     ) -> pb.CompileGrammarResponse:
         metrics = self.state.metrics
         try:
-            spec, options = convert.constraint_to_spec(
-                request.constraint, self.state.config.max_grammar_bytes
+            spec, options = await self._off_loop(
+                convert.constraint_to_spec, request.constraint, self._limits()
             )
             if spec is None:
                 raise InvalidRequestError(
@@ -203,14 +269,26 @@ class EspalierServicer(pb_grpc.EspalierServicer):
     ) -> pb.TokenizeResponse:
         try:
             tokenizer = self.state.require_tokenizer()
+            n_bytes = len(request.text.encode("utf-8"))
+            limit = self.state.config.max_prompt_bytes
+            if n_bytes > limit:
+                raise PromptTooLongError(
+                    f"the text is {n_bytes} bytes, over the limit of {limit}",
+                    violations=[Violation("text", f"over {limit} bytes", "TOO_LONG")],
+                    metadata={"limit_bytes": str(limit), "bytes": str(n_bytes)},
+                )
+
+            def encode() -> pb.TokenizeResponse:
+                ids: list[int] = tokenizer.hf.encode(
+                    request.text, add_special_tokens=request.add_special_tokens
+                )
+                tokens = [tokenizer.decode([i]) for i in ids]
+                return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+            return await self._off_loop(encode)
         except Exception as exc:
             await context.abort_with_status(to_grpc_status(exc))
             raise
-        ids: list[int] = tokenizer.hf.encode(
-            request.text, add_special_tokens=request.add_special_tokens
-        )
-        tokens = [tokenizer.decode([i]) for i in ids]
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

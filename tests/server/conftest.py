@@ -12,6 +12,7 @@ from server_process import ServerProcess
 def server() -> Iterator[ServerProcess]:
     """The plain (no auth, no TLS) server on the tiny random model, tokenizer loaded."""
     limits = ["--max-prompt-tokens", "512", "--max-grammar-bytes", "4096", "--max-message-mb", "1"]
+    limits += ["--max-prompt-bytes", "65536"]
     # Speculation loaded but off by default: requests opt in (SpeculativeOptions).
     spec = ["--speculative", "ngram,forced", "--speculate-by-default", "off"]
     # A compile limit far above any real compile: first compiles build 262k-token vocabulary

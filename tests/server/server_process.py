@@ -2,6 +2,8 @@
 
 The server announces phases as JSON lines (``listening`` with the ports, ``tokenizer_loaded``,
 ``serving`` or ``load_failed``, ``draining``, ``stopped``); tests wait on those, never on time.
+It runs under ``audit_hook.py``: Python-level file opens of bait paths and socket connects come
+back as ``audit`` events (:meth:`ServerProcess.audit_events`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class ServerProcess:
         self._stderr = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "espalier.server.main", "serve", *self.args],
+            [sys.executable, str(Path(__file__).with_name("audit_hook.py")), "serve", *self.args],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
@@ -82,6 +84,11 @@ class ServerProcess:
     def has_event(self, name: str) -> bool:
         with self._cond:
             return any(e["event"] == name for e in self.events)
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """Forbidden I/O the server made so far (see ``audit_hook.py``)."""
+        with self._cond:
+            return [e for e in self.events if e["event"] == "audit"]
 
     def stderr(self) -> str:
         self._stderr.flush()

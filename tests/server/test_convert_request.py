@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,7 +27,13 @@ LIMITS = convert.RequestLimits(
     max_grammar_bytes=64,
     default_max_tokens=16,
     max_max_tokens=100,
+    max_prompt_bytes=32,
+    max_stop_bytes=8,
+    max_choices=4,
+    max_grammar_alternatives=3,
+    speculative_methods=frozenset({"ngram", "forced"}),
 )
+WIDE = dataclasses.replace(LIMITS, max_grammar_bytes=4096)
 
 
 def count_chars(text: str) -> int:
@@ -59,10 +66,21 @@ def test_every_constraint_kind_converts() -> None:
         "choice": pb.Constraint(choice=pb.Choice(options=["yes", "no"])),
     }
     for kind, constraint in kinds.items():
-        spec, _ = convert.constraint_to_spec(constraint, 4096)
+        spec, _ = convert.constraint_to_spec(constraint, WIDE)
         assert spec is not None and spec.kind.value == kind
-    spec, options = convert.constraint_to_spec(pb.Constraint(backend="xgrammar"), 4096)
-    assert spec is None and options.backend == "xgrammar"
+    spec, options = convert.constraint_to_spec(pb.Constraint(backend="auto"), WIDE)
+    assert spec is None and options.backend == "auto"
+
+
+def test_a_backend_without_a_constraint_is_refused() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        convert.constraint_to_spec(pb.Constraint(backend="xgrammar"), WIDE)
+    assert fields_of(info.value) == ["constraint.backend"]
+
+
+def test_the_documented_backend_name_outlines_is_outlines_core() -> None:
+    _, options = convert.constraint_to_spec(pb.Constraint(regex="a", backend="outlines"), WIDE)
+    assert options.backend == "outlines_core"
 
 
 def test_all_bad_fields_are_reported_together() -> None:
@@ -77,7 +95,7 @@ def test_all_bad_fields_are_reported_together() -> None:
             stop=[""],
             stop_token_ids=[99999],
         ),
-        speculative=pb.SpeculativeOptions(methods=["ngram", "magic"], num_draft_tokens=0),
+        speculative=pb.SpeculativeOptions(methods=["ngram", "magic", "eagle"], num_draft_tokens=0),
     )
     with pytest.raises(InvalidRequestError) as info:
         convert.request_from_proto(msg, LIMITS, count_chars)
@@ -90,6 +108,7 @@ def test_all_bad_fields_are_reported_together() -> None:
         "sampling.stop[0]",
         "sampling.stop_token_ids[0]",
         "speculative.methods[1]",
+        "speculative.methods[2]",
         "speculative.num_draft_tokens",
         "token_ids.ids[2]",
     ]
@@ -118,8 +137,50 @@ def test_grammar_over_the_byte_limit() -> None:
     assert info.value.violations[0].reason == "TOO_LARGE"
     choice = pb.Constraint(choice=pb.Choice(options=["y" * 40, "n" * 40]))
     with pytest.raises(InvalidRequestError) as info:
-        convert.constraint_to_spec(choice, 64)
+        convert.constraint_to_spec(choice, LIMITS)
     assert fields_of(info.value) == ["constraint.choice.options"]
+
+
+def test_size_limits_hold_before_any_parsing() -> None:
+    """Prompt bytes (not tokenized), stop bytes, choice count, grammar alternatives."""
+
+    def never(text: str) -> int:
+        raise AssertionError("tokenized a prompt over the byte limit")
+
+    with pytest.raises(PromptTooLongError) as info:
+        convert.request_from_proto(pb.GenerateRequest(text="é" * 17), LIMITS, never)
+    assert info.value.metadata["limit_bytes"] == "32"
+    msg = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["ok", "s" * 9]))
+    with pytest.raises(InvalidRequestError) as info:
+        convert.request_from_proto(msg, LIMITS, count_chars)
+    assert fields_of(info.value) == ["sampling.stop[1]"]
+    five = pb.Constraint(choice=pb.Choice(options=list("abcde")))
+    with pytest.raises(InvalidRequestError) as info:
+        convert.constraint_to_spec(five, LIMITS)
+    assert info.value.metadata == {"limit_options": "4", "size_options": "5"}
+    lark = 'start: "a" | "b" | "c" | /x|y/ | "d|e"'  # 4 alternatives: '|' in literals do not count
+    with pytest.raises(InvalidGrammarError, match="4 alternatives"):
+        convert.constraint_to_spec(pb.Constraint(lark=lark), WIDE)
+    convert.constraint_to_spec(pb.Constraint(lark=lark.replace(' | "c"', "")), WIDE)
+
+
+def test_non_finite_sampling_parameters_are_refused() -> None:
+    inf, nan = float("inf"), float("nan")
+    sampling = pb.SamplingParams(temperature=inf, top_p=nan, min_p=-inf)
+    with pytest.raises(InvalidRequestError) as info:
+        convert.request_from_proto(pb.GenerateRequest(text="x", sampling=sampling), LIMITS)
+    assert fields_of(info.value) == ["sampling.temperature", "sampling.top_p", "sampling.min_p"]
+    assert all(v.description == "must be a finite number" for v in info.value.violations)
+
+
+def test_a_schema_is_checked_against_its_metaschema_with_a_pointer() -> None:
+    schema = pb.Constraint(json_schema='{"properties": {"a": {"minLength": -1}}}')
+    with pytest.raises(InvalidGrammarError) as info:
+        convert.constraint_to_spec(schema, WIDE)
+    assert info.value.pointer == "/properties/a/minLength"
+    deep = pb.Constraint(json_schema="[" * 3000)
+    with pytest.raises(InvalidGrammarError, match="nested 3000 levels"):
+        convert.constraint_to_spec(deep, dataclasses.replace(WIDE, max_grammar_bytes=1 << 20))
 
 
 def test_malformed_schema_raises_the_grammar_error_with_its_location() -> None:

@@ -130,3 +130,20 @@ def test_server_errors_keep_their_codes() -> None:
     assert info.reason == "QUEUE_FULL" and retry
     _, violations, _ = unpack(to_grpc_status(EngineInvalidRequest([("prompt", "empty")])))
     assert violations == [("prompt", "")]
+
+
+def test_details_are_capped_to_fit_the_default_metadata_limit() -> None:
+    """500 long violations and a long non-ASCII message: the trailer grpc sends (message
+    percent-encoded, details base64) stays under 8 KiB; the omitted violations are counted."""
+    violations = [
+        Violation(f"constraint.json_schema#/properties/{'é' * 300}{i}", "x" * 1000)
+        for i in range(500)
+    ]
+    status = to_grpc_status(InvalidRequestError("ü" * 5000, violations=violations))
+    details = dict(status.trailing_metadata)["grpc-status-details-bin"]
+    message_bytes = sum(1 if 32 <= b < 127 and b != 37 else 3 for b in status.details.encode())
+    assert message_bytes + len(details) * 4 / 3 < 8 * 1024 - 512
+    info, kept, _ = unpack(status)
+    assert 0 < len(kept) < 500
+    assert info.metadata["more_violations"] == str(500 - len(kept))
+    assert status.details.endswith(f"(and {500 - len(kept)} more field violations)")

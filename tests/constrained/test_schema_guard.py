@@ -1,0 +1,180 @@
+"""A caller's schema never causes file or network access, and bad schemas are refused up front.
+
+The no-I/O tests run every path a schema takes in the server (admission, compile with weakening,
+post-validation) under a process audit hook, with a bait file and a listening bait port, for each
+ref keyword and for ``$schema`` with a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import GrammarError, InvalidGrammarError
+from espalier.constrained.grammar_limits import check_alternatives, count_alternatives
+from espalier.constrained.postvalidate import postvalidate
+from espalier.constrained.schema_guard import admit_schema, json_depth
+from espalier.constrained.spec import GrammarSpec
+
+_SEEN: list[tuple[str, str]] = []
+_WATCH: dict[str, str] = {}  # "path" -> bait file, "port" -> bait port
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if not _WATCH:
+        return
+    if event == "open" and args and _WATCH["path"] in str(args[0]):
+        _SEEN.append(("open", str(args[0])))
+    elif event == "socket.connect" and _WATCH["port"] in repr(args[1]):
+        _SEEN.append(("connect", repr(args[1])))
+
+
+sys.addaudithook(_audit)  # hooks cannot be removed: it records only while _WATCH is set
+
+
+@pytest.fixture
+def bait(tmp_path: Path) -> Iterator[tuple[str, str, list[int]]]:
+    """(file URI, http URL, [connections accepted]) with the audit hook watching both."""
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"type": "string", "description": "TOP-SECRET"}))
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    accepted = [0]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted[0] += 1
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    _SEEN.clear()
+    _WATCH.update(path=str(secret), port=str(port))
+    yield secret.as_uri(), f"http://127.0.0.1:{port}/schema.json", accepted
+    _WATCH.clear()
+    server.close()
+
+
+def ref_schemas(file_uri: str, url: str) -> dict[str, dict[str, Any]]:
+    draft2019 = "https://json-schema.org/draft/2019-09/schema"
+    return {
+        "$ref file": {"properties": {"a": {"$ref": file_uri}}},
+        "$ref http": {"$ref": url},
+        "$dynamicRef file": {"$dynamicRef": file_uri},
+        "$dynamicRef http": {"type": "object", "properties": {"x": {"$dynamicRef": url}}},
+        "$recursiveRef http": {"$schema": draft2019, "$recursiveRef": url},
+        "$schema http": {"$schema": url, "type": "string"},
+        "$schema file": {"$schema": file_uri, "type": "string"},
+    }
+
+
+def test_no_ref_keyword_opens_a_file_or_a_socket(
+    bait: tuple[str, str, list[int]], toy_tokenizer: Any
+) -> None:
+    file_uri, url, accepted = bait
+    for name, schema in ref_schemas(file_uri, url).items():
+        text = json.dumps(schema)
+        if name.startswith("$schema"):
+            assert admit_schema(text) == schema  # an unknown dialect is Draft 2020-12: no fetch
+        else:
+            with pytest.raises(InvalidGrammarError) as info:
+                admit_schema(text)
+            assert info.value.pointer is not None and info.value.pointer.endswith(name.split()[0])
+        # the paths behind admission must not fetch either (CLI, conformance, weakening)
+        spec = GrammarSpec.json_schema(schema)
+        with contextlib.suppress(GrammarError):
+            compile_grammar(spec, toy_tokenizer, allow_weakening=True)
+        result = postvalidate(spec, '"x"')
+        assert "TOP-SECRET" not in " ".join(result.errors)
+    assert _SEEN == [] and accepted == [0]
+
+
+def test_refs_inside_the_schema_and_to_bundled_metaschemas_resolve() -> None:
+    schemas = [
+        {"$defs": {"x": {"$anchor": "foo", "type": "string"}}, "$ref": "#foo"},
+        {"$dynamicAnchor": "node", "properties": {"c": {"$dynamicRef": "#node"}}},
+        {
+            "$id": "https://example.com/root.json",
+            "$defs": {"a": {"$id": "a.json", "type": "integer"}},
+            "properties": {"x": {"$ref": "a.json"}},
+        },
+        {"$ref": "https://json-schema.org/draft/2020-12/schema"},
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "definitions": {"a": {"type": "string"}},
+            "$ref": "#/definitions/a",
+        },
+    ]
+    for schema in schemas:
+        assert admit_schema(json.dumps(schema)) == schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "pointer"),
+    [
+        ({"type": "string", "minLength": -1}, "/minLength"),
+        ({"properties": {"a": {"type": "strin"}}}, "/properties/a/type"),
+        ({"$schema": "http://json-schema.org/draft-04/schema#", "required": []}, "/required"),
+        ({"$ref": "#/$defs/missing"}, "/$ref"),
+        ({"$schema": 7}, "/$schema"),
+    ],
+)
+def test_invalid_schemas_are_refused_with_a_pointer(schema: Any, pointer: str) -> None:
+    with pytest.raises(InvalidGrammarError) as info:
+        admit_schema(json.dumps(schema))
+    assert info.value.pointer == pointer
+
+
+def test_nesting_is_bounded_before_parsing() -> None:
+    assert json_depth('{"a": "[[[{{", "b": [1, {"c": "\\"]"}]}') == 3
+    for text in ("[" * 100_000, '{"items":' * 300 + "{}" + "}" * 300):
+        with pytest.raises(InvalidGrammarError, match="levels deep"):
+            admit_schema(text)
+    with pytest.raises(InvalidGrammarError, match="not valid JSON"):
+        admit_schema('{"a": ')
+
+
+def test_empty_languages_are_refused_at_compile(toy_tokenizer: Any) -> None:
+    specs = [
+        GrammarSpec.json_schema({"$ref": "#"}),
+        GrammarSpec.json_schema(
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        ),
+        GrammarSpec.ebnf("root ::= root"),
+        GrammarSpec.lark("start: start"),
+    ]
+    for spec in specs:
+        for backend in ("auto", "llguidance", "xgrammar"):
+            with pytest.raises(InvalidGrammarError):
+                compile_grammar(spec, toy_tokenizer, backend)
+    compile_grammar(GrammarSpec.ebnf('root ::= "a" root | "b"'), toy_tokenizer, "llguidance")
+
+
+def test_alternatives_are_counted_outside_literals() -> None:
+    lark = 'start: "a|b" | /x|y/ | c  // one | two\nc: "[|]" | "d"'
+    assert count_alternatives(GrammarSpec.lark(lark)) == 3
+    gbnf = 'root ::= "a|b" | [|x] | c  # | comment\nc ::= "d" | "e"'
+    assert count_alternatives(GrammarSpec.ebnf(gbnf)) == 3
+    big = GrammarSpec.lark("start: " + " | ".join(f'"{i}"' for i in range(2001)))
+    with pytest.raises(InvalidGrammarError, match="2000 alternatives"):
+        check_alternatives(big)
+    check_alternatives(GrammarSpec.choice([f"o{i}" for i in range(1024)]))
+
+
+def test_a_deeply_nested_output_gets_no_verdict_instead_of_a_crash() -> None:
+    deep = "[" * 20_000 + "]" * 20_000  # a model may emit this under any_json
+    for spec in (GrammarSpec.any_json(), GrammarSpec.json_schema({"type": "array"})):
+        result = postvalidate(spec, deep)
+        assert not result.checked and "nested too deeply" in result.errors[0]

@@ -1,0 +1,100 @@
+"""Metrics and the access log tell the truth: each RPC counted under the status its client saw,
+the compile histogram counts cache misses only, one access line per RPC without prompt text."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from espalier_client import Client, DeadlineExceededError
+from helpers import scrape, wait_until_idle
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def client(serving: ServerProcess) -> Iterator[Client]:
+    with Client(serving.address, timeout_s=600.0) as c:
+        yield c
+
+
+def requests_total(metrics_port: int, method: str, code: str) -> float:
+    key = f'espalier_requests_total{{code="{code}",method="{method}"}}'
+    return scrape(metrics_port).get(key, 0.0)
+
+
+def test_a_passed_deadline_is_counted_as_deadline_exceeded(
+    serving: ServerProcess, client: Client
+) -> None:
+    assert serving.metrics_port is not None
+    port = serving.metrics_port
+    before = {c: requests_total(port, "GenerateUnary", c) for c in ("DEADLINE_EXCEEDED", "OK")}
+    with pytest.raises(DeadlineExceededError):
+        client.generate("Tell me", max_tokens=8000, ignore_eos=True, timeout=1.0)
+    wait_until_idle(port)
+    assert (
+        requests_total(port, "GenerateUnary", "DEADLINE_EXCEEDED")
+        == before["DEADLINE_EXCEEDED"] + 1
+    )
+    assert requests_total(port, "GenerateUnary", "OK") == before["OK"]
+
+
+def test_every_client_cancel_is_counted_as_cancelled(
+    serving: ServerProcess, client: Client
+) -> None:
+    assert serving.metrics_port is not None
+    port = serving.metrics_port
+    before = {c: requests_total(port, "Generate", c) for c in ("CANCELLED", "OK")}
+    for _ in range(3):
+        stream = client.stream("Tell me", max_tokens=8000, ignore_eos=True)
+        for i, _chunk in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()
+    wait_until_idle(port)
+    assert requests_total(port, "Generate", "CANCELLED") == before["CANCELLED"] + 3
+    assert requests_total(port, "Generate", "OK") == before["OK"]
+
+
+def test_the_compile_histogram_counts_cache_misses_only(
+    serving: ServerProcess, client: Client
+) -> None:
+    assert serving.metrics_port is not None
+    regex = f"x{uuid.uuid4().hex[:8]}[0-9]{{2}}"  # new to this server: one miss, then hits
+    before = scrape(serving.metrics_port).get("espalier_grammar_compile_seconds_count", 0.0)
+    for _ in range(3):
+        client.compile_grammar(regex=regex, backend="llguidance")
+    after = scrape(serving.metrics_port)
+    assert after["espalier_grammar_compile_seconds_count"] == before + 1
+    client.generate("Hi", regex=regex, backend="llguidance")
+    waits = scrape(serving.metrics_port)["espalier_request_grammar_wait_seconds_count"]
+    assert waits >= 1
+
+
+def test_one_access_line_per_rpc_without_prompt_text(
+    serving: ServerProcess, client: Client
+) -> None:
+    request_id = f"access-{uuid.uuid4().hex[:8]}"
+    secret_prompt = f"PROMPT-{uuid.uuid4().hex}"
+    client.generate(secret_prompt, max_tokens=5, ignore_eos=True, request_id=request_id)
+    deadline = time.monotonic() + 60
+    lines: list[dict[str, object]] = []
+    while not lines and time.monotonic() < deadline:
+        log = serving.stderr()
+        lines = [
+            json.loads(line)
+            for line in log.splitlines()
+            if line.startswith("{") and request_id in line
+        ]
+        time.sleep(0.1)
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line["event"] == "request" and line["status"] == "OK"
+    assert line["method"] == "GenerateUnary" and line["completion_tokens"] == 5
+    assert isinstance(line["prompt_tokens"], int) and line["prompt_tokens"] > 0
+    assert isinstance(line["seconds"], float) and line["seconds"] > 0
+    assert secret_prompt not in serving.stderr()
