@@ -11,8 +11,9 @@ the tokens accepted so far, so the whole batch's rows are filled by one grammar 
 (``constrained.batch``) on a worker thread while the forward runs (``overlap=True``), and applied
 to the logits when both are done.
 
-Faults are per request: a request whose grammar raises while its row is filled is reported in
-:attr:`StepResult.faults` (its row allows every token; the engine ends it), the rest go on.
+Faults are per request: a request whose grammar raises while its row is filled (its row then
+allows every token), or whose row alone makes the sampler raise, is reported in
+:attr:`StepResult.faults` (the engine ends it); the rest go on.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from espalier.constrained.batch import BatchFiller
 from espalier.engine.api import TokenLogprob
 from espalier.engine.head_screen import HeadScreen
 from espalier.engine.logits import compute_step_logits
-from espalier.engine.sampler import RowParams, Sampler
+from espalier.engine.sampler import RowParams, Sampler, SamplerOutput
 
 if TYPE_CHECKING:
     from espalier.engine.request import Request
@@ -174,11 +175,45 @@ class PlainDecoding:
                 greedy_rows=greedy_rows,
             )
             logits, masked_rows = step_logits.logits, step_logits.masked_rows
-        sampled = self.sampler(logits, params, bitmask=rows, masked_rows=masked_rows)
+        try:
+            sampled = self.sampler(logits, params, bitmask=rows, masked_rows=masked_rows)
+        except Exception:  # one row's parameters or generator: find it, row by row
+            sampled, bad = self._sample_alone(logits, params, rows, masked_rows)
+            faults.update({sampling[row]: exc for row, exc in bad.items()})
         for row, i in enumerate(sampling):
+            if i in faults:
+                continue
             lp = sampled.logprobs[row]
             outcomes[i] = SeqOutcome([sampled.token_ids[row]], [lp] if lp is not None else [])
         return StepResult(outcomes, forward_s, mask_s, faults)
+
+    def _sample_alone(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[RowParams],
+        bitmask: torch.Tensor,
+        masked_rows: Sequence[int],
+    ) -> tuple[SamplerOutput, dict[int, BaseException]]:
+        """The batch's sampling failed: each row sampled alone, and the exception of each row
+        that fails alone too (its request's fault). Greedy rows come out as in the batch; a
+        sampled row draws from its generator as the failed batch left it."""
+        masked = set(masked_rows)
+        tokens: list[int] = [0] * len(params)
+        logprobs: list[TokenLogprob | None] = [None] * len(params)
+        bad: dict[int, BaseException] = {}
+        for row, p in enumerate(params):
+            try:
+                one = self.sampler(
+                    logits[row : row + 1],
+                    [p],
+                    bitmask=bitmask[row : row + 1],
+                    masked_rows=[0] if row in masked else [],
+                )
+            except Exception as exc:
+                bad[row] = exc
+                continue
+            tokens[row], logprobs[row] = one.token_ids[0], one.logprobs[0]
+        return SamplerOutput(tokens, logprobs), bad
 
     def _fill_masks(
         self, requests: Sequence[Request], rows: Sequence[int]

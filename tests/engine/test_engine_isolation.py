@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from engine_fixtures import CLOSING_SCHEMA, make_engine, run_all, tokens_of
+from engine_fixtures import CLOSING_SCHEMA, drain, make_engine, run_all, tokens_of
 
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
@@ -129,6 +129,30 @@ def test_a_fault_in_one_requests_grammar_ends_that_request_alone(
     assert "secret" not in last.error and "victim" not in last.error
     assert chunks["victim"][-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
     assert tokens_of(chunks["victim"]) == _solo(speculative, backend)
+
+
+def test_a_request_whose_sampling_raises_ends_alone() -> None:
+    """A sampled request whose generator cannot draw (its own state) makes the batch's
+    sampler raise: the step samples row by row, ends that request alone, and the greedy
+    victim's tokens are those of its solo run."""
+    engine = _engine(False)
+    faulty = GenerationRequest(
+        "faulty", prompt="abc", sampling=SamplingParams(max_tokens=40, temperature=0.8, seed=3)
+    )
+    engine.add_request(faulty)
+    engine.add_request(_victim())
+    early: list[Any] = []
+    while not any(out.request_id == "victim" and out.token_ids for out in early):
+        early.extend(engine.step())  # until both run in one batch
+    engine._requests["faulty"].generator = "not a generator"  # type: ignore[assignment]
+    chunks = drain(engine)
+    for out in reversed(early):
+        chunks.setdefault(out.request_id, []).insert(0, out)
+    assert not any(out.finished for out in early)
+    last = chunks["faulty"][-1]
+    assert last.finish_reason is FinishReason.ERROR and last.exception is None
+    assert last.error is not None and "victim" not in last.error
+    assert tokens_of(chunks["victim"]) == _solo(False)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
