@@ -27,16 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from espalier_client import AsyncClient
-from load import start_server  # bench/load.py (this folder is on sys.path)
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "tags": {"type": "array", "items": {"type": "integer"}},
-    },
-    "required": ["name", "tags"],
-}
+from load import SCHEMA, start_server  # bench/load.py (this folder is on sys.path)
 
 
 def emit(record: dict[str, Any]) -> None:
