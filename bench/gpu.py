@@ -377,29 +377,14 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         threads = threads * len(names)
     if len(names) != len(threads):
         raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
-    defers = _per_pass(args.defer_appends, len(names), "--defer-appends")
-    workers = _per_pass(args.close_workers, len(names), "--close-workers")
-    chunks = _per_pass(args.close_chunk_ms, len(names), "--close-chunk-ms")
-    bonuses = _per_pass(args.bonus_ahead, len(names), "--bonus-ahead")
     pads = _per_pass(args.pad_trees, len(names), "--pad-trees")
     pools = _per_pass(args.torch_threads, len(names), "--torch-threads")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, defers, workers, zip(chunks, bonuses, pads, pools))
-    from espalier.engine import closing, closing_remote, cuda_graphs
-    from espalier.engine.spec import decoder as decoder_mod
-
-    default_chunk_s = closing_remote.CHUNK_S
-    import torch
+    passes = zip(names, aheads, threads, pads, pools)
+    from espalier.engine import cuda_graphs
 
     default_pool = torch.get_num_threads()
-    for i, (name, ahead, mask_threads, defer, procs, (chunk, bonus, pad, pool)) in enumerate(
-        passes
-    ):
-        # "early": deferred, fills run ahead settled before the masks are waited for
-        decoder_mod.SETTLE_AFTER_MASKS = defer != "early"
-        # the workers' answer parts ("inf": one message per step, as before parts)
-        closing_remote.CHUNK_S = default_chunk_s if chunk == "default" else float(chunk) / 1e3
-        closing.BONUS_AHEAD = bonus != "off"  # the bonus token's check decided in the workers
+    for i, (name, ahead, mask_threads, pad, pool) in enumerate(passes):
         cuda_graphs.PAD_TREES = pad != "off"  # smaller trees replay a larger tree graph, padded
         # torch's CPU thread pool of the engine process (the closing workers are processes)
         torch.set_num_threads(default_pool if pool == "default" else int(pool))
@@ -417,15 +402,11 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             close_ahead=ahead,
             reps=args.spec_reps,
             tight_budget=args.tight_budget,
-            defer_appends=True if defer == "early" else values[defer],
-            close_workers=None if procs == "default" else int(procs),
         )
         prefix = (
             ""
             if len(aheads) == 1
-            else f"run{i}_ahead_{name}_t{mask_threads}_defer_{defer}_workers_{procs}_"
-            + ("" if chunk == "default" else f"chunk_{chunk}_")
-            + ("" if bonus == "default" else f"bonus_{bonus}_")
+            else f"run{i}_ahead_{name}_t{mask_threads}_"
             + ("" if pad == "default" else f"pad_{pad}_")
             + ("" if pool == "default" else f"torch_threads_{pool}_")
         )
@@ -482,33 +463,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the first pass in a process meets cold grammar caches)",
     )
     parser.add_argument(
-        "--defer-appends",
-        default="default",
-        help="SpecConfig.defer_appends per equal-work pass (default: the engine's, off; on; "
-        "off; early: on with decoder.SETTLE_AFTER_MASKS off), one value or as many as "
-        "--close-ahead: e.g. --close-ahead default,on,on,on,on --defer-appends on,on,off,off,on",
-    )
-    parser.add_argument(
-        "--close-workers",
-        default="default",
-        help="SpecConfig.close_workers per equal-work pass (default: the engine's; 0: the "
-        "mask threads decide ahead; N: N worker processes), one value or as many as "
-        "--close-ahead: e.g. --close-ahead default,on,on,on,on --close-workers 2,2,0,0,2",
-    )
-    parser.add_argument(
-        "--close-chunk-ms",
-        default="default",
-        help="the closing workers' answer parts per equal-work pass (closing_remote.CHUNK_S, "
-        "in ms; inf: one message per step), one value or as many as --close-ahead: e.g. "
-        "--close-ahead default,default,default,default --close-chunk-ms default,inf,inf,default",
-    )
-    parser.add_argument(
-        "--bonus-ahead",
-        default="default",
-        help="closing.BONUS_AHEAD per equal-work pass (default and on: on; off), one value or "
-        "as many as --close-ahead",
-    )
-    parser.add_argument(
         "--pad-trees",
         default="default",
         help="cuda_graphs.PAD_TREES per equal-work pass (default and on: on; off: steps with "
@@ -525,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dump-streams",
         default=None,
         help="append each batch's constrained outputs (schema, tokens, max_tokens) to this "
-        "JSON-lines file, for bench/closing_steady.py --streams",
+        "JSON-lines file, for bench/postvalidate.py --streams",
     )
     parser.add_argument(
         "--mask-threads",

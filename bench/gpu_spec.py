@@ -69,11 +69,7 @@ def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) ->
     """Run each group of requests to completion, one group after another on a fresh engine
     made for this run (each group after a warm-up of the same group); sums of tokens, seconds
     and speculative stats; outputs by request id. ``profile``: also the top host functions
-    (cProfile, by own time) of the timed part.
-
-    One engine for all groups: at batch 1 (a group per request) an engine per group started
-    its closing worker processes again each time, a few seconds each (H200 run 96's first call
-    did not finish batch 1's equal-work runs in 420 s)."""
+    (cProfile, by own time) of the timed part."""
     import cProfile
     import pstats
 
@@ -83,9 +79,6 @@ def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) ->
     engine = engine_factory()
     for group in groups:
         spec_bench.run_engine(engine, group)  # warm-up: kernels, graphs, allocator
-        workers = engine.closer.workers
-        if workers is not None:  # closing worker processes started (their first seconds)
-            workers.wait_ready()
         # the collector's debt from setup and warm-up is not the timed run's: a full collection
         # of this heap took 100-230 ms on the CPU machine, inside timed plain runs
         # (bench/spec_host.py, a gc.callbacks probe)
@@ -141,8 +134,6 @@ class _Setup:
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
-    defer_appends: bool | None = None  # SpecConfig.defer_appends (None: its default, off)
-    close_workers: int | None = None  # SpecConfig.close_workers (None: its default)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -158,8 +149,6 @@ class _Setup:
         from espalier.engine.spec.strategy import SpecConfig, install
 
         ahead = SpecConfig.close_ahead if self.close_ahead is None else self.close_ahead
-        defer = SpecConfig.defer_appends if self.defer_appends is None else self.defer_appends
-        workers = SpecConfig.close_workers if self.close_workers is None else self.close_workers
 
         def make() -> Any:
             engine = self.plain()
@@ -170,8 +159,6 @@ class _Setup:
                 mask_threads=self.mask_threads,
                 launch_first=self.launch_first,
                 close_ahead=ahead,
-                defer_appends=defer,
-                close_workers=workers,
             )
             install(engine, config, {"oracle": spec_bench.OracleDrafter(continuations)})
             return engine
@@ -216,6 +203,26 @@ def _one_batch(
     c_plain["at_budget"] = sum(n >= max_tokens for n in lengths)
     free = [None] * count
     u_plain = _run(setup.plain, setup.groups(_requests(prompts, free, lengths, False, "u")))
+    plain_jobs = {
+        True: setup.groups(_requests(prompts, grammars, full, False, "c")),
+        False: setup.groups(_requests(prompts, free, lengths, False, "u")),
+    }
+    plain_runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    for rep in range(reps if reps > 1 else 0):  # the pair above was the uncounted one
+        for constrained in (True, False) if rep % 4 in (0, 3) else (False, True):
+            plain_runs[constrained].append(_run(setup.plain, plain_jobs[constrained]))
+    if reps > 1:
+        pairs = [
+            c["tok_per_s"] / u["tok_per_s"] for c, u in zip(plain_runs[True], plain_runs[False])
+        ]
+        medians = {}
+        for constrained, done in plain_runs.items():
+            median = dict(sorted(done, key=lambda r: r["tok_per_s"])[(len(done) - 1) // 2])
+            median["tok_per_s_reps"] = [round(r["tok_per_s"], 1) for r in done]
+            medians[constrained] = median
+        medians[True]["at_budget"] = c_plain["at_budget"]
+        medians[True]["ratio_reps"] = [round(r, 3) for r in pairs]
+        c_plain, u_plain = medians[True], medians[False]
     results[(True, False)], results[(False, False)] = c_plain, u_plain
     jobs = {}
     for constrained, base, prefix in ((True, c_plain, "c"), (False, u_plain, "u")):
@@ -252,8 +259,7 @@ def _one_batch(
 
 DUMP_STREAMS: str | None = None
 """A JSON-lines file that gets each batch's constrained outputs (``bench/gpu.py
---dump-streams``): the closing work of the run, to replay on a CPU (``bench/closing_steady.py
---streams``)."""
+--dump-streams``): the run's outputs, to replay on a CPU (``bench/postvalidate.py --streams``)."""
 
 
 def _dump_streams(
@@ -287,16 +293,13 @@ def equal_work(
     close_ahead: bool | None = None,
     reps: int = 1,
     tight_budget: bool = False,
-    defer_appends: bool | None = None,
-    close_workers: int | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
-    from espalier.engine import closing as closing_policy
-    from espalier.engine import closing_remote, cuda_graphs
+    from espalier.engine import cuda_graphs
 
     schemas = [
         s
@@ -325,8 +328,6 @@ def equal_work(
             launch_first,
             close_ahead,
             tight_budget,
-            defer_appends,
-            close_workers,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         if DUMP_STREAMS:
@@ -344,10 +345,6 @@ def equal_work(
                     "launch_first": launch_first,
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
-                    "defer_appends": defer_appends,
-                    "close_workers": close_workers,
-                    "close_chunk_s": closing_remote.CHUNK_S,
-                    "bonus_ahead": closing_policy.BONUS_AHEAD,
                     "pad_trees": cuda_graphs.PAD_TREES,
                     "torch_threads": torch.get_num_threads(),
                     **{k: v for k, v in r.items() if k != "outputs"},
@@ -358,7 +355,10 @@ def equal_work(
             return float(results[(constrained, speculative)]["tok_per_s"])
 
         ratio = statistics.median(results[(True, True)]["ratio_reps"])
-        plain_ratio = tps(True, False) / tps(False, False)
+        plain_reps = results[(True, False)].get("ratio_reps")
+        plain_ratio = (
+            statistics.median(plain_reps) if plain_reps else tps(True, False) / tps(False, False)
+        )
         emit(
             {
                 "part": "spec_equal_work",
@@ -367,10 +367,6 @@ def equal_work(
                 "closing": closing,
                 "close_ahead": close_ahead,
                 "tight_budget": tight_budget,
-                "defer_appends": defer_appends,
-                "close_workers": close_workers,
-                "close_chunk_s": closing_remote.CHUNK_S,
-                "bonus_ahead": closing_policy.BONUS_AHEAD,
                 "pad_trees": cuda_graphs.PAD_TREES,
                 "torch_threads": torch.get_num_threads(),
                 "constrained_over_unconstrained_speculative": round(ratio, 3),

@@ -8,30 +8,24 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   ``forward`` (launching the verify forward: asynchronous on CUDA), ``mask_wait``
   (``PendingMasks.result``: helping with fills, then waiting), ``verify`` (masked verification:
   it waits for the GPU), ``logprobs``, ``copy_slots``;
-- ``settle`` (``Engine._settle``: the appends deferred from the last step, run inside
-  ``execute`` after the forward's launch, ``engine/deferred.py``; they count in ``append``
-  too);
 - ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
   for a running job, or runs it inline), ``decide`` and ``search`` (the closer's decisions and
   closing-path searches made on the engine thread itself), ``finish`` (``Engine._finish``: a
   finished request's last chunk, with its post-validation);
-- ``other``: ``Engine.step`` minus schedule, execute and append, plus settle (counted in both
-  execute and append);
+- ``other``: ``Engine.step`` minus schedule, execute and append;
 
 and, from every thread: ``fill_sum`` (tree fills; ``fill_threads``: the threads that filled),
 ``native_walk`` (the part of them inside llguidance's native walk call, GIL re-acquisition on
-return included), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those run by
-the engine thread; with closing worker processes, ``engine/closing_remote.py``, every job is
-the engine thread fetching a worker's answer), ``calls["fill_ahead"]`` (fills started before
-their request's deferred append was settled, ``MaskBuilder.submit``'s ``pending``), and per
+return included), ``plain_fill`` (plain decoding's one batch grammar call per step,
+``constrained.batch``), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those
+run by the engine thread), and per
 step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the end of the step's last fill)
 and ``fill_max`` (its slowest tree); per step, in ms after the verify forward's call starts:
 ``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``);
 ``gc``: garbage collections (any thread, ``gc.callbacks``; ``calls["gc_genN"]``).
 
-Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases), ``per_step_counts``
-(:data:`PER_STEP_COUNTS`: the closing workers' late answers and answer messages) and
+Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases) and
 ``clock_per_step_ms`` (the clock above), to tell a uniformly slower step from a few slow ones.
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
@@ -56,7 +50,6 @@ import spec as spec_bench  # bench/spec.py
 import espalier.constrained.native.llguidance as native_llguidance
 import espalier.engine.closing as closing
 import espalier.engine.closing_ahead as closing_ahead
-import espalier.engine.closing_remote as closing_remote
 import espalier.engine.engine as engine_mod
 import espalier.engine.runner as runner_mod
 import espalier.engine.scheduler as scheduler_mod
@@ -76,7 +69,6 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("verify", decoder_mod.SpeculativeDecoder, "_verify"),
     ("logprobs", decoder_mod.SpeculativeDecoder, "_logprobs"),
     ("copy_slots", runner_mod.ModelRunner, "copy_slots"),
-    ("settle", engine_mod.Engine, "_settle"),
     ("append", engine_mod.Engine, "_append"),
     ("accept_run", engine_mod.Engine, "_accept_run"),
     ("closing", closing.BudgetCloser, "instead"),
@@ -92,7 +84,6 @@ PER_STEP = (
     "forward",
     "mask_wait",
     "verify",
-    "settle",
     "append",
     "accept_run",
     "closing",
@@ -102,19 +93,9 @@ PER_STEP = (
     "gc",
     "decide",
     "search",
-    "workers_busy",
-    "workers_answer",
+    "plain_fill",
 )
-"""Phases also reported step by step (``per_step_ms``: ms per engine step, in order).
-``workers_busy``: the closing workers' own time making the step's tree decisions (summed over
-workers); ``workers_answer``: from sending each worker its step message to that message's last
-answer part (summed over workers): the two apart tell a slow worker from a late answer."""
-
-PER_STEP_COUNTS = ("late_answers", "answer_parts")
-"""Engine-thread counts also reported step by step (``per_step_counts``): closing workers'
-answers that did not come within their wait (the decisions then inline), and answer messages
-received (``engine/closing_remote.py``: one per query, one per part of a step's tree
-decisions)."""
+"""Phases also reported step by step (``per_step_ms``: ms per engine step, in order)."""
 
 
 class Timeline:
@@ -139,8 +120,6 @@ class Timeline:
         self._fill_max = 0.0
         self.per_step: dict[str, list[float]] = defaultdict(list)  # PER_STEP phases, ms
         self._step_base: dict[str, float] = {}
-        self.per_step_counts: dict[str, list[int]] = defaultdict(list)
-        self._count_base: dict[str, int] = {}
         self._gc_start = 0.0
 
     def _close_step(self) -> None:
@@ -149,10 +128,6 @@ class Timeline:
             total = self.sums.get(key, 0.0)
             self.per_step[key].append(round((total - self._step_base.get(key, 0.0)) * 1e3, 2))
             self._step_base[key] = total
-        for key in PER_STEP_COUNTS:
-            count = self.calls.get(key, 0)
-            self.per_step_counts[key].append(count - self._count_base.get(key, 0))
-            self._count_base[key] = count
 
     def gc_callback(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
@@ -224,8 +199,7 @@ class Timeline:
             ms.get("step", 0.0)
             - ms.get("schedule", 0.0)
             - ms.get("execute", 0.0)
-            - ms.get("append", 0.0)
-            + ms.get("settle", 0.0),  # settled appends ran inside execute (deferred)
+            - ms.get("append", 0.0),
             3,
         )
         spans = sorted(self.spans)
@@ -246,7 +220,6 @@ class Timeline:
                 for key, v in ((k, sorted(vs)) for k, vs in sorted(self.clock.items()))
             },
             "per_step_ms": dict(self.per_step),
-            "per_step_counts": dict(self.per_step_counts),
             "clock_per_step_ms": {
                 k: [round(v * 1e3, 2) for v in vs] for k, vs in sorted(self.clock.items())
             },
@@ -320,31 +293,6 @@ def _gpu_clock(line: Timeline) -> None:
     decoder_mod.SpeculativeDecoder._verify = timed_verify  # type: ignore[method-assign]
 
 
-def _count_answers(line: Timeline) -> None:
-    """Count the closing workers' late answers and received messages (engine thread)."""
-    worker = closing_remote._Worker
-    wait, receive = worker._wait, worker._receive_one
-
-    def counted_wait(self: Any, reply: Any, index: Any) -> bool:
-        arrived = wait(self, reply, index)
-        if line.on and not arrived and threading.current_thread() is line.main:
-            line.calls["late_answers"] += 1
-        return arrived
-
-    def counted_receive(self: Any) -> None:
-        if line.on and self._sent and threading.current_thread() is line.main:
-            line.calls["answer_parts"] += 1
-        busy, answer = self.busy_s, self.answer_s
-        receive(self)
-        if line.on:  # the worker's decisions, and from sending to the last part (any thread)
-            with line.lock:
-                line.sums["workers_busy"] += self.busy_s - busy
-                line.sums["workers_answer"] += self.answer_s - answer
-
-    worker._wait = counted_wait  # type: ignore[method-assign]
-    worker._receive_one = counted_receive  # type: ignore[method-assign]
-
-
 def install() -> Timeline:
     """Wrap the phases (class attributes, looked up at call time), ``spec.run_engine`` (the
     warm-up run: not counted) and ``gpu_spec._run`` (one line per run)."""
@@ -354,20 +302,13 @@ def install() -> Timeline:
     _gpu_clock(line)  # inside the phase timers: its own work is not in the phases' times
     for name, owner, attr in MAIN_PHASES:
         setattr(owner, attr, line.phase(name, getattr(owner, attr)))
-    _count_answers(line)
     masks.MaskBuilder.submit = line.submit(masks.MaskBuilder.submit)  # type: ignore[method-assign]
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
     native_llguidance.walk = line.worker("native_walk", native_llguidance.walk)
-    walker_after = masks.walker_after
-
-    def counted_walker_after(*args: Any, **kwargs: Any) -> Any:
-        walker = walker_after(*args, **kwargs)
-        if walker is not None and line.on:
-            line.calls["fill_ahead"] += 1  # a fill released before its request's settle
-        return walker
-
-    masks.walker_after = counted_walker_after
+    step_mod.PlainDecoding._fill_masks = line.worker(
+        "plain_fill", step_mod.PlainDecoding._fill_masks
+    )  # type: ignore[method-assign]
     warm_up = spec_bench.run_engine
 
     def warm_up_off(*args: Any, **kwargs: Any) -> Any:

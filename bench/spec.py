@@ -87,21 +87,6 @@ def instance_pool(tokenizer: Any, n_schemas: int, min_tokens: int) -> list[tuple
     return pool
 
 
-def append_deciding(closer: Any, request: Any, tokens: Sequence[int]) -> list[Any]:
-    """Append ``tokens`` to ``request`` as ``Engine._append`` does with the budget closer: each
-    token's decision (``BudgetCloser.instead``) first, then its own matcher; stops at the
-    first closing. Returns the decisions made (None: let through; a list: the closing path)."""
-    decisions = []
-    for token in tokens:
-        path = closer.instead(request, token, set(), 1 << 20)
-        decisions.append(path)
-        if path is not None:
-            break
-        request.output_ids.append(token)
-        assert request.matcher is not None and request.matcher.accept(token)
-    return decisions
-
-
 def compile_schema(
     schema: dict[str, Any], tokenizer: Any, backend: str = "llguidance"
 ) -> Any | None:

@@ -261,7 +261,6 @@ def run(args: argparse.Namespace) -> None:
         args.mask_threads,
         closing=not args.no_closing,
         close_ahead=ahead,
-        close_workers=args.close_workers,
     )
     # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
     full = [args.max_tokens] * batch
@@ -294,7 +293,6 @@ def run(args: argparse.Namespace) -> None:
                     "mask_threads": args.mask_threads,
                     "closing": not args.no_closing,
                     "close_ahead": args.close_ahead,
-                    "close_workers": args.close_workers,
                     "tight_budget": args.tight_budget,
                     **results[constrained],
                 }
@@ -318,12 +316,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schemas", type=int, default=6)
     parser.add_argument("--mask-threads", type=int, default=2)
     parser.add_argument("--no-closing", action="store_true", help="close_within_budget=False")
-    parser.add_argument(
-        "--close-workers",
-        type=int,
-        default=None,
-        help="SpecConfig.close_workers (default: the engine's; 0: decided on the mask threads)",
-    )
     parser.add_argument("--profile", action="store_true", help="cProfile the constrained run")
     parser.add_argument(
         "--tight-budget",

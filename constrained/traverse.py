@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
@@ -132,7 +132,6 @@ def fill_tree_bitmask(
     *,
     root_row: torch.Tensor | np.ndarray | None = None,
     threads: int = 1,
-    walker: Walker | None = None,
 ) -> TreeMasks:
     """Fill rows ``0..n-1`` of ``out`` with the masks of ``tree``'s nodes (see module docstring).
 
@@ -150,10 +149,6 @@ def fill_tree_bitmask(
         threads: threads the fill may use. Only llguidance's native walk uses a second one
             (for trees of ``traverse_llguidance.SPLIT_MIN_NODES`` nodes or more); give 1 where
             other fills already keep every core busy (a batch with a tree per thread).
-        walker: one to run instead of the matcher's own, inline (it checks the budget itself
-            and picks its threads): ``traverse_llguidance.walker_after``, which fills as if the
-            matcher had accepted more tokens, without using it (then ``matcher`` is only read
-            for what is fixed: vocabulary, stop tokens).
     """
     start = time.perf_counter()
     rows = _rows_view(out, tree.num_nodes, matcher.vocab_size)
@@ -161,11 +156,6 @@ def fill_tree_bitmask(
     if root_row is not None:
         rows[0] = np.asarray(root_row.numpy() if isinstance(root_row, torch.Tensor) else root_row)
     result = WalkResult.empty(tree.num_nodes)
-    if walker is not None:
-        walker(
-            matcher, tree, rows, float("inf") if budget is None else start + budget, False, result
-        )
-        return _wrap_up(matcher, rows, result, start)
     walker = walker_for(matcher)
     if threads > 1 and _backend(matcher) == "llguidance":
         from espalier.constrained.traverse_llguidance import walk_llguidance
@@ -211,24 +201,6 @@ def _wrap_up(matcher: Any, rows: np.ndarray, result: WalkResult, start: float) -
         result.abandoned,
         result.late_writes,
     )
-
-
-def walker_after(
-    matcher: GrammarMatcher, pending: Sequence[int], parents: Sequence[int], *, threads: int = 1
-) -> Walker | None:
-    """A walker for :func:`fill_tree_bitmask` (``walker=``) that fills a tree as if ``matcher``
-    had accepted ``pending`` first, without using ``matcher``, so it may run on another thread
-    while the owner makes ``matcher`` accept exactly ``pending``; None where the backend cannot
-    (fill after the accepts). Only llguidance's native walk can (from its C-API twin,
-    ``traverse_llguidance.walker_after``). ``parents``: the tree's (node 0 = root)."""
-    if _backend(matcher) != "llguidance":
-        return None
-    from espalier.constrained.traverse_llguidance import walk_llguidance
-    from espalier.constrained.traverse_llguidance import walker_after as llguidance_after
-
-    if walker_for(matcher) is not walk_llguidance:
-        return None
-    return llguidance_after(matcher, pending, parents, threads=threads)
 
 
 SLOW_FILL_BACKENDS = frozenset({"xgrammar", "llguidance"})

@@ -40,7 +40,6 @@ nothing is restored at the end and an abandoned walk (``traverse_bounded``) leav
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +48,6 @@ from espalier.constrained.backends.llguidance import MatcherStateError
 from espalier.constrained.native import llguidance as native
 from espalier.constrained.native.twin import Twin
 from espalier.constrained.traverse import (
-    Walker,
     WalkResult,
     flat_words,
     stop_row,
@@ -206,47 +204,6 @@ def walk_llguidance(
         result,
         threads,
     )
-
-
-def walker_after(
-    matcher: Any, pending: Sequence[int], parents: Sequence[int], *, threads: int = 1
-) -> Walker | None:
-    """A walker that fills a tree as if ``matcher`` had accepted ``pending`` first, without
-    using ``matcher`` itself (only its twin): the engine's deferred appends
-    (``engine/deferred.py``) release a request's fill this way before advancing its matcher.
-
-    Call it on the thread that owns ``matcher``, with the tree's ``parents`` (node 0 = root,
-    the last of ``pending`` when there are any). The walker may run on another thread while
-    the owner makes ``matcher`` accept exactly ``pending`` (or drops it); it reads no state of
-    ``matcher`` but what is fixed (grammar, tokenizer facts) and ignores its own ``matcher``
-    argument. None: the native walk cannot take this tree or matcher now (fill after the
-    accepts instead). ``pending`` must not hold stop tokens."""
-    extra_children = len(parents) - 1 - len(set(parents[1:]))
-    if extra_children > NATIVE_MAX_BRANCHES or not native_walk_ready(matcher):
-        return None
-    if matcher.is_terminated() or matcher.native.is_error():
-        return None
-    twin = _twin(matcher)
-    if twin is None:
-        return None
-    history = matcher.history
-    sync = [*twin.catch_up(history), *pending]
-    length = len(history) + len(pending)
-
-    def walk(
-        _matcher: Any,
-        tree: DraftTree,
-        rows: np.ndarray,
-        deadline: float,
-        root_ready: bool,
-        result: WalkResult,
-    ) -> WalkResult:
-        assert not root_ready, "the root row is the pending tokens' end: computed here"
-        return _walk_native(
-            matcher, twin, sync, length, tree, rows, deadline, False, result, threads
-        )
-
-    return walk
 
 
 def _twin(matcher: Any) -> Twin | None:

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
-    from espalier.engine.closing_remote import ClosingWorkers
     from espalier.engine.request import Request
 
 CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are checked
@@ -48,12 +47,6 @@ MARGIN = 4
 REPEAT_LIMIT = 16  # a search choosing one token this many times in a row gives up (a loop)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
-BONUS_AHEAD = True
-"""With closing workers, a draft tree goes to its worker when the check of the token after its
-deepest node (the step's bonus token, decided there through ``BudgetCloser.prefetch``) is due,
-even when no node's is: else that check runs inline on the engine thread, and when it is the
-request's first in the window it searches for a closing path (``bench/closing_steady.py``).
-Read at each lookahead; False: only when a node's check is due (the bench's anchor)."""
 
 
 class ClosingPaths:
@@ -186,13 +179,6 @@ class Memo:
     next_check: int = 0
     unclosable: bool = False
 
-    def __reduce__(self) -> tuple[type[Memo], tuple[tuple[int, list[int]] | None, int, bool]]:
-        """Pickled as its constructor's arguments: a worker's answer (``closing_remote.py``)
-        carries one per tree node. Unpickling one answer of 32 nine-node trees took 185-190 us
-        here this way, against 198-443 us with the default (``__dict__`` state, a dict per
-        memo)."""
-        return (Memo, (self.known, self.next_check, self.unclosable))
-
 
 NO_MEMO = Memo()
 
@@ -211,9 +197,6 @@ class BudgetCloser:
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
         self._ahead: dict[str, Lookahead] = {}
-        # worker processes that make the lookaheads' decisions (``engine/closing_remote.py``);
-        # None: jobs for the mask threads
-        self.workers: ClosingWorkers | None = None
 
     def known(self, request_id: str) -> tuple[int, list[int]] | None:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
@@ -336,37 +319,25 @@ class BudgetCloser:
         the step's tokens are appended; None when there is nothing worth deciding ahead.
 
         Call it on the thread that owns the matcher, before anything else uses it in the step
-        (the job runs on a fork made here); the job may run on any thread. With worker
-        processes (``workers``) there is no job: the tree goes to a worker with the next
-        :meth:`flush`, and :meth:`instead` waits for its answer."""
+        (the job runs on a fork made here); the job may run on any thread."""
         matcher = request.matcher
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
         self._drop_ahead(request.request_id)
-        workers = self.workers if self.workers is not None and self.workers.takes(request) else None
-        if workers is not None:
-            workers.open(request)  # early: its grammar compiles there meanwhile
         memo = self._memo.get(request.request_id, NO_MEMO)
         here = len(request.output_ids)
-        # output length at the last check worth making ahead: the deepest node's; with
-        # workers, the one after it (BONUS_AHEAD)
-        bonus = workers is not None and BONUS_AHEAD
-        last = here + max_depth(parents) - (0 if bonus else 1)
+        last = here + max_depth(parents) - 1  # output length at the deepest node's check
         budget = min(
             request.sampling.max_tokens - last,
             max_model_len - request.num_tokens - (last - here),
         )
-        if (len(tokens) < 2 and not bonus) or memo.unclosable or budget > CLOSING_WINDOW:
-            return None  # (with workers a root-only tree still has its bonus token's check)
+        if len(tokens) < 2 or memo.unclosable or budget > CLOSING_WINDOW:
+            return None
         if last < memo.next_check:  # no check is needed: ``pass_through`` lets all by
             return None
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)
         limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
-        if workers is not None:
-            compute = workers.submit(request, memo, tree, links, here, limits, stops)
-            self._ahead[request.request_id] = Lookahead(tree, links, here, compute, remote=True)
-            return None  # decided in a worker process: nothing to run here
         compute = functools.partial(
             decide_tree, self, memo, matcher.fork(), tree, links, here, limits, stops
         )
@@ -389,31 +360,10 @@ class BudgetCloser:
             if token != self.stop_token:
                 text_ids.append(token)
 
-    def prefetch(self, request: Request, tokens: Sequence[int]) -> None:
-        """After verification, before the step's ``tokens`` are appended: when the last one
-        leaves the draft tree (the bonus token) and a worker decided the tree, ask that worker
-        for its decision too (sent by :meth:`flush`), so that :meth:`instead` takes it instead
-        of deciding inline. Without workers, a no-op."""
-        ahead = self._ahead.get(request.request_id)
-        if self.workers is None or ahead is None or not ahead.remote or not tokens:
-            return
-        path, token = list(tokens[:-1]), tokens[-1]
-        at = ahead.off_tree(path, token)
-        if at is not None:
-            ahead.expect(*at, token, self.workers.query(request.request_id, path, token))
-
-    def flush(self) -> None:
-        """Send the lookaheads queued for the worker processes (call once the step's trees
-        are all given to :meth:`lookahead`; a no-op without workers)."""
-        if self.workers is not None:
-            self.workers.flush()
-
     def forget(self, request_id: str) -> None:
         """The request finished: drop what is kept about it."""
         self._memo.pop(request_id, None)
         self._drop_ahead(request_id)
-        if self.workers is not None:
-            self.workers.forget(request_id)
 
     def _drop_ahead(self, request_id: str) -> None:
         ahead = self._ahead.pop(request_id, None)

@@ -13,11 +13,6 @@ decision of the tree node each token reaches; a token off the tree (the bonus to
 rejected branch) and everything after it is decided inline as before. So outputs are exactly
 those of deciding inline.
 
-With worker processes (``engine/closing_remote.py``) the same :func:`decide_tree` runs in a
-worker on a mirror of the request's matcher, and the :class:`Lookahead` fetches its answer; the
-worker also decides the token just after the tree (the bonus token) once verification has
-chosen it (``BudgetCloser.prefetch``, :meth:`Lookahead.expect`).
-
 Hand-off: the job runs once, on whichever thread starts it; ``take`` on the main thread waits
 for a running job and runs one not yet started itself (as ``PendingMasks.result`` does with the
 fills left). A job that fails (a grammar error) leaves no decisions: inline again.
@@ -48,18 +43,6 @@ def child_index(tokens: Sequence[int], parents: Sequence[int]) -> dict[tuple[int
     return {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
 
 
-def path_nodes(child: dict[tuple[int, int], int], path: Sequence[int]) -> list[int] | None:
-    """The nodes ``path`` (tokens below the root) goes through; None when it leaves the tree."""
-    nodes: list[int] = []
-    node = 0
-    for token in path:
-        found = child.get((node, token))
-        if found is None:
-            return None
-        nodes.append(node := found)
-    return nodes
-
-
 def max_depth(parents: Sequence[int]) -> int:
     """Depth of the deepest node (``parents[i] < i``; root 0 has depth 0)."""
     depth = [0] * len(parents)
@@ -74,8 +57,7 @@ class Lookahead:
     tokens, parents: the tree (node 0 = root). here: output length when the step started (the
     first appended token's check sees it). compute: makes the decisions, one per node (None
     for the root and for nodes below a closing or a stop): :func:`decide_tree` on a matcher
-    fork, or the answer of a worker process (``engine/closing_remote.py``); it raises or
-    returns None when it has none (then every token is decided inline).
+    fork; it raises or returns None when it has none (then every token is decided inline).
     """
 
     def __init__(
@@ -84,10 +66,7 @@ class Lookahead:
         parents: list[int],
         here: int,
         compute: Callable[[], list[Outcome | None] | None],
-        *,
-        remote: bool = False,
     ) -> None:
-        self.remote = remote  # compute fetches a worker's answer (``expect`` then applies)
         self._compute: Callable[[], list[Outcome | None] | None] | None = compute
         self._tokens = tokens
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
@@ -97,9 +76,6 @@ class Lookahead:
         self._done = threading.Event()
         self._node = 0  # the node the appended tokens have reached
         self._here = here  # the output length of the next check
-        self._start = here
-        # (node, output length, token, fetch): a decision asked for the token after the tree
-        self._after: tuple[int, int, int, Callable[[], Outcome | None]] | None = None
 
     def run(self) -> None:
         """Decide for every node (the job; a no-op once started elsewhere or cancelled)."""
@@ -141,22 +117,6 @@ class Lookahead:
             self._here += 1
         return found[1]
 
-    def off_tree(self, path: Sequence[int], token: int) -> tuple[int, int] | None:
-        """``(node, output length)`` where ``token`` would be appended after ``path`` (tree
-        tokens below the root), when ``token`` is not a child there; else None."""
-        nodes = path_nodes(self._child, path)
-        if nodes is None:
-            return None
-        node = nodes[-1] if nodes else 0
-        if (node, token) in self._child:
-            return None
-        return node, self._start + len(path)
-
-    def expect(self, node: int, here: int, token: int, fetch: Callable[[], Outcome | None]) -> None:
-        """The decision for ``token`` appended at output length ``here`` once the appended
-        tokens have reached ``node`` comes from ``fetch`` (None: inline); see ``off_tree``."""
-        self._after = (node, here, token, fetch)
-
     def _find(self, here: int, token: int) -> tuple[int, Outcome] | None:
         if here != self._here:
             return None
@@ -165,11 +125,7 @@ class Lookahead:
             self._done.wait()
         child = self._child.get((self._node, token))
         if child is None:
-            if self._after is None or self._after[:3] != (self._node, here, token):
-                return None
-            outcome = self._after[3]()
-            self._after = None
-            return None if outcome is None else (-1, outcome)  # node -1: nothing below it
+            return None
         outcome = self._outcomes[child]
         return None if outcome is None else (child, outcome)
 

@@ -12,9 +12,12 @@ wrapper's loop thread). Each ``step``:
    Near the end of a constrained request's budget, a token after which the grammar could no
    longer be completed within max_tokens is replaced by a closing path and a stop token
    (``engine/closing.py``), so constrained outputs finish valid instead of being cut.
-   With a strategy that defers appends (``SpecConfig.defer_appends``), all of step 4 but
-   adding the tokens runs in the next step, after its forward is launched
-   (``engine/deferred.py``).
+
+Faults are the request's own: an exception raised by one request's grammar (mask fill, accept,
+closing search), detokenizer or post-validation ends that request alone with ``ERROR`` (a typed
+:class:`~espalier.constrained.errors.GrammarError` in ``exception`` when its input caused it,
+else a message naming only the exception's type) and the step goes on for the others. Only a
+failure of the batched forward or sampler fails the step's whole batch.
 """
 
 from __future__ import annotations
@@ -36,13 +39,12 @@ from espalier.engine.api import (
 )
 from espalier.engine.closing import BudgetCloser
 from espalier.engine.constraints import GrammarService
-from espalier.engine.deferred import Deferred, DeferredAppends, Settler
 from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.kv_cache import BlockAllocator
 from espalier.engine.request import Request, RequestStatus
 from espalier.engine.sampler import make_generator
 from espalier.engine.scheduler import Scheduler, SchedulerConfig
-from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy
+from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy, closing_logprob
 
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
@@ -104,8 +106,6 @@ class Engine:
         self.max_model_len = min(limit, self.scheduler.capacity_tokens)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
-        self._deferred = DeferredAppends()
-        self._settler = Settler(self._settle_one, self._deferred)
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
         self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
@@ -181,7 +181,6 @@ class Engine:
         """Stop a request wherever it is and free its blocks; its final chunk (``ABORT``, or
         ``ERROR`` with ``error``) comes out of the next ``step`` (or :meth:`take_pending`).
         False when no such request is unfinished."""
-        self._settle()  # tokens of the last step not yet appended: stream them first
         request = self._requests.get(request_id)
         if request is None:
             return False
@@ -205,25 +204,17 @@ class Engine:
         """Run one step; returns a chunk for every request that produced tokens or finished."""
         outputs = self.take_pending()
         self._poll_grammars(outputs)
-        if self._deferred:  # drafts that read the grammar need it at the last step's tokens
-            self._settle(self._deferred.take(self.strategy.drafts_read_grammar))
-            outputs.extend(self.take_pending())
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            self._settle()
-            outputs.extend(self.take_pending())
             self._wait_for_grammars()
             return outputs
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted)
-        defer = self.strategy.defers_appends
         t0 = _now()
         try:
-            result = self.strategy.execute(plan, settle=self._settler if defer else None)
-        except Exception as exc:  # a failed forward fails its batch, not the engine
+            result = self.strategy.execute(plan)
+        except Exception as exc:  # a failed forward or sampler fails its batch, not the engine
             log.exception("step failed")
-            self._settle()
-            outputs.extend(self.take_pending())
             for seq in plan.seqs:
                 if not seq.request.is_finished:
                     out = self._finish(seq.request, FinishReason.ERROR, "", error=repr(exc))
@@ -231,63 +222,45 @@ class Engine:
             return outputs
         elapsed = _now() - t0
         self.scheduler.cache_computed(plan)  # the K/V it wrote is valid: share full prompt blocks
-        outputs.extend(self.take_pending())  # the chunks the strategy's settle made
-        for seq, outcome in zip(plan.seqs, result.outcomes):
-            timeline = seq.request.timeline
+        for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes)):
+            request = seq.request
+            timeline = request.timeline
             if seq.is_prefill:
                 timeline.prefill_s += elapsed
             else:
                 timeline.decode_s += elapsed
-            if outcome is None or seq.request.is_finished:  # finished: by the settled tokens
+            fault = result.faults.get(i)
+            if fault is not None:
+                outputs.append(self._fail(request, fault))
                 continue
-            if not (defer and self._defer(seq.request, outcome)):
-                outputs.append(self._append(seq.request, outcome))
+            if outcome is None or request.is_finished:
+                continue
+            try:
+                outputs.append(self._append(request, outcome))
+            except Exception as exc:  # this request's grammar or detokenizer: its fault alone
+                outputs.append(self._fail(request, exc))
         return outputs
 
-    # -- appends deferred into the next step (``engine/deferred.py``) ------------------------
+    def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
+        """End ``request`` alone for an exception its own grammar, sampler or detokenizer
+        raised: a :class:`GrammarError` (its input's fault) is passed on typed for the server's
+        INVALID_ARGUMENT; anything else is internal, and the message names only its type."""
+        from espalier.constrained.errors import GrammarError
+
+        if isinstance(exc, GrammarError):
+            log.info("request %s ended by its grammar: %s", request.request_id, exc)
+            return self._finish(
+                request, FinishReason.ERROR, "", error=str(exc), exception=exc, validate=False
+            )
+        log.error("request %s failed", request.request_id, exc_info=exc)
+        error = f"internal error in this request's step: {type(exc).__name__}"
+        return self._finish(request, FinishReason.ERROR, "", error=error, validate=False)
 
     def _stops(self, request: Request) -> set[int]:
         stops = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
             stops.update(self.tokenizer.stop_token_ids)
         return stops
-
-    def _defer(self, request: Request, outcome: SeqOutcome) -> bool:
-        """Append ``outcome``'s tokens to ``request.output_ids`` only, leaving the rest of
-        :meth:`_append` to :meth:`_settle`, when the request surely goes on after them (no stop
-        token, below max_tokens and the model's length); False (nothing done) otherwise."""
-        tokens = outcome.token_ids
-        if not tokens or outcome.num_computed_tokens is not None:
-            return False
-        n = len(tokens)
-        if len(request.output_ids) + n >= request.sampling.max_tokens:
-            return False
-        if request.num_tokens + n >= self.max_model_len:
-            return False
-        if not self._stops(request).isdisjoint(tokens):
-            return False
-        start = len(request.output_ids)
-        request.output_ids.extend(tokens)
-        self._deferred.add(request, outcome, start)
-        return True
-
-    def _settle_one(self, request: Request | None) -> None:
-        """``StepStrategy.execute``'s ``settle``: ``request``'s deferred append (None: all)."""
-        self._settle(None if request is None else self._deferred.take_for(request))
-
-    def _settle(self, items: Sequence[Deferred] | None = None) -> None:
-        """Finish the appends :meth:`_defer` left (``items``; default: all): grammar, closing,
-        stops, detokenization; their chunks go to :meth:`take_pending`. Each one either
-        appends exactly the tokens already in ``output_ids`` or finishes the request."""
-        for item in self._deferred.take() if items is None else items:
-            request = item.request
-            if request.is_finished:
-                continue
-            provisional = request.output_ids[item.start :]
-            del request.output_ids[item.start :]
-            out = self._append(request, item.outcome)
-            assert out.finished or request.output_ids[item.start :] == provisional
-            self._pending.append(out)
 
     def _append(self, request: Request, outcome: SeqOutcome) -> RequestOutput:
         if outcome.num_computed_tokens is not None:
@@ -337,6 +310,8 @@ class Engine:
         if delta.stop is not None and reason is not FinishReason.ERROR:
             reason = FinishReason.STOP
         logprobs = tuple(outcome.logprobs[: min(kept, len(new_ids))])
+        if params.logprobs and kept < len(new_ids):  # the closing path and its stop token
+            logprobs += tuple(closing_logprob(t) for t in new_ids[kept:])
         if reason is None:
             return RequestOutput(request.request_id, delta.text, tuple(new_ids), logprobs=logprobs)
         out = self._finish(request, reason, delta.text, error=error)
@@ -398,8 +373,10 @@ class Engine:
         *,
         error: str | None = None,
         exception: BaseException | None = None,
+        validate: bool = True,
     ) -> RequestOutput:
-        """Free the request everywhere and build its final chunk."""
+        """Free the request everywhere and build its final chunk (``validate``: post-validate
+        a constrained output that ended normally; False once the request failed)."""
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self.closer.forget(request.request_id)
@@ -412,7 +389,8 @@ class Engine:
         validation = None
         source = request.source
         if (
-            self.config.postvalidate
+            validate
+            and self.config.postvalidate
             and request.compiled is not None
             and source is not None
             and source.grammar is not None

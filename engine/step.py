@@ -7,14 +7,18 @@ several tokens per sequence (already verified against the grammar with per-node 
 handles them the same way.
 
 :class:`PlainDecoding`: one forward, one token per sampling sequence. Grammar masks depend only on
-the tokens accepted so far, so they are filled on a CPU thread while the forward runs
-(``overlap=True``) and applied to the logits when both are done.
+the tokens accepted so far, so the whole batch's rows are filled by one grammar call
+(``constrained.batch``) on a worker thread while the forward runs (``overlap=True``), and applied
+to the logits when both are done.
+
+Faults are per request: a request whose grammar raises while its row is filled (its row then
+allows every token), or whose row alone makes the sampler raise, is reported in
+:attr:`StepResult.faults` (the engine ends it); the rest go on.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +28,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained.batch import BatchFiller
 from espalier.engine.api import TokenLogprob
 from espalier.engine.head_screen import HeadScreen
 from espalier.engine.logits import compute_step_logits
-from espalier.engine.sampler import RowParams, Sampler
+from espalier.engine.sampler import RowParams, Sampler, SamplerOutput
 
 if TYPE_CHECKING:
     from espalier.engine.request import Request
@@ -52,36 +57,26 @@ class SeqOutcome:
 @dataclass
 class StepResult:
     """``outcomes[i]`` belongs to ``plan.seqs[i]``; None where the step sampled nothing (a
-    prefill chunk that does not reach the end of the prompt)."""
+    prefill chunk that does not reach the end of the prompt). ``faults[i]``: the exception
+    ``plan.seqs[i]``'s own grammar raised in the step (its outcome is then meaningless)."""
 
     outcomes: list[SeqOutcome | None]
     forward_s: float = 0.0
     mask_s: float = 0.0
+    faults: dict[int, BaseException] = field(default_factory=dict)
 
 
-class Settle(Protocol):
-    """The engine's appends deferred from the last step (``engine/deferred.py``)."""
-
-    def __call__(self, request: Request | None) -> None:
-        """Finish the append deferred for ``request``, if any; None: all of those left."""
-
-    def unsettled(self, request: Request) -> Sequence[int]:
-        """The tokens of ``request``'s deferred append: in its ``output_ids`` already, not
-        yet accepted by its matcher (empty when it has none)."""
+def closing_logprob(token: int) -> TokenLogprob:
+    """The logprob entry of a token the closing policy emitted (``engine/closing.py``): chosen
+    by the policy, not sampled, so its distribution is the one-token mask of a grammar-forced
+    token: logprob 0.0, itself the only alternative."""
+    return TokenLogprob(token, 0.0, ((token, 0.0),))
 
 
 class StepStrategy(Protocol):
-    """defers_appends: the engine may defer appends into the next step and pass ``settle`` to
-    :meth:`execute`, which must settle each planned request after launching the forward and
-    before reading its grammar, and settle all (None) before returning (``engine/deferred.py``).
-    drafts_read_grammar: the request's drafts depend on its grammar state (the engine settles
-    it before ``execute`` then)."""
+    """How a planned step runs (plain, speculative)."""
 
-    defers_appends: bool
-
-    def execute(self, plan: StepPlan, settle: Settle | None = None) -> StepResult: ...
-
-    def drafts_read_grammar(self, request: Request) -> bool: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...
 
     def close(self) -> None: ...
 
@@ -117,41 +112,25 @@ class PlainDecoding:
         if self.sparse_head and runner.dtype == torch.float32:
             self.screen = HeadScreen.for_model(runner.model)
         self._bitmask = bm.allocate(max_rows, mask_vocab_size, pin_memory=on_cuda)
-        # CUDA: a step is a few ms, so a batch's mask fills are spread over threads (the grammar
-        # backends release the GIL while filling); CPU: one thread, the forward needs the cores
-        self._threads = min(4, os.cpu_count() or 1) if on_cuda else 1
+        # CUDA: a step is a few ms, so the batch call spreads its rows over native threads;
+        # CPU: one, the forward needs the cores
+        self._filler = BatchFiller(4 if on_cuda else 1)
         self._pool = (
-            ThreadPoolExecutor(self._threads, thread_name_prefix="espalier-mask")
-            if overlap
-            else None
+            ThreadPoolExecutor(1, thread_name_prefix="espalier-grammar") if overlap else None
         )
 
-    defers_appends = False  # its masks are filled before the forward: nothing to overlap
-
-    def drafts_read_grammar(self, request: Request) -> bool:
-        return False
-
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, settle: Settle | None = None) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
         from espalier.engine.runner import SeqInput
-
-        if settle is not None:
-            settle(None)
 
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
         constrained_rows = [
             row for row, i in enumerate(sampling) if plan.seqs[i].request.matcher is not None
         ]
         requests = [plan.seqs[sampling[row]].request for row in constrained_rows]
-        pending = []
+        pending = None
         if requests and self._pool is not None:
-            step = -(-len(requests) // self._threads)
-            pending = [
-                self._pool.submit(
-                    self._fill_masks, requests[i : i + step], constrained_rows[i : i + step]
-                )
-                for i in range(0, len(requests), step)
-            ]
+            pending = self._pool.submit(self._fill_masks, requests, constrained_rows)
         # Constrained rows may skip most of the LM head, greedy rows too once the screen is
         # ready (engine/logits.py): ask for the final hidden states instead of logits then.
         params = [_row_params(plan.seqs[i]) for i in sampling]
@@ -172,13 +151,14 @@ class PlainDecoding:
         t0 = time.perf_counter()
         out = self.runner.forward(inputs, hidden_layers=(final_layer,) if use_hidden else ())
         forward_s = time.perf_counter() - t0
-        if pending:
-            mask_s = sum(p.result() for p in pending)
+        if pending is not None:
+            mask_s, faulty = pending.result()
         else:
-            mask_s = self._fill_masks(requests, constrained_rows) if requests else 0.0
+            mask_s, faulty = self._fill_masks(requests, constrained_rows)
         outcomes: list[SeqOutcome | None] = [None] * len(plan.seqs)
+        faults = {sampling[constrained_rows[j]]: exc for j, exc in faulty.items()}
         if not sampling:
-            return StepResult(outcomes, forward_s, mask_s)
+            return StepResult(outcomes, forward_s, mask_s, faults)
         rows = self._bitmask[: len(sampling)]
         logits, masked_rows = out.logits, constrained_rows
         if use_hidden:
@@ -195,23 +175,59 @@ class PlainDecoding:
                 greedy_rows=greedy_rows,
             )
             logits, masked_rows = step_logits.logits, step_logits.masked_rows
-        sampled = self.sampler(logits, params, bitmask=rows, masked_rows=masked_rows)
+        try:
+            sampled = self.sampler(logits, params, bitmask=rows, masked_rows=masked_rows)
+        except Exception:  # one row's parameters or generator: find it, row by row
+            sampled, bad = self._sample_alone(logits, params, rows, masked_rows)
+            faults.update({sampling[row]: exc for row, exc in bad.items()})
         for row, i in enumerate(sampling):
+            if i in faults:
+                continue
             lp = sampled.logprobs[row]
             outcomes[i] = SeqOutcome([sampled.token_ids[row]], [lp] if lp is not None else [])
-        return StepResult(outcomes, forward_s, mask_s)
+        return StepResult(outcomes, forward_s, mask_s, faults)
 
-    def _fill_masks(self, requests: Sequence[Request], rows: Sequence[int]) -> float:
-        """Fill bitmask row ``rows[j]`` from ``requests[j]``'s matcher; per-request time kept."""
-        total = 0.0
-        for request, row in zip(requests, rows):
-            t0 = time.perf_counter()
-            assert request.matcher is not None
-            request.matcher.fill_bitmask(self._bitmask, row)
-            dt = time.perf_counter() - t0
-            request.timeline.mask_s += dt
-            total += dt
-        return total
+    def _sample_alone(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[RowParams],
+        bitmask: torch.Tensor,
+        masked_rows: Sequence[int],
+    ) -> tuple[SamplerOutput, dict[int, BaseException]]:
+        """The batch's sampling failed: each row sampled alone, and the exception of each row
+        that fails alone too (its request's fault). Greedy rows come out as in the batch; a
+        sampled row draws from its generator as the failed batch left it."""
+        masked = set(masked_rows)
+        tokens: list[int] = [0] * len(params)
+        logprobs: list[TokenLogprob | None] = [None] * len(params)
+        bad: dict[int, BaseException] = {}
+        for row, p in enumerate(params):
+            try:
+                one = self.sampler(
+                    logits[row : row + 1],
+                    [p],
+                    bitmask=bitmask[row : row + 1],
+                    masked_rows=[0] if row in masked else [],
+                )
+            except Exception as exc:
+                bad[row] = exc
+                continue
+            tokens[row], logprobs[row] = one.token_ids[0], one.logprobs[0]
+        return SamplerOutput(tokens, logprobs), bad
+
+    def _fill_masks(
+        self, requests: Sequence[Request], rows: Sequence[int]
+    ) -> tuple[float, dict[int, BaseException]]:
+        """Fill bitmask row ``rows[j]`` from ``requests[j]``'s matcher, all in one batch call;
+        the call's seconds (shared out over the requests' timelines) and the faults by ``j``."""
+        t0 = time.perf_counter()
+        matchers = [r.matcher for r in requests]
+        assert all(m is not None for m in matchers)
+        faults = self._filler.fill_next_rows(matchers, self._bitmask, rows)  # type: ignore[arg-type]
+        total = time.perf_counter() - t0
+        for request in requests:
+            request.timeline.mask_s += total / len(requests)
+        return total, faults
 
     def close(self) -> None:
         if self._pool is not None:

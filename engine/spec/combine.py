@@ -13,13 +13,18 @@ Per request, in order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from espalier.engine.spec.base import Drafter, DraftInput
 from espalier.engine.spec.forced import ForcedConfig, extend_leaves, root_chain
 from espalier.engine.spec.tree_builder import Draft, NodeSource, TreeBuilder
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
@@ -63,7 +68,8 @@ class Proposer:
         for i, item in enumerate(items):
             if FORCED in item.methods and item.budget > 0:
                 limit = min(item.budget, self.forced.max_chain)
-                chains[i] = root_chain(item.matcher, limit)
+                none: list[int] = []
+                chains[i] = _guarded(functools.partial(root_chain, item.matcher, limit), none)
                 if chains[i]:
                     nodes = builders[i].add_path(0, chains[i], None, NodeSource.FORCED)
                     anchors[i] = nodes[-1]
@@ -81,9 +87,20 @@ class Proposer:
         for item, builder in zip(items, builders):
             draft = builder.build(max(item.budget, 0))
             if FORCED in item.methods and item.matcher is not None:
-                draft = extend_leaves(draft, item.matcher, item.budget, self.forced)
+                extend = functools.partial(extend_leaves, draft, item.matcher, item.budget)
+                draft = _guarded(functools.partial(extend, self.forced), draft)
             drafts.append(draft)
         return drafts
+
+
+def _guarded(make: Callable[[], T], fallback: T) -> T:
+    """``make()``, or ``fallback`` when the request's grammar raises: drafts are only a guess,
+    and the request's mask fill meets the same fault and ends that request alone."""
+    try:
+        return make()
+    except Exception:
+        log.debug("forced drafting failed; drafting without the grammar", exc_info=True)
+        return fallback
 
 
 def _drafted_room(item: ProposalItem, chain: int) -> int:

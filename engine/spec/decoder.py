@@ -58,14 +58,6 @@ TARGET_SMOOTHING = 0.5
 """Weight of the past in :attr:`SpeculativeDecoder.target_s` (per step, exponential)."""
 
 
-SETTLE_AFTER_MASKS = True
-"""With deferred appends, the requests whose fills start before they are settled (llguidance's
-native walk, ``MaskBuilder.submit``'s ``pending``) are settled once the step's masks are
-ready, while the GPU finishes the forward, instead of while their fills run: the settles'
-Python then does not hold the GIL that each fill's own Python waits for. False: right after
-the other settles (``bench/gpu.py --defer-appends early``)."""
-
-
 @dataclass(frozen=True)
 class SamplingSpec:
     """Sampling parameters of one request (temperature > 0) and its generator."""
@@ -117,11 +109,13 @@ class StepTimes:
 @dataclass(frozen=True)
 class SeqOutcome:
     """What one request got from a step: its draft, the acceptance, and (when asked) one
-    logprob entry per emitted token."""
+    logprob entry per emitted token. ``fault``: the exception the request's own grammar raised
+    while its tree was filled (the acceptance is then meaningless: the request must end)."""
 
     draft: Draft
     acceptance: Acceptance
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    fault: BaseException | None = None
 
 
 class SpeculativeDecoder:
@@ -203,8 +197,6 @@ class SpeculativeDecoder:
         ensure_blocks: Callable[[SpecSeq, int], None],
         passthrough: Sequence[tuple[str, SeqInput]] = (),
         lookahead: Lookahead | None = None,
-        settle: Callable[[SpecSeq | None], None] | None = None,
-        unsettled: Callable[[SpecSeq], Sequence[int]] | None = None,
     ) -> tuple[list[SeqOutcome], StepTimes]:
         """One step for ``seqs``; ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover
         ``n`` cache entries (the caller allocates; when it cannot, the draft is cut to what the
@@ -212,13 +204,7 @@ class SpeculativeDecoder:
         forward that want no logits (prefill chunks); they go after ``seqs``. ``lookahead``:
         given the drafts, host jobs to run on the mask threads after the fills (called before
         any fill starts; e.g. the engine's closing decisions, ``engine/closing_ahead.py``).
-        ``settle(seq)``: the engine's append of ``seq``'s last step, which advances its
-        matcher (``engine/deferred.py``); called after the forward is launched (when it
-        launches first), for each constrained sequence before its ``lookahead`` and fill, the
-        fills of those settled before running meanwhile; ``settle(None)`` then does the rest.
-        ``unsettled(seq)``: the tokens ``settle(seq)`` will make its matcher accept; a fill
-        that can be made as if they were accepted (``MaskBuilder.submit``'s ``pending``)
-        starts before ``settle(seq)``, which then runs alongside it."""
+        A request whose grammar raises in its fill gets an outcome with ``fault`` set."""
         start = time.perf_counter()
         drafts = self._propose(seqs)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
@@ -234,32 +220,8 @@ class SpeculativeDecoder:
         inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
 
         def submit_fills() -> PendingMasks:
-            if settle is None:
-                after = lookahead(seqs, drafts) if lookahead is not None else []
-                return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
-            jobs: list[Callable[[], None]] = []
-            settle_seq = settle
-
-            def prepare(i: int) -> None:
-                settle_seq(seqs[i])
-                if lookahead is not None:
-                    jobs.extend(lookahead(seqs[i : i + 1], drafts[i : i + 1]))
-
-            ahead = None
-            if unsettled is not None:
-                ahead = [None if s.matcher is None else unsettled(s) for s in seqs]
-            pending = self.masks.submit(
-                matchers,
-                drafts,
-                jobs,
-                hidden_s=self.target_s,
-                prepare=prepare,
-                pending=ahead,
-                prepare_ahead_later=SETTLE_AFTER_MASKS,
-            )
-            if not SETTLE_AFTER_MASKS:  # else after the masks: it would settle those left too
-                settle(None)
-            return pending
+            after = lookahead(seqs, drafts) if lookahead is not None else []
+            return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
 
         batch = [*inputs, *(i for _, i in passthrough)]
         # an eager forward's call lasts as long as its launch from Python: the fills go first
@@ -272,9 +234,6 @@ class SpeculativeDecoder:
             pending = submit_fills()
         forwarded = time.perf_counter()
         masks = self._upload(pending.result())
-        pending.prepare_rest()  # settles whose fills ran ahead (SETTLE_AFTER_MASKS)
-        if settle is not None:
-            settle(None)  # the requests without a fill (a no-op when done at submit)
         masked = time.perf_counter()
         accepted = self._verify(out.logits, seqs, drafts, masks)
         logprobs = self._logprobs(out.logits, seqs, drafts, masks, accepted)
@@ -297,7 +256,11 @@ class SpeculativeDecoder:
             verify_s=(forwarded - drafted) + (done - masked),
         )
         self.target_s = TARGET_SMOOTHING * self.target_s + (1 - TARGET_SMOOTHING) * times.verify_s
-        outcomes = [SeqOutcome(d, a, lp) for d, a, lp in zip(drafts, accepted, logprobs)]
+        faults = pending.faults()
+        outcomes = [
+            SeqOutcome(d, a, lp, faults.get(i))
+            for i, (d, a, lp) in enumerate(zip(drafts, accepted, logprobs))
+        ]
         return outcomes, times
 
     def _upload(self, masks: TreeMasks) -> TreeMasks:

@@ -120,6 +120,9 @@ class SpecLoop:
             self._ensure(by_id[id(seq)], entries)
 
         outcomes, times = self.decoder.step(seqs, ensure)
+        for outcome in outcomes:
+            if outcome.fault is not None:  # no per-request isolation here: the loop fails
+                raise outcome.fault
         for state, outcome in zip(states, outcomes):
             self._record(state, outcome.draft.num_draft_tokens, outcome.acceptance, times)
             for token in outcome.acceptance.tokens:

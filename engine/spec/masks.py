@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.traverse import Walker, fill_tree_bitmask, walker_after
+from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
@@ -49,6 +48,7 @@ class FillJobs:
     jobs: ``(request index, fill)``; ``fill()`` fills that request's rows and returns its flags.
     results: one slot per request of the step, set when its job is done (None before, and for
         unconstrained requests, whose node count is in ``unconstrained``).
+    faults: request index -> the exception its fill raised (its grammar's fault alone).
     """
 
     jobs: list[tuple[int, Callable[[], Fill]]]
@@ -57,29 +57,18 @@ class FillJobs:
     then: Callable[[], None] | None = None
     """Called once, by the thread that finishes the last job (``MaskBuilder.submit``'s
     ``after`` jobs start there); never when there are no jobs."""
-    available: int = -1
-    """Jobs that may start (the first ``available``; -1: all): ``submit`` with ``prepare``
-    releases them one by one (:meth:`release`)."""
+    faults: dict[int, BaseException] = field(default_factory=dict)
     _next: itertools.count[int] = field(default_factory=itertools.count)
     _done: itertools.count[int] = field(default_factory=itertools.count)
-    _released: threading.Condition = field(default_factory=threading.Condition)
-
-    def release(self, count: int) -> None:
-        """Let the first ``count`` jobs start."""
-        with self._released:
-            self.available = count
-            self._released.notify_all()
 
     def work(self) -> None:
         """Run jobs until none is left (on whichever thread calls it)."""
         while (job := next(self._next)) < len(self.jobs):
-            if 0 <= self.available <= job:  # taken before its release: wait for it
-                with self._released:
-                    while 0 <= self.available <= job:
-                        self._released.wait()
             index, fill = self.jobs[job]
             try:
                 self.results[index] = fill()
+            except Exception as exc:  # this request's grammar: its own fault
+                self.faults[index] = exc
             finally:
                 if next(self._done) == len(self.jobs) - 1 and self.then is not None:
                     self.then()
@@ -93,15 +82,13 @@ class PendingMasks:
     mask_rows: torch.Tensor
     fills: FillJobs
     workers: list[Future[None]]
+    trees: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Request index -> its tree's first bitmask row and node count (constrained requests)."""
     ready: TreeMasks | None = None
-    rest: Callable[[], None] | None = None
-    """The prepares ``submit`` left for :meth:`prepare_rest` (``prepare_ahead_later``)."""
 
-    def prepare_rest(self) -> None:
-        """Run the prepares ``submit`` left (once; a no-op when none)."""
-        rest, self.rest = self.rest, None
-        if rest is not None:
-            rest()
+    def faults(self) -> dict[int, BaseException]:
+        """Request index -> the exception its fill raised (after :meth:`result`)."""
+        return dict(self.fills.faults)
 
     def result(self) -> TreeMasks:
         if self.ready is None:
@@ -111,6 +98,12 @@ class PendingMasks:
             valid: list[np.ndarray] = []
             filled: list[np.ndarray] = []
             for index, part in enumerate(self.fills.results):
+                if index in self.fills.faults:  # a root that allows everything, nothing below
+                    assert self.bitmask is not None
+                    start, n = self.trees[index]
+                    self.bitmask[start].fill_(-1)
+                    part = (np.zeros(n, dtype=bool), np.zeros(n, dtype=bool))
+                    part[0][0] = part[1][0] = True
                 if part is None:
                     valid.append(np.ones(self.fills.unconstrained[index], dtype=bool))
                     filled.append(valid[-1])
@@ -144,7 +137,6 @@ class MaskBuilder:
         self.pin_memory = pin_memory
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tree-mask")
-        self.ahead_fills = 0  # fills started before their request's prepare (``submit``)
         self._buffer: torch.Tensor | None = None
         self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
@@ -181,9 +173,6 @@ class MaskBuilder:
         after: Sequence[Callable[[], None]] = (),
         *,
         hidden_s: float = 0.0,
-        prepare: Callable[[int], None] | None = None,
-        pending: Sequence[Sequence[int] | None] | None = None,
-        prepare_ahead_later: bool = False,
     ) -> PendingMasks:
         """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
         at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
@@ -198,20 +187,7 @@ class MaskBuilder:
         one slow tree cannot hold the batch past the point where the masks are needed, and
         that point is the forward's end. (On the CPU the fills share the cores with a forward
         of hundreds of ms: a fixed 2 ms budget there cut trees, and so their accepted tokens,
-        for nothing.)
-
-        prepare: called on this thread with each constrained request's index, in order, just
-        before its fill may start, while the fills released before run on the workers (the
-        engine's deferred appends advance each matcher there, ``engine/deferred.py``); it may
-        append to ``after`` when that is a list (the jobs start after the last fill).
-
-        pending: with ``prepare``, per request, the tokens ``prepare`` will make its matcher
-        accept (None: unknown). A fill the grammar layer can make as if they were accepted
-        without using the matcher (``constrained.traverse.walker_after``) does not wait for
-        ``prepare``: those start at once, and ``prepare`` runs for the others first; with
-        ``prepare_ahead_later``, not in this call but in the result's
-        :meth:`PendingMasks.prepare_rest` (the caller runs it once it has the masks: its
-        Python then does not hold the GIL the fills' Python waits for)."""
+        for nothing.)"""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
@@ -225,7 +201,7 @@ class MaskBuilder:
         constrained = sum(m is not None for m in matchers)
         tree_threads = max(1, min(2, self.threads // max(1, constrained)))
         unconstrained: dict[int, int] = {}
-        ahead: list[tuple[int, Callable[[], Fill]]] = []  # need no prepare: released at once
+        trees: dict[int, tuple[int, int]] = {}
         row = 0
         for index, (matcher, draft) in enumerate(zip(matchers, drafts)):
             n = draft.num_nodes
@@ -235,46 +211,20 @@ class MaskBuilder:
                 continue
             assert array is not None
             out = array[row : row + n]
-            tokens = pending[index] if prepare is not None and pending is not None else None
-            walker = None
-            if tokens is not None:
-                walker = walker_after(matcher, tokens, draft.parents, threads=tree_threads)
-            fill = functools.partial(
-                self._fill_one, matcher, draft, out, budget, tree_threads, walker
-            )
-            (jobs if walker is None else ahead).append((index, fill))
+            fill = functools.partial(self._fill_one, matcher, draft, out, budget, tree_threads)
+            jobs.append((index, fill))
+            trees[index] = (row, n)
             mask_rows.extend(range(row, row + n))
             row += n
-        jobs = ahead + jobs
-        self.ahead_fills += len(ahead)
-        after_jobs = after if isinstance(after, list) else list(after)
-        start_after: Callable[[], None] = functools.partial(self._start, after_jobs)
-        if prepare is not None and jobs:  # after the last fill *and* the last prepare (which
-            start_after = _Latch(2, start_after).count_down  # may add jobs after the fills)
+        after_jobs = list(after)
         fills = FillJobs(
-            jobs,
-            [None] * len(drafts),
-            unconstrained,
-            start_after,
-            len(ahead) if prepare is not None else -1,
+            jobs, [None] * len(drafts), unconstrained, functools.partial(self._start, after_jobs)
         )
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
-        rest = None
-        if prepare is not None:
-            try:  # the fills that wait for their prepare first, then those already running
-                for count, (index, _) in enumerate(jobs[len(ahead) :], len(ahead) + 1):
-                    prepare(index)
-                    fills.release(count)
-            finally:
-                fills.release(-1)
-            rest = functools.partial(_prepare_all, prepare, [i for i, _ in ahead], start_after)
-            if not prepare_ahead_later:
-                rest()
-                rest = None
-        elif not jobs:
-            start_after()
-        return PendingMasks(bitmask, mask_rows_t, fills, workers, rest=rest)
+        if not jobs:
+            self._start(after_jobs)
+        return PendingMasks(bitmask, mask_rows_t, fills, workers, trees)
 
     def _start(self, jobs: list[Callable[[], None]]) -> None:
         """Run ``jobs`` one after the other on one pool thread: they are Python (the closing
@@ -304,40 +254,15 @@ class MaskBuilder:
         out: np.ndarray,
         budget_s: float | None,
         threads: int,
-        walker: Walker | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One tree's fill (``walker``: one from ``walker_after``, see :meth:`submit`)."""
+        """One tree's fill."""
         from espalier.constrained.tree import DraftTree
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=threads, walker=walker)
+        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=threads)
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled
-
-
-def _prepare_all(
-    prepare: Callable[[int], None], indices: list[int], then: Callable[[], None]
-) -> None:
-    for index in indices:
-        prepare(index)
-    then()
-
-
-class _Latch:
-    """Calls ``then`` at the ``count``-th :meth:`count_down` (from whichever thread)."""
-
-    def __init__(self, count: int, then: Callable[[], None]) -> None:
-        self._left = count
-        self._then = then
-        self._lock = threading.Lock()
-
-    def count_down(self) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self._then()
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:

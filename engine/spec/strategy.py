@@ -34,7 +34,7 @@ from espalier.engine.spec.decoder import SeqOutcome as DecoderOutcome
 from espalier.engine.spec.forced import ForcedConfig
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.tree_builder import Draft
-from espalier.engine.step import SeqOutcome, Settle, StepResult
+from espalier.engine.step import SeqOutcome, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +65,8 @@ class SpecConfig:
     fills (``MaskBuilder.submit``): started with them, their Python slowed the fills (summed
     26-33 -> 44-52 ms per step, run 47) and it made no measurable difference (0.688 off,
     0.685 on; it was then off by default on CUDA).
-    close_workers: worker processes that make the closing lookahead's decisions (and those
-    of each step's bonus token) instead of the mask threads and the engine thread
-    (``engine/closing_remote.py``); 0: none; None: :data:`CUDA_CLOSE_WORKERS` on CUDA, else
-    none (on a CPU the target's forward leaves the mask threads time, and a process would
-    take a core from it). With ``defer_appends``, each request's tree goes to its
-    worker as the request settles. H200, batch 32, constrained /
-    unconstrained speculative, medians of three ABBA reps per pass: 0.840 and 0.862 with 2
-    workers against 0.665 and 0.709 without (run 86, tree decisions only); 0.846 against
-    0.755 with the final code (run 88: bonus tokens too, bounded waits).
     adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
     lately (``SpeculativeDecoding._max_drafted``); grammar-forced chains are not cut.
-    defer_appends: the engine appends a step's tokens (grammar, closing, detokenization) in the
-    next step, after its forward is launched, request by request just before each mask fill
-    (``engine/deferred.py``). Off by default: on the H200 at batch 32 it made no measurable
-    difference (runs 52-57, closing decisions ahead on: constrained/unconstrained speculative
-    0.770 mean of 18 passes on, 0.770 of 12 off; standard deviation 0.05), because the
-    settled appends delay the fills (masks ready 10-12 ms after the forward's call, p50,
-    against 8-9 ms off; the GPU is done at about 11) and the engine thread's Python per
-    step, not its order, bounds the step. Fills started before the settles (llguidance's
-    native walk, runs 63-69) did not change that (``engine/deferred.py``).
     """
 
     enabled: bool = True
@@ -96,13 +78,8 @@ class SpecConfig:
     forced: ForcedConfig = field(default_factory=ForcedConfig)
     launch_first: bool | None = None
     close_ahead: bool = True
-    close_workers: int | None = None
     adaptive_drafts: bool = True
-    defer_appends: bool = False
 
-
-CUDA_CLOSE_WORKERS = 2
-"""``SpecConfig.close_workers`` by default on CUDA."""
 
 ACCEPT_SMOOTHING = 0.5
 """Weight of the past in a request's accepted-drafts rate (per step, exponential)."""
@@ -139,7 +116,6 @@ class SpeculativeDecoding:
         self.decoder = SpeculativeDecoder(
             runner, Proposer(drafters, config.forced), masks, launch_first=config.launch_first
         )
-        self.defers_appends = config.defer_appends
         self._live: dict[str, Request] = {}
         # per request: drafted (not forced) tokens accepted per step, smoothed (adaptive_drafts)
         self._accepted: dict[str, float] = {}
@@ -165,12 +141,8 @@ class SpeculativeDecoding:
         _, budget = self.settings(request)
         return max(0, min(budget, request.sampling.max_tokens - len(request.output_ids) - 1))
 
-    def drafts_read_grammar(self, request: Request) -> bool:
-        """Grammar-forced chains are drafted from the request's grammar state."""
-        return request.matcher is not None and FORCED in self.settings(request)[0]
-
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, settle: Settle | None = None) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
         self._release_finished()
         sampling = [s for s in plan.seqs if s.samples]
         seqs = [self._spec_seq(s) for s in sampling]
@@ -191,43 +163,27 @@ class SpeculativeDecoding:
             if need > 0:
                 request.block_table.extend(self.pool.allocate(need))
 
-        settle_seq = unsettled = None
-        if settle is not None:
-            engine_settle = settle
-
-            def settle_seq(seq: SpecSeq | None) -> None:
-                engine_settle(None if seq is None else by_seq[id(seq)])
-
-            def unsettled(seq: SpecSeq) -> Sequence[int]:
-                return engine_settle.unsettled(by_seq[id(seq)])
-
         lookahead = None
         if self.closer is not None:
             lookahead = functools.partial(self._closing_jobs, self.closer, by_seq)
         outcomes_by_id: dict[int, SeqOutcome] = {}
+        faults_by_id: dict[int, BaseException] = {}
         times = StepTimes(0.0, 0.0, 0.0)
-        if seqs or passthrough:
-            results, times = (
-                self.decoder.step(seqs, ensure, passthrough, lookahead, settle_seq, unsettled)
-                if seqs
-                else ([], times)
-            )
-            if not seqs:
-                self.decoder.prefill(passthrough)
-            closer = self.closer
-            if closer is not None and closer.workers is not None:
-                for sched, result in zip(sampling, results):  # decisions for the bonus tokens
-                    closer.prefetch(sched.request, result.acceptance.tokens)
-                closer.flush()
+        if seqs:
+            results, times = self.decoder.step(seqs, ensure, passthrough, lookahead)
             for sched, spec, result in zip(sampling, seqs, results):
+                if result.fault is not None:
+                    faults_by_id[id(sched)] = result.fault
+                    continue
                 self._account(sched, spec, result.draft.num_draft_tokens, result, times)
                 outcomes_by_id[id(sched)] = SeqOutcome(
                     list(result.acceptance.tokens), list(result.logprobs)
                 )
-        if settle is not None:
-            settle(None)  # requests without a fill, or not in this step
+        elif passthrough:
+            self.decoder.prefill(passthrough)
         outcomes = [outcomes_by_id.get(id(s)) for s in plan.seqs]
-        return StepResult(outcomes, forward_s=times.verify_s, mask_s=times.mask_s)
+        faults = {i: faults_by_id[id(s)] for i, s in enumerate(plan.seqs) if id(s) in faults_by_id}
+        return StepResult(outcomes, forward_s=times.verify_s, mask_s=times.mask_s, faults=faults)
 
     def _closing_jobs(
         self,
@@ -240,12 +196,13 @@ class SpeculativeDecoding:
         jobs = []
         for spec, draft in zip(specs, drafts):
             request = requests[id(spec)]
-            if request.is_finished:  # its deferred append finished it (``settle``)
+            try:
+                job = closer.lookahead(request, draft.tokens, draft.parents, self.max_model_len)
+            except Exception:  # its grammar: decided inline, where the fault ends the request
+                log.debug("closing lookahead not made", exc_info=True)
                 continue
-            job = closer.lookahead(request, draft.tokens, draft.parents, self.max_model_len)
             if job is not None:
                 jobs.append(job)
-        closer.flush()
         return jobs
 
     def _spec_seq(self, sched: ScheduledSeq) -> SpecSeq:
@@ -341,9 +298,6 @@ class SpeculativeDecoding:
             self.decoder.release(request_id)
         self._live.clear()
         self.decoder.masks.close()
-        if self.closer is not None and self.closer.workers is not None:
-            self.closer.workers.close()
-            self.closer.workers = None
 
 
 def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter]) -> Engine:
@@ -358,18 +312,6 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
         closer=engine.closer if config.close_ahead else None,
         max_model_len=engine.max_model_len,
     )
-    workers = config.close_workers
-    if workers is None:
-        workers = CUDA_CLOSE_WORKERS if engine.runner.device.type == "cuda" else 0
-    if config.close_ahead and workers > 0 and engine.closer.paths is not None:
-        from espalier.engine.closing_remote import ClosingWorkers
-
-        try:
-            engine.closer.workers = ClosingWorkers(engine.tokenizer, workers)
-        except Exception:  # a tokenizer that does not pickle, no interpreter to start...
-            log.warning(
-                "closing worker processes not started; deciding ahead in threads", exc_info=True
-            )
     engine.strategy = strategy
     engine.scheduler.decode_lookahead = strategy.lookahead
     return engine

@@ -5,7 +5,6 @@ compiler the Python walk takes over."""
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -113,75 +112,6 @@ def test_twin_follows_accepts_rollbacks_resets_and_forks(
             assert matcher.twin is None
     assert problems == []
     assert (helped > 0) == (threads > 1)  # the second thread did fill rows, and only then
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_walker_after_fills_as_if_the_pending_tokens_were_accepted(
-    toy_tokenizer_padded: Any, threads: int
-) -> None:
-    """``walker_after``: a tree at the state after ``pending`` (tokens the request has not
-    accepted yet: the engine's deferred appends) is filled from the twin alone, on another
-    thread, while the owner accepts those tokens: every row exact. The twin then stands where
-    the request does, so the next ordinary walk is exact too. Pending runs of every length,
-    empty and whole instances included."""
-    grammar = native_grammar(toy_tokenizer_padded)
-    rng = np.random.default_rng(21)
-    stops = set(toy_tokenizer_padded.stop_token_ids)
-    matcher = grammar.matcher()
-    problems: list[str] = []
-    ahead = 0
-    for step in range(36):
-        body = [t for t in sample_instance(matcher.fork(), rng, max_tokens=10) if t not in stops]
-        if not body:
-            matcher.reset()
-            continue
-        pending = body[: [len(body), 0, int(rng.integers(1, len(body) + 1))][step % 3]]
-        prefix = list(matcher.history)
-        there = matcher.fork()
-        assert there.accept_tokens(pending) == len(pending)
-        rest = sample_instance(there, rng, max_tokens=8)
-        tree = grow_tree(grammar.matcher, prefix + pending, rest, int(rng.choice([6, 24])), rng)
-        walker = traverse_llguidance.walker_after(
-            matcher, pending, tree.parents.tolist(), threads=threads
-        )
-        assert walker is not None  # a live llguidance matcher with a C-API twin
-        out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=-1)
-        with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(fill_tree_bitmask, matcher, tree, out, None, walker=walker)
-            assert matcher.accept_tokens(pending) == len(pending)  # meanwhile, the owner
-            masks = future.result()
-        ahead += 1
-        problems += compare(masks, out, tree, replay_tree(grammar.matcher, prefix + pending, tree))
-        assert matcher.twin is not None and matcher.twin.length == len(matcher.history)
-        problems += check_walk(grammar, matcher, rng, 12, threads)  # the next, ordinary walk
-        if step % 4 == 3 and len(matcher.history) > 2:  # below the twin: a new one is made
-            matcher.rollback(2)
-    assert problems == []
-    assert ahead >= 30
-
-
-def test_walker_after_declines_what_the_native_walk_cannot_take(toy_tokenizer: Any) -> None:
-    """Trees with more branches than ``NATIVE_MAX_BRANCHES``, a terminated matcher, and a
-    grammar without a C-API template get None (the engine fills those after the accepts)."""
-    grammar = native_grammar(toy_tokenizer)
-    matcher = grammar.matcher()
-    chain = [-1, 0, 1, 2]
-    assert traverse_llguidance.walker_after(matcher, [], chain) is not None
-    bushy = [-1] + [0] * (traverse_llguidance.NATIVE_MAX_BRANCHES + 2)
-    assert traverse_llguidance.walker_after(matcher, [], bushy) is None
-    rng = np.random.default_rng(0)
-    stops = set(toy_tokenizer.stop_token_ids)
-    ended = grammar.matcher()
-    body = next(
-        b for b in (sample_instance(ended.fork(), rng, 30) for _ in range(50)) if b[-1] in stops
-    )
-    assert ended.accept_tokens(body) == len(body)  # a whole instance and its stop token
-    assert ended.is_terminated()
-    assert traverse_llguidance.walker_after(ended, [], chain) is None
-    python_only = get_backend(
-        "llguidance", toy_tokenizer, BackendOptions(llguidance_native_walk=False)
-    ).compile(SCHEMA)
-    assert traverse_llguidance.walker_after(python_only.matcher(), [], chain) is None
 
 
 def test_budget_prunes_inline_and_the_twin_survives(toy_tokenizer: Any) -> None:

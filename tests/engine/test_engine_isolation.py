@@ -1,0 +1,180 @@
+"""No request can hurt another inside the engine step, and closing tokens carry logprobs.
+
+A request whose own grammar raises (llguidance's matcher state error on a 2,001-option choice,
+or any fault in its mask fill or accept) ends alone with ``ERROR``: typed (its input's fault)
+or internal with a message naming only the exception's type; a concurrent request finishes
+with exactly the tokens it gets alone, in plain and in speculative steps. With logprobs asked
+for, every emitted token has an entry, the closing path's tokens and stop token included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from engine_fixtures import CLOSING_SCHEMA, drain, make_engine, run_all, tokens_of
+
+from espalier.constrained.errors import GrammarError
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import (
+    ConstraintOptions,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeOptions,
+)
+from espalier.engine.engine import Engine
+from espalier.engine.spec.strategy import SpecConfig, install
+
+MANY_OPTIONS = [f"option-{i:04d}-{'x' * (i % 7)}" for i in range(2001)]
+
+
+def _engine(speculative: bool) -> Engine:
+    engine = make_engine()
+    if speculative:
+        install(engine, SpecConfig(methods=("forced",), num_draft_tokens=4), {})
+    return engine
+
+
+def _victim(request_id: str = "victim", backend: str = "llguidance") -> GenerationRequest:
+    return GenerationRequest(
+        request_id,
+        prompt="hello world",
+        sampling=SamplingParams(max_tokens=30),
+        grammar=GrammarSpec.json_schema(CLOSING_SCHEMA),
+        constraint=ConstraintOptions(backend=backend),
+    )
+
+
+def _solo(speculative: bool, backend: str = "llguidance") -> list[int]:
+    chunks = run_all(_engine(speculative), [_victim(backend=backend)])["victim"]
+    assert chunks[-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
+    return tokens_of(chunks)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_choice_llguidance_cannot_match_ends_alone(speculative: bool) -> None:
+    attacker = GenerationRequest(
+        "attacker",
+        prompt="pick one",
+        sampling=SamplingParams(max_tokens=12),
+        grammar=GrammarSpec.choice(MANY_OPTIONS),
+        constraint=ConstraintOptions(backend="llguidance"),
+        speculative=SpeculativeOptions(enabled=speculative),
+    )
+    chunks = run_all(_engine(speculative), [_victim(), attacker, _victim("victim-2")])
+    last = chunks["attacker"][-1]
+    assert last.finish_reason is FinishReason.ERROR
+    # its own input's fault: typed for INVALID_ARGUMENT (whether refused at compile or raised
+    # in the step), naming nothing of the other requests
+    assert isinstance(last.exception, GrammarError), last
+    assert "victim" not in (last.error or "")
+    solo = _solo(speculative)
+    for victim in ("victim", "victim-2"):
+        assert chunks[victim][-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
+        assert tokens_of(chunks[victim]) == solo
+
+
+def _break_after(engine: Engine, request_id: str, method: str, calls: int) -> Callable[[], int]:
+    """Make ``request_id``'s own matcher raise RuntimeError from its ``calls``-th ``method``
+    call on (a fault of that request's grammar state); returns a counter of the raises."""
+    raised = [0]
+    poll = engine._poll_grammars
+
+    def poll_and_arm(outputs: list[Any]) -> None:
+        poll(outputs)
+        request = engine._requests.get(request_id)
+        matcher = None if request is None else request.matcher
+        if matcher is None or getattr(matcher, "_armed", False):
+            return
+        real = getattr(matcher, method)
+        seen = [0]
+
+        def faulty(*args: Any, **kwargs: Any) -> Any:
+            seen[0] += 1
+            if seen[0] >= calls:
+                raised[0] += 1
+                raise RuntimeError("secret state of the faulty request")
+            return real(*args, **kwargs)
+
+        setattr(matcher, method, faulty)
+        matcher._armed = True
+
+    engine._poll_grammars = poll_and_arm  # type: ignore[method-assign]
+    return lambda: raised[0]
+
+
+@pytest.mark.parametrize(
+    ("speculative", "method", "backend"),
+    [
+        (False, "fill_bitmask", "outlines_core"),
+        (False, "accept", "llguidance"),
+        (True, "fork", "llguidance"),
+        (True, "accept", "xgrammar"),
+    ],
+)
+def test_a_fault_in_one_requests_grammar_ends_that_request_alone(
+    speculative: bool, method: str, backend: str
+) -> None:
+    engine = _engine(speculative)
+    raised = _break_after(engine, "faulty", method, calls=3)
+    faulty = _victim("faulty", backend)
+    chunks = run_all(engine, [faulty, _victim(backend=backend)])
+    assert raised() > 0
+    last = chunks["faulty"][-1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert last.exception is None  # not the user's fault: internal
+    assert last.error is not None and "RuntimeError" in last.error
+    assert "secret" not in last.error and "victim" not in last.error
+    assert chunks["victim"][-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
+    assert tokens_of(chunks["victim"]) == _solo(speculative, backend)
+
+
+def test_a_request_whose_sampling_raises_ends_alone() -> None:
+    """A sampled request whose generator cannot draw (its own state) makes the batch's
+    sampler raise: the step samples row by row, ends that request alone, and the greedy
+    victim's tokens are those of its solo run."""
+    engine = _engine(False)
+    faulty = GenerationRequest(
+        "faulty", prompt="abc", sampling=SamplingParams(max_tokens=40, temperature=0.8, seed=3)
+    )
+    engine.add_request(faulty)
+    engine.add_request(_victim())
+    early: list[Any] = []
+    while not any(out.request_id == "victim" and out.token_ids for out in early):
+        early.extend(engine.step())  # until both run in one batch
+    engine._requests["faulty"].generator = "not a generator"  # type: ignore[assignment]
+    chunks = drain(engine)
+    for out in reversed(early):
+        chunks.setdefault(out.request_id, []).insert(0, out)
+    assert not any(out.finished for out in early)
+    last = chunks["faulty"][-1]
+    assert last.finish_reason is FinishReason.ERROR and last.exception is None
+    assert last.error is not None and "victim" not in last.error
+    assert tokens_of(chunks["victim"]) == _solo(False)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_closing_tokens_carry_logprobs(speculative: bool) -> None:
+    requests = [
+        GenerationRequest(
+            f"r{i}",
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=24, logprobs=2),
+            grammar=GrammarSpec.json_schema(CLOSING_SCHEMA),
+            constraint=ConstraintOptions(backend=backend),
+        )
+        for i, (prompt, backend) in enumerate(
+            [("abc", "llguidance"), ("hello world", "xgrammar"), ("0123", "outlines_core")]
+        )
+    ]
+    closed = 0
+    for chunks in run_all(_engine(speculative), requests).values():
+        tokens = tokens_of(chunks)
+        logprobs = [lp for c in chunks for lp in c.logprobs]
+        assert [lp.token_id for lp in logprobs] == tokens
+        assert all(lp.top for lp in logprobs)
+        if chunks[-1].finish_reason is FinishReason.STOP and len(tokens) >= 20:
+            closed += 1
+    assert closed > 0  # the closing path did run (random weights loop inside the array)
