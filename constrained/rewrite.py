@@ -18,6 +18,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` → exact ``pattern``s;
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
   (``properties: {p: false}``) and "present and ..." branches;
+- ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
+  (:mod:`enum_filter`; none left: ``false``, or an error at the root);
 - keywords without effect: ``if`` without ``then``/``else``, ``then``/``else`` without ``if``,
   ``uniqueItems: false``, ``uniqueItems`` with ``maxItems <= 1``, ``minContains`` / ``maxContains``
   without ``contains``, ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
@@ -29,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained.enum_filter import filter_enums
 from espalier.constrained.schema_logic import (
     Defs,
     complement,
@@ -68,7 +71,7 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     out = _rewrite(schema, "", ctx)
     if isinstance(out, dict):
         out.pop("$schema", None)
-    return out
+    return filter_enums(out, annotations_matter=ctx.annotations_matter)
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:

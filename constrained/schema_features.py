@@ -175,6 +175,10 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
         return Support.EXACT if uri in KNOWN_DIALECTS else Support.IGNORED
     if keyword not in profile.exact:
         return Support.IGNORED
+    if keyword in ("enum", "const") and values_with_siblings(node):
+        # members failing a sibling get through where a backend emits the values alone;
+        # rewrite.normalize_schema filters them and drops the siblings (enum_filter)
+        return Support.WEAKENED
     if keyword == "$ref" and not _is_local_ref(node.get(keyword)):
         return Support.IGNORED  # left unresolved (dynamic scopes): backends drop such refs
     if keyword == "format" and node.get("format") not in profile.formats:
@@ -182,6 +186,18 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
     if profile.rule is not None:
         return profile.rule(keyword, node)
     return Support.EXACT
+
+
+NOT_ASSERTING = ANNOTATIONS | {"$schema", "$dynamicAnchor", "$recursiveAnchor"}
+
+
+def values_with_siblings(node: dict[str, Any]) -> bool:
+    """Whether ``node`` has ``enum`` or ``const`` and another keyword that asserts something
+    (the other of the two included)."""
+    values = ("enum" in node) + ("const" in node)
+    if values != 1:
+        return values == 2
+    return any(k in VOCABULARY and k not in NOT_ASSERTING | {"enum", "const"} for k in node)
 
 
 def _is_local_ref(ref: Any) -> bool:
