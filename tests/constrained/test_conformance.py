@@ -99,11 +99,37 @@ def test_cli_reads_both_file_formats(tmp_path: Path, toy_tokenizer_dir: str) -> 
         "passed": 5,
         "false_accept": 0,
         "false_reject": 0,
+        "runtime_error": 0,
     }
     assert len(rows) == 3  # one row per file, then the summary
     records = [json.loads(line) for line in failures.read_text().splitlines()]
     assert [r["kind"] for r in records] == ["refused"]
     assert "uniqueItems" in records[0]["detail"]
+
+
+def test_an_instance_the_matcher_cannot_take_is_counted_not_fatal(
+    tmp_path: Path, toy_tokenizer_dir: str
+) -> None:
+    # a lone surrogate is legal in JSON text but no tokenizer can encode it
+    (tmp_path / "s.json").write_text(
+        '[{"description": "s", "schema": {"type": "string"}, "tests": ['
+        '{"description": "lone", "data": "a\\ud800b", "valid": false},'
+        '{"description": "ok", "data": "ab", "valid": true}, "not a test"]}]'
+    )
+    failures = tmp_path / "failures.jsonl"
+    rows = run_cli(str(tmp_path), "--tokenizer", toy_tokenizer_dir, "--failures", str(failures))
+    assert rows[-1] == {
+        "schemas": 1,
+        "compiled": 1,
+        "refused": 0,
+        "tests": 2,
+        "passed": 1,
+        "false_accept": 0,
+        "false_reject": 0,
+        "runtime_error": 1,
+    }
+    (record,) = [json.loads(line) for line in failures.read_text().splitlines()]
+    assert (record["kind"], record["test"]) == ("runtime_error", "lone")
 
 
 def test_optional_files_are_skipped_unless_asked(tmp_path: Path) -> None:
