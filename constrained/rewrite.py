@@ -191,9 +191,11 @@ _MONTH_DAY = (
 )
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
-# RFC 3339 full-time without leap seconds (as the post-validation's checker: rfc3339-validator)
+# RFC 3339 full-time without leap seconds (as the post-validation's checker: rfc3339-validator).
+# The optional fraction is "(?:[.][0-9]+|)": xgrammar reads "(?:[.][0-9]+)?" as also matching
+# "1" (schema_features.optional_group_repeats), which let "12:00:001Z" through.
 _TIME = (
-    "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+)?"
+    "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+|)"
     "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
 FORMAT_PATTERNS = {

@@ -227,6 +227,8 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
             return Support.IGNORED
     if kind == "string" and _string_groups(node) > 1:
         return Support.WEAKENED  # at most one of pattern / format / length is enforced
+    if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
+        return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
     if keyword == "multipleOf":
         value = node["multipleOf"]
         if types != {"integer"} or not (isinstance(value, int) or float(value).is_integer()):
@@ -236,6 +238,40 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
     return Support.EXACT
+
+
+def optional_group_repeats(pattern: str) -> bool:
+    """Whether a group made optional by ``?`` holds a repetition (``+``, ``*``, ``{m,n}``):
+    xgrammar's regex conversion lets such a group's repeated part match without the rest."""
+    starts: list[int] = []
+    for i, char in _syntax(pattern):
+        if char == "(":
+            starts.append(i)
+        elif char == ")" and starts:
+            start = starts.pop()
+            body = pattern[start + 1 : i]
+            if pattern[i + 1 : i + 2] == "?" and any(c in "+*{" for _, c in _syntax(body)):
+                return True
+    return False
+
+
+def _syntax(pattern: str) -> list[tuple[int, str]]:
+    """``(index, char)`` of the regex characters outside escapes and ``[...]`` classes."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "[":  # skip the class; a "]" first inside it is literal
+            i = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("]", "^") else i + 1)
+            if i < 0:
+                break
+        else:
+            out.append((i, char))
+        i += 1
+    return out
 
 
 _FLOAT64_EXACT_INT = 2**53

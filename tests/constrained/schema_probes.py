@@ -60,6 +60,14 @@ PROBES: tuple[Probe, ...] = (
         [10**18],
     ),
     _p("minimum", "minimum", {"type": "integer", "minimum": 3}, [3, 10], [2, -5]),
+    # xgrammar: an optional group holding a repetition matches its repeated part alone
+    _p(
+        "pattern-optional-repeat",
+        "pattern",
+        {"type": "string", "pattern": "^a(?:x[0-9]+)?Z$"},
+        ["aZ", "ax12Z"],
+        ["a1Z", "a12Z", "axZ"],
+    ),
     _p("maximum", "maximum", {"type": "number", "maximum": 1.5}, [1.5, 1], [1.6, 30]),
     _p(
         "exclusiveMinimum",
