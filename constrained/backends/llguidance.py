@@ -239,11 +239,13 @@ class CompiledGrammar(CompiledBase):
     def matcher(self) -> Matcher:
         with self._spare_lock:
             native, self._spare = self._spare, None
-        if native is None:
+        if native is None or native.is_error():
             native = self._new_native()
         self.prepare_spare()
-        if native.is_error():  # compiled once already: a resource limit, not the grammar
-            raise MatcherStateError(f"llguidance: {native.get_error()}")
+        if native.is_error():
+            # the compile made one from the same text and limits, so this is not expected; the
+            # compile's own matcher, used by no request, keeps matcher() from ever raising
+            native = self.native.deep_copy()
         return Matcher(self, native)
 
     def prepare_spare(self) -> None:
