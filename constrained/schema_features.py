@@ -227,6 +227,8 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
             return Support.IGNORED
     if kind == "string" and _string_groups(node) > 1:
         return Support.WEAKENED  # at most one of pattern / format / length is enforced
+    if keyword == "required" and required_outside_properties(node):
+        return Support.WEAKENED  # probe "required-not-in-properties"
     if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
         return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
     if keyword == "multipleOf":
@@ -238,6 +240,15 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
     return Support.EXACT
+
+
+def required_outside_properties(node: dict[str, Any]) -> bool:
+    """Whether ``required`` names a property that ``properties`` of the same object lacks:
+    xgrammar and outlines-core only require the properties they emit."""
+    names = node.get("required")
+    listed = node.get("properties")
+    known = set(listed) if isinstance(listed, dict) else set()
+    return isinstance(names, list) and any(name not in known for name in names)
 
 
 def optional_group_repeats(pattern: str) -> bool:
@@ -294,6 +305,8 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED  # the sub-regexes are not intersected
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
+    if keyword == "required" and required_outside_properties(node):
+        return Support.WEAKENED  # probe "required-not-in-properties"
     return Support.EXACT
 
 

@@ -60,6 +60,14 @@ PROBES: tuple[Probe, ...] = (
         [10**18],
     ),
     _p("minimum", "minimum", {"type": "integer", "minimum": 3}, [3, 10], [2, -5]),
+    # xgrammar and outlines-core: a required name missing from "properties" is not required
+    _p(
+        "required-not-in-properties",
+        "required",
+        {"type": "object", "properties": {"b": {}}, "required": ["a"]},
+        [{"a": 1}],
+        [{"b": 1}, {}],
+    ),
     # xgrammar: an optional group holding a repetition matches its repeated part alone
     _p(
         "pattern-optional-repeat",
