@@ -11,7 +11,9 @@ push the tokens through a fresh matcher and accept a stop token. Classification:
 - ``false_accept``: invalid but accepted (the number that must stay 0);
 - ``false_reject``: valid but rejected. Grammars fix property order (the schema's) and whitespace
   (at most ``json_max_whitespace`` characters between tokens), so an instance whose keys come in
-  another order is rejected although it is valid: these count here, honestly.
+  another order is rejected although it is valid: these count here, honestly;
+- ``runtime_error``: the matcher raised on the instance (a backend's runtime limit, e.g.
+  llguidance's parser row limit, or a bug): counted, not passed, never a crash of the run.
 A schema the backend refuses counts all its tests as not passed, with the reason.
 """
 
@@ -36,7 +38,16 @@ DIALECT_BY_FOLDER = {
     "draft2019-09": "https://json-schema.org/draft/2019-09/schema",
     "draft2020-12": "https://json-schema.org/draft/2020-12/schema",
 }
-SUMMARY_KEYS = ("schemas", "compiled", "refused", "tests", "passed", "false_accept", "false_reject")
+SUMMARY_KEYS = (
+    "schemas",
+    "compiled",
+    "refused",
+    "tests",
+    "passed",
+    "false_accept",
+    "false_reject",
+    "runtime_error",
+)
 
 
 @dataclass
@@ -51,6 +62,7 @@ class FileResult:
     passed: int = 0
     false_accept: int = 0
     false_reject: int = 0
+    runtime_error: int = 0
     seconds: float = 0.0
     backends: dict[str, int] = field(default_factory=dict)
     failures: list[tuple[str, str, str, str]] = field(default_factory=list)
@@ -102,7 +114,8 @@ def iter_cases(path: Path) -> Iterator[tuple[str, Any, list[dict[str, Any]]]]:
     cases = data if isinstance(data, list) else [data]
     for i, case in enumerate(cases):
         if isinstance(case, dict) and "schema" in case and isinstance(case.get("tests"), list):
-            yield str(case.get("description", i)), case["schema"], case["tests"]
+            tests = [t for t in case["tests"] if isinstance(t, dict)]
+            yield str(case.get("description", i)), case["schema"], tests
 
 
 def default_dialect(path: Path) -> str | None:
@@ -158,23 +171,25 @@ class Runner:
     def _run_case(
         self, result: FileResult, description: str, schema: Any, tests: list[Any]
     ) -> None:
-        from espalier.constrained.errors import GrammarError
-
         result.schemas += 1
         result.tests += len(tests)
         try:
             compiled = self._compile(schema)
         except Exception as exc:  # a GrammarError, or a bug: reported as a refusal, never a crash
             result.refused += 1
-            internal = "" if isinstance(exc, GrammarError) else "internal error "
-            reason = f"{internal}{type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:300]}"
-            result.failures.append(("refused", description, "", reason))
+            result.failures.append(("refused", description, "", _describe(exc)))
             return
         result.compiled += 1
         result.backends[compiled.backend] = result.backends.get(compiled.backend, 0) + 1
         for test in tests:
             valid = bool(test.get("valid"))
-            accepted = self.accepts(compiled, test.get("data"))
+            try:
+                accepted = self.accepts(compiled, test.get("data"))
+            except Exception as exc:  # a runtime limit of the backend, or a bug: counted
+                result.runtime_error += 1
+                name = str(test.get("description", ""))
+                result.failures.append(("runtime_error", description, name, _describe(exc)))
+                continue
             if accepted == valid:
                 result.passed += 1
             else:
@@ -201,6 +216,14 @@ class Runner:
     def accepts(self, compiled: Any, data: Any) -> bool:
         """Whether the grammar accepts ``json.dumps(data)`` followed by a stop token."""
         return grammar_accepts(compiled, self.tokenizer, serialize(data))
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming the exception; ``internal error`` marks what is not a GrammarError."""
+    from espalier.constrained.errors import GrammarError
+
+    internal = "" if isinstance(exc, GrammarError) else "internal error "
+    return f"{internal}{type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:300]}"
 
 
 def serialize(data: Any) -> str:

@@ -75,9 +75,13 @@ class SchemaNotEnforceableError(GrammarError):
         self.backend = backend
         listed = "; ".join(issue.describe() for issue in self.issues[:20])
         more = f" (and {len(self.issues) - 20} more)" if len(self.issues) > 20 else ""
+        # "auto" tried several backends: say whose reasons these are (they differ per backend)
+        owners = sorted({i.backend for i in self.issues if i.backend and i.backend != backend})
+        names = ", ".join(f"'{owner}'" for owner in owners)
+        whose = f" (the reasons of {names}, the closest backend tried)" if owners else ""
         super().__init__(
-            f"schema uses keywords that backend '{backend}' cannot enforce exactly: {listed}{more}."
-            " Pass allow_weakening=True to generate anyway and get them reported."
+            f"schema uses keywords that backend '{backend}' cannot enforce exactly{whose}: "
+            f"{listed}{more}. Pass allow_weakening=True to generate anyway and get them reported."
         )
 
 

@@ -231,3 +231,11 @@ def _pattern_properties(
         for key, value in instance.items():
             if regex.search(pattern, key):
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def schema_validator(
+    schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None = None
+) -> Any:
+    """A new (uncached) validator for ``schema``, built as the post-validation builds its own:
+    the schema's dialect, format assertion on, ``regex`` patterns."""
+    return _build_validator(schema, registry)

@@ -18,6 +18,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` → exact ``pattern``s;
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
   (``properties: {p: false}``) and "present and ..." branches;
+- ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
+  (:mod:`enum_filter`; none left: ``false``, or an error at the root);
 - keywords without effect: ``if`` without ``then``/``else``, ``then``/``else`` without ``if``,
   ``uniqueItems: false``, ``uniqueItems`` with ``maxItems <= 1``, ``minContains`` / ``maxContains``
   without ``contains``, ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
@@ -29,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained.enum_filter import filter_enums
 from espalier.constrained.schema_logic import (
     Defs,
     complement,
@@ -68,7 +71,7 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     out = _rewrite(schema, "", ctx)
     if isinstance(out, dict):
         out.pop("$schema", None)
-    return out
+    return filter_enums(out, annotations_matter=ctx.annotations_matter)
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
@@ -188,9 +191,11 @@ _MONTH_DAY = (
 )
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
-# RFC 3339 full-time without leap seconds (as the post-validation's checker: rfc3339-validator)
+# RFC 3339 full-time without leap seconds (as the post-validation's checker: rfc3339-validator).
+# The optional fraction is "(?:[.][0-9]+|)": xgrammar reads "(?:[.][0-9]+)?" as also matching
+# "1" (schema_features.optional_group_repeats), which let "12:00:001Z" through.
 _TIME = (
-    "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+)?"
+    "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+|)"
     "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
 FORMAT_PATTERNS = {

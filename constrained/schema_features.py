@@ -175,6 +175,10 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
         return Support.EXACT if uri in KNOWN_DIALECTS else Support.IGNORED
     if keyword not in profile.exact:
         return Support.IGNORED
+    if keyword in ("enum", "const") and values_with_siblings(node):
+        # members failing a sibling get through where a backend emits the values alone;
+        # rewrite.normalize_schema filters them and drops the siblings (enum_filter)
+        return Support.WEAKENED
     if keyword == "$ref" and not _is_local_ref(node.get(keyword)):
         return Support.IGNORED  # left unresolved (dynamic scopes): backends drop such refs
     if keyword == "format" and node.get("format") not in profile.formats:
@@ -182,6 +186,18 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
     if profile.rule is not None:
         return profile.rule(keyword, node)
     return Support.EXACT
+
+
+NOT_ASSERTING = ANNOTATIONS | {"$schema", "$dynamicAnchor", "$recursiveAnchor"}
+
+
+def values_with_siblings(node: dict[str, Any]) -> bool:
+    """Whether ``node`` has ``enum`` or ``const`` and another keyword that asserts something
+    (the other of the two included)."""
+    values = ("enum" in node) + ("const" in node)
+    if values != 1:
+        return values == 2
+    return any(k in VOCABULARY and k not in NOT_ASSERTING | {"enum", "const"} for k in node)
 
 
 def _is_local_ref(ref: Any) -> bool:
@@ -211,6 +227,10 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
             return Support.IGNORED
     if kind == "string" and _string_groups(node) > 1:
         return Support.WEAKENED  # at most one of pattern / format / length is enforced
+    if keyword == "required" and required_outside_properties(node):
+        return Support.WEAKENED  # probe "required-not-in-properties"
+    if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
+        return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
     if keyword == "multipleOf":
         value = node["multipleOf"]
         if types != {"integer"} or not (isinstance(value, int) or float(value).is_integer()):
@@ -220,6 +240,49 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
     return Support.EXACT
+
+
+def required_outside_properties(node: dict[str, Any]) -> bool:
+    """Whether ``required`` names a property that ``properties`` of the same object lacks:
+    xgrammar and outlines-core only require the properties they emit."""
+    names = node.get("required")
+    listed = node.get("properties")
+    known = set(listed) if isinstance(listed, dict) else set()
+    return isinstance(names, list) and any(name not in known for name in names)
+
+
+def optional_group_repeats(pattern: str) -> bool:
+    """Whether a group made optional by ``?`` holds a repetition (``+``, ``*``, ``{m,n}``):
+    xgrammar's regex conversion lets such a group's repeated part match without the rest."""
+    starts: list[int] = []
+    for i, char in _syntax(pattern):
+        if char == "(":
+            starts.append(i)
+        elif char == ")" and starts:
+            start = starts.pop()
+            body = pattern[start + 1 : i]
+            if pattern[i + 1 : i + 2] == "?" and any(c in "+*{" for _, c in _syntax(body)):
+                return True
+    return False
+
+
+def _syntax(pattern: str) -> list[tuple[int, str]]:
+    """``(index, char)`` of the regex characters outside escapes and ``[...]`` classes."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "[":  # skip the class; a "]" first inside it is literal
+            i = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("]", "^") else i + 1)
+            if i < 0:
+                break
+        else:
+            out.append((i, char))
+        i += 1
+    return out
 
 
 _FLOAT64_EXACT_INT = 2**53
@@ -242,6 +305,8 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED  # the sub-regexes are not intersected
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
+    if keyword == "required" and required_outside_properties(node):
+        return Support.WEAKENED  # probe "required-not-in-properties"
     return Support.EXACT
 
 

@@ -1,7 +1,8 @@
 """``espalier conformance PATH``: run JSON Schema test files through a grammar backend.
 
 Prints one JSON line per file, then one JSON line with the keys
-``schemas, compiled, refused, tests, passed, false_accept, false_reject``.
+``schemas, compiled, refused, tests, passed, false_accept, false_reject, runtime_error``, always
+(also when the run stops early: then after an error on stderr, with exit status 1).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
     )
     results = []
+    status = 0
     failures = open(args.failures, "w", encoding="utf-8") if args.failures else None  # noqa: SIM115
     try:
         for result in run_files(files, config, jobs=args.jobs):
@@ -83,8 +85,12 @@ def run(args: argparse.Namespace) -> int:
                 for kind, case, test, detail in result.failures:
                     record = {"file": result.path, "kind": kind, "case": case, "test": test}
                     failures.write(json.dumps({**record, "detail": detail}) + "\n")
+    except Exception as exc:  # the runner itself failed (a worker died): say so, still summarise
+        done = f"after {len(results)} of {len(files)} files"
+        print(f"espalier conformance: stopped {done}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        status = 1
     finally:
         if failures is not None:
             failures.close()
-    print(json.dumps(total(results)), flush=True)
-    return 0
+        print(json.dumps(total(results)), flush=True)
+    return status

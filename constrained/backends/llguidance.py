@@ -32,6 +32,7 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -78,6 +79,8 @@ class Backend:
         self.tokenizer = tokenizer
         self.options = options
         self.facts = vocab_facts(tokenizer)
+        # makes the compiled grammars' spare matchers (llguidance releases the GIL meanwhile)
+        self.spares = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llguidance-spare")
         facts = self.facts  # backend_view holds the tokenizer's lock: build without re-entering
         self.lltokenizer = tokenizer.backend_view(
             "llguidance", lambda tok: _build_lltokenizer(tok, facts)
@@ -104,10 +107,11 @@ class Backend:
         template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if template.is_error():
             raise _invalid(spec.kind, template.get_error())
-        _warm_lexer(template, self.tokenizer.vocab_size)
         compiled = CompiledGrammar(
             spec, self.tokenizer, self.facts, template, grammar, self.lltokenizer, self.native_slot
         )
+        compiled.spares = self.spares
+        compiled.prepare_spare()
         if self.native_slot is not None and self.native_slot.built() is not None:
             compiled.native_template()  # its own lexer warms here too, not in a first walk
         return compiled
@@ -160,10 +164,19 @@ class Backend:
 class CompiledGrammar(CompiledBase):
     """A validated llguidance grammar.
 
-    ``native`` is a template ``LLMatcher`` at the start state (each matcher is a ``deep_copy`` of
-    it, sharing the compiled grammar); ``grammar`` is the llguidance grammar text and
-    ``lltokenizer`` the ``LLTokenizer``. :meth:`native_template` is the same grammar through the
-    C API (``constrained/native/llguidance.py``), for the native tree walk.
+    ``native`` is the ``LLMatcher`` the compile checked the grammar with; ``grammar`` is the
+    llguidance grammar text and ``lltokenizer`` the ``LLTokenizer``. Each :meth:`matcher` is a new
+    ``LLMatcher`` made from ``grammar``, never a ``deep_copy`` of a shared one: copies share one
+    lexer, with its lazily built states and its fuel ("too many expressions constructed" once
+    spent, for every copy), so one request could spend another's budget or, once the lexer is in
+    its error state, make every later request on the grammar fail. :meth:`native_template` is
+    the same grammar through the C API (``constrained/native/llguidance.py``), for the native
+    tree walk; C-API clones are deep (each has its own lexer).
+
+    Making an ``LLMatcher`` compiles the grammar again (hundreds of times a ``deep_copy``), so
+    one spare is kept ready: made on the backend's ``spares`` thread after the compile and after
+    each :meth:`matcher` takes it, and on the caller's thread only when requests come faster
+    than that. Spares are not warmed: a mask spends the lexer fuel that later consumes draw on.
     """
 
     def __init__(
@@ -185,6 +198,10 @@ class CompiledGrammar(CompiledBase):
         self._native_lock = threading.Lock()
         self._native_template: llg_native.NativeMatcher | None = None
         self._native_failed = False
+        self.spares: ThreadPoolExecutor | None = None  # where spares are made; None: no spare
+        self._spare_lock = threading.Lock()
+        self._spare: llguidance.LLMatcher | None = None
+        self._spare_pending = False
 
     def native_template(self) -> llg_native.NativeMatcher | None:
         """The C-API matcher at the start state (made and warmed on first call), or None while
@@ -198,7 +215,7 @@ class CompiledGrammar(CompiledBase):
                     template = tokenizer.matcher(self.grammar)
                     scratch = np.zeros(bm.words_per_row(self.tokenizer.vocab_size), np.int32)
                     # C-API clones are deep (the lexer included): warm the template itself, so
-                    # every twin starts with the start state's lexer built (_warm_lexer)
+                    # every twin starts with the start state's lexer built
                     template.mask_into(scratch)
                     self._native_template = template
                 except RuntimeError:
@@ -220,7 +237,35 @@ class CompiledGrammar(CompiledBase):
         return len(self.grammar) * 4 + 64 * 1024
 
     def matcher(self) -> Matcher:
-        return Matcher(self, self.native.deep_copy())
+        with self._spare_lock:
+            native, self._spare = self._spare, None
+        if native is None or native.is_error():
+            native = self._new_native()
+        self.prepare_spare()
+        if native.is_error():
+            # the compile made one from the same text and limits, so this is not expected; the
+            # compile's own matcher, used by no request, keeps matcher() from ever raising
+            native = self.native.deep_copy()
+        return Matcher(self, native)
+
+    def prepare_spare(self) -> None:
+        """Have a new ``LLMatcher`` made in the background for the next :meth:`matcher`."""
+        with self._spare_lock:
+            if self.spares is None or self._spare is not None or self._spare_pending:
+                return
+            self._spare_pending = True
+        self.spares.submit(self._make_spare)
+
+    def _make_spare(self) -> None:
+        native = None
+        try:
+            native = self._new_native()
+        finally:
+            with self._spare_lock:
+                self._spare, self._spare_pending = native, False
+
+    def _new_native(self) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.lltokenizer, self.grammar, log_level=0)
 
 
 class Matcher(MatcherBase):
@@ -322,13 +367,17 @@ class Matcher(MatcherBase):
             self._checked_rows = bitmask.shape[0]
         if not 0 <= index < self._checked_rows:
             raise IndexError(f"bitmask row {index} out of range")
-        # No is_error() check: accept() validates before consuming, so the native matcher never
-        # enters its error state. A tensor resized in place (resize_) after its first fill would
-        # keep a stale address: bitmask buffers are allocated once and never resized.
+        # A tensor resized in place (resize_) after its first fill would keep a stale address:
+        # bitmask buffers are allocated once and never resized.
         self.native.unsafe_compute_mask_ptr(
             self._checked_ptr + index * self._row_bytes, self._row_bytes
         )
         self.mask_memo_stale = False
+        # accept() never consumes a bad token, but a mask can hit a runtime limit (the lexer's
+        # fuel, the parser's row limit): llguidance then writes an EOS-only row, which would end
+        # the request early as if it were done. It is this request's error instead.
+        if self.native.is_error():
+            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
 
     def _native_can_terminate(self) -> bool:
         return bool(self.native.is_accepting())
@@ -384,18 +433,6 @@ class _TokenizerSource:
                 self._encoded.clear()
             self._encoded[text] = ids
         return list(ids)
-
-
-def _warm_lexer(template: llguidance.LLMatcher, vocab_size: int) -> None:
-    """Compute the start state's mask once on a copy of ``template``.
-
-    llguidance builds its lexer automaton lazily and shares it between ``deep_copy``s: the first
-    mask of a grammar pays for it (155 ms on Github_hard/o33924 with Gemma's vocabulary, 3 ms
-    after). Paying here moves that cost into the compile (async, with its own timeout) instead of
-    a request's first step or tree fill.
-    """
-    scratch = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
-    template.deep_copy().unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
 
 
 def _native_slot(tokenizer: TokenizerInfo, facts: VocabFacts) -> llg_native.NativeTokenizerSlot:

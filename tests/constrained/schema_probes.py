@@ -60,6 +60,22 @@ PROBES: tuple[Probe, ...] = (
         [10**18],
     ),
     _p("minimum", "minimum", {"type": "integer", "minimum": 3}, [3, 10], [2, -5]),
+    # xgrammar and outlines-core: a required name missing from "properties" is not required
+    _p(
+        "required-not-in-properties",
+        "required",
+        {"type": "object", "properties": {"b": {}}, "required": ["a"]},
+        [{"a": 1}],
+        [{"b": 1}, {}],
+    ),
+    # xgrammar: an optional group holding a repetition matches its repeated part alone
+    _p(
+        "pattern-optional-repeat",
+        "pattern",
+        {"type": "string", "pattern": "^a(?:x[0-9]+)?Z$"},
+        ["aZ", "ax12Z"],
+        ["a1Z", "a12Z", "axZ"],
+    ),
     _p("maximum", "maximum", {"type": "number", "maximum": 1.5}, [1.5, 1], [1.6, 30]),
     _p(
         "exclusiveMinimum",
@@ -224,5 +240,37 @@ PROBES: tuple[Probe, ...] = (
         [[[]]],
         [[1]],
         cautious=True,
+    ),
+    # enum / const next to keywords some members fail: a backend that emits the values alone lets
+    # those members through (issue 37); the keyword table marks these weakened and
+    # rewrite.normalize_schema filters the members (enum_filter), so strict mode never sees them
+    *(
+        _p(f"{kw}-with-{name}", kw, schema, valid, invalid)
+        for kw, name, schema, valid, invalid in (
+            ("enum", "type", {"enum": ["A", 1], "type": "object"}, [], ["A", 1]),
+            ("enum", "minLength", {"enum": ["a", "abc"], "minLength": 2}, ["abc"], ["a"]),
+            ("enum", "maxLength", {"enum": ["a", "abc"], "maxLength": 2}, ["a"], ["abc"]),
+            ("enum", "pattern", {"enum": ["a1", "b"], "pattern": "^[a-z][0-9]$"}, ["a1"], ["b"]),
+            ("enum", "format", {"enum": ["a@b.io", "ab"], "format": "email"}, ["a@b.io"], ["ab"]),
+            ("enum", "minimum", {"enum": [1, 5], "minimum": 3}, [5], [1]),
+            ("enum", "exclusiveMaximum", {"enum": [1, 5], "exclusiveMaximum": 5}, [1], [5]),
+            ("enum", "multipleOf", {"enum": [3, 4], "multipleOf": 3}, [3], [4]),
+            ("enum", "items", {"enum": [[1], ["x"]], "items": {"type": "integer"}}, [[1]], [["x"]]),
+            ("enum", "maxItems", {"enum": [[1], [1, 2]], "maxItems": 1}, [[1]], [[1, 2]]),
+            ("enum", "required", {"enum": [{"a": 1}, {}], "required": ["a"]}, [{"a": 1}], [{}]),
+            (
+                "enum",
+                "properties",
+                {"enum": [{"a": 1}, {"a": "x"}], "properties": {"a": {"type": "integer"}}},
+                [{"a": 1}],
+                [{"a": "x"}],
+            ),
+            ("enum", "not", {"enum": [1, 2], "not": {"const": 2}}, [1], [2]),
+            ("enum", "anyOf", {"enum": [1, "a"], "anyOf": [{"type": "string"}]}, ["a"], [1]),
+            ("enum", "const", {"enum": [1, 2], "const": 2}, [2], [1]),
+            ("const", "type", {"const": "a", "type": "integer"}, [], ["a"]),
+            ("const", "maxLength", {"const": "abc", "maxLength": 2}, [], ["abc"]),
+            ("const", "minimum", {"const": 1, "minimum": 2}, [], [1]),
+        )
     ),
 )

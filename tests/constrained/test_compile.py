@@ -183,3 +183,24 @@ def test_complement_is_exact(schema: Any) -> None:
 def test_no_complement_for_what_cannot_be_said() -> None:
     for schema in ({"type": "integer"}, {"pattern": "a"}, {"enum": [1]}, {"multipleOf": 2}):
         assert complement(schema, {}) is None
+
+
+def test_refusals_name_the_reasons_of_the_backend_tried(toy_tokenizer: Any) -> None:
+    # llguidance enforces 'false' but not format hostname; xgrammar neither
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"h": {"type": "string", "format": "hostname"}},
+    }
+    spec = GrammarSpec.json_schema(schema)
+    messages = {}
+    for backend in ("auto", "xgrammar", "llguidance"):
+        with pytest.raises(SchemaNotEnforceableError) as raised:
+            compile_grammar(spec, toy_tokenizer, backend)
+        messages[backend] = str(raised.value)
+        assert {i.backend for i in raised.value.issues} == (
+            {"llguidance"} if backend == "auto" else {backend}
+        )
+    assert "'false'" in messages["xgrammar"] and "'format'" in messages["xgrammar"]
+    assert "'false'" not in messages["llguidance"]
+    assert "the reasons of 'llguidance'" in messages["auto"] and "'false'" not in messages["auto"]

@@ -2,8 +2,9 @@
 
 The ratchet (``tests/ratchet_conformance.json``) records, per backend and for ``auto``, the
 summary on the draft2020-12 core files. CI reruns a representative subset with a toy tokenizer
-(fast, no model); ``ESPALIER_SLOW=1`` reruns the full core with the embedded Gemma tokenizer.
-Either fails when ``passed`` drops below the record or ``false_accept`` is not 0.
+(fast, no model), and a JSONSchemaBench sample with each backend chosen by name (strict mode);
+``ESPALIER_SLOW=1`` reruns the full core with the embedded Gemma tokenizer. Each fails when
+``passed`` drops below the record or ``false_accept`` is not 0.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,10 @@ from espalier.server.main import main
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT.parent / "shared" / "conformance" / "json-schema-test-suite"
 DRAFT = SUITE / "draft2020-12"
+BENCH_TAR = SUITE.parent / "jsonschemabench.tar.xz"
 RATCHET = json.loads((ROOT / "tests" / "ratchet_conformance.json").read_text())
 needs_suite = pytest.mark.skipif(not DRAFT.is_dir(), reason="JSON Schema Test Suite not present")
+needs_bench = pytest.mark.skipif(not BENCH_TAR.is_file(), reason="JSONSchemaBench not present")
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +104,37 @@ def test_cli_reads_both_file_formats(tmp_path: Path, toy_tokenizer_dir: str) -> 
         "passed": 5,
         "false_accept": 0,
         "false_reject": 0,
+        "runtime_error": 0,
     }
     assert len(rows) == 3  # one row per file, then the summary
     records = [json.loads(line) for line in failures.read_text().splitlines()]
     assert [r["kind"] for r in records] == ["refused"]
     assert "uniqueItems" in records[0]["detail"]
+
+
+def test_an_instance_the_matcher_cannot_take_is_counted_not_fatal(
+    tmp_path: Path, toy_tokenizer_dir: str
+) -> None:
+    # a lone surrogate is legal in JSON text but no tokenizer can encode it
+    (tmp_path / "s.json").write_text(
+        '[{"description": "s", "schema": {"type": "string"}, "tests": ['
+        '{"description": "lone", "data": "a\\ud800b", "valid": false},'
+        '{"description": "ok", "data": "ab", "valid": true}, "not a test"]}]'
+    )
+    failures = tmp_path / "failures.jsonl"
+    rows = run_cli(str(tmp_path), "--tokenizer", toy_tokenizer_dir, "--failures", str(failures))
+    assert rows[-1] == {
+        "schemas": 1,
+        "compiled": 1,
+        "refused": 0,
+        "tests": 2,
+        "passed": 1,
+        "false_accept": 0,
+        "false_reject": 0,
+        "runtime_error": 1,
+    }
+    (record,) = [json.loads(line) for line in failures.read_text().splitlines()]
+    assert (record["kind"], record["test"]) == ("runtime_error", "lone")
 
 
 def test_optional_files_are_skipped_unless_asked(tmp_path: Path) -> None:
@@ -131,8 +161,41 @@ def check_ratchet(got: dict[str, int], record: dict[str, int]) -> None:
 def test_ratchet_ci_subset(backend: str, toy_tokenizer_dir: str) -> None:
     subset = RATCHET["ci_subset"]
     files = [DRAFT / name for name in subset["files"]]
-    config = RunConfig(backend=backend, tokenizer=toy_tokenizer_dir, remotes=str(SUITE / "remotes"))
+    config = RunConfig(
+        backend=backend,
+        tokenizer=toy_tokenizer_dir,
+        remotes=str(SUITE / "remotes"),
+        timeout_s=60.0,  # a loaded CI machine must not turn a slow compile into a refusal
+    )
     check_ratchet(total(list(run_files(files, config))), subset["summary"][backend])
+
+
+@pytest.fixture(scope="module")
+def bench_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ratchet's JSONSchemaBench files, extracted in one pass over the archive."""
+    record = RATCHET["jsonschemabench_ci"]
+    wanted = {f"jsonschemabench/{name}" for name in record["files"] + record["outlines_core_files"]}
+    folder = tmp_path_factory.mktemp("jsonschemabench")
+    with tarfile.open(BENCH_TAR, "r|xz") as archive:
+        for member in archive:
+            if member.isfile() and member.name in wanted:
+                archive.extract(member, folder, filter="data")
+    return folder / "jsonschemabench"
+
+
+@needs_bench
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines_core"])
+def test_ratchet_jsonschemabench_sample(
+    backend: str, bench_sample: Path, toy_tokenizer_dir: str
+) -> None:
+    record = RATCHET["jsonschemabench_ci"]
+    names = record["outlines_core_files" if backend == "outlines_core" else "files"]
+    files = [bench_sample / name for name in names]
+    assert all(path.is_file() for path in files)
+    config = RunConfig(backend=backend, tokenizer=toy_tokenizer_dir, timeout_s=60.0)
+    got = total(list(run_files(files, config)))
+    print(json.dumps({"backend": backend, **got}))
+    check_ratchet(got, record["summary"][backend])
 
 
 @needs_suite

@@ -122,3 +122,24 @@ def test_false_subschema_support() -> None:
     schema = {"type": "object", "properties": {"a": False}}
     assert backend_issues("llguidance", schema) == []
     assert [i.keyword for i in backend_issues("xgrammar", schema)] == ["false"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "flagged"),
+    [
+        ("^a(?:x[0-9]+)?Z$", True),
+        ("^(?:x(?:[0-9])+)?$", True),
+        ("^a(x{2,})?$", True),
+        ("^(?:[^]]*)?$", True),
+        ("^a(?:x[0-9])?Z$", False),
+        ("^a(?:[+*]x)?$", False),
+        ("^a(?:x\\+)?$", False),
+        ("^a(?:x[0-9]+|)Z$", False),
+        ("^a(?:x[0-9]+){0,1}$", False),
+        ("^(a+)$", False),
+    ],
+)
+def test_optional_groups_holding_a_repetition_are_found(pattern: str, flagged: bool) -> None:
+    from espalier.constrained.schema_features import optional_group_repeats
+
+    assert optional_group_repeats(pattern) is flagged
