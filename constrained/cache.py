@@ -84,10 +84,11 @@ class CacheKey:
 
 @dataclass
 class CacheStats:
-    """Counters for metrics (monotonic except ``bytes`` / ``entries`` / ``abandoned_running``).
+    """Counters for metrics (monotonic except ``bytes``, ``entries`` and the ``*running`` gauges).
 
     ``compile_seconds_total`` counts compiles' run time, ``queue_seconds_total`` their waits (in
-    the queue and for a place to run); ``abandoned_running``: abandoned threads still running."""
+    the queue and for a place to run); ``running``: compiles running now (abandoned ones
+    included), of which ``abandoned_running`` were abandoned."""
 
     hits: int = 0
     misses: int = 0
@@ -101,6 +102,7 @@ class CacheStats:
     compile_seconds_total: float = 0.0
     queue_seconds_total: float = 0.0
     abandoned_running: int = 0
+    running: int = 0
     bytes: int = 0
     entries: int = 0
 
@@ -215,6 +217,9 @@ class CompileCache:
             if result is not None:
                 self._negative.pop(job.key, None)
                 self._store(job.key, result)
+            elif isinstance(error, CompileTimeoutError) and not timed_out:
+                self.stats.timeouts += 1  # the compile stopped itself at its deadline
+                self._remember_timeout(job, error)
             elif isinstance(error, GrammarError) and not timed_out:
                 self.stats.failures += 1
                 self._remember_failure(job.key, error)
@@ -230,10 +235,7 @@ class CompileCache:
             job.done = True
             self.stats.timeouts += 1
             error = CompileTimeoutError(job.timeout_s)
-            if job.started_at is not None:
-                ran = time.monotonic() - job.started_at - job.clock.waited_s
-                if ran >= job.timeout_s / 2:  # it had its time: it would time out again
-                    self._remember_failure(job.key, error)
+            self._remember_timeout(job, error)
             if self._jobs.get(job.key) is job:
                 del self._jobs[job.key]
             waiters, job.waiters = job.waiters, []
@@ -270,6 +272,14 @@ class CompileCache:
             self.stats.bytes -= self._sizes.pop(old)
             self.stats.evictions += 1
         self.stats.entries = len(self._entries)
+
+    def _remember_timeout(self, job: _Job, error: CompileTimeoutError) -> None:
+        """Cache a timeout negatively when the compile ran for at least half its limit: it had
+        its time and would time out again (one that mostly waited is not blamed)."""
+        if job.started_at is not None:
+            ran = time.monotonic() - job.started_at - job.clock.waited_s
+            if ran >= job.timeout_s / 2:
+                self._remember_failure(job.key, error)
 
     def _remember_failure(self, key: CacheKey, error: BaseException) -> None:
         self._negative[key] = error
@@ -331,6 +341,7 @@ class _Pool:
         self._max_workers = max(1, workers)
         self._workers: list[_Worker] = []
         self._idle = 0  # workers waiting for a job
+        self._pending = 0  # jobs queued, not yet taken by a worker
         self._watchdog = threading.Thread(
             target=self._watch, name="espalier-compile-watchdog", daemon=True
         )
@@ -341,8 +352,10 @@ class _Pool:
         with self._lock:
             heapq.heappush(self._deadlines, (job.clock.deadline, next(self._counter), job))
             self._wake.notify()
+            self._pending += 1
             worker = None
-            if self._idle == 0 and len(self._workers) < self._max_workers and not self._closed:
+            full = len(self._workers) >= self._max_workers
+            if self._pending > self._idle and not full and not self._closed:
                 worker = _Worker(self)
                 self._workers.append(worker)
                 self._idle += 1  # counted idle until it takes its first job
@@ -355,6 +368,7 @@ class _Pool:
         job = self.jobs.get()
         with self._lock:
             self._idle -= 1
+            self._pending -= job is not None
         return job
 
     def job_done(self) -> None:
@@ -367,6 +381,7 @@ class _Pool:
                 return
             job.started_at = time.monotonic()
             job.worker = worker
+            self.cache.stats.running += 1
         start = time.perf_counter()
         result: CompileResult | None = None
         error: BaseException | None = None
@@ -380,6 +395,7 @@ class _Pool:
         self.cache._finish(job, result, error, time.perf_counter() - start)
         with self.cache._lock:
             job.returned = True
+            self.cache.stats.running -= 1
             if worker.abandoned:
                 self.cache.stats.abandoned_running -= 1
 

@@ -153,7 +153,8 @@ class ChildPool:
         setup: the setup payload each child gets once (the vocabulary).
         memory_limit: each child's address-space cap in bytes (0: none).
         max_children: children alive at once, busy or idle; a compile past that waits.
-        warm: children started at once in the background, so the first compile finds one ready.
+        warm: children kept ready: started at once in the background, and again after a kill,
+            so the next compile finds one without waiting for the library to load.
     """
 
     def __init__(
@@ -177,11 +178,10 @@ class ChildPool:
         self._idle: list[_Child] = []
         self._children: set[_Child] = set()
         self._slots = 0  # children alive or starting
+        self._warm = min(warm, self.max_children)
+        self._warming = 0  # children starting in the background
         weakref.finalize(self, _kill_all, self._children)
-        for _ in range(min(warm, self.max_children)):
-            self._slots += 1
-            warming = threading.Thread(target=self._prestart, name="espalier-child", daemon=True)
-            warming.start()
+        self._refill()
 
     def ask(self, request: bytes) -> bytes:
         """The child's ``K`` payload for ``request``. Raises :class:`ChildRefusedError` with the
@@ -194,6 +194,7 @@ class ChildPool:
             tag, payload = child.ask(request, deadline)
         except _Timeout:
             self._drop(child)
+            self._refill()
             assert running is not None
             raise CompileTimeoutError(running[1]) from None
         except _Died:
@@ -215,6 +216,11 @@ class ChildPool:
         """Process ids of the children still running (idle or building)."""
         with self._cond:
             return [child.pid for child in self._children if child.alive()]
+
+    def busy(self) -> int:
+        """Children building a grammar now."""
+        with self._cond:
+            return len(self._children) - len(self._idle)
 
     def close(self) -> None:
         """End every child (idle or building); later compiles start new ones."""
@@ -266,11 +272,24 @@ class ChildPool:
             self._children.add(child)
         return child
 
+    def _refill(self) -> None:
+        """Start children in the background until ``warm`` are idle or starting."""
+        with self._cond:
+            wanted = self._warm - len(self._idle) - self._warming
+            wanted = min(wanted, self.max_children - self._slots)
+            self._slots += max(wanted, 0)
+            self._warming += max(wanted, 0)
+        for _ in range(wanted):
+            threading.Thread(target=self._prestart, name="espalier-child", daemon=True).start()
+
     def _prestart(self) -> None:
         try:
             child = self._start()
         except (GrammarError, OSError):
-            return  # the first compile starts one and reports why it cannot
+            return  # the next compile starts one and reports why it cannot
+        finally:
+            with self._cond:
+                self._warming -= 1
         self._give_back(child)
 
     def _give_back(self, child: _Child) -> None:
