@@ -244,9 +244,9 @@ class ChildPool:
                         note_wait(time.perf_counter() - waited_from)
                         return child
                     self._forget(child)
-                if self._slots < self.max_children:
+                if self._slots < self.max_children and self._warming == 0:
                     self._slots += 1
-                    break
+                    break  # start one here (a child warming up will be the next one's)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     note_wait(time.perf_counter() - waited_from)
@@ -283,14 +283,14 @@ class ChildPool:
             threading.Thread(target=self._prestart, name="espalier-child", daemon=True).start()
 
     def _prestart(self) -> None:
-        try:
+        child = None
+        with contextlib.suppress(Exception):  # the next compile starts one and says why it fails
             child = self._start()
-        except (GrammarError, OSError):
-            return  # the next compile starts one and reports why it cannot
-        finally:
-            with self._cond:
-                self._warming -= 1
-        self._give_back(child)
+        with self._cond:
+            self._warming -= 1
+            if child is not None and child in self._children:
+                self._idle.append(child)
+            self._cond.notify_all()
 
     def _give_back(self, child: _Child) -> None:
         with self._cond:

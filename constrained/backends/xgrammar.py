@@ -71,12 +71,19 @@ class Backend:
                 "xgrammar.serialized", lambda tok: info.serialize_json().encode("utf-8")
             )
             head = json.dumps({"max_threads": options.max_threads}).encode()
-            self.pool = ChildPool(
-                NAME,
-                CHILD_MODULE,
-                head + b"\n" + serialized,
-                memory_limit=options.xgrammar_memory_limit,
-                max_children=options.compile_slots,
+            limit, slots = options.xgrammar_memory_limit, options.compile_slots
+            # one pool per tokenizer and child configuration, shared by every Backend built on
+            # it: the bound is per library, and a child costs seconds to start (xgrammar
+            # imports torch)
+            self.pool = tokenizer.backend_view(
+                f"xgrammar.pool:{options.max_threads}:{limit}:{slots}",
+                lambda tok: ChildPool(
+                    NAME,
+                    CHILD_MODULE,
+                    head + b"\n" + serialized,
+                    memory_limit=limit,
+                    max_children=slots,
+                ),
             )
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
