@@ -26,13 +26,14 @@ once with the same exception. Other exceptions (bugs) are not cached.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -53,6 +54,12 @@ class _Clock:
     deadline: float  # time.monotonic()
     limit_s: float
     waited_s: float = 0.0
+    waiting_since: float | None = None  # time.monotonic() of a wait in progress
+
+    def waited(self, now: float) -> float:
+        """Seconds waited so far, a wait in progress included."""
+        since = self.waiting_since
+        return self.waited_s + (now - since if since is not None else 0.0)
 
 
 def compile_deadline() -> tuple[float, float] | None:
@@ -66,12 +73,20 @@ def compile_deadline() -> tuple[float, float] | None:
     return None if clock is None else (clock.deadline, clock.limit_s)
 
 
-def note_wait(seconds: float) -> None:
-    """Count ``seconds`` of the compile running on this thread as waiting, not running (a pool
-    calls it after waiting for a child process or a slot); a no-op outside a cache's compile."""
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Count the time inside as the running compile's waiting, not running (a pool waits for a
+    child process or a slot in it); a no-op outside a cache's compile."""
     clock: _Clock | None = getattr(_RUNNING, "clock", None)
-    if clock is not None:
-        clock.waited_s += seconds
+    if clock is None:
+        yield
+        return
+    since = clock.waiting_since = time.monotonic()
+    try:
+        yield
+    finally:
+        clock.waited_s += time.monotonic() - since
+        clock.waiting_since = None
 
 
 @dataclass(frozen=True)
@@ -277,7 +292,8 @@ class CompileCache:
         """Cache a timeout negatively when the compile ran for at least half its limit: it had
         its time and would time out again (one that mostly waited is not blamed)."""
         if job.started_at is not None:
-            ran = time.monotonic() - job.started_at - job.clock.waited_s
+            now = time.monotonic()
+            ran = now - job.started_at - job.clock.waited(now)
             if ran >= job.timeout_s / 2:
                 self._remember_failure(job.key, error)
 

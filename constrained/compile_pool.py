@@ -12,7 +12,7 @@ few of them could take every compile thread (``constrained/cache.py``). So:
 - :class:`InProcessLane`: a backend whose compile the library itself bounds (llguidance: lazy
   lexer, its own size and fuel limits) compiles in-process, at most ``slots`` at a time.
 
-Waits for a child or a slot are reported to the running compile (:func:`cache.note_wait`), so a
+Waits for a child or a slot are reported to the running compile (:func:`cache.waiting`), so a
 compile's queue time and its run time are reported apart.
 """
 
@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Iterator
 
-from espalier.constrained.cache import compile_deadline, note_wait
+from espalier.constrained.cache import compile_deadline, waiting
 from espalier.constrained.compile_child import U64
 from espalier.constrained.errors import CompileMemoryError, CompileTimeoutError, GrammarError
 
@@ -235,13 +235,11 @@ class ChildPool:
     # -- slots ----------------------------------------------------------------------------------
 
     def _take(self, deadline: float | None, running: tuple[float, float] | None) -> _Child:
-        waited_from = time.perf_counter()
-        with self._cond:
+        with waiting(), self._cond:
             while True:
                 while self._idle:
                     child = self._idle.pop()
                     if child.alive():
-                        note_wait(time.perf_counter() - waited_from)
                         return child
                     self._forget(child)
                 if self._slots < self.max_children and self._warming == 0:
@@ -249,11 +247,9 @@ class ChildPool:
                     break  # start one here (a child warming up will be the next one's)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    note_wait(time.perf_counter() - waited_from)
                     assert running is not None
                     raise CompileTimeoutError(running[1])
                 self._cond.wait(left)
-        note_wait(time.perf_counter() - waited_from)
         return self._start()
 
     def _start(self) -> _Child:
@@ -322,10 +318,9 @@ class InProcessLane:
     def slot(self) -> Iterator[None]:
         """Hold a slot; waits up to the running compile's deadline (CompileTimeoutError)."""
         running = compile_deadline()
-        start = time.perf_counter()
         timeout = None if running is None else max(running[0] - time.monotonic(), 0.0)
-        acquired = self._free.acquire(timeout=timeout)
-        note_wait(time.perf_counter() - start)
+        with waiting():
+            acquired = self._free.acquire(timeout=timeout)
         if not acquired:
             assert running is not None
             raise CompileTimeoutError(running[1])
