@@ -103,9 +103,9 @@ def test_compile_grammar_reports_backend_and_cache(client: Client) -> None:
 
 
 def test_strict_mode_refuses_a_weakened_schema_with_json_pointers(client: Client) -> None:
-    schema = {
+    schema = {  # xgrammar does not enforce uniqueItems
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
         "additionalProperties": False,
     }
     with pytest.raises(InvalidArgumentError) as info:
