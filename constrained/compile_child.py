@@ -15,12 +15,18 @@ Protocol on stdin / stdout, little-endian:
   sees the pipe close.
 
 A frame is ``u64 n`` then ``n`` bytes.
+
+A child ends when its stdin closes: between requests at the read, and during a build through a
+watcher thread (the parent died or gave up; the libraries release the GIL while they build).
 """
 
 from __future__ import annotations
 
+import os
 import resource
+import select
 import struct
+import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -66,6 +72,7 @@ def serve(stdin: BinaryIO, stdout: BinaryIO, setup: Callable[[bytes], Handler]) 
         return
     handle = setup(payload)
     del payload
+    threading.Thread(target=_exit_when_closed, args=(stdin.fileno(),), daemon=True).start()
     while (request := read_frame(stdin)) is not None:
         try:
             answer = handle(request)
@@ -77,3 +84,13 @@ def serve(stdin: BinaryIO, stdout: BinaryIO, setup: Callable[[bytes], Handler]) 
             continue
         write_answer(stdout, b"K", answer)
         del answer
+
+
+def _exit_when_closed(fd: int) -> None:
+    """Exit the process once every writer of ``fd`` (a pipe) is gone; reads nothing."""
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLHUP and POLLERR are always reported
+    while True:
+        for _, events in poller.poll():
+            if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                os._exit(0)
