@@ -11,7 +11,7 @@ The vocabulary is given to xgrammar as raw bytes with special tokens (stops incl
 strings, so xgrammar never matches a control token as text; stop tokens are passed separately.
 
 Compiles run in child processes (``constrained/xgrammar_child.py``, at most
-``BackendOptions.compile_slots`` at once, one kept warm) that a compile cache kills at the
+``BackendOptions.compile_slots`` at once, all kept warm) that a compile cache kills at the
 compile's deadline: xgrammar cannot cancel a compile, and one can take minutes. The grammar comes
 back in xgrammar's own serialized form (:func:`serialize_compiled`, :func:`deserialize_compiled`).
 ``BackendOptions.xgrammar_memory_limit = 0`` compiles in the calling process instead.
@@ -83,6 +83,9 @@ class Backend:
                     head + b"\n" + serialized,
                     memory_limit=limit,
                     max_children=slots,
+                    # every slot warm: after a kill the next compile finds a child ready instead
+                    # of waiting out a child start (seconds under load) on its own deadline
+                    warm=slots,
                 ),
             )
 
