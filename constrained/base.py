@@ -114,11 +114,15 @@ class GrammarBackend(Protocol):
 
 @dataclass(frozen=True)
 class CompileReport:
-    """What the caller learns from compiling: the backend chosen and what it does not enforce."""
+    """What the caller learns from compiling: the backend chosen and what it does not enforce.
+
+    ``compile_seconds``: the chosen backend's run time; ``queue_seconds``: time the compile waited
+    (in a compile cache's queue and for a place to run) before and while it ran, 0 on a hit."""
 
     backend: str
     weakened: tuple[KeywordIssue, ...] = ()
     compile_seconds: float = 0.0
+    queue_seconds: float = 0.0
     cache_hit: bool = False
     cache_key: str = ""
     notes: tuple[str, ...] = field(default=())

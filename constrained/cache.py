@@ -4,31 +4,38 @@ Keys are :class:`CacheKey` tuples ``(spec.cache_key, backend, tokenizer.fingerpr
 Compiles run on a small pool of worker threads (:class:`_Pool`); callers get a
 ``concurrent.futures.Future`` resolving to ``(CompiledGrammar, CompileReport)``.
 
-Time limit and cancellation — what can and cannot be done:
-- A compile still waiting in the queue is dropped when every caller has cancelled it.
-- A running compile is native code (xgrammar, llguidance, outlines-core) that cannot be
-  interrupted from Python. On timeout or cancellation the caller's future completes at once
-  (``CompileTimeoutError`` / cancelled) and the worker thread running it is *abandoned*: a new
-  worker replaces it so the pool never stalls, and the abandoned thread exits when the native
-  call returns. At most ``max_abandoned`` such threads may be alive; past that, new compiles fail
-  fast with ``CompileTimeoutError`` instead of growing threads without bound.
-- A timed-out grammar goes into the negative cache (it would time out again), unless its
-  abandoned compile later finishes: then the result replaces the negative entry.
+Time limit and cancellation:
+- A compile's limit runs from its submission: time waiting in the queue, or for a place to run
+  in (``constrained/compile_pool.py``), counts against its own limit only. Its report tells the
+  wait (``CompileReport.queue_seconds``) from the run (``compile_seconds``).
+- A compile still waiting in the queue is dropped when every caller has cancelled it or its
+  deadline passed.
+- Compiles that may run long run in child processes that the backend kills at the deadline
+  (:func:`compile_deadline`), so their worker returns at once. Whatever still runs in-process
+  (Python preparation, llguidance's bounded compiles) is *abandoned* at the deadline or on
+  cancellation: the caller's future completes at once (``CompileTimeoutError`` / cancelled), a
+  new worker replaces the thread so the pool never stalls, and the abandoned thread exits when
+  its call returns. Abandoned work never blocks new compiles; each backend bounds its own
+  in-process compiles, which bounds the abandoned threads.
+- A timed-out grammar goes into the negative cache (it would time out again) when it ran for at
+  least half its limit (a compile that mostly waited is not blamed), unless its abandoned compile
+  later finishes: then the result replaces the negative entry.
 Failures with a :class:`GrammarError` are cached negatively: the same request fails again at
 once with the same exception. Other exceptions (bugs) are not cached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from espalier.constrained.base import CompiledGrammar, CompileReport
@@ -40,6 +47,21 @@ CompileFn = Callable[[], CompileResult]
 _RUNNING = threading.local()
 
 
+@dataclass
+class _Clock:
+    """The deadline of one compile and the seconds it spent waiting for a place to run."""
+
+    deadline: float  # time.monotonic()
+    limit_s: float
+    waited_s: float = 0.0
+    waiting_since: float | None = None  # time.monotonic() of a wait in progress
+
+    def waited(self, now: float) -> float:
+        """Seconds waited so far, a wait in progress included."""
+        since = self.waiting_since
+        return self.waited_s + (now - since if since is not None else 0.0)
+
+
 def compile_deadline() -> tuple[float, float] | None:
     """``(deadline, limit_s)`` of the compile running on this thread for a :class:`CompileCache`
     (``deadline`` on ``time.monotonic``'s clock; past it the cache has answered its callers with
@@ -47,8 +69,24 @@ def compile_deadline() -> tuple[float, float] | None:
 
     A compile that can stop early (a child process it can kill) reads it to stop at the deadline
     instead of running on abandoned."""
-    running: tuple[float, float] | None = getattr(_RUNNING, "deadline", None)
-    return running
+    clock: _Clock | None = getattr(_RUNNING, "clock", None)
+    return None if clock is None else (clock.deadline, clock.limit_s)
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Count the time inside as the running compile's waiting, not running (a pool waits for a
+    child process or a slot in it); a no-op outside a cache's compile."""
+    clock: _Clock | None = getattr(_RUNNING, "clock", None)
+    if clock is None:
+        yield
+        return
+    since = clock.waiting_since = time.monotonic()
+    try:
+        yield
+    finally:
+        clock.waited_s += time.monotonic() - since
+        clock.waiting_since = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +99,11 @@ class CacheKey:
 
 @dataclass
 class CacheStats:
-    """Counters for metrics (monotonic except ``bytes`` / ``entries``)."""
+    """Counters for metrics (monotonic except ``bytes``, ``entries`` and the ``*running`` gauges).
+
+    ``compile_seconds_total`` counts compiles' run time, ``queue_seconds_total`` their waits (in
+    the queue and for a place to run); ``running``: compiles running now (abandoned ones
+    included), of which ``abandoned_running`` were abandoned."""
 
     hits: int = 0
     misses: int = 0
@@ -73,6 +115,9 @@ class CacheStats:
     timeouts: int = 0
     cancellations: int = 0
     compile_seconds_total: float = 0.0
+    queue_seconds_total: float = 0.0
+    abandoned_running: int = 0
+    running: int = 0
     bytes: int = 0
     entries: int = 0
 
@@ -82,23 +127,30 @@ class _Job:
     key: CacheKey
     fn: CompileFn
     timeout_s: float
+    clock: _Clock
+    submitted: float  # time.monotonic()
     waiters: list[Future[CompileResult]] = field(default_factory=list)
-    started: bool = False
+    started_at: float | None = None
+    returned: bool = False  # its compile function returned
     done: bool = False
     worker: _Worker | None = None
 
 
 class CompileCache:
-    """Byte-bounded LRU of compiled grammars with async, time-limited compiles."""
+    """Byte-bounded LRU of compiled grammars with async, time-limited compiles.
+
+    ``workers``: most compile threads (started on demand). A compile thread mostly waits (for a
+    backend's child process or slot, each bounded per backend), so there are many: a slow
+    backend's queue must not hold up the compiles of another.
+    """
 
     def __init__(
         self,
         *,
         max_bytes: int = 1 << 30,
-        workers: int = 2,
+        workers: int = 32,
         timeout_s: float = 10.0,
         max_negative: int = 10_000,
-        max_abandoned: int = 8,
     ) -> None:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -109,7 +161,7 @@ class CompileCache:
         self._sizes: dict[CacheKey, int] = {}
         self._negative: OrderedDict[CacheKey, BaseException] = OrderedDict()
         self._jobs: dict[CacheKey, _Job] = {}
-        self._pool = _Pool(self, workers, max_abandoned)
+        self._pool = _Pool(self, workers)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -136,12 +188,10 @@ class CompileCache:
             else:
                 self.stats.misses += 1
                 limit = self.timeout_s if timeout_s is None else timeout_s
-                job = _Job(key, compile_fn, limit)
-                if not self._pool.put(job):  # fail fast rather than grow threads without bound
-                    self.stats.timeouts += 1
-                    caller.set_exception(CompileTimeoutError(limit))
-                    return caller
+                now = time.monotonic()
+                job = _Job(key, compile_fn, limit, _Clock(now + limit, limit), now)
                 self._jobs[key] = job
+                self._pool.put(job)
             job.waiters.append(caller)
         caller.add_done_callback(lambda f: self._on_caller_done(job, f))
         return caller
@@ -168,9 +218,13 @@ class CompileCache:
     def _finish(
         self, job: _Job, result: CompileResult | None, error: BaseException | None, seconds: float
     ) -> None:
+        queued = (job.started_at or job.submitted) - job.submitted + job.clock.waited_s
+        if result is not None:
+            result = (result[0], _with_times(result[1], queued, seconds - job.clock.waited_s))
         with self._lock:
             self.stats.compiles += 1
-            self.stats.compile_seconds_total += seconds
+            self.stats.compile_seconds_total += max(seconds - job.clock.waited_s, 0.0)
+            self.stats.queue_seconds_total += queued
             timed_out = job.done  # the watchdog already answered the callers
             job.done = True
             if self._jobs.get(job.key) is job:
@@ -178,6 +232,9 @@ class CompileCache:
             if result is not None:
                 self._negative.pop(job.key, None)
                 self._store(job.key, result)
+            elif isinstance(error, CompileTimeoutError) and not timed_out:
+                self.stats.timeouts += 1  # the compile stopped itself at its deadline
+                self._remember_timeout(job, error)
             elif isinstance(error, GrammarError) and not timed_out:
                 self.stats.failures += 1
                 self._remember_failure(job.key, error)
@@ -186,14 +243,14 @@ class CompileCache:
             _settle(waiter, result, error)
 
     def _expire(self, job: _Job) -> None:
-        """Watchdog: the running compile passed its time limit."""
+        """Watchdog: the compile (queued or running) passed its deadline."""
         with self._lock:
             if job.done:
                 return
             job.done = True
             self.stats.timeouts += 1
             error = CompileTimeoutError(job.timeout_s)
-            self._remember_failure(job.key, error)
+            self._remember_timeout(job, error)
             if self._jobs.get(job.key) is job:
                 del self._jobs[job.key]
             waiters, job.waiters = job.waiters, []
@@ -213,7 +270,7 @@ class CompileCache:
                 job.done = True
                 if self._jobs.get(job.key) is job:
                     del self._jobs[job.key]
-        if orphaned and job.started:
+        if orphaned and job.started_at is not None:
             self._pool.abandon(job)
 
     def _store(self, key: CacheKey, result: CompileResult) -> None:
@@ -231,6 +288,15 @@ class CompileCache:
             self.stats.evictions += 1
         self.stats.entries = len(self._entries)
 
+    def _remember_timeout(self, job: _Job, error: CompileTimeoutError) -> None:
+        """Cache a timeout negatively when the compile ran for at least half its limit: it had
+        its time and would time out again (one that mostly waited is not blamed)."""
+        if job.started_at is not None:
+            now = time.monotonic()
+            ran = now - job.started_at - job.clock.waited(now)
+            if ran >= job.timeout_s / 2:
+                self._remember_failure(job.key, error)
+
     def _remember_failure(self, key: CacheKey, error: BaseException) -> None:
         self._negative[key] = error
         while len(self._negative) > self.max_negative:
@@ -238,9 +304,15 @@ class CompileCache:
 
 
 def _as_hit(report: CompileReport) -> CompileReport:
-    from dataclasses import replace
+    return replace(report, cache_hit=True, queue_seconds=0.0)
 
-    return replace(report, cache_hit=True)
+
+def _with_times(report: CompileReport, queued: float, ran: float) -> CompileReport:
+    """``report`` with the cache's view of the wait; the run time the compile measured itself
+    (one backend's) unless the cache's (every backend tried) is lower."""
+    return replace(
+        report, queue_seconds=queued, compile_seconds=max(min(report.compile_seconds, ran), 0.0)
+    )
 
 
 def _settle(
@@ -263,78 +335,98 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         while not self.abandoned:
-            job = self.pool.jobs.get()
+            job = self.pool.next_job()
             if job is None:
                 return
             self.pool.run_job(self, job)
+            if not self.abandoned:
+                self.pool.job_done()
 
 
 class _Pool:
-    """Worker threads plus one watchdog thread enforcing each running job's deadline."""
+    """Worker threads plus one watchdog thread enforcing each job's deadline from submission."""
 
-    def __init__(self, cache: CompileCache, workers: int, max_abandoned: int) -> None:
+    def __init__(self, cache: CompileCache, workers: int) -> None:
         self.cache = cache
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.max_abandoned = max_abandoned
         self._lock = threading.Lock()
-        self._abandoned_alive = 0
         self._deadlines: list[tuple[float, int, _Job]] = []
         self._counter = itertools.count()
         self._wake = threading.Condition(self._lock)
         self._closed = False
-        self._workers = [_Worker(self) for _ in range(max(1, workers))]
-        for worker in self._workers:
-            worker.start()
+        self._max_workers = max(1, workers)
+        self._workers: list[_Worker] = []
+        self._idle = 0  # workers waiting for a job
+        self._pending = 0  # jobs queued, not yet taken by a worker
         self._watchdog = threading.Thread(
             target=self._watch, name="espalier-compile-watchdog", daemon=True
         )
         self._watchdog.start()
 
-    def put(self, job: _Job) -> bool:
-        """Queue a job; False when too many abandoned native compiles are still running."""
+    def put(self, job: _Job) -> None:
+        """Queue a job; its deadline is watched from now."""
         with self._lock:
-            if self._abandoned_alive >= self.max_abandoned:
-                return False
+            heapq.heappush(self._deadlines, (job.clock.deadline, next(self._counter), job))
+            self._wake.notify()
+            self._pending += 1
+            worker = None
+            full = len(self._workers) >= self._max_workers
+            if self._pending > self._idle and not full and not self._closed:
+                worker = _Worker(self)
+                self._workers.append(worker)
+                self._idle += 1  # counted idle until it takes its first job
+        if worker is not None:
+            worker.start()
         self.jobs.put(job)
-        return True
+
+    def next_job(self) -> _Job | None:
+        """A worker's next job (None: stop); the worker counts as idle while it waits."""
+        job = self.jobs.get()
+        with self._lock:
+            self._idle -= 1
+            self._pending -= job is not None
+        return job
+
+    def job_done(self) -> None:
+        with self._lock:
+            self._idle += 1
 
     def run_job(self, worker: _Worker, job: _Job) -> None:
         with self.cache._lock:
-            if job.done:  # every caller cancelled while it was queued
+            if job.done:  # every caller cancelled, or its deadline passed, while it was queued
                 return
-            job.started = True
+            job.started_at = time.monotonic()
             job.worker = worker
-        deadline = time.monotonic() + job.timeout_s
-        with self._lock:
-            heapq.heappush(self._deadlines, (deadline, next(self._counter), job))
-            self._wake.notify()
+            self.cache.stats.running += 1
         start = time.perf_counter()
         result: CompileResult | None = None
         error: BaseException | None = None
-        _RUNNING.deadline = (deadline, job.timeout_s)
+        _RUNNING.clock = job.clock
         try:
             result = job.fn()
         except BaseException as exc:  # delivered to the callers, never raised in the worker
             error = exc
         finally:
-            _RUNNING.deadline = None
+            _RUNNING.clock = None
         self.cache._finish(job, result, error, time.perf_counter() - start)
-        if worker.abandoned:
-            with self._lock:
-                self._abandoned_alive -= 1
+        with self.cache._lock:
+            job.returned = True
+            self.cache.stats.running -= 1
+            if worker.abandoned:
+                self.cache.stats.abandoned_running -= 1
 
     def abandon(self, job: _Job) -> None:
         """Give up on a running job: replace its worker so the pool keeps its size."""
         worker = job.worker
-        if worker is None or worker.abandoned:
-            return
-        with self._lock:
-            if self._closed:
+        with self.cache._lock:
+            if worker is None or worker.abandoned or job.returned or self._closed:
                 return
             worker.abandoned = True
-            self._abandoned_alive += 1
-            replacement = _Worker(self)
+            self.cache.stats.abandoned_running += 1
+        replacement = _Worker(self)
+        with self._lock:
             self._workers = [w for w in self._workers if w is not worker] + [replacement]
+            self._idle += 1
         replacement.start()
 
     def close(self) -> None:

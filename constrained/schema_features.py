@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained.errors import KeywordIssue
-from espalier.constrained.schema_walk import walk
+from espalier.constrained.schema_walk import escape_pointer_token, walk
 
 ANNOTATIONS = frozenset(
     {
@@ -148,15 +148,17 @@ class BackendProfile:
     formats: frozenset[str]
     rule: Rule | None = None
     false_schema: bool = True  # enforces a ``false`` subschema (matches nothing)
+    false_schema_under: frozenset[str] = frozenset()  # keywords whose ``false`` value it enforces
 
 
 def backend_issues(backend: str, schema: Any) -> list[KeywordIssue]:
     """Each keyword use in ``schema`` that ``backend`` does not enforce exactly."""
     profile = PROFILES[backend]
     issues: list[KeywordIssue] = []
+    enforced_false = _enforced_false_pointers(profile, schema)
     for node in walk(schema):
         if isinstance(node.schema, bool):
-            if not node.schema and not profile.false_schema:
+            if not node.schema and not profile.false_schema and node.pointer not in enforced_false:
                 issues.append(KeywordIssue("false", node.pointer, Support.IGNORED.value, backend))
             continue
         for keyword in node.schema:
@@ -164,6 +166,21 @@ def backend_issues(backend: str, schema: Any) -> list[KeywordIssue]:
             if support is not Support.EXACT:
                 issues.append(KeywordIssue(keyword, node.pointer, support.value, backend))
     return issues
+
+
+def _enforced_false_pointers(profile: BackendProfile, schema: Any) -> set[str]:
+    """Pointers of the ``false`` subschemas ``profile`` enforces by the keyword holding them
+    (``additionalProperties: false`` on xgrammar), found from the parent so a property that
+    happens to be named ``additionalProperties`` does not count."""
+    if profile.false_schema or not profile.false_schema_under:
+        return set()
+    return {
+        f"{node.pointer}/{escape_pointer_token(keyword)}"
+        for node in walk(schema)
+        if isinstance(node.schema, dict)
+        for keyword in profile.false_schema_under
+        if node.schema.get(keyword) is False
+    }
 
 
 def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any]) -> Support:
@@ -364,7 +381,9 @@ XGRAMMAR = BackendProfile(
         }
     ),
     rule=_xgrammar_rule,
-    false_schema=False,
+    false_schema=False,  # refused at compile ("Schema 'false' cannot accept any value") ...
+    # ... except as these keywords' values, where it means "nothing more" (probe tests)
+    false_schema_under=frozenset({"additionalProperties", "items"}),
 )
 OUTLINES_CORE = BackendProfile(
     name="outlines_core",

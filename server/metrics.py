@@ -139,7 +139,8 @@ class ServerMetrics:
 
 
 class _CompileCacheCollector(Collector):
-    """Lookups by result (hit, miss, negative hit, joined in flight), timeouts, entries, bytes."""
+    """Lookups by result (hit, miss, negative hit, joined in flight), timeouts, compile seconds
+    waiting and running, compiles running and abandoned, entries, bytes."""
 
     def __init__(self, stats: Callable[[], Any]) -> None:
         self.stats = stats
@@ -159,6 +160,22 @@ class _CompileCacheCollector(Collector):
         yield lookups
         yield CounterMetricFamily(
             "espalier_grammar_compile_timeouts", "Compiles over the time limit", value=s.timeouts
+        )
+        seconds = CounterMetricFamily(
+            "espalier_grammar_compile_seconds",
+            "Compile time by phase: waiting (queue, a backend's child or slot) and running",
+            labels=["phase"],
+        )
+        seconds.add_metric(["queued"], s.queue_seconds_total)
+        seconds.add_metric(["running"], s.compile_seconds_total)
+        yield seconds
+        yield GaugeMetricFamily(
+            "espalier_grammar_compiles_running", "Compiles running now", s.running
+        )
+        yield GaugeMetricFamily(
+            "espalier_grammar_compiles_abandoned",
+            "Compiles past their deadline or cancelled whose in-process call still runs",
+            s.abandoned_running,
         )
         yield GaugeMetricFamily("espalier_grammar_cache_entries", "Cached grammars", s.entries)
         yield GaugeMetricFamily("espalier_grammar_cache_bytes", "Cached grammar bytes", s.bytes)

@@ -70,6 +70,14 @@ class BackendOptions:
             outlines-core Index (``backends/outlines_index.py``): a build past it fails with
             ``CompileMemoryError``, and under a compile cache the child is killed at the
             deadline. ``0``: build in the calling process, unbounded and not interruptible.
+        xgrammar_memory_limit: address-space cap in bytes of the child processes that compile
+            xgrammar grammars (``backends/xgrammar.py``); under a compile cache the child is
+            killed at the deadline. ``0``: compile in the calling process, not interruptible.
+        compile_slots: compiles of one backend that run at once (child processes for xgrammar
+            and outlines-core, in-process compiles for llguidance); more wait, each up to its
+            own deadline, so a slow backend cannot take the others' compile threads.
+            outlines-core gets fewer children when the machine's available memory holds fewer
+            children of ``outlines_memory_limit``.
     """
 
     json_max_whitespace: int = 4
@@ -78,6 +86,8 @@ class BackendOptions:
     json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
     llguidance_native_walk: bool = True
     outlines_memory_limit: int = 4 << 30
+    xgrammar_memory_limit: int = 8 << 30
+    compile_slots: int = 2
 
     def json_source(self, spec: GrammarSpec, backend: str) -> str:
         """The schema text ``backend`` compiles for a JSON_SCHEMA ``spec``: with the number

@@ -48,6 +48,7 @@ from espalier.constrained.backends.common import (
     VocabFacts,
     vocab_facts,
 )
+from espalier.constrained.compile_pool import InProcessLane
 from espalier.constrained.errors import GrammarError, InvalidGrammarError
 from espalier.constrained.native import llguidance as llg_native
 from espalier.constrained.spec import GrammarKind, GrammarSpec
@@ -81,6 +82,7 @@ class Backend:
         self.facts = vocab_facts(tokenizer)
         # makes the compiled grammars' spare matchers (llguidance releases the GIL meanwhile)
         self.spares = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llguidance-spare")
+        self.lane = InProcessLane(options.compile_slots)
         facts = self.facts  # backend_view holds the tokenizer's lock: build without re-entering
         self.lltokenizer = tokenizer.backend_view(
             "llguidance", lambda tok: _build_lltokenizer(tok, facts)
@@ -103,6 +105,10 @@ class Backend:
         return f"python ({self.native_slot.error or 'native tokenizer not built yet'})"
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        with self.lane.slot():  # in-process: llguidance bounds its own compile work
+            return self._compile(spec)
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         grammar = self.grammar_text(spec)
         template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if template.is_error():

@@ -78,7 +78,9 @@ class Backend:
             "outlines_core", lambda tok: _build_vocabulary(facts, sentinel_id)
         )
         limit = options.outlines_memory_limit
-        self.builder = IndexBuilder(self.vocabulary, limit) if limit > 0 else None
+        self.builder = (
+            IndexBuilder(self.vocabulary, limit, options.compile_slots) if limit > 0 else None
+        )
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         regex = self.regex(spec)

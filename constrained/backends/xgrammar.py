@@ -9,10 +9,17 @@
 
 The vocabulary is given to xgrammar as raw bytes with special tokens (stops included) as empty
 strings, so xgrammar never matches a control token as text; stop tokens are passed separately.
+
+Compiles run in child processes (``constrained/xgrammar_child.py``, at most
+``BackendOptions.compile_slots`` at once, all kept warm) that a compile cache kills at the
+compile's deadline: xgrammar cannot cancel a compile, and one can take minutes. The grammar comes
+back in xgrammar's own serialized form (:func:`serialize_compiled`, :func:`deserialize_compiled`).
+``BackendOptions.xgrammar_memory_limit = 0`` compiles in the calling process instead.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +34,7 @@ from espalier.constrained.backends.common import (
     canonical_forced_tokens,
     vocab_facts,
 )
+from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
@@ -34,6 +42,7 @@ if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
 
 NAME = "xgrammar"
+CHILD_MODULE = "espalier.constrained.xgrammar_child"
 _LOCATION = re.compile(r"line (\d+), column (\d+)")
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 
@@ -55,34 +64,70 @@ class Backend:
         self.compiler = xgrammar.GrammarCompiler(
             self.tokenizer_info, max_threads=options.max_threads, cache_enabled=False
         )
+        self.pool: ChildPool | None = None
+        if options.xgrammar_memory_limit > 0:
+            info = self.tokenizer_info
+            serialized = tokenizer.backend_view(
+                "xgrammar.serialized", lambda tok: info.serialize_json().encode("utf-8")
+            )
+            head = json.dumps({"max_threads": options.max_threads}).encode()
+            limit, slots = options.xgrammar_memory_limit, options.compile_slots
+            # one pool per tokenizer and child configuration, shared by every Backend built on
+            # it: the bound is per library, and a child costs seconds to start (xgrammar
+            # imports torch)
+            self.pool = tokenizer.backend_view(
+                f"xgrammar.pool:{options.max_threads}:{limit}:{slots}",
+                lambda tok: ChildPool(
+                    NAME,
+                    CHILD_MODULE,
+                    head + b"\n" + serialized,
+                    memory_limit=limit,
+                    max_children=slots,
+                    # every slot warm: after a kill the next compile finds a child ready instead
+                    # of waiting out a child start (seconds under load) on its own deadline
+                    warm=slots,
+                ),
+            )
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        try:
-            native = self._compile_native(spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise _invalid(spec.kind, exc) from exc
+        method, kwargs = self.request(spec)
+        if self.pool is not None:
+            try:
+                text = self.pool.ask(json.dumps({"method": method, "kwargs": kwargs}).encode())
+            except ChildRefusedError as refused:
+                raise _invalid(spec.kind, RuntimeError(str(refused))) from None
+            native = deserialize_compiled(text, self.tokenizer_info)
+        else:
+            try:
+                native = getattr(self.compiler, method)(**kwargs)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise _invalid(spec.kind, exc) from exc
         return CompiledGrammar(spec, self.tokenizer, self.facts, native)
 
-    def _compile_native(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+    def request(self, spec: GrammarSpec) -> tuple[str, dict[str, Any]]:
+        """The ``GrammarCompiler`` method and its keyword arguments (JSON values) for ``spec``."""
         kind = spec.kind
         if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON):
             ws = self.options.json_max_whitespace
-            return self.compiler.compile_json_schema(
-                self.options.json_source(spec, NAME) if kind is GrammarKind.JSON_SCHEMA else "{}",
-                any_whitespace=ws > 0,
-                max_whitespace_cnt=ws if ws > 0 else None,
-                separators=None if ws > 0 else (",", ":"),
-                strict_mode=self.options.json_strict_properties,
+            source = (
+                self.options.json_source(spec, NAME) if kind is GrammarKind.JSON_SCHEMA else "{}"
             )
+            return "compile_json_schema", {
+                "schema": source,
+                "any_whitespace": ws > 0,
+                "max_whitespace_cnt": ws if ws > 0 else None,
+                "separators": None if ws > 0 else [",", ":"],
+                "strict_mode": self.options.json_strict_properties,
+            }
         if kind is GrammarKind.REGEX:
-            return self.compiler.compile_regex(spec.source)
+            return "compile_regex", {"regex": spec.source}
         if kind is GrammarKind.EBNF:
-            return self.compiler.compile_grammar(spec.source, root_rule_name="root")
+            return "compile_grammar", {"grammar": spec.source, "root_rule_name": "root"}
         if kind is GrammarKind.LARK:
-            return self.compiler.compile_lark(spec.source)
+            return "compile_lark", {"lark_string": spec.source}
         assert kind is GrammarKind.CHOICE
         options = " | ".join(gbnf_literal(option) for option in spec.choices)
-        return self.compiler.compile_grammar(f"root ::= {options}", root_rule_name="root")
+        return "compile_grammar", {"grammar": f"root ::= {options}", "root_rule_name": "root"}
 
 
 class CompiledGrammar(CompiledBase):
@@ -175,6 +220,20 @@ def _build_tokenizer_info(tokenizer: TokenizerInfo, facts: VocabFacts) -> xgramm
         stop_token_ids=sorted(facts.stops),
         add_prefix_space=False,
     )
+
+
+def serialize_compiled(compiled: xgrammar.CompiledGrammar) -> bytes:
+    """``compiled`` in xgrammar's own serialized form (JSON text, UTF-8)."""
+    text: str = compiled.serialize_json()
+    return text.encode("utf-8")
+
+
+def deserialize_compiled(
+    data: bytes, tokenizer_info: xgrammar.TokenizerInfo
+) -> xgrammar.CompiledGrammar:
+    """The grammar :func:`serialize_compiled` wrote, bound to ``tokenizer_info`` (the same
+    vocabulary it was compiled for)."""
+    return xgrammar.CompiledGrammar.deserialize_json(data.decode("utf-8"), tokenizer_info)
 
 
 def _invalid(kind: GrammarKind, exc: Exception) -> InvalidGrammarError:

@@ -22,7 +22,7 @@ from espalier.constrained.schema_features import (
     keyword_uses,
 )
 from espalier.constrained.spec import GrammarSpec
-from tests.constrained.schema_probes import PROBES, Probe
+from tests.constrained.schema_probes import OBJ_A, PROBES, Probe
 
 CASES = [(b, p) for b in PROFILES for p in PROBES]
 
@@ -143,3 +143,44 @@ def test_optional_groups_holding_a_repetition_are_found(pattern: str, flagged: b
     from espalier.constrained.schema_features import optional_group_repeats
 
     assert optional_group_repeats(pattern) is flagged
+
+
+XGRAMMAR_FALSE_PROBES = [
+    (
+        {**OBJ_A, "additionalProperties": False},
+        [{"a": 1}, {}],
+        ['{"b": 1}', '{"a": 1, "b": 2}', '{"a": 1, "a": 2}'],
+    ),
+    ({"type": "object", "additionalProperties": False}, [{}], ['{"a": 1}']),
+    ({"type": "array", "items": False}, [[]], ["[1]", "[[]]"]),
+    (
+        {"type": "array", "prefixItems": [{"type": "integer"}], "items": False},
+        [[1], []],
+        ["[1, 2]", '[1, "a"]'],
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "valid", "invalid"), XGRAMMAR_FALSE_PROBES)
+def test_xgrammar_enforces_false_as_additional_properties_or_items(
+    schema: dict[str, Any], valid: list[Any], invalid: list[str], toy_tokenizer: Any
+) -> None:
+    assert backend_issues("xgrammar", schema) == []
+    compiled = compile_or_none("xgrammar", schema, toy_tokenizer)
+    assert compiled is not None
+    for value in valid:
+        assert grammar_accepts(compiled, toy_tokenizer, json.dumps(value)), value
+    for text in invalid:
+        assert not grammar_accepts(compiled, toy_tokenizer, text), text
+
+
+def test_xgrammar_false_elsewhere_is_still_an_issue(toy_tokenizer: Any) -> None:
+    # xgrammar refuses these ("Schema 'false' cannot accept any value")
+    for schema, pointer in [
+        ({"anyOf": [False, {"type": "integer"}]}, "/anyOf/0"),
+        ({"type": "object", "properties": {"additionalProperties": False}}, None),
+    ]:
+        issues = backend_issues("xgrammar", schema)
+        assert [i.keyword for i in issues] == ["false"], schema
+        assert pointer is None or issues[0].pointer == pointer
+        assert compile_or_none("xgrammar", schema, toy_tokenizer) is None

@@ -103,9 +103,9 @@ def test_compile_grammar_reports_backend_and_cache(client: Client) -> None:
 
 
 def test_strict_mode_refuses_a_weakened_schema_with_json_pointers(client: Client) -> None:
-    schema = {
+    schema = {  # xgrammar does not enforce uniqueItems
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
         "additionalProperties": False,
     }
     with pytest.raises(InvalidArgumentError) as info:
@@ -256,5 +256,8 @@ def test_health_is_serving_and_metrics_count_requests(
     assert m["espalier_time_per_output_token_seconds_count"] >= 1
     assert m["espalier_generated_tokens_total"] >= 7
     assert 'espalier_grammar_cache_lookups_total{result="hit"}' in m
+    assert m['espalier_grammar_compile_seconds_total{phase="running"}'] > 0
+    assert 'espalier_grammar_compile_seconds_total{phase="queued"}' in m
+    assert m["espalier_grammar_compiles_abandoned"] == 0
     assert "espalier_tree_mask_seconds_count" in m
     assert json.dumps(m)  # plain floats throughout
