@@ -2,24 +2,27 @@
 
 Compiles go through the grammar layer's compile cache (``constrained/compile.py`` on top of
 ``constrained/cache.py``) and come back as a ``concurrent.futures.Future`` that the engine polls
-each step, so a request whose grammar compiles does not hold up the batch.
+each step, so a request whose grammar compiles does not hold up the batch. A request's own
+matcher is made on this service's threads too, never on the engine thread: a new matcher can
+take milliseconds (llguidance builds each request its own lexer).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, ValidationResult
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import CompiledGrammar, CompileReport
+    from espalier.constrained.base import CompiledGrammar, CompileReport, GrammarMatcher
     from espalier.constrained.cache import CompileCache
     from espalier.constrained.disk_cache import GrammarDiskCache
     from espalier.constrained.tokenizer import TokenizerInfo
 
 CompileOutcome = tuple["CompiledGrammar", "CompileReport"]
+RequestGrammar = tuple["CompiledGrammar", "CompileReport", "GrammarMatcher"]
 
 
 class GrammarService:
@@ -44,6 +47,7 @@ class GrammarService:
         self._own_cache = cache is None
         self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
         self.disk_cache = disk_cache
+        self._matchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="espalier-matcher")
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
         """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
@@ -71,6 +75,38 @@ class GrammarService:
 
         return self.cache.submit(key, compile_fn)
 
+    def submit_request(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
+        """:meth:`submit`, then one new matcher for the request: the Future resolves to a
+        :data:`RequestGrammar` ``(CompiledGrammar, CompileReport, GrammarMatcher)`` or raises
+        what the compile raised. The matcher is made on this service's matcher threads, off the
+        engine thread. Cancelling the Future leaves the shared compile running."""
+        compiled_future = self.submit(spec, options)
+        out: Future[Any] = Future()
+
+        def make(compiled: CompiledGrammar, report: CompileReport) -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                out.set_result((compiled, report, compiled.matcher()))
+            except Exception as exc:  # the request's own failure, reported through its Future
+                out.set_exception(exc)
+
+        def compiled_done(done: Future[Any]) -> None:
+            try:
+                compiled, report = done.result()
+            except BaseException as exc:  # compile errors and cancellation alike
+                if out.set_running_or_notify_cancel():
+                    out.set_exception(exc)
+                return
+            try:
+                self._matchers.submit(make, compiled, report)
+            except RuntimeError as exc:  # shut down: the engine is closing
+                if out.set_running_or_notify_cancel():
+                    out.set_exception(exc)
+
+        compiled_future.add_done_callback(compiled_done)
+        return out
+
     def validate(self, spec: GrammarSpec, text: str, compiled: CompiledGrammar) -> ValidationResult:
         """Post-validation of a finished output against the full constraint."""
         from espalier.constrained.postvalidate import postvalidate, replay_with
@@ -79,6 +115,7 @@ class GrammarService:
         return ValidationResult(result.checked, result.valid, tuple(result.errors))
 
     def close(self) -> None:
+        self._matchers.shutdown(wait=False, cancel_futures=True)
         if self._own_cache:
             self.cache.close()
         if self.disk_cache is not None:

@@ -169,7 +169,7 @@ class Engine:
             self._token_bytes, skip_ids=self._skip_ids, stop=source.sampling.stop
         )
         if source.grammar is not None:
-            future = self.grammar.submit(source.grammar, source.constraint)
+            future = self.grammar.submit_request(source.grammar, source.constraint)
             timeline = request.timeline
             future.add_done_callback(lambda _f: setattr(timeline, "grammar_ready", _now()))
             request.grammar_future = future
@@ -428,13 +428,13 @@ class Engine:
             timeline = request.timeline
             timeline.compile_s = (timeline.grammar_ready or _now()) - timeline.arrival
             try:
-                compiled, report = future.result()
+                compiled, report, matcher = future.result()
             except Exception as exc:
                 out = self._finish(request, FinishReason.ERROR, "", error=str(exc), exception=exc)
                 outputs.append(out)
                 continue
             request.compiled = compiled
-            request.matcher = compiled.matcher()
+            request.matcher = matcher
             request.backend = report.backend
             request.weakened = tuple(issue.describe() for issue in report.weakened)
             request.status = RequestStatus.WAITING

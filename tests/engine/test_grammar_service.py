@@ -1,0 +1,61 @@
+"""GrammarService.submit_request: each request gets its own matcher, made off the calling thread.
+
+A new llguidance matcher builds its own lexer (milliseconds on a large vocabulary); made in the
+engine's step it held every running request of the batch (issue 28's timeline: 6-10 ms per
+speculative step at batch 32). These tests pin where it is made and what the Future carries.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from espalier.constrained.errors import GrammarError
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import ConstraintOptions
+from espalier.engine.constraints import GrammarService
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_each_request_gets_its_own_matcher_made_off_the_calling_thread(
+    toy_tokenizer: Any, backend: str
+) -> None:
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
+    try:
+        spec = GrammarSpec.json_schema(SCHEMA)
+        options = ConstraintOptions(backend=backend)
+        first = service.submit_request(spec, options).result(timeout=120)
+        compiled = first[0]
+        made_on: list[str] = []
+        original = compiled.matcher
+
+        def recording_matcher() -> Any:
+            made_on.append(threading.current_thread().name)
+            return original()
+
+        compiled.matcher = recording_matcher  # type: ignore[method-assign]
+        second = service.submit_request(spec, options).result(timeout=120)
+    finally:
+        service.close()
+    assert second[0] is compiled  # the compile is shared (cache hit)
+    assert second[2] is not first[2]  # the matcher is not
+    assert made_on and made_on[0] != threading.current_thread().name
+    assert made_on[0].startswith("espalier-matcher")
+    text = b'{"a": 1}'
+    ids = toy_tokenizer.hf.encode(text.decode(), add_special_tokens=False)
+    assert second[2].accept_tokens(ids) == len(ids)
+    assert first[2].accept_tokens(ids[:1]) == 1  # the first request's state is its own
+
+
+def test_a_compile_error_reaches_the_request_future(toy_tokenizer: Any) -> None:
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
+    try:
+        future = service.submit_request(GrammarSpec.regex("(unclosed"), ConstraintOptions())
+        with pytest.raises(GrammarError):
+            future.result(timeout=120)
+    finally:
+        service.close()
