@@ -186,10 +186,10 @@ def test_no_complement_for_what_cannot_be_said() -> None:
 
 
 def test_refusals_name_the_reasons_of_the_backend_tried(toy_tokenizer: Any) -> None:
-    # llguidance enforces 'false' but not format hostname; xgrammar neither
+    # llguidance enforces patternProperties but not format hostname; xgrammar neither
     schema = {
         "type": "object",
-        "additionalProperties": False,
+        "patternProperties": {"^x": {"type": "integer"}},
         "properties": {"h": {"type": "string", "format": "hostname"}},
     }
     spec = GrammarSpec.json_schema(schema)
@@ -201,6 +201,9 @@ def test_refusals_name_the_reasons_of_the_backend_tried(toy_tokenizer: Any) -> N
         assert {i.backend for i in raised.value.issues} == (
             {"llguidance"} if backend == "auto" else {backend}
         )
-    assert "'false'" in messages["xgrammar"] and "'format'" in messages["xgrammar"]
-    assert "'false'" not in messages["llguidance"]
-    assert "the reasons of 'llguidance'" in messages["auto"] and "'false'" not in messages["auto"]
+    assert "'patternProperties'" in messages["xgrammar"] and "'format'" in messages["xgrammar"]
+    assert "'patternProperties'" not in messages["llguidance"]
+    assert (
+        "the reasons of 'llguidance'" in messages["auto"]
+        and "'patternProperties'" not in messages["auto"]
+    )
