@@ -9,6 +9,7 @@ take milliseconds (llguidance builds each request its own lexer).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,8 @@ class GrammarService:
         self._own_cache = cache is None
         self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
         self.disk_cache = disk_cache
-        self._matchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="espalier-matcher")
+        self._matchers: ThreadPoolExecutor | None = None  # made on first use, again after close
+        self._matchers_lock = threading.Lock()
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
         """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
@@ -99,13 +101,19 @@ class GrammarService:
                     out.set_exception(exc)
                 return
             try:
-                self._matchers.submit(make, compiled, report)
-            except RuntimeError as exc:  # shut down: the engine is closing
+                self._matcher_pool().submit(make, compiled, report)
+            except RuntimeError as exc:  # shut down while submitting: the engine is closing
                 if out.set_running_or_notify_cancel():
                     out.set_exception(exc)
 
         compiled_future.add_done_callback(compiled_done)
         return out
+
+    def _matcher_pool(self) -> ThreadPoolExecutor:
+        with self._matchers_lock:
+            if self._matchers is None:
+                self._matchers = ThreadPoolExecutor(2, thread_name_prefix="espalier-matcher")
+            return self._matchers
 
     def validate(self, spec: GrammarSpec, text: str, compiled: CompiledGrammar) -> ValidationResult:
         """Post-validation of a finished output against the full constraint."""
@@ -115,7 +123,10 @@ class GrammarService:
         return ValidationResult(result.checked, result.valid, tuple(result.errors))
 
     def close(self) -> None:
-        self._matchers.shutdown(wait=False, cancel_futures=True)
+        with self._matchers_lock:
+            pool, self._matchers = self._matchers, None
+        if pool is not None:  # a service shared by several engines stays usable after one closes
+            pool.shutdown(wait=False)  # queued matchers are still made: their requests wait on them
         if self._own_cache:
             self.cache.close()
         if self.disk_cache is not None:

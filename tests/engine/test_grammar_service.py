@@ -59,3 +59,18 @@ def test_a_compile_error_reaches_the_request_future(toy_tokenizer: Any) -> None:
             future.result(timeout=120)
     finally:
         service.close()
+
+
+def test_a_service_shared_by_engines_still_makes_matchers_after_one_closes(
+    toy_tokenizer: Any,
+) -> None:
+    # benchmarks and the server hand one service to successive engines; Engine.close closes it
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    try:
+        first = service.submit_request(spec, ConstraintOptions()).result(timeout=120)
+        service.close()
+        again = service.submit_request(spec, ConstraintOptions()).result(timeout=120)
+    finally:
+        service.close()
+    assert again[0] is first[0] and again[2] is not first[2]
