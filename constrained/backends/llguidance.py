@@ -32,7 +32,6 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -80,8 +79,6 @@ class Backend:
         self.tokenizer = tokenizer
         self.options = options
         self.facts = vocab_facts(tokenizer)
-        # makes the compiled grammars' spare matchers (llguidance releases the GIL meanwhile)
-        self.spares = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llguidance-spare")
         self.lane = InProcessLane(options.compile_slots)
         facts = self.facts  # backend_view holds the tokenizer's lock: build without re-entering
         self.lltokenizer = tokenizer.backend_view(
@@ -116,8 +113,6 @@ class Backend:
         compiled = CompiledGrammar(
             spec, self.tokenizer, self.facts, template, grammar, self.lltokenizer, self.native_slot
         )
-        compiled.spares = self.spares
-        compiled.prepare_spare()
         if self.native_slot is not None and self.native_slot.built() is not None:
             compiled.native_template()  # its own lexer warms here too, not in a first walk
         return compiled
@@ -179,10 +174,9 @@ class CompiledGrammar(CompiledBase):
     the same grammar through the C API (``constrained/native/llguidance.py``), for the native
     tree walk; C-API clones are deep (each has its own lexer).
 
-    Making an ``LLMatcher`` compiles the grammar again (hundreds of times a ``deep_copy``), so
-    one spare is kept ready: made on the backend's ``spares`` thread after the compile and after
-    each :meth:`matcher` takes it, and on the caller's thread only when requests come faster
-    than that. Spares are not warmed: a mask spends the lexer fuel that later consumes draw on.
+    Making an ``LLMatcher`` compiles the grammar again (hundreds of times a ``deep_copy``): the
+    engine makes each request's matcher off its step thread (``GrammarService.submit_request``).
+    A new matcher is not warmed: a mask spends the lexer fuel that later consumes draw on.
     """
 
     def __init__(
@@ -204,10 +198,6 @@ class CompiledGrammar(CompiledBase):
         self._native_lock = threading.Lock()
         self._native_template: llg_native.NativeMatcher | None = None
         self._native_failed = False
-        self.spares: ThreadPoolExecutor | None = None  # where spares are made; None: no spare
-        self._spare_lock = threading.Lock()
-        self._spare: llguidance.LLMatcher | None = None
-        self._spare_pending = False
 
     def native_template(self) -> llg_native.NativeMatcher | None:
         """The C-API matcher at the start state (made and warmed on first call), or None while
@@ -243,35 +233,12 @@ class CompiledGrammar(CompiledBase):
         return len(self.grammar) * 4 + 64 * 1024
 
     def matcher(self) -> Matcher:
-        with self._spare_lock:
-            native, self._spare = self._spare, None
-        if native is None or native.is_error():
-            native = self._new_native()
-        self.prepare_spare()
+        native = llguidance.LLMatcher(self.lltokenizer, self.grammar, log_level=0)
         if native.is_error():
             # the compile made one from the same text and limits, so this is not expected; the
             # compile's own matcher, used by no request, keeps matcher() from ever raising
             native = self.native.deep_copy()
         return Matcher(self, native)
-
-    def prepare_spare(self) -> None:
-        """Have a new ``LLMatcher`` made in the background for the next :meth:`matcher`."""
-        with self._spare_lock:
-            if self.spares is None or self._spare is not None or self._spare_pending:
-                return
-            self._spare_pending = True
-        self.spares.submit(self._make_spare)
-
-    def _make_spare(self) -> None:
-        native = None
-        try:
-            native = self._new_native()
-        finally:
-            with self._spare_lock:
-                self._spare, self._spare_pending = native, False
-
-    def _new_native(self) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(self.lltokenizer, self.grammar, log_level=0)
 
 
 class Matcher(MatcherBase):
