@@ -83,11 +83,14 @@ class _LoadFailed:
     error: PortableError
 
 
-def engine_main(options: ModelOptions, channel: Connection) -> None:
+def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> None:
     """The child's entry point: load, announce ``_Ready`` (or ``_LoadFailed``), run the loop.
 
-    Signals are the server's to handle: SIGINT/SIGTERM sent to the process group are ignored
-    here; the server drains and then sends Shutdown. A closed channel ends the child."""
+    ``cache_dir``: the server's cache folder for converted models and tokenizers (a spawned
+    child starts from the defaults). Signals are the server's to handle: SIGINT/SIGTERM sent to
+    the process group are ignored here; the server drains and then sends Shutdown. A closed
+    channel ends the child."""
+    from espalier.constrained.tokenizer import set_cache_root
     from espalier.engine.core.loop import EngineLoop
     from espalier.server.gc_freeze import freeze_startup_heap
     from espalier.server.loading import grammar_service, load_engine, load_tokenizer
@@ -95,6 +98,7 @@ def engine_main(options: ModelOptions, channel: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
+    set_cache_root(cache_dir)
     try:
         tokenizer = load_tokenizer(options)
         engine, facts = load_engine(options, tokenizer, grammar_service(options, tokenizer))
@@ -103,7 +107,11 @@ def engine_main(options: ModelOptions, channel: Connection) -> None:
         return
     freeze_startup_heap()
     channel.send(_Ready(facts, engine.tokenizer.vocab_size))
-    EngineLoop(engine, channel).run()
+    # On a thread, as in the server: torch's CPU kernels stepped on a process's main thread ran
+    # many times slower on a loaded machine (bench/serve.py's note; the commit has the numbers).
+    loop = threading.Thread(target=EngineLoop(engine, channel).run, name="espalier-engine")
+    loop.start()
+    loop.join()
 
 
 async def start_engine_process(
@@ -114,12 +122,15 @@ async def start_engine_process(
 ) -> tuple[EngineProcess, ModelFacts, TokenizerInfo]:
     """Spawn the child, wait until its model is loaded; returns the client, the model facts
     and the tokenizer at the engine's vocabulary width. Raises what the load raised."""
-    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.constrained.tokenizer import TokenizerInfo, cache_root
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe(duplex=True)
     process = context.Process(
-        target=engine_main, args=(options, theirs), name="espalier-engine", daemon=True
+        target=engine_main,
+        args=(options, theirs, str(cache_root())),
+        name="espalier-engine",
+        daemon=True,
     )
     process.start()
     theirs.close()  # the child holds the only other end: its death is EOF here
