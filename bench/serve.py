@@ -157,6 +157,22 @@ def compare(
         for side in sides if rep % 4 in (0, 3) else sides[::-1]:
             runs[side].append(run(side))
     offline = runs["offline"]
+    if {"on", "off"} <= addresses.keys():
+        pairs = zip(runs["on"], runs["off"])
+        emit(
+            {
+                "part": "serve_process_over_thread",
+                "constrained": constrained,
+                "streams": args.streams,
+                "ratios": [round(p["tok_per_s"] / t["tok_per_s"], 3) for p, t in pairs],
+                "median": round(
+                    statistics.median(
+                        p["tok_per_s"] / t["tok_per_s"] for p, t in zip(runs["on"], runs["off"])
+                    ),
+                    3,
+                ),
+            }
+        )
     for mode in addresses:
         served = runs[mode]
         ratios = [s["tok_per_s"] / o["tok_per_s"] for s, o in zip(served, offline)]

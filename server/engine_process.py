@@ -305,10 +305,7 @@ class EngineProcess:
                 self._loop.call_soon_threadsafe(self._end, why)
 
     def _deliver(self, message: StepOutputs) -> None:
-        for out in message.outputs:
-            error = message.errors.get(out.request_id)
-            if error is not None:
-                out.exception = error.rebuild()
+        for out in message.outputs():
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)

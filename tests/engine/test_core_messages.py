@@ -13,7 +13,7 @@ from espalier.constrained.errors import (
     KeywordIssue,
     SchemaNotEnforceableError,
 )
-from espalier.engine.api import FinishReason, InvalidRequestError, RequestOutput
+from espalier.engine.api import FinishReason, InvalidRequestError, RequestOutput, TokenLogprob
 from espalier.engine.core.messages import PortableError, StepOutputs
 
 
@@ -58,8 +58,22 @@ def test_forged_class_names_do_not_import_or_construct() -> None:
     assert type(not_an_error.rebuild()) is RuntimeError
 
 
-def test_a_step_message_pickles_without_the_exception_object() -> None:
-    out = RequestOutput("r1", "", (), finished=True, finish_reason=FinishReason.ERROR, error="e")
-    message = StepOutputs((out,), {"r1": PortableError.of(ValueError("e"))}, {"running": 0}, 1)
-    again = pickle.loads(pickle.dumps(message))
-    assert again.outputs[0].request_id == "r1" and again.adds_applied == 1
+def test_a_step_message_round_trips() -> None:
+    logprob = TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5)))
+    running = RequestOutput("r1", "ab", (7, 9), logprobs=(logprob,))
+    failed = RequestOutput(
+        "r2",
+        "",
+        (),
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        error="bad",
+        exception=InvalidGrammarError("regex", "bad"),
+    )
+    done = RequestOutput("r3", "!", (5,), finished=True, finish_reason=FinishReason.LENGTH)
+    message = StepOutputs.pack([running, failed, done], {"running": 1}, 3)
+    again = pickle.loads(pickle.dumps(message)).outputs()
+    assert [o.request_id for o in again] == ["r1", "r2", "r3"]
+    assert again[0] == running and again[2] == done
+    assert isinstance(again[1].exception, InvalidGrammarError)
+    assert again[1].finish_reason is FinishReason.ERROR and again[1].error == "bad"
