@@ -138,6 +138,11 @@ async def start_engine_process(
         if not await asyncio.to_thread(ours.poll, config.start_timeout_s):
             raise TimeoutError(f"the engine process did not load in {config.start_timeout_s} s")
         first = ours.recv()
+    except EOFError:
+        process.join(5.0)
+        raise RuntimeError(
+            f"the engine process exited while loading (exit code {process.exitcode})"
+        ) from None
     except BaseException:
         process.kill()
         raise
