@@ -2,7 +2,7 @@
 ``deep_copy`` snapshots for branchy ones. Neither ever rolls a matcher back (below).
 
 **Native walk** (:func:`walk_llguidance`, with ``BackendOptions.llguidance_native_walk``, on by
-default, and a C compiler, ``constrained/native/``): each request's matcher keeps a twin made
+default, ``constrained/native/``): each request's matcher keeps a twin made
 through llguidance's C API, which only moves forward with the request (each walk first makes it
 consume what the request accepted since; it computes the root row). ``llg_walk.c`` walks the
 tree on clones of it: the same DFS as below, with no Python per node and the GIL dropped for the

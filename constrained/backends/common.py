@@ -63,9 +63,10 @@ class BackendOptions:
             a greedy model cannot write digits until max_tokens. ``None``: the libraries' own
             unbounded number grammars.
         llguidance_native_walk: fill the llguidance masks of chain-like trees with the native
-            walk (``constrained/native/``: GIL-free, so a batch of trees fills on all cores)
-            when a C compiler is there; branchy trees take the Python walk either way
-            (``traverse_llguidance.NATIVE_MAX_BRANCHES``). False: the Python walk always.
+            walk (``constrained/native/``: GIL-free, so a batch of trees fills on all cores);
+            making the backend raises ``NativeBuildError`` if that walk cannot load; branchy
+            trees take the Python walk either way (``traverse_llguidance.NATIVE_MAX_BRANCHES``).
+            False: the Python walk always.
         outlines_memory_limit: address-space cap in bytes of the child process that builds each
             outlines-core Index (``backends/outlines_index.py``): a build past it fails with
             ``CompileMemoryError``, and under a compile cache the child is killed at the

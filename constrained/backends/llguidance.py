@@ -88,6 +88,7 @@ class Backend:
         # background thread; walks use the Python path until it is ready)
         self.native_slot: llg_native.NativeTokenizerSlot | None = None
         if options.llguidance_native_walk:
+            llg_native.api()  # raises NativeBuildError now, not a silent slow path later
             self.native_slot = tokenizer.backend_view(
                 "llguidance.native", lambda tok: _native_slot(tok, facts)
             )

@@ -1,5 +1,7 @@
-"""Small C helpers for the grammar layer, compiled at first use (``build.py``).
+"""llguidance's C API and the native draft-tree walk over it.
 
-``llg_walk.c``: the draft-tree walk over llguidance's C API (``llguidance.py`` binds it). Each
-helper is optional: without a C compiler the pure-Python walks are used.
+``llg_walk.c`` (the walk) and ``llg_abi.c``/``llg_abi.h`` (llguidance's C structs, for the series
+pyproject.toml pins) are built into the extension ``_llg_walk`` when the package is installed
+(``setup.py``); ``llguidance.py`` loads it through ctypes and checks llguidance's version and
+layout first. Nothing is compiled at run time.
 """

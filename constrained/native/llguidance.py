@@ -15,18 +15,19 @@ matcher when collected; the tokenizer keeps its token buffers and tokenize callb
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.metadata
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.native.build import build_library, last_error
 
-WALK_SOURCE = "llg_walk.c"
 WALK_DONE, WALK_BUDGET_HIT = 0, 1
 ROOT_COMPUTE, ROOT_READY = 0, 1
 ERROR_BYTES = 1024
@@ -39,26 +40,6 @@ _TokenizeFn = ctypes.CFUNCTYPE(
     ctypes.POINTER(ctypes.c_uint32),
     ctypes.c_size_t,
 )
-
-
-class _TokenizerInitV2(ctypes.Structure):
-    """``LlgTokenizerInitV2`` (llguidance.h); the library reads ``struct_size`` bytes of it."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("vocab_size", ctypes.c_uint32),
-        ("tok_eos", ctypes.c_uint32),
-        ("token_lens", ctypes.POINTER(ctypes.c_uint32)),
-        ("token_bytes", ctypes.POINTER(ctypes.c_uint8)),
-        ("tokenizer_json", ctypes.c_char_p),
-        ("tokenize_assumes_string", ctypes.c_bool),
-        ("tokenize_fn", _TokenizeFn),
-        ("use_approximate_greedy_tokenize_fn", ctypes.c_bool),
-        ("tokenize_user_data", ctypes.c_void_p),
-        ("slices", ctypes.c_void_p),
-        ("tok_eos_extra", ctypes.POINTER(ctypes.c_uint32)),
-        ("tok_eos_extra_count", ctypes.c_uint32),
-    ]
 
 
 class _WalkApi(ctypes.Structure):
@@ -109,26 +90,30 @@ class _WalkArgs(ctypes.Structure):
 TOKENIZE_CACHE_ENTRIES = 8192
 """Slots of the C tokenize cache (texts remembered: up to half of it; cleared when full)."""
 
-CONSTRAINT_INIT_BYTES = 256
-"""Room for ``LlgConstraintInit`` (about 80 bytes in llguidance 1.9), filled by
-``llg_constraint_init_set_defaults``; generous so a larger future struct still fits."""
-LOG_STDERR_LEVEL_OFFSET = 12
-"""Byte offset of ``log_stderr_level`` in ``LlgConstraintInit`` (after the tokenizer pointer and
-``log_buffer_level``): set to 0 so grammar warnings do not go to stderr (the Python side uses
-``log_level=0`` too)."""
+LAYOUT_PROBLEMS = {
+    1: "the tokenizer pointer is not the first field of LlgConstraintInit",
+    2: "the log levels of LlgConstraintInit are not where llg_abi.h puts them",
+    3: "the flags of LlgConstraintInit are not where llg_abi.h puts them",
+    4: "LlgConstraintInit's parser limits are not where llg_abi.h puts them",
+    5: "the library's LlgConstraintInit is larger than llg_abi.h's",
+}
+"""``espalier_llg_check_layout``'s failure codes (``llg_abi.c``)."""
+
+
+class NativeBuildError(RuntimeError):
+    """The native walk cannot be used with this install: its extension is missing, or the
+    installed llguidance is not the series its ``llg_abi.h`` was written for."""
 
 
 class Api:
-    """The llguidance library and the compiled walk, with their ctypes signatures."""
+    """The llguidance library and the walk extension, with their ctypes signatures."""
 
     def __init__(self, llg: ctypes.CDLL, walk: ctypes.CDLL) -> None:
         self.llg = llg
         self.walk = walk
-        vp, sz, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32
+        vp, sz, i32, u32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_uint32
         sig: dict[str, tuple[Any, list[Any]]] = {
-            "llg_new_tokenizer_v2": (vp, [vp, ctypes.c_char_p, sz]),
             "llg_free_tokenizer": (None, [vp]),
-            "llg_constraint_init_set_defaults": (None, [vp, vp]),
             "llg_new_matcher": (vp, [vp, ctypes.c_char_p, ctypes.c_char_p]),
             "llg_matcher_get_error": (ctypes.c_char_p, [vp]),
             "llg_matcher_is_error": (ctypes.c_bool, [vp]),
@@ -141,9 +126,11 @@ class Api:
         for name, (restype, argtypes) in sig.items():
             fn = getattr(llg, name)
             fn.restype, fn.argtypes = restype, argtypes
+        self.set_defaults = _address(llg, "llg_constraint_init_set_defaults")
+        self.new_tokenizer_v2 = _address(llg, "llg_new_tokenizer_v2")
         self.fns = _WalkApi(
             *(
-                ctypes.cast(getattr(llg, name), ctypes.c_void_p).value
+                _address(llg, name)
                 for name in (
                     "llg_matcher_consume_token",
                     "llg_matcher_consume_tokens",
@@ -154,46 +141,120 @@ class Api:
                 )
             )
         )
-        walk_fn = walk.espalier_llg_walk
-        walk_fn.restype = ctypes.c_int64
-        walk_fn.argtypes = [vp, vp]
-        cache_new = walk.espalier_tokenize_cache_new
-        cache_new.restype, cache_new.argtypes = vp, [vp, vp, sz]
-        self.tokenize_cache_new = cache_new
-        self.tokenize_cached: int = ctypes.cast(walk.espalier_tokenize_cached, vp).value or 0
-        self.walk_fn = walk_fn
+        walk_sig: dict[str, tuple[Any, list[Any]]] = {
+            "espalier_llg_walk": (ctypes.c_int64, [vp, vp]),
+            "espalier_tokenize_cache_new": (vp, [vp, vp, sz]),
+            "espalier_llg_series": (ctypes.c_char_p, []),
+            "espalier_llg_constraint_init_size": (sz, []),
+            "espalier_llg_check_layout": (i32, [vp]),
+            "espalier_llg_constraint_init": (None, [vp, vp, vp]),
+            "espalier_llg_new_tokenizer": (vp, [vp, u32, vp, vp, vp, vp, vp, u32, vp, sz]),
+        }
+        for name, (restype, argtypes) in walk_sig.items():
+            fn = getattr(walk, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self.walk_fn = walk.espalier_llg_walk
+        self.tokenize_cache_new = walk.espalier_tokenize_cache_new
+        self.tokenize_cached: int = _address(walk, "espalier_tokenize_cached")
         self.fns_address = ctypes.addressof(self.fns)
 
+    def series(self) -> str:
+        """The llguidance series (``"1.9"``) whose C structs the extension was built with."""
+        return bytes(self.walk.espalier_llg_series()).decode()
+
+    def check_layout(self) -> None:
+        """Raise :class:`NativeBuildError` unless the library writes ``LlgConstraintInit`` as
+        ``llg_abi.h`` declares it (a probe through ``llg_constraint_init_set_defaults``)."""
+        code = int(self.walk.espalier_llg_check_layout(self.set_defaults))
+        if code != 0:
+            raise NativeBuildError(
+                f"llguidance {installed_llguidance()}: "
+                f"{LAYOUT_PROBLEMS.get(code, f'layout check {code}')}; {_remedy(self.series())}"
+            )
+
+    def constraint_init(self, tokenizer: int) -> ctypes.Array[ctypes.c_char]:
+        """An ``LlgConstraintInit`` for ``tokenizer``: llguidance's defaults, no stderr logs."""
+        init = ctypes.create_string_buffer(int(self.walk.espalier_llg_constraint_init_size()))
+        self.walk.espalier_llg_constraint_init(self.set_defaults, init, tokenizer)
+        return init
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    assert address is not None  # a symbol ctypes found has an address
+    return address
+
+
+WALK_EXTENSION = "_llg_walk"
+"""The walk's extension module in this folder, built with the package (``setup.py``)."""
 
 _api: Api | None = None
-_api_error: str | None = None
+_api_error: NativeBuildError | None = None
 _api_lock = threading.Lock()
-_api_tried = False
 
 
-def api() -> Api | None:
-    """The native API, loaded (and the walk compiled) on first call; None if unavailable."""
-    global _api, _api_error, _api_tried
+def installed_llguidance() -> str:
+    """The installed llguidance distribution's version."""
+    return importlib.metadata.version("llguidance")
+
+
+def check_version(installed: str, series: str) -> None:
+    """Raise :class:`NativeBuildError`, naming both versions, unless llguidance ``installed``
+    belongs to ``series`` (the extension's ``"major.minor"``)."""
+    if installed.split(".")[:2] != series.split("."):
+        raise NativeBuildError(
+            f"llguidance {installed} is installed, but espalier's native tree walk declares "
+            f"llguidance {series}.x's C structs; {_remedy(series)}"
+        )
+
+
+def _remedy(series: str) -> str:
+    pins = [r for r in importlib.metadata.requires("espalier") or [] if r.startswith("llguidance")]
+    wanted = pins[0] if pins else f"llguidance=={series}.*"
+    return f"install {wanted!r} (espalier's pin), or set llguidance_native_walk=False"
+
+
+def _extension_path() -> Path:
+    folder = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = folder / f"{WALK_EXTENSION}{suffix}"
+        if candidate.exists():
+            return candidate
+    raise NativeBuildError(
+        f"espalier's native tree walk ({WALK_EXTENSION}) is not built in {folder}: reinstall "
+        "espalier (pip install -e . builds it with the system C compiler)"
+    )
+
+
+def api() -> Api:
+    """The native API, loaded and checked on first call (version, then layout); raises
+    :class:`NativeBuildError` (every call) when it cannot be used."""
+    global _api, _api_error
     with _api_lock:
-        if _api_tried:
-            return _api
-        _api_tried = True
-        try:
-            import llguidance._lib as llg_module
-
-            llg = ctypes.CDLL(llg_module.__file__)
-            path = build_library(WALK_SOURCE)
-            if path is None:
-                raise RuntimeError(last_error(WALK_SOURCE) or "build failed")
-            _api = Api(llg, ctypes.CDLL(str(path)))
-        except (OSError, AttributeError, ImportError, RuntimeError) as exc:
-            _api_error = f"native llguidance walk unavailable: {exc}"
+        if _api is None and _api_error is None:
+            try:
+                _api = _load()
+            except NativeBuildError as exc:
+                _api_error = exc
+        if _api_error is not None:
+            raise _api_error
+        assert _api is not None
         return _api
 
 
-def unavailable_reason() -> str | None:
-    """Why :func:`api` returned None (None while it has not, or if it did not)."""
-    return _api_error
+def _load() -> Api:
+    import llguidance._lib as llg_module
+
+    try:
+        walk = ctypes.CDLL(str(_extension_path()))
+    except OSError as exc:
+        raise NativeBuildError(f"espalier's native tree walk does not load: {exc}") from exc
+    walk.espalier_llg_series.restype = ctypes.c_char_p
+    series = bytes(walk.espalier_llg_series()).decode()
+    check_version(installed_llguidance(), series)  # before any llguidance call: layout may differ
+    lib = Api(ctypes.CDLL(llg_module.__file__), walk)
+    lib.check_layout()
+    return lib
 
 
 @dataclass(frozen=True)
@@ -228,8 +289,9 @@ class NativeTokenizer:
                 tokens[token] = bytes([SPECIAL_MARKER]) + tokens[token]
         lens = np.fromiter((len(t) for t in tokens), dtype=np.uint32, count=len(tokens))
         blob = np.frombuffer(b"".join(tokens) or b"\0", dtype=np.uint8)
-        stops = [int(s) for s in source.stop_ids]
-        extra = np.array(stops[1:] or [0], dtype=np.uint32)
+        stops = np.array([int(s) for s in source.stop_ids], dtype=np.uint32)
+        if stops.size == 0:
+            raise ValueError("llguidance needs at least one stop id")
         encode = source.encode
 
         def tokenize(_user: Any, data: Any, size: int, out: Any, capacity: int) -> int:
@@ -248,29 +310,23 @@ class NativeTokenizer:
         )
         if not cache:
             raise MemoryError("tokenize cache")
-        init = _TokenizerInitV2(
-            ctypes.sizeof(_TokenizerInitV2),
-            len(tokens),
-            stops[0],
-            lens.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
-            blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-            None,
-            True,  # the callback wants valid UTF-8 text
-            ctypes.cast(lib.tokenize_cached, _TokenizeFn),
-            False,
-            cache,
-            None,
-            extra.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
-            len(stops) - 1,
-        )
         error = ctypes.create_string_buffer(ERROR_BYTES)
-        pointer = lib.llg.llg_new_tokenizer_v2(ctypes.byref(init), error, ERROR_BYTES)
+        pointer = lib.walk.espalier_llg_new_tokenizer(
+            lib.new_tokenizer_v2,
+            len(tokens),
+            lens.ctypes.data,
+            blob.ctypes.data,
+            lib.tokenize_cached,  # the callback wants valid UTF-8 text (llg_abi.c sets so)
+            cache,
+            stops.ctypes.data,
+            stops.size,
+            error,
+            ERROR_BYTES,
+        )
         if not pointer:
             raise RuntimeError(f"llg_new_tokenizer_v2: {error.value.decode(errors='replace')}")
         self.pointer: int = pointer
-        self._init = ctypes.create_string_buffer(CONSTRAINT_INIT_BYTES)
-        lib.llg.llg_constraint_init_set_defaults(self._init, pointer)
-        ctypes.c_uint32.from_buffer(self._init, LOG_STDERR_LEVEL_OFFSET).value = 0
+        self._init = lib.constraint_init(pointer)
         weakref.finalize(self, lib.llg.llg_free_tokenizer, pointer)
 
     def matcher(self, grammar: str) -> NativeMatcher:
@@ -422,8 +478,9 @@ class NativeTokenizerSlot:
     started by the first :meth:`get` or :meth:`wait`: a process that never walks a tree (a
     compile probe, a server without speculation) never builds it.
 
-    Until it is ready (or when the native API is unavailable) :meth:`get` returns None and
-    callers use their Python paths; :attr:`error` says why it failed, if it did.
+    Until it is ready :meth:`get` returns None and callers use their Python paths; :attr:`error`
+    says why the build failed, if it did. (An unusable install never gets here: the backend
+    calls :func:`api` when it is made, which raises :class:`NativeBuildError`.)
     """
 
     def __init__(self, source: Callable[[], TokenizerSource], tables: WalkTables) -> None:
@@ -446,11 +503,7 @@ class NativeTokenizerSlot:
 
     def _build(self) -> None:
         try:
-            lib = api()
-            if lib is None:
-                self.error = unavailable_reason()
-                return
-            self._value = NativeTokenizer(lib, self._source())
+            self._value = NativeTokenizer(api(), self._source())
         except (RuntimeError, ValueError, MemoryError) as exc:
             self.error = f"native llguidance tokenizer: {exc}"
         finally:
