@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import repo_root  # noqa: F401  (bench/repo_root.py: tests.fixtures importable)
 from masks import sample_files  # bench/masks.py (this folder is on sys.path)
 
 from espalier.constrained import bitmask as bm
@@ -52,8 +53,8 @@ from espalier.constrained.tokenizer import TokenizerInfo
 from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.traverse_llguidance import walk_llguidance
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree_random import sample_instance
 from espalier.server.default_model import default_tokenizer
+from tests.fixtures.tree_random import sample_instance
 
 Work = Callable[[int], None]
 """``work(rounds)``: one thread's share, ``rounds`` times over."""

@@ -1,7 +1,7 @@
 """One speculative decoding step over a batch: draft, verify (masks overlapped), compact KV.
 
 The caller (the engine's :class:`~espalier.engine.spec.strategy.SpeculativeDecoding`, or
-:mod:`espalier.engine.spec.loop`) owns the requests and their KV blocks. Per step and request
+:mod:`tests.fixtures.spec_loop`) owns the requests and their KV blocks. Per step and request
 that samples, it passes a :class:`SpecSeq`: every known token, how many of them the cache holds
 (``context_len``), the block table, the grammar matcher (it has accepted every known token), the
 speculation settings and the sampling parameters (None = greedy).

@@ -21,9 +21,9 @@ from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.native import llguidance as native
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree_random import grow_tree, sample_instance
+from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import grow_tree, sample_instance
 
 NATIVE = BackendOptions(llguidance_native_walk=True)
 """The native walk, on (whatever the default)."""

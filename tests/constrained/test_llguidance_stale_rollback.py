@@ -21,8 +21,8 @@ from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
+from tests.fixtures.tree_oracle import compare, replay_tree
 
 SCHEMA = {
     "type": "object",

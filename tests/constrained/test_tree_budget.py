@@ -20,9 +20,9 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.traverse_bounded import LATENCY
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from tests.constrained.test_tree_masks import REGEX, drawn_tree, state_snapshot
 from tests.constrained.test_tree_masks import compiled as compiled_any
+from tests.fixtures.tree_oracle import compare, replay_tree
 
 SLOW_CALLS = {"xgrammar": "fill_next_token_bitmask", "llguidance": "unsafe_compute_mask_ptr"}
 

@@ -22,9 +22,9 @@ from espalier.constrained.forced import forced_tokens
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask, stop_row
 from espalier.constrained.traverse_batch import TreeMaskBatch
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.traverse_step import advance
 from espalier.constrained.tree import DraftTree
+from tests.fixtures.tree_oracle import compare, replay_tree
 
 REGEX = "xy+z"  # characters without BPE merges in the toy vocabulary
 

@@ -1,6 +1,6 @@
 """The tree-mask ORACLE: every fast path vs. replaying each path on a fresh matcher.
 
-Random EAGLE-like trees (``constrained.tree_random``: 1-256 nodes, depth <= 16, grammar-valid,
+Random EAGLE-like trees (``tests/fixtures/tree_random.py``: 1-256 nodes, depth <= 16, grammar-valid,
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
 schemas, on all three backends; llguidance three times: its default (native walk for chain-like
 trees, Python walk for branchy ones), the native walk on every tree (``llguidance-native``,
@@ -28,8 +28,8 @@ from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_oracle import compare, replay_tree
-from espalier.constrained.tree_random import grow_tree, sample_instance
+from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import grow_tree, sample_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "conformance"

@@ -21,10 +21,10 @@ from spec_helpers import compile_matcher
 from espalier.engine.runner import SeqInput
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
-from espalier.engine.spec.loop import LoopRequest, SpecLoop
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.tree_builder import tree_attention_mask
+from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 pytestmark = [
     pytest.mark.gpu,
