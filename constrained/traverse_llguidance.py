@@ -137,10 +137,9 @@ def walk_llguidance_py(
 
 
 WRAP_UP_S = 300e-6
-"""Budget kept for what follows a native walk's last node: the wrap-up (~30-60 µs on a quiet
-2-core machine) and the jitter of the last mask. Budgeted 64-node Gemma trees on 40
-JSONSchemaBench schemas (2 ms budget) finished within it for 94-96 % at 100 µs, 99.3 % at
-200 µs, 100 % at 300 µs."""
+"""Budget kept for what follows a native walk's last node: the wrap-up and the jitter of the
+last mask (the smallest margin that kept every budgeted fill within its budget:
+``docs/decisions/llguidance-native-walk.md``)."""
 
 
 def branches(tree: DraftTree) -> int:
@@ -160,10 +159,10 @@ def native_walk_ready(matcher: Any) -> bool:
 
 NATIVE_MAX_BRANCHES = 3
 """Trees with more branches than this (children beyond the first, summed over nodes) take the
-Python walk: each branch costs the native walk a clone (~25-60 µs, and a colder lexer cache)
-where the Python walk's ``deep_copy`` costs ~10 µs. 64-node EAGLE-like trees on 39
-JSONSchemaBench schemas (Gemma, 2 cores): Python p50 1.53 ms, native 4.22 ms (2 threads 2.94).
-Chains (oracle, forced and n-gram drafts) take one clone and no ``deep_copy``."""
+Python walk: each branch costs the native walk a clone (a few times a ``deep_copy``, and a
+colder lexer cache), so branchy trees are faster in Python
+(``docs/decisions/llguidance-native-walk.md``). Chains (oracle, forced and n-gram drafts) take
+one clone and no ``deep_copy``."""
 
 SPLIT_MIN_NODES = 8
 """A tree walks on two threads (when allowed) only from this many nodes and with a branch: below

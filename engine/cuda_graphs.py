@@ -22,11 +22,10 @@ Planning ahead (``PLAN_AHEAD``): a decode shape is captured twice (two graphs, t
 wrappers). While one replays, the other is planned for the step that most likely follows (the
 same sequences one token further, when their block tables already cover it), on a side stream:
 flashinfer's plan copies from pageable host memory, which waits for the stream it is issued on
-(planned on the replaying stream, the call lasted the whole step: H200 run 33). A step whose
-layout is the one planned ahead replays that graph without planning; any other step plans as
-before. Without this the GPU idles through each plan, between one step's sync and the next
-replay. H200 run 35, 8B Llama shape: host time before a replay 0.226 -> 0.072 ms at batch 1,
-1.384 -> 0.191 ms at batch 64; decode 197.5 -> 202.7 tok/s at batch 1, 8251 -> 9929 at 64.
+(planned on the replaying stream, the call lasted the whole step). A step whose layout is the
+one planned ahead replays that graph without planning; any other step plans as before. Without
+this the GPU idles through each plan, between one step's sync and the next replay (numbers:
+``docs/decisions/flashinfer-plan-and-kernels.md``).
 """
 
 from __future__ import annotations

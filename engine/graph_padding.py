@@ -15,10 +15,8 @@ Padding, so that the real rows compute exactly what they compute in an eager ste
   m``: the dummies' entries are in no sequence's pages, so no real row sees them, and the
   dummies' own rows see only real entries (finite values). Trees of different sizes (requests
   near their ``max_tokens`` draft fewer nodes) replay one graph this way instead of running
-  eagerly (H200 run 91, 8B shape, batch 32: an eager verify step launched for 14-29 ms of host
-  time against about 1.5 ms for a replay). Run 94 (``bench/gpu_timeline.py --pad-trees
-  on,off``, one process): eager forwards per run 1 (the prefill) against 3; constrained /
-  unconstrained speculative throughput 0.808 against 0.733.
+  eagerly, whose launch costs about ten times a replay's host time
+  (``docs/decisions/padded-tree-graphs.md``).
 - ``bucket - B`` dummy sequences of ``n`` tokens in the scratch block, causal among themselves.
 
 Dummy rows are dropped: ``rows`` / ``logits_rows`` index the real ones.

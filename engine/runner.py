@@ -193,8 +193,7 @@ class ModelRunner:
     def replays(self, batch: Sequence[SeqInput], *, hidden_layers: Sequence[int] = ()) -> bool:
         """Whether :meth:`forward` would replay a CUDA graph for ``batch`` (its call then only
         enqueues work); False: it runs eagerly (on CUDA its call launches kernel by kernel from
-        Python: 14-29 ms of host time for an 8B-shaped verify step at batch 32 on the H200,
-        ``bench/gpu_timeline.py`` run 91)."""
+        Python: many times a replay's host time, ``docs/decisions/padded-tree-graphs.md``)."""
         return self.graphs is not None and self.graphs.fits(batch, hidden_layers)
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:

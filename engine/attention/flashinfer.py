@@ -17,9 +17,8 @@ Masks: a causal step (prefill chunks, decodes) plans with flashinfer's causal ru
 explicit masks (``paged_plan.step_mask``), bit-packed on the CPU and uploaded without blocking.
 Either way ``plan`` reads only CPU arrays: nothing is read back from the device. Its copies to
 the device come from pageable memory, though, so a plan made while the stream is busy waits for
-it (H200 run 33: planning a decode graph's next step during the current replay made the call
-last the whole step); ``engine/cuda_graphs.py`` plans ahead on a side stream, into a second
-graph, for that reason.
+it (the call then lasts the whole step); ``engine/cuda_graphs.py`` plans ahead on a side stream,
+into a second graph, for that reason (``docs/decisions/flashinfer-plan-and-kernels.md``).
 
 CUDA graphs (``engine/cuda_graphs.py``): ``graph_wrappers`` makes wrappers in flashinfer's
 CUDA-graph mode with fixed-size index (and packed-mask) buffers for one captured shape;
@@ -57,17 +56,15 @@ DECODE_KERNEL_UP_TO = 0
 wrapper; bigger ones, like every other step, its prefill kernel. Read when a step is planned or
 a CUDA graph's wrappers are made. Off (0) by default: in bf16 the decode kernel's logits differ
 in the last bits from those the prefill kernel gives the same row of a verified tree, so a
-near-tie can make speculative output differ from plain decoding (H200 run 34:
-``test_speculative_lossless_cuda[bfloat16-llguidance]`` diverged at token 20 with 4); with one
-kernel for both they agree token for token. What it would gain (run 33, 8B Llama shape,
-128-token context, GPU time of a captured decode step): batch 1 4.339 ms (decode, tensor cores)
-vs 4.465 (prefill kernel) vs 4.656 (decode, CUDA cores); batch 8 4.579 vs 4.529 vs 4.94; batch
-64 7.654 vs 5.53 vs 5.622. Set it (to 4, say) where no request speculates."""
+near-tie can make speculative output differ from plain decoding
+(``test_speculative_lossless_cuda[bfloat16-llguidance]``); with one kernel for both they agree
+token for token. Set it (to 4, say) where no request speculates; what it gains:
+``docs/decisions/flashinfer-plan-and-kernels.md``."""
 
 DECODE_TENSOR_CORES = True
 """The decode wrapper's ``use_tensor_cores``: on Hopper flashinfer's FA3 kernel for one-token
-queries, no split-KV merge (batch 1: 7.6 us per layer, vs 15.4 on CUDA cores and 9.0 + 2.4
-(merge) on the prefill kernel; run 33's profile)."""
+queries, with no split-KV merge: the fastest of the three at batch 1
+(``docs/decisions/flashinfer-plan-and-kernels.md``)."""
 
 
 SPLIT_KV = True
@@ -76,10 +73,9 @@ for short queries over long contexts, then a merge kernel). False plans them wit
 ``disable_split_kv`` (one CTA per query tile, no merge), for every step alike so that plain
 decoding and tree verification still run the same kernel. Read when a step is planned and when
 a CUDA graph is captured (an A/B flag for ``bench/gpu.py``, path
-``flashinfer_graphs_no_split_kv``). Measured off (H200 run 40, 8B Llama shape, GPU ms of one
-captured decode step): 128-token prompts, batch 1 4.485 vs 4.459 with splits (no gain: the
-merge it saves is eaten by fewer CTAs), batch 8 4.473 vs 4.508; 2048-token prompts, batch 1
-5.343 vs 4.544 and batch 8 5.409 vs 5.027 (much slower). So it stays on."""
+``flashinfer_graphs_no_split_kv``). On: off saved nothing at short contexts (the merge it saves
+is eaten by fewer CTAs) and was much slower at long ones
+(``docs/decisions/flashinfer-split-kv-kept.md``)."""
 
 
 def use_decode_kernel(num_seqs: int) -> bool:

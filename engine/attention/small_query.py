@@ -4,12 +4,9 @@ Decode steps and tree verification (at most ``SMALL_QUERY_UP_TO`` new tokens per
 also short prefill chunks) run ``kernels/paged_attention`` instead of flashinfer's prefill
 kernel: one kernel for both, so a decoded row and the verified row of the same token go through
 the same code, and at batch 1 it needs neither flashinfer's split-KV merge launch nor its output
-fill. H200, 8B-Llama shape (``bench/attention.py``, run 73, us per layer in a graph): batch-1
-decode over 128 entries 6.5 vs 10.7, 32 nine-node trees 11.2 vs 36.0, batch 64 12.0 vs 24.6;
-slower over 2048 entries at batch 8 and 32 (32.4 vs 29.1, 78.1 vs 74.1). ``bench/gpu.py`` batch-1
-decode (run 74): 0.773 of the HBM roofline vs 0.738 with flashinfer's kernel (path
-``flashinfer_graphs_prefill_attention``), batch 64: 0.632 vs 0.579. Longer steps stay on
-flashinfer.
+fill. It is faster than flashinfer's kernel for decode and tree verification over short
+contexts, slightly slower over long ones (``docs/decisions/small-query-attention.md``). Longer
+steps stay on flashinfer.
 
 ``SmallQueryWrapper`` (one per layer window) runs per layer like a flashinfer wrapper. Its
 planning has two parts: ``SmallQueryPlan``, shared by every window's wrapper and planned once

@@ -145,8 +145,8 @@ class SpeculativeDecoder:
         # CUDA: the forward only launches (asynchronous), so the fills start after it and run
         # while the GPU works, instead of competing with the launch's Python for the GIL; but
         # not when it runs eagerly (no CUDA graph fits the step, ``ModelRunner.replays``): that
-        # launch takes as long as the fills or longer (H200, batch 32, 8B shape, run 91: 14-29
-        # ms of host time, and the masks came 7-9 ms after it). CPU: the forward runs to
+        # launch takes as long as the fills or longer (docs/decisions/padded-tree-graphs.md).
+        # CPU: the forward runs to
         # completion inside the call (releasing the GIL in its kernels), so the fills start
         # before it to overlap with it.
         self._launch_first = runner.device.type == "cuda" if launch_first is None else launch_first

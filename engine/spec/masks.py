@@ -179,8 +179,8 @@ class MaskBuilder:
         ``after``: other jobs, run one after the other on a pool thread from when the last
         fill ends (``result()`` does not wait for them; they must not touch the matchers: they
         own what they use; one that raises is logged, the rest still run). Not before: run
-        alongside the fills, their Python competed with the fills' for the GIL (H200, batch
-        32, closing decisions ahead: fills summed 26-33 -> 44-52 ms per step, run 47).
+        alongside the fills, their Python competed with the fills' for the GIL
+        (``docs/decisions/closing-ahead-after-fills.md``).
 
         hidden_s: how long the target's forward is expected to run alongside the fills. A
         tree's budget stretches to it (never below ``budget_s``): the budget exists so that
@@ -230,9 +230,8 @@ class MaskBuilder:
         """Run ``jobs`` one after the other on one pool thread: they are Python (the closing
         decisions ahead), so more threads would only take turns at the GIL, and each turn the
         engine thread waits for is a switch interval (5 ms) long. Their consumer runs a job not
-        yet started itself (``Lookahead.take``). H200, batch 32 (run 50, one process each):
-        the jobs' summed wall time 11-14 -> 3.0-5.0 ms per step, step 28-34 -> 24-29 ms,
-        constrained/unconstrained speculative 0.744 / 0.715 -> 0.783 / 0.820."""
+        yet started itself (``Lookahead.take``); numbers:
+        ``docs/decisions/closing-ahead-after-fills.md``."""
         if not jobs:
             return
         try:
