@@ -21,7 +21,11 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.errors import GrammarError
-from espalier.constrained.number_bounds import DEFAULT_BOUNDS, NumberBounds, bound_schema_numbers
+from espalier.constrained.schema.number_bounds import (
+    DEFAULT_BOUNDS,
+    NumberBounds,
+    bound_schema_numbers,
+)
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
@@ -57,7 +61,7 @@ class BackendOptions:
             allowed).
         max_threads: threads a library may use to compile one grammar.
         json_number_bounds: how far JSON numbers may go in generated output
-            (``constrained/number_bounds.py``): integers within +-(2**53 - 1), numbers below
+            (``constrained/schema/number_bounds.py``): integers within +-(2**53 - 1), numbers below
             10**15 in magnitude with at most 6 fraction digits, unless the schema bounds them.
             Only the grammar is narrowed (outputs still validate under the caller's schema), so
             a greedy model cannot write digits until max_tokens. ``None``: the libraries' own

@@ -3,7 +3,7 @@
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``grammar_from_json_schema`` with
   ``lenient=False`` (unimplemented keywords are errors, never silently dropped) and whitespace
   bounded by ``BackendOptions.json_max_whitespace``; compact separators when that is 0; numbers
-  bounded by ``BackendOptions.json_number_bounds`` (``constrained/number_bounds.py``).
+  bounded by ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``).
 - REGEX: ``grammar_from_regex``; LARK: ``grammar_from_lark``; EBNF (GBNF): llguidance's own
   ``gbnf_to_lark`` converter; CHOICE: a Lark alternation of string literals.
 

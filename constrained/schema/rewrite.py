@@ -31,15 +31,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from espalier.constrained.enum_filter import filter_enums
-from espalier.constrained.schema_logic import (
+from espalier.constrained.schema.enum_filter import filter_enums
+from espalier.constrained.schema.logic import (
     Defs,
     complement,
     exactly_one,
     pairwise_disjoint,
     types_of,
 )
-from espalier.constrained.schema_walk import DRAFT_2020_12, dialect_of, map_subschemas
+from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
 
 IN_PLACE = frozenset(
     {"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",

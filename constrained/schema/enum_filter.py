@@ -29,8 +29,8 @@ import json
 from typing import Any
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.schema_features import NOT_ASSERTING, VOCABULARY, values_with_siblings
-from espalier.constrained.schema_walk import map_subschemas
+from espalier.constrained.schema.features import NOT_ASSERTING, VOCABULARY, values_with_siblings
+from espalier.constrained.schema.walk import map_subschemas
 
 VALUES = ("enum", "const")
 

@@ -26,7 +26,7 @@ import referencing.exceptions
 import referencing.jsonschema
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.schema_walk import DRAFT_7, dialect_of, map_subschemas
+from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas
 
 # Keywords that read their siblings in the same schema object: merging a $ref target into its
 # referring object is only exact when no group is present on both sides.

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained.errors import KeywordIssue
-from espalier.constrained.schema_walk import escape_pointer_token, walk
+from espalier.constrained.schema.walk import escape_pointer_token, walk
 
 ANNOTATIONS = frozenset(
     {

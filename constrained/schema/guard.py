@@ -29,7 +29,7 @@ import referencing.jsonschema
 from jsonschema_specifications import REGISTRY as METASCHEMAS
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.schema_walk import escape_pointer_token, walk
+from espalier.constrained.schema.walk import escape_pointer_token, walk
 
 LOCAL_REGISTRY: referencing.Registry[Any] = METASCHEMAS
 """The bundled meta-schemas and nothing else; its ``retrieve`` refuses every unknown URI."""
