@@ -1,19 +1,19 @@
 """The native part of espalier, built with the package (``pip install``/``pip install -e``).
 
 Everything else is declared in pyproject.toml. The llguidance tree walk
-(``constrained/native/``) is C loaded through ctypes: it links against nothing but libc and
-pthreads (llguidance's functions come in as pointers at run time), so it is built as an
-extension module of no Python API, with the system C compiler, once, here.
+(``constrained/backends/llguidance/native/``) is C loaded through ctypes: it links against nothing
+but libc and pthreads (llguidance's functions come in as pointers at run time), so it is built
+as an extension module of no Python API, with the system C compiler, once, here.
 """
 
 from setuptools import Extension, setup
 
-NATIVE = "constrained/native"
+NATIVE = "constrained/backends/llguidance/native"
 
 setup(
     ext_modules=[
         Extension(
-            "espalier.constrained.native._llg_walk",
+            "espalier.constrained.backends.llguidance.native._llg_walk",
             sources=[f"{NATIVE}/llg_walk.c", f"{NATIVE}/llg_abi.c"],
             depends=[f"{NATIVE}/llg_abi.h"],
             include_dirs=[NATIVE],

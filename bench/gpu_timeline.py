@@ -47,7 +47,7 @@ import gpu  # bench/gpu.py (this folder is on sys.path)
 import gpu_spec  # bench/gpu_spec.py
 import spec as spec_bench  # bench/spec.py
 
-import espalier.constrained.native.llguidance as native_llguidance
+import espalier.constrained.backends.llguidance.native.capi as native_llguidance
 import espalier.engine.closing as closing
 import espalier.engine.closing_ahead as closing_ahead
 import espalier.engine.engine as engine_mod

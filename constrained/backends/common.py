@@ -67,7 +67,8 @@ class BackendOptions:
             a greedy model cannot write digits until max_tokens. ``None``: the libraries' own
             unbounded number grammars.
         llguidance_native_walk: fill the llguidance masks of chain-like trees with the native
-            walk (``constrained/native/``: GIL-free, so a batch of trees fills on all cores);
+            walk (``constrained/backends/llguidance/native/``: GIL-free, so a batch of trees fills
+            on all cores);
             making the backend raises ``NativeBuildError`` if that walk cannot load; branchy
             trees take the Python walk either way (``traverse_llguidance.NATIVE_MAX_BRANCHES``).
             False: the Python walk always.

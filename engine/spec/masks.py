@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.tree.masks import fill_tree_bitmask
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
-    from espalier.constrained.traverse import TreeMasks as ConstrainedTreeMasks
+    from espalier.constrained.tree.masks import TreeMasks as ConstrainedTreeMasks
 
 log = logging.getLogger(__name__)
 

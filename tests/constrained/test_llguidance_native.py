@@ -1,4 +1,5 @@
-"""llguidance's native tree walk (``constrained/native/``): the twin matcher keeps up with the
+"""llguidance's native tree walk (``constrained/backends/llguidance/native/``): the twin matcher
+keeps up with the
 request through accepts, rollbacks, resets and forks; the budget holds inline; with the native
 walk off the Python walk takes over; an llguidance of another series is a clear error."""
 
@@ -15,13 +16,13 @@ import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained import traverse_llguidance
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
-from espalier.constrained.native import llguidance as native
+from espalier.constrained.backends.llguidance.native import capi as native
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree import walk_llguidance as traverse_llguidance
+from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree, sample_instance
 
@@ -235,7 +236,7 @@ def test_tokenize_cache_answers_repeats_without_the_slow_tokenizer() -> None:
 
 WRONG_VERSION_PROBE = """
 from espalier.constrained.backends import get_backend
-from espalier.constrained.native.llguidance import NativeBuildError
+from espalier.constrained.backends.llguidance.native.capi import NativeBuildError
 from tests.fixtures.tokenizers import build_byte_level_hf
 from espalier.constrained.tokenizer import TokenizerInfo
 

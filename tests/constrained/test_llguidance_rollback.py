@@ -24,8 +24,8 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import WalkResult, fill_tree_bitmask, walk_generic
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import WalkResult, fill_tree_bitmask, walk_generic
 
 pytest.importorskip("llguidance")
 

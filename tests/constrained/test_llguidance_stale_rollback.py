@@ -20,8 +20,8 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 
 SCHEMA = {

@@ -4,7 +4,8 @@ Random EAGLE-like trees (``tests/fixtures/tree_random.py``: 1-256 nodes, depth <
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
 schemas, on all three backends; llguidance three times: its default (native walk for chain-like
 trees, Python walk for branchy ones), the native walk on every tree (``llguidance-native``,
-``constrained/native/``; a second thread shares big trees every other tree) and the Python walk
+``constrained/backends/llguidance/native/``; a second thread shares big trees every other tree) and
+the Python walk
 on every tree (``llguidance-python``). Toy vocabularies always; the Gemma tokenizer with
 JSONSchemaBench schemas and the shared GBNF grammars under ``model`` (a representative part) and
 all of it under ``slow`` / ``ESPALIER_SLOW=1``.
@@ -22,12 +23,12 @@ import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained import traverse_llguidance
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.tree import walk_llguidance as traverse_llguidance
+from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree, sample_instance
 

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from espalier.constrained.base import GrammarMatcher
-from espalier.constrained.traverse import TreeMasks
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import TreeMasks
 
 
 def advance(

@@ -2,7 +2,7 @@
 ``deep_copy`` snapshots for branchy ones. Neither ever rolls a matcher back (below).
 
 **Native walk** (:func:`walk_llguidance`, with ``BackendOptions.llguidance_native_walk``, on by
-default, ``constrained/native/``): each request's matcher keeps a twin made
+default, ``constrained/backends/llguidance/native/``): each request's matcher keeps a twin made
 through llguidance's C API, which only moves forward with the request (each walk first makes it
 consume what the request accepted since; it computes the root row). ``llg_walk.c`` walks the
 tree on clones of it: the same DFS as below, with no Python per node and the GIL dropped for the
@@ -45,16 +45,16 @@ from typing import Any
 import numpy as np
 
 from espalier.constrained.backends.llguidance import MatcherStateError
-from espalier.constrained.native import llguidance as native
-from espalier.constrained.native.twin import Twin
-from espalier.constrained.traverse import (
+from espalier.constrained.backends.llguidance.native import capi as native
+from espalier.constrained.backends.llguidance.native.twin import Twin
+from espalier.constrained.tree import NONE, DraftTree
+from espalier.constrained.tree.masks import (
     WalkResult,
     flat_words,
     stop_row,
     tokenizer_vocab_size,
     walk_generic,
 )
-from espalier.constrained.tree import NONE, DraftTree
 
 
 def walk_llguidance_py(

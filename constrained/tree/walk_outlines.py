@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from espalier.constrained.traverse import WalkResult, stop_row, tokenizer_vocab_size, walk_generic
 from espalier.constrained.tree import NONE, DraftTree
+from espalier.constrained.tree.masks import WalkResult, stop_row, tokenizer_vocab_size, walk_generic
 
 ROW_CACHE_BYTES = 16 << 20
 """Cached rows per compiled grammar (bytes); 512 rows of a 262,144-token vocabulary."""

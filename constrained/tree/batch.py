@@ -18,8 +18,8 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import GrammarMatcher
-from espalier.constrained.traverse import DEFAULT_BUDGET_S, TreeMasks, fill_tree_bitmask
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import DEFAULT_BUDGET_S, TreeMasks, fill_tree_bitmask
 
 
 @dataclass
@@ -62,7 +62,7 @@ class TreeMaskBatch:
         ``budget`` bounds each tree from the moment its task starts; ``deadline`` (a
         ``time.perf_counter()`` value) bounds the whole batch: a tree that starts late gets what
         is left (its root row is always filled). Before submitting again (the rows are reused),
-        wait for each result's :meth:`~espalier.constrained.traverse.TreeMasks.wait_late_writes`.
+        wait for each result's :meth:`~espalier.constrained.tree.masks.TreeMasks.wait_late_writes`.
         """
         return fill_tree_bitmasks(self, pool, budget, deadline)
 

@@ -158,19 +158,19 @@ def fill_tree_bitmask(
     result = WalkResult.empty(tree.num_nodes)
     walker = walker_for(matcher)
     if threads > 1 and _backend(matcher) == "llguidance":
-        from espalier.constrained.traverse_llguidance import walk_llguidance
+        from espalier.constrained.tree.walk_llguidance import walk_llguidance
 
         if walker is walk_llguidance:
             walker = partial(walk_llguidance, threads=threads)
     if budget is None:
         walker(matcher, tree, rows, float("inf"), root_ready, result)
     elif tree.num_nodes > 1 and _needs_helper(matcher, tree):
-        from espalier.constrained.traverse_bounded import walk_bounded
+        from espalier.constrained.tree.bounded import walk_bounded
 
         if walker is not walk_generic and _backend(matcher) == "xgrammar":
-            from espalier.constrained.traverse_xgrammar import walk_xgrammar_nodes as walker
+            from espalier.constrained.tree.walk_xgrammar import walk_xgrammar_nodes as walker
         elif walker is not walk_generic and _backend(matcher) == "llguidance":
-            from espalier.constrained.traverse_llguidance import walk_llguidance_py as walker
+            from espalier.constrained.tree.walk_llguidance import walk_llguidance_py as walker
 
         result = walk_bounded(walker, matcher, tree, rows, start + budget, root_ready)
     else:
@@ -212,7 +212,7 @@ trees it takes (``traverse_llguidance.native_takes``)."""
 def _needs_helper(matcher: Any, tree: DraftTree) -> bool:
     name = _backend(matcher)
     if name == "llguidance":
-        from espalier.constrained.traverse_llguidance import native_takes, native_walk_ready
+        from espalier.constrained.tree.walk_llguidance import native_takes, native_walk_ready
 
         return not (native_walk_ready(matcher) and native_takes(tree))
     return name in SLOW_FILL_BACKENDS
@@ -231,11 +231,11 @@ def walker_for(matcher: Any) -> Walker:
         return cached
     walker: Walker
     if name == "xgrammar":
-        from espalier.constrained.traverse_xgrammar import walk_xgrammar as walker
+        from espalier.constrained.tree.walk_xgrammar import walk_xgrammar as walker
     elif name == "llguidance":
-        from espalier.constrained.traverse_llguidance import walk_llguidance as walker
+        from espalier.constrained.tree.walk_llguidance import walk_llguidance as walker
     elif name == "outlines_core":
-        from espalier.constrained.traverse_outlines import walk_outlines as walker
+        from espalier.constrained.tree.walk_outlines import walk_outlines as walker
     else:
         return walk_generic
     _WALKERS[name] = walker

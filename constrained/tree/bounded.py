@@ -37,12 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from espalier.constrained.return_latency import ReturnLatency
-from espalier.constrained.traverse import Walker, WalkResult
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import Walker, WalkResult
+from espalier.constrained.tree.return_latency import ReturnLatency
 
 LATENCY = ReturnLatency()
-"""How early the caller stops waiting (``constrained/return_latency.py``): waking from a timed
+"""How early the caller stops waiting (``constrained/tree/return_latency.py``): waking from a timed
 wait, taking the GIL back and the wrap-up take ~0.1 ms on a quiet 2-core machine and more on a
 busy one, and the call should return *within* its budget; learnt from the calls that gave up."""
 
@@ -80,7 +80,7 @@ def walk_bounded(
 ) -> WalkResult:
     """Run ``walker`` for ``matcher`` on a helper thread; return by ``deadline``.
 
-    Same contract as a :data:`~espalier.constrained.traverse.Walker` (``rows`` filled for every
+    Same contract as a :data:`~espalier.constrained.tree.masks.Walker` (``rows`` filled for every
     node the result marks ``filled``; the matcher's state unchanged), plus: the call returns by
     ``deadline`` unless the root row itself has to be computed after it. When the walk is
     abandoned, ``result.late_writes`` is an event set when it ends (see :class:`WalkResult`).

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from espalier.constrained.native.llguidance import NativeMatcher
+from espalier.constrained.backends.llguidance.native.capi import NativeMatcher
 
 
 @dataclass

@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from espalier.constrained.traverse import (
+from espalier.constrained.tree import NONE, DraftTree
+from espalier.constrained.tree.masks import (
     WalkResult,
     flat_words,
     stop_row,
     tokenizer_vocab_size,
     walk_generic,
 )
-from espalier.constrained.tree import NONE, DraftTree
 
 SENTINEL = np.int32(0x5EA5_1DE5)
 

@@ -47,13 +47,13 @@ from espalier.constrained.backends.common import (
     VocabFacts,
     vocab_facts,
 )
+from espalier.constrained.backends.llguidance.native import capi as llg_native
 from espalier.constrained.compile_pool import InProcessLane
 from espalier.constrained.errors import GrammarError, InvalidGrammarError
-from espalier.constrained.native import llguidance as llg_native
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
-    from espalier.constrained.native.twin import Twin
+    from espalier.constrained.backends.llguidance.native.twin import Twin
     from espalier.constrained.tokenizer import TokenizerInfo
 
 NAME = "llguidance"
@@ -172,7 +172,8 @@ class CompiledGrammar(CompiledBase):
     lexer, with its lazily built states and its fuel ("too many expressions constructed" once
     spent, for every copy), so one request could spend another's budget or, once the lexer is in
     its error state, make every later request on the grammar fail. :meth:`native_template` is
-    the same grammar through the C API (``constrained/native/llguidance.py``), for the native
+    the same grammar through the C API (``constrained/backends/llguidance/native/capi.py``), for
+    the native
     tree walk; C-API clones are deep (each has its own lexer).
 
     Making an ``LLMatcher`` compiles the grammar again (hundreds of times a ``deep_copy``): the

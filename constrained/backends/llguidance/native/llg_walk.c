@@ -1,6 +1,6 @@
 /* Draft-tree mask walk over llguidance's C API, in one call that never touches Python.
  *
- * Semantics mirror constrained/traverse_llguidance.py (the Python walk): an iterative DFS, first
+ * Semantics mirror constrained/tree/walk_llguidance.py (the Python walk): an iterative DFS, first
  * child first, where a node is tried only when its parent's row allows its token. Stop tokens are
  * never consumed: their row is the stop row, and below them only stop tokens are valid.
  *

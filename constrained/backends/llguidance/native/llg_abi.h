@@ -3,7 +3,7 @@
  * llguidance's Python wheel ships its library (llguidance/_lib*.so, which exports the C API) but
  * not its header, so the two structs espalier fills are declared here, read from llguidance's
  * src/ffi.rs for the series ESP_LLG_SERIES. pyproject.toml pins llguidance to that series; at
- * load, constrained/native/llguidance.py checks the installed version against it and probes the
+ * load, constrained/backends/llguidance/native/capi.py checks the installed version against it and probes the
  * library's LlgConstraintInit (espalier_llg_check_layout) before any matcher is made.
  */
 #ifndef ESPALIER_LLG_ABI_H
