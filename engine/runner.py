@@ -112,7 +112,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model = build_model(model_config, state_dict, device=self.device, dtype=self.dtype)
         if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up
-            from espalier.engine.models.fused import fuse_projections
+            from espalier.kernels.fused import fuse_projections
 
             fuse_projections(self.model)
         else:  # oneDNN-packed projections for batches of rows (``models/cpu_packed.py``)

@@ -16,8 +16,8 @@ from torch import nn
 from espalier.engine.attention.base import AttentionBackend, AttentionMetadata, LayerSpec
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models import cpu_packed, fused
-from espalier.kernels import gemv
+from espalier.engine.models import cpu_packed
+from espalier.kernels import fused, gemv
 
 SMALL_M_GEMV = True
 """On CUDA, projections of a few rows (decode) run the Triton skinny GEMM where it beats cuBLAS
@@ -71,7 +71,7 @@ per call, so a CUDA graph keeps the choice made when it was captured."""
 
 
 def norm_kernels(x: torch.Tensor) -> bool:
-    """Whether the norms of ``x`` run as Triton kernels (``models/fused_norm.py``): on CUDA."""
+    """Whether the norms of ``x`` run as Triton kernels (``kernels/norm.py``): on CUDA."""
     return x.is_cuda or KERNELS_ON_CPU
 
 

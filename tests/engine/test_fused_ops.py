@@ -1,4 +1,4 @@
-"""Fused decoder-layer kernels (``engine/models/fused.py``) against the torch layer code.
+"""Fused decoder-layer kernels (``kernels/fused.py``) against the torch layer code.
 
 On CUDA they run as compiled Triton kernels; on the CPU in Triton's interpreter (scripts/test.sh
 sets ``TRITON_INTERPRET=1``), skipped otherwise. bf16 outputs may differ from the torch twin by
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from espalier.engine.models import fused, layers
+from espalier.engine.models import layers
 from espalier.engine.models.layers import (
     GemmaRMSNorm,
     RMSNorm,
@@ -25,6 +25,7 @@ from espalier.engine.models.layers import (
     apply_rope,
     rope_cos_sin,
 )
+from espalier.kernels import fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

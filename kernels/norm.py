@@ -1,4 +1,4 @@
-"""Triton RMSNorm kernels (re-exported by ``models/fused.py``), with the torch twins' roundings.
+"""Triton RMSNorm kernels (re-exported by ``kernels/fused.py``), with the torch twins' roundings.
 
 - ``rms_norm``: Llama style ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` or Gemma style
   ``(x * rsqrt(...) * (1 + weight)).to(dtype)``; one program per row, fp32 statistics.

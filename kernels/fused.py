@@ -15,7 +15,7 @@ q/k/v and gate/up projections into one GEMM each:
   to their paged-cache slots (one launch instead of rope + two ``index_copy``).
 - ``gated_act``: ``act(gate) * up`` of a fused ``[T, 2 * I]`` gate/up output (SiLU or tanh-GELU).
 
-The norm kernels live in ``models/fused_norm.py``, the rope kernels in ``models/fused_rope.py``.
+The norm kernels live in ``kernels/norm.py``, the rope kernels in ``kernels/rope.py``.
 Used on CUDA tensors only; the layer code keeps its torch path for CPU (and as the oracle:
 ``tests/engine/test_fused_ops.py`` runs these kernels in Triton's CPU interpreter).
 """
@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from espalier.engine.models.fused_norm import add_rms_norm, rms_norm
-from espalier.engine.models.fused_rope import rope, rope_store
+from espalier.kernels.norm import add_rms_norm, rms_norm
 from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
+from espalier.kernels.rope import rope, rope_store
 
 __all__ = ["add_rms_norm", "fuse_projections", "gated_act", "rms_norm", "rope", "rope_store"]
 

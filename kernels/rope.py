@@ -1,4 +1,4 @@
-"""Triton rotary-embedding kernels (re-exported by ``models/fused.py``), with the torch twin's
+"""Triton rotary-embedding kernels (re-exported by ``kernels/fused.py``), with the torch twin's
 roundings (``layers.apply_rope``: rotate-half, rounded to the model dtype after each op).
 
 - ``rope``: q and k rotated in one launch; q/k may be strided views of a fused qkv output; both
