@@ -64,7 +64,7 @@ class StepPlan:
     meta: ``[3B + 3]`` = qo_indptr ``[B + 1]``, kv_indptr ``[B + 1]``, kv_lens ``[B]``,
     split_len ``[1]``. kv_indices: ``[pages]``. ``max_q_len``: most rows of one sequence;
     ``splits``: the launch's split dimension. A CUDA graph's plan keeps its tensors and rewrites
-    them in place (``engine/attention/small_query.py``)."""
+    them in place (``engine/model/attention/small_query.py``)."""
 
     meta: torch.Tensor
     kv_indices: torch.Tensor

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from espalier.engine.api import TokenLogprob
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.combine import ProposalItem, Proposer
 from espalier.engine.spec.masks import MaskBuilder, PendingMasks
 from espalier.engine.spec.tree_builder import Draft
@@ -51,7 +51,7 @@ from espalier.engine.spec.verify import (
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
 
 TARGET_SMOOTHING = 0.5

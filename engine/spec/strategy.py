@@ -26,7 +26,7 @@ import torch
 
 from espalier.engine.api import SpeculativeStats
 from espalier.engine.kv_cache import blocks_needed
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.base import Drafter
 from espalier.engine.spec.combine import FORCED, Proposer
 from espalier.engine.spec.decoder import SamplingSpec, SpecSeq, SpeculativeDecoder, StepTimes
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from espalier.engine.closing import BudgetCloser
     from espalier.engine.engine import Engine
     from espalier.engine.kv_cache import BlockAllocator
+    from espalier.engine.model.runner import ModelRunner
     from espalier.engine.request import Request
-    from espalier.engine.runner import ModelRunner
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models.layers import RMSNormBase, linear, rope_cos_sin
+from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
+from espalier.engine.model.models.layers import RMSNormBase, linear, rope_cos_sin
 
 
 class DecoderStack(nn.Module):

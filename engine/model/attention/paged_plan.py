@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from espalier.engine.attention.base import AttentionMetadata
+from espalier.engine.model.attention.base import AttentionMetadata
 
 
 @dataclass(frozen=True)

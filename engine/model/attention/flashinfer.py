@@ -17,10 +17,10 @@ Masks: a causal step (prefill chunks, decodes) plans with flashinfer's causal ru
 explicit masks (``paged_plan.step_mask``), bit-packed on the CPU and uploaded without blocking.
 Either way ``plan`` reads only CPU arrays: nothing is read back from the device. Its copies to
 the device come from pageable memory, though, so a plan made while the stream is busy waits for
-it (the call then lasts the whole step); ``engine/cuda_graphs.py`` plans ahead on a side stream,
-into a second graph, for that reason (``docs/decisions/flashinfer-plan-and-kernels.md``).
+it (the call then lasts the whole step); ``engine/model/cuda_graphs.py`` plans ahead on a side
+stream, into a second graph, for that reason (``docs/decisions/flashinfer-plan-and-kernels.md``).
 
-CUDA graphs (``engine/cuda_graphs.py``): ``graph_wrappers`` makes wrappers in flashinfer's
+CUDA graphs (``engine/model/cuda_graphs.py``): ``graph_wrappers`` makes wrappers in flashinfer's
 CUDA-graph mode with fixed-size index (and packed-mask) buffers for one captured shape;
 ``plan_causal`` / ``plan_graph_masked`` re-plan them (on the host, outside the graph) before each
 replay.
@@ -34,21 +34,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from espalier.engine.attention.base import AttentionMetadata, LayerSpec
-from espalier.engine.attention.paged_plan import (
+from espalier.engine.config import ModelConfig
+from espalier.engine.kv_cache import KVCache
+from espalier.engine.model.attention.base import AttentionMetadata, LayerSpec
+from espalier.engine.model.attention.paged_plan import (
     PagedLayout,
     meta_layout,
     pack_mask_segments,
     step_mask,
 )
-from espalier.engine.attention.small_query import (
+from espalier.engine.model.attention.small_query import (
     SmallQueryWrapper,
     plan_windows,
     use_small_query,
     window_wrappers,
 )
-from espalier.engine.config import ModelConfig
-from espalier.engine.kv_cache import KVCache
 from espalier.kernels.paged_attention import Workspace
 
 DECODE_KERNEL_UP_TO = 0

@@ -34,7 +34,7 @@ def packing_available() -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Give every decoder ``Linear`` (fp32, CPU, 2-D weight) a ``packed_weight``; returns how
     many were packed (0 when oneDNN is missing or the model is too large)."""
-    from espalier.engine.models.layers import Linear
+    from espalier.engine.model.models.layers import Linear
 
     linears = [
         m

@@ -40,7 +40,7 @@ import torch
 from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
 
 if TYPE_CHECKING:
-    from espalier.engine.cuda_graphs import StepGraphs
+    from espalier.engine.model.cuda_graphs import StepGraphs
 
 LogitsSelect = Literal["last", "all", "none"]
 
@@ -102,9 +102,9 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], config: RunnerConfig
     ) -> None:
-        from espalier.engine.attention.base import get_attention_backend
         from espalier.engine.kv_cache import KVCache
-        from espalier.engine.models import build_model
+        from espalier.engine.model.attention.base import get_attention_backend
+        from espalier.engine.model.models import build_model
 
         self.model_config = model_config
         self.config = config
@@ -116,7 +116,7 @@ class ModelRunner:
 
             fuse_projections(self.model)
         else:  # oneDNN-packed projections for batches of rows (``models/cpu_packed.py``)
-            from espalier.engine.models.cpu_packed import pack_linears
+            from espalier.engine.model.models.cpu_packed import pack_linears
 
             pack_linears(self.model)
         # the backend first: its device workspace is not free memory for the KV cache
@@ -131,7 +131,7 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(model_config, cache, device=self.device, dtype=self.dtype)
         self.graphs: StepGraphs | None = None
         if use_graphs:
-            from espalier.engine.cuda_graphs import StepGraphs
+            from espalier.engine.model.cuda_graphs import StepGraphs
 
             self.graphs = StepGraphs(
                 self,
@@ -146,7 +146,7 @@ class ModelRunner:
         cls, path: str | os.PathLike[str], config: RunnerConfig | None = None
     ) -> ModelRunner:
         """Load an HF directory or a ``.gguf`` file."""
-        from espalier.engine.weights import load_weights
+        from espalier.engine.model.weights import load_weights
 
         config = config or RunnerConfig()
         model_config, state_dict = load_weights(path)
@@ -173,7 +173,7 @@ class ModelRunner:
         self, batch: Sequence[SeqInput], *, hidden_layers: Sequence[int] = ()
     ) -> ForwardOutput:
         """Run one batched forward: write new K/V into the cache, return the requested logits."""
-        from espalier.engine.attention.base import build_metadata
+        from espalier.engine.model.attention.base import build_metadata
 
         if self.graphs is not None:
             replayed = self.graphs.forward(batch, hidden_layers)

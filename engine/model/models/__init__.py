@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from espalier.engine.config import ModelConfig
-from espalier.engine.models.base import CausalLM
+from espalier.engine.model.models.base import CausalLM
 
 
 def _build_llama(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
-    from espalier.engine.models.llama import LlamaForCausalLM
+    from espalier.engine.model.models.llama import LlamaForCausalLM
 
     # bias presence follows the checkpoint (Qwen2: q/k/v only; Llama attention_bias: all four)
     qkv_bias = "model.layers.0.self_attn.q_proj.bias" in state_dict
@@ -18,7 +18,7 @@ def _build_llama(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Ca
 
 
 def _build_gemma3(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
-    from espalier.engine.models.gemma3 import Gemma3ForCausalLM
+    from espalier.engine.model.models.gemma3 import Gemma3ForCausalLM
 
     return Gemma3ForCausalLM(config)
 

@@ -1,6 +1,6 @@
 """A step laid out as a captured CUDA-graph shape: ``bucket`` sequences of ``n`` rows each.
 
-A graph replays a forward of exactly ``bucket * n`` new tokens (``engine/cuda_graphs.py``). A
+A graph replays a forward of exactly ``bucket * n`` new tokens (``engine/model/cuda_graphs.py``). A
 step fits a shape when:
 
 - ``n = 1`` (decode): every sequence feeds one token, causal, at its cache index;
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from espalier.engine.attention.paged_plan import PagedLayout, paged_layout, sequence_mask
+from espalier.engine.model.attention.paged_plan import PagedLayout, paged_layout, sequence_mask
 
 if TYPE_CHECKING:
-    from espalier.engine.runner import SeqInput
+    from espalier.engine.model.runner import SeqInput
 
 Window = int | None
 

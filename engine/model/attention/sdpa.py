@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from espalier.engine.attention.base import (
+from espalier.engine.config import ModelConfig
+from espalier.engine.kv_cache import KVCache
+from espalier.engine.model.attention.base import (
     AttentionMetadata,
     LayerSpec,
     int64_to_device,
     register_backend,
 )
-from espalier.engine.config import ModelConfig
-from espalier.engine.kv_cache import KVCache
 
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _PAD_SLACK = 4096  # padded q*kv elements tolerated per group beyond 2x the exact work

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models.base import CausalLM, DecoderStack
-from espalier.engine.models.layers import GatedMLP, GemmaRMSNorm, Linear, PagedAttention
+from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
+from espalier.engine.model.models.base import CausalLM, DecoderStack
+from espalier.engine.model.models.layers import GatedMLP, GemmaRMSNorm, Linear, PagedAttention
 
 
 class Gemma3DecoderLayer(nn.Module):

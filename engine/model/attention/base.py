@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from espalier.engine.config import ModelConfig
     from espalier.engine.kv_cache import KVCache
-    from espalier.engine.runner import SeqInput
+    from espalier.engine.model.runner import SeqInput
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def resolve_backend_name(
         return name
     if device is None or device.type != "cuda" or dtype is None:
         return "sdpa"
-    from espalier.engine.attention.flashinfer import flashinfer_supports
+    from espalier.engine.model.attention.flashinfer import flashinfer_supports
 
     return "flashinfer" if flashinfer_supports(model_config, dtype) else "sdpa"
 
@@ -137,9 +137,9 @@ def get_attention_backend(
     flashinfer needs ``device`` and ``dtype`` (its workspace lives on the device)."""
     name = resolve_backend_name(name, model_config, device, dtype)
     if name == "sdpa":
-        from espalier.engine.attention import sdpa  # noqa: F401  (registers itself)
+        from espalier.engine.model.attention import sdpa  # noqa: F401  (registers itself)
     if name == "flashinfer":
-        from espalier.engine.attention.flashinfer import FlashinferBackend
+        from espalier.engine.model.attention.flashinfer import FlashinferBackend
 
         if device is None or dtype is None:
             raise ValueError("the flashinfer backend needs a CUDA device and a dtype")

@@ -5,7 +5,7 @@ decode step (causal); ``n`` in ``tree_sizes`` is a verification step whose every
 draft tree of at most ``n`` nodes (custom masks, positions by depth, logits for every node), or
 one token. A step replays the graph of the smallest captured tree size that holds its largest
 tree, then of the smallest bucket >= its batch; smaller trees are padded with dummy rows
-(``engine/graph_padding.py``). Other steps (prefill chunks, trees larger than every captured
+(``engine/model/graph_padding.py``). Other steps (prefill chunks, trees larger than every captured
 size, inner-layer hidden states, bigger batches) run eagerly.
 
 Captured: embedding -> decoder layers (K/V writes + flashinfer attention) -> final norm into a
@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from espalier.engine.attention.base import AttentionMetadata
-from espalier.engine.graph_padding import PaddedStep, pad_step, padded_layout, step_tokens
+from espalier.engine.model.attention.base import AttentionMetadata
+from espalier.engine.model.graph_padding import PaddedStep, pad_step, padded_layout, step_tokens
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from espalier.engine.attention.flashinfer import FlashinferBackend, GraphWrappers
-    from espalier.engine.runner import ForwardOutput, ModelRunner, SeqInput
+    from espalier.engine.model.attention.flashinfer import FlashinferBackend, GraphWrappers
+    from espalier.engine.model.runner import ForwardOutput, ModelRunner, SeqInput
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ LayoutKey = tuple[tuple[int, tuple[int, ...]], ...]  # per sequence: context_len
 
 PAD_TREES = True
 """Steps whose trees are smaller than a captured tree size replay it, padded
-(``engine/graph_padding.py``); False: only steps whose every tree has exactly a captured size
+(``engine/model/graph_padding.py``); False: only steps whose every tree has exactly a captured size
 replay (the others run eagerly: the anchor in ``bench/gpu.py --pad-trees``). Read per step."""
 
 PLAN_AHEAD = True
@@ -166,7 +166,7 @@ class StepGraphs:
         self, batch: Sequence[SeqInput], hidden_layers: Sequence[int]
     ) -> ForwardOutput | None:
         """The step's output through a graph replay, or None when no graph fits the step."""
-        from espalier.engine.runner import ForwardOutput
+        from espalier.engine.model.runner import ForwardOutput
 
         fit = self._fit(batch, hidden_layers)
         if fit is None:
@@ -244,7 +244,7 @@ class StepGraphs:
         """Plan the other graph of ``bucket`` for the decode step after ``batch`` (each sequence
         one token further) on the side stream, while ``current`` replays; nothing when a block
         table does not cover that step yet."""
-        from espalier.engine.runner import SeqInput
+        from espalier.engine.model.runner import SeqInput
 
         current.replayed = current.replayed or torch.cuda.Event()
         current.replayed.record()  # after the replay and the LM head launched behind it

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from espalier.engine.attention.paged_plan import PagedLayout
 from espalier.engine.config import ModelConfig
+from espalier.engine.model.attention.paged_plan import PagedLayout
 from espalier.kernels import paged_attention as pa
 
 SMALL_QUERY_UP_TO = 16

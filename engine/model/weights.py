@@ -102,7 +102,7 @@ def converted_gguf_dir(gguf_path: Path, *, progress: bool = True) -> Path:
         return target
     from safetensors.torch import save_file
 
-    from espalier.engine.gguf_loader import load_gguf
+    from espalier.engine.model.gguf_loader import load_gguf
 
     cfg, state = load_gguf(gguf_path, progress=progress)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")

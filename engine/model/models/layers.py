@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from espalier.engine.attention.base import AttentionBackend, AttentionMetadata, LayerSpec
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models import cpu_packed
+from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata, LayerSpec
+from espalier.engine.model.models import cpu_packed
 from espalier.kernels import fused, gemv
 
 SMALL_M_GEMV = True
