@@ -9,8 +9,9 @@ by a lazy import is still a cycle; ``--top-level`` counts only imports run at im
 Importing ``pkg.mod`` also imports ``pkg/__init__.py``, so that edge is added too.
 
 Prints each component of more than one module (largest first) with its concepts (a module's
-concept is its folder: ``constrained/backends/llguidance``, ``engine/spec``, ...), then one summary
-line: components, modules in them, and components that span more than one concept. ``--json``
+concept is its first folder below the package, ``constrained/tree``, ``engine/model``, or the
+module itself where it sits directly in a package, ``engine/closing``), then one summary line:
+components, modules in them, and components that span more than one concept. ``--json``
 prints JSON lines instead.
 """
 
@@ -152,9 +153,13 @@ def components(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def concept(module: str, files: dict[str, Path], root: Path) -> str:
-    """A module's folder relative to ``root`` (``constrained/backends``); a package's own
-    ``__init__`` belongs to its folder."""
-    return files[module].parent.relative_to(root).as_posix()
+    """A module's concept: its first folder below the package (``constrained/tree``,
+    ``engine/model``, sub-folders included), or, for a module directly in a package, the module
+    itself (``engine/closing``); a package's own ``__init__`` is its package."""
+    parts = files[module].relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return "/".join(parts[:2])
 
 
 def main(argv: list[str] | None = None) -> int:
