@@ -70,7 +70,7 @@ class BackendOptions:
             walk (``constrained/backends/llguidance/native/``: GIL-free, so a batch of trees fills
             on all cores);
             making the backend raises ``NativeBuildError`` if that walk cannot load; branchy
-            trees take the Python walk either way (``traverse_llguidance.NATIVE_MAX_BRANCHES``).
+            trees take the Python walk either way (``walk_llguidance.NATIVE_MAX_BRANCHES``).
             False: the Python walk always.
         outlines_memory_limit: address-space cap in bytes of the child process that builds each
             outlines-core Index (``backends/outlines_index.py``): a build past it fails with

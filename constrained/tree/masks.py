@@ -17,15 +17,15 @@ Semantics of :func:`fill_tree_bitmask` (``n`` nodes, rows ``0..n-1`` of ``out``)
   that is not ``filled`` as absent, and the path stops at its parent, whose row is exact). Fewer
   tokens get accepted, never a wrong one. The root row is always filled and exact. For the
   backends whose single fills can be slow the deadline is a wall-clock bound
-  (``traverse_bounded``); only computing the root row may take longer.
+  (``tree/bounded.py``); only computing the root row may take longer.
 
 Verification accepts node i only where ``filled[i]`` (which implies ``valid[i]``). **No row is
 all-zero**: rows of nodes with ``filled = False`` have at least the stop-token bits set; their
 other bits are unspecified (stale data or a partial mask) and must not be used.
 
 The matcher's state after the call equals its state before. Backends with a native fast path
-(``traverse_xgrammar``, ``traverse_llguidance``, ``traverse_outlines``) are picked by the matcher's
-backend name; any other :class:`GrammarMatcher` uses :func:`walk_generic`.
+(``tree/walk_xgrammar.py``, ``tree/walk_llguidance.py``, ``tree/walk_outlines.py``) are picked
+by the matcher's backend name; any other :class:`GrammarMatcher` uses :func:`walk_generic`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class TreeMasks:
         budget_hit: the deadline stopped the walk before every node was decided.
         seconds: wall time of the fill.
         abandoned: the deadline came during one slow native fill, which was left running on a
-            fork (``traverse_bounded``); implies ``budget_hit``.
+            fork (``tree/bounded.py``); implies ``budget_hit``.
         late_writes: only after an abandoned fill: set once that fill has ended. Until then it
             may still write the row of one node that is *not* filled; do not reuse ``out`` for
             other data before :meth:`wait_late_writes` (filled rows never change).
@@ -93,7 +93,7 @@ class WalkResult:
 
     Walkers fill the lists in place and set ``filled[i]`` last, after ``valid[i]``,
     ``terminated[i]`` and row ``i`` are written: a snapshot of ``filled`` taken while a walk
-    runs on another thread (``traverse_bounded``) names only complete rows.
+    runs on another thread (``tree/bounded.py``) names only complete rows.
     """
 
     valid: list[bool]
@@ -141,13 +141,13 @@ def fill_tree_bitmask(
         out: int32 ``[>= n, ceil(V/32)]`` C-contiguous CPU tensor (pinned is fine) or numpy array.
         budget: seconds for the whole fill; ``None`` = no limit (the walk runs inline). With a
             budget, xgrammar and llguidance walks run on a fork on a helper thread
-            (``traverse_bounded``) so that even one slow native fill cannot hold the call past
+            (``tree/bounded.py``) so that even one slow native fill cannot hold the call past
             it; only a root row that must be computed may take longer. Other walkers check it
             between nodes.
         root_row: the root's mask if already known (step reuse, see :func:`advance`); copied to
             row 0 instead of asking the grammar again.
         threads: threads the fill may use. Only llguidance's native walk uses a second one
-            (for trees of ``traverse_llguidance.SPLIT_MIN_NODES`` nodes or more); give 1 where
+            (for trees of ``walk_llguidance.SPLIT_MIN_NODES`` nodes or more); give 1 where
             other fills already keep every core busy (a batch with a tree per thread).
     """
     start = time.perf_counter()
@@ -206,7 +206,7 @@ def _wrap_up(matcher: Any, rows: np.ndarray, result: WalkResult, start: float) -
 SLOW_FILL_BACKENDS = frozenset({"xgrammar", "llguidance"})
 """Backends whose single mask fill can take milliseconds: budgeted walks go to a helper,
 except llguidance's native walk (it checks the deadline between nodes, in C: inline) on the
-trees it takes (``traverse_llguidance.native_takes``)."""
+trees it takes (``walk_llguidance.native_takes``)."""
 
 
 def _needs_helper(matcher: Any, tree: DraftTree) -> bool:

@@ -1,6 +1,6 @@
 """How early a budgeted tree fill must stop waiting to return within its budget, learnt online.
 
-``traverse_bounded`` runs the walk on a helper thread and the caller waits until just before
+``tree/bounded.py`` runs the walk on a helper thread and the caller waits until just before
 the deadline. Giving up is not free: the caller wakes from a timed wait (timer slack, a CPU to
 run on), takes the GIL back from the helper, snapshots the walk and wraps up. That latency is
 ~0.1 ms on a quiet machine and several times more on a loaded one, so a fixed margin is either

@@ -34,7 +34,7 @@ sibling that needs one consumes on the parent's matcher itself, every earlier on
 ``deep_copy`` of it taken just before (p50 ~7 µs on Gemma, against ~15 µs for a mask). Each copy
 only ever moves forward, like a decoding request, and its memo (copied along) describes its own
 history. The caller's matcher is never advanced: the root's children all start from copies, so
-nothing is restored at the end and an abandoned walk (``traverse_bounded``) leaves it as it was.
+nothing is restored at the end and an abandoned walk (``tree/bounded.py``) leaves it as it was.
 """
 
 from __future__ import annotations

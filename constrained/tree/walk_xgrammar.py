@@ -121,7 +121,7 @@ def walk_xgrammar_nodes(
 
     A Python step per node makes it a little slower than the native walk, but each row is
     published (``result.filled``) as soon as it is written, so a walk abandoned at the deadline
-    (``traverse_bounded``) keeps every finished row, and it honours ``root_ready``. Same rules
+    (``tree/bounded.py``) keeps every finished row, and it honours ``root_ready``. Same rules
     as the adapter: stop tokens never go to the library (the parent's row says whether the
     grammar may end; their row is the stop row), ids at or above the tokenizer vocabulary are
     invalid, after a stop token only stop tokens follow.

@@ -8,7 +8,7 @@ compete with the launch for the GIL; on the CPU (synchronous forward) it submits
 
 Row semantics (``constrained.tree``): row ``i`` holds the tokens allowed after the path root→i;
 ``valid[i]`` says the path is grammar-valid, ``filled[i]`` that the row was computed. The fill
-itself is the grammar layer's tree walk (``constrained.traverse``); here we only lay the trees of
+itself is the grammar layer's tree walk (``constrained.tree.masks``); here we only lay the trees of
 the batch out and stack the results.
 """
 
@@ -140,7 +140,7 @@ class MaskBuilder:
         self._buffer: torch.Tensor | None = None
         self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
-        # the buffer (constrained.traverse_bounded): such a buffer is parked until they end
+        # the buffer (constrained.tree.bounded): such a buffer is parked until they end
         self._late: list[ConstrainedTreeMasks] = []
         self._parked: list[tuple[torch.Tensor, list[ConstrainedTreeMasks]]] = []
 
@@ -150,7 +150,7 @@ class MaskBuilder:
     def _rows(self, n: int) -> torch.Tensor:
         """``n`` rows of one reused (pinned on CUDA) buffer: page-locking per step is slow. The
         previous step's upload finished at its host sync, so the rows are free to overwrite;
-        the tree walk writes every row it hands to verification (``constrained.traverse``)."""
+        the tree walk writes every row it hands to verification (``constrained.tree.masks``)."""
         late, self._late = [m for m in self._late if m.writes_pending()], []
         if late and self._buffer is not None:  # park it until its late writers end
             self._parked.append((self._buffer, late))
@@ -197,7 +197,7 @@ class MaskBuilder:
         mask_rows: list[int] = []
         jobs: list[tuple[int, Callable[[], Fill]]] = []
         # fewer trees than threads: a tree may share its walk with a spare thread (only
-        # llguidance's native walk does, ``constrained.traverse_llguidance``)
+        # llguidance's native walk does, ``constrained.tree.walk_llguidance``)
         constrained = sum(m is not None for m in matchers)
         tree_threads = max(1, min(2, self.threads // max(1, constrained)))
         unconstrained: dict[int, int] = {}

@@ -1,4 +1,4 @@
-"""The budget as a wall-clock bound (``constrained.traverse_bounded``): a fill that is stuck in one
+"""The budget as a wall-clock bound (``constrained.tree.bounded``): a fill that is stuck in one
 slow native call is abandoned at the deadline, and what comes back is still exact.
 
 A "slow native call" is simulated by a proxy around the fork's native matcher that blocks on an

@@ -20,7 +20,7 @@ state, into a scratch row, before the next consume unless a fill comes first
 (``tests/constrained/test_llguidance_stale_rollback.py``: a mask two tokens down, a rollback, a
 mask at the rolled-back state, and a sibling still gets the branch's mask). So nothing that
 needs exact masks rolls an llguidance matcher back after computing masks below: the tree walks
-start siblings from ``deep_copy`` snapshots or clones (``traverse_llguidance``), and probes that
+start siblings from ``deep_copy`` snapshots or clones (``tree/walk_llguidance.py``), and probes that
 roll back check tokens by consuming them, not by masks (closing paths), or probe on a fork
 (forced chains below draft leaves: ``Matcher.exact_rollback`` is False).
 """
@@ -263,7 +263,7 @@ class Matcher(MatcherBase):
         self.mask_memo_stale = False
         self._scratch: np.ndarray | None = None
         # Tokens consumed natively, and the C-API twin the native tree walk runs from
-        # (``traverse_llguidance``, ``native/twin.py``): each walk catches it up first.
+        # (``tree/walk_llguidance.py``, ``native/twin.py``): each walk catches it up first.
         self.history: list[int] = []
         self.twin: Twin | None = None
 

@@ -1,6 +1,6 @@
 """A C-API twin of a request's llguidance matcher, and how it catches up with the request.
 
-The native tree walk (``traverse_llguidance``) runs on clones of a C-API matcher, not on the
+The native tree walk (``tree/walk_llguidance.py``) runs on clones of a C-API matcher, not on the
 request's ``LLMatcher``. That matcher, the twin, only ever moves forward: each walk first makes
 it consume what the request accepted since the last walk, and computes the root row on it (a
 mask at its current state, as plain decoding would); every other row is computed on clones.
