@@ -224,7 +224,7 @@ def traverse_walker(matcher: Any, tree: DraftTree) -> Any:
     compiled = matcher.compiled
     if compiled.native_slot is None or compiled.native_slot.wait(120) is None:
         return None
-    return walk_llguidance if native_walk_ready(matcher) and native_takes(tree) else None
+    return walk_llguidance if native_walk_ready(matcher) and native_takes(matcher, tree) else None
 
 
 def executor_seconds(

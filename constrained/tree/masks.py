@@ -214,7 +214,7 @@ def _needs_helper(matcher: Any, tree: DraftTree) -> bool:
     if name == "llguidance":
         from espalier.constrained.tree.walk_llguidance import native_takes, native_walk_ready
 
-        return not (native_walk_ready(matcher) and native_takes(tree))
+        return not (native_walk_ready(matcher) and native_takes(matcher, tree))
     return name in SLOW_FILL_BACKENDS
 
 

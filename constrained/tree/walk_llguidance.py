@@ -9,9 +9,9 @@ tree on clones of it: the same DFS as below, with no Python per node and the GIL
 whole tree, so trees of a batch fill in parallel; with ``threads`` > 1 a second thread shares a
 big tree (work stealing between two deques). A node off the current path gets a fresh clone,
 which costs more than the Python walk's ``deep_copy``, so trees with more than
-:data:`NATIVE_MAX_BRANCHES` branches take the Python walk. It checks the budget between nodes (a
-walk overruns it by at most one mask), so budgeted native walks run inline
-(``traverse.fill_tree_bitmask``).
+``BackendOptions.llguidance_native_max_branches`` branches take the Python walk. It checks the
+budget between nodes (a walk overruns it by at most one mask), so budgeted native walks run
+inline (``masks.fill_tree_bitmask``).
 
 **Python walk** (:func:`walk_llguidance_py`): an iterative DFS over ``deep_copy`` snapshots of
 the ``LLMatcher``.
@@ -147,22 +147,17 @@ def branches(tree: DraftTree) -> int:
     return tree.num_nodes - 1 - int(np.count_nonzero(tree.first_child >= 0))
 
 
-def native_takes(tree: DraftTree) -> bool:
-    """The native walk takes ``tree``: at most :data:`NATIVE_MAX_BRANCHES` :func:`branches`."""
-    return branches(tree) <= NATIVE_MAX_BRANCHES
+def native_takes(matcher: Any, tree: DraftTree) -> bool:
+    """The native walk takes ``tree`` for ``matcher``: at most
+    ``BackendOptions.llguidance_native_max_branches`` :func:`branches`."""
+    max_branches: int = matcher.compiled.native_max_branches
+    return branches(tree) <= max_branches
 
 
 def native_walk_ready(matcher: Any) -> bool:
     """The native walk can serve ``matcher`` now (its grammar's C-API template exists)."""
     return matcher.compiled.native_template() is not None
 
-
-NATIVE_MAX_BRANCHES = 3
-"""Trees with more branches than this (children beyond the first, summed over nodes) take the
-Python walk: each branch costs the native walk a clone (a few times a ``deep_copy``, and a
-colder lexer cache), so branchy trees are faster in Python
-(``docs/decisions/llguidance-native-walk.md``). Chains (oracle, forced and n-gram drafts) take
-one clone and no ``deep_copy``."""
 
 SPLIT_MIN_NODES = 8
 """A tree walks on two threads (when allowed) only from this many nodes and with a branch: below
@@ -185,7 +180,7 @@ def walk_llguidance(
     :data:`SPLIT_MIN_NODES` nodes share it with a second thread."""
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
-    if branches(tree) > NATIVE_MAX_BRANCHES:
+    if not native_takes(matcher, tree):
         return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
     twin = _twin(matcher)
     if twin is None:

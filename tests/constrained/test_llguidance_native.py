@@ -21,19 +21,13 @@ from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.backends.llguidance.native import capi as native
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree import walk_llguidance as traverse_llguidance
 from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree, sample_instance
 
-NATIVE = BackendOptions(llguidance_native_walk=True)
-"""The native walk, on (whatever the default)."""
-
-
-@pytest.fixture(autouse=True)
-def native_on_every_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No tree is too branchy for the native walk here (its policy sends those to Python)."""
-    monkeypatch.setattr(traverse_llguidance, "NATIVE_MAX_BRANCHES", 1 << 30)
+NATIVE = BackendOptions(llguidance_native_walk=True, llguidance_native_max_branches=1 << 30)
+"""The native walk, on (whatever the default), for every tree: none is too branchy for it here
+(its default policy sends those to Python)."""
 
 
 SCHEMA = GrammarSpec.json_schema(

@@ -56,19 +56,19 @@ WALKS = [*BACKENDS, "llguidance-native", "llguidance-python"]
 Python walk on every tree."""
 
 
-@pytest.fixture(autouse=True)
-def native_on_every_tree(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``llguidance-native``: no tree is too branchy for the native walk."""
-    params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "llguidance-native":
-        monkeypatch.setattr(traverse_llguidance, "NATIVE_MAX_BRANCHES", 1 << 30)
-
-
 def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
     """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); with the native walk ready
     (``llguidance``, ``llguidance-native``) or off (``llguidance-python``)."""
     native = walk in ("llguidance", "llguidance-native")
-    options = BackendOptions(llguidance_native_walk=walk != "llguidance-python")
+    options = BackendOptions(
+        llguidance_native_walk=walk != "llguidance-python",
+        # llguidance-native: no tree is too branchy for the native walk
+        llguidance_native_max_branches=(
+            1 << 30
+            if walk == "llguidance-native"
+            else BackendOptions.llguidance_native_max_branches
+        ),
+    )
     name = walk.removesuffix("-native").removesuffix("-python")
     grammar = get_backend(name, tokenizer, options).compile(spec)
     if native:
@@ -99,7 +99,7 @@ def check_trees(
         masks = fill_tree_bitmask(start, tree, out, budget=None, threads=threads)
         found = compare(masks, out, tree, oracle)
         native = getattr(grammar, "native_slot", None) is not None and not start.is_terminated()
-        if native and traverse_llguidance.native_takes(tree):
+        if native and traverse_llguidance.native_takes(start, tree):
             assert start.twin is not None  # the native walk took this tree
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)

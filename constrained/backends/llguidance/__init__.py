@@ -112,7 +112,14 @@ class Backend:
         if template.is_error():
             raise _invalid(spec.kind, template.get_error())
         compiled = CompiledGrammar(
-            spec, self.tokenizer, self.facts, template, grammar, self.lltokenizer, self.native_slot
+            spec,
+            self.tokenizer,
+            self.facts,
+            template,
+            grammar,
+            self.lltokenizer,
+            self.native_slot,
+            self.options.llguidance_native_max_branches,
         )
         if self.native_slot is not None and self.native_slot.built() is not None:
             compiled.native_template()  # its own lexer warms here too, not in a first walk
@@ -190,8 +197,10 @@ class CompiledGrammar(CompiledBase):
         grammar: str,
         lltokenizer: llguidance.LLTokenizer,
         native_slot: llg_native.NativeTokenizerSlot | None = None,
+        native_max_branches: int = BackendOptions.llguidance_native_max_branches,
     ) -> None:
         super().__init__(NAME, spec, tokenizer)
+        self.native_max_branches = native_max_branches  # BackendOptions
         self.native = template
         self.grammar = grammar
         self.lltokenizer = lltokenizer
