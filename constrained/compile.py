@@ -58,9 +58,9 @@ def prepare_schema(
     backends: tuple[str, ...] = AUTO_ORDER,
 ) -> PreparedSchema:
     """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError."""
-    from espalier.constrained.refs import resolve_refs
-    from espalier.constrained.rewrite import normalize_schema
-    from espalier.constrained.schema_features import backend_issues
+    from espalier.constrained.schema.features import backend_issues
+    from espalier.constrained.schema.refs import resolve_refs
+    from espalier.constrained.schema.rewrite import normalize_schema
 
     resolved = resolve_refs(schema, registry)
     prepared = normalize_schema(resolved.schema)
@@ -128,7 +128,7 @@ def _compile_first(
 ) -> tuple[CompiledGrammar, CompileReport]:
     """Compile on the first backend of ``order`` that succeeds; re-raise the first failure."""
     from espalier.constrained.backends import get_backend
-    from espalier.constrained.productive import refuse_empty_language
+    from espalier.constrained.schema.productive import refuse_empty_language
 
     first_error: GrammarError | None = None
     for name in order:

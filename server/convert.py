@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from espalier.constrained.base import CompileReport
 from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.grammar_limits import DEFAULT_MAX_ALTERNATIVES, check_alternatives
-from espalier.constrained.schema_guard import DEFAULT_MAX_SCHEMA_DEPTH, admit_schema
+from espalier.constrained.schema.guard import DEFAULT_MAX_SCHEMA_DEPTH, admit_schema
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
     ConstraintOptions,

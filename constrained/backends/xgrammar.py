@@ -3,7 +3,7 @@
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``compile_json_schema`` with
   whitespace bounded by ``BackendOptions.json_max_whitespace`` (``max_whitespace_cnt``) and
   ``strict_mode`` from ``BackendOptions.json_strict_properties``; numbers bounded by
-  ``BackendOptions.json_number_bounds`` (``constrained/number_bounds.py``).
+  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``).
 - REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``;
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
 
