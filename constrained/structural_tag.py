@@ -51,13 +51,15 @@ def canonical_source(value: dict[str, Any] | str) -> str:
         raise InvalidGrammarError(KIND, "a structural tag must be a JSON object", pointer="")
     if "structures" in value:
         value = _from_legacy(value)
-    from pydantic import ValidationError
     from xgrammar.structural_tag import StructuralTag
 
     try:
         parsed = StructuralTag.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
+    except ValueError as exc:  # pydantic's ValidationError (xgrammar's model is pydantic)
+        errors = getattr(exc, "errors", None)
+        if errors is None:
+            raise InvalidGrammarError(KIND, str(exc)) from None
+        first = errors()[0]
         where = "/" + "/".join(str(part) for part in first["loc"])
         raise InvalidGrammarError(KIND, f"{where}: {first['msg']}", pointer=where) from None
     dumped = parsed.model_dump(mode="json", by_alias=True, exclude_unset=True)

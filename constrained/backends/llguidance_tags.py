@@ -168,7 +168,8 @@ def _plain_text(fmt: Format) -> None:
 
 
 def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False) if text else '""'
+    """A Lark string literal (JSON escapes; DEL escaped too: the Lark lexer refuses it raw)."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _regex_escape(text: str) -> str:

@@ -13,7 +13,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.compile import compile_grammar
@@ -24,25 +23,18 @@ from espalier.constrained.errors import (
 )
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.constrained.structural_tag import after_reasoning, root_format
-from tests.fixtures.structural_tags import CASES, POINT, probe_texts, tool_tags
+from tests.fixtures.structural_tags import (
+    CASES,
+    POINT,
+    is_text,
+    mask_of,
+    probe_texts,
+    tool_tags,
+    verdict,
+)
 
 OPTIONS = BackendOptions(xgrammar_memory_limit=0)  # in-process compiles: no child start-up
 OTHERS = ("llguidance",)  # backends that claim structural tags besides xgrammar
-
-
-def mask_of(matcher: Any) -> np.ndarray:
-    row = bm.allocate(1, matcher.vocab_size, fill=0)
-    matcher.fill_bitmask(row, 0)
-    return bm.unpack_allowed(row[0], matcher.vocab_size)
-
-
-def verdict(compiled: Any, ids: list[int]) -> tuple[int, bool]:
-    """(tokens accepted before the first rejection, whether the whole text is a match)."""
-    matcher = compiled.matcher()
-    for i, token in enumerate(ids):
-        if not matcher.accept(token):
-            return i, False
-    return len(ids), matcher.can_terminate()
 
 
 def test_legacy_form_is_triggered_tags() -> None:
@@ -82,7 +74,7 @@ def test_backend_agrees_with_xgrammar(case: str, backend: str, toy_tokenizer: An
     """Same verdict on every probe text, same mask after every prefix both accept (over the
     tokens that are whole UTF-8 text: xgrammar's free text also takes bytes that never form
     UTF-8, llguidance's is text)."""
-    text_tokens = np.array([_is_text(piece) for piece in toy_tokenizer.token_bytes])
+    text_tokens = np.array([is_text(piece) for piece in toy_tokenizer.token_bytes])
     spec = CASES[case]()
     reference = get_backend("xgrammar", toy_tokenizer, OPTIONS).compile(spec)
     other = get_backend(backend, toy_tokenizer, OPTIONS).compile(spec)
@@ -100,14 +92,6 @@ def test_backend_agrees_with_xgrammar(case: str, backend: str, toy_tokenizer: An
                 break
             assert other_matcher.accept(token)
     assert checked_masks > 50
-
-
-def _is_text(piece: bytes) -> bool:
-    try:
-        piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def sample(compiled: Any, rng: random.Random, max_tokens: int, stop: int) -> list[int]:
@@ -131,7 +115,7 @@ def test_exact_inside_tags_free_outside(backend: str, toy_tokenizer: Any) -> Non
     start = mask_of(compiled.matcher())
     pieces = toy_tokenizer.token_bytes
     # free outside: every text token without a trigger's first byte is allowed at the start
-    plain = [t for t, b in enumerate(pieces) if b and _is_text(b) and not set(b"<[") & set(b)]
+    plain = [t for t, b in enumerate(pieces) if b and is_text(b) and not set(b"<[") & set(b)]
     assert len(plain) > 100
     assert start[plain].all() and start[stop]
     # exact inside: a tag opened forces its schema
