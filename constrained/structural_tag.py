@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.spec import DEFAULT_MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
 
 KIND = GrammarKind.STRUCTURAL_TAG.value
 Format = dict[str, Any]
@@ -163,3 +163,31 @@ def json_whitespace(node: Format, default: int) -> int:
     so compact-only is not expressible there and 1 is the floor for every backend)."""
     given = node.get("max_whitespace_cnt")
     return max(1, int(given) if given is not None else default)
+
+
+def admit_structural_tag(
+    text: str, max_depth: int, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+) -> GrammarSpec:
+    """A caller's structural-tag text checked as a caller's schema is (nesting depth before
+    parsing, then each inner schema against its meta-schema, local ``$ref`` only); raises
+    InvalidGrammarError."""
+    from espalier.constrained.schema_guard import check_schema, json_depth
+
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise InvalidGrammarError(
+            KIND, f"the structural tag is nested {depth} levels deep, over the limit of {max_depth}"
+        )
+    try:
+        spec = GrammarSpec.structural_tag(text, max_bytes)
+    except RecursionError as exc:  # brackets inside strings can fool json_depth
+        raise InvalidGrammarError(KIND, "the structural tag is nested too deeply") from exc
+
+    def check(node: Format, pointer: str) -> Format:
+        schema = node.get("json_schema")
+        if isinstance(schema, (dict, bool)):
+            check_schema(schema)
+        return node
+
+    map_json_schemas(root_format(spec), check)
+    return spec

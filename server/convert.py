@@ -15,6 +15,7 @@ from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.grammar_limits import DEFAULT_MAX_ALTERNATIVES, check_alternatives
 from espalier.constrained.schema_guard import DEFAULT_MAX_SCHEMA_DEPTH, admit_schema
 from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.structural_tag import admit_structural_tag, after_reasoning
 from espalier.engine.api import (
     ConstraintOptions,
     FinishReason,
@@ -57,6 +58,7 @@ class RequestLimits:
     max_grammar_alternatives: int = DEFAULT_MAX_ALTERNATIVES
     max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH
     speculative_methods: frozenset[str] | None = field(default=None)
+    reasoning_end: str = ""  # the model's reasoning end marker ("": none configured)
 
 
 def _too_large(kind: str, size: int, limit: int, unit: str = "bytes") -> InvalidRequestError:
@@ -75,6 +77,24 @@ def constraint_to_spec(
     Sizes (bytes, choice count) are checked before the text is parsed; a schema then goes
     through :func:`admit_schema` (depth, meta-schema, local refs only).
     """
+    spec, options = _constraint_kind(constraint, limits)
+    if not constraint.after_reasoning:
+        return spec, options
+    if spec is None or not limits.reasoning_end:
+        why = (
+            "applies only with a constraint kind set"
+            if spec is None
+            else "this server has no reasoning end marker (espalier serve --reasoning-end)"
+        )
+        raise InvalidRequestError(
+            f"after_reasoning: {why}", violations=[Violation("constraint.after_reasoning", why)]
+        )
+    return after_reasoning(spec, limits.reasoning_end), options
+
+
+def _constraint_kind(
+    constraint: pb.Constraint, limits: RequestLimits
+) -> tuple[GrammarSpec | None, ConstraintOptions]:
     backend = BACKEND_ALIASES.get(constraint.backend, constraint.backend) or "auto"
     options = ConstraintOptions(backend=backend, allow_weakening=constraint.allow_weakening)
     kind = constraint.WhichOneof("kind")
@@ -105,6 +125,8 @@ def constraint_to_spec(
         return GrammarSpec.json_schema(schema, max_bytes), options
     if kind == "regex":
         return GrammarSpec.regex(text, max_bytes), options
+    if kind == "structural_tag":
+        return admit_structural_tag(text, limits.max_schema_depth, max_bytes), options
     if kind in ("ebnf", "lark"):
         spec = (
             GrammarSpec.ebnf(text, max_bytes)

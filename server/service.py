@@ -94,6 +94,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             max_grammar_alternatives=cfg.max_grammar_alternatives,
             max_schema_depth=cfg.max_schema_depth,
             speculative_methods=loaded if self.state.engine is not None else None,
+            reasoning_end=cfg.reasoning_end,
         )
 
     def _count_tokens(self, text: str) -> int:
@@ -309,4 +310,5 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             max_grammar_bytes=cfg.max_grammar_bytes,
             default_max_tokens=cfg.default_max_tokens,
             ready=self.state.engine is not None and not self.state.draining,
+            reasoning_end=cfg.reasoning_end,
         )

@@ -28,10 +28,16 @@ def build_constraint(
     ebnf: str | None = None,
     lark: str | None = None,
     choice: Sequence[str] | None = None,
+    structural_tag: dict[str, Any] | str | None = None,
+    after_reasoning: bool = False,
     backend: str = "",
     allow_weakening: bool = False,
 ) -> pb.Constraint | None:
-    """At most one kind; None when none is given."""
+    """At most one kind; None when none is given.
+
+    ``structural_tag``: xgrammar's structural-tag format (object or JSON text).
+    ``after_reasoning``: the constraint starts after the model's reasoning end marker.
+    """
     given = [
         k
         for k, v in (
@@ -41,14 +47,19 @@ def build_constraint(
             ("ebnf", ebnf),
             ("lark", lark),
             ("choice", choice),
+            ("structural_tag", structural_tag),
         )
         if v is not None
     ]
     if len(given) > 1:
         raise ValueError(f"give at most one constraint, got {', '.join(given)}")
     if not given:
+        if after_reasoning:
+            raise ValueError("after_reasoning applies to a constraint; give one")
         return None
-    c = pb.Constraint(backend=backend, allow_weakening=allow_weakening)
+    c = pb.Constraint(
+        backend=backend, allow_weakening=allow_weakening, after_reasoning=after_reasoning
+    )
     if isinstance(schema, str):
         c.json_schema = schema  # as given: the server reports where malformed text fails
     elif schema is not None:
@@ -63,6 +74,9 @@ def build_constraint(
         c.lark = lark
     elif choice is not None:
         c.choice.options.extend(choice)
+    elif structural_tag is not None:
+        as_text = isinstance(structural_tag, str)
+        c.structural_tag = structural_tag if as_text else json.dumps(structural_tag)
     return c
 
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65spalier/v1/espalier.proto\x12\x0b\x65spalier.v1\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.espalier.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.espalier.v1.SamplingParams\x12+\n\nconstraint\x18\x05 \x01(\x0b\x32\x17.espalier.v1.Constraint\x12\x34\n\x0bspeculative\x18\x06 \x01(\x0b\x32\x1f.espalier.v1.SpeculativeOptionsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xd7\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12(\n\x08\x61ny_json\x18\x02 \x01(\x0b\x32\x14.espalier.v1.AnyJsonH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x06 \x01(\x0b\x32\x13.espalier.v1.ChoiceH\x00\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x17\n\x0f\x61llow_weakening\x18\x08 \x01(\x08\x42\x06\n\x04kind\"\t\n\x07\x41nyJson\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"{\n\x12SpeculativeOptions\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x0f\n\x07methods\x18\x02 \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_enabledB\x13\n\x11_num_draft_tokens\"\xa7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.espalier.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.espalier.v1.FinishReason\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.espalier.v1.Usage\x12%\n\x07timings\x18\x08 \x01(\x0b\x32\x14.espalier.v1.Timings\x12\x32\n\x0bspeculative\x18\t \x01(\x0b\x32\x1d.espalier.v1.SpeculativeStats\x12\x31\n\nvalidation\x18\n \x01(\x0b\x32\x1d.espalier.v1.ValidationResult\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12+\n\x08weakened\x18\x0c \x03(\x0b\x32\x19.espalier.v1.KeywordIssue\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.espalier.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb4\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cmask_seconds\x18\x05 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\"\xc8\x01\n\x10SpeculativeStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x15\n\rforced_tokens\x18\x04 \x01(\r\x12\x1a\n\x12mean_accept_length\x18\x05 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cmask_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\"B\n\x10ValidationResult\x12\x0f\n\x07\x63hecked\x18\x01 \x01(\x08\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\"R\n\x0cKeywordIssue\x12\x0f\n\x07keyword\x18\x01 \x01(\t\x12\x0f\n\x07pointer\x18\x02 \x01(\t\x12\x0f\n\x07support\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"D\n\x15\x43ompileGrammarRequest\x12+\n\nconstraint\x18\x01 \x01(\x0b\x32\x17.espalier.v1.Constraint\"\xa4\x01\n\x16\x43ompileGrammarResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12+\n\x08weakened\x18\x02 \x03(\x0b\x32\x19.espalier.v1.KeywordIssue\x12\x17\n\x0f\x63ompile_seconds\x18\x03 \x01(\x01\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x11\n\tcache_key\x18\x05 \x01(\t\x12\r\n\x05notes\x18\x06 \x03(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xca\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1c\n\x14tokenizer_vocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x18\n\x10grammar_backends\x18\x07 \x03(\t\x12\x1b\n\x13speculative_methods\x18\x08 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x0b \x01(\r\x12\x19\n\x11max_grammar_bytes\x18\x0c \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\r \x01(\r\x12\r\n\x05ready\x18\x0e \x01(\x08*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_GRAMMAR\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x91\x03\n\x08\x45spalier\x12I\n\x08Generate\x12\x1c.espalier.v1.GenerateRequest\x1a\x1d.espalier.v1.GenerateResponse0\x01\x12L\n\rGenerateUnary\x12\x1c.espalier.v1.GenerateRequest\x1a\x1d.espalier.v1.GenerateResponse\x12Y\n\x0e\x43ompileGrammar\x12\".espalier.v1.CompileGrammarRequest\x1a#.espalier.v1.CompileGrammarResponse\x12G\n\x08Tokenize\x12\x1c.espalier.v1.TokenizeRequest\x1a\x1d.espalier.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .espalier.v1.GetModelInfoRequest\x1a\x16.espalier.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65spalier/v1/espalier.proto\x12\x0b\x65spalier.v1\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.espalier.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.espalier.v1.SamplingParams\x12+\n\nconstraint\x18\x05 \x01(\x0b\x32\x17.espalier.v1.Constraint\x12\x34\n\x0bspeculative\x18\x06 \x01(\x0b\x32\x1f.espalier.v1.SpeculativeOptionsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x8a\x02\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12(\n\x08\x61ny_json\x18\x02 \x01(\x0b\x32\x14.espalier.v1.AnyJsonH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x06 \x01(\x0b\x32\x13.espalier.v1.ChoiceH\x00\x12\x18\n\x0estructural_tag\x18\x14 \x01(\tH\x00\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x17\n\x0f\x61llow_weakening\x18\x08 \x01(\x08\x12\x17\n\x0f\x61\x66ter_reasoning\x18\x15 \x01(\x08\x42\x06\n\x04kind\"\t\n\x07\x41nyJson\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"{\n\x12SpeculativeOptions\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x0f\n\x07methods\x18\x02 \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_enabledB\x13\n\x11_num_draft_tokens\"\xa7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.espalier.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.espalier.v1.FinishReason\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.espalier.v1.Usage\x12%\n\x07timings\x18\x08 \x01(\x0b\x32\x14.espalier.v1.Timings\x12\x32\n\x0bspeculative\x18\t \x01(\x0b\x32\x1d.espalier.v1.SpeculativeStats\x12\x31\n\nvalidation\x18\n \x01(\x0b\x32\x1d.espalier.v1.ValidationResult\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12+\n\x08weakened\x18\x0c \x03(\x0b\x32\x19.espalier.v1.KeywordIssue\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.espalier.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb4\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cmask_seconds\x18\x05 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\"\xc8\x01\n\x10SpeculativeStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x15\n\rforced_tokens\x18\x04 \x01(\r\x12\x1a\n\x12mean_accept_length\x18\x05 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cmask_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\"B\n\x10ValidationResult\x12\x0f\n\x07\x63hecked\x18\x01 \x01(\x08\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\"R\n\x0cKeywordIssue\x12\x0f\n\x07keyword\x18\x01 \x01(\t\x12\x0f\n\x07pointer\x18\x02 \x01(\t\x12\x0f\n\x07support\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"D\n\x15\x43ompileGrammarRequest\x12+\n\nconstraint\x18\x01 \x01(\x0b\x32\x17.espalier.v1.Constraint\"\xa4\x01\n\x16\x43ompileGrammarResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12+\n\x08weakened\x18\x02 \x03(\x0b\x32\x19.espalier.v1.KeywordIssue\x12\x17\n\x0f\x63ompile_seconds\x18\x03 \x01(\x01\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x11\n\tcache_key\x18\x05 \x01(\t\x12\r\n\x05notes\x18\x06 \x03(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xe1\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1c\n\x14tokenizer_vocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x18\n\x10grammar_backends\x18\x07 \x03(\t\x12\x1b\n\x13speculative_methods\x18\x08 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x0b \x01(\r\x12\x19\n\x11max_grammar_bytes\x18\x0c \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\r \x01(\r\x12\r\n\x05ready\x18\x0e \x01(\x08\x12\x15\n\rreasoning_end\x18\x14 \x01(\t*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_GRAMMAR\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x91\x03\n\x08\x45spalier\x12I\n\x08Generate\x12\x1c.espalier.v1.GenerateRequest\x1a\x1d.espalier.v1.GenerateResponse0\x01\x12L\n\rGenerateUnary\x12\x1c.espalier.v1.GenerateRequest\x1a\x1d.espalier.v1.GenerateResponse\x12Y\n\x0e\x43ompileGrammar\x12\".espalier.v1.CompileGrammarRequest\x1a#.espalier.v1.CompileGrammarResponse\x12G\n\x08Tokenize\x12\x1c.espalier.v1.TokenizeRequest\x1a\x1d.espalier.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .espalier.v1.GetModelInfoRequest\x1a\x16.espalier.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'espalier.v1.espalier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2886
-  _globals['_FINISHREASON']._serialized_end=3058
+  _globals['_FINISHREASON']._serialized_start=2960
+  _globals['_FINISHREASON']._serialized_end=3132
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=297
   _globals['_TOKENIDS']._serialized_start=299
@@ -40,41 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=325
   _globals['_SAMPLINGPARAMS']._serialized_end=602
   _globals['_CONSTRAINT']._serialized_start=605
-  _globals['_CONSTRAINT']._serialized_end=820
-  _globals['_ANYJSON']._serialized_start=822
-  _globals['_ANYJSON']._serialized_end=831
-  _globals['_CHOICE']._serialized_start=833
-  _globals['_CHOICE']._serialized_end=858
-  _globals['_SPECULATIVEOPTIONS']._serialized_start=860
-  _globals['_SPECULATIVEOPTIONS']._serialized_end=983
-  _globals['_GENERATERESPONSE']._serialized_start=986
-  _globals['_GENERATERESPONSE']._serialized_end=1409
-  _globals['_TOKENLOGPROB']._serialized_start=1411
-  _globals['_TOKENLOGPROB']._serialized_end=1498
-  _globals['_TOPLOGPROB']._serialized_start=1500
-  _globals['_TOPLOGPROB']._serialized_end=1547
-  _globals['_USAGE']._serialized_start=1549
-  _globals['_USAGE']._serialized_end=1636
-  _globals['_TIMINGS']._serialized_start=1639
-  _globals['_TIMINGS']._serialized_end=1819
-  _globals['_SPECULATIVESTATS']._serialized_start=1822
-  _globals['_SPECULATIVESTATS']._serialized_end=2022
-  _globals['_VALIDATIONRESULT']._serialized_start=2024
-  _globals['_VALIDATIONRESULT']._serialized_end=2090
-  _globals['_KEYWORDISSUE']._serialized_start=2092
-  _globals['_KEYWORDISSUE']._serialized_end=2174
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=2176
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=2244
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=2247
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=2411
-  _globals['_TOKENIZEREQUEST']._serialized_start=2413
-  _globals['_TOKENIZEREQUEST']._serialized_end=2472
-  _globals['_TOKENIZERESPONSE']._serialized_start=2474
-  _globals['_TOKENIZERESPONSE']._serialized_end=2527
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2529
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2550
-  _globals['_MODELINFO']._serialized_start=2553
-  _globals['_MODELINFO']._serialized_end=2883
-  _globals['_ESPALIER']._serialized_start=3061
-  _globals['_ESPALIER']._serialized_end=3462
+  _globals['_CONSTRAINT']._serialized_end=871
+  _globals['_ANYJSON']._serialized_start=873
+  _globals['_ANYJSON']._serialized_end=882
+  _globals['_CHOICE']._serialized_start=884
+  _globals['_CHOICE']._serialized_end=909
+  _globals['_SPECULATIVEOPTIONS']._serialized_start=911
+  _globals['_SPECULATIVEOPTIONS']._serialized_end=1034
+  _globals['_GENERATERESPONSE']._serialized_start=1037
+  _globals['_GENERATERESPONSE']._serialized_end=1460
+  _globals['_TOKENLOGPROB']._serialized_start=1462
+  _globals['_TOKENLOGPROB']._serialized_end=1549
+  _globals['_TOPLOGPROB']._serialized_start=1551
+  _globals['_TOPLOGPROB']._serialized_end=1598
+  _globals['_USAGE']._serialized_start=1600
+  _globals['_USAGE']._serialized_end=1687
+  _globals['_TIMINGS']._serialized_start=1690
+  _globals['_TIMINGS']._serialized_end=1870
+  _globals['_SPECULATIVESTATS']._serialized_start=1873
+  _globals['_SPECULATIVESTATS']._serialized_end=2073
+  _globals['_VALIDATIONRESULT']._serialized_start=2075
+  _globals['_VALIDATIONRESULT']._serialized_end=2141
+  _globals['_KEYWORDISSUE']._serialized_start=2143
+  _globals['_KEYWORDISSUE']._serialized_end=2225
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=2227
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=2295
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=2298
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=2462
+  _globals['_TOKENIZEREQUEST']._serialized_start=2464
+  _globals['_TOKENIZEREQUEST']._serialized_end=2523
+  _globals['_TOKENIZERESPONSE']._serialized_start=2525
+  _globals['_TOKENIZERESPONSE']._serialized_end=2578
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2580
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2601
+  _globals['_MODELINFO']._serialized_start=2604
+  _globals['_MODELINFO']._serialized_end=2957
+  _globals['_ESPALIER']._serialized_start=3135
+  _globals['_ESPALIER']._serialized_end=3536
 # @@protoc_insertion_point(module_scope)

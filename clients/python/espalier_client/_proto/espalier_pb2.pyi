@@ -69,24 +69,28 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "any_json", "regex", "ebnf", "lark", "choice", "backend", "allow_weakening")
+    __slots__ = ("json_schema", "any_json", "regex", "ebnf", "lark", "choice", "structural_tag", "backend", "allow_weakening", "after_reasoning")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     ANY_JSON_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
     LARK_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ALLOW_WEAKENING_FIELD_NUMBER: _ClassVar[int]
+    AFTER_REASONING_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     any_json: AnyJson
     regex: str
     ebnf: str
     lark: str
     choice: Choice
+    structural_tag: str
     backend: str
     allow_weakening: bool
-    def __init__(self, json_schema: _Optional[str] = ..., any_json: _Optional[_Union[AnyJson, _Mapping]] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., backend: _Optional[str] = ..., allow_weakening: _Optional[bool] = ...) -> None: ...
+    after_reasoning: bool
+    def __init__(self, json_schema: _Optional[str] = ..., any_json: _Optional[_Union[AnyJson, _Mapping]] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., structural_tag: _Optional[str] = ..., backend: _Optional[str] = ..., allow_weakening: _Optional[bool] = ..., after_reasoning: _Optional[bool] = ...) -> None: ...
 
 class AnyJson(_message.Message):
     __slots__ = ()
@@ -267,7 +271,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "tokenizer", "vocab_size", "tokenizer_vocab_size", "max_context_tokens", "stop_token_ids", "grammar_backends", "speculative_methods", "device", "dtype", "max_prompt_tokens", "max_grammar_bytes", "default_max_tokens", "ready")
+    __slots__ = ("model", "tokenizer", "vocab_size", "tokenizer_vocab_size", "max_context_tokens", "stop_token_ids", "grammar_backends", "speculative_methods", "device", "dtype", "max_prompt_tokens", "max_grammar_bytes", "default_max_tokens", "ready", "reasoning_end")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +286,7 @@ class ModelInfo(_message.Message):
     MAX_GRAMMAR_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     vocab_size: int
@@ -296,4 +301,5 @@ class ModelInfo(_message.Message):
     max_grammar_bytes: int
     default_max_tokens: int
     ready: bool
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., speculative_methods: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    reasoning_end: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., speculative_methods: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., reasoning_end: _Optional[str] = ...) -> None: ...
