@@ -80,3 +80,54 @@ def test_bad_structural_tags_name_the_field(client: Client) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         client.generate("x", structural_tag=TAGGED, backend="outlines")
     assert "structural_tag" in str(info.value)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"name": "time", "parameters": {"type": "object", "properties": {}, "maxProperties": 0}},
+]
+MESSAGES = [
+    {"role": "system", "content": "You call tools."},
+    {"role": "user", "content": "Weather in Oslo for 2 days?"},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["weather", "required"])
+def test_chat_tool_calls_are_typed_and_validate(
+    serving: ServerProcess, client: Client, tool_choice: str
+) -> None:
+    # the random model writes whitespace where it may: a list of calls needs room
+    budget = 128 if tool_choice != "required" else 1024
+    kwargs = dict(tools=TOOLS, tool_choice=tool_choice, backend="llguidance", max_tokens=budget)
+    result = client.generate(MESSAGES, **kwargs)
+    assert result.finish_reason in ("stop", "grammar") and result.valid is True, result.text
+    assert result.tool_calls and result.prompt_tokens > 20  # the template's turns and markers
+    schemas = {"weather": WEATHER, "time": TOOLS[1]["parameters"]}
+    for call in result.tool_calls:
+        jsonschema.validate(call.arguments, schemas[call.name])
+    if tool_choice == "weather":
+        assert [c.name for c in result.tool_calls] == ["weather"]
+        assert result.tool_calls[0].arguments == json.loads(result.text)
+    chunks = list(client.stream(MESSAGES, **kwargs))
+    assert "".join(c.text for c in chunks) == result.text
+    assert not any(c.raw.tool_calls for c in chunks[:-1])
+    streamed = [(c.name, c.arguments) for c in chunks[-1].raw.tool_calls]
+    assert streamed == [(c.name, c.arguments) for c in result.raw.tool_calls]
+
+
+def test_chat_errors_name_the_field(client: Client) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        client.generate(MESSAGES, tools=TOOLS, tool_choice="nope")
+    assert info.value.field_violations[0].field == "chat.tool_choice"
+    with pytest.raises(InvalidArgumentError) as info:
+        client.generate(MESSAGES, tools=TOOLS, tool_choice="weather", regex="a+")
+    assert info.value.field_violations[0].field == "chat.tool_choice"

@@ -8,6 +8,9 @@ from typing import Any
 
 from espalier_client._proto import espalier_pb2 as pb
 
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+"""Text, token ids, or chat messages."""
+
 
 def schema_of(schema_or_model: Any) -> tuple[dict[str, Any] | bool, Any]:
     """(JSON schema, pydantic model or None) from a schema dict/JSON text or a pydantic model."""
@@ -80,8 +83,41 @@ def build_constraint(
     return c
 
 
+def build_chat(
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] = (),
+    tool_choice: str = "",
+) -> pb.Chat:
+    """A Chat from OpenAI-style messages and tools (``{"type": "function", "function": {...}}``
+    or the bare function object); ``tool_choice``: "", "none", "required" or a function name."""
+    chat = pb.Chat(tool_choice=tool_choice)
+    for message in messages:
+        turn = chat.messages.add(
+            role=message["role"],
+            content=message.get("content") or "",
+            tool_call_id=message.get("tool_call_id", ""),
+        )
+        for call in message.get("tool_calls") or ():
+            function = call.get("function", call)
+            arguments = function.get("arguments", {})
+            turn.tool_calls.add(
+                id=call.get("id", ""),
+                name=function["name"],
+                arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+            )
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters")
+        chat.tools.add(
+            name=function["name"],
+            description=function.get("description", ""),
+            parameters=json.dumps(parameters) if parameters is not None else "",
+        )
+    return chat
+
+
 def build_generate_request(
-    prompt: str | Sequence[int],
+    prompt: Prompt,
     *,
     request_id: str = "",
     max_tokens: int | None = None,
@@ -97,14 +133,25 @@ def build_generate_request(
     speculative: bool | None = None,
     speculative_methods: Sequence[str] = (),
     num_draft_tokens: int | None = None,
+    tools: Sequence[dict[str, Any]] = (),
+    tool_choice: str = "",
     **constraint: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; ``constraint`` takes the keywords of :func:`build_constraint`."""
+    """A GenerateRequest; ``constraint`` takes the keywords of :func:`build_constraint`.
+
+    ``prompt``: text, token ids, or chat messages (dicts with ``role`` and ``content``),
+    rendered by the server with the model's chat template; ``tools`` / ``tool_choice`` go
+    with messages (see :func:`build_chat`).
+    """
     msg = pb.GenerateRequest(request_id=request_id)
     if isinstance(prompt, str):
         msg.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        msg.chat.CopyFrom(build_chat(list(prompt), tools, tool_choice))  # type: ignore[arg-type]
     else:
-        msg.token_ids.ids.extend(prompt)
+        msg.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    if (tools or tool_choice) and not msg.HasField("chat"):
+        raise ValueError("tools and tool_choice go with chat messages")
     s = msg.sampling
     s.top_k = top_k
     s.stop.extend(stop)
