@@ -131,3 +131,13 @@ def test_chat_errors_name_the_field(client: Client) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         client.generate(MESSAGES, tools=TOOLS, tool_choice="weather", regex="a+")
     assert info.value.field_violations[0].field == "chat.tool_choice"
+
+
+def test_stream_json_yields_growing_values_then_the_whole(
+    serving: ServerProcess, client: Client
+) -> None:
+    values = list(client.stream_json(SCHEMA, "A pet: ", backend="llguidance", max_tokens=128))
+    final = client.generate_json(SCHEMA, "A pet: ", backend="llguidance", max_tokens=128)
+    assert len(values) > 2 and values[-1] == final
+    assert all(isinstance(v, dict) for v in values)
+    assert set(values[-2]) <= set(final)

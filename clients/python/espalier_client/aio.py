@@ -101,6 +101,22 @@ class AsyncClient:
         result = await self.generate(prompt, schema=schema, timeout=timeout, **kwargs)
         return parse_json_output(result.text, schema, model)
 
+    async def stream_json(
+        self,
+        schema_or_model: Any,
+        prompt: Prompt,
+        *,
+        timeout: Any = _UNSET,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        """:meth:`Client.stream_json` for asyncio."""
+        from espalier_client.partial import apartial_values
+
+        schema, model = schema_of(schema_or_model)
+        chunks = self.stream(prompt, schema=schema, timeout=timeout, **kwargs)
+        async for value in apartial_values(chunks, schema, model):
+            yield value
+
     async def compile_grammar(self, *, timeout: Any = _UNSET, **constraint: Any) -> CompileResult:
         request = pb.CompileGrammarRequest(constraint=build_constraint(**constraint))
         return CompileResult.from_proto(

@@ -107,6 +107,23 @@ class Client:
         result = self.generate(prompt, schema=schema, timeout=timeout, **kwargs)
         return parse_json_output(result.text, schema, model)
 
+    def stream_json(
+        self,
+        schema_or_model: Any,
+        prompt: Prompt,
+        *,
+        timeout: Any = _UNSET,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        """Stream a generation under the schema (or the pydantic model's schema), yielding the
+        JSON value parsed so far each time it grows (``partial.PartialJson``); the last value
+        yielded is the validated whole (a model instance for a pydantic model)."""
+        from espalier_client.partial import partial_values
+
+        schema, model = schema_of(schema_or_model)
+        chunks = self.stream(prompt, schema=schema, timeout=timeout, **kwargs)
+        yield from partial_values(chunks, schema, model)
+
     def compile_grammar(self, *, timeout: Any = _UNSET, **constraint: Any) -> CompileResult:
         """Validate and pre-compile a constraint (keywords of ``build_constraint``)."""
         built = build_constraint(**constraint)
