@@ -1,7 +1,7 @@
 """fill_tree_bitmask on ASCII-drawn trees over a toy vocabulary, for every backend.
 
 Semantics checked node by node (valid / filled / terminated / rows), against the replay oracle
-(``constrained.traverse_oracle``), plus: state restored, budget cut, batch API, step reuse,
+(``tests/fixtures/tree_oracle.py``), plus: state restored, budget cut, batch API, step reuse,
 forced tokens, and the generic walker on a matcher no fast path knows.
 """
 

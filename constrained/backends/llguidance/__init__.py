@@ -5,7 +5,8 @@
   bounded by ``BackendOptions.json_max_whitespace``; compact separators when that is 0; numbers
   bounded by ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``).
 - REGEX: ``grammar_from_regex``; LARK: ``grammar_from_lark``; EBNF (GBNF): llguidance's own
-  ``gbnf_to_lark`` converter; CHOICE: a Lark alternation of string literals.
+  ``gbnf_to_lark`` converter; CHOICE: a Lark alternation of string literals;
+  STRUCTURAL_TAG: Lark where it is exact (``backends/llguidance/tags.py``), else refused.
 
 An ``LLMatcher`` goes into a sticky error state when it consumes a bad token, so :meth:`accept`
 goes through ``try_consume_tokens``, which consumes a token only when it is allowed.
@@ -150,6 +151,11 @@ class Backend:
                 line = int(match.group(1)) if match else None
                 raise InvalidGrammarError(kind.value, str(exc), line=line) from exc
             return llguidance.LLMatcher.grammar_from_lark(lark)
+        if kind is GrammarKind.STRUCTURAL_TAG:
+            from espalier.constrained.backends.llguidance.tags import structural_tag_grammar
+
+            ws, bounds = self.options.json_max_whitespace, self.options.json_number_bounds
+            return structural_tag_grammar(spec, self._json_options(), ws, bounds)
         assert kind is GrammarKind.CHOICE
         options = " | ".join(json.dumps(option, ensure_ascii=False) for option in spec.choices)
         return llguidance.LLMatcher.grammar_from_lark(f"start: {options}")
