@@ -46,8 +46,8 @@ def _tree_segments(batch: int, n: int, kv_len: int, gen: torch.Generator) -> lis
 def case(
     backend: Any, small: bool, batch: int, n: int, ctx: int, seed: int, check: bool = True
 ) -> dict[str, Any]:
-    from espalier.engine.attention import small_query
-    from espalier.engine.attention.paged_plan import paged_layout
+    from espalier.engine.model.attention import small_query
+    from espalier.engine.model.attention.paged_plan import paged_layout
     from espalier.kernels import paged_attention as pa
     from espalier.kernels import reference
 
@@ -109,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
         return 0
-    from espalier.engine.attention.flashinfer import FlashinferBackend
     from espalier.engine.config import ModelConfig
+    from espalier.engine.model.attention.flashinfer import FlashinferBackend
 
     config = ModelConfig("llama", 1000, 4096, 14336, 1, HEADS, KV_HEADS, DIM)
     backend = FlashinferBackend(config, device=torch.device("cuda"), dtype=torch.bfloat16)

@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from espalier.engine.engine import Engine, EngineConfig
+    from espalier.engine.model.weights import resolve_model_dir
     from espalier.engine.scheduler import SchedulerConfig
-    from espalier.engine.weights import resolve_model_dir
     from espalier.server.default_model import default_gguf
 
     engine = Engine.from_model(

@@ -197,8 +197,8 @@ def bench_m(
 def _act_after(
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
-    """SiLU(gate) * up of ``linear(x, w)`` (``models/fused.gated_act``)."""
-    from espalier.engine.models.fused import gated_act
+    """SiLU(gate) * up of ``linear(x, w)`` (``kernels/fused.gated_act``)."""
+    from espalier.kernels.fused import gated_act
 
     return gated_act(linear(x, w), gelu=False)
 

@@ -93,10 +93,10 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_pdl_dot_prefetch": ("flashinfer", (1, 8, 64)),
     "flashinfer_graphs_pdl_every_batch": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
 }
-LAYERS = "espalier.engine.models.layers"
-FLASHINFER = "espalier.engine.attention.flashinfer"
-GRAPHS = "espalier.engine.cuda_graphs"
-SMALL_Q = "espalier.engine.attention.small_query"
+LAYERS = "espalier.engine.model.models.layers"
+FLASHINFER = "espalier.engine.model.attention.flashinfer"
+GRAPHS = "espalier.engine.model.cuda_graphs"
+SMALL_Q = "espalier.engine.model.attention.small_query"
 PDL = "espalier.kernels.pdl"
 GEMV = "espalier.kernels.gemv"
 NO_SMALL_Q = {(SMALL_Q, "SMALL_QUERY_UP_TO"): 0}
@@ -156,7 +156,7 @@ def decode_rate(
 ) -> dict[str, float]:
     """Greedy decode tokens/s at ``batch`` after a 128-token prefill (one sync per step)."""
     from espalier.engine.kv_cache import blocks_needed
-    from espalier.engine.runner import SeqInput
+    from espalier.engine.model.runner import SeqInput
 
     per_seq = blocks_needed(prompt_len + steps + 8, runner.block_size)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
@@ -242,7 +242,7 @@ def build_runners(
 
     from espalier.engine.config import CacheConfig, RunnerConfig
     from espalier.engine.kv_cache import blocks_needed
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
     config = llama_8b_config(tokenizer_vocab)
     state = _random_state(config, "cuda")
@@ -347,7 +347,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     gpu_spec.DUMP_STREAMS = args.dump_streams
 
     from espalier.engine.config import CacheConfig, RunnerConfig
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
     config = llama_8b_config(tokenizer.vocab_size)
     runner = ModelRunner(
@@ -381,7 +381,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     pools = _per_pass(args.torch_threads, len(names), "--torch-threads")
     aheads = [values[name] for name in names]
     passes = zip(names, aheads, threads, pads, pools)
-    from espalier.engine import cuda_graphs
+    from espalier.engine.model import cuda_graphs
 
     default_pool = torch.get_num_threads()
     for i, (name, ahead, mask_threads, pad, pool) in enumerate(passes):

@@ -299,7 +299,7 @@ def equal_work(
     import torch
 
     from espalier.constrained.spec import GrammarSpec
-    from espalier.engine import cuda_graphs
+    from espalier.engine.model import cuda_graphs
 
     schemas = [
         s

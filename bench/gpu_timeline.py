@@ -47,11 +47,11 @@ import gpu  # bench/gpu.py (this folder is on sys.path)
 import gpu_spec  # bench/gpu_spec.py
 import spec as spec_bench  # bench/spec.py
 
-import espalier.constrained.native.llguidance as native_llguidance
+import espalier.constrained.backends.llguidance.native.capi as native_llguidance
 import espalier.engine.closing as closing
 import espalier.engine.closing_ahead as closing_ahead
 import espalier.engine.engine as engine_mod
-import espalier.engine.runner as runner_mod
+import espalier.engine.model.runner as runner_mod
 import espalier.engine.scheduler as scheduler_mod
 import espalier.engine.spec.decoder as decoder_mod
 import espalier.engine.spec.masks as masks
@@ -230,7 +230,7 @@ def _count_replays(line: Timeline) -> None:
     """Count verify forwards by outcome: a graph replay, or eager (no graph fits the step:
     a prefill, or with ``cuda_graphs.PAD_TREES`` off trees of different sizes), with the
     number of distinct tree sizes in the step."""
-    import espalier.engine.cuda_graphs as graphs
+    import espalier.engine.model.cuda_graphs as graphs
 
     forward = graphs.StepGraphs.forward
 

@@ -33,7 +33,7 @@ def decode_one(
 ) -> tuple[int, int, int]:
     """Greedy constrained decoding of one request: (steps, free choice allowed, forced steps)."""
     from espalier.constrained import bitmask as bm
-    from espalier.engine.runner import SeqInput
+    from espalier.engine.model.runner import SeqInput
 
     text = (
         "<start_of_turn>user\nReply with one JSON object that matches this JSON schema:\n"
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from espalier.constrained.backends import get_backend
     from espalier.constrained.spec import GrammarSpec
     from espalier.engine.config import CacheConfig, RunnerConfig
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
     from espalier.server.default_model import default_gguf, default_tokenizer
 
     tokenizer = default_tokenizer()

@@ -16,7 +16,8 @@ speedup of two threads (best of ``--repeat``):
   tree walk's mask) and ``xgrammar`` (our matcher's ``fill_bitmask``). A call of a few µs
   drops the GIL only for itself: the threads then queue for it between calls;
 - ``llguidance_native_walk``: a 12-node chain per call through the native tree walk
-  (``constrained/native/``, the GIL dropped for the whole tree): the way our fills call it;
+  (``constrained/backends/llguidance/native/``, the GIL dropped for the whole tree): the way our
+  fills call it;
 - ``llguidance_executor``: llguidance's own parallel ``LLExecutor`` on all the states at once,
   2 threads against 1;
 - ``gil``: per ``LLMatcher`` call the closing decisions and the Python walk make, its time
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import repo_root  # noqa: F401  (bench/repo_root.py: tests.fixtures importable)
 from masks import sample_files  # bench/masks.py (this folder is on sys.path)
 
 from espalier.constrained import bitmask as bm
@@ -49,11 +51,11 @@ from espalier.constrained.compile import prepare_schema
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tokenizer import TokenizerInfo
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_llguidance import walk_llguidance
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree_random import sample_instance
+from espalier.constrained.tree.masks import fill_tree_bitmask
+from espalier.constrained.tree.walk_llguidance import walk_llguidance
 from espalier.server.default_model import default_tokenizer
+from tests.fixtures.tree_random import sample_instance
 
 Work = Callable[[int], None]
 """``work(rounds)``: one thread's share, ``rounds`` times over."""
@@ -217,12 +219,12 @@ def llguidance_native_walk(loaded: list[tuple[Any, list[int]]], vocab: int) -> l
 
 def traverse_walker(matcher: Any, tree: DraftTree) -> Any:
     """The walker that fills ``tree`` (llguidance's native walk takes chains, once ready)."""
-    from espalier.constrained.traverse_llguidance import native_takes, native_walk_ready
+    from espalier.constrained.tree.walk_llguidance import native_takes, native_walk_ready
 
     compiled = matcher.compiled
     if compiled.native_slot is None or compiled.native_slot.wait(120) is None:
         return None
-    return walk_llguidance if native_walk_ready(matcher) and native_takes(tree) else None
+    return walk_llguidance if native_walk_ready(matcher) and native_takes(matcher, tree) else None
 
 
 def executor_seconds(

@@ -155,7 +155,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from gpu import llama_8b_config  # bench/gpu.py (this script's folder is on sys.path)
     from spec import _random_state
 
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
     tokenizer = default_tokenizer()
     config = llama_8b_config(tokenizer.vocab_size)

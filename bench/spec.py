@@ -337,7 +337,7 @@ def gpu_part(
     from espalier.engine.api import SpeculativeOptions
     from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
     from espalier.engine.engine import Engine, EngineConfig
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
     from espalier.engine.scheduler import SchedulerConfig
     from espalier.engine.spec.strategy import SpecConfig, install
     from espalier.server.default_model import default_tokenizer

@@ -204,7 +204,7 @@ def tiny_runner(tokenizer: Any) -> Any:
     """A 2-layer, hidden-64 Llama with the tokenizer's vocabulary on the CPU (``bench/spec.py``'s
     random weights: zero output projections, so greedy choices are a bigram's)."""
     from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
     config = ModelConfig(
         model_type="llama",

@@ -10,7 +10,7 @@ the slowest fill with its schema, position and root-row fill time, the part no b
 mode), measured on the same trees. Then batch scaling: ``--batch`` trees filled by
 ``TreeMaskBatch`` on 1..N threads, without a budget and with it. Oracle mismatches are counted on
 up to ``--oracle-trees`` trees per size and backend, with and without the budget. Trees:
-``constrained.tree_random`` (topk 4; the first child follows a valid instance, the others mix
+``tests/fixtures/tree_random.py`` (topk 4; the first child follows a valid instance, the others mix
 grammar-valid, stop and random tokens), rooted at a random point of the instance. One JSON line per
 measurement; the last line is one JSON object keyed by tree size (``espalier_p50_ms`` is
 xgrammar's, as ``espalier_backend`` says; each backend and ``auto`` have their own keys).

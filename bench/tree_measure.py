@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import fill_tree_bitmask
 
 if TYPE_CHECKING:
     from tree_run import TreeCase

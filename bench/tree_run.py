@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import repo_root  # noqa: F401  (bench/repo_root.py: tests.fixtures importable)
 import torch
 from compile_probe import CompileProbe  # bench/compile_probe.py (this folder is on sys.path)
 from tree_measure import (  # bench/tree_measure.py
@@ -27,11 +28,11 @@ from tree_measure import (  # bench/tree_measure.py
 )
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_batch import TreeMaskBatch
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree_random import grow_tree
+from espalier.constrained.tree.batch import TreeMaskBatch
+from espalier.constrained.tree.masks import fill_tree_bitmask
+from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import grow_tree
 
 
 @dataclass
@@ -261,7 +262,8 @@ def run_batches(
 
 
 def llguidance_walk(backends: list[str], tokenizer: Any) -> str | None:
-    """Which llguidance tree walk runs: "native" (C, ``constrained/native/``) or why not."""
+    """Which llguidance tree walk runs: "native" (C, ``constrained/backends/llguidance/native/``)
+    or why not."""
     if "llguidance" not in backends:
         return None
     from espalier.constrained.backends import get_backend

@@ -2,8 +2,9 @@
 
 ``compile_grammar(spec, tokenizer)`` → ``(CompiledGrammar, CompileReport)``.
 
-For a JSON schema: ``$ref``s are resolved (:mod:`refs`), exact rewrites applied (:mod:`rewrite`),
-then each backend's profile (:mod:`schema_features`) lists the keywords it would not enforce.
+For a JSON schema (and each JSON schema inside a structural tag): ``$ref``s are resolved
+(:mod:`refs`), exact rewrites applied (:mod:`rewrite`), then each backend's profile
+(:mod:`schema_features`) lists the keywords it would not enforce.
 Strict mode (the default) compiles only on a backend with no such keyword and otherwise raises
 :class:`SchemaNotEnforceableError` naming each keyword and JSON pointer; ``allow_weakening=True``
 takes the backend with the fewest issues and reports them in ``CompileReport.weakened``.
@@ -13,6 +14,7 @@ takes the backend with the fewest issues and reports them in ``CompileReport.wea
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,9 +60,9 @@ def prepare_schema(
     backends: tuple[str, ...] = AUTO_ORDER,
 ) -> PreparedSchema:
     """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError."""
-    from espalier.constrained.refs import resolve_refs
-    from espalier.constrained.rewrite import normalize_schema
-    from espalier.constrained.schema_features import backend_issues
+    from espalier.constrained.schema.features import backend_issues
+    from espalier.constrained.schema.refs import resolve_refs
+    from espalier.constrained.schema.rewrite import normalize_schema
 
     resolved = resolve_refs(schema, registry)
     prepared = normalize_schema(resolved.schema)
@@ -79,6 +81,32 @@ def prepare_schema(
         (f"resolved $ref into {resolved.hoisted} shared definitions",) if resolved.hoisted else ()
     )
     return PreparedSchema(prepared, issues, notes)
+
+
+def prepare_structural_tag(
+    spec: GrammarSpec,
+    registry: referencing.Registry[Any] | None = None,
+    backends: tuple[str, ...] = AUTO_ORDER,
+) -> tuple[GrammarSpec, PreparedSchema]:
+    """Each JSON schema of a structural tag prepared as :func:`prepare_schema` does; the issues
+    of all of them, their pointers prefixed by the schema's place in the tag."""
+    from espalier.constrained.structural_tag import map_json_schemas, root_format, with_format
+
+    issues: dict[str, list[KeywordIssue]] = {name: [] for name in backends}
+    notes: list[str] = []
+
+    def prepare(node: dict[str, Any], pointer: str) -> dict[str, Any]:
+        prepared = prepare_schema(node["json_schema"], registry, backends)
+        for name, found in prepared.issues.items():
+            issues[name] += [
+                dataclasses.replace(i, pointer=f"{pointer}/json_schema{i.pointer}") for i in found
+            ]
+        notes.extend(prepared.notes)
+        return {**node, "json_schema": prepared.schema}
+
+    target = with_format(map_json_schemas(root_format(spec), prepare))
+    merged = PreparedSchema(True, {n: tuple(i) for n, i in issues.items()}, tuple(notes))
+    return target, merged
 
 
 def compile_grammar(
@@ -104,10 +132,15 @@ def compile_grammar(
         from espalier.constrained.errors import UnknownBackendError
 
         raise UnknownBackendError(backend, ["auto", *BACKENDS])
-    if spec.kind is not GrammarKind.JSON_SCHEMA:
+    if spec.kind is GrammarKind.STRUCTURAL_TAG:
+        if backend != "auto":  # refused for the kind, not for the schemas inside
+            order = _taking_kind(spec.kind, order, tokenizer, options)
+        target, prepared = prepare_structural_tag(spec, registry, order)
+    elif spec.kind is GrammarKind.JSON_SCHEMA:
+        prepared = prepare_schema(spec.schema, registry, order)
+        target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
+    else:
         return _compile_first(spec, tokenizer, order, options, (), ())
-    prepared = prepare_schema(spec.schema, registry, order)
-    target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
     exact = prepared.enforcing(order)
     if exact:
         return _compile_first(target, tokenizer, tuple(exact), options, (), prepared.notes)
@@ -128,7 +161,7 @@ def _compile_first(
 ) -> tuple[CompiledGrammar, CompileReport]:
     """Compile on the first backend of ``order`` that succeeds; re-raise the first failure."""
     from espalier.constrained.backends import get_backend
-    from espalier.constrained.productive import refuse_empty_language
+    from espalier.constrained.schema.productive import refuse_empty_language
 
     first_error: GrammarError | None = None
     for name in order:
@@ -142,7 +175,12 @@ def _compile_first(
         except CompileTimeoutError:  # a cache's deadline passed: no other backend has time left
             raise
         except GrammarError as exc:
-            first_error = first_error or exc
+            # a backend that cannot take the grammar says less than one that found it invalid
+            if first_error is None or (
+                isinstance(first_error, UnsupportedGrammarError)
+                and not isinstance(exc, UnsupportedGrammarError)
+            ):
+                first_error = exc
             continue
         issues = weakened if weakened is not None else (prepared.issues[name] if prepared else ())
         report = CompileReport(
@@ -155,6 +193,21 @@ def _compile_first(
         return compiled, report
     assert first_error is not None
     raise first_error
+
+
+def _taking_kind(
+    kind: GrammarKind,
+    order: tuple[str, ...],
+    tokenizer: TokenizerInfo,
+    options: BackendOptions | None,
+) -> tuple[str, ...]:
+    """The backends of ``order`` that compile ``kind``; raises UnsupportedGrammarError if none."""
+    from espalier.constrained.backends import get_backend
+
+    taking = tuple(name for name in order if kind in get_backend(name, tokenizer, options).kinds)
+    if not taking:
+        raise UnsupportedGrammarError(order[0], kind.value)
+    return taking
 
 
 def _blocking_issues(prepared: PreparedSchema, order: tuple[str, ...]) -> list[KeywordIssue]:

@@ -294,6 +294,6 @@ def _load_tokenizer(source: str) -> TokenizerInfo:
 def _registry(remotes: str | None) -> referencing.Registry[Any] | None:
     if remotes is None:
         return None
-    from espalier.constrained.refs import directory_registry
+    from espalier.constrained.schema.refs import directory_registry
 
     return directory_registry(remotes)

@@ -208,7 +208,7 @@ def _build_validator(
     import jsonschema.validators
 
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    from espalier.constrained.schema_guard import LOCAL_REGISTRY
+    from espalier.constrained.schema.guard import LOCAL_REGISTRY
 
     # jsonschema's default registry retrieves unknown URIs (file:, http:): never use it
     local = registry if registry is not None else LOCAL_REGISTRY

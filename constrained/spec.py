@@ -22,6 +22,7 @@ class GrammarKind(enum.Enum):
     EBNF = "ebnf"  # GBNF dialect (llama.cpp)
     LARK = "lark"
     CHOICE = "choice"
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar's format (constrained/structural_tag.py)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class GrammarSpec:
     - ANY_JSON: empty.
     - REGEX / EBNF / LARK: the text as given.
     - CHOICE: a JSON array of the literal strings, in the caller's order.
+    - STRUCTURAL_TAG: ``{"type": "structural_tag", "format": ...}`` without whitespace, as
+      ``constrained/structural_tag.py`` validates and rewrites it (legacy form included).
     """
 
     kind: GrammarKind
@@ -99,6 +102,20 @@ class GrammarSpec:
         text = json.dumps(list(options), ensure_ascii=False)
         _check_size(GrammarKind.CHOICE, text, DEFAULT_MAX_GRAMMAR_BYTES)
         return cls(GrammarKind.CHOICE, text)
+
+    @classmethod
+    def structural_tag(
+        cls, tag: dict[str, Any] | str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    ) -> GrammarSpec:
+        """Build from xgrammar's structural-tag JSON (text or object); raises
+        InvalidGrammarError on bad JSON or a format that is not a valid structural tag."""
+        from espalier.constrained.structural_tag import canonical_source
+
+        if isinstance(tag, str):
+            _check_size(GrammarKind.STRUCTURAL_TAG, tag, max_bytes)
+        text = canonical_source(tag)
+        _check_size(GrammarKind.STRUCTURAL_TAG, text, max_bytes)
+        return cls(GrammarKind.STRUCTURAL_TAG, text)
 
     @property
     def schema(self) -> dict[str, Any] | bool:

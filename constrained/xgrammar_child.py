@@ -23,7 +23,15 @@ from typing import Any
 
 from espalier.constrained.compile_child import Handler, serve
 
-METHODS = frozenset({"compile_json_schema", "compile_regex", "compile_grammar", "compile_lark"})
+METHODS = frozenset(
+    {
+        "compile_json_schema",
+        "compile_regex",
+        "compile_grammar",
+        "compile_lark",
+        "compile_structural_tag",
+    }
+)
 
 
 def setup(payload: bytes) -> Handler:

@@ -48,7 +48,7 @@ from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy, closin
 
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
-    from espalier.engine.runner import ModelRunner, RunnerConfig
+    from espalier.engine.model.runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Engine:
     ) -> Engine:
         """Load a model (HF directory or ``.gguf`` file) and its tokenizer."""
         from espalier.constrained.tokenizer import TokenizerInfo
-        from espalier.engine.runner import ModelRunner
+        from espalier.engine.model.runner import ModelRunner
 
         runner = ModelRunner.from_pretrained(path, runner_config)
         text = str(path)

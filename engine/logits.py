@@ -110,7 +110,7 @@ def _sparse_logits(
 ) -> torch.Tensor:
     """fp32 ``[n, V]``: rows in ``sparse`` exact at their ids and ``-inf`` elsewhere; the other
     rows through the full head."""
-    from espalier.engine.models.layers import linear
+    from espalier.engine.model.models.layers import linear
 
     n = hidden.shape[0]
     weight = model.head_weight()  # type: ignore[operator]

@@ -35,8 +35,8 @@ from espalier.engine.logits import compute_step_logits
 from espalier.engine.sampler import RowParams, Sampler, SamplerOutput
 
 if TYPE_CHECKING:
+    from espalier.engine.model.runner import LogitsSelect, ModelRunner
     from espalier.engine.request import Request
-    from espalier.engine.runner import LogitsSelect, ModelRunner
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
 
@@ -121,7 +121,7 @@ class PlainDecoding:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        from espalier.engine.runner import SeqInput
+        from espalier.engine.model.runner import SeqInput
 
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
         constrained_rows = [

@@ -145,7 +145,7 @@ def _skinny_gemm_kernel(
 
     GATED: the weight is ``[2N, K]`` (gate rows, then up rows) and the program also streams the
     up rows of its columns; the output is ``act(gate) * up`` with the roundings of
-    ``models/fused.gated_act`` (gate and up rounded to the output dtype first).
+    ``kernels/fused.gated_act`` (gate and up rounded to the output dtype first).
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -330,7 +330,7 @@ def gated_gemv(
 ) -> torch.Tensor:
     """``act(x @ gate^T) * (x @ up^T)`` in one launch, ``gate_up = cat([gate, up]) [2I, K]``.
 
-    The values of ``gemv(x, gate_up)`` followed by ``models/fused.gated_act`` (gate and up
+    The values of ``gemv(x, gate_up)`` followed by ``kernels/fused.gated_act`` (gate and up
     rounded to x's dtype, the activation rounded, the product rounded; by default the same
     launch shape, so the same sums). act: SiLU, or tanh-GELU with ``gelu``. Returns ``[M, I]``.
     """

@@ -64,7 +64,7 @@ class StepPlan:
     meta: ``[3B + 3]`` = qo_indptr ``[B + 1]``, kv_indptr ``[B + 1]``, kv_lens ``[B]``,
     split_len ``[1]``. kv_indices: ``[pages]``. ``max_q_len``: most rows of one sequence;
     ``splits``: the launch's split dimension. A CUDA graph's plan keeps its tensors and rewrites
-    them in place (``engine/attention/small_query.py``)."""
+    them in place (``engine/model/attention/small_query.py``)."""
 
     meta: torch.Tensor
     kv_indices: torch.Tensor
@@ -102,11 +102,11 @@ def block_n(head_dim: int) -> int:
     return launch_config(head_dim).block_n
 
 
-def split_len_for(max_kv_len: int, splits: int, head_dim: int) -> int:
+def split_len_for(max_kv_len: int, splits: int, head_dim: int, min_split: int = MIN_SPLIT) -> int:
     """Entries per split so that ``splits`` splits cover ``max_kv_len`` (a multiple of the loop
-    step, at least ``MIN_SPLIT``)."""
+    step, at least ``min_split``: tests give a small one to split short sequences)."""
     step = block_n(head_dim)
-    per = max(-(-max(max_kv_len, 1) // splits), MIN_SPLIT, step)
+    per = max(-(-max(max_kv_len, 1) // splits), min_split, step)
     return -(-per // step) * step
 
 
@@ -478,12 +478,13 @@ def build_plan(
     head_dim: int,
     splits: int,
     device: torch.device,
+    min_split: int = MIN_SPLIT,
 ) -> StepPlan:
     """A fresh ``StepPlan`` on ``device`` (one host-to-device copy per tensor) of at most
     ``splits`` splits: as many as ``split_len_for``'s length needs to cover the longest
     sequence. ``pages[b]``: pages of sequence b; kv_indices: int32 CPU ``[sum(pages)]``."""
     max_kv = max(kv_lens)
-    split_len = split_len_for(max_kv, splits, head_dim)
+    split_len = split_len_for(max_kv, splits, head_dim, min_split)
     meta = host_meta(q_lens, kv_lens, pages, split_len)
     return StepPlan(
         torch.tensor(meta, dtype=torch.int32).to(device, non_blocking=True),
@@ -503,11 +504,19 @@ def make_plan(
     head_dim: int,
     splits: int,
     device: torch.device,
+    min_split: int = MIN_SPLIT,
 ) -> StepPlan:
     """``build_plan`` from per-sequence block tables (tests, benchmarks)."""
     pages = [-(-n // page_size) for n in kv_lens]
     indices = [p for table, n in zip(block_tables, pages) for p in table[:n]]
     kv_indices = torch.tensor(indices or [0], dtype=torch.int32)
     return build_plan(
-        q_lens, kv_lens, pages, kv_indices, head_dim=head_dim, splits=splits, device=device
+        q_lens,
+        kv_lens,
+        pages,
+        kv_indices,
+        head_dim=head_dim,
+        splits=splits,
+        device=device,
+        min_split=min_split,
     )

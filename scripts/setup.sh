@@ -15,4 +15,7 @@ pipq -e ".[dev,gateway]"
 # The Python SDK (its own package; `espalier generate` and tests/server use it).
 pipq -e clients/python
 .venv/bin/python -c "import torch, espalier.constrained, espalier.v1.espalier_pb2, espalier_client"
+# The native llguidance walk was built by the install above (setup.py); check it loads against
+# the installed llguidance (version and struct layout).
+.venv/bin/python -c "from espalier.constrained.backends.llguidance.native.capi import api; api()"
 .venv/bin/smg --version >/dev/null

@@ -56,6 +56,12 @@ def register(sub: Any) -> None:
         "unauthenticated: keep it on loopback)",
     )
     p.add_argument("--smg-host", default="127.0.0.1", help="bind address of --smg-port")
+    p.add_argument(
+        "--reasoning-end",
+        default="",
+        help="the model's reasoning end marker (e.g. '</think>'): constraints of requests with "
+        "after_reasoning (and SMG requests on a reasoning model) start after it",
+    )
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = free)")
     p.add_argument(
@@ -111,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         reflection=not args.no_reflection,
         smg_host=args.smg_host,
         smg_port=args.smg_port,
+        reasoning_end=args.reasoning_end,
     )
 
 

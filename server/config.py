@@ -50,6 +50,9 @@ class ServerConfig:
     # SMG's worker protocol on a second, unauthenticated port (None: off; 0: a free port).
     smg_host: str = "127.0.0.1"
     smg_port: int | None = None
+    # The model's reasoning end marker ("</think>"); requests with after_reasoning start their
+    # constraint after it. "": none (after_reasoning is refused).
+    reasoning_end: str = ""
     unauthenticated_methods: tuple[str, ...] = field(
         default=("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
     )

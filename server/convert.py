@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from espalier.constrained.base import CompileReport
 from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.grammar_limits import DEFAULT_MAX_ALTERNATIVES, check_alternatives
-from espalier.constrained.schema_guard import DEFAULT_MAX_SCHEMA_DEPTH, admit_schema
+from espalier.constrained.schema.guard import DEFAULT_MAX_SCHEMA_DEPTH, admit_schema
 from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.structural_tag import admit_structural_tag, after_reasoning
 from espalier.engine.api import (
     ConstraintOptions,
     FinishReason,
@@ -23,6 +24,7 @@ from espalier.engine.api import (
     SamplingParams,
     SpeculativeOptions,
 )
+from espalier.server.chat import ChatPrompt, RenderChat, chat_bytes, prepare_chat
 from espalier.server.errors import (
     InvalidRequestError,
     PromptTooLongError,
@@ -57,6 +59,7 @@ class RequestLimits:
     max_grammar_alternatives: int = DEFAULT_MAX_ALTERNATIVES
     max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH
     speculative_methods: frozenset[str] | None = field(default=None)
+    reasoning_end: str = ""  # the model's reasoning end marker ("": none configured)
 
 
 def _too_large(kind: str, size: int, limit: int, unit: str = "bytes") -> InvalidRequestError:
@@ -75,6 +78,24 @@ def constraint_to_spec(
     Sizes (bytes, choice count) are checked before the text is parsed; a schema then goes
     through :func:`admit_schema` (depth, meta-schema, local refs only).
     """
+    spec, options = _constraint_kind(constraint, limits)
+    if not constraint.after_reasoning:
+        return spec, options
+    if spec is None or not limits.reasoning_end:
+        why = (
+            "applies only with a constraint kind set"
+            if spec is None
+            else "this server has no reasoning end marker (espalier serve --reasoning-end)"
+        )
+        raise InvalidRequestError(
+            f"after_reasoning: {why}", violations=[Violation("constraint.after_reasoning", why)]
+        )
+    return after_reasoning(spec, limits.reasoning_end), options
+
+
+def _constraint_kind(
+    constraint: pb.Constraint, limits: RequestLimits
+) -> tuple[GrammarSpec | None, ConstraintOptions]:
     backend = BACKEND_ALIASES.get(constraint.backend, constraint.backend) or "auto"
     options = ConstraintOptions(backend=backend, allow_weakening=constraint.allow_weakening)
     kind = constraint.WhichOneof("kind")
@@ -105,6 +126,8 @@ def constraint_to_spec(
         return GrammarSpec.json_schema(schema, max_bytes), options
     if kind == "regex":
         return GrammarSpec.regex(text, max_bytes), options
+    if kind == "structural_tag":
+        return admit_structural_tag(text, limits.max_schema_depth, max_bytes), options
     if kind in ("ebnf", "lark"):
         spec = (
             GrammarSpec.ebnf(text, max_bytes)
@@ -188,13 +211,21 @@ def _speculative(
 
 
 def _prompt(
-    msg: pb.GenerateRequest, limits: RequestLimits, count_tokens: object, bad: list[Violation]
+    msg: pb.GenerateRequest,
+    limits: RequestLimits,
+    count_tokens: object,
+    bad: list[Violation],
+    chat: ChatPrompt | None = None,
 ) -> tuple[str | None, tuple[int, ...] | None]:
     which = msg.WhichOneof("prompt")
     if which is None:
-        bad.append(Violation("prompt", "set text or token_ids"))
+        bad.append(Violation("prompt", "set text, token_ids or chat"))
         return None, None
-    if which == "token_ids":
+    if which == "chat":
+        ids: tuple[int, ...] | None = chat.token_ids if chat is not None else ()
+        n_tokens = len(ids or ())
+        text = None
+    elif which == "token_ids":
         ids = tuple(msg.token_ids.ids)
         if not ids:
             bad.append(Violation("token_ids.ids", "must not be empty"))
@@ -224,19 +255,29 @@ def _prompt(
 
 
 def request_from_proto(
-    msg: pb.GenerateRequest, limits: RequestLimits, count_tokens: object = None
+    msg: pb.GenerateRequest,
+    limits: RequestLimits,
+    count_tokens: object = None,
+    render_chat: RenderChat | None = None,
 ) -> GenerationRequest:
-    """Validate and convert; ``count_tokens(text) -> int`` measures text prompts."""
+    """Validate and convert; ``count_tokens(text) -> int`` measures text prompts and
+    ``render_chat`` renders a chat prompt with the model's template."""
     bad: list[Violation] = []
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         bad.append(Violation("request_id", f"at most {MAX_REQUEST_ID_CHARS} printable characters"))
     sampling = _sampling(msg.sampling, limits, bad)
     speculative = _speculative(msg.speculative, limits, bad)
-    text, ids = _prompt(msg, limits, count_tokens, bad)
+    chat = _chat(msg, limits, render_chat, bad)
+    text, ids = _prompt(msg, limits, count_tokens, bad, chat)
     if bad:
         raise _invalid_fields(bad)
     grammar, options = constraint_to_spec(msg.constraint, limits)
+    if chat is not None and chat.grammar is not None:
+        if grammar is not None:
+            why = "a forced tool call is the constraint; leave constraint unset"
+            raise _invalid_fields([Violation("chat.tool_choice", why)])
+        grammar = chat.grammar
     return GenerationRequest(
         request_id=request_id,
         prompt=text,
@@ -246,6 +287,24 @@ def request_from_proto(
         constraint=options,
         speculative=speculative,
     )
+
+
+def _chat(
+    msg: pb.GenerateRequest,
+    limits: RequestLimits,
+    render_chat: RenderChat | None,
+    bad: list[Violation],
+) -> ChatPrompt | None:
+    if msg.WhichOneof("prompt") != "chat":
+        return None
+    size = chat_bytes(msg.chat)
+    if size > limits.max_prompt_bytes:
+        raise PromptTooLongError(
+            f"the chat is {size} bytes, over the limit of {limits.max_prompt_bytes}",
+            violations=[Violation("chat", f"over {limits.max_prompt_bytes} bytes", "TOO_LONG")],
+            metadata={"limit_bytes": str(limits.max_prompt_bytes), "bytes": str(size)},
+        )
+    return prepare_chat(msg.chat, render_chat, bad)
 
 
 def _invalid_fields(bad: list[Violation]) -> InvalidRequestError:

@@ -202,7 +202,10 @@ def _grammar_violations(exc: GrammarError, field_prefix: str) -> list[Violation]
     if isinstance(exc, SchemaNotEnforceableError):
         return [
             Violation(
-                f"{field_prefix}constraint.json_schema#{issue.pointer}",
+                # a schema inside a structural tag has its pointer from the tag's root
+                f"{field_prefix}constraint."
+                f"{'structural_tag' if issue.pointer.startswith('/format/') else 'json_schema'}"
+                f"#{issue.pointer}",
                 f"keyword '{issue.keyword}' is {issue.support} by backend "
                 f"'{issue.backend or exc.backend}'",
                 reason=f"KEYWORD_{issue.support.upper()}",

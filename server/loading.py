@@ -93,14 +93,14 @@ def _runner(options: ModelOptions, tokenizer: TokenizerInfo) -> Any:
     import torch
 
     from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = CacheConfig(block_size=16, num_blocks=options.kv_blocks)
     config = RunnerConfig(device=device, dtype=options.dtype or "auto", cache=cache)
     if options.model != TINY_RANDOM:
         return ModelRunner.from_pretrained(resolve_model(options.model), config)
-    from espalier.engine.models.llama import LlamaForCausalLM
+    from espalier.engine.model.models.llama import LlamaForCausalLM
 
     model_config = ModelConfig(
         model_type="llama",
@@ -176,7 +176,7 @@ def install_speculation(engine: Any, options: ModelOptions, runner_config: Any) 
         elif method == "draft":
             if options.draft_model is None:
                 raise ValueError("--speculative draft needs --draft-model PATH")
-            from espalier.engine.runner import ModelRunner
+            from espalier.engine.model.runner import ModelRunner
             from espalier.engine.spec.draft_model import DraftModelDrafter
 
             drafters["draft"] = DraftModelDrafter(

@@ -19,6 +19,7 @@ import grpc
 from espalier.engine.api import FinishReason, GenerationRequest, RequestOutput
 from espalier.server import convert
 from espalier.server.access_log import log_request
+from espalier.server.chat import chat_error, forced_choice, parse_tool_calls
 from espalier.server.engine_port import ServingEngine
 from espalier.server.errors import (
     InvalidRequestError,
@@ -94,6 +95,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             max_grammar_alternatives=cfg.max_grammar_alternatives,
             max_schema_depth=cfg.max_schema_depth,
             speculative_methods=loaded if self.state.engine is not None else None,
+            reasoning_end=cfg.reasoning_end,
         )
 
     def _count_tokens(self, text: str) -> int:
@@ -105,6 +107,23 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         if n_bytes <= self.state.config.max_prompt_tokens:
             return n_bytes
         return len(tokenizer.encode(text))
+
+    def _render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        tokenizer = self.state.tokenizer
+        if tokenizer is None or not getattr(tokenizer.hf, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; send a text prompt",
+                violations=[Violation("chat", "the model has no chat template")],
+            )
+        try:  # transformers renders in a sandboxed Jinja environment
+            text = tokenizer.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # template errors (raise_exception, bad roles): the caller's
+            raise chat_error(exc) from exc
+        return tokenizer.encode(str(text))
 
     async def _run(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
@@ -121,9 +140,16 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             state.admit()
             progress.admitted = True
             stream = engine.generate(gen_request)
+            choice, text = forced_choice(request), []
             async for out in stream:
                 self._observe_chunk(out, progress)
-                yield convert.output_to_proto(out)
+                response = convert.output_to_proto(out)
+                if choice:
+                    text.append(response.text)
+                    if out.finished:
+                        calls = parse_tool_calls(choice, "".join(text), gen_request.request_id)
+                        response.tool_calls.extend(calls)
+                yield response
                 if out.finished:
                     break
             code = "OK"
@@ -159,7 +185,11 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         self._admitting += 1
         try:
             return await self._off_loop(
-                convert.request_from_proto, request, self._limits(), self._count_tokens
+                convert.request_from_proto,
+                request,
+                self._limits(),
+                self._count_tokens,
+                self._render_chat,
             )
         finally:
             self._admitting -= 1
@@ -309,4 +339,5 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             max_grammar_bytes=cfg.max_grammar_bytes,
             default_max_tokens=cfg.default_max_tokens,
             ready=self.state.engine is not None and not self.state.draining,
+            reasoning_end=cfg.reasoning_end,
         )

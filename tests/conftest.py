@@ -22,7 +22,7 @@ from tests.fixtures.tokenizers import build_byte_level_hf, build_sentencepiece_h
 
 # Without CUDA, Triton code runs in its CPU interpreter. ``triton.jit`` reads TRITON_INTERPRET when
 # it decorates, and that includes triton.language's own helpers (``tl.max`` ...) at triton's first
-# import, so it is set here, before any test module (kernels/ or engine/models/fused.py) imports
+# import, so it is set here, before any test module (of kernels/) imports
 # triton; set later, kernels mix interpreted and compiled functions and fail.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

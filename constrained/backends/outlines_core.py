@@ -2,7 +2,7 @@
 
 - JSON_SCHEMA: ``json_schema.build_regex_from_schema`` with whitespace bounded by
   ``BackendOptions.json_max_whitespace``, its integer and number sub-regexes bounded by
-  ``BackendOptions.json_number_bounds`` (``constrained/number_bounds.py``); REGEX: as given;
+  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``); REGEX: as given;
   CHOICE: an alternation of escaped literals. EBNF and LARK are not regular, and ANY_JSON (a
   depth-3 unrolled regex) makes the token DFA explode (minutes even on a 300-token vocabulary):
   ``UnsupportedGrammarError``.
@@ -40,7 +40,7 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.backends.outlines_index import IndexBuilder
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
-from espalier.constrained.number_bounds import bound_number_regex
+from espalier.constrained.schema.number_bounds import bound_number_regex
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:

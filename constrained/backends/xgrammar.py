@@ -3,9 +3,11 @@
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``compile_json_schema`` with
   whitespace bounded by ``BackendOptions.json_max_whitespace`` (``max_whitespace_cnt``) and
   ``strict_mode`` from ``BackendOptions.json_strict_properties``; numbers bounded by
-  ``BackendOptions.json_number_bounds`` (``constrained/number_bounds.py``).
+  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``).
 - REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``;
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
+- STRUCTURAL_TAG: ``compile_structural_tag``, each ``json_schema`` node with the number bounds
+  and, unless it sets its own, ``max_whitespace_cnt`` from the options (at least 1).
 
 The vocabulary is given to xgrammar as raw bytes with special tokens (stops included) as empty
 strings, so xgrammar never matches a control token as text; stop tokens are passed separately.
@@ -36,6 +38,7 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.schema.number_bounds import bound_schema_numbers
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
@@ -125,9 +128,29 @@ class Backend:
             return "compile_grammar", {"grammar": spec.source, "root_rule_name": "root"}
         if kind is GrammarKind.LARK:
             return "compile_lark", {"lark_string": spec.source}
+        if kind is GrammarKind.STRUCTURAL_TAG:
+            return "compile_structural_tag", {"structural_tag": self._structural_tag(spec)}
         assert kind is GrammarKind.CHOICE
         options = " | ".join(gbnf_literal(option) for option in spec.choices)
         return "compile_grammar", {"grammar": f"root ::= {options}", "root_rule_name": "root"}
+
+    def _structural_tag(self, spec: GrammarSpec) -> str:
+        from espalier.constrained.structural_tag import (
+            json_whitespace,
+            map_json_schemas,
+            root_format,
+            with_format,
+        )
+
+        def bounded(node: dict[str, Any], pointer: str) -> dict[str, Any]:
+            out = dict(node)
+            out["max_whitespace_cnt"] = json_whitespace(node, self.options.json_max_whitespace)
+            bounds = self.options.json_number_bounds
+            if bounds is not None:
+                out["json_schema"] = bound_schema_numbers(node["json_schema"], NAME, bounds)
+            return out
+
+        return with_format(map_json_schemas(root_format(spec), bounded)).source
 
 
 class CompiledGrammar(CompiledBase):

@@ -11,5 +11,5 @@
 - ``verify.py``: tree inputs, masked greedy verification, KV compaction.
 - ``decoder.py``: one speculative step (draft, masks ∥ forward, verify or tree sampling,
   compaction, drafter features); ``strategy.py``: the engine's ``StepStrategy``;
-  ``setup.py``: drafters from settings; ``loop.py``: a small batch loop for tests and benches.
+  ``setup.py``: drafters from settings. (The tests' batch loop: ``tests/fixtures/spec_loop.py``.)
 """

@@ -1,7 +1,7 @@
 """One speculative decoding step over a batch: draft, verify (masks overlapped), compact KV.
 
 The caller (the engine's :class:`~espalier.engine.spec.strategy.SpeculativeDecoding`, or
-:mod:`espalier.engine.spec.loop`) owns the requests and their KV blocks. Per step and request
+:mod:`tests.fixtures.spec_loop`) owns the requests and their KV blocks. Per step and request
 that samples, it passes a :class:`SpecSeq`: every known token, how many of them the cache holds
 (``context_len``), the block table, the grammar matcher (it has accepted every known token), the
 speculation settings and the sampling parameters (None = greedy).
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from espalier.engine.api import TokenLogprob
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.combine import ProposalItem, Proposer
 from espalier.engine.spec.masks import MaskBuilder, PendingMasks
 from espalier.engine.spec.tree_builder import Draft
@@ -51,7 +51,7 @@ from espalier.engine.spec.verify import (
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
 
 TARGET_SMOOTHING = 0.5
@@ -145,8 +145,8 @@ class SpeculativeDecoder:
         # CUDA: the forward only launches (asynchronous), so the fills start after it and run
         # while the GPU works, instead of competing with the launch's Python for the GIL; but
         # not when it runs eagerly (no CUDA graph fits the step, ``ModelRunner.replays``): that
-        # launch takes as long as the fills or longer (H200, batch 32, 8B shape, run 91: 14-29
-        # ms of host time, and the masks came 7-9 ms after it). CPU: the forward runs to
+        # launch takes as long as the fills or longer (docs/decisions/padded-tree-graphs.md).
+        # CPU: the forward runs to
         # completion inside the call (releasing the GIL in its kernels), so the fills start
         # before it to overlap with it.
         self._launch_first = runner.device.type == "cuda" if launch_first is None else launch_first

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from espalier.engine.kv_cache import BlockAllocator, blocks_needed
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.base import DraftInput
 from espalier.engine.spec.tree_builder import Draft, NodeSource, TreeBuilder, ancestor_matrix
 
 if TYPE_CHECKING:
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from espalier.engine.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.models.layers import (
+from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
+from espalier.engine.model.models.layers import (
     GatedMLP,
     Linear,
     PagedAttention,

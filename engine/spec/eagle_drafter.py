@@ -18,22 +18,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from espalier.engine.kv_cache import KVCache, blocks_needed
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.base import DraftInput
 from espalier.engine.spec.draft_model import DraftModelConfig, DraftModelDrafter, _Job, _Seq
 from espalier.engine.spec.eagle import EagleHead
 from espalier.engine.spec.tree_builder import Draft, TreeBuilder
 
 if TYPE_CHECKING:
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
 
 class EagleRunner:
     """The head + its paged KV cache; one batched forward per call (mirrors ``ModelRunner``)."""
 
     def __init__(self, head: EagleHead, target: ModelRunner, num_blocks: int) -> None:
-        from espalier.engine.attention.base import get_attention_backend
         from espalier.engine.config import CacheConfig
+        from espalier.engine.model.attention.base import get_attention_backend
 
         self.device, self.dtype = target.device, target.dtype
         self.head = head.to(device=self.device, dtype=self.dtype)
@@ -50,7 +50,7 @@ class EagleRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden ``[T, H]`` (fused inputs, one per new token) -> (output hidden ``[T, H]``,
         log-probabilities ``[n_logits, draft_vocab]`` fp32 of the requested rows)."""
-        from espalier.engine.attention.base import build_metadata
+        from espalier.engine.model.attention.base import build_metadata
 
         meta = build_metadata(batch, block_size=self.block_size, device=self.device)
         self.attention.prepare(meta)

@@ -8,7 +8,7 @@ compete with the launch for the GIL; on the CPU (synchronous forward) it submits
 
 Row semantics (``constrained.tree``): row ``i`` holds the tokens allowed after the path root→i;
 ``valid[i]`` says the path is grammar-valid, ``filled[i]`` that the row was computed. The fill
-itself is the grammar layer's tree walk (``constrained.traverse``); here we only lay the trees of
+itself is the grammar layer's tree walk (``constrained.tree.masks``); here we only lay the trees of
 the batch out and stack the results.
 """
 
@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.traverse import fill_tree_bitmask
+from espalier.constrained.tree.masks import fill_tree_bitmask
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
-    from espalier.constrained.traverse import TreeMasks as ConstrainedTreeMasks
+    from espalier.constrained.tree.masks import TreeMasks as ConstrainedTreeMasks
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class MaskBuilder:
         self._buffer: torch.Tensor | None = None
         self._buffer_array: tuple[torch.Tensor, np.ndarray] | None = None
         # fills abandoned at their budget whose native call may still write an unfilled row of
-        # the buffer (constrained.traverse_bounded): such a buffer is parked until they end
+        # the buffer (constrained.tree.bounded): such a buffer is parked until they end
         self._late: list[ConstrainedTreeMasks] = []
         self._parked: list[tuple[torch.Tensor, list[ConstrainedTreeMasks]]] = []
 
@@ -150,7 +150,7 @@ class MaskBuilder:
     def _rows(self, n: int) -> torch.Tensor:
         """``n`` rows of one reused (pinned on CUDA) buffer: page-locking per step is slow. The
         previous step's upload finished at its host sync, so the rows are free to overwrite;
-        the tree walk writes every row it hands to verification (``constrained.traverse``)."""
+        the tree walk writes every row it hands to verification (``constrained.tree.masks``)."""
         late, self._late = [m for m in self._late if m.writes_pending()], []
         if late and self._buffer is not None:  # park it until its late writers end
             self._parked.append((self._buffer, late))
@@ -179,8 +179,8 @@ class MaskBuilder:
         ``after``: other jobs, run one after the other on a pool thread from when the last
         fill ends (``result()`` does not wait for them; they must not touch the matchers: they
         own what they use; one that raises is logged, the rest still run). Not before: run
-        alongside the fills, their Python competed with the fills' for the GIL (H200, batch
-        32, closing decisions ahead: fills summed 26-33 -> 44-52 ms per step, run 47).
+        alongside the fills, their Python competed with the fills' for the GIL
+        (``docs/decisions/closing-ahead-after-fills.md``).
 
         hidden_s: how long the target's forward is expected to run alongside the fills. A
         tree's budget stretches to it (never below ``budget_s``): the budget exists so that
@@ -197,7 +197,7 @@ class MaskBuilder:
         mask_rows: list[int] = []
         jobs: list[tuple[int, Callable[[], Fill]]] = []
         # fewer trees than threads: a tree may share its walk with a spare thread (only
-        # llguidance's native walk does, ``constrained.traverse_llguidance``)
+        # llguidance's native walk does, ``constrained.tree.walk_llguidance``)
         constrained = sum(m is not None for m in matchers)
         tree_threads = max(1, min(2, self.threads // max(1, constrained)))
         unconstrained: dict[int, int] = {}
@@ -230,9 +230,8 @@ class MaskBuilder:
         """Run ``jobs`` one after the other on one pool thread: they are Python (the closing
         decisions ahead), so more threads would only take turns at the GIL, and each turn the
         engine thread waits for is a switch interval (5 ms) long. Their consumer runs a job not
-        yet started itself (``Lookahead.take``). H200, batch 32 (run 50, one process each):
-        the jobs' summed wall time 11-14 -> 3.0-5.0 ms per step, step 28-34 -> 24-29 ms,
-        constrained/unconstrained speculative 0.744 / 0.715 -> 0.783 / 0.820."""
+        yet started itself (``Lookahead.take``); numbers:
+        ``docs/decisions/closing-ahead-after-fills.md``."""
         if not jobs:
             return
         try:

@@ -14,7 +14,7 @@ from espalier.engine.spec.strategy import SpecConfig, install
 
 if TYPE_CHECKING:
     from espalier.engine.engine import Engine
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
 METHODS = ("ngram", "draft", "eagle", FORCED)
 
@@ -51,7 +51,7 @@ def build_drafters(
         if draft_model is None:
             raise ValueError("--speculative draft needs --draft-model PATH")
         from espalier.engine.config import CacheConfig, RunnerConfig
-        from espalier.engine.runner import ModelRunner
+        from espalier.engine.model.runner import ModelRunner
         from espalier.engine.spec.draft_model import DraftModelDrafter
 
         config = RunnerConfig(

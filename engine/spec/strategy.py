@@ -26,7 +26,7 @@ import torch
 
 from espalier.engine.api import SpeculativeStats
 from espalier.engine.kv_cache import blocks_needed
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.base import Drafter
 from espalier.engine.spec.combine import FORCED, Proposer
 from espalier.engine.spec.decoder import SamplingSpec, SpecSeq, SpeculativeDecoder, StepTimes
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from espalier.engine.closing import BudgetCloser
     from espalier.engine.engine import Engine
     from espalier.engine.kv_cache import BlockAllocator
+    from espalier.engine.model.runner import ModelRunner
     from espalier.engine.request import Request
-    from espalier.engine.runner import ModelRunner
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
 
@@ -59,12 +59,9 @@ class SpecConfig:
     where the launch is asynchronous; a step no CUDA graph fits starts its fills first even
     then: its eager launch is long; ``engine/spec/decoder.py``). close_ahead: the budget
     closer decides for every tree node on the mask threads while the verify forward runs
-    (``engine/closing_ahead.py``); off: each emitted token is decided inline. On the H200 at
-    batch 32 (runs 48-49, ``bench/gpu_timeline.py``) it cuts the closing work left on the
-    engine thread from 3.7-5.8 to 1.3-2.5 ms per step, once the jobs start after the step's
-    fills (``MaskBuilder.submit``): started with them, their Python slowed the fills (summed
-    26-33 -> 44-52 ms per step, run 47) and it made no measurable difference (0.688 off,
-    0.685 on; it was then off by default on CUDA).
+    (``engine/closing_ahead.py``); off: each emitted token is decided inline. It cuts the
+    closing work left on the engine thread to about half once the jobs start after the step's
+    fills (``MaskBuilder.submit``; ``docs/decisions/closing-ahead-after-fills.md``).
     adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
     lately (``SpeculativeDecoding._max_drafted``); grammar-forced chains are not cut.
     """

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.tree_builder import Draft, NodeSource, sibling_links, tree_attention_mask
 
 

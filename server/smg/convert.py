@@ -59,15 +59,14 @@ def _constraint(params: vpb.SamplingParams, bad: list[Violation]) -> pb.Constrai
     if kind == "json_object":
         return pb.Constraint(any_json=pb.AnyJson()) if params.json_object else pb.Constraint()
     if kind == "structural_tag":
-        bad.append(
-            Violation(
-                "sampling_params.structural_tag",
-                "structural_tag constraints are not supported by espalier yet; use json_schema, "
-                "regex, grammar or choice (for tools: a tool parser that builds a JSON schema)",
-                "UNSUPPORTED",
-            )
-        )
+        return pb.Constraint(structural_tag=params.structural_tag)
     return pb.Constraint()
+
+
+def constrained_decoding_start(reasoning_end: str) -> str:
+    """Where this worker starts a request's grammar, in SMG's words: after the model's
+    reasoning end marker when one is configured, else from the first token."""
+    return "after_reasoning" if reasoning_end else "first_token"
 
 
 def _refusals(msg: vpb.GenerateRequest, bad: list[Violation]) -> None:
@@ -116,11 +115,17 @@ def _sampling(params: vpb.SamplingParams) -> pb.SamplingParams:
     return out
 
 
-def to_espalier_request(msg: vpb.GenerateRequest) -> pb.GenerateRequest:
-    """The same request in espalier's words; raises InvalidRequestError naming refused fields."""
+def to_espalier_request(msg: vpb.GenerateRequest, reasoning_end: str = "") -> pb.GenerateRequest:
+    """The same request in espalier's words; raises InvalidRequestError naming refused fields.
+
+    With a reasoning end marker configured, a constraint starts after it unless SMG says it
+    already led the prompt past the thought (``grammar_from_first_token``).
+    """
     bad: list[Violation] = []
     _refusals(msg, bad)
     constraint = _constraint(msg.sampling_params, bad)
+    if reasoning_end and constraint.WhichOneof("kind") is not None:
+        constraint.after_reasoning = not msg.sampling_params.grammar_from_first_token
     if bad:
         fields = "; ".join(f"{v.field}: {v.description}" for v in bad)
         raise InvalidRequestError(f"invalid request: {fields}", violations=bad)

@@ -61,7 +61,7 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
         self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vpb.GenerateResponse]:
         try:
-            ours = convert.to_espalier_request(request)
+            ours = convert.to_espalier_request(request, self.state.config.reasoning_end)
         except Exception as exc:
             await context.abort_with_status(to_grpc_status(exc))
             raise  # unreachable: abort_with_status raises
@@ -134,6 +134,9 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
             server_type=SERVER_TYPE,
             data_parallel_size=1,
             model_dtype=self.state.facts.dtype,
+            constrained_decoding_start=convert.constrained_decoding_start(
+                self.state.config.reasoning_end
+            ),
         )
 
     async def GetLoads(

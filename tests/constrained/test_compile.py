@@ -16,9 +16,9 @@ from espalier.constrained.errors import (
     UnknownBackendError,
 )
 from espalier.constrained.postvalidate import validate_instance
-from espalier.constrained.refs import directory_registry, resolve_refs
-from espalier.constrained.rewrite import normalize_schema
-from espalier.constrained.schema_logic import complement
+from espalier.constrained.schema.logic import complement
+from espalier.constrained.schema.refs import directory_registry, resolve_refs
+from espalier.constrained.schema.rewrite import normalize_schema
 from espalier.constrained.spec import GrammarSpec
 
 SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"

@@ -18,7 +18,7 @@ from espalier.constrained.compile import compile_grammar, prepare_schema
 from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import GrammarError, InvalidGrammarError
 from espalier.constrained.postvalidate import validate_instance
-from espalier.constrained.rewrite import normalize_schema
+from espalier.constrained.schema.rewrite import normalize_schema
 from espalier.constrained.spec import GrammarSpec
 from tests.constrained.schema_probes import PROBES
 

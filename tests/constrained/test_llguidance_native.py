@@ -1,35 +1,33 @@
-"""llguidance's native tree walk (``constrained/native/``): the twin matcher keeps up with the
-request through accepts, rollbacks, resets and forks; the budget holds inline; without a C
-compiler the Python walk takes over."""
+"""llguidance's native tree walk (``constrained/backends/llguidance/native/``): the twin matcher
+keeps up with the
+request through accepts, rollbacks, resets and forks; the budget holds inline; with the native
+walk off the Python walk takes over; an llguidance of another series is a clear error."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained import traverse_llguidance
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
-from espalier.constrained.native import build
-from espalier.constrained.native import llguidance as native
+from espalier.constrained.backends.llguidance.native import capi as native
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree_random import grow_tree, sample_instance
+from espalier.constrained.tree.masks import fill_tree_bitmask
+from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import grow_tree, sample_instance
 
-NATIVE = BackendOptions(llguidance_native_walk=True)
-"""The native walk, on (whatever the default) where a C compiler exists."""
-
-
-@pytest.fixture(autouse=True)
-def native_on_every_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No tree is too branchy for the native walk here (its policy sends those to Python)."""
-    monkeypatch.setattr(traverse_llguidance, "NATIVE_MAX_BRANCHES", 1 << 30)
+NATIVE = BackendOptions(llguidance_native_walk=True, llguidance_native_max_branches=1 << 30)
+"""The native walk, on (whatever the default), for every tree: none is too branchy for it here
+(its default policy sends those to Python)."""
 
 
 SCHEMA = GrammarSpec.json_schema(
@@ -46,8 +44,6 @@ SCHEMA = GrammarSpec.json_schema(
 
 
 def native_grammar(tokenizer: Any, spec: GrammarSpec = SCHEMA) -> Any:
-    if build.find_compiler() is None:
-        pytest.skip("no C compiler: the native llguidance walk is not built here")
     grammar = get_backend("llguidance", tokenizer, NATIVE).compile(spec)
     assert grammar.native_slot.wait(60) is not None, grammar.native_slot.error
     return grammar
@@ -199,10 +195,7 @@ def test_twin_only_follows_the_request(toy_tokenizer: Any) -> None:
 
 
 def test_tokenize_cache_answers_repeats_without_the_slow_tokenizer() -> None:
-    if build.find_compiler() is None:
-        pytest.skip("no C compiler")
     lib = native.api()
-    assert lib is not None, native.unavailable_reason()
     calls: list[bytes] = []
 
     def slow(_user: Any, data: Any, size: int, out: Any, capacity: int) -> int:
@@ -235,15 +228,59 @@ def test_tokenize_cache_answers_repeats_without_the_slow_tokenizer() -> None:
     assert tokenize(b"abc", 8) == (3, [97, 98, 99])
 
 
-def test_without_a_compiler_the_build_says_why(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
-    monkeypatch.setattr(build.shutil, "which", lambda name: None)
-    monkeypatch.setattr(build, "_built", {})
-    monkeypatch.setattr(build, "_errors", {})
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
-    assert build.build_library("llg_walk.c") is None
-    assert "no C compiler" in (build.last_error("llg_walk.c") or "")
+WRONG_VERSION_PROBE = """
+from espalier.constrained.backends import get_backend
+from espalier.constrained.backends.llguidance.native.capi import NativeBuildError
+from tests.fixtures.tokenizers import build_byte_level_hf
+from espalier.constrained.tokenizer import TokenizerInfo
+
+hf = build_byte_level_hf()
+tokenizer = TokenizerInfo(hf, stop_token_ids=[hf.convert_tokens_to_ids("<eos>")], name="toy")
+try:
+    get_backend("llguidance", tokenizer)
+except NativeBuildError as exc:
+    print("ERROR:", exc)
+else:
+    print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("fake", ["1.10.0", "2.0.1", "1.8.0"])
+def test_a_wrong_llguidance_version_is_a_clear_error(tmp_path: Path, fake: str) -> None:
+    """An llguidance of another series (its metadata, shadowing the real one on the path)
+    stops the backend from being made, with an error that names both versions, before the
+    library is called."""
+    info = tmp_path / f"llguidance-{fake}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llguidance\nVersion: {fake}\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    run = subprocess.run(
+        [sys.executable, "-c", WRONG_VERSION_PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.strip().splitlines()[-1]
+    assert out.startswith("ERROR: "), out
+    assert f"llguidance {fake} is installed" in out
+    assert f"llguidance {native.api().series()}.x" in out
+    assert "llguidance<1.10,>=1.9.1" in out or "llguidance>=1.9.1,<1.10" in out  # the pin
+
+
+def test_version_check_names_both_versions() -> None:
+    native.check_version("1.9.7", "1.9")  # a patch release of the series: fine
+    with pytest.raises(native.NativeBuildError, match=r"llguidance 1\.10\.0 is installed.*1\.9\.x"):
+        native.check_version("1.10.0", "1.9")
+
+
+def test_the_installed_llguidance_passes_the_load_checks() -> None:
+    lib = native.api()  # version, then the layout probe of LlgConstraintInit
+    assert lib.series() == ".".join(native.installed_llguidance().split(".")[:2])
+    lib.check_layout()
 
 
 def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> None:
@@ -257,5 +294,4 @@ def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> No
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
     assert matcher.twin is None
     assert compare(masks, out, tree, replay_tree(grammar.matcher, [], tree)) == []
-    if build.find_compiler() is not None:
-        assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # the default  # type: ignore[attr-defined]
+    assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # the default  # type: ignore[attr-defined]

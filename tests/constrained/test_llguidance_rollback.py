@@ -23,10 +23,9 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
-from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import WalkResult, fill_tree_bitmask, walk_generic
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import WalkResult, fill_tree_bitmask, walk_generic
 
 pytest.importorskip("llguidance")
 
@@ -78,8 +77,6 @@ def test_tree_rows_after_rollback_match_fresh_replay(gemma_tokenizer: Any, walke
     backend = get_backend("llguidance", gemma_tokenizer, options)
     compiled = backend.compile(GrammarSpec.json_schema(schema))
     if walker == "native":
-        if build.find_compiler() is None:
-            pytest.skip("no C compiler: the native llguidance walk is not built here")
         assert compiled.native_slot.wait(120) is not None
     else:
         compiled.native_slot = None

@@ -19,11 +19,10 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
-from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_oracle import compare, replay_tree
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import fill_tree_bitmask
+from tests.fixtures.tree_oracle import compare, replay_tree
 
 SCHEMA = {
     "type": "object",
@@ -99,8 +98,6 @@ def tree(tokenizer: Any) -> DraftTree:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tree_masks_on_that_tree(gemma_tokenizer: Any, walk: str, threads: int) -> None:
     """Both walks are exact on it (the native one on one thread and on two)."""
-    if walk == "native" and build.find_compiler() is None:
-        pytest.skip("no C compiler: the native llguidance walk is not built here")
     options = BackendOptions(llguidance_native_walk=walk == "native")
     backend = get_backend("llguidance", gemma_tokenizer, options)
     grammar = backend.compile(GrammarSpec.json_schema(SCHEMA))

@@ -1,4 +1,4 @@
-"""The JSON number policy (``constrained/number_bounds.py``): bounded digits on every backend.
+"""The JSON number policy (``constrained/schema/number_bounds.py``): bounded digits, every backend.
 
 Each backend compiles schemas with the default ``BackendOptions`` (bounds on) and with
 ``json_number_bounds=None`` (the libraries' own unbounded grammars), on the toy byte-level
@@ -18,12 +18,12 @@ import pytest
 from espalier.constrained.backends import BACKENDS, BackendOptions, get_backend
 from espalier.constrained.backends.common import BackendUnavailableError
 from espalier.constrained.conformance import grammar_accepts
-from espalier.constrained.number_bounds import (
+from espalier.constrained.schema.features import backend_issues
+from espalier.constrained.schema.number_bounds import (
     NumberBounds,
     bound_number_regex,
     bound_schema_numbers,
 )
-from espalier.constrained.schema_features import backend_issues
 from espalier.constrained.spec import GrammarSpec
 
 UNBOUNDED = BackendOptions(json_number_bounds=None)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.postvalidate import PostValidation, postvalidate
-from espalier.constrained.refs import directory_registry
+from espalier.constrained.schema.refs import directory_registry
 from espalier.constrained.spec import GrammarSpec
 
 SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"

@@ -1,10 +1,10 @@
-"""The learnt give-up margin of budgeted tree fills (``constrained/return_latency.py``)."""
+"""The learnt give-up margin of budgeted tree fills (``constrained/tree/return_latency.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from espalier.constrained import return_latency as rl
+from espalier.constrained.tree import return_latency as rl
 
 
 def test_margin_starts_at_the_default_and_follows_a_high_quantile() -> None:

@@ -14,7 +14,7 @@ import pytest
 from espalier.constrained.backends import BACKENDS, BackendUnavailableError, get_backend
 from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import GrammarError
-from espalier.constrained.schema_features import (
+from espalier.constrained.schema.features import (
     PROFILES,
     Support,
     backend_issues,
@@ -140,7 +140,7 @@ def test_false_subschema_support() -> None:
     ],
 )
 def test_optional_groups_holding_a_repetition_are_found(pattern: str, flagged: bool) -> None:
-    from espalier.constrained.schema_features import optional_group_repeats
+    from espalier.constrained.schema.features import optional_group_repeats
 
     assert optional_group_repeats(pattern) is flagged
 

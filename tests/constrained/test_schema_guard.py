@@ -22,7 +22,7 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.errors import GrammarError, InvalidGrammarError
 from espalier.constrained.grammar_limits import check_alternatives, count_alternatives
 from espalier.constrained.postvalidate import postvalidate
-from espalier.constrained.schema_guard import admit_schema, json_depth
+from espalier.constrained.schema.guard import admit_schema, json_depth
 from espalier.constrained.spec import GrammarSpec
 
 _SEEN: list[tuple[str, str]] = []

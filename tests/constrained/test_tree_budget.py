@@ -1,4 +1,4 @@
-"""The budget as a wall-clock bound (``constrained.traverse_bounded``): a fill that is stuck in one
+"""The budget as a wall-clock bound (``constrained.tree.bounded``): a fill that is stuck in one
 slow native call is abandoned at the deadline, and what comes back is still exact.
 
 A "slow native call" is simulated by a proxy around the fork's native matcher that blocks on an
@@ -18,11 +18,11 @@ import pytest
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_bounded import LATENCY
-from espalier.constrained.traverse_oracle import compare, replay_tree
+from espalier.constrained.tree.bounded import LATENCY
+from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.constrained.test_tree_masks import REGEX, drawn_tree, state_snapshot
 from tests.constrained.test_tree_masks import compiled as compiled_any
+from tests.fixtures.tree_oracle import compare, replay_tree
 
 SLOW_CALLS = {"xgrammar": "fill_next_token_bitmask", "llguidance": "unsafe_compute_mask_ptr"}
 
@@ -170,7 +170,7 @@ def test_zero_budget_never_starts_a_helper(toy_tokenizer: Any) -> None:
 def test_engine_buffer_is_not_reused_while_a_late_write_is_pending() -> None:
     """``engine/spec/masks.py`` reuses one bitmask buffer per step; after an abandoned fill whose
     native call may still write it, that buffer is parked and another one used."""
-    from espalier.constrained.traverse import TreeMasks
+    from espalier.constrained.tree.masks import TreeMasks
     from espalier.engine.spec.masks import MaskBuilder
 
     builder = MaskBuilder(64, threads=1)

@@ -1,7 +1,7 @@
 """fill_tree_bitmask on ASCII-drawn trees over a toy vocabulary, for every backend.
 
 Semantics checked node by node (valid / filled / terminated / rows), against the replay oracle
-(``constrained.traverse_oracle``), plus: state restored, budget cut, batch API, step reuse,
+(``tests/fixtures/tree_oracle.py``), plus: state restored, budget cut, batch API, step reuse,
 forced tokens, and the generic walker on a matcher no fast path knows.
 """
 
@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained import traverse
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.base import GrammarMatcher
 from espalier.constrained.forced import forced_tokens
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask, stop_row
-from espalier.constrained.traverse_batch import TreeMaskBatch
-from espalier.constrained.traverse_oracle import compare, replay_tree
-from espalier.constrained.traverse_step import advance
 from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree import masks as traverse
+from espalier.constrained.tree.batch import TreeMaskBatch
+from espalier.constrained.tree.masks import fill_tree_bitmask, stop_row
+from espalier.constrained.tree.step import advance
+from tests.fixtures.tree_oracle import compare, replay_tree
 
 REGEX = "xy+z"  # characters without BPE merges in the toy vocabulary
 

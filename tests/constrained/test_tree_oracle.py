@@ -1,10 +1,11 @@
 """The tree-mask ORACLE: every fast path vs. replaying each path on a fresh matcher.
 
-Random EAGLE-like trees (``constrained.tree_random``: 1-256 nodes, depth <= 16, grammar-valid,
+Random EAGLE-like trees (``tests/fixtures/tree_random.py``: 1-256 nodes, depth <= 16, grammar-valid,
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
 schemas, on all three backends; llguidance three times: its default (native walk for chain-like
 trees, Python walk for branchy ones), the native walk on every tree (``llguidance-native``,
-``constrained/native/``; a second thread shares big trees every other tree) and the Python walk
+``constrained/backends/llguidance/native/``; a second thread shares big trees every other tree) and
+the Python walk
 on every tree (``llguidance-python``). Toy vocabularies always; the Gemma tokenizer with
 JSONSchemaBench schemas and the shared GBNF grammars under ``model`` (a representative part) and
 all of it under ``slow`` / ``ESPALIER_SLOW=1``.
@@ -22,15 +23,14 @@ import numpy as np
 import pytest
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained import traverse_llguidance
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.errors import GrammarError
-from espalier.constrained.native import build
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-from espalier.constrained.traverse import fill_tree_bitmask
-from espalier.constrained.traverse_oracle import compare, replay_tree
-from espalier.constrained.tree_random import grow_tree, sample_instance
+from espalier.constrained.tree import walk_llguidance as traverse_llguidance
+from espalier.constrained.tree.masks import fill_tree_bitmask
+from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import grow_tree, sample_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "conformance"
@@ -56,24 +56,22 @@ WALKS = [*BACKENDS, "llguidance-native", "llguidance-python"]
 Python walk on every tree."""
 
 
-@pytest.fixture(autouse=True)
-def native_on_every_tree(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``llguidance-native``: no tree is too branchy for the native walk."""
-    params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "llguidance-native":
-        monkeypatch.setattr(traverse_llguidance, "NATIVE_MAX_BRANCHES", 1 << 30)
-
-
 def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
     """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); with the native walk ready
     (``llguidance``, ``llguidance-native``) or off (``llguidance-python``)."""
     native = walk in ("llguidance", "llguidance-native")
-    if walk == "llguidance-native" and build.find_compiler() is None:
-        pytest.skip("no C compiler: the native llguidance walk is not built here")
-    options = BackendOptions(llguidance_native_walk=walk != "llguidance-python")
+    options = BackendOptions(
+        llguidance_native_walk=walk != "llguidance-python",
+        # llguidance-native: no tree is too branchy for the native walk
+        llguidance_native_max_branches=(
+            1 << 30
+            if walk == "llguidance-native"
+            else BackendOptions.llguidance_native_max_branches
+        ),
+    )
     name = walk.removesuffix("-native").removesuffix("-python")
     grammar = get_backend(name, tokenizer, options).compile(spec)
-    if native and build.find_compiler() is not None:
+    if native:
         assert grammar.native_slot.wait(120) is not None, grammar.native_slot.error
         assert grammar.native_template() is not None
     elif walk == "llguidance-python":
@@ -101,7 +99,7 @@ def check_trees(
         masks = fill_tree_bitmask(start, tree, out, budget=None, threads=threads)
         found = compare(masks, out, tree, oracle)
         native = getattr(grammar, "native_slot", None) is not None and not start.is_terminated()
-        if native and traverse_llguidance.native_takes(tree):
+        if native and traverse_llguidance.native_takes(start, tree):
             assert start.twin is not None  # the native walk took this tree
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)

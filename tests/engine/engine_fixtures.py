@@ -61,7 +61,7 @@ def make_engine(
     prefix_caching: bool = True,
 ) -> Engine:
     from espalier.engine.config import CacheConfig, RunnerConfig
-    from espalier.engine.runner import ModelRunner
+    from espalier.engine.model.runner import ModelRunner
 
     model_config, state = tiny_weights()
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)

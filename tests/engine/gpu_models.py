@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from espalier.engine.config import CacheConfig, ModelConfig, RopeConfig, RunnerConfig
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.runner import ModelRunner, SeqInput
 from espalier.engine.spec.tree_builder import tree_attention_mask
 
 
@@ -47,8 +47,8 @@ def gpu_config(vocab_size: int, *, family: str = "llama", window: int | None = N
 
 def gpu_state(config: ModelConfig, seed: int, *, sharpen: float = 6.0) -> dict[str, torch.Tensor]:
     """Random weights with HF names (CPU fp32); the output head scaled by ``sharpen``."""
-    from espalier.engine.models.gemma3 import Gemma3ForCausalLM
-    from espalier.engine.models.llama import LlamaForCausalLM
+    from espalier.engine.model.models.gemma3 import Gemma3ForCausalLM
+    from espalier.engine.model.models.llama import LlamaForCausalLM
 
     torch.manual_seed(seed)
     if config.family == "gemma3":

@@ -11,7 +11,7 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.runner import ModelRunner, SeqInput
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def random_runner(
     scale: float = 4.0,
 ) -> ModelRunner:
     """A runner over random weights (``scale`` sharpens the logits so greedy ties are rare)."""
-    from espalier.engine.models.llama import LlamaForCausalLM
+    from espalier.engine.model.models.llama import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config, qkv_bias=False, o_bias=False)

@@ -1,4 +1,4 @@
-"""Fused decoder-layer kernels (``engine/models/fused.py``) against the torch layer code.
+"""Fused decoder-layer kernels (``kernels/fused.py``) against the torch layer code.
 
 On CUDA they run as compiled Triton kernels; on the CPU in Triton's interpreter (scripts/test.sh
 sets ``TRITON_INTERPRET=1``), skipped otherwise. bf16 outputs may differ from the torch twin by
@@ -17,14 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from espalier.engine.models import fused, layers
-from espalier.engine.models.layers import (
+from espalier.engine.model.models import layers
+from espalier.engine.model.models.layers import (
     GemmaRMSNorm,
     RMSNorm,
     RMSNormBase,
     apply_rope,
     rope_cos_sin,
 )
+from espalier.kernels import fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -134,7 +135,7 @@ def test_gated_act(gelu: bool) -> None:
 
 def test_fuse_projections_keeps_the_state_dict() -> None:
     from espalier.engine.config import ModelConfig
-    from espalier.engine.models.llama import LlamaForCausalLM
+    from espalier.engine.model.models.llama import LlamaForCausalLM
 
     config = ModelConfig("llama", 50, 32, 48, 2, 4, 2, 8)
     model = LlamaForCausalLM(config, qkv_bias=False, o_bias=False)
@@ -243,7 +244,7 @@ def test_fused_residual_adds_keep_the_logits(
     roundings being exact in the interpreter, those of the torch path. On CUDA (compiled
     kernels; the torch norm path is not used there) fused against separate, bit for bit."""
     from espalier.engine.config import CacheConfig, RunnerConfig
-    from espalier.engine.runner import ModelRunner, SeqInput
+    from espalier.engine.model.runner import ModelRunner, SeqInput
 
     config = RunnerConfig(
         device=DEVICE, dtype="bfloat16", cache=CacheConfig(block_size=4), attention_backend="sdpa"

@@ -26,9 +26,9 @@ from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.scheduler import SchedulerConfig
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
-from espalier.engine.spec.loop import LoopRequest, SpecLoop
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 pytestmark = [
     pytest.mark.gpu,

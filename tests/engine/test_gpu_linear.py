@@ -9,8 +9,8 @@ import pytest
 import torch
 from gpu_models import gpu_config, gpu_runner, gpu_state
 
-from espalier.engine.models import layers
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.models import layers
+from espalier.engine.model.runner import SeqInput
 from espalier.kernels import gemv
 
 pytestmark = [

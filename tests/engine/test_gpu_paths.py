@@ -18,13 +18,13 @@ import torch
 from gpu_models import depths, gpu_config, gpu_runner, gpu_state, tree_input
 from spec_helpers import compile_matcher
 
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
-from espalier.engine.spec.loop import LoopRequest, SpecLoop
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.tree_builder import tree_attention_mask
+from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,8 +82,8 @@ def test_decode_kernel_matches_the_prefill_kernel(
 ) -> None:
     """One-token causal steps run flashinfer's decode kernel (sliding-window layers too), with
     the logits of its prefill kernel; tree steps keep the prefill kernel."""
-    from espalier.engine.attention import flashinfer as fi
-    from espalier.engine.attention import small_query
+    from espalier.engine.model.attention import flashinfer as fi
+    from espalier.engine.model.attention import small_query
 
     monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)  # flashinfer's kernels only
     config = gpu_config(97, family=family, window=6)
@@ -116,9 +116,9 @@ def test_graph_replay_matches_eager_logits(
     not come (a sequence left) left unused."""
     import flashinfer
 
-    from espalier.engine import cuda_graphs
-    from espalier.engine.attention import flashinfer as fi
-    from espalier.engine.attention import small_query
+    from espalier.engine.model import cuda_graphs
+    from espalier.engine.model.attention import flashinfer as fi
+    from espalier.engine.model.attention import small_query
 
     if not small:
         monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)
@@ -238,9 +238,9 @@ def test_padded_tree_verify_graph_matches_eager_logits(
     small_query_up_to: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Trees of 9, 3 and 1 nodes and a plain decode in one step replay the 9-node graph, padded
-    (``engine/graph_padding.py``), on espalier's small-query kernel and on flashinfer's: the
+    (``engine/model/graph_padding.py``), on espalier's small-query kernel and on flashinfer's: the
     logits of the eager step, and the same K/V outside the scratch block."""
-    from espalier.engine.attention import small_query
+    from espalier.engine.model.attention import small_query
 
     monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", small_query_up_to)
     config = gpu_config(97, window=6)

@@ -1,4 +1,4 @@
-"""Padded graph steps (``engine/graph_padding.py``) on the CPU: a step laid out as a captured
+"""Padded graph steps (``engine/model/graph_padding.py``) on the CPU: a step laid out as a captured
 shape, with smaller trees, root-only trees, plain decodes and dummy sequences padded in, run
 through the model with the small-query wrappers (the kernel's torch twin; the same planning a
 CUDA-graph replay does) gives the real rows the logits of the eager SDPA step, writes the same
@@ -13,12 +13,12 @@ import pytest
 import torch
 from gpu_models import gpu_config, gpu_state, tree_input
 
-from espalier.engine.attention.base import AttentionMetadata, LayerSpec
-from espalier.engine.attention.small_query import plan_windows, window_wrappers
 from espalier.engine.config import CacheConfig, RunnerConfig
-from espalier.engine.graph_padding import PaddedStep, pad_step, step_tokens
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.attention.base import AttentionMetadata, LayerSpec
+from espalier.engine.model.attention.small_query import plan_windows, window_wrappers
+from espalier.engine.model.graph_padding import PaddedStep, pad_step, step_tokens
+from espalier.engine.model.runner import ModelRunner, SeqInput
 from espalier.kernels.paged_attention import Workspace
 
 BLOCK = 16

@@ -14,7 +14,7 @@ import torch
 
 from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.kv_cache import BlockAllocator, blocks_needed
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.runner import ModelRunner, SeqInput
 from espalier.server.default_model import default_gguf
 
 pytestmark = pytest.mark.model
@@ -42,7 +42,7 @@ def reference() -> Any:
 
 
 def prompt_ids(text: str) -> list[int]:
-    from espalier.engine.weights import load_tokenizer
+    from espalier.engine.model.weights import load_tokenizer
 
     tokenizer = load_tokenizer(default_gguf())
     return [tokenizer.hf.bos_token_id, *tokenizer.encode(text)]

@@ -18,7 +18,7 @@ import torch
 from tiny_models import VOCAB, make_tiny_model
 
 from espalier.engine.config import CacheConfig, RunnerConfig
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.runner import ModelRunner, SeqInput
 
 LAYER_PARTS = {
     "self_attn.q_proj": "attn_q",
@@ -115,7 +115,7 @@ def test_gguf_written_like_llama_cpp_loads_exactly(
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(model, path, kind)
 
-    from espalier.engine.gguf_loader import load_gguf
+    from espalier.engine.model.gguf_loader import load_gguf
 
     cfg, state = load_gguf(path, progress=False)
     assert cfg["vocab_size"] == VOCAB and cfg["num_hidden_layers"] == model.config.num_hidden_layers
@@ -127,7 +127,7 @@ def test_gguf_written_like_llama_cpp_loads_exactly(
     for name, tensor in state.items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
 
-    from espalier.engine.weights import converted_gguf_dir
+    from espalier.engine.model.weights import converted_gguf_dir
 
     monkeypatch.setattr(
         "espalier.constrained.tokenizer.converted_gguf_tokenizer_dir", lambda p: tmp_path / "none"

@@ -19,7 +19,7 @@ from tiny_models import KINDS, VOCAB, make_tiny_model
 
 from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.kv_cache import BlockAllocator, blocks_needed
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.runner import ModelRunner, SeqInput
 
 BLOCK = 4
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from espalier.engine.attention.base import build_metadata
-from espalier.engine.attention.paged_plan import (
+from espalier.engine.model.attention.base import build_metadata
+from espalier.engine.model.attention.paged_plan import (
     explicit_mask,
     needs_explicit_mask,
     pack_mask_segments,
     paged_layout,
     step_mask,
 )
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.tree_builder import tree_attention_mask
 
 

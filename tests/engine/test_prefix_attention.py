@@ -14,7 +14,7 @@ import pytest
 import torch
 from spec_helpers import one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
-from espalier.engine.runner import ModelRunner, SeqInput
+from espalier.engine.model.runner import ModelRunner, SeqInput
 
 BLOCK = 4
 

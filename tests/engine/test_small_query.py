@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from espalier.engine.attention.base import LayerSpec, build_metadata
-from espalier.engine.attention.paged_plan import meta_layout, step_mask
-from espalier.engine.attention.sdpa import SdpaBackend
-from espalier.engine.attention.small_query import SmallQueryWrapper
 from espalier.engine.kv_cache import KVCache
-from espalier.engine.runner import SeqInput
+from espalier.engine.model.attention.base import LayerSpec, build_metadata
+from espalier.engine.model.attention.paged_plan import meta_layout, step_mask
+from espalier.engine.model.attention.sdpa import SdpaBackend
+from espalier.engine.model.attention.small_query import SmallQueryWrapper
+from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.tree_builder import tree_attention_mask
 from espalier.kernels import paged_attention as pa
 
@@ -140,7 +140,7 @@ def test_graph_plan_rejects_steps_that_do_not_fit() -> None:
 def test_windows_share_one_plan() -> None:
     """``window_wrappers`` + ``plan_windows``: the windows' wrappers over one plan, each with
     its own window (causal steps) or masks (a tree step), against SDPA per window."""
-    from espalier.engine.attention.small_query import plan_windows, window_wrappers
+    from espalier.engine.model.attention.small_query import plan_windows, window_wrappers
 
     config = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, scale=SCALE)
     windows = [None, 3]

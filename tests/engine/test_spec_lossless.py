@@ -17,9 +17,9 @@ from spec_helpers import compile_matcher, plain_greedy, random_eagle, random_run
 
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
-from espalier.engine.spec.loop import LoopRequest, SpecLoop
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],

@@ -73,8 +73,10 @@ def _run(
     tree: bool = False,
     seed: int = 0,
     device: str = "cpu",
+    min_split: int = pa.MIN_SPLIT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the kernel's output, the twin's) for one step on ``device`` (the twin on the CPU)."""
+    """(the kernel's output, the twin's) for one step on ``device`` (the twin on the CPU);
+    ``min_split``: the fewest entries per split (small, to split short sequences)."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // PAGE) + 1 for n in kv_lens) + 8
     tables = _tables(kv_lens, num_pages, gen)
@@ -82,7 +84,9 @@ def _run(
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(dtype)
     mask = _packed(_tree_masks(q_lens, kv_lens, gen), kv_lens) if tree else None
     dev = torch.device(device)
-    plan = pa.make_plan(q_lens, kv_lens, tables, PAGE, head_dim=dim, splits=splits, device=dev)
+    plan = pa.make_plan(
+        q_lens, kv_lens, tables, PAGE, head_dim=dim, splits=splits, device=dev, min_split=min_split
+    )
     scale = dim**-0.5
     ours = pa.paged_attention(
         q.to(dev),
@@ -115,19 +119,22 @@ def _run(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_rows_match_the_twin(
-    dtype: torch.dtype, splits: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(pa, "MIN_SPLIT", 16)
+def test_decode_rows_match_the_twin(dtype: torch.dtype, splits: int) -> None:
     ours, want = _run(
-        [1, 1, 1, 1], [1, 37, 130, 64], heads=8, kv_heads=2, dim=16, dtype=dtype, splits=splits
+        [1, 1, 1, 1],
+        [1, 37, 130, 64],
+        heads=8,
+        kv_heads=2,
+        dim=16,
+        dtype=dtype,
+        splits=splits,
+        min_split=16,
     )
     _close(ours, want)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_tree_rows_match_the_twin(splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pa, "MIN_SPLIT", 16)
+def test_tree_rows_match_the_twin(splits: int) -> None:
     ours, want = _run(
         [5, 1, 9, 3],
         [40, 17, 90, 3],
@@ -138,15 +145,15 @@ def test_tree_rows_match_the_twin(splits: int, monkeypatch: pytest.MonkeyPatch) 
         splits=splits,
         tree=True,
         seed=1,
+        min_split=16,
     )
     _close(ours, want)
 
 
 @pytest.mark.parametrize("window_left", [-1, 0, 5, 40])
 def test_causal_chunks_and_windows_match_the_twin(
-    window_left: int, monkeypatch: pytest.MonkeyPatch
+    window_left: int,
 ) -> None:
-    monkeypatch.setattr(pa, "MIN_SPLIT", 16)
     # G = 3 (not a power of two): q tiles of 5 tokens; 12 rows of one sequence make 3 tiles
     ours, want = _run(
         [12, 2, 1],
@@ -158,6 +165,7 @@ def test_causal_chunks_and_windows_match_the_twin(
         splits=2,
         window_left=window_left,
         seed=2,
+        min_split=16,
     )
     _close(ours, want)
 
@@ -226,13 +234,14 @@ def test_row_masks_start_each_row_at_a_word() -> None:
                 assert (word >> (j % 32)) & 1 == int(mask[t, j])
 
 
-def test_split_tickets_reset_between_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_tickets_reset_between_launches() -> None:
     """Launches sharing one workspace (the layers of a step): each merges its own splits."""
-    monkeypatch.setattr(pa, "MIN_SPLIT", 16)
     gen = torch.Generator().manual_seed(6)
     kv_lens = [100, 40]
     tables = _tables(kv_lens, 40, gen)
-    plan = pa.make_plan([1, 2], kv_lens, tables, PAGE, head_dim=16, splits=4, device=CPU)
+    plan = pa.make_plan(
+        [1, 2], kv_lens, tables, PAGE, head_dim=16, splits=4, device=CPU, min_split=16
+    )
     assert plan.splits == 2  # 64-entry splits (the loop step) over 100 entries
     workspace = pa.Workspace.empty(CPU)
     meta = plan.meta.tolist()
@@ -255,8 +264,7 @@ def test_other_loop_steps_match_the_twin(block: int, monkeypatch: pytest.MonkeyP
     """32- and 128-entry loop steps (one mask word per row; a word per entry) on trees and
     windows, with splits of the step's size."""
     monkeypatch.setattr(pa, "LAUNCH", {32: pa.LaunchConfig(block), 16: pa.LaunchConfig(block)})
-    monkeypatch.setattr(pa, "MIN_SPLIT", 32)
     kw = {"heads": 4, "kv_heads": 1, "dim": 32, "dtype": torch.float32, "splits": 3}
-    _close(*_run([5, 1, 9], [300, 17, 90], tree=True, seed=7, **kw))
+    _close(*_run([5, 1, 9], [300, 17, 90], tree=True, seed=7, min_split=32, **kw))
     kw["dim"] = 16
-    _close(*_run([12, 1], [200, 33], window_left=40, seed=8, **kw))
+    _close(*_run([12, 1], [200, 33], window_left=40, seed=8, min_split=32, **kw))

@@ -6,8 +6,6 @@ import pytest
 import torch
 from test_paged_attention import _close, _run
 
-from espalier.kernels import paged_attention as pa
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -34,8 +32,7 @@ def test_cuda_matches_twin(dim: int, splits: int, tree: bool) -> None:
 
 
 @pytest.mark.parametrize("window_left", [-1, 100])
-def test_cuda_causal_chunks_match_twin(window_left: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pa, "MIN_SPLIT", 64)
+def test_cuda_causal_chunks_match_twin(window_left: int) -> None:
     ours, want = _run(
         [16, 3, 1],
         [300, 40, 1],
@@ -46,5 +43,6 @@ def test_cuda_causal_chunks_match_twin(window_left: int, monkeypatch: pytest.Mon
         splits=3,
         window_left=window_left,
         device="cuda",
+        min_split=64,
     )
     _close(ours, want)

@@ -17,7 +17,8 @@ def server() -> Iterator[ServerProcess]:
     spec = ["--speculative", "ngram,forced", "--speculate-by-default", "off"]
     # A compile limit far above any real compile: first compiles build 262k-token vocabulary
     # views, which takes tens of seconds on a loaded 2-core machine.
-    with ServerProcess(*limits, *spec, "--compile-timeout", "900") as srv:
+    reasoning = ["--reasoning-end", "</think>"]  # used only by after_reasoning requests
+    with ServerProcess(*limits, *spec, *reasoning, "--compile-timeout", "900") as srv:
         srv.wait_event("tokenizer_loaded")
         yield srv
 

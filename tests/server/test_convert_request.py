@@ -218,3 +218,37 @@ def test_output_chunks_fold_into_the_unary_response() -> None:
     assert merged.speculative.mean_accept_length == 1.5
     assert merged.validation.checked and merged.validation.valid
     assert merged.backend == "xgrammar" and merged.weakened[0].keyword == "pattern"
+
+
+def test_structural_tag_is_admitted_like_a_schema() -> None:
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    spec, _ = convert.constraint_to_spec(pb.Constraint(structural_tag=json.dumps(tag)), WIDE)
+    assert spec is not None and spec.kind is GrammarKind.STRUCTURAL_TAG
+    assert '"triggered_tags"' in spec.source
+    deep = '{"type": "structural_tag", "format": ' + "[" * 300 + "]" * 300 + "}"
+    bad_schema = json.dumps(
+        {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"type": 5}}}
+    )
+    outside = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {}}}
+    outside["format"]["json_schema"] = {"$ref": "https://example.com/s.json"}
+    for text in ("{", deep, bad_schema, json.dumps(outside), '{"type": "structural_tag"}'):
+        with pytest.raises(InvalidGrammarError):
+            convert.constraint_to_spec(pb.Constraint(structural_tag=text), WIDE)
+    with pytest.raises(InvalidRequestError):  # over max_grammar_bytes, before any parsing
+        convert.constraint_to_spec(pb.Constraint(structural_tag=json.dumps(tag)), LIMITS)
+
+
+def test_after_reasoning_wraps_the_constraint_or_is_refused() -> None:
+    thinking = dataclasses.replace(WIDE, reasoning_end="</think>")
+    msg = pb.Constraint(regex="[a-z]+", after_reasoning=True)
+    spec, _ = convert.constraint_to_spec(msg, thinking)
+    assert spec is not None and spec.kind is GrammarKind.STRUCTURAL_TAG
+    assert "</think>" in spec.source and "[a-z]+" in spec.source
+    for constraint, limits in [(msg, WIDE), (pb.Constraint(after_reasoning=True), thinking)]:
+        with pytest.raises(InvalidRequestError) as info:
+            convert.constraint_to_spec(constraint, limits)
+        assert fields_of(info.value) == ["constraint.after_reasoning"]

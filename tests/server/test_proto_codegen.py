@@ -50,6 +50,7 @@ def test_server_and_client_copies_describe_the_same_service() -> None:
         "ebnf",
         "lark",
         "choice",
+        "structural_tag",
     ]
 
 

@@ -70,9 +70,7 @@ def test_text_input_is_a_text_prompt() -> None:
 
 
 def test_refusals_name_every_field_at_once() -> None:
-    msg = request(
-        repetition_penalty=1.3, n=3, min_tokens=2, logit_bias={5: 1.0}, structural_tag="{}"
-    )
+    msg = request(repetition_penalty=1.3, n=3, min_tokens=2, logit_bias={5: 1.0}, prompt_logprobs=1)
     with pytest.raises(InvalidRequestError) as info:
         convert.to_espalier_request(msg)
     fields = {v.field for v in info.value.violations}
@@ -81,9 +79,23 @@ def test_refusals_name_every_field_at_once() -> None:
         "sampling_params.n",
         "sampling_params.min_tokens",
         "sampling_params.logit_bias",
-        "sampling_params.structural_tag",
+        "sampling_params.prompt_logprobs",
     }
     assert all(f in str(info.value) for f in fields)
+
+
+def test_structural_tag_and_reasoning_map_onto_the_constraint() -> None:
+    tag = '{"type": "structural_tag", "format": {"type": "any_text"}}'
+    ours = convert.to_espalier_request(request(structural_tag=tag))
+    assert ours.constraint.structural_tag == tag and not ours.constraint.after_reasoning
+    # a reasoning model: the grammar starts after the marker unless SMG led the prompt past it
+    assert convert.to_espalier_request(request(regex="a+"), "</think>").constraint.after_reasoning
+    led = request(regex="a+", grammar_from_first_token=True)
+    assert not convert.to_espalier_request(led, "</think>").constraint.after_reasoning
+    free = convert.to_espalier_request(request(), "</think>")
+    assert free.constraint.WhichOneof("kind") is None and not free.constraint.after_reasoning
+    assert convert.constrained_decoding_start("</think>") == "after_reasoning"
+    assert convert.constrained_decoding_start("") == "first_token"
 
 
 def test_neutral_penalties_pass() -> None:

@@ -103,6 +103,21 @@ def test_health_model_server_info_and_loads(stub: vpb_grpc.VllmEngineStub) -> No
         ("grammar", 'root ::= "x" [0-9] [0-9]? "!"', lambda t: re.fullmatch(r"x\d\d?!", t)),
         ("grammar", 'start: "y" DIGIT+\n%import common.DIGIT', lambda t: re.fullmatch(r"y\d+", t)),
         ("json_object", True, lambda t: json.loads(t) is not None),
+        (
+            "structural_tag",
+            json.dumps(
+                {
+                    "type": "structural_tag",
+                    "format": {
+                        "type": "tag",
+                        "begin": "<r>",
+                        "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+                        "end": "</r>",
+                    },
+                }
+            ),
+            lambda t: re.fullmatch(r"<r>-?\d+</r>", t),
+        ),
     ],
 )
 def test_each_constraint_kind_is_exact(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,6 +14,7 @@ from espalier_client._proto import espalier_pb2_grpc as pb_grpc
 from espalier_client.channel import ChannelSettings, is_retryable
 from espalier_client.errors import from_rpc_error
 from espalier_client.request import (
+    Prompt,
     build_constraint,
     build_generate_request,
     parse_json_output,
@@ -61,14 +62,12 @@ class AsyncClient:
             await asyncio.sleep(pause)
             attempt += 1
 
-    async def generate(
-        self, prompt: str | Sequence[int], *, timeout: Any = _UNSET, **kwargs: Any
-    ) -> Generation:
+    async def generate(self, prompt: Prompt, *, timeout: Any = _UNSET, **kwargs: Any) -> Generation:
         request = build_generate_request(prompt, **kwargs)
         return Generation.from_proto(await self._call(self._stub.GenerateUnary, request, timeout))
 
     async def stream(
-        self, prompt: str | Sequence[int], *, timeout: Any = _UNSET, **kwargs: Any
+        self, prompt: Prompt, *, timeout: Any = _UNSET, **kwargs: Any
     ) -> AsyncIterator[Chunk]:
         """Stream chunks; leaving the loop early (or cancelling the task) cancels the request."""
         request = build_generate_request(prompt, **kwargs)
@@ -93,7 +92,7 @@ class AsyncClient:
     async def generate_json(
         self,
         schema_or_model: Any,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         *,
         timeout: Any = _UNSET,
         **kwargs: Any,
@@ -101,6 +100,22 @@ class AsyncClient:
         schema, model = schema_of(schema_or_model)
         result = await self.generate(prompt, schema=schema, timeout=timeout, **kwargs)
         return parse_json_output(result.text, schema, model)
+
+    async def stream_json(
+        self,
+        schema_or_model: Any,
+        prompt: Prompt,
+        *,
+        timeout: Any = _UNSET,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        """:meth:`Client.stream_json` for asyncio."""
+        from espalier_client.partial import apartial_values
+
+        schema, model = schema_of(schema_or_model)
+        chunks = self.stream(prompt, schema=schema, timeout=timeout, **kwargs)
+        async for value in apartial_values(chunks, schema, model):
+            yield value
 
     async def compile_grammar(self, *, timeout: Any = _UNSET, **constraint: Any) -> CompileResult:
         request = pb.CompileGrammarRequest(constraint=build_constraint(**constraint))

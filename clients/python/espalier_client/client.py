@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -13,6 +13,7 @@ from espalier_client._proto import espalier_pb2_grpc as pb_grpc
 from espalier_client.channel import ChannelSettings, is_retryable
 from espalier_client.errors import from_rpc_error
 from espalier_client.request import (
+    Prompt,
     build_constraint,
     build_generate_request,
     parse_json_output,
@@ -65,16 +66,12 @@ class Client:
             time.sleep(pause)
             attempt += 1
 
-    def generate(
-        self, prompt: str | Sequence[int], *, timeout: Any = _UNSET, **kwargs: Any
-    ) -> Generation:
+    def generate(self, prompt: Prompt, *, timeout: Any = _UNSET, **kwargs: Any) -> Generation:
         """One generation (GenerateUnary). Keywords: see ``build_generate_request``."""
         request = build_generate_request(prompt, **kwargs)
         return Generation.from_proto(self._call(self._stub.GenerateUnary, request, timeout))
 
-    def stream(
-        self, prompt: str | Sequence[int], *, timeout: Any = _UNSET, **kwargs: Any
-    ) -> Iterator[Chunk]:
+    def stream(self, prompt: Prompt, *, timeout: Any = _UNSET, **kwargs: Any) -> Iterator[Chunk]:
         """Stream chunks; closing the iterator early cancels the request on the server."""
         request = build_generate_request(prompt, **kwargs)
         budget = self._timeout(timeout)
@@ -99,7 +96,7 @@ class Client:
     def generate_json(
         self,
         schema_or_model: Any,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         *,
         timeout: Any = _UNSET,
         **kwargs: Any,
@@ -109,6 +106,23 @@ class Client:
         schema, model = schema_of(schema_or_model)
         result = self.generate(prompt, schema=schema, timeout=timeout, **kwargs)
         return parse_json_output(result.text, schema, model)
+
+    def stream_json(
+        self,
+        schema_or_model: Any,
+        prompt: Prompt,
+        *,
+        timeout: Any = _UNSET,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        """Stream a generation under the schema (or the pydantic model's schema), yielding the
+        JSON value parsed so far each time it grows (``partial.PartialJson``); the last value
+        yielded is the validated whole (a model instance for a pydantic model)."""
+        from espalier_client.partial import partial_values
+
+        schema, model = schema_of(schema_or_model)
+        chunks = self.stream(prompt, schema=schema, timeout=timeout, **kwargs)
+        yield from partial_values(chunks, schema, model)
 
     def compile_grammar(self, *, timeout: Any = _UNSET, **constraint: Any) -> CompileResult:
         """Validate and pre-compile a constraint (keywords of ``build_constraint``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,19 @@ class KeywordIssue:
     pointer: str
     support: str
     backend: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call parsed from a chat generation with a forced ``tool_choice``."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]  # validated against the tool's parameters by the server
+
+
+def tool_calls_of(msg: pb.GenerateResponse) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.id, c.name, json.loads(c.arguments)) for c in msg.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class Generation:
     valid: bool | None  # post-validation: None when the server did not check
     validation_errors: tuple[str, ...]
     raw: Any = field(repr=False, compare=False)
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Generation:
@@ -79,6 +94,7 @@ class Generation:
             valid=msg.validation.valid if checked else None,
             validation_errors=tuple(msg.validation.errors),
             raw=msg,
+            tool_calls=tool_calls_of(msg),
         )
 
     @classmethod

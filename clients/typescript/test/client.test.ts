@@ -3,7 +3,7 @@ import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import * as grpc from "@grpc/grpc-js";
 
-import { EspalierClient, EspalierError } from "../src/index";
+import { ChatMessage, EspalierClient, EspalierError, PartialJson, parsePartialJson } from "../src/index";
 import { Server, startServer } from "./server";
 
 let server: Server;
@@ -68,4 +68,45 @@ test("breaking out of a stream cancels it", async () => {
   }
   const again = await client.generate("Hi", { maxTokens: 2, ignoreEos: true });
   assert.equal(again.token_ids.length, 2);
+});
+
+test("partial JSON closes what is open and drops what cannot stand", () => {
+  const text = JSON.stringify({ name: 'Zü "x"', tags: ["a", "bc"], n: -12.5, ok: true, z: null });
+  let last: unknown;
+  const seen: string[] = [];
+  const parser = new PartialJson();
+  for (const ch of text) {
+    const value = parser.feed(ch);
+    if (value === undefined) continue;
+    const key = JSON.stringify(value);
+    assert.ok(!seen.includes(key), "yielded only when the value changed");
+    seen.push(key);
+    last = value;
+  }
+  assert.deepEqual(last, JSON.parse(text));
+  assert.deepEqual(parsePartialJson('{"a": [1, {"b": "c'), { a: [1, { b: "c" }] });
+  assert.deepEqual(parsePartialJson('{"a": tr'), {});
+  assert.deepEqual(parsePartialJson('{"long_key'), {});
+  assert.equal(parsePartialJson(""), undefined);
+});
+
+test("chat with a named tool returns its typed call; structural tags are exact", async () => {
+  const weather = {
+    type: "object",
+    properties: { city: { type: "string", maxLength: 8 }, days: { type: "integer", minimum: 1, maximum: 9 } },
+    required: ["city", "days"],
+    additionalProperties: false,
+  };
+  const messages: ChatMessage[] = [{ role: "user", content: "Weather in Oslo?" }];
+  const options = { tools: [{ name: "weather", parameters: weather }], toolChoice: "weather", backend: "llguidance", maxTokens: 96 };
+  const result = await client.generate(messages, options);
+  assert.equal(result.tool_calls.length, 1);
+  assert.equal(result.tool_calls[0].name, "weather");
+  assert.deepEqual(JSON.parse(result.tool_calls[0].arguments), JSON.parse(result.text));
+  const values = [];
+  for await (const value of client.streamJson(weather, messages, { backend: "llguidance", maxTokens: 96 })) values.push(value);
+  assert.ok(values.length > 1);
+  const tag = { type: "structural_tag", format: { type: "tag", begin: "<r>", content: { type: "json_schema", json_schema: { type: "integer" } }, end: "</r>" } };
+  const tagged = await client.generate("Tag: ", { structuralTag: tag, maxTokens: 32 });
+  assert.match(tagged.text, /^<r>-?[0-9]+<\/r>$/);
 });

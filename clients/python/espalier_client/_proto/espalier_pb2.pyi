@@ -23,26 +23,70 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "constraint", "speculative")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "constraint", "speculative")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
+    chat: Chat
     sampling: SamplingParams
     constraint: Constraint
     speculative: SpeculativeOptions
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages", "tools", "tool_choice")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs")
@@ -69,24 +113,28 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "any_json", "regex", "ebnf", "lark", "choice", "backend", "allow_weakening")
+    __slots__ = ("json_schema", "any_json", "regex", "ebnf", "lark", "choice", "structural_tag", "backend", "allow_weakening", "after_reasoning")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     ANY_JSON_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
     LARK_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ALLOW_WEAKENING_FIELD_NUMBER: _ClassVar[int]
+    AFTER_REASONING_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     any_json: AnyJson
     regex: str
     ebnf: str
     lark: str
     choice: Choice
+    structural_tag: str
     backend: str
     allow_weakening: bool
-    def __init__(self, json_schema: _Optional[str] = ..., any_json: _Optional[_Union[AnyJson, _Mapping]] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., backend: _Optional[str] = ..., allow_weakening: _Optional[bool] = ...) -> None: ...
+    after_reasoning: bool
+    def __init__(self, json_schema: _Optional[str] = ..., any_json: _Optional[_Union[AnyJson, _Mapping]] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., structural_tag: _Optional[str] = ..., backend: _Optional[str] = ..., allow_weakening: _Optional[bool] = ..., after_reasoning: _Optional[bool] = ...) -> None: ...
 
 class AnyJson(_message.Message):
     __slots__ = ()
@@ -109,7 +157,7 @@ class SpeculativeOptions(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., methods: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finished", "finish_reason", "usage", "timings", "speculative", "validation", "backend", "weakened")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finished", "finish_reason", "usage", "timings", "speculative", "validation", "backend", "weakened", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +170,7 @@ class GenerateResponse(_message.Message):
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     WEAKENED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -134,7 +183,8 @@ class GenerateResponse(_message.Message):
     validation: ValidationResult
     backend: str
     weakened: _containers.RepeatedCompositeFieldContainer[KeywordIssue]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., validation: _Optional[_Union[ValidationResult, _Mapping]] = ..., backend: _Optional[str] = ..., weakened: _Optional[_Iterable[_Union[KeywordIssue, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., validation: _Optional[_Union[ValidationResult, _Mapping]] = ..., backend: _Optional[str] = ..., weakened: _Optional[_Iterable[_Union[KeywordIssue, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -267,7 +317,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "tokenizer", "vocab_size", "tokenizer_vocab_size", "max_context_tokens", "stop_token_ids", "grammar_backends", "speculative_methods", "device", "dtype", "max_prompt_tokens", "max_grammar_bytes", "default_max_tokens", "ready")
+    __slots__ = ("model", "tokenizer", "vocab_size", "tokenizer_vocab_size", "max_context_tokens", "stop_token_ids", "grammar_backends", "speculative_methods", "device", "dtype", "max_prompt_tokens", "max_grammar_bytes", "default_max_tokens", "ready", "reasoning_end")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +332,7 @@ class ModelInfo(_message.Message):
     MAX_GRAMMAR_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     vocab_size: int
@@ -296,4 +347,5 @@ class ModelInfo(_message.Message):
     max_grammar_bytes: int
     default_max_tokens: int
     ready: bool
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., speculative_methods: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    reasoning_end: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., speculative_methods: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., reasoning_end: _Optional[str] = ...) -> None: ...

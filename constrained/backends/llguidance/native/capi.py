@@ -1,0 +1,538 @@
+"""llguidance's C API through ctypes, and the native draft-tree walk (``llg_walk.c``).
+
+The llguidance wheel's library exports the C API (``llg_new_tokenizer_v2``, ``llg_new_matcher``,
+``llg_clone_matcher``, ``llg_matcher_compute_mask_into``, ...). A matcher made through it is a
+different object from the Python ``LLMatcher`` but, built from the same token bytes, special ids,
+stop ids and grammar text, it computes the same masks (checked by the tree oracle tests). The
+walk in ``llg_walk.c`` drives such matchers for a whole tree in one ctypes call, which drops the
+GIL for its whole length: trees of a batch fill in parallel on as many threads as there are
+cores, with no per-node Python.
+
+Lifetimes: a :class:`NativeMatcher` keeps its :class:`NativeTokenizer` alive and frees its C
+matcher when collected; the tokenizer keeps its token buffers and tokenize callback alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import importlib.metadata
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from espalier.constrained import bitmask as bm
+
+WALK_DONE, WALK_BUDGET_HIT = 0, 1
+ROOT_COMPUTE, ROOT_READY = 0, 1
+ERROR_BYTES = 1024
+
+_TokenizeFn = ctypes.CFUNCTYPE(
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_uint8),
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_uint32),
+    ctypes.c_size_t,
+)
+
+
+class _WalkApi(ctypes.Structure):
+    """``EspLlgApi`` of ``llg_walk.c``: the llguidance functions the walk calls."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "consume",
+            "consume_many",
+            "mask_into",
+            "get_error",
+            "clone",
+            "free_matcher",
+        )
+    ]
+
+
+class _WalkArgs(ctypes.Structure):
+    """``EspWalkArgs`` of ``llg_walk.c``: one walk's inputs and outputs."""
+
+    _fields_ = [
+        ("root", ctypes.c_void_p),
+        ("sync", ctypes.c_void_p),
+        ("n_sync", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("tokens", ctypes.c_void_p),
+        ("first_child", ctypes.c_void_p),
+        ("next_sibling", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("words", ctypes.c_int64),
+        ("limit", ctypes.c_int64),
+        ("excluded", ctypes.c_void_p),
+        ("stops", ctypes.c_void_p),
+        ("root_mode", ctypes.c_int64),
+        ("budget_s", ctypes.c_double),
+        ("valid", ctypes.c_void_p),
+        ("filled", ctypes.c_void_p),
+        ("terminated", ctypes.c_void_p),
+        ("err", ctypes.c_void_p),
+        ("err_len", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+        ("n_filled", ctypes.c_int64),
+        ("helper_filled", ctypes.c_int64),
+    ]
+
+
+TOKENIZE_CACHE_ENTRIES = 8192
+"""Slots of the C tokenize cache (texts remembered: up to half of it; cleared when full)."""
+
+LAYOUT_PROBLEMS = {
+    1: "the tokenizer pointer is not the first field of LlgConstraintInit",
+    2: "the log levels of LlgConstraintInit are not where llg_abi.h puts them",
+    3: "the flags of LlgConstraintInit are not where llg_abi.h puts them",
+    4: "LlgConstraintInit's parser limits are not where llg_abi.h puts them",
+    5: "the library's LlgConstraintInit is larger than llg_abi.h's",
+}
+"""``espalier_llg_check_layout``'s failure codes (``llg_abi.c``)."""
+
+
+class NativeBuildError(RuntimeError):
+    """The native walk cannot be used with this install: its extension is missing, or the
+    installed llguidance is not the series its ``llg_abi.h`` was written for."""
+
+
+class Api:
+    """The llguidance library and the walk extension, with their ctypes signatures."""
+
+    def __init__(self, llg: ctypes.CDLL, walk: ctypes.CDLL) -> None:
+        self.llg = llg
+        self.walk = walk
+        vp, sz, i32, u32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_uint32
+        sig: dict[str, tuple[Any, list[Any]]] = {
+            "llg_free_tokenizer": (None, [vp]),
+            "llg_new_matcher": (vp, [vp, ctypes.c_char_p, ctypes.c_char_p]),
+            "llg_matcher_get_error": (ctypes.c_char_p, [vp]),
+            "llg_matcher_is_error": (ctypes.c_bool, [vp]),
+            "llg_clone_matcher": (vp, [vp]),
+            "llg_free_matcher": (None, [vp]),
+            "llg_matcher_consume_tokens": (i32, [vp, vp, sz]),
+            "llg_matcher_rollback": (i32, [vp, sz]),
+            "llg_matcher_compute_mask_into": (i32, [vp, vp, sz]),
+        }
+        for name, (restype, argtypes) in sig.items():
+            fn = getattr(llg, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self.set_defaults = _address(llg, "llg_constraint_init_set_defaults")
+        self.new_tokenizer_v2 = _address(llg, "llg_new_tokenizer_v2")
+        self.fns = _WalkApi(
+            *(
+                _address(llg, name)
+                for name in (
+                    "llg_matcher_consume_token",
+                    "llg_matcher_consume_tokens",
+                    "llg_matcher_compute_mask_into",
+                    "llg_matcher_get_error",
+                    "llg_clone_matcher",
+                    "llg_free_matcher",
+                )
+            )
+        )
+        walk_sig: dict[str, tuple[Any, list[Any]]] = {
+            "espalier_llg_walk": (ctypes.c_int64, [vp, vp]),
+            "espalier_tokenize_cache_new": (vp, [vp, vp, sz]),
+            "espalier_llg_series": (ctypes.c_char_p, []),
+            "espalier_llg_constraint_init_size": (sz, []),
+            "espalier_llg_check_layout": (i32, [vp]),
+            "espalier_llg_constraint_init": (None, [vp, vp, vp]),
+            "espalier_llg_new_tokenizer": (vp, [vp, u32, vp, vp, vp, vp, vp, u32, vp, sz]),
+        }
+        for name, (restype, argtypes) in walk_sig.items():
+            fn = getattr(walk, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self.walk_fn = walk.espalier_llg_walk
+        self.tokenize_cache_new = walk.espalier_tokenize_cache_new
+        self.tokenize_cached: int = _address(walk, "espalier_tokenize_cached")
+        self.fns_address = ctypes.addressof(self.fns)
+
+    def series(self) -> str:
+        """The llguidance series (``"1.9"``) whose C structs the extension was built with."""
+        return bytes(self.walk.espalier_llg_series()).decode()
+
+    def check_layout(self) -> None:
+        """Raise :class:`NativeBuildError` unless the library writes ``LlgConstraintInit`` as
+        ``llg_abi.h`` declares it (a probe through ``llg_constraint_init_set_defaults``)."""
+        code = int(self.walk.espalier_llg_check_layout(self.set_defaults))
+        if code != 0:
+            raise NativeBuildError(
+                f"llguidance {installed_llguidance()}: "
+                f"{LAYOUT_PROBLEMS.get(code, f'layout check {code}')}; {_remedy(self.series())}"
+            )
+
+    def constraint_init(self, tokenizer: int) -> ctypes.Array[ctypes.c_char]:
+        """An ``LlgConstraintInit`` for ``tokenizer``: llguidance's defaults, no stderr logs."""
+        init = ctypes.create_string_buffer(int(self.walk.espalier_llg_constraint_init_size()))
+        self.walk.espalier_llg_constraint_init(self.set_defaults, init, tokenizer)
+        return init
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    assert address is not None  # a symbol ctypes found has an address
+    return address
+
+
+WALK_EXTENSION = "_llg_walk"
+"""The walk's extension module in this folder, built with the package (``setup.py``)."""
+
+_api: Api | None = None
+_api_error: NativeBuildError | None = None
+_api_lock = threading.Lock()
+
+
+def installed_llguidance() -> str:
+    """The installed llguidance distribution's version."""
+    return importlib.metadata.version("llguidance")
+
+
+def check_version(installed: str, series: str) -> None:
+    """Raise :class:`NativeBuildError`, naming both versions, unless llguidance ``installed``
+    belongs to ``series`` (the extension's ``"major.minor"``)."""
+    if installed.split(".")[:2] != series.split("."):
+        raise NativeBuildError(
+            f"llguidance {installed} is installed, but espalier's native tree walk declares "
+            f"llguidance {series}.x's C structs; {_remedy(series)}"
+        )
+
+
+def _remedy(series: str) -> str:
+    pins = [r for r in importlib.metadata.requires("espalier") or [] if r.startswith("llguidance")]
+    wanted = pins[0] if pins else f"llguidance=={series}.*"
+    return f"install {wanted!r} (espalier's pin), or set llguidance_native_walk=False"
+
+
+def _extension_path() -> Path:
+    folder = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = folder / f"{WALK_EXTENSION}{suffix}"
+        if candidate.exists():
+            return candidate
+    raise NativeBuildError(
+        f"espalier's native tree walk ({WALK_EXTENSION}) is not built in {folder}: reinstall "
+        "espalier (pip install -e . builds it with the system C compiler)"
+    )
+
+
+def api() -> Api:
+    """The native API, loaded and checked on first call (version, then layout); raises
+    :class:`NativeBuildError` (every call) when it cannot be used."""
+    global _api, _api_error
+    with _api_lock:
+        if _api is None and _api_error is None:
+            try:
+                _api = _load()
+            except NativeBuildError as exc:
+                _api_error = exc
+        if _api_error is not None:
+            raise _api_error
+        assert _api is not None
+        return _api
+
+
+def _load() -> Api:
+    import llguidance._lib as llg_module
+
+    try:
+        walk = ctypes.CDLL(str(_extension_path()))
+    except OSError as exc:
+        raise NativeBuildError(f"espalier's native tree walk does not load: {exc}") from exc
+    walk.espalier_llg_series.restype = ctypes.c_char_p
+    series = bytes(walk.espalier_llg_series()).decode()
+    check_version(installed_llguidance(), series)  # before any llguidance call: layout may differ
+    lib = Api(ctypes.CDLL(llg_module.__file__), walk)
+    lib.check_layout()
+    return lib
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """What a native tokenizer is built from (the same as the Python ``LLTokenizer``).
+
+    Attributes:
+        tokens: bytes of every id, padding included (``n_vocab`` entries).
+        special_ids: ids llguidance treats as special (their bytes get its 0xFF marker).
+        stop_ids: stop (EOS) ids, first one primary.
+        encode: text -> ids, the tokenizer's own tokenization (llguidance calls it for forced
+            text; from any thread, taking the GIL).
+    """
+
+    tokens: Sequence[bytes]
+    special_ids: Sequence[int]
+    stop_ids: Sequence[int]
+    encode: Callable[[str], list[int]]
+
+
+SPECIAL_MARKER = 0xFF
+
+
+class NativeTokenizer:
+    """An ``LlgTokenizer`` (C API) and the constraint init that makes matchers with it."""
+
+    def __init__(self, lib: Api, source: TokenizerSource) -> None:
+        self.api = lib
+        tokens = list(source.tokens)
+        for token in source.special_ids:
+            if 0 <= token < len(tokens) and tokens[token][:1] != bytes([SPECIAL_MARKER]):
+                tokens[token] = bytes([SPECIAL_MARKER]) + tokens[token]
+        lens = np.fromiter((len(t) for t in tokens), dtype=np.uint32, count=len(tokens))
+        blob = np.frombuffer(b"".join(tokens) or b"\0", dtype=np.uint8)
+        stops = np.array([int(s) for s in source.stop_ids], dtype=np.uint32)
+        if stops.size == 0:
+            raise ValueError("llguidance needs at least one stop id")
+        encode = source.encode
+
+        def tokenize(_user: Any, data: Any, size: int, out: Any, capacity: int) -> int:
+            text = ctypes.string_at(data, size).decode("utf-8", errors="replace")
+            ids = encode(text)
+            for i, token in enumerate(ids[:capacity]):
+                out[i] = token
+            return len(ids)
+
+        self._callback = _TokenizeFn(tokenize)  # kept alive as long as the tokenizer
+        # llguidance calls the tokenizer from inside masks: a C cache answers the texts it asks
+        # for again and again, without the GIL; only misses reach the Python callback (never
+        # freed: one per tokenizer, and tokenizers live as long as the process)
+        cache = lib.tokenize_cache_new(
+            ctypes.cast(self._callback, ctypes.c_void_p), None, TOKENIZE_CACHE_ENTRIES
+        )
+        if not cache:
+            raise MemoryError("tokenize cache")
+        error = ctypes.create_string_buffer(ERROR_BYTES)
+        pointer = lib.walk.espalier_llg_new_tokenizer(
+            lib.new_tokenizer_v2,
+            len(tokens),
+            lens.ctypes.data,
+            blob.ctypes.data,
+            lib.tokenize_cached,  # the callback wants valid UTF-8 text (llg_abi.c sets so)
+            cache,
+            stops.ctypes.data,
+            stops.size,
+            error,
+            ERROR_BYTES,
+        )
+        if not pointer:
+            raise RuntimeError(f"llg_new_tokenizer_v2: {error.value.decode(errors='replace')}")
+        self.pointer: int = pointer
+        self._init = lib.constraint_init(pointer)
+        weakref.finalize(self, lib.llg.llg_free_tokenizer, pointer)
+
+    def matcher(self, grammar: str) -> NativeMatcher:
+        """A matcher at the start state of llguidance grammar text ``grammar``."""
+        pointer = self.api.llg.llg_new_matcher(self._init, b"llguidance", grammar.encode())
+        matcher = NativeMatcher(self, pointer)
+        if self.api.llg.llg_matcher_is_error(pointer):
+            raise RuntimeError(f"llg_new_matcher: {matcher.error()}")
+        return matcher
+
+
+class NativeMatcher:
+    """One C-API matcher (freed when collected)."""
+
+    def __init__(self, tokenizer: NativeTokenizer, pointer: int) -> None:
+        if not pointer:
+            raise MemoryError("llguidance returned no matcher")
+        self.tokenizer = tokenizer
+        self.pointer = pointer
+        weakref.finalize(self, tokenizer.api.llg.llg_free_matcher, pointer)
+
+    def clone(self) -> NativeMatcher:
+        return NativeMatcher(self.tokenizer, self.tokenizer.api.llg.llg_clone_matcher(self.pointer))
+
+    def error(self) -> str:
+        message = self.tokenizer.api.llg.llg_matcher_get_error(self.pointer)
+        return message.decode(errors="replace") if message else ""
+
+    def mask_into(self, row: np.ndarray) -> None:
+        """Compute the mask into int32 ``row`` (``[words]``, C-contiguous)."""
+        llg = self.tokenizer.api.llg
+        if llg.llg_matcher_compute_mask_into(self.pointer, row.ctypes.data, row.nbytes) != 0:
+            raise RuntimeError(f"llguidance mask: {self.error()}")
+
+
+@dataclass(frozen=True)
+class WalkTables:
+    """Per-tokenizer constants of a walk: uint32 ``[words]`` bitmaps over the vocabulary."""
+
+    excluded: np.ndarray  # special non-stop ids: never valid
+    stops: np.ndarray  # stop ids: valid where allowed, never consumed; also the stop row
+    limit: int  # ids at or above are invalid (model padding)
+
+    @property
+    def words(self) -> int:
+        return int(self.excluded.shape[0])
+
+
+@dataclass
+class WalkEnd:
+    """How a walk ended: ``status`` (WALK_DONE or WALK_BUDGET_HIT), how many rows it filled, of
+    which the second thread filled ``helper_filled``."""
+
+    status: int
+    filled: int
+    helper_filled: int = 0
+
+
+def walk(
+    root: NativeMatcher,
+    sync: Sequence[int],
+    tree: Any,
+    rows: np.ndarray,
+    tables: WalkTables,
+    root_mode: int,
+    budget_s: float,
+    flags: np.ndarray,
+    threads: int = 1,
+) -> WalkEnd:
+    """Run ``llg_walk.c`` (see its comment) on clones of ``root`` (the request's twin), after
+    ``root`` catches up by consuming ``sync`` (it never rolls back). ``flags``: zeroed uint8
+    ``[3, n]`` (valid, filled, terminated), written in place; ``threads``: 1 or 2. Raises
+    RuntimeError on a library error (with its message; ``root``'s state is then unknown)."""
+    lib = root.tokenizer.api
+    n = tree.num_nodes
+    scratch = _thread_scratch(tables.words, n, len(sync))
+    args = scratch.args
+    args.root = root.pointer
+    if sync:
+        scratch.sync[: len(sync)] = sync
+    args.n_sync = len(sync)
+    args.n = n
+    scratch.tree[0, :n] = tree.tokens
+    scratch.tree[1, :n] = tree.first_child
+    scratch.tree[2, :n] = tree.next_sibling
+    args.rows = rows.ctypes.data
+    args.root_mode = root_mode
+    args.budget_s = budget_s
+    args.threads = threads
+    address = flags.ctypes.data
+    args.valid, args.filled, args.terminated = address, address + n, address + 2 * n
+    if scratch.tables is not tables:
+        scratch.use(tables)
+    scratch.error.value = b""
+    status = int(lib.walk_fn(lib.fns_address, scratch.args_address))
+    if status < 0:
+        raise RuntimeError(f"llguidance tree walk: {scratch.error.value.decode(errors='replace')}")
+    return WalkEnd(status, args.n_filled, args.helper_filled)
+
+
+class _WalkScratch:
+    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` once):
+    the tree's links, the catch-up tokens, the error text."""
+
+    def __init__(self, words: int, nodes: int, sync: int) -> None:
+        self.words, self.nodes, self.sync_room = words, nodes, sync
+        self.args = _WalkArgs()
+        self.args_address = ctypes.addressof(self.args)
+        self.tree = np.zeros((3, nodes), dtype=np.int64)
+        self.sync = np.zeros(sync, dtype=np.uint32)
+        self.error = ctypes.create_string_buffer(ERROR_BYTES)
+        self.tables: WalkTables | None = None
+        a = self.args
+        a.tokens = self.tree.ctypes.data
+        a.first_child, a.next_sibling = a.tokens + 8 * nodes, a.tokens + 16 * nodes
+        a.sync = self.sync.ctypes.data
+        a.words = words
+        a.err = ctypes.addressof(self.error)
+        a.err_len = ERROR_BYTES
+
+    def use(self, tables: WalkTables) -> None:
+        a = self.args
+        a.limit = tables.limit
+        a.excluded = tables.excluded.ctypes.data
+        a.stops = tables.stops.ctypes.data  # also the stop row (the stop ids' bitmap)
+        self.tables = tables
+
+
+def _thread_scratch(words: int, nodes: int, sync: int) -> _WalkScratch:
+    """This thread's :class:`_WalkScratch`, (re)made when too small for the call."""
+    scratch: _WalkScratch | None = getattr(_scratch, "value", None)
+    if scratch is None or (
+        scratch.words != words or scratch.nodes < nodes or scratch.sync_room < sync
+    ):
+        scratch = _WalkScratch(
+            words,
+            max(nodes, 256, 0 if scratch is None else scratch.nodes),
+            max(sync, 1024, 0 if scratch is None else scratch.sync_room),
+        )
+        _scratch.value = scratch
+    return scratch
+
+
+_scratch = threading.local()
+
+
+class NativeTokenizerSlot:
+    """A :class:`NativeTokenizer` built on a background thread (Gemma's 262k ids: ~1.5 s),
+    started by the first :meth:`get` or :meth:`wait`: a process that never walks a tree (a
+    compile probe, a server without speculation) never builds it.
+
+    Until it is ready :meth:`get` returns None and callers use their Python paths; :attr:`error`
+    says why the build failed, if it did. (An unusable install never gets here: the backend
+    calls :func:`api` when it is made, which raises :class:`NativeBuildError`.)
+    """
+
+    def __init__(self, source: Callable[[], TokenizerSource], tables: WalkTables) -> None:
+        self.tables = tables
+        self.error: str | None = None
+        self._source = source
+        self._value: NativeTokenizer | None = None
+        self._done = threading.Event()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        # not a daemon: the interpreter waits for the build (bounded) at exit instead of tearing
+        # native state down under it
+        threading.Thread(target=self._build, name="llg-native-tokenizer").start()
+
+    def _build(self) -> None:
+        try:
+            self._value = NativeTokenizer(api(), self._source())
+        except (RuntimeError, ValueError, MemoryError) as exc:
+            self.error = f"native llguidance tokenizer: {exc}"
+        finally:
+            self._done.set()
+
+    def built(self) -> NativeTokenizer | None:
+        """The tokenizer if built; starts nothing, never blocks."""
+        return self._value if self._done.is_set() else None
+
+    def get(self) -> NativeTokenizer | None:
+        """The tokenizer if built (never blocks; starts the build the first time)."""
+        self._start()
+        return self.built()
+
+    def wait(self, timeout: float | None = None) -> NativeTokenizer | None:
+        """Start the build if needed, block until it ends (or ``timeout``); the tokenizer or
+        None."""
+        self._start()
+        self._done.wait(timeout)
+        return self.built()
+
+
+def walk_tables(
+    words: int, tokenizer_vocab: int, excluded: Sequence[int], stops: Sequence[int]
+) -> WalkTables:
+    """The :class:`WalkTables` of a vocabulary of ``words`` mask words."""
+    bits = words * bm.BITS_PER_WORD
+    return WalkTables(
+        bm.row_from_tokens(excluded, bits).view(np.uint32),
+        bm.row_from_tokens(stops, bits).view(np.uint32),
+        min(bits, tokenizer_vocab),
+    )

@@ -1,0 +1,559 @@
+/* Draft-tree mask walk over llguidance's C API, in one call that never touches Python.
+ *
+ * Semantics mirror constrained/tree/walk_llguidance.py (the Python walk): an iterative DFS, first
+ * child first, where a node is tried only when its parent's row allows its token. Stop tokens are
+ * never consumed: their row is the stop row, and below them only stop tokens are valid.
+ *
+ * Nothing is ever rolled back: llguidance (1.9.1) can answer a mask of a rolled-back branch
+ * after a rollback, even after a fresh mask at the rolled-back state
+ * (tests/constrained/test_llguidance_stale_rollback.py). The request's twin only moves forward
+ * with the request (computing the root rows, as plain decoding would); a walk goes down a path
+ * on a clone of it, and a node off that path gets a fresh clone that consumes the path to its
+ * parent
+ * (llg_clone_matcher of such a twin: ~25 us on Gemma, and ~4 us a token to consume). Chains
+ * (oracle, forced, n-gram drafts) take one clone; each further branch one more. With two
+ * threads, each takes entries from its own deque and steals from the other's bottom.
+ *
+ * The llguidance functions come in as pointers (EspLlgApi), resolved by the caller from the
+ * library Python already loaded; this file links against nothing but libc and pthreads.
+ *
+ * Also here: a tokenize callback with a cache (espalier_tokenize_cached). llguidance calls its
+ * tokenizer from inside mask computations (to tokenize the rest of a forced lexeme); the
+ * tokenizer is Python (a ctypes callback), so each call took the GIL in the middle of a walk
+ * that had dropped it. The cache answers the repeated texts in C; only misses reach Python.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <pthread.h>
+
+typedef struct EspLlgApi {
+    int32_t (*consume)(void *matcher, uint32_t token);
+    int32_t (*consume_many)(void *matcher, const uint32_t *tokens, size_t n);
+    int32_t (*mask_into)(void *matcher, uint32_t *dest, size_t byte_len);
+    const char *(*get_error)(void *matcher);
+    void *(*clone)(const void *matcher);
+    void (*free_matcher)(void *matcher);
+} EspLlgApi;
+
+enum { ROOT_COMPUTE = 0, ROOT_READY = 1 };
+enum { WALK_DONE = 0, WALK_BUDGET_HIT = 1, WALK_SYNC_ERROR = -1, WALK_MASK_ERROR = -2,
+       WALK_NO_MEMORY = -3, WALK_ROLLBACK_ERROR = -4 };
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int bit_set(const uint32_t *words, int64_t token) {
+    return (int)((words[token >> 5] >> (token & 31)) & 1u);
+}
+
+static void copy_error(const EspLlgApi *api, void *matcher, char *err, size_t err_len) {
+    const char *msg = api->get_error(matcher);
+    if (err_len == 0) return;
+    if (msg == NULL) msg = "llguidance reported an error without a message";
+    strncpy(err, msg, err_len - 1);
+    err[err_len - 1] = '\0';
+}
+
+/* DFS stack entry: a node and its parent, or -1 when the parent is a stop token (or below
+ * one): then the node is never consumed natively. */
+typedef struct Entry {
+    int64_t node;
+    int64_t parent;
+} Entry;
+
+/* Everything one walk reads and writes (one struct: a ctypes call with two pointer arguments
+ * costs a few microseconds, one with 24 typed arguments tens).
+ *
+ * `root` is the request's twin. It is never walked: it only catches up with the request
+ * (consumes `sync`; it never rolls back) and computes row 0 (root_mode ROOT_COMPUTE;
+ * ROOT_READY trusts it); the walk runs on clones of it. budget_s < 0: no limit; else a node
+ * starts only if it would end by now + budget_s were it as long as the longest node so far (one
+ * node's mask can take milliseconds inside a long string: this keeps the overrun to the rare
+ * node slower than all before it). threads: 1, or 2 (a second thread shares the tree).
+ * valid/filled/terminated: uint8 [n], zeroed by the caller; filled[i] is set last.
+ * Out: n_filled the number of filled rows (both threads), helper_filled the second thread's. */
+typedef struct EspWalkArgs {
+    void *root;
+    const uint32_t *sync;
+    int64_t n_sync, n;
+    const int64_t *tokens, *first_child, *next_sibling;
+    uint32_t *rows;
+    int64_t words, limit;
+    const uint32_t *excluded, *stops; /* stops: also the stop row (the stop ids' bitmap) */
+    int64_t root_mode;
+    double budget_s;
+    uint8_t *valid, *filled, *terminated;
+    char *err;
+    int64_t err_len;
+    int64_t threads, n_filled, helper_filled;
+} EspWalkArgs;
+
+struct Pool;
+
+/* One thread's share of a walk: its matcher (a clone of the root, or NULL), the nodes that
+ * matcher has consumed below the tree's root (path[0..depth)), and its deque of entries
+ * (stack[bottom..top): it pops the top, the other worker steals the bottom, the shallowest
+ * entry: the largest subtree). */
+typedef struct Worker {
+    struct Pool *pool;
+    int id;
+    void *m;
+    int64_t depth;
+    int64_t *path, *chain, *kids;
+    uint32_t *chain_tokens;
+    Entry *stack;
+    int64_t bottom, top;
+    double slowest;
+    int64_t n_filled;
+    int64_t at; /* the node its matcher stood at when it last pushed children (under the lock) */
+    int waiting;
+} Worker;
+
+typedef struct Pool {
+    const EspLlgApi *api;
+    void *root;
+    const int64_t *tokens, *first_child, *next_sibling;
+    int64_t *parent, *depth_of;
+    uint32_t *rows;
+    int64_t n, words, limit;
+    size_t row_bytes;
+    const uint32_t *excluded, *stops;
+    uint8_t *valid, *filled, *terminated;
+    char *err;
+    size_t err_len;
+    double deadline;
+    int timed, workers;
+    Worker w[2];
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int busy; /* workers holding an entry (they may push more) */
+    int stop; /* the budget ran out or a worker failed: nobody starts a node */
+    int64_t status;
+} Pool;
+
+/* Record a failure (the first one's message) and stop the walk. */
+static void fail(Worker *w, void *matcher, int64_t status) {
+    Pool *p = w->pool;
+    pthread_mutex_lock(&p->lock);
+    if (p->status >= 0) {
+        p->status = status;
+        if (p->err_len) {
+            if (matcher != NULL)
+                copy_error(p->api, matcher, p->err, p->err_len);
+            else
+                strncpy(p->err, "llguidance could not clone a matcher", p->err_len - 1);
+        }
+    }
+    p->stop = 1;
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Push the children of `parent` that its row allows, first child on top; `state` is `parent`
+ * or -1 (stop mode). Wakes the other worker if it waits for work. */
+static void push_children(Worker *w, int64_t parent, int64_t state) {
+    Pool *p = w->pool;
+    int64_t count = 0;
+    const uint32_t *row = p->rows + parent * p->words;
+    for (int64_t kid = p->first_child[parent]; kid >= 0; kid = p->next_sibling[kid]) {
+        int64_t token = p->tokens[kid];
+        if (token < 0 || token >= p->limit || !bit_set(row, token) || bit_set(p->excluded, token))
+            continue;
+        w->kids[count++] = kid;
+    }
+    if (count == 0) return;
+    pthread_mutex_lock(&p->lock);
+    if (state >= 0) w->at = state;
+    for (int64_t i = count - 1; i >= 0; i--) {
+        w->stack[w->top].node = w->kids[i];
+        w->stack[w->top].parent = state;
+        w->top++;
+    }
+    if (p->workers > 1 && p->w[1 - w->id].waiting) pthread_cond_signal(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Take the next entry: own top, else the other worker's bottom, unless that is the only entry
+ * there and continues the other's path (a chain: the other takes it for one consume, a thief
+ * would need a clone); wait while the other may still push; 0 when the walk is over
+ * (everything done, or stop). */
+static int take(Worker *w, Entry *e) {
+    Pool *p = w->pool;
+    Worker *other = p->workers > 1 ? &p->w[1 - w->id] : NULL;
+    int got = 0;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        if (p->stop) break;
+        if (w->top > w->bottom) {
+            *e = w->stack[--w->top];
+            if (w->top == w->bottom) w->top = w->bottom = 0;
+            got = 1;
+            break;
+        }
+        const int64_t left = other != NULL ? other->top - other->bottom : 0;
+        if (left > 1 || (left == 1 && other->stack[other->bottom].parent != other->at)) {
+            *e = other->stack[other->bottom++];
+            if (other->top == other->bottom) other->top = other->bottom = 0;
+            got = 1;
+            break;
+        }
+        if (p->busy == 0) break;
+        w->waiting = 1;
+        pthread_cond_wait(&p->wake, &p->lock);
+        w->waiting = 0;
+    }
+    if (got) p->busy++;
+    pthread_mutex_unlock(&p->lock);
+    return got;
+}
+
+static void done_with(Worker *w) {
+    Pool *p = w->pool;
+    pthread_mutex_lock(&p->lock);
+    p->busy--;
+    if (p->busy == 0) pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Give the worker a matcher at the state after node `parent` (the root: 0). Its own matcher
+ * serves when it stands right there; else a fresh clone of the root consumes the path to
+ * `parent`. Matchers only ever move forward: llguidance (1.9.1) can answer a stale mask after
+ * a rollback (tests/constrained/test_llguidance_stale_rollback.py), so nothing here rolls
+ * back. Returns 0 or a negative WALK_ status (after fail()). */
+static int64_t move_to(Worker *w, int64_t parent) {
+    Pool *p = w->pool;
+    const EspLlgApi *api = p->api;
+    const int64_t d = p->depth_of[parent];
+    if (w->m != NULL && w->depth == d && (d == 0 || w->path[d - 1] == parent)) return 0;
+    if (w->m != NULL) api->free_matcher(w->m);
+    w->m = api->clone(p->root);
+    w->depth = 0;
+    if (w->m == NULL) {
+        fail(w, NULL, WALK_NO_MEMORY);
+        return WALK_NO_MEMORY;
+    }
+    if (d == 0) return 0;
+    for (int64_t k = d, x = parent; k > 0; x = p->parent[x]) w->chain[--k] = x;
+    for (int64_t i = 0; i < d; i++) {
+        w->chain_tokens[i] = (uint32_t)p->tokens[w->chain[i]];
+        w->path[i] = w->chain[i];
+    }
+    if (api->consume_many(w->m, w->chain_tokens, (size_t)d) != 0) {
+        fail(w, w->m, WALK_ROLLBACK_ERROR);
+        return WALK_ROLLBACK_ERROR;
+    }
+    w->depth = d;
+    return 0;
+}
+
+/* Decide one entry: its row, its flags, its children pushed. */
+static void visit(Worker *w, Entry e) {
+    Pool *p = w->pool;
+    const EspLlgApi *api = p->api;
+    const int64_t node = e.node;
+    uint32_t *row = p->rows + node * p->words;
+    double started = 0.0;
+    if (p->timed) {
+        started = now_s();
+        if (started + w->slowest > p->deadline) {
+            pthread_mutex_lock(&p->lock);
+            if (p->status == WALK_DONE) p->status = WALK_BUDGET_HIT;
+            p->stop = 1;
+            pthread_cond_broadcast(&p->wake);
+            pthread_mutex_unlock(&p->lock);
+            return;
+        }
+    }
+    if (e.parent < 0 || bit_set(p->stops, p->tokens[node])) {
+        /* a stop token, or one after it: never consumed natively */
+        memcpy(row, p->stops, p->row_bytes);
+        p->valid[node] = 1;
+        p->terminated[node] = 1;
+        p->filled[node] = 1;
+        w->n_filled++;
+        push_children(w, node, -1);
+        return;
+    }
+    if (move_to(w, e.parent) != 0) return;
+    /* the parent's row allows the token, so this fails only on a library inconsistency (the
+     * matcher is then in its error state: stop) */
+    if (api->consume(w->m, (uint32_t)p->tokens[node]) != 0) {
+        fail(w, w->m, WALK_ROLLBACK_ERROR);
+        return;
+    }
+    w->path[w->depth++] = node;
+    if (api->mask_into(w->m, row, p->row_bytes) != 0) {
+        fail(w, w->m, WALK_MASK_ERROR);
+        return;
+    }
+    p->valid[node] = 1;
+    p->filled[node] = 1;
+    w->n_filled++;
+    if (p->timed) {
+        double took = now_s() - started;
+        if (took > w->slowest) w->slowest = took;
+    }
+    if (p->first_child[node] >= 0) push_children(w, node, node);
+}
+
+static void work(Worker *w) {
+    Entry e;
+    while (take(w, &e)) {
+        visit(w, e);
+        done_with(w);
+    }
+}
+
+static void *helper_main(void *arg) {
+    work((Worker *)arg);
+    return NULL;
+}
+
+static int alloc_worker(Worker *w, Pool *p, int id, int64_t n) {
+    w->pool = p;
+    w->id = id;
+    w->path = malloc(sizeof(int64_t) * (size_t)n);
+    w->chain = malloc(sizeof(int64_t) * (size_t)n);
+    w->kids = malloc(sizeof(int64_t) * (size_t)n);
+    w->chain_tokens = malloc(sizeof(uint32_t) * (size_t)n);
+    w->stack = malloc(sizeof(Entry) * (size_t)n);
+    return w->path && w->chain && w->kids && w->chain_tokens && w->stack;
+}
+
+static void free_worker(Worker *w) {
+    if (w->m != NULL) w->pool->api->free_matcher(w->m);
+    free(w->path);
+    free(w->chain);
+    free(w->kids);
+    free(w->chain_tokens);
+    free(w->stack);
+}
+
+/* Returns WALK_DONE, WALK_BUDGET_HIT, or a negative error (message in `err`); after a
+ * WALK_SYNC_ERROR the root's state is unknown (it is otherwise at the request's state). */
+int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
+    const int64_t n = a->n;
+    Pool pool;
+    memset(&pool, 0, sizeof(pool));
+    Pool *p = &pool;
+    p->api = api;
+    p->root = a->root;
+    p->tokens = a->tokens;
+    p->first_child = a->first_child;
+    p->next_sibling = a->next_sibling;
+    p->rows = a->rows;
+    p->n = n;
+    p->words = a->words;
+    p->limit = a->limit;
+    p->row_bytes = (size_t)a->words * 4u;
+    p->excluded = a->excluded;
+    p->stops = a->stops;
+    p->valid = a->valid;
+    p->filled = a->filled;
+    p->terminated = a->terminated;
+    p->err = a->err;
+    p->err_len = (size_t)a->err_len;
+    p->timed = a->budget_s >= 0;
+    p->deadline = p->timed ? now_s() + a->budget_s : 0.0;
+    p->status = WALK_DONE;
+    a->n_filled = 0;
+    a->helper_filled = 0;
+    /* the twin catches up with the request first */
+    if (a->n_sync > 0 && api->consume_many(a->root, a->sync, (size_t)a->n_sync) != 0) {
+        copy_error(api, a->root, a->err, (size_t)a->err_len);
+        return WALK_SYNC_ERROR;
+    }
+    const int split = a->threads > 1 && n > 2 && a->first_child[0] >= 0;
+    p->workers = split ? 2 : 1;
+    p->parent = malloc(sizeof(int64_t) * (size_t)n);
+    p->depth_of = malloc(sizeof(int64_t) * (size_t)n);
+    int ok = p->parent && p->depth_of && alloc_worker(&p->w[0], p, 0, n);
+    if (split) ok = ok && alloc_worker(&p->w[1], p, 1, n);
+    if (!ok) {
+        p->status = WALK_NO_MEMORY;
+        goto out;
+    }
+    /* parents and depths, root first (a valid tree: every node below the root, no cycle) */
+    p->parent[0] = -1;
+    p->depth_of[0] = 0;
+    {
+        int64_t *order = p->w[0].kids, head = 0, tail = 0;
+        order[tail++] = 0;
+        while (head < tail) {
+            int64_t x = order[head++];
+            for (int64_t k = a->first_child[x]; k >= 0; k = a->next_sibling[k]) {
+                p->parent[k] = x;
+                p->depth_of[k] = p->depth_of[x] + 1;
+                order[tail++] = k;
+            }
+        }
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    Worker *w0 = &p->w[0];
+    p->busy = 1; /* the root phase below: it pushes the root's children */
+    pthread_t thread;
+    int started = 0;
+    if (split) {
+        started = pthread_create(&thread, NULL, helper_main, &p->w[1]) == 0;
+        if (!started) p->workers = 1;
+    }
+    /* the root row on the twin itself (a mask at its current state, as in plain decoding): its
+     * lexer's lazily built automaton then grows with the request, and the clones start warm */
+    if (a->root_mode == ROOT_COMPUTE && api->mask_into(a->root, a->rows, p->row_bytes) != 0) {
+        fail(w0, a->root, WALK_MASK_ERROR);
+    } else {
+        a->valid[0] = 1;
+        a->filled[0] = 1;
+        w0->n_filled = 1;
+        if (n > 1 && a->first_child[0] >= 0) push_children(w0, 0, 0);
+    }
+    done_with(w0);
+    work(w0);
+    if (started) pthread_join(thread, NULL);
+    pthread_cond_destroy(&p->wake);
+    pthread_mutex_destroy(&p->lock);
+    a->n_filled = w0->n_filled + (started ? p->w[1].n_filled : 0);
+    a->helper_filled = started ? p->w[1].n_filled : 0;
+out:
+    free(p->parent);
+    free(p->depth_of);
+    free_worker(&p->w[0]);
+    if (split) free_worker(&p->w[1]);
+    return p->status;
+}
+
+/* -- the tokenize callback's cache ----------------------------------------------------------- */
+
+typedef size_t (*EspTokenizeFn)(const void *user, const uint8_t *bytes, size_t len, uint32_t *out,
+                                size_t cap);
+
+typedef struct CacheEntry {
+    uint64_t hash;
+    uint8_t *key;
+    size_t key_len;
+    uint32_t *ids;
+    size_t n_ids;
+} CacheEntry;
+
+typedef struct EspTokenizeCache {
+    pthread_mutex_t lock;
+    EspTokenizeFn slow;
+    const void *slow_user;
+    size_t capacity, used; /* capacity: a power of two; cleared when half full */
+    CacheEntry *entries;
+} EspTokenizeCache;
+
+static uint64_t fnv1a(const uint8_t *bytes, size_t len) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < len; i++) h = (h ^ bytes[i]) * 1099511628211ull;
+    return h | 1u; /* 0 marks an empty slot */
+}
+
+/* A cache in front of `slow` (the Python tokenizer); `capacity` is rounded up to a power of
+ * two. NULL on allocation failure. */
+EspTokenizeCache *espalier_tokenize_cache_new(EspTokenizeFn slow, const void *slow_user,
+                                              size_t capacity) {
+    size_t cap = 64;
+    while (cap < capacity) cap <<= 1;
+    EspTokenizeCache *c = calloc(1, sizeof(EspTokenizeCache));
+    if (c == NULL) return NULL;
+    c->entries = calloc(cap, sizeof(CacheEntry));
+    if (c->entries == NULL) {
+        free(c);
+        return NULL;
+    }
+    pthread_mutex_init(&c->lock, NULL);
+    c->slow = slow;
+    c->slow_user = slow_user;
+    c->capacity = cap;
+    return c;
+}
+
+static void clear_entries(EspTokenizeCache *c) {
+    for (size_t i = 0; i < c->capacity; i++) {
+        free(c->entries[i].key);
+        free(c->entries[i].ids);
+    }
+    memset(c->entries, 0, c->capacity * sizeof(CacheEntry));
+    c->used = 0;
+}
+
+/* Lookup under the lock; copies up to `cap` ids into `out`. Returns the id count, or -1. */
+static int64_t lookup(EspTokenizeCache *c, uint64_t h, const uint8_t *bytes, size_t len,
+                      uint32_t *out, size_t cap) {
+    int64_t found = -1;
+    pthread_mutex_lock(&c->lock);
+    for (size_t i = h & (c->capacity - 1);; i = (i + 1) & (c->capacity - 1)) {
+        CacheEntry *e = &c->entries[i];
+        if (e->hash == 0) break;
+        if (e->hash == h && e->key_len == len && memcmp(e->key, bytes, len) == 0) {
+            memcpy(out, e->ids, sizeof(uint32_t) * (e->n_ids < cap ? e->n_ids : cap));
+            found = (int64_t)e->n_ids;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return found;
+}
+
+static void insert(EspTokenizeCache *c, uint64_t h, const uint8_t *bytes, size_t len,
+                   const uint32_t *ids, size_t n_ids) {
+    uint8_t *key = malloc(len ? len : 1);
+    uint32_t *copy = malloc(sizeof(uint32_t) * (n_ids ? n_ids : 1));
+    if (key == NULL || copy == NULL) {
+        free(key);
+        free(copy);
+        return;
+    }
+    memcpy(key, bytes, len);
+    memcpy(copy, ids, sizeof(uint32_t) * n_ids);
+    pthread_mutex_lock(&c->lock);
+    if (2 * (c->used + 1) > c->capacity) clear_entries(c);
+    for (size_t i = h & (c->capacity - 1);; i = (i + 1) & (c->capacity - 1)) {
+        CacheEntry *e = &c->entries[i];
+        if (e->hash == h && e->key_len == len && memcmp(e->key, bytes, len) == 0) {
+            free(key); /* another thread inserted it meanwhile */
+            free(copy);
+            break;
+        }
+        if (e->hash == 0) {
+            *e = (CacheEntry){h, key, len, copy, n_ids};
+            c->used++;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* llguidance's tokenize_fn (user_data: an EspTokenizeCache): the ids of `bytes`, at most `cap`
+ * of them written to `out`; returns how many there are. */
+size_t espalier_tokenize_cached(const void *user, const uint8_t *bytes, size_t len, uint32_t *out,
+                                size_t cap) {
+    EspTokenizeCache *c = (EspTokenizeCache *)user;
+    const uint64_t h = fnv1a(bytes, len);
+    int64_t hit = lookup(c, h, bytes, len, out, cap);
+    if (hit >= 0) return (size_t)hit;
+    size_t room = cap > 64 ? cap : 64;
+    uint32_t *ids = malloc(sizeof(uint32_t) * room);
+    if (ids == NULL) return c->slow(c->slow_user, bytes, len, out, cap);
+    size_t n_ids = c->slow(c->slow_user, bytes, len, ids, room);
+    if (n_ids > room) { /* more ids than the buffer: ask again with room for all */
+        uint32_t *more = realloc(ids, sizeof(uint32_t) * n_ids);
+        if (more == NULL) {
+            free(ids);
+            return c->slow(c->slow_user, bytes, len, out, cap);
+        }
+        ids = more;
+        n_ids = c->slow(c->slow_user, bytes, len, ids, n_ids);
+    }
+    memcpy(out, ids, sizeof(uint32_t) * (n_ids < cap ? n_ids : cap));
+    insert(c, h, bytes, len, ids, n_ids);
+    free(ids);
+    return n_ids;
+}

@@ -1,0 +1,413 @@
+"""Which JSON Schema keywords each backend enforces exactly, weakens or ignores.
+
+:func:`keyword_uses` lists every keyword a schema uses with its JSON pointer;
+:func:`backend_issues` returns, for one backend, each use it does not enforce exactly. The claims
+in :data:`PROFILES` are verified one by one in ``tests/constrained/test_schema_features.py``
+(each "exact" claim: a violating instance is rejected and a valid one accepted through the real
+backend; each "weakened"/"ignored" claim: the backend refuses or accepts a violating instance).
+What is not claimed exact is not exact: an unknown context counts as weakened. "Exact" is about
+false accepts: an exact keyword never lets an invalid instance through, though the grammar may
+still reject some valid ones (it fixes property order and bounds whitespace).
+
+Support is judged per schema object (context matters: xgrammar enforces ``minLength`` only on a
+node typed ``"string"`` and only when no ``pattern``/``format`` is next to it). Pure annotations
+(``title``, ``default``, ...) and keywords of no vocabulary constrain nothing and are exact
+everywhere. A backend that *refuses* a schema at compile time is not a false accept: ``IGNORED``
+here means "this backend cannot enforce it", whether it then refuses or drops it.
+
+Run the analysis on the schema the backend will see, i.e. after :func:`refs.resolve_refs` and
+:func:`rewrite.normalize_schema`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from espalier.constrained.errors import KeywordIssue
+from espalier.constrained.schema.walk import escape_pointer_token, walk
+
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentMediaType",
+        "contentEncoding",
+        "contentSchema",
+        "$defs",
+        "definitions",
+        "$id",
+        "$anchor",
+        "$vocabulary",
+    }
+)
+NUMERIC = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+STRING = frozenset({"minLength", "maxLength", "pattern", "format"})
+ARRAY = frozenset(
+    {
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "additionalItems",
+        "unevaluatedItems",
+    }
+)
+OBJECT = frozenset(
+    {
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+    }
+)
+GENERIC = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+        "$dynamicAnchor",
+        "$recursiveAnchor",
+        "$schema",
+    }
+)
+VOCABULARY = ANNOTATIONS | NUMERIC | STRING | ARRAY | OBJECT | GENERIC
+KNOWN_DIALECTS = frozenset(
+    {
+        "https://json-schema.org/draft/2020-12/schema",
+        "https://json-schema.org/draft/2019-09/schema",
+        "http://json-schema.org/draft-07/schema",
+        "http://json-schema.org/draft-06/schema",
+        "http://json-schema.org/draft-04/schema",
+    }
+)
+TYPE_OF = {**{k: "number" for k in NUMERIC}, **{k: "string" for k in STRING}}
+TYPE_OF.update({k: "array" for k in ARRAY} | {k: "object" for k in OBJECT})
+
+
+class Support(enum.Enum):
+    EXACT = "exact"
+    WEAKENED = "weakened"  # enforced in part: some invalid instances get through
+    IGNORED = "ignored"  # not enforced at all, or the backend refuses the schema
+
+
+@dataclass(frozen=True)
+class KeywordUse:
+    keyword: str
+    pointer: str  # of the schema object holding the keyword
+
+
+def keyword_uses(schema: Any) -> list[KeywordUse]:
+    """Every keyword of every schema object (``$defs`` included), parents first."""
+    return [
+        KeywordUse(key, node.pointer)
+        for node in walk(schema)
+        if isinstance(node.schema, dict)
+        for key in node.schema
+    ]
+
+
+Rule = Callable[[str, dict[str, Any]], Support]
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    """What one backend enforces. ``rule(keyword, node)`` handles the context-dependent cases."""
+
+    name: str
+    exact: frozenset[str]
+    formats: frozenset[str]
+    rule: Rule | None = None
+    false_schema: bool = True  # enforces a ``false`` subschema (matches nothing)
+    false_schema_under: frozenset[str] = frozenset()  # keywords whose ``false`` value it enforces
+
+
+def backend_issues(backend: str, schema: Any) -> list[KeywordIssue]:
+    """Each keyword use in ``schema`` that ``backend`` does not enforce exactly."""
+    profile = PROFILES[backend]
+    issues: list[KeywordIssue] = []
+    enforced_false = _enforced_false_pointers(profile, schema)
+    for node in walk(schema):
+        if isinstance(node.schema, bool):
+            if not node.schema and not profile.false_schema and node.pointer not in enforced_false:
+                issues.append(KeywordIssue("false", node.pointer, Support.IGNORED.value, backend))
+            continue
+        for keyword in node.schema:
+            support = keyword_support(profile, keyword, node.schema)
+            if support is not Support.EXACT:
+                issues.append(KeywordIssue(keyword, node.pointer, support.value, backend))
+    return issues
+
+
+def _enforced_false_pointers(profile: BackendProfile, schema: Any) -> set[str]:
+    """Pointers of the ``false`` subschemas ``profile`` enforces by the keyword holding them
+    (``additionalProperties: false`` on xgrammar), found from the parent so a property that
+    happens to be named ``additionalProperties`` does not count."""
+    if profile.false_schema or not profile.false_schema_under:
+        return set()
+    return {
+        f"{node.pointer}/{escape_pointer_token(keyword)}"
+        for node in walk(schema)
+        if isinstance(node.schema, dict)
+        for keyword in profile.false_schema_under
+        if node.schema.get(keyword) is False
+    }
+
+
+def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any]) -> Support:
+    """How ``profile`` enforces ``keyword`` in schema object ``node``."""
+    if keyword not in VOCABULARY or keyword in ANNOTATIONS:
+        return Support.EXACT  # constrains nothing
+    if keyword == "$schema":
+        uri = str(node[keyword]).rstrip("#")
+        return Support.EXACT if uri in KNOWN_DIALECTS else Support.IGNORED
+    if keyword not in profile.exact:
+        return Support.IGNORED
+    if keyword in ("enum", "const") and values_with_siblings(node):
+        # members failing a sibling get through where a backend emits the values alone;
+        # rewrite.normalize_schema filters them and drops the siblings (enum_filter)
+        return Support.WEAKENED
+    if keyword == "$ref" and not _is_local_ref(node.get(keyword)):
+        return Support.IGNORED  # left unresolved (dynamic scopes): backends drop such refs
+    if keyword == "format" and node.get("format") not in profile.formats:
+        return Support.WEAKENED
+    if profile.rule is not None:
+        return profile.rule(keyword, node)
+    return Support.EXACT
+
+
+NOT_ASSERTING = ANNOTATIONS | {"$schema", "$dynamicAnchor", "$recursiveAnchor"}
+
+
+def values_with_siblings(node: dict[str, Any]) -> bool:
+    """Whether ``node`` has ``enum`` or ``const`` and another keyword that asserts something
+    (the other of the two included)."""
+    values = ("enum" in node) + ("const" in node)
+    if values != 1:
+        return values == 2
+    return any(k in VOCABULARY and k not in NOT_ASSERTING | {"enum", "const"} for k in node)
+
+
+def _is_local_ref(ref: Any) -> bool:
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+
+
+def _types(node: dict[str, Any]) -> set[str]:
+    value = node.get("type")
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, list):
+        return {t for t in value if isinstance(t, str)}
+    return set()
+
+
+def _string_groups(node: dict[str, Any]) -> int:
+    return sum(("pattern" in node, "format" in node, "minLength" in node or "maxLength" in node))
+
+
+def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
+    kind = TYPE_OF.get(keyword)
+    types = _types(node)
+    if kind is not None:
+        # type-specific keywords are only applied under a single matching "type"
+        wanted = {"integer", "number"} if kind == "number" else {kind}
+        if len(types) != 1 or not types <= wanted:
+            return Support.IGNORED
+    if kind == "string" and _string_groups(node) > 1:
+        return Support.WEAKENED  # at most one of pattern / format / length is enforced
+    if keyword == "required" and required_outside_properties(node):
+        return Support.WEAKENED  # probe "required-not-in-properties"
+    if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
+        return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
+    if keyword == "multipleOf":
+        value = node["multipleOf"]
+        if types != {"integer"} or not (isinstance(value, int) or float(value).is_integer()):
+            return Support.WEAKENED
+        if any(bound in node for bound in NUMERIC - {"multipleOf"}):
+            return Support.WEAKENED  # dropped next to a range (probe "multipleOf-with-range")
+    if keyword == "allOf" and len(node["allOf"]) != 1:
+        return Support.WEAKENED
+    return Support.EXACT
+
+
+def required_outside_properties(node: dict[str, Any]) -> bool:
+    """Whether ``required`` names a property that ``properties`` of the same object lacks:
+    xgrammar and outlines-core only require the properties they emit."""
+    names = node.get("required")
+    listed = node.get("properties")
+    known = set(listed) if isinstance(listed, dict) else set()
+    return isinstance(names, list) and any(name not in known for name in names)
+
+
+def optional_group_repeats(pattern: str) -> bool:
+    """Whether a group made optional by ``?`` holds a repetition (``+``, ``*``, ``{m,n}``):
+    xgrammar's regex conversion lets such a group's repeated part match without the rest."""
+    starts: list[int] = []
+    for i, char in _syntax(pattern):
+        if char == "(":
+            starts.append(i)
+        elif char == ")" and starts:
+            start = starts.pop()
+            body = pattern[start + 1 : i]
+            if pattern[i + 1 : i + 2] == "?" and any(c in "+*{" for _, c in _syntax(body)):
+                return True
+    return False
+
+
+def _syntax(pattern: str) -> list[tuple[int, str]]:
+    """``(index, char)`` of the regex characters outside escapes and ``[...]`` classes."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "[":  # skip the class; a "]" first inside it is literal
+            i = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("]", "^") else i + 1)
+            if i < 0:
+                break
+        else:
+            out.append((i, char))
+        i += 1
+    return out
+
+
+_FLOAT64_EXACT_INT = 2**53
+
+
+def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in NUMERIC and keyword != "multipleOf":
+        value = node[keyword]
+        if isinstance(value, (int, float)) and abs(value) > _FLOAT64_EXACT_INT:
+            return Support.WEAKENED  # compared as float64: neighbours of the bound collapse
+    return Support.EXACT
+
+
+def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
+    kind = TYPE_OF.get(keyword)
+    types = _types(node)
+    if kind is not None and (len(types) != 1 or kind not in types):
+        return Support.IGNORED
+    if kind == "string" and _string_groups(node) > 1:
+        return Support.WEAKENED  # the sub-regexes are not intersected
+    if keyword == "allOf" and len(node["allOf"]) != 1:
+        return Support.WEAKENED
+    if keyword == "required" and required_outside_properties(node):
+        return Support.WEAKENED  # probe "required-not-in-properties"
+    return Support.EXACT
+
+
+# Keywords both llguidance and xgrammar enforce exactly (each claim has a probe test).
+_EXACT_IN_JSON_BACKENDS = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "properties",
+        "required",
+        "additionalProperties",
+        "minProperties",
+        "maxProperties",
+        "anyOf",
+        "allOf",
+        "$ref",
+    }
+)
+
+LLGUIDANCE = BackendProfile(
+    name="llguidance",
+    exact=_EXACT_IN_JSON_BACKENDS | {"patternProperties"},
+    # date / time / date-time / hostname: calendar and leap-second rules are not checked
+    formats=frozenset({"email", "ipv4", "ipv6", "uri", "uuid", "duration"}),
+    rule=_llguidance_rule,
+)
+XGRAMMAR = BackendProfile(
+    name="xgrammar",
+    exact=_EXACT_IN_JSON_BACKENDS | {"propertyNames"},
+    formats=frozenset(
+        {
+            "email",
+            "ipv4",
+            "uri",
+            "uri-reference",
+            "uri-template",
+            "uuid",
+            "duration",
+            "json-pointer",
+            "relative-json-pointer",
+        }
+    ),
+    rule=_xgrammar_rule,
+    false_schema=False,  # refused at compile ("Schema 'false' cannot accept any value") ...
+    # ... except as these keywords' values, where it means "nothing more" (probe tests)
+    false_schema_under=frozenset({"additionalProperties", "items"}),
+)
+OUTLINES_CORE = BackendProfile(
+    name="outlines_core",
+    exact=frozenset(
+        {
+            "type",
+            "enum",
+            "const",
+            "minLength",
+            "maxLength",
+            "pattern",
+            "format",
+            "items",
+            "minItems",
+            "maxItems",
+            "properties",
+            "required",
+            "additionalProperties",
+            "anyOf",
+            "allOf",
+        }
+    ),
+    formats=frozenset({"email", "uuid"}),
+    rule=_outlines_rule,
+    false_schema=False,
+)
+PROFILES: dict[str, BackendProfile] = {p.name: p for p in (LLGUIDANCE, XGRAMMAR, OUTLINES_CORE)}

@@ -1,0 +1,186 @@
+"""Admission checks for a JSON schema from a caller: bounded nesting, a valid schema, local refs.
+
+:func:`admit_schema` runs before anything else reads a caller's schema text:
+
+1. nesting depth is measured on the text itself (no recursion, strings skipped) and refused past
+   ``max_depth``: a 100k-deep document never reaches ``json.loads`` or a recursive walk;
+2. the parsed schema is validated against its meta-schema (the ``$schema`` dialect when it is a
+   known draft, else Draft 2020-12; the meta-schemas are bundled, none is fetched), so
+   ``{"minLength": -1}`` is refused with its pointer;
+3. every ``$ref`` / ``$dynamicRef`` / ``$recursiveRef`` must resolve inside the schema itself or
+   the bundled meta-schemas: :data:`LOCAL_REGISTRY` has no retrieval, so no URI (``file:``,
+   ``http(s):``, anything) ever opens a file or a socket, and one that does not resolve locally is
+   refused with the JSON pointer of the keyword.
+
+Every refusal is an :class:`InvalidGrammarError` of kind ``json_schema`` with a pointer.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import re
+from typing import Any
+
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
+from jsonschema_specifications import REGISTRY as METASCHEMAS
+
+from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.schema.walk import escape_pointer_token, walk
+
+LOCAL_REGISTRY: referencing.Registry[Any] = METASCHEMAS
+"""The bundled meta-schemas and nothing else; its ``retrieve`` refuses every unknown URI."""
+
+DEFAULT_MAX_SCHEMA_DEPTH = 128
+"""Brackets (objects + arrays) nested in a schema's JSON text. A real schema nested 60
+properties deep is 120 levels; recursive code in the validators and backends fails near 250."""
+
+REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
+KNOWN_DIALECTS = {
+    uri.rstrip("#"): uri
+    for uri in (
+        "http://json-schema.org/draft-04/schema#",
+        "http://json-schema.org/draft-06/schema#",
+        "http://json-schema.org/draft-07/schema#",
+        "https://json-schema.org/draft/2019-09/schema",
+        DRAFT_2020_12,
+    )
+}
+"""``$schema`` values honoured (with or without a trailing ``#``); any other is Draft 2020-12."""
+KIND = "json_schema"
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_depth(text: str) -> int:
+    """The deepest bracket nesting of a JSON text, strings excluded; linear, no recursion."""
+    brackets = _NOT_BRACKETS.sub("", _STRINGS.sub("", text))
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
+def admit_schema(text: str, max_depth: int = DEFAULT_MAX_SCHEMA_DEPTH) -> dict[str, Any] | bool:
+    """Parse and check a caller's schema text; returns the schema or raises InvalidGrammarError."""
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise InvalidGrammarError(
+            KIND, f"the schema is nested {depth} levels deep, over the limit of {max_depth}"
+        )
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidGrammarError(
+            KIND, f"schema is not valid JSON: {exc.msg}", line=exc.lineno, column=exc.colno
+        ) from exc
+    except RecursionError as exc:  # unbalanced brackets inside a string can fool json_depth
+        raise InvalidGrammarError(KIND, "the schema is nested too deeply") from exc
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidGrammarError(
+            KIND,
+            f"a JSON schema must be an object or a boolean, got {type(schema).__name__}",
+            pointer="",
+        )
+    check_schema(schema)
+    return schema
+
+
+def check_schema(schema: dict[str, Any] | bool) -> None:
+    """Meta-schema validity, then local resolution of every ref (see the module docstring)."""
+    if isinstance(schema, bool):
+        return
+    _check_against_metaschema(schema)
+    _check_refs_are_local(schema)
+
+
+@functools.cache
+def _metaschema_validator(dialect: str) -> Any:
+    """A ``jsonschema_rs`` validator of the bundled meta-schema ``dialect``: offline (it never
+    fetches), formats not asserted (the meta-schemas' ``format: regex`` is an annotation)."""
+    import jsonschema_rs
+
+    return jsonschema_rs.validator_for(
+        METASCHEMAS.contents(dialect), validate_formats=False, offline=True
+    )
+
+
+def _check_against_metaschema(schema: dict[str, Any]) -> None:
+    """Validate with ``jsonschema_rs``: ~600x faster than ``jsonschema`` on the 2020-12
+    meta-schema (0.05 s vs 33 s for a 0.9 MB schema)."""
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):
+        raise InvalidGrammarError(KIND, "$schema must be a string (a URI)", pointer="/$schema")
+    name = KNOWN_DIALECTS.get(dialect.rstrip("#"), DRAFT_2020_12) if dialect else DRAFT_2020_12
+    errors = _metaschema_validator(name).iter_errors(schema)
+    first = next(errors, None)
+    if first is None:
+        return
+    more = sum(1 for _ in itertools.islice(errors, 99))
+    pointer = "".join("/" + escape_pointer_token(str(p)) for p in first.instance_path)
+    others = f" (and {more}{'+' if more == 99 else ''} more)" if more else ""
+    raise InvalidGrammarError(
+        KIND, f"not a valid schema ({name}): {_short(first.message)}{others}", pointer=pointer
+    )
+
+
+def _check_refs_are_local(schema: dict[str, Any]) -> None:
+    refs = [
+        (node.pointer, keyword, node.schema[keyword])
+        for node in walk(schema)
+        if isinstance(node.schema, dict)
+        for keyword in REF_KEYWORDS
+        if keyword in node.schema
+    ]
+    if not refs:
+        return
+    resolvers = _resolvers_by_pointer(schema)
+    for pointer, keyword, ref in refs:
+        where = f"{pointer}/{keyword}"
+        if not isinstance(ref, str):
+            raise InvalidGrammarError(KIND, f"{keyword} must be a string", pointer=where)
+        resolver = resolvers[_scope_of(pointer, resolvers)]
+        try:
+            resolver.lookup(ref)
+        except (referencing.exceptions.Unresolvable, ValueError) as exc:
+            raise InvalidGrammarError(
+                KIND,
+                f"{keyword} '{_short(ref, 200)}' does not resolve inside this schema; only the"
+                " schema's own resources and the bundled meta-schemas are available"
+                f" ({type(exc).__name__})",
+                pointer=where,
+            ) from exc
+
+
+def _resolvers_by_pointer(schema: dict[str, Any]) -> dict[str, Any]:
+    """A resolver per schema object that sets a base URI (``$id``), keyed by its pointer."""
+    spec = referencing.jsonschema.specification_with(
+        schema.get("$schema", ""), default=referencing.jsonschema.DRAFT202012
+    )
+    root = spec.create_resource(schema)
+    # an empty fragment ("https://x/s.json#", common in draft 4-7) names the document itself
+    root_uri = schema["$id"].rstrip("#") if isinstance(schema.get("$id"), str) else ""
+    registry = LOCAL_REGISTRY.with_resource(root_uri, root)
+    resolvers = {"": registry.resolver(base_uri=root_uri)}
+    for node in walk(schema):
+        if (
+            node.pointer
+            and isinstance(node.schema, dict)
+            and isinstance(node.schema.get("$id"), str)
+        ):
+            parent = resolvers[_scope_of(node.pointer.rsplit("/", 1)[0], resolvers)]
+            resolvers[node.pointer] = parent.in_subresource(spec.create_resource(node.schema))
+    return resolvers
+
+
+def _scope_of(pointer: str, resolvers: dict[str, Any]) -> str:
+    """The pointer of the nearest enclosing schema object (itself included) that sets ``$id``."""
+    while pointer not in resolvers:
+        pointer = pointer.rsplit("/", 1)[0] if "/" in pointer else ""
+    return pointer
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

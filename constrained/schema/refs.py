@@ -1,0 +1,218 @@
+"""Resolve ``$ref`` before compiling, so that backends only ever see ``#/$defs/<name>`` refs.
+
+Backends resolve local ``#/$defs/...`` pointers but not remote URIs, ``$id``-relative refs,
+``$anchor``s or pointers into arbitrary places. :func:`resolve_refs` rewrites a schema into an
+equivalent one where every ``$ref`` target is hoisted into the root ``$defs`` under a generated
+name (one entry per distinct target, so the size stays linear and recursive schemas stay finite).
+Remote documents come from a supplied :class:`referencing.Registry` — never the network; see
+:func:`directory_registry` for the JSON Schema Test Suite's ``remotes/`` layout.
+
+Semantics kept: in Draft 2019-09/2020-12 keywords next to ``$ref`` apply too (rewritten to a merge
+when the two sides cannot interact, else to ``allOf``); in Draft 7 and older they are ignored.
+``$dynamicRef`` / ``$recursiveRef`` are left untouched (feature analysis treats them as not
+enforceable). The original ``$defs`` / ``definitions`` are dropped: every use is now a hoisted def.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
+
+from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas
+
+# Keywords that read their siblings in the same schema object: merging a $ref target into its
+# referring object is only exact when no group is present on both sides.
+INTERACTING = (
+    frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"}),
+    frozenset(
+        {
+            "prefixItems",
+            "items",
+            "additionalItems",
+            "unevaluatedItems",
+            "contains",
+            "minContains",
+            "maxContains",
+        }
+    ),
+    frozenset({"if", "then", "else"}),
+)
+IDENTIFIERS = frozenset({"$id", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$schema"})
+DEFS_NAME_PREFIX = "ref"
+
+
+@dataclass(frozen=True)
+class ResolvedSchema:
+    """A schema whose refs are all ``#/$defs/<name>``; ``recursive``: some def reaches itself.
+
+    A schema using ``$dynamicRef`` / ``$recursiveRef`` / ``$dynamicAnchor`` comes back unchanged.
+    """
+
+    schema: dict[str, Any] | bool
+    recursive: bool
+    hoisted: int
+    origins: tuple[tuple[str, str], ...] = ()  # (hoisted def name, the $ref it came from)
+
+    def display_pointer(self, pointer: str) -> str:
+        """Map a pointer into a hoisted def back to the ref target it came from."""
+        for name, ref in self.origins:
+            prefix = f"/$defs/{name}"
+            if pointer == prefix or pointer.startswith(prefix + "/"):
+                target = ref[1:] if ref.startswith("#") else ref
+                return target + pointer[len(prefix) :]
+        return pointer
+
+
+def directory_registry(
+    root: str | Path, base_uri: str = "http://localhost:1234/"
+) -> referencing.Registry[Any]:
+    """A registry serving every ``*.json`` under ``root`` at ``base_uri + relative path``."""
+    root = Path(root)
+    resources = []
+    for path in sorted(root.rglob("*.json")):
+        contents = json.loads(path.read_text(encoding="utf-8"))
+        uri = base_uri + path.relative_to(root).as_posix()
+        resource = referencing.Resource.from_contents(
+            contents, default_specification=referencing.jsonschema.DRAFT202012
+        )
+        resources.append((uri, resource))
+    registry: referencing.Registry[Any] = referencing.Registry().with_resources(resources)
+    return registry
+
+
+def resolve_refs(
+    schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None = None
+) -> ResolvedSchema:
+    """Rewrite ``schema`` so that each ``$ref`` is a ``#/$defs/<name>`` of the returned root.
+
+    Raises InvalidGrammarError (with the JSON pointer of the ``$ref``) for refs that cannot be
+    resolved: unknown remote URIs, bad pointers.
+    """
+    if isinstance(schema, bool) or not _has_ref(schema) or _is_dynamic(schema):
+        return ResolvedSchema(schema, recursive=False, hoisted=0)
+    resolver = _root_resolver(schema, registry)
+    state = _State(legacy=dialect_of(schema) == DRAFT_7)
+    body = state.expand(schema, resolver, "", entered=True)
+    assert isinstance(body, dict)
+    defs = dict(state.defs)
+    body = {k: v for k, v in body.items() if k not in ("$defs", "definitions")}
+    if defs:
+        body["$defs"] = defs
+    if isinstance(schema, dict) and "$schema" in schema:
+        body["$schema"] = schema["$schema"]
+    if _is_dynamic(body):  # e.g. a metaschema reached through a ref
+        return ResolvedSchema(schema, recursive=False, hoisted=0)
+    origins = tuple((name, ref) for name, ref in state.origins.items())
+    return ResolvedSchema(body, state.recursive, len(defs), origins)
+
+
+def _has_ref(schema: Any) -> bool:
+    text = json.dumps(schema)
+    return '"$ref"' in text
+
+
+def _is_dynamic(schema: Any) -> bool:
+    """Dynamic refs depend on the evaluation path: they are left for feature analysis to refuse."""
+    text = json.dumps(schema)
+    return any(f'"{k}"' in text for k in ("$dynamicRef", "$recursiveRef", "$dynamicAnchor"))
+
+
+def _root_resolver(
+    schema: dict[str, Any], registry: referencing.Registry[Any] | None
+) -> referencing._core.Resolver[Any]:
+    from jsonschema_specifications import REGISTRY as METASCHEMAS
+
+    spec = referencing.jsonschema.specification_with(
+        dialect_of(schema), default=referencing.jsonschema.DRAFT202012
+    )
+    resource = spec.create_resource(schema)
+    base = registry.combine(METASCHEMAS) if registry is not None else METASCHEMAS
+    root_uri = schema.get("$id", "") if isinstance(schema.get("$id"), str) else ""
+    reg = base.with_resource(root_uri, resource)
+    return reg.resolver(base_uri=root_uri)
+
+
+class _State:
+    def __init__(self, legacy: bool) -> None:
+        self.legacy = legacy
+        self.defs: dict[str, Any] = {}
+        self.names: dict[tuple[str, int], str] = {}  # (base uri, id(target contents)) -> def name
+        self.recursive = False
+        self.origins: dict[str, str] = {}
+        self._in_progress: set[str] = set()
+
+    def expand(self, node: Any, resolver: Any, pointer: str, entered: bool = False) -> Any:
+        """Expand one schema object; ``entered``: ``resolver`` is already at this node's ``$id``."""
+        if not isinstance(node, dict):
+            return node
+        # Draft 7 and older: an $id next to $ref is ignored like every other sibling
+        ignored_id = self.legacy and "$ref" in node
+        if not entered and not ignored_id and isinstance(node.get("$id"), str):
+            spec = referencing.jsonschema.specification_with(
+                dialect_of(node), default=referencing.jsonschema.DRAFT202012
+            )
+            resolver = resolver.in_subresource(spec.create_resource(node))
+        out = map_subschemas(node, pointer, lambda sub, at: self.expand(sub, resolver, at))
+        for key in IDENTIFIERS:
+            out.pop(key, None)
+        ref = node.get("$ref")
+        if not isinstance(ref, str):
+            return out
+        target_name = self._hoist(ref, resolver, pointer)
+        siblings = {k: v for k, v in out.items() if k != "$ref"}
+        siblings.pop("$defs", None)
+        siblings.pop("definitions", None)
+        reference = {"$ref": f"#/$defs/{target_name}"}
+        if self.legacy or not siblings:
+            return reference
+        target = self.defs.get(target_name)
+        if isinstance(target, dict) and _mergeable(target, siblings):
+            return {**target, **siblings}
+        # $ref is an in-place applicator, like one more allOf branch: siblings stay where they
+        # are, so unevaluated* keep seeing what the ref evaluates.
+        return {**siblings, "allOf": [reference, *siblings.get("allOf", [])]}
+
+    def _hoist(self, ref: str, resolver: Any, pointer: str) -> str:
+        try:
+            resolved = resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable as exc:
+            raise InvalidGrammarError(
+                "json_schema",
+                f"cannot resolve $ref '{ref}' ({type(exc).__name__}); remote refs resolve only"
+                " from a supplied registry",
+                pointer=f"{pointer}/$ref",
+            ) from exc
+        contents = resolved.contents
+        key = (str(getattr(resolved.resolver, "_base_uri", "")), id(contents))
+        name = self.names.get(key)
+        if name is not None:
+            if name in self._in_progress:
+                self.recursive = True
+            return name
+        name = _def_name(ref, len(self.names))
+        self.names[key] = name
+        self.origins[name] = ref
+        self._in_progress.add(name)
+        self.defs[name] = True  # placeholder while expanding (recursion sees the name)
+        self.defs[name] = self.expand(contents, resolved.resolver, f"{pointer}/$ref", entered=True)
+        self._in_progress.discard(name)
+        return name
+
+
+def _def_name(ref: str, index: int) -> str:
+    tail = re.sub(r"[^A-Za-z0-9_]+", "_", ref.rsplit("/", 1)[-1])[:40].strip("_")
+    return f"{DEFS_NAME_PREFIX}{index}_{tail}" if tail else f"{DEFS_NAME_PREFIX}{index}"
+
+
+def _mergeable(target: dict[str, Any], siblings: dict[str, Any]) -> bool:
+    if "$ref" in target or set(target) & set(siblings):
+        return False
+    return not any(group & set(target) and group & set(siblings) for group in INTERACTING)

@@ -1,0 +1,283 @@
+"""Exact schema rewrites: equivalent forms the grammar backends can enforce.
+
+Each rewrite keeps the set of valid instances exactly the same (Draft 2020-12 semantics); the
+result is a Draft 2020-12 schema without ``$schema``. Applied per schema object, children first:
+
+- older drafts: ``items: [...]`` → ``prefixItems``, ``additionalItems`` → ``items``,
+  ``dependencies`` → ``dependentRequired`` / ``dependentSchemas``, Draft 4 boolean
+  ``exclusiveMinimum`` / ``exclusiveMaximum`` → numeric ones;
+- ``unevaluatedProperties`` / ``unevaluatedItems`` in an object with no in-place applicator
+  (``allOf``, ``$ref``, ...): every property/item is evaluated by the adjacent keywords only, so
+  they become ``additionalProperties`` / ``items`` (or vanish when those are already present);
+- ``oneOf`` whose branches cannot both match (disjoint types or values, or a required property
+  with distinct ``const`` values) → ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and
+  the complement of each other one" when the complements exist (:mod:`schema_logic`);
+- ``not X`` → the complement of ``X`` when it can be written (types, bounds, lengths, counts,
+  ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
+- ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
+  (they constrain nothing); ``date`` / ``time`` / ``date-time`` → exact ``pattern``s;
+- ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
+  (``properties: {p: false}``) and "present and ..." branches;
+- ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
+  (:mod:`enum_filter`; none left: ``false``, or an error at the root);
+- keywords without effect: ``if`` without ``then``/``else``, ``then``/``else`` without ``if``,
+  ``uniqueItems: false``, ``uniqueItems`` with ``maxItems <= 1``, ``minContains`` / ``maxContains``
+  without ``contains``, ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from espalier.constrained.schema.enum_filter import filter_enums
+from espalier.constrained.schema.logic import (
+    Defs,
+    complement,
+    exactly_one,
+    pairwise_disjoint,
+    types_of,
+)
+from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
+
+IN_PLACE = frozenset(
+    {"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+     "$recursiveRef", "dependentSchemas", "dependencies"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Context:
+    """``legacy``: Draft 7 / 2019-09 forms present. ``annotations_matter``: the schema uses
+    ``unevaluated*``, which sees which properties/items subschemas evaluated, so rewrites that
+    change annotations (dropping ``additionalProperties: {}`` or a lone ``if``, negations,
+    conditionals, ``oneOf``) are skipped. ``defs``: the root ``$defs`` (hoisted ref targets)."""
+
+    legacy: bool
+    annotations_matter: bool
+    defs: Defs
+
+
+def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
+    """The equivalent Draft 2020-12 schema with the rewrites above applied everywhere."""
+    text = json.dumps(schema)
+    defs = schema.get("$defs") if isinstance(schema, dict) else None
+    ctx = _Context(
+        legacy=dialect_of(schema) != DRAFT_2020_12,
+        annotations_matter='"unevaluatedProperties"' in text or '"unevaluatedItems"' in text,
+        defs=defs if isinstance(defs, dict) else {},
+    )
+    out = _rewrite(schema, "", ctx)
+    if isinstance(out, dict):
+        out.pop("$schema", None)
+    return filter_enums(out, annotations_matter=ctx.annotations_matter)
+
+
+def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
+    """Rewrite one schema object, children first."""
+    if not isinstance(node, dict):
+        return node
+    if ctx.legacy:
+        node = _from_legacy(node)
+    node = map_subschemas(node, pointer, lambda sub, at: _rewrite(sub, at, ctx))
+    node = _unevaluated(node)
+    node = _drop_no_ops(node, ctx.annotations_matter)
+    if "format" in node:
+        node = _format(node)
+    if ctx.annotations_matter:
+        return node
+    if "oneOf" in node and isinstance(node["oneOf"], list):
+        node = _one_of(node, ctx.defs)
+        if not isinstance(node, dict):
+            return node
+    if "not" in node:
+        node = _negate(node, ctx.defs)
+        if not isinstance(node, dict):
+            return node
+    if "if" in node:
+        node = _conditional(node, ctx.defs)
+    if "dependentRequired" in node or "dependentSchemas" in node:
+        node = _dependents(node)
+    return node
+
+
+def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
+    node = dict(node)
+    items = node.get("items")
+    if isinstance(items, list):
+        node["prefixItems"] = node.pop("items")
+        if "additionalItems" in node:
+            node["items"] = node.pop("additionalItems")
+    else:
+        node.pop("additionalItems", None)  # ignored unless items is an array
+    deps = node.pop("dependencies", None)
+    if isinstance(deps, dict):
+        required = {k: v for k, v in deps.items() if isinstance(v, list)}
+        schemas = {k: v for k, v in deps.items() if not isinstance(v, list)}
+        if required:
+            node["dependentRequired"] = {**node.get("dependentRequired", {}), **required}
+        if schemas:
+            node["dependentSchemas"] = {**node.get("dependentSchemas", {}), **schemas}
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
+            node[flag] = node.pop(bound)
+    return node
+
+
+def _unevaluated(node: dict[str, Any]) -> dict[str, Any]:
+    if IN_PLACE & set(node):
+        return node
+    node = dict(node)
+    if "unevaluatedProperties" in node:
+        value = node.pop("unevaluatedProperties")
+        node.setdefault("additionalProperties", value)
+    if "unevaluatedItems" in node and "contains" not in node:
+        value = node.pop("unevaluatedItems")
+        node.setdefault("items", value)
+    return node
+
+
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+          "minContains", "maxContains")  # fmt: skip
+
+
+def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, Any]:
+    node = dict(node)
+    for key in COUNTS:  # 2.0 is the integer 2 in JSON Schema
+        value = node.get(key)
+        if isinstance(value, float) and value.is_integer():
+            node[key] = int(value)
+    if "if" in node and "then" not in node and "else" not in node and not annotations_matter:
+        node.pop("if")
+    if "if" not in node:
+        node.pop("then", None)
+        node.pop("else", None)
+    if node.get("uniqueItems") is False:
+        node.pop("uniqueItems")
+    max_items = node.get("maxItems")
+    if "uniqueItems" in node and isinstance(max_items, int) and max_items <= 1:
+        node.pop("uniqueItems")
+    if "contains" not in node:
+        node.pop("minContains", None)
+        node.pop("maxContains", None)
+    evaluating = ("unevaluatedProperties", "unevaluatedItems", "additionalProperties")
+    for key in ("propertyNames",) if annotations_matter else ("propertyNames", *evaluating):
+        if node.get(key) is True or node.get(key) == {}:
+            node.pop(key)
+    names = node.get("propertyNames")
+    if isinstance(names, dict) and "type" not in names:  # property names are always strings
+        node["propertyNames"] = {"type": "string", **names}
+    if node.get("propertyNames") is False:
+        node.pop("propertyNames")
+        node["maxProperties"] = 0
+    for key in ("dependentRequired", "dependentSchemas"):
+        if node.get(key) == {}:
+            node.pop(key)
+    return node
+
+
+# Formats with a meaning in some draft; any other name constrains nothing (JSON Schema ignores it,
+# and so does the post-validation).
+KNOWN_FORMATS = frozenset(
+    {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+     "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
+)  # fmt: skip
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"  # not 0000
+_MONTH_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+# RFC 3339 full-time without leap seconds (as the post-validation's checker: rfc3339-validator).
+# The optional fraction is "(?:[.][0-9]+|)": xgrammar reads "(?:[.][0-9]+)?" as also matching
+# "1" (schema_features.optional_group_repeats), which let "12:00:001Z" through.
+_TIME = (
+    "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+|)"
+    "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+)
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}[Tt]{_TIME}$",
+}
+
+
+def _format(node: dict[str, Any]) -> dict[str, Any]:
+    """Drop formats that constrain nothing; spell calendar formats as exact patterns."""
+    name = node["format"]
+    types = types_of({"type": node["type"]}, {}) if "type" in node else None
+    if name not in KNOWN_FORMATS or (types is not None and "string" not in types):
+        return _without(node, "format")
+    pattern = FORMAT_PATTERNS.get(name)
+    if pattern is None:
+        return node
+    return _append_all_of(_without(node, "format"), {"pattern": pattern})
+
+
+def _one_of(node: dict[str, Any], defs: Defs) -> Any:
+    branches = node["oneOf"]
+    if pairwise_disjoint(branches, defs):
+        return _append_all_of(_without(node, "oneOf"), {"anyOf": branches})
+    exclusive = exactly_one(branches, defs)
+    if exclusive is None:
+        return node
+    if exclusive is False:
+        return False
+    return _append_all_of(_without(node, "oneOf"), exclusive)
+
+
+def _negate(node: dict[str, Any], defs: Defs) -> Any:
+    negated = complement(node["not"], defs)
+    if negated is None:
+        return node
+    rest = _without(node, "not")
+    if negated is False:
+        return False
+    if negated is True:
+        return rest
+    return _append_all_of(rest, negated)
+
+
+def _conditional(node: dict[str, Any], defs: Defs) -> Any:
+    """``if/then/else`` = ``anyOf[allOf[if, then], allOf[not if, else]]`` when ``not if`` exists."""
+    condition = node["if"]
+    otherwise = complement(condition, defs)
+    if otherwise is None:
+        return node
+    rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
+    branches = [
+        {"allOf": [condition, node.get("then", True)]},
+        {"allOf": [otherwise, node.get("else", True)]},
+    ]
+    return _append_all_of(rest, {"anyOf": branches})
+
+
+def _dependents(node: dict[str, Any]) -> dict[str, Any]:
+    required = node.get("dependentRequired", {})
+    schemas = node.get("dependentSchemas", {})
+    if not isinstance(required, dict) or not isinstance(schemas, dict):
+        return node
+    out = _without(_without(node, "dependentRequired"), "dependentSchemas")
+    for name, needed in required.items():
+        if not isinstance(needed, list):
+            return node
+        branch = {"required": [name, *needed]}
+        out = _append_all_of(out, {"anyOf": [{"properties": {name: False}}, branch]})
+    for name, sub in schemas.items():
+        present = {"allOf": [{"required": [name]}, sub]}
+        out = _append_all_of(out, {"anyOf": [{"properties": {name: False}}, present]})
+    return out
+
+
+def _without(node: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k != key}
+
+
+def _append_all_of(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Both apply: a merge when no key clashes, else one more ``allOf`` branch."""
+    if not set(extra) & set(node):
+        return {**node, **extra}
+    return {**node, "allOf": [*node.get("allOf", []), extra]}

@@ -1,0 +1,193 @@
+"""Structural tags and reasoning: free text where the caller allows it, a constraint exactly inside.
+
+The format is xgrammar's structural tag (``{"type": "structural_tag", "format": {...}}``, a tree
+of formats: ``const_string``, ``json_schema``, ``regex``, ``grammar``, ``sequence``, ``or``,
+``tag``, ``any_text``, ``triggered_tags``, ...). The legacy form that vLLM and SGLang accept
+(``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}``)
+is the ``triggered_tags`` format with JSON-schema contents, and is rewritten into it.
+
+Reasoning is a structural tag too: free text up to the model's reasoning end marker, then the
+request's constraint (:func:`after_reasoning`), so masks, tree walks and forced chains need no
+special case at the switch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.spec import DEFAULT_MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+
+KIND = GrammarKind.STRUCTURAL_TAG.value
+Format = dict[str, Any]
+# format type -> the keys holding child formats (a list of formats or one format)
+_CHILDREN: dict[str, tuple[str, ...]] = {
+    "sequence": ("elements",),
+    "or": ("elements",),
+    "tag": ("content",),
+    "triggered_tags": ("tags",),
+    "token_triggered_tags": ("tags",),
+    "tags_with_separator": ("tags",),
+    "optional": ("content",),
+    "plus": ("content",),
+    "star": ("content",),
+    "repeat": ("content",),
+}
+
+
+def canonical_source(value: dict[str, Any] | str) -> str:
+    """The canonical text of a structural tag given as JSON text or an object (legacy form
+    rewritten); raises InvalidGrammarError naming the first problem."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidGrammarError(
+                KIND, f"structural tag is not valid JSON: {exc.msg}", line=exc.lineno
+            ) from exc
+    if not isinstance(value, dict):
+        raise InvalidGrammarError(KIND, "a structural tag must be a JSON object", pointer="")
+    if "structures" in value:
+        value = _from_legacy(value)
+    from xgrammar.structural_tag import StructuralTag
+
+    try:
+        parsed = StructuralTag.model_validate(value)
+    except ValueError as exc:  # pydantic's ValidationError (xgrammar's model is pydantic)
+        errors = getattr(exc, "errors", None)
+        if errors is None:
+            raise InvalidGrammarError(KIND, str(exc)) from None
+        first = errors()[0]
+        where = "/" + "/".join(str(part) for part in first["loc"])
+        raise InvalidGrammarError(KIND, f"{where}: {first['msg']}", pointer=where) from None
+    dumped = parsed.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    dumped["type"] = "structural_tag"
+    return json.dumps(dumped, separators=(",", ":"), ensure_ascii=False)
+
+
+def _from_legacy(value: dict[str, Any]) -> dict[str, Any]:
+    structures = value.get("structures")
+    triggers = value.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise InvalidGrammarError(
+            KIND, "legacy structural tag needs 'structures' and 'triggers' lists", pointer=""
+        )
+    tags = []
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or not {"begin", "schema", "end"} <= item.keys():
+            raise InvalidGrammarError(
+                KIND, f"structures[{i}] needs 'begin', 'schema' and 'end'", pointer=f"/{i}"
+            )
+        content = {"type": "json_schema", "json_schema": item["schema"]}
+        tags.append({"type": "tag", "begin": item["begin"], "content": content, "end": item["end"]})
+    fmt = {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+    return {"type": "structural_tag", "format": fmt}
+
+
+def root_format(spec: GrammarSpec) -> Format:
+    """The top format of a STRUCTURAL_TAG spec."""
+    assert spec.kind is GrammarKind.STRUCTURAL_TAG
+    value: Format = json.loads(spec.source)["format"]
+    return value
+
+
+def with_format(fmt: Format) -> GrammarSpec:
+    """A STRUCTURAL_TAG spec whose top format is ``fmt`` (already valid: no re-validation)."""
+    text = json.dumps(
+        {"type": "structural_tag", "format": fmt}, separators=(",", ":"), ensure_ascii=False
+    )
+    return GrammarSpec(GrammarKind.STRUCTURAL_TAG, text)
+
+
+def map_json_schemas(
+    fmt: Format, change: Callable[[Format, str], Format], pointer: str = "/format"
+) -> Format:
+    """A copy of ``fmt`` with each ``json_schema`` format replaced by ``change(node, pointer)``
+    (``pointer``: the node's JSON pointer in the structural tag)."""
+    if fmt.get("type") in ("json_schema", "qwen_xml_parameter"):
+        return change(fmt, pointer)
+    out = dict(fmt)
+    for key in _CHILDREN.get(str(fmt.get("type")), ()):
+        child = fmt.get(key)
+        if isinstance(child, list):
+            out[key] = [
+                map_json_schemas(c, change, f"{pointer}/{key}/{i}") for i, c in enumerate(child)
+            ]
+        elif isinstance(child, dict):
+            out[key] = map_json_schemas(child, change, f"{pointer}/{key}")
+    if fmt.get("type") == "dispatch":
+        out["rules"] = [
+            [trigger, map_json_schemas(child, change, f"{pointer}/rules/{i}/1")]
+            for i, (trigger, child) in enumerate(fmt.get("rules", []))
+        ]
+    return out
+
+
+def format_of(spec: GrammarSpec) -> Format:
+    """``spec`` as a structural-tag format matching exactly the same text."""
+    kind = spec.kind
+    if kind is GrammarKind.STRUCTURAL_TAG:
+        return root_format(spec)
+    if kind is GrammarKind.JSON_SCHEMA:
+        return {"type": "json_schema", "json_schema": spec.schema}
+    if kind is GrammarKind.ANY_JSON:
+        return {"type": "json_schema", "json_schema": {}}
+    if kind is GrammarKind.REGEX:
+        return {"type": "regex", "pattern": spec.source}
+    if kind in (GrammarKind.EBNF, GrammarKind.LARK):
+        syntax = "ebnf" if kind is GrammarKind.EBNF else "lark"
+        return {"type": "grammar", "grammar": spec.source, "syntax": syntax}
+    assert kind is GrammarKind.CHOICE
+    options = [{"type": "const_string", "value": option} for option in spec.choices]
+    return {"type": "or", "elements": options}
+
+
+def after_reasoning(spec: GrammarSpec, end_marker: str) -> GrammarSpec:
+    """``spec`` preceded by free text up to and including the first ``end_marker``.
+
+    Before the marker any text (tokens unconstrained, except that the marker ends it); right
+    after it, exactly ``spec``. The marker is matched as text: a marker that is a special token
+    of the vocabulary is never produced by text tokens, so the caller maps it to its spelling.
+    """
+    if not end_marker:
+        raise InvalidGrammarError(KIND, "the reasoning end marker is empty")
+    thought = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end_marker}
+    return with_format({"type": "sequence", "elements": [thought, format_of(spec)]})
+
+
+def json_whitespace(node: Format, default: int) -> int:
+    """Whitespace characters a ``json_schema`` node allows between JSON tokens: its own
+    ``max_whitespace_cnt``, else ``default`` (xgrammar needs at least 1 inside a structural tag,
+    so compact-only is not expressible there and 1 is the floor for every backend)."""
+    given = node.get("max_whitespace_cnt")
+    return max(1, int(given) if given is not None else default)
+
+
+def admit_structural_tag(
+    text: str, max_depth: int, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+) -> GrammarSpec:
+    """A caller's structural-tag text checked as a caller's schema is (nesting depth before
+    parsing, then each inner schema against its meta-schema, local ``$ref`` only); raises
+    InvalidGrammarError."""
+    from espalier.constrained.schema.guard import check_schema, json_depth
+
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise InvalidGrammarError(
+            KIND, f"the structural tag is nested {depth} levels deep, over the limit of {max_depth}"
+        )
+    try:
+        spec = GrammarSpec.structural_tag(text, max_bytes)
+    except RecursionError as exc:  # brackets inside strings can fool json_depth
+        raise InvalidGrammarError(KIND, "the structural tag is nested too deeply") from exc
+
+    def check(node: Format, pointer: str) -> Format:
+        schema = node.get("json_schema")
+        if isinstance(schema, (dict, bool)):
+            check_schema(schema)
+        return node
+
+    map_json_schemas(root_format(spec), check)
+    return spec

@@ -1,1 +1,0 @@
-"""Espalier engine/attention package."""

@@ -1,0 +1,1 @@
+"""Attention backends of the model forward (torch SDPA, flashinfer, the small-query kernel)."""

@@ -1,0 +1,112 @@
+"""The model interface the runner calls, and shared forward/logits plumbing.
+
+A model maps packed token rows of one step to final normed hidden states, writing K/V into the
+paged cache on the way; ``compute_logits`` applies the LM head (+ softcapping) in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from espalier.engine.config import ModelConfig, RopeConfig
+from espalier.engine.kv_cache import KVCache
+from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
+from espalier.engine.model.models.layers import RMSNormBase, linear, rope_cos_sin
+
+
+class DecoderStack(nn.Module):
+    """``embed_tokens`` + ``layers`` + final ``norm``: the ``model.*`` prefix of HF checkpoints."""
+
+    def __init__(
+        self, embed_tokens: nn.Embedding, layers: nn.ModuleList, norm: RMSNormBase
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """Base of every family: ``model.embed_tokens / layers / norm`` and ``lm_head`` (maybe tied).
+
+    Subclasses build ``self.model`` (a ``DecoderStack``) and define
+    ``embed(token_ids)``; each decoder layer is called as
+    ``layer(x, delta, cos_sin, kv_cache, attention, meta) -> (x, delta)``: the residual stream
+    is ``x + delta``, the add left to the next norm (``RMSNormBase.add_norm``: one kernel with
+    the norm on CUDA); ``delta`` is None into layer 0.
+    """
+
+    config: ModelConfig
+    model: DecoderStack
+    lm_head: nn.Linear | None
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, hidden]`` in the model dtype."""
+        raise NotImplementedError
+
+    def layer_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer ``(cos, sin)``; layers sharing a rope config share the tensors."""
+        cfg = self.config
+        full = rope_cos_sin(self._inv_freq(cfg.rope, positions.device), positions, dtype)
+        local = full
+        if cfg.rope_local is not None:
+            inv_freq = self._inv_freq(cfg.rope_local, positions.device)
+            local = rope_cos_sin(inv_freq, positions, dtype)
+        return [local if cfg.is_sliding(i) else full for i in range(cfg.num_layers)]
+
+    def _inv_freq(self, rope: RopeConfig, device: torch.device) -> torch.Tensor:
+        """``rope.inv_freq`` on ``device``, computed once (no host-to-device copy per step)."""
+        cache: dict[tuple[RopeConfig, str], torch.Tensor] = self.__dict__.setdefault(
+            "_inv_freq_cache", {}
+        )
+        key = (rope, str(device))
+        if key not in cache:
+            cache[key] = rope.inv_freq(self.config.head_dim).to(device)
+        return cache[key]
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns final normed hidden ``[T, hidden]`` and the requested captured layers.
+
+        Capture index ``i < num_layers`` is the output of decoder layer i (residual stream);
+        ``num_layers`` is the final normed hidden state.
+        """
+        hidden = self.embed(token_ids)
+        cos_sin = self.layer_cos_sin(positions, hidden.dtype)
+        wanted = set(hidden_layers)
+        captured: dict[int, torch.Tensor] = {}
+        delta: torch.Tensor | None = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, delta = layer(hidden, delta, cos_sin[i], kv_cache, attention, meta)
+            if i in wanted:  # the stream itself: add now, the next norm has nothing to add
+                hidden, delta = hidden + delta, None
+                captured[i] = hidden
+        _, hidden = self.model.norm.add_norm(hidden, delta)
+        if self.config.num_layers in wanted:
+            captured[self.config.num_layers] = hidden
+        return hidden, captured
+
+    def head_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> fp32 ``[n, V]`` (final softcapping applied when configured)."""
+        logits = linear(hidden, self.head_weight()).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,69 @@
+"""Llama family: Llama 2/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (per-head QK-norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from espalier.engine.config import ModelConfig
+from espalier.engine.kv_cache import KVCache
+from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
+from espalier.engine.model.models.base import CausalLM, DecoderStack
+from espalier.engine.model.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = PagedAttention(
+            config,
+            layer,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            norm_cls=RMSNorm if config.qk_norm else None,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
+        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
+        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        attn = self.self_attn(h, cos_sin, kv_cache, attention, meta)
+        x, h = self.post_attention_layernorm.add_norm(x, attn)
+        return x, self.mlp(h)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Parameter names as in HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3...``."""
+
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(
+            nn.Embedding(config.vocab_size, config.hidden_size),
+            nn.ModuleList(
+                LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias)
+                for i in range(config.num_layers)
+            ),
+            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.model.embed_tokens(token_ids)
+        return out

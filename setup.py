@@ -1,0 +1,24 @@
+"""The native part of espalier, built with the package (``pip install``/``pip install -e``).
+
+Everything else is declared in pyproject.toml. The llguidance tree walk
+(``constrained/backends/llguidance/native/``) is C loaded through ctypes: it links against nothing
+but libc and pthreads (llguidance's functions come in as pointers at run time), so it is built
+as an extension module of no Python API, with the system C compiler, once, here.
+"""
+
+from setuptools import Extension, setup
+
+NATIVE = "constrained/backends/llguidance/native"
+
+setup(
+    ext_modules=[
+        Extension(
+            "espalier.constrained.backends.llguidance.native._llg_walk",
+            sources=[f"{NATIVE}/llg_walk.c", f"{NATIVE}/llg_abi.c"],
+            depends=[f"{NATIVE}/llg_abi.h"],
+            include_dirs=[NATIVE],
+            extra_compile_args=["-O2", "-pthread", "-std=c11", "-D_POSIX_C_SOURCE=200809L"],
+            extra_link_args=["-pthread"],
+        )
+    ]
+)

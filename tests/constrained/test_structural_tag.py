@@ -1,0 +1,189 @@
+"""Structural tags and reasoning in the grammar layer: the spec, each backend against xgrammar's
+own reading of the format (acceptance and masks), exactness inside tags, freedom outside,
+refusals where a backend has no exact form.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+
+from espalier.constrained.backends import get_backend
+from espalier.constrained.backends.common import BackendOptions
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import (
+    InvalidGrammarError,
+    SchemaNotEnforceableError,
+    UnsupportedGrammarError,
+)
+from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.structural_tag import after_reasoning, root_format
+from tests.fixtures.structural_tags import (
+    CASES,
+    POINT,
+    is_text,
+    mask_of,
+    probe_texts,
+    tool_tags,
+    verdict,
+)
+
+OPTIONS = BackendOptions(xgrammar_memory_limit=0)  # in-process compiles: no child start-up
+OTHERS = ("llguidance",)  # backends that claim structural tags besides xgrammar
+
+
+def test_legacy_form_is_triggered_tags() -> None:
+    spec = GrammarSpec.structural_tag(
+        {
+            "type": "structural_tag",
+            "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
+            "triggers": ["<f"],
+        }
+    )
+    assert spec.kind is GrammarKind.STRUCTURAL_TAG
+    fmt = root_format(spec)
+    assert fmt["type"] == "triggered_tags" and fmt["triggers"] == ["<f"]
+    assert fmt["tags"][0]["content"] == {"type": "json_schema", "json_schema": {"type": "integer"}}
+    assert GrammarSpec.structural_tag(spec.source) == spec  # canonical text is a fixed point
+
+
+@pytest.mark.parametrize(
+    ("tag", "needle"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "JSON object"),
+        ({"type": "structural_tag", "format": {"type": "nope"}}, "/format"),
+        ({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>"}}, "/format"),
+        ({"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": []}, "begin"),
+    ],
+)
+def test_bad_tags_are_invalid(tag: Any, needle: str) -> None:
+    with pytest.raises(InvalidGrammarError, match="structural_tag") as info:
+        GrammarSpec.structural_tag(tag)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("backend", OTHERS)
+def test_backend_agrees_with_xgrammar(case: str, backend: str, toy_tokenizer: Any) -> None:
+    """Same verdict on every probe text, same mask after every prefix both accept (over the
+    tokens that are whole UTF-8 text: xgrammar's free text also takes bytes that never form
+    UTF-8, llguidance's is text)."""
+    text_tokens = np.array([is_text(piece) for piece in toy_tokenizer.token_bytes])
+    spec = CASES[case]()
+    reference = get_backend("xgrammar", toy_tokenizer, OPTIONS).compile(spec)
+    other = get_backend(backend, toy_tokenizer, OPTIONS).compile(spec)
+    checked_masks = 0
+    for text in probe_texts(seed=len(case), count=60):
+        ids = toy_tokenizer.encode(text)
+        assert verdict(other, ids) == verdict(reference, ids), (case, text)
+        ref_matcher, other_matcher = reference.matcher(), other.matcher()
+        for token in ids[:8]:
+            ours, theirs = mask_of(other_matcher), mask_of(ref_matcher)
+            assert np.array_equal(ours[text_tokens], theirs[text_tokens]), (case, text)
+            assert not (ours & ~theirs).any(), (case, text)  # never more than the reference
+            checked_masks += 1
+            if not ref_matcher.accept(token):
+                break
+            assert other_matcher.accept(token)
+    assert checked_masks > 50
+
+
+def sample(compiled: Any, rng: random.Random, max_tokens: int, stop: int) -> list[int]:
+    """Random tokens among those the mask allows, until a stop token or ``max_tokens``."""
+    matcher = compiled.matcher()
+    out: list[int] = []
+    while len(out) < max_tokens and not matcher.is_terminated():
+        allowed = np.flatnonzero(mask_of(matcher))
+        token = int(rng.choice(list(allowed)))
+        if token == stop and len(out) < 4 and len(allowed) > 1:
+            continue  # keep going a little: stop as soon as allowed says too little
+        assert matcher.accept(token)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", *OTHERS])
+def test_exact_inside_tags_free_outside(backend: str, toy_tokenizer: Any) -> None:
+    compiled = get_backend(backend, toy_tokenizer, OPTIONS).compile(tool_tags())
+    stop = toy_tokenizer.stop_token_ids[0]
+    start = mask_of(compiled.matcher())
+    pieces = toy_tokenizer.token_bytes
+    # free outside: every text token without a trigger's first byte is allowed at the start
+    plain = [t for t, b in enumerate(pieces) if b and is_text(b) and not set(b"<[") & set(b)]
+    assert len(plain) > 100
+    assert start[plain].all() and start[stop]
+    # exact inside: a tag opened forces its schema
+    inside = compiled.matcher()
+    for token in toy_tokenizer.encode("ok <tool=a>"):
+        assert inside.accept(token)
+    allowed = {pieces[t] for t in np.flatnonzero(mask_of(inside))}
+    assert allowed and all(b"{".startswith(p) or p.startswith(b"{") for p in allowed), allowed
+    rng = random.Random(7)
+    for _ in range(12):
+        ids = sample(compiled, rng, 120, stop)
+        text = toy_tokenizer.decode([t for t in ids if t != stop])
+        for body in _bodies(text, "<tool=a>", "</tool>"):
+            jsonschema.validate(json.loads(body), POINT)
+        for body in _bodies(text, "[[", "]]"):
+            assert body.isdigit() and len(body) <= 3, text
+
+
+def _bodies(text: str, begin: str, end: str) -> list[str]:
+    out = []
+    for chunk in text.split(begin)[1:]:
+        if end in chunk:
+            out.append(chunk.split(end)[0])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", *OTHERS])
+def test_reasoning_free_then_exact(backend: str, toy_tokenizer: Any) -> None:
+    spec = after_reasoning(GrammarSpec.regex("(yes|no)"), "</think>")
+    compiled = get_backend(backend, toy_tokenizer, OPTIONS).compile(spec)
+    matcher = compiled.matcher()
+    stop = toy_tokenizer.stop_token_ids[0]
+    assert not mask_of(matcher)[stop]  # the marker must come first
+    for token in toy_tokenizer.encode("I think {not json} <think> maybe"):
+        assert matcher.accept(token)
+    assert mask_of(matcher).sum() > toy_tokenizer.vocab_size // 2
+    for token in toy_tokenizer.encode("</think>"):
+        assert matcher.accept(token)
+    allowed = {toy_tokenizer.token_bytes[t] for t in np.flatnonzero(mask_of(matcher))}
+    assert allowed and all(b"yes".startswith(p) or b"no".startswith(p) for p in allowed)
+
+
+def test_auto_picks_an_exact_backend_and_strict_mode_refuses(toy_tokenizer: Any) -> None:
+    at_least_one = json.loads(tool_tags().source)
+    at_least_one["format"]["at_least_one"] = True
+    spec = GrammarSpec.structural_tag(at_least_one)
+    with pytest.raises(UnsupportedGrammarError, match="no exact llguidance form"):
+        compile_grammar(spec, toy_tokenizer, "llguidance", options=OPTIONS)
+    with pytest.raises(UnsupportedGrammarError, match="outlines_core"):
+        compile_grammar(tool_tags(), toy_tokenizer, "outlines_core", options=OPTIONS)
+    _, report = compile_grammar(spec, toy_tokenizer, options=OPTIONS)
+    assert report.backend == "xgrammar"
+    _, report = compile_grammar(tool_tags(), toy_tokenizer, options=OPTIONS)
+    assert report.backend == "llguidance"
+
+
+def test_schemas_inside_tags_are_checked_like_any_schema(toy_tokenizer: Any) -> None:
+    # a keyword no backend enforces, deep inside a tag: refused naming where it is
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such"}}}
+    unenforced = {"type": "string", "contentSchema": {"type": "integer"}}
+    for inner in (schema, unenforced):
+        spec = after_reasoning(GrammarSpec.json_schema(inner), "</think>")
+        try:
+            _, report = compile_grammar(spec, toy_tokenizer, options=OPTIONS)
+        except SchemaNotEnforceableError as exc:
+            assert "/format/elements/1/json_schema" in str(exc)
+        else:
+            assert report.weakened == ()
+    bad_ref = after_reasoning(GrammarSpec.json_schema({"$ref": "#/$defs/missing"}), "</think>")
+    with pytest.raises(InvalidGrammarError):
+        compile_grammar(bad_ref, toy_tokenizer, options=OPTIONS)
