@@ -122,7 +122,10 @@ async def serve(config: ServerConfig, state: ServingState, loader: Loader | None
             announce(event="serving", model=facts.model)
 
         load_task = asyncio.create_task(load())
-    await stop.wait()
+    stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(state.failed.wait())
+    await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    failed.cancel()
     await state.begin_drain()
     announce(event="draining")
     if load_task is not None and not load_task.done():

@@ -40,6 +40,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--grammar-cache-dir", default=None, help="keep compiled xgrammar grammars here")
     p.add_argument("--grammar-cache-max-mb", type=float, default=512.0)
+    p.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        default="off",
+        help="step the engine in a child process of its own (off: on a thread of the server)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 = any free port (announced)")
     p.add_argument(
@@ -135,6 +141,7 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
         prefix_caching=not args.no_prefix_cache,
         grammar_cache_dir=args.grammar_cache_dir,
         grammar_cache_max_bytes=int(args.grammar_cache_max_mb * MIB),
+        engine_process=args.engine_process == "on",
     )
 
 
@@ -149,15 +156,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("espalier serve: " + "; ".join(problems))
     options = model_options_from_args(args, config)
 
-    async def main() -> None:
+    async def main() -> bool:
         state = ServingState(config)
         await serve(config, state, make_loader(options))
+        return state.failed.is_set()
 
-    asyncio.run(main())
+    failed = asyncio.run(main())
     # Drained: every accepted request has finished and "stopped" is announced. Leave without
     # the interpreter's teardown: threads that may still be inside native code (a compile
     # abandoned at its deadline, a background build) would otherwise run while native
     # libraries destroy their thread pools, which aborts the process (exit status 134).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if failed else 0)

@@ -46,6 +46,7 @@ class ModelOptions:
     grammar_cache_dir: str | None = None  # on-disk xgrammar compile cache (None: none)
     grammar_cache_max_bytes: int = 512 << 20
     seed: int = 0  # weights of tiny-random
+    engine_process: bool = False  # step the engine in a child process (server/engine_process.py)
 
 
 def load_tokenizer(options: ModelOptions) -> TokenizerInfo:
@@ -208,7 +209,6 @@ def make_loader(
     options: ModelOptions,
 ) -> Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]:
     async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
-        from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
         from espalier.server.gc_freeze import freeze_startup_heap
 
         tokenizer = await asyncio.to_thread(load_tokenizer, options)
@@ -217,13 +217,45 @@ def make_loader(
         state.compiler = make_compiler(grammar, options.compile_timeout_s)
         state.metrics.bind_compile_cache(lambda: grammar.cache.stats)
         announce(event="tokenizer_loaded", tokenizer=tokenizer.name)
-        engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar)
-        state.tokenizer = engine.tokenizer
-        state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
-        state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
-        async_engine = AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue))
-        await warm_up(async_engine)
+        if options.engine_process:
+            engine, facts = await _start_engine_process(options, state, tokenizer, grammar)
+        else:
+            engine, facts = await _start_engine_thread(options, state, tokenizer, grammar)
+        await warm_up(engine)
         freeze_startup_heap()  # no multi-ms collections of the startup heap while serving
-        return async_engine, facts
+        return engine, facts
 
     return load
+
+
+async def _start_engine_thread(
+    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
+) -> tuple[ServingEngine, ModelFacts]:
+    """The engine on a thread of this process; CompileGrammar shares its compile cache."""
+    from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
+
+    engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar)
+    state.tokenizer = engine.tokenizer
+    state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
+    state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
+    return AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue)), facts
+
+
+async def _start_engine_process(
+    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
+) -> tuple[ServingEngine, ModelFacts]:
+    """The engine in a child process; its death fails the server (``ServingState.fail``)."""
+    from espalier.server.engine_process import EngineProcessConfig, start_engine_process
+
+    def on_failure(why: str) -> None:
+        asyncio.get_running_loop().create_task(state.fail(why))
+
+    config = EngineProcessConfig(max_waiting=options.max_queue)
+    engine, facts, tokenizer = await start_engine_process(options, tokenizer, config, on_failure)
+    announce(event="engine_process", pid=engine.process.pid)
+    if tokenizer is not state.tokenizer:  # the model pads its vocabulary: masks need its width
+        grammar = grammar_service(options, tokenizer)
+        state.tokenizer = tokenizer
+        state.compiler = make_compiler(grammar, options.compile_timeout_s)
+    state.metrics.bind_compile_cache(lambda: engine.grammar_cache_stats(grammar.cache.stats))
+    return engine, facts

@@ -72,6 +72,7 @@ class ServingState:
         self.waiting = 0  # admitted generations that have not emitted their first token
         self.idle = asyncio.Event()
         self.idle.set()
+        self.failed = asyncio.Event()  # the engine died: drain what is left and exit non-zero
 
     async def init_health(self) -> None:
         for name in ("", SERVICE_NAME):
@@ -89,6 +90,12 @@ class ServingState:
         self.draining = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def fail(self, why: str) -> None:
+        """The engine is gone: health NOT_SERVING, refuse new generations, stop serving."""
+        announce(event="engine_failed", error=why)
+        await self.begin_drain()
+        self.failed.set()
 
     def require_tokenizer(self) -> TokenizerInfo:
         if self.tokenizer is None:

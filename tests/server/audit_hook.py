@@ -3,13 +3,13 @@
 ``python tests/server/audit_hook.py serve ...`` behaves as ``python -m espalier.server.main serve
 ...``, plus one JSON line ``{"event": "audit", ...}`` for every file opened whose path contains
 :data:`TRAP` and for every socket connect made by Python code (grpc's own sockets are native and
-never show). Tests put their bait files under a ``TRAP`` directory and assert no audit event.
+never show), in the server and in the engine process it spawns. Tests put their bait files under
+a ``TRAP`` directory and assert no audit event.
 """
 
 from __future__ import annotations
 
 import json
-import runpy
 import sys
 from typing import Any
 
@@ -23,7 +23,14 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         print(json.dumps({"event": "audit", "what": "connect", "to": repr(args[1])}), flush=True)
 
 
+if __name__ == "__mp_main__":  # a spawned child (the engine process) audits as well
+    sys.addaudithook(_hook)
+
 if __name__ == "__main__":
     sys.addaudithook(_hook)
     sys.argv = ["espalier", *sys.argv[1:]]
-    runpy.run_module("espalier.server.main", run_name="__main__", alter_sys=True)
+    # Called, not run with runpy: this module stays __main__, so the children multiprocessing
+    # spawns import it (as __mp_main__) and install the hook too.
+    from espalier.server.main import main
+
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""The engine process's busy loop: commands in, one :class:`StepOutputs` per step out.
+
+Single-threaded like the :class:`~espalier.engine.engine.Engine` it drives: between steps it
+takes every command waiting on the channel (never blocking while requests are unfinished), steps
+once, and sends the step's chunks as one message. Idle, it blocks on the channel up to
+``idle_wait_s`` (waking early for a command) and steps anyway so finished compiles are noticed.
+The server process's end closing (the server died) aborts everything and ends the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from multiprocessing.connection import Connection
+from typing import Any
+
+from espalier.engine.api import FinishReason, RequestOutput
+from espalier.engine.core.messages import (
+    Abort,
+    AddRequest,
+    EngineStopped,
+    Shutdown,
+    StepOutputs,
+)
+from espalier.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """idle_wait_s: how long an idle loop blocks on the channel before looking at compiles."""
+
+    idle_wait_s: float = 0.02
+
+
+class EngineLoop:
+    """Steps ``engine`` on this thread, talking over ``channel`` (one end of a Pipe)."""
+
+    def __init__(self, engine: Engine, channel: Connection, config: LoopConfig | None = None):
+        self.engine = engine
+        self.channel = channel
+        self.config = config or LoopConfig()
+        self._live: set[str] = set()  # requests added and not yet finished
+        self._adds = 0
+        self._stopping = False
+        self._drain = True
+        self._last_stats: dict[str, Any] = {}
+
+    def run(self) -> None:
+        """Until a Shutdown is done or the channel closes; sends :class:`EngineStopped` last."""
+        error = None
+        try:
+            self._run()
+        except (EOFError, OSError):  # the server process is gone: nobody to answer
+            log.warning("the server closed the channel; aborting %d requests", len(self._live))
+            return
+        except Exception as exc:
+            log.exception("the engine loop failed")
+            error = f"the engine loop failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.engine.close()
+        self.channel.send(EngineStopped(error))
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            outputs = self._take_commands(0.0 if busy else self.config.idle_wait_s)
+            if self._stopping and not self._drain:
+                for request_id in self._live:
+                    self.engine.abort(request_id)
+            if self.engine.has_unfinished():
+                outputs.extend(self._step())
+            elif self._stopping:
+                self._send(outputs)
+                return
+            self._send(outputs)
+
+    def _take_commands(self, timeout_s: float) -> list[RequestOutput]:
+        """Apply every waiting command (waiting up to ``timeout_s`` for the first); returns the
+        chunks of refused adds."""
+        refused: list[RequestOutput] = []
+        while self.channel.poll(timeout_s):
+            timeout_s = 0.0
+            command = self.channel.recv()
+            if isinstance(command, AddRequest):
+                self._adds += 1
+                request = command.request
+                if self._stopping:
+                    refused.append(_error_chunk(request.request_id, RuntimeError("shutting down")))
+                    continue
+                try:
+                    self.engine.add_request(request)
+                except Exception as exc:  # InvalidRequestError: the caller's, typed
+                    refused.append(_error_chunk(request.request_id, exc))
+                else:
+                    self._live.add(request.request_id)
+            elif isinstance(command, Abort):
+                self.engine.abort(command.request_id)
+            elif isinstance(command, Shutdown):
+                self._stopping, self._drain = True, command.drain
+        return refused
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as exc:  # a bug: fail every request rather than hang them
+            log.exception("engine step failed")
+            for request_id in self._live:
+                self.engine.abort(request_id, error=f"engine failure: {exc!r}")
+            return self.engine.take_pending()
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        stats = self._stats()
+        if not outputs and stats == self._last_stats:
+            return
+        self._last_stats = stats
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        self.channel.send(StepOutputs.pack(outputs, stats, self._adds))
+
+    def _stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        cache = self.engine.grammar.cache.stats
+        stats["grammar_cache"] = {f.name: getattr(cache, f.name) for f in fields(cache)}
+        return stats
+
+
+def _error_chunk(request_id: str, exc: BaseException) -> RequestOutput:
+    return RequestOutput(
+        request_id,
+        "",
+        (),
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        error=str(exc),
+        exception=exc,
+    )

@@ -1,0 +1,328 @@
+"""The engine in a child process: start it, and drive it as a :class:`ServingEngine`.
+
+The child (``multiprocessing`` spawn: CUDA is only ever initialised there, and a forked copy of
+the server's threads and locks is never run) loads the model and steps the engine in
+``espalier.engine.core.loop.EngineLoop``; this process keeps the gRPC server, validation,
+tokenization of text prompts, and the streams. Grammars compile in the child, next to the
+matchers that use them: a compiled grammar is a native object of its backend (xgrammar,
+llguidance, outlines-core) with no common serialized form, and compiling there keeps the
+request path one hop. CompileGrammar compiles here on the server's own service (the on-disk
+cache, when configured, is shared through the file system).
+
+One thread writes commands to the pipe (the event loop never blocks on a full pipe); one reads
+the engine's per-step messages and hands each to the event loop in one callback. When the child
+dies, every open stream ends with UNAVAILABLE and ``on_failure`` is called once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, fields, replace
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from espalier.engine.api import GenerationRequest, InvalidRequestError, RequestOutput
+from espalier.engine.async_engine import EngineClosedError, QueueFullError
+from espalier.engine.core.messages import (
+    Abort,
+    AddRequest,
+    EngineCommand,
+    EngineStopped,
+    PortableError,
+    Shutdown,
+    StepOutputs,
+)
+from espalier.server.errors import ServiceError
+from espalier.server.state import ModelFacts
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from espalier.constrained.cache import CacheStats
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.server.loading import ModelOptions
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailableError(ServiceError):
+    """The engine process is gone; requests in flight end with this (gRPC UNAVAILABLE)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "ENGINE_UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class EngineProcessConfig:
+    """max_waiting: queued requests (compiling included, adds in flight counted) before new ones
+    are refused. start_timeout_s: model load in the child. stop_timeout_s: after a Shutdown is
+    answered, before the child is terminated."""
+
+    max_waiting: int = 1024
+    start_timeout_s: float = 1800.0
+    stop_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class _Ready:
+    facts: ModelFacts
+    vocab_size: int  # the engine's tokenizer width (the model may pad the vocabulary)
+
+
+@dataclass(frozen=True)
+class _LoadFailed:
+    error: PortableError
+
+
+def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> None:
+    """The child's entry point: load, announce ``_Ready`` (or ``_LoadFailed``), run the loop.
+
+    ``cache_dir``: the server's cache folder for converted models and tokenizers (a spawned
+    child starts from the defaults). Signals are the server's to handle: SIGINT/SIGTERM sent to
+    the process group are ignored here; the server drains and then sends Shutdown. A closed
+    channel ends the child."""
+    from espalier.constrained.tokenizer import set_cache_root
+    from espalier.engine.core.loop import EngineLoop
+    from espalier.server.gc_freeze import freeze_startup_heap
+    from espalier.server.loading import grammar_service, load_engine, load_tokenizer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING)
+    set_cache_root(cache_dir)
+    try:
+        tokenizer = load_tokenizer(options)
+        engine, facts = load_engine(options, tokenizer, grammar_service(options, tokenizer))
+    except Exception as exc:
+        channel.send(_LoadFailed(PortableError.of(exc)))
+        return
+    freeze_startup_heap()
+    channel.send(_Ready(facts, engine.tokenizer.vocab_size))
+    # On a thread, as in the server: torch's CPU kernels stepped on a process's main thread ran
+    # many times slower on a loaded machine (bench/serve.py's note; the commit has the numbers).
+    loop = threading.Thread(target=EngineLoop(engine, channel).run, name="espalier-engine")
+    loop.start()
+    loop.join()
+
+
+async def start_engine_process(
+    options: ModelOptions,
+    tokenizer: TokenizerInfo,
+    config: EngineProcessConfig,
+    on_failure: Callable[[str], None],
+) -> tuple[EngineProcess, ModelFacts, TokenizerInfo]:
+    """Spawn the child, wait until its model is loaded; returns the client, the model facts
+    and the tokenizer at the engine's vocabulary width. Raises what the load raised."""
+    from espalier.constrained.tokenizer import TokenizerInfo, cache_root
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe(duplex=True)
+    process = context.Process(
+        target=engine_main,
+        args=(options, theirs, str(cache_root())),
+        name="espalier-engine",
+        daemon=True,
+    )
+    process.start()
+    theirs.close()  # the child holds the only other end: its death is EOF here
+    try:
+        if not await asyncio.to_thread(ours.poll, config.start_timeout_s):
+            raise TimeoutError(f"the engine process did not load in {config.start_timeout_s} s")
+        first = ours.recv()
+    except EOFError:
+        process.join(5.0)
+        raise RuntimeError(
+            f"the engine process exited while loading (exit code {process.exitcode})"
+        ) from None
+    except BaseException:
+        process.kill()
+        raise
+    if isinstance(first, _LoadFailed):
+        process.join(5.0)
+        raise first.error.rebuild()
+    assert isinstance(first, _Ready), first
+    if first.vocab_size != tokenizer.vocab_size:
+        tokenizer = TokenizerInfo(tokenizer.hf, vocab_size=first.vocab_size, name=tokenizer.name)
+    client = EngineProcess(process, ours, tokenizer, config, on_failure)
+    return client, first.facts, tokenizer
+
+
+class EngineProcess:
+    """A :class:`~espalier.server.engine_port.ServingEngine` over the child's channel; made
+    inside the event loop it serves (its streams are that loop's queues)."""
+
+    def __init__(
+        self,
+        process: BaseProcess,
+        channel: Connection,
+        tokenizer: TokenizerInfo,
+        config: EngineProcessConfig,
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self.process = process
+        self.tokenizer = tokenizer
+        self.config = config
+        self._channel = channel
+        self._on_failure = on_failure
+        self._loop = asyncio.get_running_loop()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._lock = threading.Lock()
+        self._stats: dict[str, Any] = {"waiting": 0, "compiling": 0}
+        self._adds_sent = 0
+        self._adds_applied = 0
+        self._closing = False
+        self._failed: str | None = None
+        self._stopped = threading.Event()
+        self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="engine-channel-out", daemon=True).start()
+        threading.Thread(target=self._read, name="engine-channel-in", daemon=True).start()
+
+    # -- ServingEngine ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's chunks; the last has ``finished=True``. Raises before yielding
+        what the engine refused (typed), QueueFullError, EngineClosedError; mid-stream
+        :class:`EngineUnavailableError` if the engine process dies."""
+        request_id = request.request_id
+        self._check_open()
+        if request_id in self._streams:
+            raise InvalidRequestError([("request_id", f"{request_id!r} is already in use")])
+        with self._lock:
+            waiting = self._stats["waiting"] + self._stats["compiling"]
+            waiting += self._adds_sent - self._adds_applied
+        if waiting >= self.config.max_waiting:
+            raise QueueFullError(waiting, self.config.max_waiting)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            if request.prompt_token_ids is None:  # tokenized here, off the engine's process
+                ids = await asyncio.to_thread(self._encode, request.prompt or "")
+                request = replace(request, prompt=None, prompt_token_ids=ids)
+            self._check_open()
+            with self._lock:
+                self._adds_sent += 1
+            self._outbox.put(AddRequest(request))
+            first = True
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                if first and finished and item.exception is not None and not item.token_ids:
+                    raise item.exception  # refused or failed to compile: typed, nothing yielded
+                first = False
+                yield item
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished and self._failed is None:
+                self._outbox.put(Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with a ``FinishReason.ABORT`` chunk."""
+        if self._failed is None:
+            self._outbox.put(Abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's gauges from its last message, and the streams open here."""
+        with self._lock:
+            snapshot = {k: v for k, v in self._stats.items() if k != "grammar_cache"}
+        snapshot["streams"] = len(self._streams)
+        return snapshot
+
+    def grammar_cache_stats(self, other: CacheStats) -> CacheStats:
+        """``other`` (the server's CompileGrammar cache) plus the engine's compile cache."""
+        from espalier.constrained.cache import CacheStats
+
+        with self._lock:
+            theirs = dict(self._stats.get("grammar_cache", {}))
+        return CacheStats(
+            **{f.name: getattr(other, f.name) + theirs.get(f.name, 0) for f in fields(other)}
+        )
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Refuse new requests; finish (``drain``) or abort in-flight ones; stop the child."""
+        self._closing = True
+        self._outbox.put(Shutdown(drain))
+        await asyncio.to_thread(self._stopped.wait, self.config.stop_timeout_s)
+        await asyncio.to_thread(self.process.join, self.config.stop_timeout_s)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop; killing it")
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, 5.0)
+        self._outbox.put(None)
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped.is_set()
+
+    # -- the channel --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._failed is not None:
+            raise EngineUnavailableError(self._failed)
+        if self._closing:
+            raise EngineClosedError("the engine is shutting down")
+
+    def _encode(self, prompt: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.hf.encode(prompt, add_special_tokens=True))
+
+    def _write(self) -> None:
+        while (command := self._outbox.get()) is not None:
+            try:
+                self._channel.send(command)
+            except (OSError, ValueError):  # the child is gone: the reader reports it
+                return
+
+    def _read(self) -> None:
+        why = "the engine process stopped"
+        try:
+            while True:
+                message = self._channel.recv()
+                if isinstance(message, StepOutputs):
+                    with self._lock:
+                        self._stats = dict(message.stats)
+                        self._adds_applied = message.adds_applied
+                    self._loop.call_soon_threadsafe(self._deliver, message)
+                elif isinstance(message, EngineStopped):
+                    if message.error is not None:
+                        why = message.error
+                    elif self._closing:
+                        why = ""
+                    break
+        except (EOFError, OSError):
+            self.process.join(1.0)
+            why = f"the engine process exited (exit code {self.process.exitcode})"
+        finally:
+            self._stopped.set()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                self._loop.call_soon_threadsafe(self._end, why)
+
+    def _deliver(self, message: StepOutputs) -> None:
+        for out in message.outputs():
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _end(self, why: str) -> None:
+        """The child stopped: after a clean Shutdown (``why`` empty) or not."""
+        if not why and not self._streams:
+            return
+        why = why or "the engine stopped with requests in flight"
+        self._failed = why
+        log.error("%s; failing %d open streams", why, len(self._streams))
+        for stream in self._streams.values():
+            stream.put_nowait(EngineUnavailableError(why))
+        if not self._closing:
+            self._on_failure(why)

@@ -1,0 +1,147 @@
+"""``espalier serve --engine-process on``: the engine steps in a child process, the server keeps
+gRPC, validation and tokenization. Real server on loopback, tiny random model, Gemma tokenizer:
+plain, constrained and streaming generation, cancellation across the channel, metrics from the
+engine's messages, the SIGTERM drain, and the engine process killed mid-stream (the client gets
+UNAVAILABLE, the server reports NOT_SERVING and exits non-zero instead of hanging)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from espalier_client import Client, UnavailableError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import SCHEMA, check_output, scrape, wait_until_idle
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess("--engine-process", "on", "--compile-timeout", "900")
+    try:
+        if not srv.wait_loaded():
+            pytest.fail(f"the engine did not load: {srv.wait_event('load_failed')}")
+        yield srv
+    finally:
+        srv.discard()  # the last test kills the engine: the exit status is its to check
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[Client]:
+    with Client(server.address, timeout_s=600.0) as c:
+        yield c
+
+
+def _engine_pid(server: ServerProcess) -> int:
+    pid = server.wait_event("engine_process")["pid"]
+    assert isinstance(pid, int) and pid != server.proc.pid
+    return pid
+
+
+def test_the_engine_runs_in_a_child_process(server: ServerProcess) -> None:
+    pid = _engine_pid(server)
+    with open(f"/proc/{pid}/stat") as stat:
+        parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+    assert parent == server.proc.pid
+
+
+def test_plain_generation_and_streaming_agree(client: Client) -> None:
+    whole = client.generate("Once upon a time", max_tokens=12, ignore_eos=True)
+    assert whole.finish_reason == "length" and len(whole.token_ids) == 12
+    chunks = list(client.stream("Once upon a time", max_tokens=12, ignore_eos=True))
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert len(chunks) > 2  # one chunk per step: streamed, not batched at the end
+    streamed = [t for c in chunks for t in c.token_ids]
+    assert streamed == list(whole.token_ids)  # greedy: the same tokens either way
+    assert "".join(c.text for c in chunks) == whole.text
+
+
+def test_token_id_prompt_and_text_prompt_agree(client: Client) -> None:
+    ids = client.tokenize("The answer is", add_special_tokens=True)
+    by_text = client.generate("The answer is", max_tokens=6, ignore_eos=True)
+    by_ids = client.generate(ids, max_tokens=6, ignore_eos=True)
+    assert by_ids.token_ids == by_text.token_ids
+    assert by_text.prompt_tokens == len(ids)
+
+
+def test_constrained_generation_is_valid(client: Client) -> None:
+    out = client.generate("A person as JSON:", schema=SCHEMA, max_tokens=64)
+    check_output("json_schema", out.text, out.finish_reason)
+    assert out.valid is True  # post-validated in the engine process
+    json.loads(out.text)
+
+
+def test_invalid_grammar_is_invalid_argument(client: Client) -> None:
+    from espalier_client import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        client.generate("x", regex="(unclosed", max_tokens=4)
+    # the engine process's typed errors cross the channel: the server keeps serving
+    assert client.generate("x", max_tokens=2, ignore_eos=True).token_ids
+
+
+def test_cancel_crosses_the_channel(server: ServerProcess, client: Client) -> None:
+    assert server.metrics_port is not None
+    stream = client.stream("Tell me", max_tokens=8000, ignore_eos=True)
+    for i, chunk in enumerate(stream):
+        assert not chunk.finished
+        if i == 3:
+            break
+    running = scrape(server.metrics_port)
+    assert running["espalier_engine_running"] >= 1  # gauges come from the engine's messages
+    stream.close()
+    after = wait_until_idle(server.metrics_port)  # aborted in the engine: its blocks are free
+    assert after["espalier_aborted_requests_total"] >= 1
+    assert after["espalier_engine_kv_blocks_free"] > 0
+
+
+def test_sigterm_drains_through_the_engine_process() -> None:
+    """A stream in flight at SIGTERM finishes whole; then the engine process and the server exit
+    cleanly (its own server: the drain ends it)."""
+    with ServerProcess("--engine-process", "on") as srv:
+        assert srv.wait_loaded()
+        pid = _engine_pid(srv)
+        with Client(srv.address, timeout_s=600.0) as client:
+            tokens, last = 0, None
+            for i, chunk in enumerate(client.stream("Tell me", max_tokens=40, ignore_eos=True)):
+                if i == 1:
+                    srv.proc.send_signal(signal.SIGTERM)
+                tokens += len(chunk.token_ids)
+                last = chunk
+        assert last is not None and last.finish_reason == "length" and tokens == 40
+        assert srv.proc.wait(timeout=120) == 0
+    assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_killed_engine_fails_streams_and_the_server(server: ServerProcess, client: Client) -> None:
+    """Runs last in this module: it ends the server."""
+    stream = client.stream("Tell me", max_tokens=8000, ignore_eos=True)
+    with pytest.raises(UnavailableError) as info:
+        for i, _chunk in enumerate(stream):
+            if i == 2:
+                os.kill(_engine_pid(server), signal.SIGKILL)
+    assert info.value.reason == "ENGINE_UNAVAILABLE"
+    assert server.wait_event("engine_failed")["error"]
+    with grpc.insecure_channel(server.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=30
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        except grpc.RpcError as exc:  # or it is already stopping / stopped
+            assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    server.wait_event("stopped", timeout=120)
+    assert server.proc.wait(timeout=120) == 1
+    names = [e["event"] for e in server.events]
+    assert names.index("engine_failed") < names.index("draining") < names.index("stopped")
