@@ -6,9 +6,9 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - older drafts: ``items: [...]`` → ``prefixItems``, ``additionalItems`` → ``items``,
   ``dependencies`` → ``dependentRequired`` / ``dependentSchemas``, Draft 4 boolean
   ``exclusiveMinimum`` / ``exclusiveMaximum`` → numeric ones;
-- ``unevaluatedProperties`` / ``unevaluatedItems`` in an object with no in-place applicator
-  (``allOf``, ``$ref``, ...): every property/item is evaluated by the adjacent keywords only, so
-  they become ``additionalProperties`` / ``items`` (or vanish when those are already present);
+- ``unevaluatedProperties`` / ``unevaluatedItems`` whose evaluated set is static (no in-place
+  applicator but ``allOf`` / ``$ref`` / ``not``) → plain ``additionalProperties`` / ``items``
+  (:mod:`unevaluated`), before every other rewrite, which then need not keep annotations;
 - ``oneOf`` whose branches cannot both match (disjoint types or values, or a required property
   with distinct ``const`` values) → ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and
   the complement of each other one" when the complements exist (:mod:`schema_logic`);
@@ -40,31 +40,31 @@ from espalier.constrained.schema_logic import (
     types_of,
 )
 from espalier.constrained.schema_walk import DRAFT_2020_12, dialect_of, map_subschemas
-
-IN_PLACE = frozenset(
-    {"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
-     "$recursiveRef", "dependentSchemas", "dependencies"}
-)  # fmt: skip
+from espalier.constrained.unevaluated import resolve_unevaluated
 
 
 @dataclass(frozen=True)
 class _Context:
-    """``legacy``: Draft 7 / 2019-09 forms present. ``annotations_matter``: the schema uses
+    """``annotations_matter``: the schema still uses
     ``unevaluated*``, which sees which properties/items subschemas evaluated, so rewrites that
     change annotations (dropping ``additionalProperties: {}`` or a lone ``if``, negations,
     conditionals, ``oneOf``) are skipped. ``defs``: the root ``$defs`` (hoisted ref targets)."""
 
-    legacy: bool
     annotations_matter: bool
     defs: Defs
 
 
 def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     """The equivalent Draft 2020-12 schema with the rewrites above applied everywhere."""
-    text = json.dumps(schema)
+    legacy = dialect_of(schema) != DRAFT_2020_12
+    if legacy:
+        schema = _map_tree(schema, _from_legacy)
     defs = schema.get("$defs") if isinstance(schema, dict) else None
+    if '"unevaluated' in json.dumps(schema):
+        schema = resolve_unevaluated(schema, defs if isinstance(defs, dict) else {})
+        defs = schema.get("$defs") if isinstance(schema, dict) else None
+    text = json.dumps(schema)
     ctx = _Context(
-        legacy=dialect_of(schema) != DRAFT_2020_12,
         annotations_matter='"unevaluatedProperties"' in text or '"unevaluatedItems"' in text,
         defs=defs if isinstance(defs, dict) else {},
     )
@@ -78,10 +78,7 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
     """Rewrite one schema object, children first."""
     if not isinstance(node, dict):
         return node
-    if ctx.legacy:
-        node = _from_legacy(node)
     node = map_subschemas(node, pointer, lambda sub, at: _rewrite(sub, at, ctx))
-    node = _unevaluated(node)
     node = _drop_no_ops(node, ctx.annotations_matter)
     if "format" in node:
         node = _format(node)
@@ -100,6 +97,13 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
     if "dependentRequired" in node or "dependentSchemas" in node:
         node = _dependents(node)
     return node
+
+
+def _map_tree(node: Any, fn: Any, pointer: str = "") -> Any:
+    """``fn`` applied to every schema object, parents first."""
+    if not isinstance(node, dict):
+        return node
+    return map_subschemas(fn(node), pointer, lambda sub, at: _map_tree(sub, fn, at))
 
 
 def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
@@ -122,19 +126,6 @@ def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
     for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
             node[flag] = node.pop(bound)
-    return node
-
-
-def _unevaluated(node: dict[str, Any]) -> dict[str, Any]:
-    if IN_PLACE & set(node):
-        return node
-    node = dict(node)
-    if "unevaluatedProperties" in node:
-        value = node.pop("unevaluatedProperties")
-        node.setdefault("additionalProperties", value)
-    if "unevaluatedItems" in node and "contains" not in node:
-        value = node.pop("unevaluatedItems")
-        node.setdefault("items", value)
     return node
 
 

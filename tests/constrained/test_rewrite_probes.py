@@ -1,0 +1,91 @@
+"""Probe tests of the exact schema rewrites: ``jsonschema`` gives every random instance the same
+verdict on the original schema and on the rewritten one (refs resolved, ``normalize_schema``),
+and the rewrite removed the keyword it is for (so strict mode can compile it)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from espalier.constrained.postvalidate import validate_instance
+from espalier.constrained.refs import resolve_refs
+from espalier.constrained.rewrite import normalize_schema
+from espalier.constrained.schema_walk import walk
+
+NAMES = ("a", "b", "c", "foo", "bar", "x1", "aa")
+SCALARS = (None, True, False, 0, 1, -2, 2.5, 7, "", "a", "foo", "bar", "xyz", "then")
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    """A JSON value drawn from small pools, so that random objects hit the schemas' names."""
+    roll = rng.random()
+    if depth >= 2 or roll < 0.4:
+        return rng.choice(SCALARS)
+    if roll < 0.7:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    names = rng.sample(NAMES, rng.randrange(5))
+    return {name: random_value(rng, depth + 1) for name in names}
+
+
+def mismatches(schema: Any, rewritten: Any, count: int, seed: int = 0) -> list[Any]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        value = random_value(rng)
+        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid:
+            out.append(value)
+    return out
+
+
+def rewrite(schema: Any) -> Any:
+    return normalize_schema(resolve_refs(schema).schema)
+
+
+def keywords(schema: Any) -> set[str]:
+    return {k for node in walk(schema) if isinstance(node.schema, dict) for k in node.schema}
+
+
+UNEVALUATED = [
+    {"properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}], "unevaluatedProperties": False},
+    {
+        "allOf": [{"patternProperties": {"^x": {}}}, {"$ref": "#/$defs/f"}],
+        "$defs": {"f": {"properties": {"foo": {"type": "string"}}}},
+        "unevaluatedProperties": {"type": "integer"},
+    },
+    {"allOf": [{"additionalProperties": {"type": "string"}}], "unevaluatedProperties": False},
+    {"allOf": [{"unevaluatedProperties": True}], "unevaluatedProperties": False},
+    {
+        "properties": {"a": {"properties": {"b": {}}, "unevaluatedProperties": False}},
+        "not": {"properties": {"c": {}}, "required": ["c"]},
+        "unevaluatedProperties": False,
+    },
+    {"prefixItems": [{}], "allOf": [{"prefixItems": [{}, {"type": "string"}]}],
+     "unevaluatedItems": False},
+    {"allOf": [{"prefixItems": [{}]}, {"unevaluatedItems": True}], "unevaluatedItems": False},
+    {"allOf": [{"items": {"type": "integer"}}], "unevaluatedItems": False},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", UNEVALUATED, ids=[json.dumps(s)[:50] for s in UNEVALUATED])
+def test_static_unevaluated_becomes_plain_keywords(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"unevaluatedProperties", "unevaluatedItems"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 400) == []
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"anyOf": [{"properties": {"a": {}}}, {}], "unevaluatedProperties": False},
+        {"if": {"properties": {"a": {}}}, "then": {}, "unevaluatedProperties": False},
+        {"contains": {"type": "string"}, "unevaluatedItems": False},
+        {"oneOf": [{"prefixItems": [{}]}, {}], "unevaluatedItems": False},
+    ],
+)
+def test_instance_dependent_unevaluated_is_left_alone(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert {"unevaluatedProperties", "unevaluatedItems"} & keywords(rewritten)
+    assert mismatches(schema, rewritten, 200) == []
