@@ -15,7 +15,10 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``not X`` → the complement of ``X`` when it can be written (types, bounds, lengths, counts,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
-  (they constrain nothing); ``date`` / ``time`` / ``date-time`` → exact ``pattern``s;
+  (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
+  ``relative-json-pointer`` → exact ``pattern``s;
+- ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
+  ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
   (``properties: {p: false}``) and "present and ..." branches;
 - ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained.enum_filter import filter_enums
+from espalier.constrained.property_names import rewrite_property_names
 from espalier.constrained.schema_logic import (
     Defs,
     complement,
@@ -84,6 +88,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = _format(node)
     if ctx.annotations_matter:
         return node
+    if "propertyNames" in node:
+        node = rewrite_property_names(node)
     if "oneOf" in node and isinstance(node["oneOf"], list):
         node = _one_of(node, ctx.defs)
         if not isinstance(node, dict):
@@ -189,10 +195,16 @@ _TIME = (
     "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+|)"
     "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
+# RFC 6901 (the checker: jsonpointer): "/"-led tokens where "~" is followed by 0 or 1 only.
+_POINTER = "(?:/(?:[^~/]|~[01])*)*"
 FORMAT_PATTERNS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "json-pointer": f"^{_POINTER}$",
+    # the checker (jsonschema) refuses a digit after any "0" ("100"), and takes non-ASCII digits
+    # too: this is its ASCII language (a false reject on the others, never a false accept)
+    "relative-json-pointer": f"^(?:0|[1-9]+0?)(?:#|{_POINTER})$",
 }
 
 

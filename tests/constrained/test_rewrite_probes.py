@@ -89,3 +89,54 @@ def test_instance_dependent_unevaluated_is_left_alone(schema: Any) -> None:
     rewritten = rewrite(schema)
     assert {"unevaluatedProperties", "unevaluatedItems"} & keywords(rewritten)
     assert mismatches(schema, rewritten, 200) == []
+
+
+PROPERTY_NAMES = [
+    {"propertyNames": {"maxLength": 2}},
+    {"propertyNames": {"minLength": 2, "maxLength": 3},
+     "properties": {"a": {}, "foo": {"type": "string"}}},
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"},
+     "properties": {"aa": {"const": 1}, "x1": {}}},
+    {"propertyNames": {"enum": ["a", "foo", 3]}, "properties": {"a": {"type": "integer"}, "b": {}}},
+    {"propertyNames": {"const": "bar"}, "required": ["bar"]},
+    {"propertyNames": {"type": "integer"}},
+    {"propertyNames": {"minLength": 3, "maxLength": 2}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", PROPERTY_NAMES, ids=[json.dumps(s)[:50] for s in PROPERTY_NAMES])
+def test_property_names_become_property_keywords(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "propertyNames" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 400) == []
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"propertyNames": {"pattern": "^a", "maxLength": 2}},  # an intersection: no one regex
+        {"propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "string"}},
+        {"propertyNames": {"maxLength": 2}, "patternProperties": {"^f": {}}},
+    ],
+)
+def test_property_names_that_need_more_are_left_alone(schema: Any) -> None:
+    assert "propertyNames" in keywords(rewrite(schema))
+
+
+POINTER_ALPHABET = "/~01a#9"
+
+
+@pytest.mark.parametrize("name", ["json-pointer", "relative-json-pointer"])
+def test_pointer_format_patterns_match_the_checker(name: str) -> None:
+    rng = random.Random(1)
+    schema = {"type": "string", "format": name}
+    rewritten = rewrite(schema)
+    assert "format" not in keywords(rewritten)
+    texts = ["", "/", "0", "01", "0#", "1#/", "٠"]
+    texts += ["".join(rng.choices(POINTER_ALPHABET, k=rng.randrange(6))) for _ in range(1500)]
+    wrong = []
+    for text in texts:
+        checker = validate_instance(schema, text).valid
+        if checker != validate_instance(rewritten, text).valid and text.isascii():
+            wrong.append(text)
+    assert wrong == []
