@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from espalier.constrained.value_complement import values_complement
+
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
 DEFS_PREFIX = "#/$defs/"
 MAX_DEPTH = 8  # how deep complements and type inference follow refs and nesting
@@ -217,6 +219,10 @@ def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
         return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
     if key == "not":
         return value
+    if key == "const":
+        return values_complement([value])
+    if key == "enum" and isinstance(value, list):
+        return values_complement(value)
     if key in ("allOf", "anyOf") and isinstance(value, list) and value:
         negated = [complement(sub, defs, depth) for sub in value]
         if any(n is None for n in negated):

@@ -166,6 +166,9 @@ SCHEMAS = [
     {"anyOf": [{"type": "string", "minLength": 3}, {"maximum": 0}]},
     {"allOf": [{"type": "object"}, {"required": ["a"]}], "not": {"required": ["c"]}},
     {"not": {"type": "array"}},
+    {"enum": [1, 7, "a", "abc", None, True]},
+    {"const": 2.5},
+    {"enum": ["", "a", False], "type": ["string", "boolean", "number"]},
     {},
     True,
     False,
@@ -181,7 +184,7 @@ def test_complement_is_exact(schema: Any) -> None:
 
 
 def test_no_complement_for_what_cannot_be_said() -> None:
-    for schema in ({"type": "integer"}, {"pattern": "a"}, {"enum": [1]}, {"multipleOf": 2}):
+    for schema in ({"type": "integer"}, {"pattern": "a"}, {"enum": [[1]]}, {"multipleOf": 2}):
         assert complement(schema, {}) is None
 
 

@@ -140,3 +140,29 @@ def test_pointer_format_patterns_match_the_checker(name: str) -> None:
         if checker != validate_instance(rewritten, text).valid and text.isascii():
             wrong.append(text)
     assert wrong == []
+
+
+VALUE_SETS = [
+    ["a", "ab", "b", ""],
+    ["foo", "fo]o", "^", "-", "a\nb", "é"],
+    [1, 7, 2.5, -3, "a", None, True],
+    [False, 0],
+]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=[json.dumps(v)[:40] for v in VALUE_SETS])
+def test_not_enum_is_the_complement_of_the_members(values: list[Any]) -> None:
+    schema = {"not": {"enum": values}}
+    rewritten = rewrite(schema)
+    assert "not" not in keywords(rewritten), rewritten
+    rng = random.Random(2)
+    alphabet = "ab]^-\né0"
+    texts = ["".join(rng.choices(alphabet, k=rng.randrange(4))) for _ in range(400)]
+    pool = [*values, *texts, 0, 1.0, 7.5, -4, 1e300, [], {}, None, True, False]
+    wrong = [
+        value
+        for value in pool
+        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid
+    ]
+    assert wrong == []
+    assert mismatches(schema, rewritten, 200) == []
