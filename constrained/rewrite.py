@@ -222,7 +222,7 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
 
 def _one_of(node: dict[str, Any], defs: Defs) -> Any:
     branches = node["oneOf"]
-    if pairwise_disjoint(branches, defs):
+    if pairwise_disjoint(branches, defs, context=_without(node, "oneOf")):
         return _append_all_of(_without(node, "oneOf"), {"anyOf": branches})
     exclusive = exactly_one(branches, defs)
     if exclusive is None:

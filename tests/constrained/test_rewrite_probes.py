@@ -166,3 +166,35 @@ def test_not_enum_is_the_complement_of_the_members(values: list[Any]) -> None:
     ]
     assert wrong == []
     assert mismatches(schema, rewritten, 200) == []
+
+
+ONE_OF = [
+    # the discriminator is required next to the oneOf, not in the branches
+    {"type": "object", "required": ["a"],
+     "oneOf": [{"properties": {"a": {"const": 1}, "b": {}}},
+               {"properties": {"a": {"enum": [2, 3]}}}]},
+    # a property one branch requires, the other forbids (additionalProperties false)
+    {"oneOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+               {"type": "object", "required": ["b"]}]},
+    # a required property whose types the other branch's patternProperties exclude
+    {"oneOf": [{"type": "object", "required": ["foo"], "properties": {"foo": {"type": "string"}}},
+               {"type": "object", "required": ["bar"],
+                "patternProperties": {"^f": {"type": "null"}}}]},
+    # overlapping ({} matches both): "this branch and not the other", through const complements
+    {"type": "object", "oneOf": [{"properties": {"a": {"const": 1}}},
+                                 {"properties": {"a": {"const": "foo"}}}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", ONE_OF, ids=[json.dumps(s)[:50] for s in ONE_OF])
+def test_one_of_becomes_any_of(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "oneOf" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_overlapping_one_of_without_complements_is_left_alone() -> None:
+    # {} matches both branches, and "not pattern" has no schema
+    schema = {"type": "object", "oneOf": [{"properties": {"a": {"pattern": "x"}}},
+                                          {"properties": {"a": {"pattern": "y"}}}]}  # fmt: skip
+    assert "oneOf" in keywords(rewrite(schema))
