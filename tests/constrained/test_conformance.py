@@ -97,6 +97,7 @@ def test_cli_reads_both_file_formats(tmp_path: Path, toy_tokenizer_dir: str) -> 
     summary = rows[-1]
     assert tuple(summary) == SUMMARY_KEYS
     assert summary == {
+        **dict.fromkeys(SUMMARY_KEYS, 0),
         "schemas": 3,
         "compiled": 2,
         "refused": 1,
@@ -124,6 +125,7 @@ def test_an_instance_the_matcher_cannot_take_is_counted_not_fatal(
     failures = tmp_path / "failures.jsonl"
     rows = run_cli(str(tmp_path), "--tokenizer", toy_tokenizer_dir, "--failures", str(failures))
     assert rows[-1] == {
+        **dict.fromkeys(SUMMARY_KEYS, 0),
         "schemas": 1,
         "compiled": 1,
         "refused": 0,
@@ -135,6 +137,53 @@ def test_an_instance_the_matcher_cannot_take_is_counted_not_fatal(
     }
     (record,) = [json.loads(line) for line in failures.read_text().splitlines()]
     assert (record["kind"], record["test"]) == ("runtime_error", "lone")
+
+
+def test_false_rejects_are_counted_by_cause(tmp_path: Path, toy_tokenizer_dir: str) -> None:
+    pair = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    (tmp_path / "policies.json").write_text(
+        json.dumps(
+            [
+                {
+                    "description": "declared order",
+                    "schema": pair,
+                    "tests": [
+                        {"description": "in order", "data": {"a": 1, "b": "x"}, "valid": True},
+                        {"description": "reversed", "data": {"b": "x", "a": 1}, "valid": True},
+                    ],
+                },
+                {
+                    "description": "numbers",
+                    "schema": {"type": "number", "maximum": 1},
+                    "tests": [
+                        {"description": "exponent", "data": 1e-07, "valid": True},
+                        {"description": "plain", "data": 0.5, "valid": True},
+                    ],
+                },
+                {
+                    "description": "format annotation",
+                    "schema": {
+                        "$schema": "https://json-schema.org/draft/2020-12/schema",
+                        "type": "string",
+                        "format": "date",
+                    },
+                    "tests": [{"description": "not a date", "data": "06/19/1963", "valid": True}],
+                },
+            ]
+        )
+    )
+    failures = tmp_path / "failures.jsonl"
+    rows = run_cli(str(tmp_path), "--tokenizer", toy_tokenizer_dir, "--failures", str(failures))
+    summary = rows[-1]
+    assert (summary["tests"], summary["passed"], summary["false_reject"]) == (5, 2, 3)
+    causes = {k: v for k, v in summary.items() if k.startswith("false_reject_") and v}
+    assert causes == {
+        "false_reject_format": 1,
+        "false_reject_number": 1,
+        "false_reject_property_order": 1,
+    }
+    details = [json.loads(line)["detail"] for line in failures.read_text().splitlines()]
+    assert sorted(d.split("]")[0] for d in details) == ["[format", "[number", "[property_order"]
 
 
 def test_optional_files_are_skipped_unless_asked(tmp_path: Path) -> None:
