@@ -17,6 +17,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
   ``relative-json-pointer`` → exact ``pattern``s;
+- ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
+  (:mod:`unique_items`);
 - ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
   ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
@@ -45,6 +47,7 @@ from espalier.constrained.schema_logic import (
 )
 from espalier.constrained.schema_walk import DRAFT_2020_12, dialect_of, map_subschemas
 from espalier.constrained.unevaluated import resolve_unevaluated
+from espalier.constrained.unique_items import rewrite_unique_items
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,10 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         return node
     if "propertyNames" in node:
         node = rewrite_property_names(node)
+    if node.get("uniqueItems") is True:
+        node = rewrite_unique_items(node, ctx.defs)
+        if not isinstance(node, dict):
+            return node
     if "oneOf" in node and isinstance(node["oneOf"], list):
         node = _one_of(node, ctx.defs)
         if not isinstance(node, dict):

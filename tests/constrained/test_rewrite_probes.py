@@ -198,3 +198,34 @@ def test_overlapping_one_of_without_complements_is_left_alone() -> None:
     schema = {"type": "object", "oneOf": [{"properties": {"a": {"pattern": "x"}}},
                                           {"properties": {"a": {"pattern": "y"}}}]}  # fmt: skip
     assert "oneOf" in keywords(rewrite(schema))
+
+
+UNIQUE_ITEMS = [
+    {"type": "array", "items": {"enum": ["a", "b", 1, 1.0]}, "uniqueItems": True},
+    {"prefixItems": [{"type": "boolean"}, {"type": "boolean"}], "items": False,
+     "uniqueItems": True},
+    {"items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 2},
+    {"prefixItems": [{"const": 1}], "items": {"enum": [1, 7, "a"]}, "maxItems": 3,
+     "uniqueItems": True},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", UNIQUE_ITEMS, ids=[json.dumps(s)[:50] for s in UNIQUE_ITEMS])
+def test_unique_items_over_finite_domains_becomes_enum(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "uniqueItems" not in keywords(rewritten), rewritten
+    rng = random.Random(3)
+    pool = [None, True, False, 1, 1.0, 7, "a", "b"]
+    arrays = [rng.choices(pool, k=rng.randrange(5)) for _ in range(600)]
+    wrong = [
+        value
+        for value in arrays
+        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid
+    ]
+    assert wrong == []
+    assert mismatches(schema, rewritten, 200) == []
+
+
+def test_unique_items_over_open_domains_is_left_alone() -> None:
+    for schema in ({"uniqueItems": True}, {"items": {"type": "string"}, "uniqueItems": True}):
+        assert "uniqueItems" in keywords(rewrite(schema))
