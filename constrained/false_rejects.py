@@ -16,6 +16,7 @@ accept it names the cause; nothing does: ``other``.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from decimal import Decimal
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 CAUSES = ("format", "number", "property_order", "whitespace", "other")
 INTEGER_LIMIT = 2**53 - 1  # number_bounds' default integer bound
+MAX_PERMUTED_KEYS = 5  # top-level objects this small are also tried in every key order
 
 
 def false_reject_cause(
@@ -54,6 +56,10 @@ def false_reject_cause(
     reordered = json.dumps(ordered) != json.dumps(data)
     if reordered and (accepts(ordered) or accepts(ordered, separators=(",", ":"))):
         return "property_order"
+    if isinstance(data, dict) and 1 < len(data) <= MAX_PERMUTED_KEYS:
+        for keys in itertools.permutations(ordered):  # an order the schema text does not show
+            if accepts({k: ordered[k] for k in keys}):
+                return "property_order"
     if accepts(data, separators=(",", ":")):
         return "whitespace"
     return "other"
