@@ -66,16 +66,15 @@ def false_reject_cause(
 
 
 def _key_positions(schema: Any) -> dict[str, int]:
-    """Each property name's first position in the schema's JSON text (its declared order)."""
-    text = json.dumps(schema, ensure_ascii=False)
+    """Each property name's rank of first declaration in a ``properties`` of the schema."""
     positions: dict[str, int] = {}
 
     def visit(node: Any) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
-                if key not in positions:
-                    found = text.find(json.dumps(key, ensure_ascii=False) + ":")
-                    positions[key] = found if found >= 0 else len(text)
+                if key == "properties" and isinstance(value, dict):
+                    for name in value:
+                        positions.setdefault(name, len(positions))
                 visit(value)
         elif isinstance(node, list):
             for value in node:
