@@ -54,7 +54,12 @@ def test_allow_weakening_compiles_and_reports(toy_tokenizer: Any) -> None:
 def test_auto_prefers_llguidance_and_falls_back_to_an_exact_backend(toy_tokenizer: Any) -> None:
     plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert compile_grammar(GrammarSpec.json_schema(plain), toy_tokenizer)[1].backend == "llguidance"
-    names = {"type": "object", "propertyNames": {"maxLength": 2}}  # llguidance refuses it
+    # llguidance refuses it (propertyNames next to additionalProperties: no rewrite applies)
+    names = {
+        "type": "object",
+        "propertyNames": {"maxLength": 2},
+        "additionalProperties": {"type": "integer"},
+    }
     compiled, report = compile_grammar(GrammarSpec.json_schema(names), toy_tokenizer)
     assert report.backend == "xgrammar" and report.weakened == ()
     assert accepts(compiled, toy_tokenizer, {"ab": 1})
