@@ -9,9 +9,10 @@ push the tokens through a fresh matcher and accept a stop token. Classification:
 
 - ``passed``: valid and accepted to a terminating state, or invalid and rejected;
 - ``false_accept``: invalid but accepted (the number that must stay 0);
-- ``false_reject``: valid but rejected. Grammars fix property order (the schema's) and whitespace
-  (at most ``json_max_whitespace`` characters between tokens), so an instance whose keys come in
-  another order is rejected although it is valid: these count here, honestly;
+- ``false_reject``: valid but rejected, counted again by cause (``false_reject_<cause>``,
+  :mod:`false_rejects`): ``format``, ``number``, ``property_order`` and ``whitespace`` are
+  generation policies (asserted formats, number spelling and bounds, declared property order,
+  bounded whitespace); ``other`` is a defect;
 - ``runtime_error``: the matcher raised on the instance (a backend's runtime limit, e.g.
   llguidance's parser row limit, or a bug): counted, not passed, never a crash of the run.
 A schema the backend refuses counts all its tests as not passed, with the reason.
@@ -27,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from espalier.constrained.false_rejects import CAUSES
 
 if TYPE_CHECKING:
     import referencing
@@ -47,6 +50,7 @@ SUMMARY_KEYS = (
     "false_accept",
     "false_reject",
     "runtime_error",
+    *(f"false_reject_{cause}" for cause in CAUSES),
 )
 
 
@@ -63,6 +67,11 @@ class FileResult:
     false_accept: int = 0
     false_reject: int = 0
     runtime_error: int = 0
+    false_reject_format: int = 0
+    false_reject_number: int = 0
+    false_reject_property_order: int = 0
+    false_reject_whitespace: int = 0
+    false_reject_other: int = 0
     seconds: float = 0.0
     backends: dict[str, int] = field(default_factory=dict)
     failures: list[tuple[str, str, str, str]] = field(default_factory=list)
@@ -192,11 +201,29 @@ class Runner:
                 continue
             if accepted == valid:
                 result.passed += 1
-            else:
-                kind = "false_accept" if accepted else "false_reject"
-                setattr(result, kind, getattr(result, kind) + 1)
-                text = serialize(test.get("data"))[:200]
-                result.failures.append((kind, description, str(test.get("description", "")), text))
+                continue
+            kind = "false_accept" if accepted else "false_reject"
+            setattr(result, kind, getattr(result, kind) + 1)
+            text = serialize(test.get("data"))[:200]
+            if not accepted:
+                cause = self._cause(compiled, schema, test.get("data"))
+                setattr(result, kind + "_" + cause, getattr(result, kind + "_" + cause) + 1)
+                text = f"[{cause}] {text}"
+            result.failures.append((kind, description, str(test.get("description", "")), text))
+
+    def _cause(self, compiled: Any, schema: Any, data: Any) -> str:
+        """Why a valid instance was rejected (:mod:`false_rejects`); "other" when that fails."""
+        from espalier.constrained.false_rejects import false_reject_cause
+
+        try:
+            return false_reject_cause(
+                lambda text: grammar_accepts(compiled, self.tokenizer, text),
+                schema,
+                data,
+                self.registry,
+            )
+        except Exception:  # a matcher limit while retrying: no policy found
+            return "other"
 
     def _compile(self, schema: Any) -> Any:
         from espalier.constrained.cache import CacheKey

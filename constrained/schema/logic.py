@@ -9,7 +9,10 @@ matches exactly the instances its docstring says. ``defs`` is the root ``$defs``
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+from espalier.constrained.schema.value_complement import values_complement
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
 DEFS_PREFIX = "#/$defs/"
@@ -104,40 +107,65 @@ def values_of(branch: Any, defs: Defs) -> set[str] | None:
     return None
 
 
-def discriminator(branch: Any, defs: Defs) -> dict[str, set[str]]:
-    """Required properties of ``branch`` limited to const/enum values: name -> canonical values."""
-    branch = deref(branch, defs)
-    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
-        return {}
-    required = branch.get("required")
-    if not isinstance(required, list):
-        required = []
-    pinned: dict[str, set[str]] = {}
-    for name in required:
-        values = values_of(branch["properties"].get(name, True), defs)
-        if values is not None:
-            pinned[name] = values
-    return pinned
-
-
-def disjoint(a: Any, b: Any, defs: Defs) -> bool:
-    """True only when no instance can match both ``a`` and ``b``."""
-    ta, tb = types_of(a, defs), types_of(b, defs)
-    if ta is not None and tb is not None and not ta & tb:
+def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) -> bool:
+    """True only when no instance can match ``a``, ``b`` and ``context`` (the keywords next to
+    the ``oneOf``) together: no common type or value, or (objects only) a property that one of
+    them requires and that the two allow no common value for."""
+    a, b, context = deref(a, defs), deref(b, defs), deref(context, defs)
+    common: set[str] | None = None
+    for side in (a, b, context):
+        types = types_of(side, defs)
+        if types is not None:
+            common = types if common is None else common & types
+    if common is not None and not common:
         return True
     va, vb = values_of(a, defs), values_of(b, defs)
     if va is not None and vb is not None and not va & vb:
         return True
-    if ta != {"object"} and tb != {"object"}:
+    if common is None or common - {"object"} or depth >= MAX_DEPTH:
         return False  # a non-object instance ignores properties/required: it may match both
-    da, db = discriminator(a, defs), discriminator(b, defs)
-    return any(name in db and not da[name] & db[name] for name in da)
+    present = set().union(*(_required(s) for s in (a, b, context)))
+    for name in sorted(present):
+        if any(
+            disjoint(x, y, defs, True, depth + 1)
+            for x in _applying(a, name, defs) or [True]
+            for y in _applying(b, name, defs) or [True]
+        ):
+            return True
+    return False
 
 
-def pairwise_disjoint(branches: Any, defs: Defs) -> bool:
+def _required(schema: Any) -> set[str]:
+    names = schema.get("required") if isinstance(schema, dict) else None
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+
+def _applying(schema: Any, name: str, defs: Defs) -> list[Any]:
+    """The subschemas ``schema`` applies to property ``name`` when present ([] if unknown)."""
+    if not isinstance(schema, dict):
+        return [schema]
+    listed = schema.get("properties")
+    out = [listed[name]] if isinstance(listed, dict) and name in listed else []
+    patterns = schema.get("patternProperties", {})
+    if not isinstance(patterns, dict):
+        return out
+    for pattern, sub in patterns.items():
+        try:
+            if re.search(pattern, name):
+                out.append(sub)
+        except re.error:
+            return out  # unknown whether additionalProperties applies
+    if not out and "additionalProperties" in schema:
+        out.append(schema["additionalProperties"])
+    return [deref(sub, defs) for sub in out]
+
+
+def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
     if not isinstance(branches, list):
         return False
-    return all(disjoint(a, b, defs) for i, a in enumerate(branches) for b in branches[i + 1 :])
+    return all(
+        disjoint(a, b, defs, context) for i, a in enumerate(branches) for b in branches[i + 1 :]
+    )
 
 
 def exactly_one(branches: list[Any], defs: Defs) -> Any:
@@ -217,6 +245,10 @@ def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
         return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
     if key == "not":
         return value
+    if key == "const":
+        return values_complement([value])
+    if key == "enum" and isinstance(value, list):
+        return values_complement(value)
     if key in ("allOf", "anyOf") and isinstance(value, list) and value:
         negated = [complement(sub, defs, depth) for sub in value]
         if any(n is None for n in negated):

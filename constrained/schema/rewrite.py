@@ -6,16 +6,21 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - older drafts: ``items: [...]`` → ``prefixItems``, ``additionalItems`` → ``items``,
   ``dependencies`` → ``dependentRequired`` / ``dependentSchemas``, Draft 4 boolean
   ``exclusiveMinimum`` / ``exclusiveMaximum`` → numeric ones;
-- ``unevaluatedProperties`` / ``unevaluatedItems`` in an object with no in-place applicator
-  (``allOf``, ``$ref``, ...): every property/item is evaluated by the adjacent keywords only, so
-  they become ``additionalProperties`` / ``items`` (or vanish when those are already present);
+- ``unevaluatedProperties`` / ``unevaluatedItems`` whose evaluated set is static (no in-place
+  applicator but ``allOf`` / ``$ref`` / ``not``) → plain ``additionalProperties`` / ``items``
+  (:mod:`unevaluated`), before every other rewrite, which then need not keep annotations;
 - ``oneOf`` whose branches cannot both match (disjoint types or values, or a required property
   with distinct ``const`` values) → ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and
   the complement of each other one" when the complements exist (:mod:`schema_logic`);
 - ``not X`` → the complement of ``X`` when it can be written (types, bounds, lengths, counts,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
-  (they constrain nothing); ``date`` / ``time`` / ``date-time`` → exact ``pattern``s;
+  (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
+  ``relative-json-pointer`` → exact ``pattern``s;
+- ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
+  (:mod:`unique_items`);
+- ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
+  ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
   (``properties: {p: false}``) and "present and ..." branches;
 - ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
@@ -39,32 +44,34 @@ from espalier.constrained.schema.logic import (
     pairwise_disjoint,
     types_of,
 )
+from espalier.constrained.schema.property_names import rewrite_property_names
+from espalier.constrained.schema.unevaluated import resolve_unevaluated
+from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
-
-IN_PLACE = frozenset(
-    {"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
-     "$recursiveRef", "dependentSchemas", "dependencies"}
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class _Context:
-    """``legacy``: Draft 7 / 2019-09 forms present. ``annotations_matter``: the schema uses
+    """``annotations_matter``: the schema still uses
     ``unevaluated*``, which sees which properties/items subschemas evaluated, so rewrites that
     change annotations (dropping ``additionalProperties: {}`` or a lone ``if``, negations,
     conditionals, ``oneOf``) are skipped. ``defs``: the root ``$defs`` (hoisted ref targets)."""
 
-    legacy: bool
     annotations_matter: bool
     defs: Defs
 
 
 def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     """The equivalent Draft 2020-12 schema with the rewrites above applied everywhere."""
-    text = json.dumps(schema)
+    legacy = dialect_of(schema) != DRAFT_2020_12
+    if legacy:
+        schema = _map_tree(schema, _from_legacy)
     defs = schema.get("$defs") if isinstance(schema, dict) else None
+    if '"unevaluated' in json.dumps(schema):
+        schema = resolve_unevaluated(schema, defs if isinstance(defs, dict) else {})
+        defs = schema.get("$defs") if isinstance(schema, dict) else None
+    text = json.dumps(schema)
     ctx = _Context(
-        legacy=dialect_of(schema) != DRAFT_2020_12,
         annotations_matter='"unevaluatedProperties"' in text or '"unevaluatedItems"' in text,
         defs=defs if isinstance(defs, dict) else {},
     )
@@ -78,15 +85,18 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
     """Rewrite one schema object, children first."""
     if not isinstance(node, dict):
         return node
-    if ctx.legacy:
-        node = _from_legacy(node)
     node = map_subschemas(node, pointer, lambda sub, at: _rewrite(sub, at, ctx))
-    node = _unevaluated(node)
     node = _drop_no_ops(node, ctx.annotations_matter)
     if "format" in node:
         node = _format(node)
     if ctx.annotations_matter:
         return node
+    if "propertyNames" in node:
+        node = rewrite_property_names(node)
+    if node.get("uniqueItems") is True:
+        node = rewrite_unique_items(node, ctx.defs)
+        if not isinstance(node, dict):
+            return node
     if "oneOf" in node and isinstance(node["oneOf"], list):
         node = _one_of(node, ctx.defs)
         if not isinstance(node, dict):
@@ -100,6 +110,13 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
     if "dependentRequired" in node or "dependentSchemas" in node:
         node = _dependents(node)
     return node
+
+
+def _map_tree(node: Any, fn: Any, pointer: str = "") -> Any:
+    """``fn`` applied to every schema object, parents first."""
+    if not isinstance(node, dict):
+        return node
+    return map_subschemas(fn(node), pointer, lambda sub, at: _map_tree(sub, fn, at))
 
 
 def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
@@ -122,19 +139,6 @@ def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
     for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
             node[flag] = node.pop(bound)
-    return node
-
-
-def _unevaluated(node: dict[str, Any]) -> dict[str, Any]:
-    if IN_PLACE & set(node):
-        return node
-    node = dict(node)
-    if "unevaluatedProperties" in node:
-        value = node.pop("unevaluatedProperties")
-        node.setdefault("additionalProperties", value)
-    if "unevaluatedItems" in node and "contains" not in node:
-        value = node.pop("unevaluatedItems")
-        node.setdefault("items", value)
     return node
 
 
@@ -198,10 +202,16 @@ _TIME = (
     "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+|)"
     "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
+# RFC 6901 (the checker: jsonpointer): "/"-led tokens where "~" is followed by 0 or 1 only.
+_POINTER = "(?:/(?:[^~/]|~[01])*)*"
 FORMAT_PATTERNS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "json-pointer": f"^{_POINTER}$",
+    # the checker (jsonschema) refuses a digit after any "0" ("100"), and takes non-ASCII digits
+    # too: this is its ASCII language (a false reject on the others, never a false accept)
+    "relative-json-pointer": f"^(?:0|[1-9]+0?)(?:#|{_POINTER})$",
 }
 
 
@@ -219,7 +229,7 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
 
 def _one_of(node: dict[str, Any], defs: Defs) -> Any:
     branches = node["oneOf"]
-    if pairwise_disjoint(branches, defs):
+    if pairwise_disjoint(branches, defs, context=_without(node, "oneOf")):
         return _append_all_of(_without(node, "oneOf"), {"anyOf": branches})
     exclusive = exactly_one(branches, defs)
     if exclusive is None:

@@ -54,7 +54,12 @@ def test_allow_weakening_compiles_and_reports(toy_tokenizer: Any) -> None:
 def test_auto_prefers_llguidance_and_falls_back_to_an_exact_backend(toy_tokenizer: Any) -> None:
     plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert compile_grammar(GrammarSpec.json_schema(plain), toy_tokenizer)[1].backend == "llguidance"
-    names = {"type": "object", "propertyNames": {"maxLength": 2}}  # llguidance refuses it
+    # llguidance refuses it (propertyNames next to additionalProperties: no rewrite applies)
+    names = {
+        "type": "object",
+        "propertyNames": {"maxLength": 2},
+        "additionalProperties": {"type": "integer"},
+    }
     compiled, report = compile_grammar(GrammarSpec.json_schema(names), toy_tokenizer)
     assert report.backend == "xgrammar" and report.weakened == ()
     assert accepts(compiled, toy_tokenizer, {"ab": 1})
@@ -166,6 +171,9 @@ SCHEMAS = [
     {"anyOf": [{"type": "string", "minLength": 3}, {"maximum": 0}]},
     {"allOf": [{"type": "object"}, {"required": ["a"]}], "not": {"required": ["c"]}},
     {"not": {"type": "array"}},
+    {"enum": [1, 7, "a", "abc", None, True]},
+    {"const": 2.5},
+    {"enum": ["", "a", False], "type": ["string", "boolean", "number"]},
     {},
     True,
     False,
@@ -181,7 +189,7 @@ def test_complement_is_exact(schema: Any) -> None:
 
 
 def test_no_complement_for_what_cannot_be_said() -> None:
-    for schema in ({"type": "integer"}, {"pattern": "a"}, {"enum": [1]}, {"multipleOf": 2}):
+    for schema in ({"type": "integer"}, {"pattern": "a"}, {"enum": [[1]]}, {"multipleOf": 2}):
         assert complement(schema, {}) is None
 
 

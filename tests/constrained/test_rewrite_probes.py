@@ -1,0 +1,231 @@
+"""Probe tests of the exact schema rewrites: ``jsonschema`` gives every random instance the same
+verdict on the original schema and on the rewritten one (refs resolved, ``normalize_schema``),
+and the rewrite removed the keyword it is for (so strict mode can compile it)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from espalier.constrained.postvalidate import validate_instance
+from espalier.constrained.schema.refs import resolve_refs
+from espalier.constrained.schema.rewrite import normalize_schema
+from espalier.constrained.schema.walk import walk
+
+NAMES = ("a", "b", "c", "foo", "bar", "x1", "aa")
+SCALARS = (None, True, False, 0, 1, -2, 2.5, 7, "", "a", "foo", "bar", "xyz", "then")
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    """A JSON value drawn from small pools, so that random objects hit the schemas' names."""
+    roll = rng.random()
+    if depth >= 2 or roll < 0.4:
+        return rng.choice(SCALARS)
+    if roll < 0.7:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    names = rng.sample(NAMES, rng.randrange(5))
+    return {name: random_value(rng, depth + 1) for name in names}
+
+
+def mismatches(schema: Any, rewritten: Any, count: int, seed: int = 0) -> list[Any]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        value = random_value(rng)
+        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid:
+            out.append(value)
+    return out
+
+
+def rewrite(schema: Any) -> Any:
+    return normalize_schema(resolve_refs(schema).schema)
+
+
+def keywords(schema: Any) -> set[str]:
+    return {k for node in walk(schema) if isinstance(node.schema, dict) for k in node.schema}
+
+
+UNEVALUATED = [
+    {"properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}], "unevaluatedProperties": False},
+    {
+        "allOf": [{"patternProperties": {"^x": {}}}, {"$ref": "#/$defs/f"}],
+        "$defs": {"f": {"properties": {"foo": {"type": "string"}}}},
+        "unevaluatedProperties": {"type": "integer"},
+    },
+    {"allOf": [{"additionalProperties": {"type": "string"}}], "unevaluatedProperties": False},
+    {"allOf": [{"unevaluatedProperties": True}], "unevaluatedProperties": False},
+    {
+        "properties": {"a": {"properties": {"b": {}}, "unevaluatedProperties": False}},
+        "not": {"properties": {"c": {}}, "required": ["c"]},
+        "unevaluatedProperties": False,
+    },
+    {"prefixItems": [{}], "allOf": [{"prefixItems": [{}, {"type": "string"}]}],
+     "unevaluatedItems": False},
+    {"allOf": [{"prefixItems": [{}]}, {"unevaluatedItems": True}], "unevaluatedItems": False},
+    {"allOf": [{"items": {"type": "integer"}}], "unevaluatedItems": False},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", UNEVALUATED, ids=[json.dumps(s)[:50] for s in UNEVALUATED])
+def test_static_unevaluated_becomes_plain_keywords(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"unevaluatedProperties", "unevaluatedItems"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 400) == []
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"anyOf": [{"properties": {"a": {}}}, {}], "unevaluatedProperties": False},
+        {"if": {"properties": {"a": {}}}, "then": {}, "unevaluatedProperties": False},
+        {"contains": {"type": "string"}, "unevaluatedItems": False},
+        {"oneOf": [{"prefixItems": [{}]}, {}], "unevaluatedItems": False},
+    ],
+)
+def test_instance_dependent_unevaluated_is_left_alone(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert {"unevaluatedProperties", "unevaluatedItems"} & keywords(rewritten)
+    assert mismatches(schema, rewritten, 200) == []
+
+
+PROPERTY_NAMES = [
+    {"propertyNames": {"maxLength": 2}},
+    {"propertyNames": {"minLength": 2, "maxLength": 3},
+     "properties": {"a": {}, "foo": {"type": "string"}}},
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"},
+     "properties": {"aa": {"const": 1}, "x1": {}}},
+    {"propertyNames": {"enum": ["a", "foo", 3]}, "properties": {"a": {"type": "integer"}, "b": {}}},
+    {"propertyNames": {"const": "bar"}, "required": ["bar"]},
+    {"propertyNames": {"type": "integer"}},
+    {"propertyNames": {"minLength": 3, "maxLength": 2}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", PROPERTY_NAMES, ids=[json.dumps(s)[:50] for s in PROPERTY_NAMES])
+def test_property_names_become_property_keywords(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "propertyNames" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 400) == []
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"propertyNames": {"pattern": "^a", "maxLength": 2}},  # an intersection: no one regex
+        {"propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "string"}},
+        {"propertyNames": {"maxLength": 2}, "patternProperties": {"^f": {}}},
+    ],
+)
+def test_property_names_that_need_more_are_left_alone(schema: Any) -> None:
+    assert "propertyNames" in keywords(rewrite(schema))
+
+
+POINTER_ALPHABET = "/~01a#9"
+
+
+@pytest.mark.parametrize("name", ["json-pointer", "relative-json-pointer"])
+def test_pointer_format_patterns_match_the_checker(name: str) -> None:
+    rng = random.Random(1)
+    schema = {"type": "string", "format": name}
+    rewritten = rewrite(schema)
+    assert "format" not in keywords(rewritten)
+    texts = ["", "/", "0", "01", "0#", "1#/", "٠"]
+    texts += ["".join(rng.choices(POINTER_ALPHABET, k=rng.randrange(6))) for _ in range(1500)]
+    wrong = []
+    for text in texts:
+        checker = validate_instance(schema, text).valid
+        if checker != validate_instance(rewritten, text).valid and text.isascii():
+            wrong.append(text)
+    assert wrong == []
+
+
+VALUE_SETS = [
+    ["a", "ab", "b", ""],
+    ["foo", "fo]o", "^", "-", "a\nb", "é"],
+    [1, 7, 2.5, -3, "a", None, True],
+    [False, 0],
+]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=[json.dumps(v)[:40] for v in VALUE_SETS])
+def test_not_enum_is_the_complement_of_the_members(values: list[Any]) -> None:
+    schema = {"not": {"enum": values}}
+    rewritten = rewrite(schema)
+    assert "not" not in keywords(rewritten), rewritten
+    rng = random.Random(2)
+    alphabet = "ab]^-\né0"
+    texts = ["".join(rng.choices(alphabet, k=rng.randrange(4))) for _ in range(400)]
+    pool = [*values, *texts, 0, 1.0, 7.5, -4, 1e300, [], {}, None, True, False]
+    wrong = [
+        value
+        for value in pool
+        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid
+    ]
+    assert wrong == []
+    assert mismatches(schema, rewritten, 200) == []
+
+
+ONE_OF = [
+    # the discriminator is required next to the oneOf, not in the branches
+    {"type": "object", "required": ["a"],
+     "oneOf": [{"properties": {"a": {"const": 1}, "b": {}}},
+               {"properties": {"a": {"enum": [2, 3]}}}]},
+    # a property one branch requires, the other forbids (additionalProperties false)
+    {"oneOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+               {"type": "object", "required": ["b"]}]},
+    # a required property whose types the other branch's patternProperties exclude
+    {"oneOf": [{"type": "object", "required": ["foo"], "properties": {"foo": {"type": "string"}}},
+               {"type": "object", "required": ["bar"],
+                "patternProperties": {"^f": {"type": "null"}}}]},
+    # overlapping ({} matches both): "this branch and not the other", through const complements
+    {"type": "object", "oneOf": [{"properties": {"a": {"const": 1}}},
+                                 {"properties": {"a": {"const": "foo"}}}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", ONE_OF, ids=[json.dumps(s)[:50] for s in ONE_OF])
+def test_one_of_becomes_any_of(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "oneOf" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_overlapping_one_of_without_complements_is_left_alone() -> None:
+    # {} matches both branches, and "not pattern" has no schema
+    schema = {"type": "object", "oneOf": [{"properties": {"a": {"pattern": "x"}}},
+                                          {"properties": {"a": {"pattern": "y"}}}]}  # fmt: skip
+    assert "oneOf" in keywords(rewrite(schema))
+
+
+UNIQUE_ITEMS = [
+    {"type": "array", "items": {"enum": ["a", "b", 1, 1.0]}, "uniqueItems": True},
+    {"prefixItems": [{"type": "boolean"}, {"type": "boolean"}], "items": False,
+     "uniqueItems": True},
+    {"items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 2},
+    {"prefixItems": [{"const": 1}], "items": {"enum": [1, 7, "a"]}, "maxItems": 3,
+     "uniqueItems": True},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", UNIQUE_ITEMS, ids=[json.dumps(s)[:50] for s in UNIQUE_ITEMS])
+def test_unique_items_over_finite_domains_becomes_enum(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "uniqueItems" not in keywords(rewritten), rewritten
+    rng = random.Random(3)
+    pool = [None, True, False, 1, 1.0, 7, "a", "b"]
+    arrays = [rng.choices(pool, k=rng.randrange(5)) for _ in range(600)]
+    wrong = [
+        value
+        for value in arrays
+        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid
+    ]
+    assert wrong == []
+    assert mismatches(schema, rewritten, 200) == []
+
+
+def test_unique_items_over_open_domains_is_left_alone() -> None:
+    for schema in ({"uniqueItems": True}, {"items": {"type": "string"}, "uniqueItems": True}):
+        assert "uniqueItems" in keywords(rewrite(schema))
