@@ -7,7 +7,7 @@ gets its own :class:`GrammarMatcher` from it. Bitmask rows follow ``constrained/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -77,6 +77,32 @@ class GrammarMatcher(Protocol):
 
     def reset(self) -> None:
         """Back to the start state."""
+        ...
+
+    @property
+    def batch_kind(self) -> Callable[[int], BatchStep] | None:
+        """The factory (given a native thread count) of the batch entry point of this matcher's
+        library; matchers with the same factory are filled in one call
+        (``constrained/batch.py``). None: filled one by one."""
+        ...
+
+
+class BatchStep(Protocol):
+    """One grammar library's batch entry point for many of its matchers at once: one native
+    call on the library's own thread pool with the GIL released. Made once per engine and
+    library (``GrammarMatcher.batch_kind``); one caller at a time."""
+
+    def fill_next_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
+        ``matchers[j]`` (this library's, none terminated) exactly as ``fill_bitmask`` would;
+        states unchanged. A matcher that fails gets its exception in ``faults[j]`` (its row is
+        then undefined)."""
         ...
 
 
