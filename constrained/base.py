@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-
-if TYPE_CHECKING:
-    from espalier.constrained.tokenizer import TokenizerInfo
 
 
 @runtime_checkable
@@ -152,7 +149,3 @@ class CompileReport:
     cache_hit: bool = False
     cache_key: str = ""
     notes: tuple[str, ...] = field(default=())
-
-
-def make_tokenizer_key(tokenizer: TokenizerInfo) -> str:
-    return tokenizer.fingerprint
