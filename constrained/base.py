@@ -99,7 +99,7 @@ class BatchStep(Protocol):
         """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
         ``matchers[j]`` (this library's, none terminated) exactly as ``fill_bitmask`` would;
         states unchanged. A matcher that fails gets its exception in ``faults[j]`` (its row is
-        then undefined)."""
+        then undefined); raises when the call fails as a whole without saying which did."""
         ...
 
 

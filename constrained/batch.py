@@ -65,9 +65,13 @@ class BatchFiller:
                 if step is None:
                     step = self._steps[kind] = kind(self.threads)
                 failed: dict[int, BaseException] = {}
-                step.fill_next_rows(
-                    [matchers[j] for j in members], bitmask, [rows[j] for j in members], failed
-                )
+                try:
+                    step.fill_next_rows(
+                        [matchers[j] for j in members], bitmask, [rows[j] for j in members], failed
+                    )
+                except Exception:  # which one failed is not said: find it one by one
+                    _fill_each(matchers, bitmask, rows, members, faults)
+                    continue
                 faults.update({members[k]: exc for k, exc in failed.items()})
         for j in faults:
             bitmask[rows[j]].fill_(-1)

@@ -194,15 +194,7 @@ class MatcherBatch:
         """See ``BatchStep.fill_next_rows``."""
         mine = [m for m in matchers if isinstance(m, Matcher)]
         assert len(mine) == len(matchers)
-        try:
-            self.batch.batch_fill_next_token_bitmask([m.native for m in mine], bitmask, list(rows))
-        except Exception:  # which one failed is not said: find it one by one
-            for j, matcher in enumerate(mine):
-                try:
-                    matcher.fill_bitmask(bitmask, rows[j])
-                except Exception as exc:
-                    faults[j] = exc
-            return
+        self.batch.batch_fill_next_token_bitmask([m.native for m in mine], bitmask, list(rows))
         for matcher, row in zip(mine, rows):
             matcher.clear_tail(bitmask, row)
 
