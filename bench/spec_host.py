@@ -12,7 +12,9 @@ subtracted; what remains is host time.
 Per side (constrained / unconstrained), one JSON line:
 
 - ``host_ms_per_step``: (step wall time - forward - verify kernel) / speculative steps;
-- ``main_ms_per_step``: the part of it not spent waiting for tree masks;
+- ``host_cpu_ms_per_step``: the engine thread's CPU time (``time.thread_time``) per step, less
+  its CPU time inside the target's work: the host work itself, far less sensitive than wall
+  time to other processes sharing the cores;
 - ``mask_fill_ms_per_step``: summed tree-fill time of the mask threads (on the GPU these run
   while the forward does: they are hidden when this / mask threads < the forward's time);
 - ``accepts_per_token``: ``GrammarMatcher.accept`` calls (every matcher, forks included, every
@@ -58,6 +60,7 @@ class Probe:
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
         self.device_s = 0.0  # target forward + verification kernel (GPU work on the GPU)
+        self.device_cpu_s = 0.0  # the engine thread's CPU time inside them
         self.mask_fill_s = 0.0  # tree fills, summed over mask threads
         self.tree_nodes = 0
         self.profiler: cProfile.Profile | None = None  # paused during device work
@@ -94,7 +97,7 @@ class Probe:
 
     def reset(self) -> None:
         self.calls.clear()
-        self.device_s = self.mask_fill_s = 0.0
+        self.device_s = self.device_cpu_s = self.mask_fill_s = 0.0
         self.tree_nodes = 0
 
     def _timed_device(self, function: Any) -> Any:
@@ -102,11 +105,12 @@ class Probe:
             profiler = self.profiler
             if profiler is not None:
                 profiler.disable()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
                 self.device_s += time.perf_counter() - start
+                self.device_cpu_s += time.thread_time() - start_cpu
                 if profiler is not None:
                     profiler.enable()
 
@@ -148,17 +152,18 @@ def measure(
     probe.reset()
     profiler = probe.profiler = cProfile.Profile() if profile else None
     tokens = steps = 0
-    wall = 0.0
+    wall = cpu = 0.0
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished():
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if profiler is not None:
             profiler.enable()
         outputs = engine.step()
         if profiler is not None:
             profiler.disable()
         wall += time.perf_counter() - start
+        cpu += time.thread_time() - start_cpu
         for out in outputs:
             tokens += len(out.token_ids)
             if out.finished and out.speculative is not None:
@@ -173,6 +178,7 @@ def measure(
         "wall_s": round(wall, 4),
         "device_s": round(probe.device_s, 4),
         "host_ms_per_step": round(1e3 * host / engine_steps, 3),
+        "host_cpu_ms_per_step": round(1e3 * (cpu - probe.device_cpu_s) / engine_steps, 3),
         "mask_fill_ms_per_step": round(1e3 * probe.mask_fill_s / engine_steps, 3),
         "accepts_per_token": round(probe.calls["accept"] / tokens, 3),
         "main_accepts_per_token": round(probe.calls["accept_main"] / tokens, 3),
@@ -304,6 +310,9 @@ def run(args: argparse.Namespace) -> None:
             "closing": not args.no_closing,
             "constrained_over_unconstrained_host": round(
                 results[True]["host_ms_per_step"] / results[False]["host_ms_per_step"], 3
+            ),
+            "constrained_over_unconstrained_host_cpu": round(
+                results[True]["host_cpu_ms_per_step"] / results[False]["host_cpu_ms_per_step"], 3
             ),
         }
     )

@@ -7,17 +7,14 @@ gets its own :class:`GrammarMatcher` from it. Bitmask rows follow ``constrained/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-
-if TYPE_CHECKING:
-    from espalier.constrained.tokenizer import TokenizerInfo
 
 
 @runtime_checkable
@@ -79,6 +76,32 @@ class GrammarMatcher(Protocol):
         """Back to the start state."""
         ...
 
+    @property
+    def batch_kind(self) -> Callable[[int], BatchStep] | None:
+        """The factory (given a native thread count) of the batch entry point of this matcher's
+        library; matchers with the same factory are filled in one call
+        (``constrained/batch.py``). None: filled one by one."""
+        ...
+
+
+class BatchStep(Protocol):
+    """One grammar library's batch entry point for many of its matchers at once: one native
+    call on the library's own thread pool with the GIL released. Made once per engine and
+    library (``GrammarMatcher.batch_kind``); one caller at a time."""
+
+    def fill_next_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
+        ``matchers[j]`` (this library's, none terminated) exactly as ``fill_bitmask`` would;
+        states unchanged. A matcher that fails gets its exception in ``faults[j]`` (its row is
+        then undefined); raises when the call fails as a whole without saying which did."""
+        ...
+
 
 @runtime_checkable
 class CompiledGrammar(Protocol):
@@ -126,7 +149,3 @@ class CompileReport:
     cache_hit: bool = False
     cache_key: str = ""
     notes: tuple[str, ...] = field(default=())
-
-
-def make_tokenizer_key(tokenizer: TokenizerInfo) -> str:
-    return tokenizer.fingerprint

@@ -1,12 +1,11 @@
 """One grammar call per engine step for a whole batch: every constrained request's next row.
 
-:func:`fill_next_rows` fills bitmask row ``rows[j]`` from ``matchers[j]`` for all the
-constrained requests of a plain decoding step at once, through each library's batch entry
-point, so that the per-request work runs in native code on the library's own thread pool with
-the GIL released for the whole call (one Python call per backend per step instead of one per
-request): llguidance's ``LLExecutor.unsafe_compute_mask_ptr`` (Rust threads) and xgrammar's
-``BatchGrammarMatcher.batch_fill_next_token_bitmask`` (its C++ thread pool); outlines-core and
-any other matcher are filled one by one behind the same call shape.
+:meth:`BatchFiller.fill_next_rows` fills bitmask row ``rows[j]`` from ``matchers[j]`` for all
+the constrained requests of a plain decoding step at once. It only groups: matchers whose
+library has a batch entry point (``GrammarMatcher.batch_kind``: llguidance's ``LLExecutor``,
+xgrammar's ``BatchGrammarMatcher``, each owned by its backend) are filled by one call of it per
+library, in native code on the library's own thread pool with the GIL released; terminated
+matchers, outlines-core and small groups are filled one by one behind the same call.
 
 Rows are exactly those of ``matcher.fill_bitmask`` (stop-only rows for terminated matchers, the
 bits past V cleared). Faults are per request: a matcher that raises, or that a batch call
@@ -18,30 +17,25 @@ rows are exact.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import torch
 
-from espalier.constrained.base import GrammarMatcher
-
-NATIVE_BATCH = frozenset({"llguidance", "xgrammar"})
-"""Backends whose library fills a batch of matchers in one native call."""
+from espalier.constrained.base import BatchStep, GrammarMatcher
 
 MIN_NATIVE_BATCH = 2
-"""Fewer matchers of one backend than this are filled one by one (a batch call's thread
+"""Fewer matchers of one library than this are filled one by one (a batch call's thread
 hand-off costs more than one fill)."""
 
 
 class BatchFiller:
-    """The batch entry points of the installed libraries, made once per engine (thread-safe
+    """The batch entry points of the libraries met so far, made once per engine (thread-safe
     for one caller at a time: the engine's grammar worker)."""
 
     def __init__(self, threads: int) -> None:
         """threads: native threads per batch call (the libraries' pools)."""
         self.threads = max(1, threads)
-        self._llg: Any = None
-        self._xgr: Any = None
+        self._steps: dict[Callable[[int], BatchStep], BatchStep] = {}
         self._lock = threading.Lock()
 
     def fill_next_rows(
@@ -54,83 +48,45 @@ class BatchFiller:
         ``matchers[j]``; the matchers' states do not change. Returns ``{j: exception}`` for the
         matchers that failed (their rows allow every token)."""
         faults: dict[int, BaseException] = {}
-        groups: dict[str, list[int]] = {}
+        groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
         for j, matcher in enumerate(matchers):
             try:
-                own = matcher.is_terminated() or getattr(matcher, "_tail", None) is not None
+                kind = None if matcher.is_terminated() else matcher.batch_kind
             except Exception as exc:
                 faults[j] = exc
                 continue
-            # terminated, or bits past V to clear: MatcherBase's own wrap-up, one by one
-            groups.setdefault("" if own else _backend(matcher), []).append(j)
-        batch = _Batch(matchers, bitmask, rows, faults)
+            groups.setdefault(kind, []).append(j)
         with self._lock:
-            for backend, members in groups.items():
-                if backend in NATIVE_BATCH and len(members) >= MIN_NATIVE_BATCH:
-                    self._fill_native(backend, batch, members)
-                else:
-                    _fill_each(batch, members)
+            for kind, members in groups.items():
+                if kind is None or len(members) < MIN_NATIVE_BATCH:
+                    _fill_each(matchers, bitmask, rows, members, faults)
+                    continue
+                step = self._steps.get(kind)
+                if step is None:
+                    step = self._steps[kind] = kind(self.threads)
+                failed: dict[int, BaseException] = {}
+                try:
+                    step.fill_next_rows(
+                        [matchers[j] for j in members], bitmask, [rows[j] for j in members], failed
+                    )
+                except Exception:  # which one failed is not said: find it one by one
+                    _fill_each(matchers, bitmask, rows, members, faults)
+                    continue
+                faults.update({members[k]: exc for k, exc in failed.items()})
         for j in faults:
             bitmask[rows[j]].fill_(-1)
         return faults
 
-    def _fill_native(self, backend: str, batch: _Batch, members: list[int]) -> None:
-        """One batch call of ``backend``'s library for ``matchers[j]``, ``j`` in ``members``."""
-        matchers, bitmask, rows, faults = batch
-        if backend == "xgrammar":
-            import xgrammar
 
-            if self._xgr is None:
-                self._xgr = xgrammar.BatchGrammarMatcher(self.threads)
-            natives = [matchers[j].native for j in members]  # type: ignore[attr-defined]
-            try:
-                self._xgr.batch_fill_next_token_bitmask(
-                    natives, bitmask, [rows[j] for j in members]
-                )
-            except Exception:  # which one failed is not said: find it one by one
-                _fill_each(batch, members)
-            return
-        import llguidance
-
-        from espalier.constrained.backends.llguidance import MatcherStateError
-
-        ready: list[int] = []
-        for j in members:
-            matcher: Any = matchers[j]
-            try:
-                if matcher.mask_memo_stale:
-                    matcher.refresh_mask_memo()
-                ready.append(j)
-            except Exception as exc:
-                faults[j] = exc
-        if self._llg is None:
-            self._llg = llguidance.LLExecutor(self.threads)
-        pairs = [(matchers[j].native, rows[j]) for j in ready]  # type: ignore[attr-defined]
-        row_bytes = bitmask.shape[1] * 4
-        self._llg.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
-        for j in ready:
-            matcher = matchers[j]
-            matcher.mask_memo_stale = False
-            if matcher.native.is_error():
-                faults[j] = MatcherStateError(f"llguidance: {matcher.native.get_error()}")
-
-
-class _Batch(NamedTuple):
-    matchers: Sequence[GrammarMatcher]
-    bitmask: torch.Tensor
-    rows: Sequence[int]
-    faults: dict[int, BaseException]
-
-
-def _fill_each(batch: _Batch, members: list[int]) -> None:
-    matchers, bitmask, rows, faults = batch
+def _fill_each(
+    matchers: Sequence[GrammarMatcher],
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    members: Sequence[int],
+    faults: dict[int, BaseException],
+) -> None:
     for j in members:
         try:
             matchers[j].fill_bitmask(bitmask, rows[j])
         except Exception as exc:
             faults[j] = exc
-
-
-def _backend(matcher: GrammarMatcher) -> str:
-    compiled = getattr(matcher, "compiled", None)
-    return str(getattr(compiled, "backend", ""))

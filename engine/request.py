@@ -143,10 +143,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def is_constrained(self) -> bool:
-        return self.grammar_future is not None or self.matcher is not None
-
     def usage(self) -> Usage:
         return Usage(
             prompt_tokens=len(self.prompt_ids),

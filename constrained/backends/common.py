@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from espalier.constrained.schema.number_bounds import (
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
+    from espalier.constrained.base import BatchStep
     from espalier.constrained.tokenizer import TokenizerInfo
 
 
@@ -159,6 +160,8 @@ class MatcherBase:
     native: Any
     exact_rollback: bool = True
     """See ``GrammarMatcher.exact_rollback``."""
+    batch_kind: Callable[[int], BatchStep] | None = None
+    """See ``GrammarMatcher.batch_kind``: None, filled one by one."""
 
     def __init__(self, tokenizer: TokenizerInfo, facts: VocabFacts) -> None:
         self.tokenizer = tokenizer
@@ -227,9 +230,7 @@ class MatcherBase:
             bitmask[index].copy_(self._facts.stop_row)
             return
         self._native_fill(bitmask, index)
-        if self._tail is not None:
-            word, keep = self._tail
-            bitmask[index, word] &= keep
+        self.clear_tail(bitmask, index)
 
     def is_terminated(self) -> bool:
         return self._stop_depth > 0
@@ -243,6 +244,12 @@ class MatcherBase:
 
     def _copy_state_to(self, other: MatcherBase) -> None:
         other._stop_depth = self._stop_depth
+
+    def clear_tail(self, bitmask: torch.Tensor, index: int) -> None:
+        """Clear row ``index``'s bits past V, which the libraries leave as they were."""
+        if self._tail is not None:
+            word, keep = self._tail
+            bitmask[index, word] &= keep
 
 
 class CompiledBase:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,7 @@ from espalier.constrained.schema.number_bounds import bound_schema_numbers
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
+    from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
 
 NAME = "xgrammar"
@@ -175,8 +177,32 @@ class CompiledGrammar(CompiledBase):
         return Matcher(self, xgrammar.GrammarMatcher(self.native))
 
 
+class MatcherBatch:
+    """xgrammar's batch entry point (``GrammarMatcher.batch_kind``): ``BatchGrammarMatcher``,
+    whose C++ thread pool fills the rows with the GIL released."""
+
+    def __init__(self, threads: int) -> None:
+        self.batch = xgrammar.BatchGrammarMatcher(threads)
+
+    def fill_next_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """See ``BatchStep.fill_next_rows``."""
+        mine = [m for m in matchers if isinstance(m, Matcher)]
+        assert len(mine) == len(matchers)
+        self.batch.batch_fill_next_token_bitmask([m.native for m in mine], bitmask, list(rows))
+        for matcher, row in zip(mine, rows):
+            matcher.clear_tail(bitmask, row)
+
+
 class Matcher(MatcherBase):
     """Per-request state; ``native`` is the ``xgrammar.GrammarMatcher``."""
+
+    batch_kind = MatcherBatch
 
     def __init__(self, compiled: CompiledGrammar, native: xgrammar.GrammarMatcher) -> None:
         super().__init__(compiled.tokenizer, compiled._facts)

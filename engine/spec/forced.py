@@ -69,8 +69,11 @@ def extend_leaves(
 
 def _forced_after(matcher: GrammarMatcher, path: list[int], limit: int) -> list[int]:
     if not matcher.exact_rollback:  # probing would roll the request back: probe a copy
-        matcher = matcher.fork()
-    accepted = 0
+        probe = matcher.fork()  # dropped after: the path in one call (native on llguidance)
+        if probe.accept_tokens(path) < len(path) or probe.is_terminated():
+            return []
+        return list(probe.forced_tokens(limit))
+    accepted = 0  # in place, rolled back token by token even when an accept raises
     try:
         for token in path:
             if not matcher.accept(token):

@@ -55,6 +55,7 @@ from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
     from espalier.constrained.backends.llguidance.native.twin import Twin
+    from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
 
 NAME = "llguidance"
@@ -258,10 +259,54 @@ class CompiledGrammar(CompiledBase):
         return Matcher(self, native)
 
 
+class ExecutorBatch:
+    """llguidance's batch entry point (``GrammarMatcher.batch_kind``): ``LLExecutor``, whose
+    Rust threads fill the rows with the GIL released."""
+
+    def __init__(self, threads: int) -> None:
+        self.executor = llguidance.LLExecutor(threads)
+
+    def fill_next_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """See ``BatchStep.fill_next_rows``."""
+        mine = [m for m in matchers if isinstance(m, Matcher)]
+        assert len(mine) == len(matchers)
+        row_bytes = bitmask.shape[1] * 4
+        if not (bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda):
+            raise ValueError("bitmask must be a contiguous int32 CPU tensor")
+        if any(m._row_bytes != row_bytes for m in mine):
+            raise ValueError("bitmask row does not cover the vocabulary")
+        ready: list[int] = []
+        for j, matcher in enumerate(mine):
+            try:
+                if matcher.mask_memo_stale:
+                    matcher.refresh_mask_memo()
+                ready.append(j)
+            except Exception as exc:
+                faults[j] = exc
+        pairs = [(mine[j].native, rows[j]) for j in ready]
+        self.executor.unsafe_compute_mask_ptr(
+            pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+        )
+        for j in ready:
+            matcher = mine[j]
+            matcher.mask_memo_stale = False
+            if matcher.native.is_error():
+                faults[j] = MatcherStateError(f"llguidance: {matcher.native.get_error()}")
+            else:
+                matcher.clear_tail(bitmask, rows[j])
+
+
 class Matcher(MatcherBase):
     """Per-request state; ``native`` is the ``llguidance.LLMatcher``."""
 
     exact_rollback = False  # a stale mask can survive a rollback (module docstring)
+    batch_kind = ExecutorBatch
 
     def __init__(self, compiled: CompiledGrammar, native: llguidance.LLMatcher) -> None:
         super().__init__(compiled.tokenizer, compiled._facts)

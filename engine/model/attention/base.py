@@ -75,10 +75,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.q_indptr[-1]
 
-    @property
-    def num_logits(self) -> int:
-        return self.logits_indptr[-1]
-
 
 class AttentionBackend(Protocol):
     """Attends each layer's new queries over the paged cache.
