@@ -4,7 +4,10 @@ xgrammar precomputes token masks at compile time (seconds for a large schema on 
 llguidance and outlines-core are not stored: llguidance compiles lazily in milliseconds, and an
 outlines-core Index has no serialization in its Python API. The file holds xgrammar's own
 ``CompiledGrammar.serialize_json`` text (without the tokenizer, which xgrammar checks again by its
-metadata when loading) and the compile report.
+metadata when loading) and the compile report. A load needs no ``Backend`` (no compiler, no
+compile child processes): only xgrammar's view of the vocabulary, built once per tokenizer when
+the cache is made (on its writer thread), and the file; so the first request of a stored grammar
+after a restart pays the file's deserialization alone.
 
 One file per grammar under ``directory`` (a JSON header line, then xgrammar's JSON text), named by
 the SHA-256 of its identity: the compile cache key (spec, backend request, tokenizer fingerprint,
@@ -95,6 +98,9 @@ class GrammarDiskCache:
         # one writer: serializing a grammar takes ~0.1 s per MB (xgrammar drops the GIL)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "espalier-grammar-disk")
         self._pending: list[concurrent.futures.Future[None]] = []
+        # xgrammar's view of the vocabulary (a second for 262k ids) is built now, off the caller's
+        # thread, so the first load after a restart pays only its own file
+        self._pending.append(self._writer.submit(self._prepare_vocabulary))
 
     def identity(self, key: Any) -> str:
         """The text a file must repeat to be used for ``key`` (the compile cache's key)."""
@@ -154,6 +160,14 @@ class GrammarDiskCache:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _prepare_vocabulary(self) -> None:
+        from espalier.constrained.backends.xgrammar import tokenizer_info
+
+        try:
+            tokenizer_info(self.tokenizer)
+        except Exception as exc:  # the first load builds it again and reports its own trouble
+            log.warning("grammar disk cache: cannot prepare the vocabulary: %s", exc)
+
     def _write(self, key: Any, compiled: Any, report: CompileReport) -> None:
         try:
             body = compiled.native.serialize_json().encode("utf-8")
@@ -186,20 +200,17 @@ class GrammarDiskCache:
     def _rebuild(
         self, header: dict[str, Any], body: bytes, identity: str, start: float
     ) -> tuple[CompiledGrammar, CompileReport]:
-        import xgrammar
-
-        from espalier.constrained.backends import get_backend
+        from espalier.constrained.backends.common import vocab_facts
         from espalier.constrained.backends.xgrammar import CompiledGrammar as XgrCompiled
+        from espalier.constrained.backends.xgrammar import deserialize_compiled, tokenizer_info
 
         if header["identity"] != identity:
             raise ValueError("identity mismatch (a foreign file or a hash collision)")
         if hashlib.sha256(body).hexdigest() != header["digest"]:
             raise ValueError("checksum mismatch (a damaged file)")
         spec = GrammarSpec(GrammarKind(header["spec"]["kind"]), str(header["spec"]["source"]))
-        backend: Any = get_backend(STORED_BACKEND, self.tokenizer, self.options)
-        native = xgrammar.CompiledGrammar.deserialize_json(
-            body.decode("utf-8"), backend.tokenizer_info
-        )
+        # no Backend: a load needs neither xgrammar's compiler nor its child processes
+        native = deserialize_compiled(body, tokenizer_info(self.tokenizer))
         stored = header["report"]
         report = CompileReport(
             backend=STORED_BACKEND,
@@ -209,7 +220,7 @@ class GrammarDiskCache:
             cache_key=str(stored["cache_key"]),
             notes=tuple(str(n) for n in stored["notes"]),
         )
-        return XgrCompiled(spec, self.tokenizer, backend.facts, native), report
+        return XgrCompiled(spec, self.tokenizer, vocab_facts(self.tokenizer), native), report
 
     def _trim(self) -> None:
         """Remove least recently used files until the directory fits ``max_bytes``."""

@@ -79,6 +79,39 @@ def test_restart_loads_instead_of_compiling_and_masks_the_same(
     assert all(torch.equal(a, b) for a, b in zip(fresh, restored))
 
 
+def test_first_request_after_a_restart_neither_compiles_nor_builds_a_compiler(
+    toy_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from espalier.constrained import compile as compile_module
+    from espalier.constrained.backends import clear_backend_cache
+    from espalier.constrained.backends import xgrammar as xgrammar_backend
+
+    spec = GrammarSpec.json_schema(SCHEMA)
+    compile_once(service(toy_tokenizer, tmp_path), spec)
+    clear_backend_cache()  # a restart: no xgrammar Backend (compiler, child processes) built yet
+    calls: list[str] = []
+
+    def refuse(name: str) -> Any:
+        def called(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            raise AssertionError(f"{name} called although the grammar is on disk")
+
+        return called
+
+    monkeypatch.setattr(compile_module, "compile_grammar", refuse("compile_grammar"))
+    monkeypatch.setattr(xgrammar_backend, "Backend", refuse("xgrammar Backend"))
+    restarted = service(toy_tokenizer, tmp_path)
+    try:  # the engine's path: compile, then the request's own matcher
+        _compiled, report, matcher = restarted.submit_request(spec, XGR).result(timeout=120)
+    finally:
+        restarted.close()
+    assert calls == []
+    assert report.cache_hit and report.backend == "xgrammar"
+    assert restarted.disk_cache is not None and restarted.disk_cache.stats.hits == 1
+    tokens = toy_tokenizer.hf.encode('{"ok":true,"color":"blue"}', add_special_tokens=False)
+    assert all(matcher.accept(token) for token in tokens) and matcher.can_terminate()
+
+
 def test_llguidance_results_are_not_stored(toy_tokenizer: Any, tmp_path: Path) -> None:
     grammar = service(toy_tokenizer, tmp_path)
     _, report = compile_once(grammar, GrammarSpec.regex("[a-c]{2,5}"), ConstraintOptions())
