@@ -15,7 +15,13 @@ Prints JSON lines: one per side, then a ``"summary"`` with the ratios and the is
         [--model default|PATH|8b-random] [--device cpu|cuda] [--threads N]
 
 ``--model 8b-random``: the Llama-3-8B shape with random bf16 weights on CUDA (``bench/gpu.py``'s
-config, ``bench/spec.py``'s weights), over the default Gemma tokenizer.
+config, ``bench/spec.py``'s weights: zero output projections, so every GEMM, attention call and
+K/V write runs at full size while the logits depend on the current token alone; identical outputs
+there do not check the cached K/V, the engine's ``gpu`` tests do), over the default Gemma
+tokenizer; flashinfer and the default CUDA graphs; a KV cache sized for the requests (block 16).
+On the GPU machine (about a minute: weights, graph captures, then seconds per side)::
+
+    python bench/prefix.py --model 8b-random --requests 64 --system-tokens 1000 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -100,13 +106,18 @@ def make_requests(tokenizer: Any, args: argparse.Namespace) -> list[Any]:
 
 
 def warm_up(engine: Any, request: Any) -> None:
-    """One short request through the whole path (thread pools, first-call costs), untimed."""
+    """One request as long as the others through the whole path (thread pools, first-call costs
+    of each kernel shape, flashinfer plans), untimed. Its prompt is the first request's reversed,
+    so it shares no block with the timed requests and leaves the cache side nothing to hit."""
     from espalier.engine.api import GenerationRequest, SamplingParams
 
-    short = GenerationRequest(
-        "warmup", prompt="Hello", sampling=SamplingParams(max_tokens=2), grammar=request.grammar
+    warm = GenerationRequest(
+        "warmup",
+        prompt_token_ids=list(reversed(request.prompt_token_ids)),
+        sampling=SamplingParams(max_tokens=2),
+        grammar=request.grammar,
     )
-    engine.add_request(short)
+    engine.add_request(warm)
     while engine.has_unfinished():
         engine.step()
 
@@ -155,11 +166,17 @@ def build_engine(args: argparse.Namespace) -> Any:
     from gpu import llama_8b_config  # bench/gpu.py (this script's folder is on sys.path)
     from spec import _random_state
 
+    from espalier.engine.config import CacheConfig
+    from espalier.engine.kv_cache import blocks_needed
     from espalier.engine.model.runner import ModelRunner
 
     tokenizer = default_tokenizer()
     config = llama_8b_config(tokenizer.vocab_size)
-    runner = ModelRunner(config, _random_state(config, "cuda"), RunnerConfig(device="cuda"))
+    # every request's blocks at once without the cache (user turns < 64 tokens), and spare
+    per_request = blocks_needed(args.system_tokens + 64 + args.max_tokens, 16)
+    cache = CacheConfig(block_size=16, num_blocks=args.requests * per_request + 256)
+    runner_config = RunnerConfig(device="cuda", cache=cache)
+    runner = ModelRunner(config, _random_state(config, "cuda"), runner_config)
     return Engine(EngineConfig(), runner, tokenizer)
 
 
@@ -178,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.head_screen import HeadScreen
 
+    if args.model == "8b-random":
+        args.device = "cuda"
     base = build_engine(args)
-    HeadScreen.for_model(base.runner.model).wait(600)  # built once, shared: not in either side
+    if base.runner.device.type == "cpu":  # CPU only: built once, shared, in neither side
+        HeadScreen.for_model(base.runner.model).wait(600)
     requests = make_requests(base.tokenizer, args)
     sides: dict[str, dict[str, Any]] = {}
     for name, caching in (("no_cache", False), ("prefix_cache", True)):
@@ -203,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_target": 2.0,
         "identical_outputs": off["_tokens"] == on["_tokens"],
         "threads": torch.get_num_threads(),
+        "device": str(base.runner.device),
+        "attention": base.runner.attention.name,
     }
     print(json.dumps(summary), flush=True)
     base.close()

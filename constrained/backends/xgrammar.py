@@ -62,10 +62,7 @@ class Backend:
         self.tokenizer = tokenizer
         self.options = options
         self.facts = vocab_facts(tokenizer)
-        facts = self.facts  # backend_view holds the tokenizer's lock: build without re-entering
-        self.tokenizer_info = tokenizer.backend_view(
-            "xgrammar", lambda tok: _build_tokenizer_info(tok, facts)
-        )
+        self.tokenizer_info = tokenizer_info(tokenizer)
         self.compiler = xgrammar.GrammarCompiler(
             self.tokenizer_info, max_threads=options.max_threads, cache_enabled=False
         )
@@ -255,6 +252,16 @@ def gbnf_literal(text: str) -> str:
             out.append(char)
     out.append('"')
     return "".join(out)
+
+
+def tokenizer_info(tokenizer: TokenizerInfo) -> xgrammar.TokenizerInfo:
+    """xgrammar's view of ``tokenizer``, built once per tokenizer: shared by every ``Backend``
+    and by loads from the on-disk cache, which need no compiler."""
+    # backend_view holds the tokenizer's lock: the facts are built first, without re-entering
+    facts = vocab_facts(tokenizer)
+    return tokenizer.backend_view(  # type: ignore[no-any-return]
+        "xgrammar", lambda tok: _build_tokenizer_info(tok, facts)
+    )
 
 
 def _build_tokenizer_info(tokenizer: TokenizerInfo, facts: VocabFacts) -> xgrammar.TokenizerInfo:

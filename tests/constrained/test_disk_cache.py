@@ -31,9 +31,12 @@ SCHEMA = {
 XGR = ConstraintOptions(backend="xgrammar", allow_weakening=True)
 
 
-def service(tokenizer: Any, directory: Path, max_bytes: int = 64 << 20) -> GrammarService:
+def service(
+    tokenizer: Any, directory: Path, max_bytes: int = 64 << 20, preload_bytes: int = 64 << 20
+) -> GrammarService:
     """A fresh grammar service (empty in-memory cache): what a restarted server has."""
-    disk = GrammarDiskCache(DiskCacheConfig(str(directory), max_bytes), tokenizer)
+    config = DiskCacheConfig(str(directory), max_bytes, preload_bytes)
+    disk = GrammarDiskCache(config, tokenizer)
     return GrammarService(tokenizer, compile_timeout_s=60.0, disk_cache=disk)
 
 
@@ -77,6 +80,46 @@ def test_restart_loads_instead_of_compiling_and_masks_the_same(
     fresh = mask_walk(compiled, tokens, toy_tokenizer.vocab_size)
     restored = mask_walk(loaded, tokens, toy_tokenizer.vocab_size)
     assert all(torch.equal(a, b) for a, b in zip(fresh, restored))
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_first_request_after_a_restart_neither_compiles_nor_builds_a_compiler(
+    toy_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: bool
+) -> None:
+    """With the preload (default), the grammar is deserialized before the request comes (the
+    request finds it ready); without, the request reads its file. Either way: no compile."""
+    from espalier.constrained import compile as compile_module
+    from espalier.constrained.backends import clear_backend_cache
+    from espalier.constrained.backends import xgrammar as xgrammar_backend
+
+    spec = GrammarSpec.json_schema(SCHEMA)
+    compile_once(service(toy_tokenizer, tmp_path), spec)
+    clear_backend_cache()  # a restart: no xgrammar Backend (compiler, child processes) built yet
+    calls: list[str] = []
+
+    def refuse(name: str) -> Any:
+        def called(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            raise AssertionError(f"{name} called although the grammar is on disk")
+
+        return called
+
+    monkeypatch.setattr(compile_module, "compile_grammar", refuse("compile_grammar"))
+    monkeypatch.setattr(xgrammar_backend, "Backend", refuse("xgrammar Backend"))
+    restarted = service(toy_tokenizer, tmp_path, preload_bytes=(64 << 20) if preload else 0)
+    disk = restarted.disk_cache
+    assert disk is not None
+    disk.flush()  # the server was up (vocabulary view built, files preloaded) before the request
+    assert disk.stats.preloaded == (1 if preload else 0)
+    try:  # the engine's path: compile, then the request's own matcher
+        _compiled, report, matcher = restarted.submit_request(spec, XGR).result(timeout=120)
+    finally:
+        restarted.close()
+    assert calls == []
+    assert report.cache_hit and report.backend == "xgrammar"
+    assert disk.stats.hits == 1 and disk.stats.preloaded_hits == (1 if preload else 0)
+    tokens = toy_tokenizer.hf.encode('{"ok":true,"color":"blue"}', add_special_tokens=False)
+    assert all(matcher.accept(token) for token in tokens) and matcher.can_terminate()
 
 
 def test_llguidance_results_are_not_stored(toy_tokenizer: Any, tmp_path: Path) -> None:
@@ -179,3 +222,25 @@ def test_directory_is_bounded_least_recently_used_first(toy_tokenizer: Any, tmp_
     assert compile_once(newest, specs[-1])[1].cache_hit
     oldest = service(toy_tokenizer, tmp_path / "c", bound)
     assert not compile_once(oldest, specs[0])[1].cache_hit
+
+
+def test_preload_takes_only_its_scope_within_its_budget(
+    toy_tokenizer: Any, toy_tokenizer_padded: Any, tmp_path: Path
+) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA)
+    compile_once(service(toy_tokenizer_padded, tmp_path), spec)  # another tokenizer's file
+    (theirs,) = tmp_path.glob("*.xgrammar")
+    ours = service(toy_tokenizer, tmp_path).disk_cache
+    assert ours is not None
+    ours.flush()
+    assert ours.stats.preloaded == 0 and ours.stats.bad_files == 0 and theirs.exists()
+    compile_once(service(toy_tokenizer, tmp_path), spec)  # now one file of each
+    (mine,) = set(tmp_path.glob("*.xgrammar")) - {theirs}
+    small = service(toy_tokenizer, tmp_path, preload_bytes=mine.stat().st_size - 1).disk_cache
+    assert small is not None
+    small.flush()
+    assert small.stats.preloaded == 0  # over the budget
+    again = service(toy_tokenizer, tmp_path).disk_cache
+    assert again is not None
+    again.flush()
+    assert again.stats.preloaded == 1 and theirs.exists()

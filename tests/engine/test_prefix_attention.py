@@ -2,8 +2,9 @@
 first ``cached`` cache entries are another request's blocks (read-only) computes the rest and
 gets the logits of a full prefill of its own prompt; the shared blocks are not written.
 
-CPU: torch SDPA (full and sliding-window layers). GPU (``gpu``-marked): flashinfer, and the
-engine with CUDA graphs, greedy outputs identical with the prefix cache on and off.
+CPU: torch SDPA (full and sliding-window layers). GPU (``gpu``-marked): flashinfer and SDPA, and
+the engine on flashinfer with CUDA graphs (plain, constrained and speculative requests), greedy
+outputs identical with the prefix cache on and off.
 """
 
 from __future__ import annotations
@@ -71,26 +72,48 @@ def test_gpu_prefill_after_a_shared_prefix_equals_a_full_prefill(
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_engine_with_graphs_is_the_same_with_and_without_the_cache(toy_tokenizer: Any) -> None:
+def test_gpu_engine_with_graphs_is_the_same_with_and_without_the_cache(
+    toy_tokenizer: Any, speculative: bool
+) -> None:
+    """Plain and constrained requests in one batch, decoding plainly or speculatively (n-gram
+    trees verified in CUDA graphs), on flashinfer with decode graphs: two waves over one system
+    prompt, the second finding it cached; greedy outputs equal those without the cache."""
     from gpu_models import gpu_config, gpu_runner, gpu_state
 
     from espalier.constrained.spec import GrammarSpec
     from espalier.engine.api import GenerationRequest, SamplingParams
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.scheduler import SchedulerConfig
+    from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+    from espalier.engine.spec.strategy import SpecConfig, install
 
     config = gpu_config(toy_tokenizer.vocab_size, window=8)
     state = gpu_state(config, 7)
-    system = list(range(10, 60))
+    system = list(range(10, 60)) + list(range(10, 30))  # repeats: the n-gram drafter finds drafts
     schema = GrammarSpec.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}})
 
-    def run(prefix_caching: bool) -> dict[str, list[int]]:
-        runner = gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4, 8))
-        sched = SchedulerConfig(max_num_batched_tokens=64, prefix_caching=prefix_caching)
+    def run(prefix_caching: bool) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        runner = gpu_runner(
+            config,
+            state,
+            backend="flashinfer",
+            graphs=(1, 2, 4, 8),
+            trees=(8,) if speculative else (),
+            block_size=8,
+        )
+        assert runner.graphs is not None
+        sched = SchedulerConfig(
+            max_num_batched_tokens=64, block_size=8, prefix_caching=prefix_caching
+        )
         engine = Engine(EngineConfig(scheduler=sched), runner, toy_tokenizer)
+        if speculative:
+            drafters = {"ngram": NgramDrafter(NgramConfig(1, 3))}
+            install(engine, SpecConfig(num_draft_tokens=5, mask_budget_s=None), drafters)
         out: dict[str, list[int]] = {}
+        drafted = 0
         for wave in range(2):
             for i in range(4):
                 rid = f"w{wave}-{i}"
@@ -106,9 +129,17 @@ def test_gpu_engine_with_graphs_is_the_same_with_and_without_the_cache(toy_token
             while engine.has_unfinished():
                 for chunk in engine.step():
                     out[chunk.request_id].extend(chunk.token_ids)
-        if prefix_caching:
-            assert engine.stats()["prefix_hit_tokens"] > 0
+                    if chunk.finished and chunk.speculative is not None:
+                        drafted += chunk.speculative.draft_tokens
+        stats = engine.stats()
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks  # nothing leaked
+        assert sum(runner.graphs.replays.values()) > 0
         engine.close()
-        return out
+        return out, {"hit_tokens": stats["prefix_hit_tokens"], "drafted": drafted}
 
-    assert run(True) == run(False)
+    with_cache, on = run(True)
+    without, off = run(False)
+    assert with_cache == without
+    assert on["hit_tokens"] >= 4 * 64 and off["hit_tokens"] == 0  # the second wave: 8 blocks each
+    if speculative:
+        assert on["drafted"] > 0 and off["drafted"] > 0
