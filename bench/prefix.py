@@ -12,7 +12,7 @@ Prints JSON lines: one per side, then a ``"summary"`` with the ratios and the is
 (TTFT p50 >= 5x lower, throughput >= 2x higher).
 
     .venv/bin/python bench/prefix.py [--requests 64] [--system-tokens 1000] [--max-tokens 16]
-        [--model default|PATH|8b-random] [--device cpu|cuda] [--threads N]
+        [--model default|PATH|8b-random] [--device cpu|cuda] [--threads N] [--tokenizer DIR]
 
 ``--model 8b-random``: the Llama-3-8B shape with random bf16 weights on CUDA (``bench/gpu.py``'s
 config, ``bench/spec.py``'s weights: zero output projections, so every GEMM, attention call and
@@ -21,7 +21,8 @@ there do not check the cached K/V, the engine's ``gpu`` tests do), over the defa
 tokenizer; flashinfer and the default CUDA graphs; a KV cache sized for the requests (block 16).
 On the GPU machine (about a minute: weights, graph captures, then seconds per side)::
 
-    python bench/prefix.py --model 8b-random --requests 64 --system-tokens 1000 --max-tokens 8
+    python bench/prefix.py --model 8b-random --requests 64 --system-tokens 1000 --max-tokens 8 \
+        --tokenizer .data/gemma_tok
 """
 
 from __future__ import annotations
@@ -170,7 +171,12 @@ def build_engine(args: argparse.Namespace) -> Any:
     from espalier.engine.kv_cache import blocks_needed
     from espalier.engine.model.runner import ModelRunner
 
-    tokenizer = default_tokenizer()
+    if args.tokenizer:
+        from espalier.constrained.tokenizer import TokenizerInfo
+
+        tokenizer = TokenizerInfo.from_pretrained(args.tokenizer)
+    else:
+        tokenizer = default_tokenizer()
     config = llama_8b_config(tokenizer.vocab_size)
     # every request's blocks at once without the cache (user turns < 64 tokens), and spare
     per_request = blocks_needed(args.system_tokens + 64 + args.max_tokens, 16)
@@ -187,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--model", default="default", help="default | PATH | 8b-random")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--tokenizer", default="", help="8b-random: a saved Hugging Face tokenizer folder"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     args = parser.parse_args(argv)
     if args.threads:
