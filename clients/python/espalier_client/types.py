@@ -99,6 +99,7 @@ class CompileResult:
     compile_seconds: float
     cache_hit: bool
     cache_key: str
+    queue_seconds: float  # the compile's wait for a place to run, apart from compile_seconds
     raw: Any = field(repr=False, compare=False)
 
     @classmethod
@@ -109,5 +110,6 @@ class CompileResult:
             msg.compile_seconds,
             msg.cache_hit,
             msg.cache_key,
+            msg.queue_seconds,
             msg,
         )
