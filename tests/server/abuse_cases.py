@@ -243,11 +243,19 @@ class Answer:
     field_violations: int
 
 
-def send_raw(channel: grpc.Channel, case: AbuseCase, timeout_s: float = 300.0) -> Answer:
-    """Send ``case`` as raw bytes; the status, its ErrorInfo reason and violation count."""
-    path = SERVICE + case.method  # no (de)serializers: the bytes go out as they are
+def send_raw(
+    channel: grpc.Channel,
+    case: AbuseCase,
+    timeout_s: float = 300.0,
+    service: str = SERVICE,
+    streaming: tuple[str, ...] = ("Generate",),
+) -> Answer:
+    """Send ``case`` as raw bytes to ``service`` (a ``/package.Service/`` prefix; its
+    ``streaming`` methods are server-streaming); the status, its ErrorInfo reason and violation
+    count."""
+    path = service + case.method  # no (de)serializers: the bytes go out as they are
     try:
-        if case.method == "Generate":
+        if case.method in streaming:
             for _ in channel.unary_stream(path)(case.payload, timeout=timeout_s):
                 pass
         else:
