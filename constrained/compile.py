@@ -60,6 +60,7 @@ def prepare_schema(
     """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError."""
     from espalier.constrained.refs import resolve_refs
     from espalier.constrained.rewrite import normalize_schema
+    from espalier.constrained.schema_empty import unproductive_pointer
     from espalier.constrained.schema_features import backend_issues
 
     resolved = resolve_refs(schema, registry)
@@ -67,6 +68,15 @@ def prepare_schema(
     if prepared is False:
         raise InvalidGrammarError(
             "json_schema", "the schema matches no value at all (it is 'false')", pointer=""
+        )
+    empty = unproductive_pointer(prepared)
+    if empty is not None:
+        raise InvalidGrammarError(
+            "json_schema",
+            "the schema matches no finite JSON value: every value needs the subschema at "
+            f"'{resolved.display_pointer(empty)}', which has none (false, or it must contain "
+            "itself without end)",
+            pointer=resolved.display_pointer(empty),
         )
     issues = {}
     for name in backends:
