@@ -168,6 +168,20 @@ def cases(bait: Bait) -> list[AbuseCase]:
             ),
             INVALID,
         ),
+        AbuseCase(  # passes the start state ("{" is allowed), then can only nest forever
+            "required_property_nests_forever",
+            "GenerateUnary",
+            _schema(
+                {
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            ),
+            INVALID,
+            "INVALID_GRAMMAR",
+        ),
         AbuseCase(
             "gbnf_left_recursion",
             "GenerateUnary",
