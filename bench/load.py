@@ -289,10 +289,17 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str, int]:
     raise RuntimeError("the server exited before serving")
 
 
+def abusive_count(n: int, fraction: float) -> int:
+    """How many abusive requests :func:`abusive_mix` makes: ``fraction`` of ``n``, at least one
+    of each kind (0 when ``fraction`` is 0)."""
+    kinds = len(cases(Bait("file:///x", "http://127.0.0.1:9/x")))
+    return max(kinds, round(fraction * n)) if fraction > 0 else 0
+
+
 def abusive_mix(n: int, fraction: float, bait: Bait, rng: random.Random) -> tuple[AbuseCase, ...]:
     """``fraction`` of ``n`` requests, at least one of each kind, in random order."""
     kinds = cases(bait)
-    count = max(len(kinds), round(fraction * n)) if fraction > 0 else 0
+    count = abusive_count(n, fraction)
     mix = [kinds[i % len(kinds)] for i in range(count)]
     rng.shuffle(mix)
     return tuple(mix)
@@ -402,6 +409,10 @@ def main() -> int:
         flags = ["--max-num-seqs", "64"]
         if args.abusive_fraction > 0:
             flags += ABUSE_SERVER_FLAGS
+            # room for the abusive mix next to the streams: a stream refused QUEUE_FULL because
+            # abusive requests took its slots is the concurrency limit at work, not a victim
+            extra = abusive_count(args.requests, args.abusive_fraction)
+            flags += ["--max-concurrent", str(max(256, args.requests + extra))]
         proc, address, metrics_port = start_server(flags)
     else:
         address, metrics_port = args.address, args.metrics_port

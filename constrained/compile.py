@@ -60,6 +60,7 @@ def prepare_schema(
     backends: tuple[str, ...] = AUTO_ORDER,
 ) -> PreparedSchema:
     """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError."""
+    from espalier.constrained.schema.empty import unproductive_pointer
     from espalier.constrained.schema.features import backend_issues
     from espalier.constrained.schema.refs import resolve_refs
     from espalier.constrained.schema.rewrite import normalize_schema
@@ -69,6 +70,15 @@ def prepare_schema(
     if prepared is False:
         raise InvalidGrammarError(
             "json_schema", "the schema matches no value at all (it is 'false')", pointer=""
+        )
+    empty = unproductive_pointer(prepared)
+    if empty is not None:
+        raise InvalidGrammarError(
+            "json_schema",
+            "the schema matches no finite JSON value: every value needs the subschema at "
+            f"'{resolved.display_pointer(empty)}', which has none (false, or it must contain "
+            "itself without end)",
+            pointer=resolved.display_pointer(empty),
         )
     issues = {}
     for name in backends:

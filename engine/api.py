@@ -94,7 +94,9 @@ class Timings:
     """Seconds spent per phase of one request."""
 
     queue_s: float = 0.0
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # arrival → grammar and matcher ready
+    compile_queue_s: float = 0.0  # the compile's waits (CompileReport.queue_seconds), 0 on a hit
+    compile_run_s: float = 0.0  # the compile's run (CompileReport.compile_seconds), 0 on a hit
     prefill_s: float = 0.0
     decode_s: float = 0.0
     mask_s: float = 0.0

@@ -17,6 +17,7 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, ValidationResult
 
 if TYPE_CHECKING:
+    from espalier.constrained.backends.common import BackendOptions
     from espalier.constrained.base import CompiledGrammar, CompileReport, GrammarMatcher
     from espalier.constrained.cache import CompileCache
     from espalier.constrained.disk_cache import GrammarDiskCache
@@ -31,7 +32,9 @@ class GrammarService:
 
     ``cache``: the compile cache to share (e.g. with the server's CompileGrammar); a private one
     with ``compile_timeout_s`` when None. ``disk_cache``: compiled xgrammar grammars kept across
-    restarts (``constrained/disk_cache.py``), consulted on an in-memory miss.
+    restarts (``constrained/disk_cache.py``), consulted on an in-memory miss. ``backend_options``:
+    the options every backend compiles with (compile slots, whitespace, number bounds); the
+    backends' defaults when None.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class GrammarService:
         compile_timeout_s: float = 30.0,
         cache: CompileCache | None = None,
         disk_cache: GrammarDiskCache | None = None,
+        backend_options: BackendOptions | None = None,
     ) -> None:
         from espalier.constrained.cache import CompileCache
 
@@ -48,6 +52,7 @@ class GrammarService:
         self._own_cache = cache is None
         self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
         self.disk_cache = disk_cache
+        self.backend_options = backend_options
         self._matchers: ThreadPoolExecutor | None = None  # made on first use, again after close
         self._matchers_lock = threading.Lock()
 
@@ -69,7 +74,11 @@ class GrammarService:
             if stored is not None:
                 return stored
             result = compile_grammar(
-                spec, self.tokenizer, options.backend, allow_weakening=options.allow_weakening
+                spec,
+                self.tokenizer,
+                options.backend,
+                allow_weakening=options.allow_weakening,
+                options=self.backend_options,
             )
             if disk is not None:
                 disk.store(key, result)

@@ -435,6 +435,9 @@ class Engine:
                 continue
             request.compiled = compiled
             request.matcher = matcher
+            if not report.cache_hit:
+                timeline.compile_queue_s = report.queue_seconds
+                timeline.compile_run_s = report.compile_seconds
             request.backend = report.backend
             request.weakened = tuple(issue.describe() for issue in report.weakened)
             request.status = RequestStatus.WAITING

@@ -52,6 +52,8 @@ class RequestTimeline:
     first_token: float | None = None
     finished: float | None = None
     compile_s: float = 0.0
+    compile_queue_s: float = 0.0
+    compile_run_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     mask_s: float = 0.0
@@ -63,6 +65,8 @@ class RequestTimeline:
         return Timings(
             queue_s=max(queue, 0.0),
             compile_s=self.compile_s,
+            compile_queue_s=self.compile_queue_s,
+            compile_run_s=self.compile_run_s,
             prefill_s=self.prefill_s,
             decode_s=self.decode_s,
             mask_s=self.mask_s,

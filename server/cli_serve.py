@@ -85,6 +85,13 @@ def register(sub: Any) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-max-tokens", type=int, default=8192)
     p.add_argument("--compile-timeout", type=float, default=30.0, help="seconds")
+    p.add_argument(
+        "--compile-slots",
+        type=int,
+        default=2,
+        help="compiles of one grammar backend that run at once (xgrammar and outlines-core "
+        "child processes, llguidance threads); more wait, each within its own time limit",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds")
     p.add_argument("--no-reflection", action="store_true")
     p.set_defaults(func=run)
@@ -142,6 +149,7 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
         grammar_cache_dir=args.grammar_cache_dir,
         grammar_cache_max_bytes=int(args.grammar_cache_max_mb * MIB),
         engine_process=args.engine_process == "on",
+        compile_slots=args.compile_slots,
     )
 
 
@@ -152,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     problems = config.validate()
+    if args.compile_slots < 1:
+        problems.append("--compile-slots must be at least 1")
     if problems:
         raise SystemExit("espalier serve: " + "; ".join(problems))
     options = model_options_from_args(args, config)

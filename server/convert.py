@@ -362,6 +362,8 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
             pb.Timings(
                 queue_seconds=t.queue_s,
                 compile_seconds=t.compile_s,
+                compile_queue_seconds=t.compile_queue_s,
+                compile_run_seconds=t.compile_run_s,
                 prefill_seconds=t.prefill_s,
                 decode_seconds=t.decode_s,
                 mask_seconds=t.mask_s,
@@ -411,4 +413,5 @@ def compile_report_to_proto(report: CompileReport) -> pb.CompileGrammarResponse:
         cache_hit=report.cache_hit,
         cache_key=report.cache_key,
         notes=list(report.notes),
+        queue_seconds=report.queue_seconds,
     )

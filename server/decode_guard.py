@@ -1,19 +1,22 @@
-"""Register the Espalier servicer so that an undecodable request is INVALID_ARGUMENT.
+"""Register a servicer so that an undecodable request is INVALID_ARGUMENT.
 
 grpc decodes a request before any handler runs; with the generated registration a message that
 does not parse (invalid UTF-8 in a string field, a truncated or malformed message) ends as
 UNKNOWN or INTERNAL. Here each method's deserializer returns an :class:`Undecodable` marker instead
 of raising, and the method answers it with INVALID_ARGUMENT (reason ``MALFORMED_REQUEST``).
+Used for the ``espalier.v1`` service and for SMG's worker service (``server/smg/server.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 
 from espalier.server.errors import MalformedRequestError, Violation, to_grpc_status
 from espalier.v1 import espalier_pb2
@@ -47,30 +50,38 @@ def _refusal(method: str, bad: Undecodable) -> grpc.Status:
 
 
 def add_guarded_servicer(
-    servicer: Any, server: grpc.aio.Server, refused: Callable[[str], None] | None = None
+    servicer: Any,
+    server: grpc.aio.Server,
+    refused: Callable[[str], None] | None = None,
+    service: ServiceDescriptor = SERVICE,
 ) -> None:
-    """``add_EspalierServicer_to_server`` with guarded deserializers; ``refused(method)`` is
-    called for each undecodable request (metrics)."""
+    """``add_<Service>Servicer_to_server`` for ``service`` (default: ``espalier.v1.Espalier``)
+    with guarded deserializers; ``refused(method)`` is called for each undecodable request
+    (metrics). Methods the servicer does not implement as coroutines or async generators (the
+    generated base class's UNIMPLEMENTED stubs) are registered as the generated code does."""
     handlers = {}
-    for method in SERVICE.methods:
+    for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(servicer, method.name)
-        make = _stream if method.server_streaming else _unary
         factory = (
             grpc.unary_stream_rpc_method_handler
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
+        implemented = inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+        if implemented:
+            make = _stream if method.server_streaming else _unary
+            handler, decode = make(method.name, behavior, refused), _deserializer(request_cls)
+        else:
+            handler, decode = behavior, request_cls.FromString
         handlers[method.name] = factory(
-            make(method.name, behavior, refused),
-            request_deserializer=_deserializer(request_cls),
-            response_serializer=response_cls.SerializeToString,
+            handler, request_deserializer=decode, response_serializer=response_cls.SerializeToString
         )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def _unary(name: str, behavior: Any, refused: Callable[[str], None] | None) -> Any:

@@ -45,6 +45,7 @@ class ModelOptions:
     prefix_caching: bool = True
     grammar_cache_dir: str | None = None  # on-disk xgrammar compile cache (None: none)
     grammar_cache_max_bytes: int = 512 << 20
+    compile_slots: int = 2  # compiles of one grammar backend at once (BackendOptions)
     seed: int = 0  # weights of tiny-random
     engine_process: bool = False  # step the engine in a child process (server/engine_process.py)
 
@@ -63,14 +64,21 @@ def load_tokenizer(options: ModelOptions) -> TokenizerInfo:
 
 def grammar_service(options: ModelOptions, tokenizer: TokenizerInfo) -> GrammarService:
     """The grammar service for ``tokenizer``, with the on-disk compile cache if configured."""
+    from espalier.constrained.backends import BackendOptions
     from espalier.constrained.disk_cache import DiskCacheConfig, GrammarDiskCache
     from espalier.engine.constraints import GrammarService
 
+    backend_options = BackendOptions(compile_slots=options.compile_slots)
     disk = None
     if options.grammar_cache_dir is not None:
         config = DiskCacheConfig(options.grammar_cache_dir, options.grammar_cache_max_bytes)
-        disk = GrammarDiskCache(config, tokenizer)
-    return GrammarService(tokenizer, compile_timeout_s=options.compile_timeout_s, disk_cache=disk)
+        disk = GrammarDiskCache(config, tokenizer, backend_options)
+    return GrammarService(
+        tokenizer,
+        compile_timeout_s=options.compile_timeout_s,
+        disk_cache=disk,
+        backend_options=backend_options,
+    )
 
 
 def make_compiler(grammar: GrammarService, timeout_s: float) -> Compiler:

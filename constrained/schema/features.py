@@ -237,11 +237,10 @@ def _string_groups(node: dict[str, Any]) -> int:
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     kind = TYPE_OF.get(keyword)
     types = _types(node)
-    if kind is not None:
-        # type-specific keywords are only applied under a single matching "type"
-        wanted = {"integer", "number"} if kind == "number" else {kind}
-        if len(types) != 1 or not types <= wanted:
-            return Support.IGNORED
+    if kind is not None and not types:
+        return Support.IGNORED  # type-specific keywords are dropped where no "type" is given
+    # under a "type" list each listed type keeps its own keywords (probes "*-type-list"); a
+    # keyword of no listed type constrains nothing (probe "maxLength-of-no-listed-type")
     if kind == "string" and _string_groups(node) > 1:
         return Support.WEAKENED  # at most one of pattern / format / length is enforced
     if keyword == "required" and required_outside_properties(node):

@@ -21,8 +21,9 @@ def create_smg_server(config: ServerConfig, state: ServingState) -> tuple[grpc.a
     Returns the server and its port (the bound one when ``smg_port`` is 0). Must be called inside
     a running event loop.
     """
-    from smg_grpc_proto import vllm_engine_pb2_grpc
+    from smg_grpc_proto import vllm_engine_pb2
 
+    from espalier.server.decode_guard import add_guarded_servicer
     from espalier.server.smg.servicer import SmgWorkerServicer
 
     assert config.smg_port is not None
@@ -33,7 +34,12 @@ def create_smg_server(config: ServerConfig, state: ServingState) -> tuple[grpc.a
     ]
     server = grpc.aio.server(options=options)
     servicer = SmgWorkerServicer(state, EspalierServicer(state))
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    add_guarded_servicer(  # undecodable requests: INVALID_ARGUMENT, as on the main port
+        servicer,
+        server,
+        lambda method: state.metrics.requests.labels(method, "INVALID_ARGUMENT").inc(),
+        vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"],
+    )
     address = f"{config.smg_host}:{config.smg_port}"
     port = server.add_insecure_port(address)
     if port == 0:

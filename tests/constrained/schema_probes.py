@@ -92,6 +92,44 @@ PROBES: tuple[Probe, ...] = (
         [5, 6],
     ),
     _p("minimum-untyped", "minimum", {"minimum": 3}, [3, "a"], [2]),
+    # xgrammar: under a "type" list each listed type keeps its own keywords
+    *(
+        _p(f"{kw}-type-list", kw, {"type": [kind, "null"], kw: value, **extra}, valid, invalid)
+        for kw, kind, value, extra, valid, invalid in (
+            ("minimum", "integer", 1, {}, [1, None], [0, "a"]),
+            ("exclusiveMaximum", "number", 2, {}, [1.5, None], [2, 3]),
+            ("maxLength", "string", 3, {}, ["abc", None], ["abcd", 1]),
+            ("pattern", "string", "^a+$", {}, ["aa", None], ["b"]),
+            ("format", "string", "uuid", {}, ["2eb8aa08-aa98-11ea-b4aa-73b441d16380"], ["x"]),
+            ("items", "array", {"type": "integer"}, {}, [[1], [], None], [["a"]]),
+            ("minItems", "array", 2, {}, [[1, 2], None], [[1], []]),
+            ("maxItems", "array", 1, {}, [[1], None], [[1, 2]]),
+            (
+                "additionalProperties",
+                "object",
+                {"type": "string"},
+                {},
+                [{"a": "b"}, None],
+                [{"a": 1}],
+            ),
+            (
+                "required",
+                "object",
+                ["a"],
+                {"properties": {"a": {"type": "integer"}}},
+                [{"a": 1}, None],
+                [{}, {"a": "x"}],
+            ),
+            ("maxProperties", "object", 1, {}, [{"a": 1}, None], [{"a": 1, "b": 2}]),
+        )
+    ),
+    _p(
+        "maxLength-of-no-listed-type",
+        "maxLength",
+        {"type": ["integer", "null"], "maxLength": 2},
+        [1, None],
+        ["a", "abc"],
+    ),
     _p("minLength", "minLength", {"type": "string", "minLength": 2}, ["ab", "abc"], ["a", ""]),
     _p("maxLength", "maxLength", {"type": "string", "maxLength": 2}, ["ab", ""], ["abc"]),
     _p("minLength-untyped", "minLength", {"minLength": 2}, ["ab", 1], ["a"]),

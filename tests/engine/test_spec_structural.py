@@ -19,9 +19,9 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.structural_tag import after_reasoning
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
-from espalier.engine.spec.loop import LoopRequest, SpecLoop
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 MAX_TOKENS = 32

@@ -168,6 +168,20 @@ def cases(bait: Bait) -> list[AbuseCase]:
             ),
             INVALID,
         ),
+        AbuseCase(  # passes the start state ("{" is allowed), then can only nest forever
+            "required_property_nests_forever",
+            "GenerateUnary",
+            _schema(
+                {
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            ),
+            INVALID,
+            "INVALID_GRAMMAR",
+        ),
         AbuseCase(
             "gbnf_left_recursion",
             "GenerateUnary",
@@ -243,11 +257,19 @@ class Answer:
     field_violations: int
 
 
-def send_raw(channel: grpc.Channel, case: AbuseCase, timeout_s: float = 300.0) -> Answer:
-    """Send ``case`` as raw bytes; the status, its ErrorInfo reason and violation count."""
-    path = SERVICE + case.method  # no (de)serializers: the bytes go out as they are
+def send_raw(
+    channel: grpc.Channel,
+    case: AbuseCase,
+    timeout_s: float = 300.0,
+    service: str = SERVICE,
+    streaming: tuple[str, ...] = ("Generate",),
+) -> Answer:
+    """Send ``case`` as raw bytes to ``service`` (a ``/package.Service/`` prefix; its
+    ``streaming`` methods are server-streaming); the status, its ErrorInfo reason and violation
+    count."""
+    path = service + case.method  # no (de)serializers: the bytes go out as they are
     try:
-        if case.method == "Generate":
+        if case.method in streaming:
             for _ in channel.unary_stream(path)(case.payload, timeout=timeout_s):
                 pass
         else:

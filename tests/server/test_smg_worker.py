@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
+from abuse_cases import INVALID, AbuseCase, send_raw
 from server_process import ServerProcess
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
@@ -179,3 +180,30 @@ def test_abort_ends_the_stream_as_aborted(stub: vpb_grpc.VllmEngineStub) -> None
     assert rest[-1].complete.finish_reason == "abort"
     generated = sum(len(r.chunk.token_ids) for r in [first, *rest] if r.HasField("chunk"))
     assert generated < 8000
+
+
+SMG_SERVICE = "/vllm.grpc.engine.VllmEngine/"
+UNDECODABLE = [
+    AbuseCase("invalid_utf8_request_id", "Generate", b"\x0a\x02\xff\xfe", INVALID),
+    AbuseCase("truncated_generate", "Generate", b"\x0a\x05ab", INVALID),
+    AbuseCase("invalid_utf8_abort_id", "Abort", b"\x0a\x01\xc3", INVALID),
+    AbuseCase("wrong_wire_type", "GetModelInfo", b"\x0f", INVALID),
+]
+
+
+@pytest.mark.parametrize("case", UNDECODABLE, ids=[c.name for c in UNDECODABLE])
+def test_undecodable_requests_are_invalid_argument_and_the_worker_serves_on(
+    worker: ServerProcess, stub: vpb_grpc.VllmEngineStub, case: AbuseCase
+) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{worker.smg_port}") as channel:
+        answer = send_raw(
+            channel, case, service=SMG_SERVICE, streaming=("Generate", "GetTokenizer")
+        )
+    assert (answer.code, answer.reason) == (INVALID, "MALFORMED_REQUEST"), answer.message
+    assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=60).healthy
+
+
+def test_methods_the_worker_lacks_stay_unimplemented(stub: vpb_grpc.VllmEngineStub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Embed(vpb.EmbedRequest(request_id="e"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED

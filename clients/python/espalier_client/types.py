@@ -115,6 +115,7 @@ class CompileResult:
     compile_seconds: float
     cache_hit: bool
     cache_key: str
+    queue_seconds: float  # the compile's wait for a place to run, apart from compile_seconds
     raw: Any = field(repr=False, compare=False)
 
     @classmethod
@@ -125,5 +126,6 @@ class CompileResult:
             msg.compile_seconds,
             msg.cache_hit,
             msg.cache_key,
+            msg.queue_seconds,
             msg,
         )

@@ -215,7 +215,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_seconds", "compile_seconds", "prefill_seconds", "decode_seconds", "mask_seconds", "first_token_seconds", "total_seconds")
+    __slots__ = ("queue_seconds", "compile_seconds", "prefill_seconds", "decode_seconds", "mask_seconds", "first_token_seconds", "total_seconds", "compile_queue_seconds", "compile_run_seconds")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,8 @@ class Timings(_message.Message):
     MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_RUN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     compile_seconds: float
     prefill_seconds: float
@@ -230,7 +232,9 @@ class Timings(_message.Message):
     mask_seconds: float
     first_token_seconds: float
     total_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., compile_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., mask_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+    compile_queue_seconds: float
+    compile_run_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., compile_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., mask_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., compile_queue_seconds: _Optional[float] = ..., compile_run_seconds: _Optional[float] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("steps", "draft_tokens", "accepted_tokens", "forced_tokens", "mean_accept_length", "draft_seconds", "mask_seconds", "verify_seconds")
@@ -281,20 +285,22 @@ class CompileGrammarRequest(_message.Message):
     def __init__(self, constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class CompileGrammarResponse(_message.Message):
-    __slots__ = ("backend", "weakened", "compile_seconds", "cache_hit", "cache_key", "notes")
+    __slots__ = ("backend", "weakened", "compile_seconds", "cache_hit", "cache_key", "notes", "queue_seconds")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     WEAKENED_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     weakened: _containers.RepeatedCompositeFieldContainer[KeywordIssue]
     compile_seconds: float
     cache_hit: bool
     cache_key: str
     notes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, backend: _Optional[str] = ..., weakened: _Optional[_Iterable[_Union[KeywordIssue, _Mapping]]] = ..., compile_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ..., cache_key: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+    queue_seconds: float
+    def __init__(self, backend: _Optional[str] = ..., weakened: _Optional[_Iterable[_Union[KeywordIssue, _Mapping]]] = ..., compile_seconds: _Optional[float] = ..., cache_hit: _Optional[bool] = ..., cache_key: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

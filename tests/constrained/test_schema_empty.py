@@ -1,0 +1,121 @@
+"""Schemas with no finite instance are refused at compile, also past the grammar's start state;
+schemas with one never are (checked on every schema of the JSON Schema Test Suite that has a
+valid test instance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from espalier.constrained.backends import get_backend
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.conformance import default_dialect, find_files, iter_cases
+from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.productive import refuse_empty_language
+from espalier.constrained.refs import resolve_refs
+from espalier.constrained.rewrite import normalize_schema
+from espalier.constrained.schema.empty import unproductive_pointer
+from espalier.constrained.spec import GrammarSpec
+
+SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"
+NESTS_FOREVER = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+LIST_NODE = {
+    "type": "object",
+    "properties": {"next": {"$ref": "#/$defs/node"}},
+    "required": ["next"],
+}
+
+EMPTY = [
+    (NESTS_FOREVER, "/properties/a"),
+    ({"$ref": "#"}, ""),
+    ({"enum": []}, ""),
+    ({"allOf": [{"type": "string"}, False]}, "/allOf/1"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "/properties/a"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "/additionalProperties"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "/items"),
+    ({"type": "array", "prefixItems": [{}, False], "minItems": 2}, "/prefixItems/1"),
+    ({"type": "array", "contains": {"$ref": "#"}}, "/contains"),
+    (
+        {
+            "$defs": {"node": LIST_NODE},
+            "type": "object",
+            "properties": {"head": {"$ref": "#/$defs/node"}},
+            "required": ["head"],
+        },
+        "/properties/head",
+    ),
+    ({"anyOf": [{"$ref": "#"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]}, ""),
+]
+SATISFIABLE = [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},  # {} ends it
+    {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+    {
+        "$defs": {"node": LIST_NODE},
+        "type": "object",
+        "properties": {"head": {"$ref": "#/$defs/node"}},
+    },
+    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]},
+    {
+        "type": "object",
+        "required": ["a"],
+        "additionalProperties": False,
+        "patternProperties": {"^a$": {}},
+    },
+    {"type": "array", "contains": {"$ref": "#"}, "minContains": 0},
+    {
+        "type": "string",
+        "minLength": 5,
+        "maxLength": 2,
+    },  # empty, but not read here: left to backends
+]
+
+
+@pytest.mark.parametrize(("schema", "pointer"), EMPTY)
+def test_schemas_without_a_finite_instance_are_found_with_a_pointer(
+    schema: dict[str, Any], pointer: str
+) -> None:
+    assert unproductive_pointer(schema) == pointer
+
+
+@pytest.mark.parametrize("schema", SATISFIABLE)
+def test_schemas_with_a_finite_instance_are_not(schema: dict[str, Any]) -> None:
+    assert unproductive_pointer(schema) is None
+
+
+def test_a_required_property_that_nests_forever_is_refused_past_the_start_state(
+    toy_tokenizer: Any,
+) -> None:
+    spec = GrammarSpec.json_schema(NESTS_FOREVER)
+    compiled = get_backend("llguidance", toy_tokenizer).compile(spec)
+    refuse_empty_language(compiled, toy_tokenizer)  # "{" is allowed: the start state passes
+    with pytest.raises(InvalidGrammarError) as caught:
+        compile_grammar(spec, toy_tokenizer, "llguidance")
+    assert caught.value.pointer == "/properties/a"
+    assert "no finite JSON value" in str(caught.value)
+
+
+@pytest.mark.skipif(not SUITE.is_dir(), reason="JSON Schema Test Suite not present")
+def test_no_schema_with_a_valid_instance_in_the_test_suite_is_found_empty() -> None:
+    checked = 0
+    for path in find_files(SUITE / "draft2020-12") + find_files(SUITE / "draft7"):
+        dialect = default_dialect(path)
+        for _description, schema, tests in iter_cases(path):
+            if not any(test.get("valid") for test in tests):
+                continue
+            if dialect and isinstance(schema, dict) and "$schema" not in schema:
+                schema = {"$schema": dialect, **schema}
+            try:
+                prepared = normalize_schema(resolve_refs(schema).schema)
+            except InvalidGrammarError:
+                continue  # remote refs: no registry here
+            assert unproductive_pointer(prepared) is None, (path.name, schema)
+            checked += 1
+    assert checked > 500
