@@ -131,34 +131,48 @@ class KeyTables:
     by_prefix: for tokens holding a quote, the bytes before the first quote (no backslash among
         them) -> those token ids: inside a key with bytes ``P``, the ids that close it as key
         ``P + prefix``. simulate: ids whose first quote comes after a backslash, or that hold
-        two quotes or more (they may close a key after opening it): run through :func:`step`.
+        two quotes or more (they may close a key after opening it): run through :func:`step`
+        when they may complete a duplicate: ``quoted[t]`` (the byte runs between two of their
+        quotes) meets a key seen, or ``always`` (a backslash, or a run twice).
     """
 
     token_bytes: list[bytes]
     by_prefix: dict[bytes, np.ndarray]
     simulate: np.ndarray  # int64 ids
+    quoted: dict[int, frozenset[bytes]]
+    always: frozenset[int]
 
     @classmethod
     def build(cls, tokenizer: TokenizerInfo) -> KeyTables:
         prefixes: dict[bytes, list[int]] = {}
         slow: list[int] = []
+        quoted: dict[int, frozenset[bytes]] = {}
+        always: set[int] = set()
         for token, data in enumerate(tokenizer.token_bytes):
             first = data.find(b'"')
             if first < 0:
                 continue
             if b"\\" in data[:first] or data.count(b'"') > 1:
                 slow.append(token)
+                runs = data.split(b'"')[1:-1]
+                quoted[token] = frozenset(runs) | {data[:first]}
+                if b"\\" in data or len(set(runs)) < len(runs) or data[:first] in runs:
+                    always.add(token)
             if b"\\" not in data[:first]:
                 prefixes.setdefault(data[:first], []).append(token)
         by_prefix = {p: np.array(ids, dtype=np.int64) for p, ids in prefixes.items()}
-        return cls(tokenizer.token_bytes, by_prefix, np.array(slow, dtype=np.int64))
+        simulate = np.array(slow, dtype=np.int64)
+        return cls(tokenizer.token_bytes, by_prefix, simulate, quoted, frozenset(always))
 
     def duplicates(self, state: KeyState, row: np.ndarray) -> list[int]:
         """The ids allowed by ``row`` (int32 ``[W]``) that complete a duplicate key from
         ``state``."""
         found: list[int] = []
         key, stack = state.key, state.stack
-        if key is not None and not state.escape and not state.high:
+        if key is not None and (state.escape or state.high):  # rare: check every quote token
+            candidates = _allowed(row, np.concatenate([*self.by_prefix.values(), self.simulate]))
+            return sorted(t for t in set(candidates) if step(state, self.token_bytes[t]) is None)
+        if key is not None:
             frame = stack[-1]
             assert frame is not None
             for seen in frame[0]:
@@ -166,13 +180,16 @@ class KeyTables:
                     ids = self.by_prefix.get(seen[len(key) :])
                     if ids is not None:
                         found.extend(_allowed(row, ids))
-            candidates = self.simulate
-        elif key is not None:  # inside an escape: every quote-holding token is checked
-            candidates = np.concatenate([*self.by_prefix.values(), self.simulate])
-        else:
-            candidates = self.simulate
-        for token in _allowed(row, candidates):
-            if step(state, self.token_bytes[token]) is None:
+        seen_anywhere: set[bytes] = set()
+        for frame in stack:
+            if frame is not None:
+                seen_anywhere |= frame[0]
+        for token in _allowed(row, self.simulate):
+            data, runs = self.token_bytes[token], self.quoted[token]
+            # the key this token closes first may come again later in it
+            first = key + data[: data.find(b'"')] if key is not None else None
+            maybe = token in self.always or first in runs or not seen_anywhere.isdisjoint(runs)
+            if maybe and step(state, data) is None:
                 found.append(token)
         return sorted(set(found))
 

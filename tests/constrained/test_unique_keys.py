@@ -18,7 +18,7 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
-from espalier.constrained.json_keys import START, may_repeat_keys, step
+from espalier.constrained.json_keys import START, KeyTables, may_repeat_keys, step
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.traverse import fill_tree_bitmask
 from espalier.constrained.tree import DraftTree
@@ -222,3 +222,31 @@ def test_tree_rows_equal_replaying_each_path(backend: str, toy_tokenizer: Any) -
 
 def _allowed_row(out: Any, node: int, tokenizer: Any) -> list[int]:
     return np.flatnonzero(bm.unpack_allowed(out[node], tokenizer.vocab_size)).tolist()
+
+
+GEMMA_TEXTS = [
+    '{"a": 1, "',
+    '{"mn": "x", "nm": {"a": 1, "type": 2, "',
+    '{"mn": "x", "m',
+    '{"mn": "x", "nm": "va',
+    '{"mn": 1',
+    '{"a\\\\": {"a\\\\"',
+    '[{"mn": {}, "',
+]
+
+
+@pytest.mark.parametrize("text", GEMMA_TEXTS)
+def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_tokenizer: Any) -> None:
+    """The fast path (prefix index, quoted-run prefilter) against running every token that
+    holds a quote through the lexer, on Gemma's 262k vocabulary (others cannot complete a key)."""
+    tables = KeyTables.build(gemma_tokenizer)
+    state = START
+    for byte in text.encode():
+        state = step(state, bytes((byte,)))
+    assert state is not None
+    row = bm.allocate(1, gemma_tokenizer.vocab_size)[0].numpy()
+    quoted = [t for t, b in enumerate(gemma_tokenizer.token_bytes) if b'"' in b]
+    expected = [t for t in quoted if step(state, gemma_tokenizer.token_bytes[t]) is None]
+    assert tables.duplicates(state, row) == expected
+    if text.endswith(', "'):
+        assert expected  # a key start: a seen key and its closing quote in one token
