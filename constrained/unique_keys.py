@@ -54,7 +54,7 @@ class UniqueKeysMatcher:
         self.tables = tables
         self.tokenizer = tokenizer
         self.history = history if history is not None else [START]
-        self._row = bm.allocate(1, inner.vocab_size, fill=0)
+        self._row: torch.Tensor | None = None  # scratch row of the dead-end check, made on use
 
     @property
     def vocab_size(self) -> int:
@@ -163,6 +163,8 @@ class UniqueKeysMatcher:
         if after is not None:
             return after
         row = self._row
+        if row is None:
+            row = self._row = bm.allocate(1, self.inner.vocab_size, fill=0)
         self.inner.fill_bitmask(row, 0)
         if self._filter(row[0].numpy(), state):
             return None

@@ -250,3 +250,21 @@ def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_toke
     assert tables.duplicates(state, row) == expected
     if text.endswith(', "'):
         assert expected  # a key start: a seen key and its closing quote in one token
+
+
+def test_an_exhausted_key_language_is_left_as_the_grammar_says(toy_tokenizer: Any) -> None:
+    """Only key "a" exists and a comma was taken: every way on repeats it. The row is not
+    emptied (no dead end); the duplicate goes through and post-validation reports it."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^a$": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    compiled = _compiled(toy_tokenizer, "llguidance", schema)
+    matcher = with_unique_keys(compiled.spec, compiled.matcher(), toy_tokenizer)
+    prefix = _accepted_prefix(compiled, toy_tokenizer, '{"a": 1, "a')
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    inner = _allowed(matcher.inner, toy_tokenizer.vocab_size)
+    assert inner and _allowed(matcher, toy_tokenizer.vocab_size) == inner
+    assert matcher.accept(toy_tokenizer.encode('"')[0])
+    assert not matcher.history[-1].stack[-1][1]  # "a" counted once; a value comes next
