@@ -53,6 +53,11 @@ class BatchFiller:
         """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
         ``matchers[j]``; the matchers' states do not change. Returns ``{j: exception}`` for the
         matchers that failed (their rows allow every token)."""
+        # wrappers that filter their inner matcher's row (unique_keys.py): the inner matchers
+        # are filled in the batch call, then each wrapper filters its row
+        filters = {j: m for j, m in enumerate(matchers) if hasattr(m, "filter_row")}
+        if filters:
+            matchers = [getattr(m, "inner", m) for m in matchers]
         faults: dict[int, BaseException] = {}
         groups: dict[str, list[int]] = {}
         for j, matcher in enumerate(matchers):
@@ -70,6 +75,9 @@ class BatchFiller:
                     self._fill_native(backend, batch, members)
                 else:
                     _fill_each(batch, members)
+        for j, wrapper in filters.items():
+            if j not in faults:
+                wrapper.filter_row(bitmask[rows[j]])  # type: ignore[attr-defined]
         for j in faults:
             bitmask[rows[j]].fill_(-1)
         return faults

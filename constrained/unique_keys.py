@@ -98,7 +98,13 @@ class UniqueKeysMatcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         self.inner.fill_bitmask(bitmask, index)
-        self._filter(bitmask[index].numpy(), self.history[-1])
+        self.filter_row(bitmask[index])
+
+    def filter_row(self, row: torch.Tensor) -> None:
+        """Remove the duplicate completions from ``row`` (int32 ``[W]``, CPU), a row the inner
+        matcher filled at the current state (``constrained/batch.py`` fills inner matchers
+        in one native call, then each wrapper filters its row)."""
+        self._filter(row.numpy(), self.history[-1])
 
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()

@@ -268,3 +268,32 @@ def test_an_exhausted_key_language_is_left_as_the_grammar_says(toy_tokenizer: An
     assert inner and _allowed(matcher, toy_tokenizer.vocab_size) == inner
     assert matcher.accept(toy_tokenizer.encode('"')[0])
     assert not matcher.history[-1].stack[-1][1]  # "a" counted once; a value comes next
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_batch_fills_of_wrapped_matchers_equal_their_own_fills(
+    backend: str, gemma_tokenizer: Any
+) -> None:
+    """The batch grammar call fills the inner matchers natively, then each wrapper filters."""
+    import torch
+
+    from espalier.constrained.batch import BatchFiller
+
+    compiled = _compiled(gemma_tokenizer, backend, FREE)
+    text = '{"a": 1, "b": 2, "c": 3}'
+    tokens = gemma_tokenizer.encode(text)
+    matchers: list[Any] = []
+    prefixes = [tokens[:cut] for cut in range(len(tokens) + 1)]
+    prefixes.append(gemma_tokenizer.encode('{"name": 1, "value": 2, "name'))
+    for prefix in prefixes:
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), gemma_tokenizer)
+        assert matcher.accept_tokens(prefix) == len(prefix)
+        matchers += [matcher, matcher.inner.fork()]  # a plain matcher in the same batch too
+    n = len(matchers)
+    expected = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    for j, matcher in enumerate(matchers):
+        matcher.fill_bitmask(expected, j)
+    got = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0x5EA)
+    assert BatchFiller(2).fill_next_rows(matchers, got, list(range(n))) == {}
+    assert torch.equal(got, expected)
+    assert not torch.equal(expected[0::2], expected[1::2])  # some wrapped rows lost tokens
