@@ -309,7 +309,8 @@ class BudgetCloser:
         if after is None:
             after = self.paths.search(probe, min(budget - 2, SEARCH_LIMIT))
         if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
-            return None, replace(memo, next_check=here + 1 + (budget - 2 - SEARCH_LIMIT) // 3)
+            later = (budget - 2 - SEARCH_LIMIT) // (GROWTH_PER_TOKEN + 1)
+            return None, replace(memo, next_check=here + 1 + later)
         if after is not None:
             slack = budget - 2 - len(after) - MARGIN
             next_check = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
