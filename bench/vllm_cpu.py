@@ -160,11 +160,14 @@ class EspalierSide:
                 break
             if event["event"] == "load_failed":
                 raise RuntimeError(event["error"])
-        from espalier_client import AsyncClient
-
-        self.client = AsyncClient(f"127.0.0.1:{port}", timeout_s=3600.0)
+        self.address = f"127.0.0.1:{port}"
+        self.client: Any = None  # made in the running event loop (grpc.aio binds to it)
 
     async def generate(self, prompt: str, schema: Any, max_tokens: int) -> dict[str, Any]:
+        if self.client is None:
+            from espalier_client import AsyncClient
+
+            self.client = AsyncClient(self.address, timeout_s=3600.0)
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0}
         if schema is not None:
             kwargs["schema"] = schema
@@ -223,15 +226,59 @@ async def run_batch(
     return record
 
 
-def start_side(name: str, args: argparse.Namespace, model_dir: Path) -> tuple[Any, float]:
+async def start_side(name: str, args: argparse.Namespace, model_dir: Path) -> tuple[Any, float]:
     """The side's server and its cold start (process start to the first token), seconds."""
     start = time.perf_counter()
     if name == "vllm":
-        side: Any = VllmSide(ensure_vllm(args.venv), model_dir, args.port, args.max_model_len)
+        python = ensure_vllm(args.venv)
+        side: Any = await asyncio.to_thread(
+            VllmSide, python, model_dir, args.port, args.max_model_len
+        )
     else:
-        side = EspalierSide()
-    asyncio.run(side.generate("Hello", None, 1))
+        side = await asyncio.to_thread(EspalierSide)
+    await side.generate("Hello", None, 1)
     return side, time.perf_counter() - start
+
+
+async def compare(
+    args: argparse.Namespace, model_dir: Path, prompts: list[str], schemas: list[Any]
+) -> None:
+    """Both servers up, the interleaved rounds, the ratio and summary lines; servers stopped."""
+    batches = [int(b) for b in args.batches.split(",")]
+    sides: dict[str, Any] = {}
+    try:
+        for name in ("espalier", "vllm"):
+            sides[name], cold = await start_side(name, args, model_dir)
+            emit({"event": "start", "side": name, "cold_start_s": round(cold, 1)})
+        rates: dict[tuple[str, str, int], list[float]] = {}
+        for rep in range(args.reps):
+            order = ["espalier", "vllm"] if rep % 2 == 0 else ["vllm", "espalier"]
+            for mode in ("unconstrained", "constrained"):
+                given = schemas if mode == "constrained" else [None] * len(schemas)
+                for batch in batches:
+                    for name in order:
+                        record = await run_batch(
+                            sides[name], prompts, given, batch, args.max_tokens
+                        )
+                        rates.setdefault((name, mode, batch), []).append(record["tok_per_s"])
+                        emit({"rep": rep, "side": name, "mode": mode, "batch": batch, **record})
+    finally:
+        peaks = {name: side.close() for name, side in sides.items()}
+    ratios = {}
+    for mode in ("unconstrained", "constrained"):
+        for batch in batches:
+            ours = statistics.median(rates[("espalier", mode, batch)])
+            theirs = statistics.median(rates[("vllm", mode, batch)])
+            ratios[f"{mode}_b{batch}"] = round(ours / theirs, 3)
+            emit(
+                {
+                    "event": "ratio",
+                    "mode": mode,
+                    "batch": batch,
+                    "espalier_over_vllm": ours / theirs,
+                }
+            )
+    emit({"event": "summary", "ratios": ratios, "peak_rss_bytes": peaks})
 
 
 def main() -> None:
@@ -258,40 +305,7 @@ def main() -> None:
     chosen = select_schemas(args.schemas, tokenizer, xgrammar.GrammarCompiler(info))
     prompts = [prompt_for(schema) for _, schema in chosen]
     schemas = [schema for _, schema in chosen]
-    batches = [int(b) for b in args.batches.split(",")]
-
-    sides: dict[str, Any] = {}
-    for name in ("espalier", "vllm"):
-        sides[name], cold = start_side(name, args, model_dir)
-        emit({"event": "start", "side": name, "cold_start_s": round(cold, 1)})
-    rates: dict[tuple[str, str, int], list[float]] = {}
-    for rep in range(args.reps):
-        order = ["espalier", "vllm"] if rep % 2 == 0 else ["vllm", "espalier"]
-        for mode in ("unconstrained", "constrained"):
-            for batch in batches:
-                for name in order:
-                    given = schemas if mode == "constrained" else [None] * len(schemas)
-                    record = asyncio.run(
-                        run_batch(sides[name], prompts, given, batch, args.max_tokens)
-                    )
-                    rates.setdefault((name, mode, batch), []).append(record["tok_per_s"])
-                    emit({"rep": rep, "side": name, "mode": mode, "batch": batch, **record})
-    peaks = {name: side.close() for name, side in sides.items()}
-    ratios = {}
-    for mode in ("unconstrained", "constrained"):
-        for batch in batches:
-            ours = statistics.median(rates[("espalier", mode, batch)])
-            theirs = statistics.median(rates[("vllm", mode, batch)])
-            ratios[f"{mode}_b{batch}"] = round(ours / theirs, 3)
-            emit(
-                {
-                    "event": "ratio",
-                    "mode": mode,
-                    "batch": batch,
-                    "espalier_over_vllm": ours / theirs,
-                }
-            )
-    emit({"event": "summary", "ratios": ratios, "peak_rss_bytes": peaks})
+    asyncio.run(compare(args, model_dir, prompts, schemas))
 
 
 if __name__ == "__main__":
