@@ -105,7 +105,7 @@ class VllmSide:
     def __init__(self, python: Path, model_dir: Path, port: int, max_len: int) -> None:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         cmd += ["--dtype", "float32", "--port", str(port), "--max-model-len", str(max_len)]
-        cmd += ["--served-model-name", "m", "--disable-log-requests"]
+        cmd += ["--served-model-name", "m"]
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
