@@ -111,7 +111,7 @@ class VllmSide:
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         }
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
         self.memory = PeakMemory(self.proc.pid)
         while True:
             if self.proc.poll() is not None:
