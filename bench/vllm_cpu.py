@@ -106,6 +106,8 @@ class VllmSide:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         cmd += ["--dtype", "float32", "--port", str(port), "--max-model-len", str(max_len)]
         cmd += ["--served-model-name", "m"]
+        # the converted config.json names no architecture: vLLM then loads an embedding model
+        cmd += ["--hf-overrides", json.dumps({"architectures": ["Gemma3ForCausalLM"]})]
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
