@@ -47,6 +47,11 @@ class BatchFiller:
         """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
         ``matchers[j]``; the matchers' states do not change. Returns ``{j: exception}`` for the
         matchers that failed (their rows allow every token)."""
+        # wrappers that filter their inner matcher's row (unique_keys.py): the inner matchers
+        # are filled in the batch call, then each wrapper filters its row
+        filters = {j: m for j, m in enumerate(matchers) if hasattr(m, "filter_row")}
+        if filters:
+            matchers = [getattr(m, "inner", m) for m in matchers]
         faults: dict[int, BaseException] = {}
         groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
         for j, matcher in enumerate(matchers):
@@ -73,6 +78,12 @@ class BatchFiller:
                     _fill_each(matchers, bitmask, rows, members, faults)
                     continue
                 faults.update({members[k]: exc for k, exc in failed.items()})
+        for j, wrapper in filters.items():
+            if j not in faults:
+                try:
+                    wrapper.filter_row(bitmask[rows[j]])  # type: ignore[attr-defined]
+                except Exception as exc:
+                    faults[j] = exc
         for j in faults:
             bitmask[rows[j]].fill_(-1)
         return faults

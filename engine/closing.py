@@ -2,11 +2,13 @@
 
 A constrained request promises output that matches its grammar, and ``max_tokens`` bounds its
 length. A model that loops (greedy repetition inside a string or an array: small models do)
-would reach max_tokens mid-value and return text that matches nothing. So in the last
-:data:`CLOSING_WINDOW` tokens of its budget, before a sampled token is accepted, the engine checks
-that a *closing path* still fits after it: a short token sequence that completes the grammar from
-the state after the token, plus one stop token. When it does not, the engine emits the closing
-path of the current state and a stop token instead, and the request ends there (``STOP``).
+would reach max_tokens mid-value and return text that matches nothing. So before a sampled
+token is accepted, the engine checks that a *closing path* still fits after it (in the last
+:data:`CLOSING_WINDOW` tokens of the budget, and before them at checks spaced by the slack the
+last path left, so that a path longer than the window, a deep nest, is seen in time): a short
+token sequence that completes the grammar from the state after the token, plus one stop token.
+When it does not, the engine emits the closing path of the current state and a stop token
+instead, and the request ends there (``STOP``).
 Outputs that finish on their own are untouched, token for token.
 
 :class:`ClosingPaths` finds a closing path greedily on a fork of the matcher: the tokens the
@@ -37,14 +39,17 @@ if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.request import Request
 
-CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are checked
+CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are checked ahead
 # Checks are spaced out while the budget is far from the last closing path's length: a token is
 # assumed to lengthen the closing path by at most GROWTH_PER_TOKEN tokens, plus MARGIN to spare.
 # (A token that grows it faster can only make the policy miss a closing, i.e. the output is cut
 # as without it; whatever is emitted still matches the grammar.)
 GROWTH_PER_TOKEN = 2
 MARGIN = 4
-REPEAT_LIMIT = 16  # a search choosing one token this many times in a row gives up (a loop)
+SEARCH_LIMIT = 4 * CLOSING_WINDOW  # the longest search (far from the end: look again later)
+# a search choosing one token this many times in a row gives up (a loop); closers ("}", "]")
+# are exempt: each one ends a container, and a deep nest needs one per level
+REPEAT_LIMIT = 16
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
 
@@ -60,6 +65,8 @@ class ClosingPaths:
             ids = tokenizer.encode(text)
             if len(ids) == 1 and ids[0] not in self.candidates:
                 self.candidates.append(ids[0])
+        closing = [tokenizer.encode(text) for text in ("}", "]")]
+        self.closers = frozenset(ids[0] for ids in closing if len(ids) == 1)
         self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)
         # whitespace-only ids: a pass over the whole vocabulary (18-20 ms for Gemma's 262k ids
         # here), made at engine start and once per tokenizer, never in a step
@@ -78,9 +85,9 @@ class ClosingPaths:
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
 
-        Gives up (None) when it has chosen the same token :data:`REPEAT_LIMIT` times in a row:
-        the greedy choice is going round in a loop (``0`` after ``0`` in a string whose format
-        needs an ``@`` first) that would only end at ``limit``."""
+        Gives up (None) when it has chosen the same token :data:`REPEAT_LIMIT` times in a row
+        (a closer excepted): the greedy choice is going round in a loop (``0`` after ``0`` in a
+        string whose format needs an ``@`` first) that would only end at ``limit``."""
         if limit < 0:
             return None
         path: list[int] = []
@@ -98,7 +105,7 @@ class ClosingPaths:
             if chosen is None:
                 return None
             repeats = repeats + 1 if path and path[-1] == chosen else 1
-            if repeats >= REPEAT_LIMIT:
+            if repeats >= REPEAT_LIMIT and chosen not in self.closers:
                 return None
             path.append(chosen)
         return path
@@ -300,7 +307,10 @@ class BudgetCloser:
         if after is None and seed:
             after = self.paths.stitch(probe, seed, budget - 2)
         if after is None:
-            after = self.paths.search(probe, budget - 2)
+            after = self.paths.search(probe, min(budget - 2, SEARCH_LIMIT))
+        if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
+            later = (budget - 2 - SEARCH_LIMIT) // (GROWTH_PER_TOKEN + 1)
+            return None, replace(memo, next_check=here + 1 + later)
         if after is not None:
             slack = budget - 2 - len(after) - MARGIN
             next_check = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
@@ -373,8 +383,11 @@ class BudgetCloser:
 
 def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool) -> Memo | None:
     """The memo after ``token`` (appended at output length ``here`` with ``budget`` tokens
-    left) when :meth:`BudgetCloser.decide` needs no grammar work for it; None when it does."""
-    if exempt or memo.unclosable or budget > CLOSING_WINDOW:
+    left) when :meth:`BudgetCloser.decide` needs no grammar work for it; None when it does.
+
+    Before the window too, checks come at ``memo.next_check`` (the first at the first token):
+    a closing path longer than the window (a nest deeper than it) is seen while it still fits."""
+    if exempt or memo.unclosable:
         return memo
     known = memo.known
     path = known[1] if known is not None and known[0] == here else None  # fits budget - 1

@@ -95,10 +95,13 @@ class GrammarService:
         out: Future[Any] = Future()
 
         def make(compiled: CompiledGrammar, report: CompileReport) -> None:
+            from espalier.constrained.unique_keys import with_unique_keys
+
             if not out.set_running_or_notify_cancel():
                 return
             try:
-                out.set_result((compiled, report, compiled.matcher()))
+                matcher = with_unique_keys(compiled.spec, compiled.matcher(), self.tokenizer)
+                out.set_result((compiled, report, matcher))
             except Exception as exc:  # the request's own failure, reported through its Future
                 out.set_exception(exc)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from espalier.constrained.schema_walk import escape_pointer_token, walk
+from espalier.constrained.schema.walk import escape_pointer_token, walk
 
 SCALARS = frozenset({"string", "number", "integer", "boolean", "null"})
 ALL_TYPES = SCALARS | {"object", "array"}

@@ -150,6 +150,12 @@ def fill_tree_bitmask(
             (for trees of ``walk_llguidance.SPLIT_MIN_NODES`` nodes or more); give 1 where
             other fills already keep every core busy (a batch with a tree per thread).
     """
+    fill_tree = getattr(matcher, "fill_tree", None)
+    if fill_tree is not None:  # a wrapper filtering its inner matcher's walk (unique_keys.py)
+        masks: TreeMasks = fill_tree(
+            fill_tree_bitmask, tree, out, budget=budget, root_row=root_row, threads=threads
+        )
+        return masks
     start = time.perf_counter()
     rows = _rows_view(out, tree.num_nodes, matcher.vocab_size)
     root_ready = root_row is not None

@@ -13,10 +13,10 @@ from espalier.constrained.backends import get_backend
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import default_dialect, find_files, iter_cases
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.productive import refuse_empty_language
-from espalier.constrained.refs import resolve_refs
-from espalier.constrained.rewrite import normalize_schema
 from espalier.constrained.schema.empty import unproductive_pointer
+from espalier.constrained.schema.productive import refuse_empty_language
+from espalier.constrained.schema.refs import resolve_refs
+from espalier.constrained.schema.rewrite import normalize_schema
 from espalier.constrained.spec import GrammarSpec
 
 SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"
