@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from espalier.constrained.base import CompiledGrammar, CompileReport
 from espalier.constrained.errors import (
     CompileTimeoutError,
+    EmptyLanguageError,
     GrammarError,
     InvalidGrammarError,
     KeywordIssue,
@@ -68,12 +69,12 @@ def prepare_schema(
     resolved = resolve_refs(schema, registry)
     prepared = normalize_schema(resolved.schema)
     if prepared is False:
-        raise InvalidGrammarError(
+        raise EmptyLanguageError(
             "json_schema", "the schema matches no value at all (it is 'false')", pointer=""
         )
     empty = unproductive_pointer(prepared)
     if empty is not None:
-        raise InvalidGrammarError(
+        raise EmptyLanguageError(
             "json_schema",
             "the schema matches no finite JSON value: every value needs the subschema at "
             f"'{resolved.display_pointer(empty)}', which has none (false, or it must contain "

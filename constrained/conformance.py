@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from espalier.constrained.errors import EmptyLanguageError
 from espalier.constrained.false_rejects import CAUSES
 
 if TYPE_CHECKING:
@@ -184,6 +185,19 @@ class Runner:
         result.tests += len(tests)
         try:
             compiled = self._compile(schema)
+        except EmptyLanguageError:  # refused as matching nothing: every test is judged on that
+            result.compiled += 1
+            result.backends["empty"] = result.backends.get("empty", 0) + 1
+            for test in tests:
+                if test.get("valid"):  # the emptiness check was wrong: the worst kind of bug
+                    result.false_reject += 1
+                    result.false_reject_other += 1
+                    text = serialize(test.get("data"))[:200]
+                    name = str(test.get("description", ""))
+                    result.failures.append(("false_reject", description, name, f"[empty] {text}"))
+                else:
+                    result.passed += 1
+            return
         except Exception as exc:  # a GrammarError, or a bug: reported as a refusal, never a crash
             result.refused += 1
             result.failures.append(("refused", description, "", _describe(exc)))

@@ -38,6 +38,11 @@ class InvalidGrammarError(GrammarError):
         super().__init__(f"invalid {kind}{where}: {detail}")
 
 
+class EmptyLanguageError(InvalidGrammarError):
+    """The schema is well formed but no JSON value satisfies it, so nothing can be generated:
+    refused like a malformed one (same reason), and known to accept nothing."""
+
+
 class UnsupportedGrammarError(GrammarError):
     """A backend was asked for a grammar kind (or feature) it cannot compile."""
 

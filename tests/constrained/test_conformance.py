@@ -188,6 +188,35 @@ def test_false_rejects_are_counted_by_cause(tmp_path: Path, toy_tokenizer_dir: s
     assert sorted(d.split("]")[0] for d in details) == ["[format", "[number", "[property_order"]
 
 
+def test_a_schema_refused_as_matching_nothing_rejects_every_instance(
+    tmp_path: Path, toy_tokenizer_dir: str
+) -> None:
+    """An empty-language refusal is judged as a grammar that accepts nothing: its invalid
+    instances pass, a valid one (a wrong emptiness verdict) is a false reject."""
+    (tmp_path / "empty.json").write_text(
+        json.dumps(
+            [
+                {
+                    "description": "a required property with no value",
+                    "schema": {"type": "object", "properties": {"a": False}, "required": ["a"]},
+                    "tests": [
+                        {"description": "empty object", "data": {}, "valid": False},
+                        {"description": "with a", "data": {"a": 1}, "valid": False},
+                    ],
+                },
+                {
+                    "description": "claimed valid",
+                    "schema": False,
+                    "tests": [{"description": "a number", "data": 1, "valid": True}],
+                },
+            ]
+        )
+    )
+    summary = run_cli(str(tmp_path), "--tokenizer", toy_tokenizer_dir)[-1]
+    assert (summary["compiled"], summary["refused"]) == (2, 0)
+    assert (summary["passed"], summary["false_reject"], summary["false_accept"]) == (2, 1, 0)
+
+
 def test_optional_files_are_skipped_unless_asked(tmp_path: Path) -> None:
     (tmp_path / "optional").mkdir()
     (tmp_path / "a.json").write_text("[]")

@@ -65,11 +65,17 @@ def test_gpu_prefill_after_a_shared_prefix_equals_a_full_prefill(
 ) -> None:
     from gpu_models import gpu_config, gpu_runner, gpu_state
 
+    """bf16. On flashinfer the short chunks and the decode attend with the small-query kernel
+    and the full prefill with flashinfer's prefill kernel, so the bound is the one the other
+    cross-kernel tests use (2 % of the largest logit: bf16's step is 0.125 at the |logit| of
+    about 24 here); SDPA runs one kernel for both."""
     config = gpu_config(97, window=window)
     runner = gpu_runner(config, gpu_state(config, 5), backend=backend, block_size=BLOCK)
     assert runner.attention.name == backend
-    got, want = shared_prefix_logits(runner)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    got, want = (t.float() for t in shared_prefix_logits(runner))
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 0.02 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("speculative", [False, True])
