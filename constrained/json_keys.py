@@ -133,7 +133,9 @@ class KeyTables:
         ``P + prefix``. simulate: ids whose first quote comes after a backslash, or that hold
         two quotes or more (they may close a key after opening it): run through :func:`step`
         when they may complete a duplicate: ``quoted[t]`` (the byte runs between two of their
-        quotes) meets a key seen, or ``always`` (a backslash, or a run twice).
+        quotes) meets a key seen, or ``always`` (a backslash, or a run twice). by_run: each run
+        of ``quoted`` -> the ids holding it, and always_ids: ``always`` as an array (outside a
+        key string the candidates are these, found without a loop over ``simulate``).
     """
 
     token_bytes: list[bytes]
@@ -141,6 +143,8 @@ class KeyTables:
     simulate: np.ndarray  # int64 ids
     quoted: dict[int, frozenset[bytes]]
     always: frozenset[int]
+    by_run: dict[bytes, np.ndarray]
+    always_ids: np.ndarray  # int64 ids
 
     @classmethod
     def build(cls, tokenizer: TokenizerInfo) -> KeyTables:
@@ -162,7 +166,21 @@ class KeyTables:
                 prefixes.setdefault(data[:first], []).append(token)
         by_prefix = {p: np.array(ids, dtype=np.int64) for p, ids in prefixes.items()}
         simulate = np.array(slow, dtype=np.int64)
-        return cls(tokenizer.token_bytes, by_prefix, simulate, quoted, frozenset(always))
+        runs_to_ids: dict[bytes, list[int]] = {}
+        for token, held in quoted.items():
+            for run in held:
+                runs_to_ids.setdefault(run, []).append(token)
+        by_run = {run: np.array(ids, dtype=np.int64) for run, ids in runs_to_ids.items()}
+        always_ids = np.array(sorted(always), dtype=np.int64)
+        return cls(
+            tokenizer.token_bytes,
+            by_prefix,
+            simulate,
+            quoted,
+            frozenset(always),
+            by_run,
+            always_ids,
+        )
 
     def duplicates(self, state: KeyState, row: np.ndarray) -> list[int]:
         """The ids allowed by ``row`` (int32 ``[W]``) that complete a duplicate key from
@@ -184,6 +202,12 @@ class KeyTables:
         for frame in stack:
             if frame is not None:
                 seen_anywhere |= frame[0]
+        if key is None:  # the tokens whose runs meet a key seen, or that always need a look
+            pool = [self.by_run[seen] for seen in seen_anywhere if seen in self.by_run]
+            for token in set(_allowed(row, np.concatenate([self.always_ids, *pool]))):
+                if step(state, self.token_bytes[token]) is None:
+                    found.append(token)
+            return sorted(set(found))
         for token in _allowed(row, self.simulate):
             data, runs = self.token_bytes[token], self.quoted[token]
             # the key this token closes first may come again later in it
