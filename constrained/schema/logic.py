@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from espalier.constrained.schema.value_complement import values_complement
+from espalier.constrained.schema.value_complement import json_type, values_complement
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
 DEFS_PREFIX = "#/$defs/"
@@ -66,18 +66,6 @@ def types_of(branch: Any, defs: Defs) -> set[str] | None:
     if names is None:
         return None
     return {"number" if t == "integer" else t for t in names}
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
 
 
 def canonical(value: Any) -> str:

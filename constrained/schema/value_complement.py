@@ -42,7 +42,8 @@ def values_complement(values: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
-def _scalar_type(value: Any) -> str | None:
+def json_type(value: Any) -> str:
+    """The JSON type name of a decoded JSON value (integers are "number")."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -51,7 +52,12 @@ def _scalar_type(value: Any) -> str | None:
         return "number"
     if isinstance(value, str):
         return "string"
-    return None
+    return "array" if isinstance(value, list) else "object"
+
+
+def _scalar_type(value: Any) -> str | None:
+    kind = json_type(value)
+    return None if kind in ("array", "object") else kind
 
 
 def _number_gaps(numbers: list[Any]) -> list[dict[str, Any]]:
