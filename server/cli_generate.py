@@ -174,7 +174,7 @@ def tensor_parallel_runner(path: Any, runner_config: Any, ranks: int) -> Any:
     if ranks == 1:
         return None
     parallel = ParallelConfig(world_size=ranks)  # ValueError below 1
-    loader = functools.partial(load_weights, path, progress=False)
+    loader = functools.partial(load_weights, path)
     return start_tensor_parallel(loader, runner_config, parallel)
 
 

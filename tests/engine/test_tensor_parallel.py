@@ -2,7 +2,8 @@
 constrained and speculative; a rank that dies fails the step and every later one.
 
 Real ranks: ``start_tensor_parallel`` spawns rank 1 and rank 0 runs here; the models are the
-random-weight loaders of ``tests/fixtures/tp_models.py`` (Llama with 4 KV heads, the Qwen3 shape).
+random-weight loaders of ``tests/fixtures/tensor_parallel.py`` (Llama with 4 KV heads, the
+Qwen3 shape).
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ from espalier.engine.model.parallel import ParallelConfig, TensorParallelError
 from espalier.engine.model.parallel.launch import start_tensor_parallel
 from espalier.engine.model.parallel.shard import local_config, shard_state_dict
 from espalier.engine.model.runner import ModelRunner
-from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
-from espalier.engine.spec.strategy import SpecConfig, install
-from tests.fixtures import tp_models
+from tests.fixtures import tensor_parallel as tp_fixtures
+from tests.fixtures.tensor_parallel import run, speculative
 from tests.fixtures.tokenizers import build_byte_level_hf
 
 CACHE = RunnerConfig(cache=CacheConfig(block_size=4, num_blocks=256))
@@ -84,27 +84,6 @@ def requests() -> list[GenerationRequest]:
     ]
 
 
-def run(engine: Engine) -> dict[str, tuple[list[int], str, Any]]:
-    """Request id -> (tokens, text, final chunk)."""
-    for request in requests():
-        engine.add_request(request)
-    tokens: dict[str, list[int]] = {}
-    text: dict[str, str] = {}
-    final: dict[str, Any] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.token_ids)
-            text[out.request_id] = text.get(out.request_id, "") + out.text_delta
-            if out.finished:
-                final[out.request_id] = out
-    return {rid: (tokens[rid], text[rid], final[rid]) for rid in final}
-
-
-def speculative(engine: Engine) -> Engine:
-    config = SpecConfig(num_draft_tokens=6, mask_budget_s=None)
-    return install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))})
-
-
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Rank 0 and rank 1 share the CI's cores: one torch thread each."""
@@ -118,11 +97,11 @@ def check_same_greedy_tokens(loader: Loader) -> None:
     model_config, state = loader()
     tok = tokenizer(model_config.vocab_size)
     single = ModelRunner(model_config, state, CACHE)
-    reference = run(Engine(EngineConfig(), single, tok))
+    reference = run(Engine(EngineConfig(), single, tok), requests())
     runner = start_tensor_parallel(loader, CACHE, PARALLEL)
     try:
-        plain = run(Engine(EngineConfig(), runner, tok))
-        spec = run(speculative(Engine(EngineConfig(), runner, tok)))
+        plain = run(Engine(EngineConfig(), runner, tok), requests())
+        spec = run(speculative(Engine(EngineConfig(), runner, tok)), requests())
     finally:
         runner.close()
     assert len(reference) == len(requests())
@@ -137,12 +116,12 @@ def check_same_greedy_tokens(loader: Loader) -> None:
 
 
 def test_llama_kv4_same_greedy_tokens(one_thread: None) -> None:
-    check_same_greedy_tokens(tp_models.llama_kv4)
+    check_same_greedy_tokens(tp_fixtures.llama_kv4)
 
 
 @pytest.mark.slow
 def test_qwen3_shape_same_greedy_tokens(one_thread: None) -> None:
-    check_same_greedy_tokens(tp_models.qwen3_shape)
+    check_same_greedy_tokens(tp_fixtures.qwen3_shape)
 
 
 def test_killed_rank_fails_the_step_then_every_step(one_thread: None) -> None:
@@ -153,8 +132,8 @@ def test_killed_rank_fails_the_step_then_every_step(one_thread: None) -> None:
         failures.append(why)
         called.set()
 
-    model_config, _ = tp_models.llama_kv4()
-    runner = start_tensor_parallel(tp_models.llama_kv4, CACHE, PARALLEL, on_failure=on_failure)
+    model_config, _ = tp_fixtures.llama_kv4()
+    runner = start_tensor_parallel(tp_fixtures.llama_kv4, CACHE, PARALLEL, on_failure=on_failure)
     try:
         engine = Engine(EngineConfig(), runner, tokenizer(model_config.vocab_size))
         request = requests()[0]
@@ -174,7 +153,7 @@ def test_killed_rank_fails_the_step_then_every_step(one_thread: None) -> None:
         runner.close()
 
 
-@pytest.mark.parametrize("loader", [tp_models.llama_kv4, tp_models.qwen3_shape])
+@pytest.mark.parametrize("loader", [tp_fixtures.llama_kv4, tp_fixtures.qwen3_shape])
 def test_shards_partition_the_weights(loader: Loader) -> None:
     """Concatenating the ranks' slices gives back every sharded weight; the rest is replicated."""
     config, state = loader()
@@ -197,7 +176,7 @@ def test_shards_partition_the_weights(loader: Loader) -> None:
 def test_fewer_kv_heads_than_ranks_replicates_the_kv_head_each_rank_reads() -> None:
     """One KV head (Gemma 3 270M) over 2 ranks: both keep it; 2 KV heads over 4 ranks: ranks
     0-1 keep head 0, ranks 2-3 head 1 (the head their query heads read)."""
-    config, state = tp_models.qwen3_shape()  # 8 query heads, 2 KV heads of 32
+    config, state = tp_fixtures.qwen3_shape()  # 8 query heads, 2 KV heads of 32
     k = state["model.layers.0.self_attn.k_proj.weight"]
     for rank in range(4):
         got = shard_state_dict(config, state, rank, 4)["model.layers.0.self_attn.k_proj.weight"]
@@ -208,6 +187,6 @@ def test_fewer_kv_heads_than_ranks_replicates_the_kv_head_each_rank_reads() -> N
 
 @pytest.mark.parametrize("world", [3, 16])
 def test_unshardable_model_is_refused_with_the_reason(world: int) -> None:
-    config, _ = tp_models.llama_kv4()
+    config, _ = tp_fixtures.llama_kv4()
     with pytest.raises(ValueError, match=f"--tensor-parallel {world} does not divide"):
         local_config(config, world)

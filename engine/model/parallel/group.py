@@ -75,10 +75,10 @@ class RankGroup:
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x [n, c]`` from every rank -> ``[n, world_size * c]``, rank r's columns at
         ``r*c:(r+1)*c`` (the vocabulary-parallel logits laid side by side)."""
-        n, c = x.shape
-        out = torch.empty((self.world_size * n, c), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.device_group)
-        return out.view(self.world_size, n, c).permute(1, 0, 2).reshape(n, self.world_size * c)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        return torch.cat(parts, dim=1)
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` over the ranks (the KV block count they all can hold)."""

@@ -158,7 +158,10 @@ def start_tensor_parallel(
     for rank in range(1, parallel.world_size):
         ours, theirs = context.Pipe()
         process = context.Process(
-            target=worker_main, args=(rank, setup, theirs), name=f"espalier-tp-rank{rank}"
+            target=worker_main,
+            args=(rank, setup, theirs),
+            name=f"espalier-tp-rank{rank}",
+            daemon=True,  # never outlives rank 0, even one that exits without close()
         )
         process.start()
         theirs.close()

@@ -53,6 +53,11 @@ class TensorParallelRunner(ModelRunner):
         self.watch.send("copy_blocks", (list(src), list(dst)))
         super().copy_blocks(src, dst)
 
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [p.pid for p in self.watch.processes if p.pid is not None]
+
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
         self.watch.stop()
