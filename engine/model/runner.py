@@ -153,6 +153,8 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(model_config, cache, device=self.device, dtype=self.dtype)
         self._num_blocks = self.kv_cache.num_blocks - self._reserved_blocks
         if tensor_parallel is not None:  # ranks sized from their own free memory: the least
+            # (also the group's first collective: NCCL creates its communicator here, before
+            # any graph capture, which cannot)
             self._num_blocks = tensor_parallel.min_int(self._num_blocks, self.device)
         self.graphs: StepGraphs | None = None
         if use_graphs:
