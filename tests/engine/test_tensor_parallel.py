@@ -36,6 +36,8 @@ from tests.fixtures import tensor_parallel as tp_fixtures
 from tests.fixtures.tensor_parallel import run, speculative
 from tests.fixtures.tokenizers import build_byte_level_hf
 
+# compile time is not under test: a loaded CI machine may take long for the first compile
+ENGINE = EngineConfig(compile_timeout_s=600.0)
 CACHE = RunnerConfig(cache=CacheConfig(block_size=4, num_blocks=256))
 PARALLEL = ParallelConfig(world_size=2, timeout_s=60.0)
 SCHEMA = {
@@ -97,11 +99,11 @@ def check_same_greedy_tokens(loader: Loader) -> None:
     model_config, state = loader()
     tok = tokenizer(model_config.vocab_size)
     single = ModelRunner(model_config, state, CACHE)
-    reference = run(Engine(EngineConfig(), single, tok), requests())
+    reference = run(Engine(ENGINE, single, tok), requests())
     runner = start_tensor_parallel(loader, CACHE, PARALLEL)
     try:
-        plain = run(Engine(EngineConfig(), runner, tok), requests())
-        spec = run(speculative(Engine(EngineConfig(), runner, tok)), requests())
+        plain = run(Engine(ENGINE, runner, tok), requests())
+        spec = run(speculative(Engine(ENGINE, runner, tok)), requests())
     finally:
         runner.close()
     assert len(reference) == len(requests())
@@ -135,7 +137,7 @@ def test_killed_rank_fails_the_step_then_every_step(one_thread: None) -> None:
     model_config, _ = tp_fixtures.llama_kv4()
     runner = start_tensor_parallel(tp_fixtures.llama_kv4, CACHE, PARALLEL, on_failure=on_failure)
     try:
-        engine = Engine(EngineConfig(), runner, tokenizer(model_config.vocab_size))
+        engine = Engine(ENGINE, runner, tokenizer(model_config.vocab_size))
         request = requests()[0]
         engine.add_request(request)
         engine.step()  # the prefill ran on both ranks
@@ -190,3 +192,10 @@ def test_unshardable_model_is_refused_with_the_reason(world: int) -> None:
     config, _ = tp_fixtures.llama_kv4()
     with pytest.raises(ValueError, match=f"--tensor-parallel {world} does not divide"):
         local_config(config, world)
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_load_fails_start_up_with_its_reason(one_thread: None) -> None:
+    loader = tp_fixtures.llama_kv4_unreadable_in_workers
+    with pytest.raises(TensorParallelError, match="rank 1 did not start: OSError: no checkpoint"):
+        start_tensor_parallel(loader, CACHE, PARALLEL)

@@ -21,6 +21,8 @@ from tests.fixtures.tensor_parallel import run, speculative
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
+# compile time is not under test: a loaded CI machine may take long for the first compile
+ENGINE = EngineConfig(compile_timeout_s=600.0)
 CONFIG = RunnerConfig(cache=CacheConfig(num_blocks=64))
 SCHEMA = {
     "type": "object",
@@ -54,12 +56,12 @@ def test_default_model_same_greedy_tokens(gemma_tokenizer: Any) -> None:
     assert model_config.num_kv_heads == 1  # the case where KV heads are replicated
     single = ModelRunner(model_config, state, CONFIG)
     del state
-    reference = run(Engine(EngineConfig(), single, gemma_tokenizer), requests(gemma_tokenizer))
+    reference = run(Engine(ENGINE, single, gemma_tokenizer), requests(gemma_tokenizer))
     del single
     runner = start_tensor_parallel(loader, CONFIG, ParallelConfig(world_size=2, timeout_s=300))
     try:
-        plain = run(Engine(EngineConfig(), runner, gemma_tokenizer), requests(gemma_tokenizer))
-        engine = speculative(Engine(EngineConfig(), runner, gemma_tokenizer))
+        plain = run(Engine(ENGINE, runner, gemma_tokenizer), requests(gemma_tokenizer))
+        engine = speculative(Engine(ENGINE, runner, gemma_tokenizer))
         spec = run(engine, requests(gemma_tokenizer))
     finally:
         runner.close()

@@ -48,24 +48,32 @@ class ParallelConfig:
 class RankGroup:
     """This process's rank in a tensor-parallel group of ``world_size`` ranks (one host)."""
 
-    def __init__(self, rank: int, world_size: int, device_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device_group: dist.ProcessGroup | None,
+        backend: str = "gloo",
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device_group = device_group
+        self.backend = backend
 
     @classmethod
     def join(cls, config: ParallelConfig, rank: int, device: torch.device) -> RankGroup:
         """Rendezvous with the other ranks on ``127.0.0.1:config.port`` (blocks until all came)."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        backend = config.backend_for(device)
         dist.init_process_group(
-            backend=config.backend_for(device),
+            backend=backend,
             init_method=f"tcp://127.0.0.1:{config.port}",
             rank=rank,
             world_size=config.world_size,
             timeout=datetime.timedelta(seconds=config.timeout_s),
         )
-        return cls(rank, config.world_size, dist.group.WORLD)
+        return cls(rank, config.world_size, dist.group.WORLD, backend)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x`` (same shape, dtype, device)."""

@@ -61,6 +61,8 @@ class RankWatch:
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
             wait([pipe, process.sentinel])
             message = pickle.loads(pipe.recv_bytes()) if pipe.poll() else None
+            if message is None:
+                process.join(1.0)  # its exit code
             if message is None or message[0] != "loaded":
                 why = message[1] if message is not None else f"exit code {process.exitcode}"
                 raise TensorParallelError(f"tensor-parallel rank {rank} did not start: {why}")
@@ -109,7 +111,9 @@ class RankWatch:
         if self._stopping:
             return
         rank = sentinels[ready[0]]  # type: ignore[index]
-        code = self.processes[rank - 1].exitcode
+        process = self.processes[rank - 1]
+        process.join(1.0)  # its exit code
+        code = process.exitcode
         self._fail(f"tensor-parallel rank {rank} exited (code {code}): the engine cannot continue")
 
     def _fail(self, reason: str) -> None:

@@ -59,10 +59,12 @@ class TensorParallelRunner(ModelRunner):
         return [p.pid for p in self.watch.processes if p.pid is not None]
 
     def close(self) -> None:
-        """Stop the workers and leave the group (idempotent)."""
+        """Stop the workers and leave the group (idempotent). A failed NCCL group is not torn
+        down (destroying a communicator with a dead peer may block): the process is ending."""
         self.watch.stop()
-        assert self.tensor_parallel is not None
-        self.tensor_parallel.leave()
+        group = self.tensor_parallel
+        if group is not None and (self.watch.reason is None or group.backend == "gloo"):
+            group.leave()
 
 
 def _portable(seq: SeqInput) -> SeqInput:
