@@ -9,9 +9,9 @@
 #   (default model: the embedded Gemma 3 270M; e.g. `--model tiny-random` for a fast check)
 #
 # Routing (SMG): the cache_aware policy (prompt-prefix affinity, least-loaded fallback). A request
-# that carries an `X-SMG-Routing-Key` header (e.g. a hash of its response_format) is pinned to one
-# replica per key (sticky sessions on top of cache_aware), so the replica that compiled a grammar
-# gets that grammar's later requests; a replica over SMG's overload thresholds is left out.
+# that carries an `X-SMG-Routing-Key` header (e.g. a hash of its response_format) goes where its
+# key went before (a new key: the least-loaded replica), so the replica that compiled a grammar
+# gets that grammar's later requests; concurrent requests of one key may spread (SMG's choice).
 # A replica that dies: its streams end with an error at the client; SMG's health checks (every
 # second) take it out of routing; this script restarts it on the same ports and SMG routes to it
 # again once its health check passes. SMG exiting stops everything (exit status 1).
@@ -115,12 +115,15 @@ for i in $(seq 1 "$replicas"); do
 $(event_field "$work/events.$i" listening metrics_port)}")
 done
 
-# The tokenizer (with its chat template) comes from the workers' GetTokenizer. Health checks every
-# second, one failure takes a replica out and one success brings it back; the circuit breaker opens
-# after 3 failed requests and probes again after 5 s; a retry goes to another replica.
+# The tokenizer (with its chat template) comes from the workers' GetTokenizer. A new routing key
+# goes to the replica with the fewest requests in flight (the default, delegating to cache_aware,
+# put every key of a shared prompt prefix on one replica); loads polled every second. Health checks
+# every second, one failure takes a replica out and one success brings it back; the circuit
+# breaker opens after 3 failed requests and probes again after 5 s.
 NO_COLOR=1 "$SMG" launch --host 127.0.0.1 --port "$gateway_port" \
   --worker-urls "${worker_urls[@]}" --backend vllm \
-  --policy cache_aware --routing-key-override \
+  --policy cache_aware --routing-key-override --assignment-mode min_load \
+  --load-monitor-interval 1 \
   --health-check-interval-secs 1 --health-check-timeout-secs 2 \
   --health-failure-threshold 1 --health-success-threshold 1 \
   --cb-failure-threshold 3 --cb-success-threshold 1 --cb-timeout-duration-secs 5 \
