@@ -84,7 +84,9 @@ supervise() {  # supervise I: run replica I, restarting it on the ports of its f
         --metrics-port "$(event_field "$work/events.$i" listening metrics_port)")
     fi
     if grep -q '"event": "load_failed"' "$work/events.$i"; then
-      exit 1  # a model that cannot load will not load on a restart either
+      # A model that cannot load will not load on a restart either.
+      echo "gateway.sh: replica $i failed to load: $(event_field "$work/events.$i" load_failed error)" >&2
+      exit 1
     fi
     echo "gateway.sh: replica $i exited with status $code; restarting it" >&2
     sleep 1
@@ -103,7 +105,7 @@ for i in $(seq 1 "$replicas"); do
   until grep -q '"event": "serving"' "$work/events.$i"; do
     if ! kill -0 "${supervisor_pids[$((i - 1))]}" 2>/dev/null \
       || grep -q '"event": "load_failed"' "$work/events.$i"; then
-      echo "gateway.sh: espalier serve failed: $(event_field "$work/events.$i" load_failed error)" >&2
+      echo "gateway.sh: replica $i did not start (its log is above)" >&2
       exit 1
     fi
     [ $SECONDS -lt $deadline ] || { echo "gateway.sh: espalier serve not ready" >&2; exit 1; }

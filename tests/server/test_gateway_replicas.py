@@ -9,6 +9,7 @@ to it again; SIGTERM stops SMG and every replica. The tests run in file order on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -75,6 +76,13 @@ def ask(client: Any, content: str, **kwargs: Any) -> Any:
     return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
 
 
+def distinct_prompt(i: int, salt: str) -> str:
+    """A prompt sharing no text with the others past the chat template: cache_aware (prompt-prefix
+    affinity) then places it by load, not next to an earlier prompt."""
+    code = hashlib.sha256(f"{salt}{i}".encode()).hexdigest()[:40]
+    return f"{code}: describe this code in a few words, please."
+
+
 def response_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
 
@@ -84,7 +92,7 @@ def test_requests_without_a_key_spread_over_both_replicas(
 ) -> None:
     before = counters(gateway)
     for i in range(8):
-        ask(client, f"Question {i}: {'why ' * (i + 1)}is the sky {i * 7919 % 1000} blue?")
+        ask(client, distinct_prompt(i, "spread"))
     served = [a.generations - b.generations for a, b in zip(counters(gateway), before)]
     assert sum(served) == 8
     assert all(n > 0 for n in served), f"one replica served everything: {served}"
@@ -151,7 +159,7 @@ def test_a_killed_replica_fails_its_stream_then_rejoins(
 
     wait_until_up(killed)  # the script restarted it on the same ports
     for i in range(40):  # SMG probes every second; one passing probe brings it back
-        ask(client, f"Back again {i}: {'and ' * (i % 7)}on {i * 104729 % 997}.")
+        ask(client, distinct_prompt(i, "rejoin"))
         if scrape(killed).generations > 0:
             break
         time.sleep(0.25)
