@@ -107,10 +107,10 @@ class KeyTracker:
 
     __slots__ = ("_h", "_lib", "tables")
 
-    def __init__(self, tables: KeyTables, handle: int | None = None) -> None:
+    def __init__(self, tables: KeyTables) -> None:
         self._lib = lib()
         self.tables = tables  # keeps the tables alive while a tracker points into them
-        self._h = handle if handle is not None else self._lib.espalier_keys_new(tables.handle)
+        self._h = self._lib.espalier_keys_new(tables.handle)
         if not self._h:
             raise MemoryError("key tracker")
 
@@ -156,7 +156,9 @@ class KeyTracker:
         handle = self._lib.espalier_keys_fork(self._h)
         if not handle:
             raise MemoryError("key tracker")
-        return KeyTracker(self.tables, handle)
+        clone = KeyTracker.__new__(KeyTracker)  # as __init__, without loading the library again
+        clone._lib, clone.tables, clone._h = self._lib, self.tables, handle
+        return clone
 
     def reset(self) -> None:
         self._lib.espalier_keys_reset(self._h)
