@@ -586,13 +586,14 @@ static void *rows_job(void *arg) {
 }
 
 #define MAX_THREADS 64
+#define ROWS_PER_THREAD 64 /* a thread's start costs tens of rows' filters (bench/keys.py) */
 
-/* filter_row for n trackers (all distinct) and rows at once, on up to `threads` threads;
- * results[j]: filter_row's answer for row j. */
+/* filter_row for n trackers (all distinct) and rows at once, on up to `threads` threads (one
+ * per ROWS_PER_THREAD rows at most); results[j]: filter_row's answer for row j. */
 void espalier_keys_filter_rows(EspKeys **keys, uint32_t **rows, int64_t n, int64_t words,
                                int64_t threads, int8_t *results) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = n;
+    if (threads > n / ROWS_PER_THREAD) threads = n / ROWS_PER_THREAD;
     if (threads < 1) threads = 1;
     RowsJob jobs[MAX_THREADS];
     pthread_t ids[MAX_THREADS];

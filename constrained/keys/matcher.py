@@ -84,8 +84,12 @@ class UniqueKeysMatcher:
     def accept(self, token: int) -> bool:
         if not self._accept_keys(token):
             return False
-        if self.inner.accept(token):
-            return True
+        try:
+            if self.inner.accept(token):
+                return True
+        except BaseException:
+            self.keys.rollback(1)  # the two stay in step when the grammar fails
+            raise
         self.keys.rollback(1)
         return False
 
@@ -93,7 +97,11 @@ class UniqueKeysMatcher:
         done = 0
         while done < len(tokens):
             clean = self.keys.accept_tokens(tokens[done:])  # up to a duplicate completion
-            taken = self.inner.accept_tokens(tokens[done : done + clean]) if clean else 0
+            try:
+                taken = self.inner.accept_tokens(tokens[done : done + clean]) if clean else 0
+            except BaseException:
+                self.keys.rollback(clean)
+                raise
             self.keys.rollback(clean - taken)
             done += taken
             if taken < clean or done == len(tokens) or not self.accept(tokens[done]):
