@@ -29,7 +29,7 @@ from espalier.constrained.schema.number_bounds import (
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import BatchStep
+    from espalier.constrained.base import BatchStep, RowFilter
     from espalier.constrained.tokenizer import TokenizerInfo
 
 
@@ -162,6 +162,8 @@ class MatcherBase:
     """See ``GrammarMatcher.exact_rollback``."""
     batch_kind: Callable[[int], BatchStep] | None = None
     """See ``GrammarMatcher.batch_kind``: None, filled one by one."""
+    row_filter: RowFilter | None = None
+    """See ``GrammarMatcher.row_filter``: None, the rows are the library's."""
 
     def __init__(self, tokenizer: TokenizerInfo, facts: VocabFacts) -> None:
         self.tokenizer = tokenizer
