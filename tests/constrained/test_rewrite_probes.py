@@ -229,3 +229,107 @@ def test_unique_items_over_finite_domains_becomes_enum(schema: Any) -> None:
 def test_unique_items_over_open_domains_is_left_alone() -> None:
     for schema in ({"uniqueItems": True}, {"items": {"type": "string"}, "uniqueItems": True}):
         assert "uniqueItems" in keywords(rewrite(schema))
+
+
+DYNAMIC = [
+    {  # the outermost $dynamicAnchor in scope wins: items must be strings
+        "$id": "https://example.test/root",
+        "$ref": "list",
+        "$defs": {
+            "foo": {"$dynamicAnchor": "items", "type": "string"},
+            "list": {
+                "$id": "list",
+                "type": "array",
+                "items": {"$dynamicRef": "#items"},
+                "$defs": {"items": {"$dynamicAnchor": "items"}},
+            },
+        },
+    },
+    {  # a recursive tree extended in place: every node needs "a", children included
+        "$id": "https://example.test/strict",
+        "$dynamicAnchor": "node",
+        "$ref": "tree",
+        "required": ["a"],
+        "$defs": {
+            "tree": {
+                "$id": "tree",
+                "$dynamicAnchor": "node",
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer"},
+                    "b": {"type": "array", "items": {"$dynamicRef": "#node"}},
+                },
+            }
+        },
+    },
+    {  # the same tree alone: the extension's anchor is not in scope
+        "$id": "https://example.test/tree",
+        "$dynamicAnchor": "node",
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"items": {"$dynamicRef": "#node"}}},
+    },
+    {  # two paths reach one $dynamicRef with different scopes
+        "$id": "https://example.test/paths",
+        "anyOf": [{"$ref": "numbers"}, {"$ref": "strings"}],
+        "$defs": {
+            "generic": {
+                "$id": "generic",
+                "properties": {"a": {"items": {"$dynamicRef": "#item"}}},
+                "$defs": {"default": {"$dynamicAnchor": "item"}},
+            },
+            "numbers": {
+                "$id": "numbers",
+                "$ref": "generic",
+                "$defs": {"item": {"$dynamicAnchor": "item", "type": "number"}},
+            },
+            "strings": {
+                "$id": "strings",
+                "$ref": "generic",
+                "required": ["a"],
+                "$defs": {"item": {"$dynamicAnchor": "item", "type": "string"}},
+            },
+        },
+    },
+    {  # Draft 2019-09: $recursiveRef follows the outermost $recursiveAnchor
+        "$schema": "https://json-schema.org/draft/2019-09/schema",
+        "$id": "https://example.test/rec",
+        "$recursiveAnchor": True,
+        "$ref": "tree",
+        "required": ["a"],
+        "$defs": {
+            "tree": {
+                "$id": "tree",
+                "$recursiveAnchor": True,
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer"},
+                    "b": {"type": "array", "items": {"$recursiveRef": "#"}},
+                },
+            }
+        },
+    },
+    {  # $dynamicRef to a boolean schema is that boolean
+        "$defs": {"t": True, "f": False},
+        "properties": {"a": {"$dynamicRef": "#/$defs/t"}, "b": {"$dynamicRef": "#/$defs/f"}},
+    },
+]
+DYNAMIC_KEYWORDS = {"$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"}
+
+
+@pytest.mark.parametrize("schema", DYNAMIC, ids=[json.dumps(s)[:60] for s in DYNAMIC])
+def test_dynamic_refs_resolve_statically(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not DYNAMIC_KEYWORDS & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_dynamic_scopes_past_the_limit_are_left_alone() -> None:
+    assert resolve_refs(DYNAMIC[3], max_dynamic_defs=1).schema == DYNAMIC[3]
+
+
+def test_dynamic_probes_tell_scopes_apart() -> None:
+    """The probe instances can see a wrong resolution: read as plain $refs, the first schema's
+    items are anything, and the random arrays then disagree with the dynamic verdict."""
+    static = json.loads(json.dumps(DYNAMIC[0]).replace('"$dynamicRef"', '"$ref"'))
+    static["$defs"]["list"]["$defs"]["items"] = {"$anchor": "items"}
+    assert mismatches(DYNAMIC[0], rewrite(static), 600)
