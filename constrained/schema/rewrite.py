@@ -19,6 +19,9 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   ``relative-json-pointer`` → exact ``pattern``s;
 - ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
   (:mod:`unique_items`);
+- ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
+  schema matching everything or nothing, ``maxContains < minContains``) → ``items`` /
+  ``minItems`` / ``maxItems`` / ``type`` (:mod:`contains`);
 - ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
   ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
@@ -36,6 +39,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained.schema.contains import rewrite_contains
 from espalier.constrained.schema.enum_filter import filter_enums
 from espalier.constrained.schema.logic import (
     Defs,
@@ -97,6 +101,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = rewrite_unique_items(node, ctx.defs)
         if not isinstance(node, dict):
             return node
+    if "contains" in node:
+        node = rewrite_contains(node, ctx.defs)
     if "oneOf" in node and isinstance(node["oneOf"], list):
         node = _one_of(node, ctx.defs)
         if not isinstance(node, dict):

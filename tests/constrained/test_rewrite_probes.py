@@ -333,3 +333,35 @@ def test_dynamic_probes_tell_scopes_apart() -> None:
     static = json.loads(json.dumps(DYNAMIC[0]).replace('"$dynamicRef"', '"$ref"'))
     static["$defs"]["list"]["$defs"]["items"] = {"$anchor": "items"}
     assert mismatches(DYNAMIC[0], rewrite(static), 600)
+
+
+CONTAINS = [
+    {"contains": True},
+    {"contains": {}, "minContains": 2, "maxContains": 3},
+    {"contains": False},
+    {"contains": False, "minContains": 0},
+    {"contains": {"if": False, "else": True}},
+    {"contains": {"const": 1}, "minContains": 0},
+    {"contains": {"const": 1}, "minContains": 3, "maxContains": 1},
+    {"contains": {"type": "string"}, "maxContains": 0, "minContains": 0},
+    {"prefixItems": [{}], "contains": {"enum": [1, "a"]}, "maxContains": 0, "minContains": 0},
+    {"type": ["array", "string"], "contains": {"minimum": 2}, "minContains": 0, "maxContains": 0},
+    {"items": {"type": "integer"}, "contains": {"not": {}}, "maxContains": 0, "minContains": 0},
+]
+
+
+@pytest.mark.parametrize("schema", CONTAINS, ids=[json.dumps(s)[:50] for s in CONTAINS])
+def test_contains_without_a_counter_becomes_item_keywords(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"contains", "minContains", "maxContains"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_contains_that_needs_a_counter_is_left_alone() -> None:
+    for schema in (
+        {"contains": {"minimum": 5}},
+        {"contains": {"const": 1}, "minContains": 2},
+        {"contains": {"const": 1}, "maxContains": 1},
+        {"contains": {"pattern": "a", "type": "string"}, "minContains": 0, "maxContains": 0},
+    ):
+        assert "contains" in rewrite(schema), schema
