@@ -16,7 +16,7 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
-  ``relative-json-pointer`` → exact ``pattern``s;
+  ``relative-json-pointer`` / ``hostname`` / ``idn-email`` → exact ``pattern``s (and lengths);
 - ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
   (:mod:`unique_items`);
 - ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
@@ -210,7 +210,15 @@ _TIME = (
 )
 # RFC 6901 (the checker: jsonpointer): "/"-led tokens where "~" is followed by 0 or 1 only.
 _POINTER = "(?:/(?:[^~/]|~[01])*)*"
+# RFC 1123 host names (the checker: fqdn, "preferred name syntax"): dot-separated labels of 1-63
+# letters, digits and inner hyphens, an optional final dot; at most 253 characters (the checker
+# allows 254 when the last is the dot: a false reject there, never a false accept)
+_LABEL = "[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+FORMAT_MAX_LENGTH = {"hostname": 253}
 FORMAT_PATTERNS = {
+    "hostname": f"^(?:{_LABEL}[.])*{_LABEL}[.]?$",
+    # the checker (jsonschema) only asks for an "@" somewhere, for email and idn-email alike
+    "idn-email": "^[\\s\\S]*@[\\s\\S]*$",
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}[Tt]{_TIME}$",
@@ -230,7 +238,9 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
     pattern = FORMAT_PATTERNS.get(name)
     if pattern is None:
         return node
-    return _append_all_of(_without(node, "format"), {"pattern": pattern})
+    limit = FORMAT_MAX_LENGTH.get(name)
+    extra = {"pattern": pattern, **({"maxLength": limit} if limit is not None else {})}
+    return _append_all_of(_without(node, "format"), extra)
 
 
 def _one_of(node: dict[str, Any], defs: Defs) -> Any:
