@@ -30,7 +30,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   (:mod:`enum_filter`; none left: ``false``, or an error at the root);
 - keywords without effect: ``if`` without ``then``/``else``, ``then``/``else`` without ``if``,
   ``uniqueItems: false``, ``uniqueItems`` with ``maxItems <= 1``, ``minContains`` / ``maxContains``
-  without ``contains``, ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
+  without ``contains``, ``additionalItems`` (not a Draft 2020-12 keyword),
+  ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, An
     max_items = node.get("maxItems")
     if "uniqueItems" in node and isinstance(max_items, int) and max_items <= 1:
         node.pop("uniqueItems")
+    # no Draft 2020-12 keyword (older drafts' was turned into "items" above): no effect
+    node.pop("additionalItems", None)
     if "contains" not in node:
         node.pop("minContains", None)
         node.pop("maxContains", None)

@@ -194,11 +194,11 @@ def test_no_complement_for_what_cannot_be_said() -> None:
 
 
 def test_refusals_name_the_reasons_of_the_backend_tried(toy_tokenizer: Any) -> None:
-    # llguidance enforces patternProperties but not format hostname; xgrammar neither
+    # llguidance enforces patternProperties but not format idn-hostname; xgrammar neither
     schema = {
         "type": "object",
         "patternProperties": {"^x": {"type": "integer"}},
-        "properties": {"h": {"type": "string", "format": "hostname"}},
+        "properties": {"h": {"type": "string", "format": "idn-hostname"}},
     }
     spec = GrammarSpec.json_schema(schema)
     messages = {}

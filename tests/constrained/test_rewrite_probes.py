@@ -405,3 +405,20 @@ def test_contains_that_needs_a_counter_is_left_alone() -> None:
         {"contains": {"pattern": "a", "type": "string"}, "minContains": 0, "maxContains": 0},
     ):
         assert "contains" in rewrite(schema), schema
+
+
+VALUES_IN_ALL_OF = [
+    {"allOf": [{"enum": [None, 1, "a"]}, {"not": {"type": "integer"}}]},
+    {"allOf": [{"const": [1, "a"]}, {"not": {"items": {"type": "number"}}}]},
+    {"allOf": [{"enum": [1, "foo", [1]], "title": "t"}, {"not": {"type": "string"}}, {}]},
+    {"type": "array", "additionalItems": False, "items": {"type": "integer"}},
+]
+
+
+@pytest.mark.parametrize(
+    "schema", VALUES_IN_ALL_OF, ids=[json.dumps(s)[:50] for s in VALUES_IN_ALL_OF]
+)
+def test_values_in_all_of_are_filtered_by_the_other_branches(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"not", "additionalItems"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
