@@ -70,19 +70,9 @@ def false_reject_cause(
 def _key_positions(schema: Any) -> dict[str, int]:
     """Each property name's rank of first declaration in a ``properties`` of the schema."""
     positions: dict[str, int] = {}
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "properties" and isinstance(value, dict):
-                    for name in value:
-                        positions.setdefault(name, len(positions))
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(schema)
+    for names in _declared_orders(schema):
+        for name in names:
+            positions.setdefault(name, len(positions))
     return positions
 
 
