@@ -33,7 +33,7 @@ import referencing.exceptions
 import referencing.jsonschema
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas
+from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas, walk
 
 # Keywords that read their siblings in the same schema object: merging a $ref target into its
 # referring object is only exact when no group is present on both sides.
@@ -124,10 +124,12 @@ def resolve_refs(
     if not isinstance(body, dict):  # the root was a ref to a boolean schema
         return ResolvedSchema(body, recursive=False, hoisted=0)
     body = {k: v for k, v in body.items() if k not in ("$defs", "definitions")}
-    # dynamic scopes hoist copies for the unused $defs entries' scopes too: keep the used ones
-    defs = _reachable(body, state.defs) if state.dynamic else dict(state.defs)
+    defs = dict(state.defs)
     if defs:
         body["$defs"] = defs
+    if state.dynamic:  # scopes hoist copies for the unused $defs entries' scopes too
+        body = prune_unused_defs(body)
+        defs = body.get("$defs", {})
     if isinstance(schema, dict) and "$schema" in schema:
         body["$schema"] = schema["$schema"]
     if _is_dynamic(body):  # e.g. a metaschema reached through a ref
@@ -244,20 +246,50 @@ class _State:
         return name
 
 
-_DEF_REF = re.compile(r'"\$ref": "#/\$defs/([A-Za-z0-9_]+)"')
+DEFS_PREFIX = "#/$defs/"
 
 
-def _reachable(body: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``defs`` that ``body`` reaches through ``#/$defs/<name>`` refs."""
+def prune_unused_defs(schema: Any) -> Any:
+    """``schema`` without the root ``$defs`` entries no ref reaches from outside ``$defs``
+    (directly or through other entries); unchanged when a ref of another form (an anchor, a
+    URI, ``#`` or a pointer elsewhere) could reach an entry in a way not followed here."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
+        return schema
+    defs: dict[str, Any] = schema["$defs"]
+    body = {k: v for k, v in schema.items() if k != "$defs"}
+    targets = _def_targets(body)
+    if targets is None:
+        return schema
     seen: set[str] = set()
-    todo = _DEF_REF.findall(json.dumps(body))
+    todo = list(targets)
     while todo:
         name = todo.pop()
         if name in seen or name not in defs:
             continue
         seen.add(name)
-        todo.extend(_DEF_REF.findall(json.dumps(defs[name])))
-    return {name: sub for name, sub in defs.items() if name in seen}
+        more = _def_targets(defs[name])
+        if more is None:
+            return schema
+        todo.extend(more)
+    kept = {name: sub for name, sub in defs.items() if name in seen}
+    return {**body, "$defs": kept} if kept else body
+
+
+def _def_targets(node: Any) -> set[str] | None:
+    """The ``$defs`` entry names of every ref under ``node``; None if a ref is of another form."""
+    names: set[str] = set()
+    for item in walk(node):
+        if not isinstance(item.schema, dict):
+            continue
+        for keyword in REFERENCES:
+            ref = item.schema.get(keyword)
+            if keyword not in item.schema:
+                continue
+            if not isinstance(ref, str) or not ref.startswith(DEFS_PREFIX):
+                return None
+            token = ref[len(DEFS_PREFIX) :].split("/", 1)[0]
+            names.add(token.replace("~1", "/").replace("~0", "~"))
+    return names
 
 
 def _scope_key(resolver: Any) -> tuple[Any, ...]:

@@ -50,6 +50,7 @@ from espalier.constrained.schema.logic import (
     types_of,
 )
 from espalier.constrained.schema.property_names import rewrite_property_names
+from espalier.constrained.schema.refs import prune_unused_defs
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
 from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
@@ -83,7 +84,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     out = _rewrite(schema, "", ctx)
     if isinstance(out, dict):
         out.pop("$schema", None)
-    return filter_enums(out, annotations_matter=ctx.annotations_matter)
+    # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
+    return prune_unused_defs(filter_enums(out, annotations_matter=ctx.annotations_matter))
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
@@ -190,12 +192,13 @@ def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, An
     return node
 
 
-# Formats with a meaning in some draft; any other name constrains nothing (JSON Schema ignores it,
-# and so does the post-validation).
+# Formats with a meaning in draft 4 or later; any other name constrains nothing (JSON Schema
+# ignores it, and so does the post-validation: draft 3's "host-name", "ip-address" and "color"
+# included, which no later draft's checker knows).
 KNOWN_FORMATS = frozenset(
     {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
      "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
-     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
+     "json-pointer", "relative-json-pointer", "regex"}
 )  # fmt: skip
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"  # not 0000
 _MONTH_DAY = (

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.postvalidate import validate_instance
-from espalier.constrained.schema.refs import resolve_refs
+from espalier.constrained.schema.refs import prune_unused_defs, resolve_refs
 from espalier.constrained.schema.rewrite import normalize_schema
 from espalier.constrained.schema.walk import walk
 
@@ -422,3 +422,34 @@ def test_values_in_all_of_are_filtered_by_the_other_branches(schema: Any) -> Non
     rewritten = rewrite(schema)
     assert not {"not", "additionalItems"} & keywords(rewritten), rewritten
     assert mismatches(schema, rewritten, 600) == []
+
+
+UNUSED_DEFS = [
+    {"$defs": {"a": {"not": {"type": "integer"}}}, "type": "string"},
+    {  # the filtered const no longer needs the def holding the refused keyword
+        "const": {"x": 1},
+        "allOf": [{"$ref": "#/$defs/n"}],
+        "$defs": {"n": {"not": {"required": ["y"], "patternProperties": {"y": False}}}},
+    },
+    {
+        "properties": {"a": {"$ref": "#/$defs/used"}},
+        "$defs": {
+            "used": {"items": {"$ref": "#/$defs/also"}},
+            "also": {"type": "integer"},
+            "unused": {"not": {"multipleOf": 3}},
+        },
+    },
+    {"type": "string", "format": "host-name"},
+]
+
+
+@pytest.mark.parametrize("schema", UNUSED_DEFS, ids=[json.dumps(s)[:50] for s in UNUSED_DEFS])
+def test_unused_defs_and_draft3_formats_are_dropped(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"not", "format"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_defs_reached_by_other_ref_forms_are_kept() -> None:
+    schema = {"$defs": {"a": {"$anchor": "x", "not": {"type": "integer"}}}, "items": {"$ref": "#x"}}
+    assert prune_unused_defs(schema) == schema
