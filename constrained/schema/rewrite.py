@@ -9,9 +9,11 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``unevaluatedProperties`` / ``unevaluatedItems`` whose evaluated set is static (no in-place
   applicator but ``allOf`` / ``$ref`` / ``not``) → plain ``additionalProperties`` / ``items``
   (:mod:`unevaluated`), before every other rewrite, which then need not keep annotations;
-- ``oneOf`` whose branches cannot both match (disjoint types or values, or a required property
-  with distinct ``const`` values) → ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and
-  the complement of each other one" when the complements exist (:mod:`schema_logic`);
+- ``oneOf`` whose branches cannot both match (disjoint types or values, a required property
+  with distinct ``const`` values, strings with distinct leading characters) → ``anyOf`` (and
+  ``type: string`` when every branch asserts string keywords only: non-strings match them all);
+  other ``oneOf`` → ``anyOf`` of "this branch and the complement of each other one" when the
+  complements exist (:mod:`schema_logic`);
 - ``not X`` → the complement of ``X`` when it can be written (types, bounds, lengths, counts,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
@@ -43,6 +45,7 @@ from typing import Any
 from espalier.constrained.schema.contains import rewrite_contains
 from espalier.constrained.schema.enum_filter import filter_enums
 from espalier.constrained.schema.logic import (
+    NO_CONSTRAINT,
     Defs,
     complement,
     exactly_one,
@@ -253,12 +256,28 @@ def _one_of(node: dict[str, Any], defs: Defs) -> Any:
     branches = node["oneOf"]
     if pairwise_disjoint(branches, defs, context=_without(node, "oneOf")):
         return _append_all_of(_without(node, "oneOf"), {"anyOf": branches})
+    if len(branches) > 1 and all(_string_only(b) for b in branches):
+        # every branch matches every non-string: only strings can match exactly one
+        strings = {"type": "string"}
+        if pairwise_disjoint(branches, defs, context=strings):
+            return _append_all_of(_append_all_of(_without(node, "oneOf"), strings),
+                                  {"anyOf": branches})  # fmt: skip
     exclusive = exactly_one(branches, defs)
     if exclusive is None:
         return node
     if exclusive is False:
         return False
     return _append_all_of(_without(node, "oneOf"), exclusive)
+
+
+STRING_KEYWORDS = frozenset({"pattern", "format", "minLength", "maxLength"})
+
+
+def _string_only(branch: Any) -> bool:
+    """Whether ``branch`` is a schema object asserting only string keywords (no ``type``)."""
+    return isinstance(branch, dict) and all(
+        k in STRING_KEYWORDS or k in NO_CONSTRAINT for k in branch
+    )
 
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:

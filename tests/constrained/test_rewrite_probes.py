@@ -453,3 +453,36 @@ def test_unused_defs_and_draft3_formats_are_dropped(schema: Any) -> None:
 def test_defs_reached_by_other_ref_forms_are_kept() -> None:
     schema = {"$defs": {"a": {"$anchor": "x", "not": {"type": "integer"}}}, "items": {"$ref": "#x"}}
     assert prune_unused_defs(schema) == schema
+
+
+STRING_ONE_OF = [
+    {"type": "string", "oneOf": [{"pattern": "^https?://.+$"}, {"pattern": "^\\./.+$"}]},
+    {"oneOf": [{"format": "uuid"}, {"pattern": "^\\$[A-Z0-9-_]+"}]},
+    {"oneOf": [{"pattern": "^[a-c]x"}, {"pattern": "^[d-e]"}, {"pattern": "^foo", "minLength": 4}]},
+    {"type": ["string", "null"], "oneOf": [{"pattern": "^a"}, {"pattern": "^b", "maxLength": 2}]},
+]
+
+
+@pytest.mark.parametrize("schema", STRING_ONE_OF, ids=[json.dumps(s)[:50] for s in STRING_ONE_OF])
+def test_one_of_strings_with_distinct_first_characters_becomes_any_of(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "oneOf" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+    texts = ["", "a", "b", "ab", "ax", "bx", "dx", "foo", "fooo", "./x", "http://x", "$A", "u"]
+    texts += ["123e4567-e89b-12d3-a456-426614174000", "$123e4567-e89b-12d3-a456-426614174000"]
+    for text in texts:
+        assert validate_instance(schema, text).valid == validate_instance(rewritten, text).valid
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "oneOf": [{"pattern": "^ab?c"}, {"pattern": "^a"}]},
+        {"type": "string", "oneOf": [{"pattern": "^a|^b"}, {"pattern": "^b"}]},
+        {"type": "string", "oneOf": [{"pattern": "^[^a]"}, {"pattern": "^b"}]},
+        {"type": "string", "oneOf": [{"pattern": "a"}, {"pattern": "^b"}]},
+        {"oneOf": [{"pattern": "^a"}, {"pattern": "^b"}, {"type": "number"}]},
+    ],
+)
+def test_one_of_strings_that_may_overlap_is_left_alone(schema: Any) -> None:
+    assert "oneOf" in keywords(rewrite(schema))
