@@ -57,6 +57,9 @@ REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
 DEFS_NAME_PREFIX = "ref"
 MAX_DYNAMIC_DEFS = 512
 """Hoisted targets allowed when dynamic scopes multiply them (one per scope that reaches them)."""
+MAX_DYNAMIC_COPY_BYTES = 8 << 20
+"""Hoisted targets times the schema's JSON size stays below this: each copy is at most the
+schema, so a large schema gets fewer scopes (a 1 MB one: 8) and the expansion stays bounded."""
 
 
 class _TooManyScopes(Exception):
@@ -116,7 +119,11 @@ def resolve_refs(
     if isinstance(schema, bool) or not _has_ref(schema):
         return ResolvedSchema(schema, recursive=False, hoisted=0)
     resolver = _root_resolver(schema, registry)
-    state = _State(dialect_of(schema) == DRAFT_7, _is_dynamic(schema), max_dynamic_defs)
+    dynamic = _is_dynamic(schema)
+    if dynamic:
+        size = len(json.dumps(schema))
+        max_dynamic_defs = min(max_dynamic_defs, MAX_DYNAMIC_COPY_BYTES // max(size, 1))
+    state = _State(dialect_of(schema) == DRAFT_7, dynamic, max_dynamic_defs)
     try:
         body = state.expand(schema, resolver, "", entered=True)
     except _TooManyScopes:

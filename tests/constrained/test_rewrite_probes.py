@@ -486,3 +486,11 @@ def test_one_of_strings_with_distinct_first_characters_becomes_any_of(schema: An
 )
 def test_one_of_strings_that_may_overlap_is_left_alone(schema: Any) -> None:
     assert "oneOf" in keywords(rewrite(schema))
+
+
+def test_large_dynamic_schemas_get_fewer_scopes() -> None:
+    """Each scope copies up to the whole schema: a large one is left dynamic (and refused)
+    before the copies grow past a few MB."""
+    padded = {**DYNAMIC[3], "description": "x" * (2 << 20)}
+    assert resolve_refs(padded).schema == padded
+    assert resolve_refs(DYNAMIC[3]).schema != DYNAMIC[3]
