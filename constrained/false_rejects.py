@@ -53,9 +53,11 @@ def false_reject_cause(
         accepts_text(_respelled(data)) or accepts_text(_respelled(ordered)) or _beyond_bounds(data)
     ):
         return "number"
-    reordered = json.dumps(ordered) != json.dumps(data)
-    if reordered and (accepts(ordered) or accepts(ordered, separators=(",", ":"))):
-        return "property_order"
+    fitted = _reorder_fitted(data, _declared_orders(schema))
+    for candidate in (ordered, fitted):
+        reordered = json.dumps(candidate) != json.dumps(data)
+        if reordered and (accepts(candidate) or accepts(candidate, separators=(",", ":"))):
+            return "property_order"
     if isinstance(data, dict) and 1 < len(data) <= MAX_PERMUTED_KEYS:
         for keys in itertools.permutations(ordered):  # an order the schema text does not show
             if accepts({k: ordered[k] for k in keys}):
@@ -68,20 +70,42 @@ def false_reject_cause(
 def _key_positions(schema: Any) -> dict[str, int]:
     """Each property name's rank of first declaration in a ``properties`` of the schema."""
     positions: dict[str, int] = {}
+    for names in _declared_orders(schema):
+        for name in names:
+            positions.setdefault(name, len(positions))
+    return positions
+
+
+def _declared_orders(schema: Any) -> list[list[str]]:
+    """The names of every ``properties`` of the schema, each list in declared order."""
+    orders: list[list[str]] = []
 
     def visit(node: Any) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 if key == "properties" and isinstance(value, dict):
-                    for name in value:
-                        positions.setdefault(name, len(positions))
+                    orders.append(list(value))
                 visit(value)
         elif isinstance(node, list):
             for value in node:
                 visit(value)
 
     visit(schema)
-    return positions
+    return orders
+
+
+def _reorder_fitted(data: Any, orders: list[list[str]]) -> Any:
+    """Each object's keys in the order of the ``properties`` that names most of them (the first
+    such); where schemas declare shared names in different orders (a union of object kinds), a
+    single ranking of all names cannot put every object in its own schema's order."""
+    if isinstance(data, dict):
+        best = max(orders, key=lambda names: len(set(names) & set(data)), default=[])
+        rank = {name: i for i, name in enumerate(best)}
+        keys = sorted(data, key=lambda k: rank.get(k, len(rank)))
+        return {k: _reorder_fitted(data[k], orders) for k in keys}
+    if isinstance(data, list):
+        return [_reorder_fitted(v, orders) for v in data]
+    return data
 
 
 def _reorder(data: Any, positions: dict[str, int]) -> Any:

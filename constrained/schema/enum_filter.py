@@ -18,6 +18,8 @@ output; ``$ref`` resolved against the root), keeps the members that pass, and th
   naming the pointer; below the root the object becomes ``false`` (exact: an optional property or
   an ``anyOf`` branch may be unsatisfiable while the schema is not).
 
+An ``enum`` / ``const`` alone in an ``allOf`` branch counts as one next to the ``allOf``.
+
 A member whose check raises (a pattern Python cannot compile, an unresolvable ``$dynamicRef``)
 leaves its object unchanged. Input: a Draft 2020-12 schema whose refs are local (the output of
 :func:`refs.resolve_refs` and :func:`rewrite.normalize_schema`'s other rewrites).
@@ -59,6 +61,7 @@ def _filter(node: Any, pointer: str, root: Any, annotations_matter: bool) -> Any
     if not isinstance(node, dict):
         return node
     node = map_subschemas(node, pointer, lambda sub, at: _filter(sub, at, root, annotations_matter))
+    node = _values_out_of_all_of(node)
     if not values_with_siblings(node):
         return node
     members = _members(node)
@@ -85,6 +88,25 @@ def _filter(node: Any, pointer: str, root: Any, annotations_matter: bool) -> Any
     else:
         out["const"] = kept[0]
     return out
+
+
+def _values_out_of_all_of(node: dict[str, Any]) -> dict[str, Any]:
+    """``allOf: [{"enum": E}, B, ...]`` → ``enum: E`` next to ``allOf: [B, ...]``: both must
+    hold either way, and the members are then checked against ``B, ...`` as siblings are."""
+    branches = node.get("allOf")
+    if "enum" in node or "const" in node or not isinstance(branches, list):
+        return node
+    for i, branch in enumerate(branches):
+        if (
+            isinstance(branch, dict)
+            and len(set(branch) & set(VALUES)) == 1
+            and all(k in VALUES or k in NOT_ASSERTING or k not in VOCABULARY for k in branch)
+        ):
+            rest = [b for j, b in enumerate(branches) if j != i]
+            out = {k: v for k, v in node.items() if k != "allOf"}
+            out.update({k: branch[k] for k in VALUES if k in branch})
+            return {**out, "allOf": rest} if rest else out
+    return node
 
 
 def _members(node: dict[str, Any]) -> list[Any] | None:

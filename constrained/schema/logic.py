@@ -12,6 +12,7 @@ import json
 import re
 from typing import Any
 
+from espalier.constrained.schema.string_prefix import strings_disjoint
 from espalier.constrained.schema.value_complement import json_type, values_complement
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
@@ -98,7 +99,8 @@ def values_of(branch: Any, defs: Defs) -> set[str] | None:
 def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) -> bool:
     """True only when no instance can match ``a``, ``b`` and ``context`` (the keywords next to
     the ``oneOf``) together: no common type or value, or (objects only) a property that one of
-    them requires and that the two allow no common value for."""
+    them requires and that the two allow no common value for, or (strings only) leading
+    characters they cannot share (:mod:`string_prefix`)."""
     a, b, context = deref(a, defs), deref(b, defs), deref(context, defs)
     common: set[str] | None = None
     for side in (a, b, context):
@@ -110,6 +112,8 @@ def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) ->
     va, vb = values_of(a, defs), values_of(b, defs)
     if va is not None and vb is not None and not va & vb:
         return True
+    if common == {"string"} and strings_disjoint(a, b):
+        return True  # e.g. anchored patterns whose first characters differ
     if common is None or common - {"object"} or depth >= MAX_DEPTH:
         return False  # a non-object instance ignores properties/required: it may match both
     present = set().union(*(_required(s) for s in (a, b, context)))

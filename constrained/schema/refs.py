@@ -9,8 +9,15 @@ Remote documents come from a supplied :class:`referencing.Registry` — never th
 
 Semantics kept: in Draft 2019-09/2020-12 keywords next to ``$ref`` apply too (rewritten to a merge
 when the two sides cannot interact, else to ``allOf``); in Draft 7 and older they are ignored.
-``$dynamicRef`` / ``$recursiveRef`` are left untouched (feature analysis treats them as not
-enforceable). The original ``$defs`` / ``definitions`` are dropped: every use is now a hoisted def.
+The original ``$defs`` / ``definitions`` are dropped: every use is now a hoisted def.
+
+``$dynamicRef`` / ``$recursiveRef`` are resolved statically: the expansion follows every ref from
+the root the way evaluation does, so at each dynamic ref it knows the dynamic scope (the resources
+entered on the way) and resolves the ref exactly as ``jsonschema`` would there (``referencing``'s
+dynamic lookup). A target reached under a different dynamic scope is hoisted again; the scope is
+keyed by what can still change a later resolution (:func:`_scope_key`), which takes finitely many
+values, so recursive schemas stay finite. Past :data:`MAX_DYNAMIC_DEFS` hoisted targets the
+schema comes back unchanged (and feature analysis refuses its dynamic refs).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import referencing.exceptions
 import referencing.jsonschema
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas
+from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas, walk
 
 # Keywords that read their siblings in the same schema object: merging a $ref target into its
 # referring object is only exact when no group is present on both sides.
@@ -46,14 +53,25 @@ INTERACTING = (
     frozenset({"if", "then", "else"}),
 )
 IDENTIFIERS = frozenset({"$id", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$schema"})
+REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
 DEFS_NAME_PREFIX = "ref"
+MAX_DYNAMIC_DEFS = 512
+"""Hoisted targets allowed when dynamic scopes multiply them (one per scope that reaches them)."""
+MAX_DYNAMIC_COPY_BYTES = 8 << 20
+"""Hoisted targets times the schema's JSON size stays below this: each copy is at most the
+schema, so a large schema gets fewer scopes (a 1 MB one: 8) and the expansion stays bounded."""
+
+
+class _TooManyScopes(Exception):
+    """The dynamic expansion passed :data:`MAX_DYNAMIC_DEFS`."""
 
 
 @dataclass(frozen=True)
 class ResolvedSchema:
     """A schema whose refs are all ``#/$defs/<name>``; ``recursive``: some def reaches itself.
 
-    A schema using ``$dynamicRef`` / ``$recursiveRef`` / ``$dynamicAnchor`` comes back unchanged.
+    A schema whose dynamic refs need more than :data:`MAX_DYNAMIC_DEFS` hoisted targets comes
+    back unchanged.
     """
 
     schema: dict[str, Any] | bool
@@ -89,23 +107,36 @@ def directory_registry(
 
 
 def resolve_refs(
-    schema: dict[str, Any] | bool, registry: referencing.Registry[Any] | None = None
+    schema: dict[str, Any] | bool,
+    registry: referencing.Registry[Any] | None = None,
+    max_dynamic_defs: int = MAX_DYNAMIC_DEFS,
 ) -> ResolvedSchema:
     """Rewrite ``schema`` so that each ``$ref`` is a ``#/$defs/<name>`` of the returned root.
 
     Raises InvalidGrammarError (with the JSON pointer of the ``$ref``) for refs that cannot be
     resolved: unknown remote URIs, bad pointers.
     """
-    if isinstance(schema, bool) or not _has_ref(schema) or _is_dynamic(schema):
+    if isinstance(schema, bool) or not _has_ref(schema):
         return ResolvedSchema(schema, recursive=False, hoisted=0)
     resolver = _root_resolver(schema, registry)
-    state = _State(legacy=dialect_of(schema) == DRAFT_7)
-    body = state.expand(schema, resolver, "", entered=True)
-    assert isinstance(body, dict)
-    defs = dict(state.defs)
+    dynamic = _is_dynamic(schema)
+    if dynamic:
+        size = len(json.dumps(schema))
+        max_dynamic_defs = min(max_dynamic_defs, MAX_DYNAMIC_COPY_BYTES // max(size, 1))
+    state = _State(dialect_of(schema) == DRAFT_7, dynamic, max_dynamic_defs)
+    try:
+        body = state.expand(schema, resolver, "", entered=True)
+    except _TooManyScopes:
+        return ResolvedSchema(schema, recursive=False, hoisted=0)
+    if not isinstance(body, dict):  # the root was a ref to a boolean schema
+        return ResolvedSchema(body, recursive=False, hoisted=0)
     body = {k: v for k, v in body.items() if k not in ("$defs", "definitions")}
+    defs = dict(state.defs)
     if defs:
         body["$defs"] = defs
+    if state.dynamic:  # scopes hoist copies for the unused $defs entries' scopes too
+        body = prune_unused_defs(body)
+        defs = body.get("$defs", {})
     if isinstance(schema, dict) and "$schema" in schema:
         body["$schema"] = schema["$schema"]
     if _is_dynamic(body):  # e.g. a metaschema reached through a ref
@@ -116,11 +147,11 @@ def resolve_refs(
 
 def _has_ref(schema: Any) -> bool:
     text = json.dumps(schema)
-    return '"$ref"' in text
+    return any(f'"{k}"' in text for k in REFERENCES)
 
 
 def _is_dynamic(schema: Any) -> bool:
-    """Dynamic refs depend on the evaluation path: they are left for feature analysis to refuse."""
+    """Whether resolving a ref can depend on the evaluation path (dynamic scope)."""
     text = json.dumps(schema)
     return any(f'"{k}"' in text for k in ("$dynamicRef", "$recursiveRef", "$dynamicAnchor"))
 
@@ -141,10 +172,13 @@ def _root_resolver(
 
 
 class _State:
-    def __init__(self, legacy: bool) -> None:
+    def __init__(self, legacy: bool, dynamic: bool = False, max_defs: int = 0) -> None:
         self.legacy = legacy
+        self.dynamic = dynamic  # key hoisted targets by dynamic scope too
+        self.max_defs = max_defs  # when dynamic
         self.defs: dict[str, Any] = {}
-        self.names: dict[tuple[str, int], str] = {}  # (base uri, id(target contents)) -> def name
+        # (base uri, id(target contents), dynamic scope key) -> def name
+        self.names: dict[tuple[str, int, tuple[Any, ...]], str] = {}
         self.recursive = False
         self.origins: dict[str, str] = {}
         self._in_progress: set[str] = set()
@@ -163,40 +197,52 @@ class _State:
         out = map_subschemas(node, pointer, lambda sub, at: self.expand(sub, resolver, at))
         for key in IDENTIFIERS:
             out.pop(key, None)
-        ref = node.get("$ref")
-        if not isinstance(ref, str):
+        names = [
+            self._hoist(keyword, node[keyword], resolver, pointer)
+            for keyword in REFERENCES
+            if isinstance(node.get(keyword), str)
+        ]
+        if not names:
             return out
-        target_name = self._hoist(ref, resolver, pointer)
-        siblings = {k: v for k, v in out.items() if k != "$ref"}
+        siblings = {k: v for k, v in out.items() if k not in REFERENCES}
         siblings.pop("$defs", None)
         siblings.pop("definitions", None)
-        reference = {"$ref": f"#/$defs/{target_name}"}
-        if self.legacy or not siblings:
-            return reference
-        target = self.defs.get(target_name)
-        if isinstance(target, dict) and _mergeable(target, siblings):
+        target = self.defs.get(names[0])
+        if len(names) == 1 and isinstance(target, bool) and names[0] not in self._in_progress:
+            # a boolean target is the value itself ("true" adds nothing to the siblings)
+            return target if target is False or self.legacy or not siblings else siblings
+        references = [{"$ref": f"#/$defs/{name}"} for name in names]
+        if len(references) == 1 and (self.legacy or not siblings):
+            return references[0]
+        if len(names) == 1 and isinstance(target, dict) and _mergeable(target, siblings):
             return {**target, **siblings}
         # $ref is an in-place applicator, like one more allOf branch: siblings stay where they
         # are, so unevaluated* keep seeing what the ref evaluates.
-        return {**siblings, "allOf": [reference, *siblings.get("allOf", [])]}
+        return {**siblings, "allOf": [*references, *siblings.get("allOf", [])]}
 
-    def _hoist(self, ref: str, resolver: Any, pointer: str) -> str:
+    def _hoist(self, keyword: str, ref: str, resolver: Any, pointer: str) -> str:
         try:
-            resolved = resolver.lookup(ref)
+            if keyword == "$recursiveRef":
+                resolved = referencing.jsonschema.lookup_recursive_ref(resolver)
+            else:  # $dynamicRef: referencing resolves dynamic anchors in the resolver's scope
+                resolved = resolver.lookup(ref)
         except referencing.exceptions.Unresolvable as exc:
             raise InvalidGrammarError(
                 "json_schema",
-                f"cannot resolve $ref '{ref}' ({type(exc).__name__}); remote refs resolve only"
-                " from a supplied registry",
-                pointer=f"{pointer}/$ref",
+                f"cannot resolve {keyword} '{ref}' ({type(exc).__name__}); remote refs resolve"
+                " only from a supplied registry",
+                pointer=f"{pointer}/{keyword}",
             ) from exc
         contents = resolved.contents
-        key = (str(getattr(resolved.resolver, "_base_uri", "")), id(contents))
+        scope = _scope_key(resolved.resolver) if self.dynamic else ()
+        key = (str(getattr(resolved.resolver, "_base_uri", "")), id(contents), scope)
         name = self.names.get(key)
         if name is not None:
             if name in self._in_progress:
                 self.recursive = True
             return name
+        if self.dynamic and len(self.names) >= self.max_defs:
+            raise _TooManyScopes
         name = _def_name(ref, len(self.names))
         self.names[key] = name
         self.origins[name] = ref
@@ -205,6 +251,77 @@ class _State:
         self.defs[name] = self.expand(contents, resolved.resolver, f"{pointer}/$ref", entered=True)
         self._in_progress.discard(name)
         return name
+
+
+DEFS_PREFIX = "#/$defs/"
+
+
+def prune_unused_defs(schema: Any) -> Any:
+    """``schema`` without the root ``$defs`` entries no ref reaches from outside ``$defs``
+    (directly or through other entries); unchanged when a ref of another form (an anchor, a
+    URI, ``#`` or a pointer elsewhere) could reach an entry in a way not followed here."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
+        return schema
+    defs: dict[str, Any] = schema["$defs"]
+    body = {k: v for k, v in schema.items() if k != "$defs"}
+    targets = _def_targets(body)
+    if targets is None:
+        return schema
+    seen: set[str] = set()
+    todo = list(targets)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in defs:
+            continue
+        seen.add(name)
+        more = _def_targets(defs[name])
+        if more is None:
+            return schema
+        todo.extend(more)
+    kept = {name: sub for name, sub in defs.items() if name in seen}
+    return {**body, "$defs": kept} if kept else body
+
+
+def _def_targets(node: Any) -> set[str] | None:
+    """The ``$defs`` entry names of every ref under ``node``; None if a ref is of another form."""
+    names: set[str] = set()
+    for item in walk(node):
+        if not isinstance(item.schema, dict):
+            continue
+        for keyword in REFERENCES:
+            ref = item.schema.get(keyword)
+            if keyword not in item.schema:
+                continue
+            if not isinstance(ref, str) or not ref.startswith(DEFS_PREFIX):
+                return None
+            token = ref[len(DEFS_PREFIX) :].split("/", 1)[0]
+            names.add(token.replace("~1", "/").replace("~0", "~"))
+    return names
+
+
+def _scope_key(resolver: Any) -> tuple[Any, ...]:
+    """What of ``resolver``'s dynamic scope can still decide a later dynamic ref below it.
+
+    A ``$dynamicRef`` takes the outermost resource of the scope that has the anchor, so only the
+    first (outermost) occurrence of each URI counts: the URIs in that order. A ``$recursiveRef``
+    walks the scope from the innermost resource while each has ``$recursiveAnchor: true``: the
+    last resource of that run counts (None when the innermost has none). The scope only grows at
+    the inner end, so these two values decide every later resolution.
+    """
+    inner_first = [uri for uri, _ in resolver.dynamic_scope()]
+    outermost: dict[str, None] = {}
+    for uri in reversed(inner_first):
+        outermost.setdefault(uri, None)
+    run_end = None
+    for uri in inner_first:
+        try:
+            contents = resolver.lookup(uri).contents
+        except referencing.exceptions.Unresolvable:
+            break
+        if not isinstance(contents, dict) or contents.get("$recursiveAnchor") is not True:
+            break
+        run_end = uri
+    return (tuple(outermost), run_end)
 
 
 def _def_name(ref: str, index: int) -> str:

@@ -9,16 +9,21 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``unevaluatedProperties`` / ``unevaluatedItems`` whose evaluated set is static (no in-place
   applicator but ``allOf`` / ``$ref`` / ``not``) → plain ``additionalProperties`` / ``items``
   (:mod:`unevaluated`), before every other rewrite, which then need not keep annotations;
-- ``oneOf`` whose branches cannot both match (disjoint types or values, or a required property
-  with distinct ``const`` values) → ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and
-  the complement of each other one" when the complements exist (:mod:`schema_logic`);
+- ``oneOf`` whose branches cannot both match (disjoint types or values, a required property
+  with distinct ``const`` values, strings with distinct leading characters) → ``anyOf`` (and
+  ``type: string`` when every branch asserts string keywords only: non-strings match them all);
+  other ``oneOf`` → ``anyOf`` of "this branch and the complement of each other one" when the
+  complements exist (:mod:`schema_logic`);
 - ``not X`` → the complement of ``X`` when it can be written (types, bounds, lengths, counts,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
-  ``relative-json-pointer`` → exact ``pattern``s;
+  ``relative-json-pointer`` / ``hostname`` / ``idn-email`` → exact ``pattern``s (and lengths);
 - ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
   (:mod:`unique_items`);
+- ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
+  schema matching everything or nothing, ``maxContains < minContains``) → ``items`` /
+  ``minItems`` / ``maxItems`` / ``type`` (:mod:`contains`);
 - ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
   ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
@@ -27,7 +32,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   (:mod:`enum_filter`; none left: ``false``, or an error at the root);
 - keywords without effect: ``if`` without ``then``/``else``, ``then``/``else`` without ``if``,
   ``uniqueItems: false``, ``uniqueItems`` with ``maxItems <= 1``, ``minContains`` / ``maxContains``
-  without ``contains``, ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
+  without ``contains``, ``additionalItems`` (not a Draft 2020-12 keyword),
+  ``propertyNames: {}``; ``propertyNames: false`` → ``maxProperties: 0``.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained.schema.contains import rewrite_contains
 from espalier.constrained.schema.enum_filter import filter_enums
 from espalier.constrained.schema.logic import (
+    NO_CONSTRAINT,
     Defs,
     complement,
     exactly_one,
@@ -45,6 +53,7 @@ from espalier.constrained.schema.logic import (
     types_of,
 )
 from espalier.constrained.schema.property_names import rewrite_property_names
+from espalier.constrained.schema.refs import prune_unused_defs
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
 from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
@@ -78,7 +87,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     out = _rewrite(schema, "", ctx)
     if isinstance(out, dict):
         out.pop("$schema", None)
-    return filter_enums(out, annotations_matter=ctx.annotations_matter)
+    # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
+    return prune_unused_defs(filter_enums(out, annotations_matter=ctx.annotations_matter))
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
@@ -97,6 +107,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = rewrite_unique_items(node, ctx.defs)
         if not isinstance(node, dict):
             return node
+    if "contains" in node:
+        node = rewrite_contains(node, ctx.defs)
     if "oneOf" in node and isinstance(node["oneOf"], list):
         node = _one_of(node, ctx.defs)
         if not isinstance(node, dict):
@@ -162,6 +174,8 @@ def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, An
     max_items = node.get("maxItems")
     if "uniqueItems" in node and isinstance(max_items, int) and max_items <= 1:
         node.pop("uniqueItems")
+    # no Draft 2020-12 keyword (older drafts' was turned into "items" above): no effect
+    node.pop("additionalItems", None)
     if "contains" not in node:
         node.pop("minContains", None)
         node.pop("maxContains", None)
@@ -181,12 +195,13 @@ def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, An
     return node
 
 
-# Formats with a meaning in some draft; any other name constrains nothing (JSON Schema ignores it,
-# and so does the post-validation).
+# Formats with a meaning in draft 4 or later; any other name constrains nothing (JSON Schema
+# ignores it, and so does the post-validation: draft 3's "host-name", "ip-address" and "color"
+# included, which no later draft's checker knows).
 KNOWN_FORMATS = frozenset(
     {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
      "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
-     "json-pointer", "relative-json-pointer", "regex", "color", "host-name", "ip-address"}
+     "json-pointer", "relative-json-pointer", "regex"}
 )  # fmt: skip
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"  # not 0000
 _MONTH_DAY = (
@@ -204,7 +219,15 @@ _TIME = (
 )
 # RFC 6901 (the checker: jsonpointer): "/"-led tokens where "~" is followed by 0 or 1 only.
 _POINTER = "(?:/(?:[^~/]|~[01])*)*"
+# RFC 1123 host names (the checker: fqdn, "preferred name syntax"): dot-separated labels of 1-63
+# letters, digits and inner hyphens, an optional final dot; at most 253 characters (the checker
+# allows 254 when the last is the dot: a false reject there, never a false accept)
+_LABEL = "[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+FORMAT_MAX_LENGTH = {"hostname": 253}
 FORMAT_PATTERNS = {
+    "hostname": f"^(?:{_LABEL}[.])*{_LABEL}[.]?$",
+    # the checker (jsonschema) only asks for an "@" somewhere, for email and idn-email alike
+    "idn-email": "^[\\s\\S]*@[\\s\\S]*$",
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}[Tt]{_TIME}$",
@@ -224,19 +247,37 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
     pattern = FORMAT_PATTERNS.get(name)
     if pattern is None:
         return node
-    return _append_all_of(_without(node, "format"), {"pattern": pattern})
+    limit = FORMAT_MAX_LENGTH.get(name)
+    extra = {"pattern": pattern, **({"maxLength": limit} if limit is not None else {})}
+    return _append_all_of(_without(node, "format"), extra)
 
 
 def _one_of(node: dict[str, Any], defs: Defs) -> Any:
     branches = node["oneOf"]
     if pairwise_disjoint(branches, defs, context=_without(node, "oneOf")):
         return _append_all_of(_without(node, "oneOf"), {"anyOf": branches})
+    if len(branches) > 1 and all(_string_only(b) for b in branches):
+        # every branch matches every non-string: only strings can match exactly one
+        strings = {"type": "string"}
+        if pairwise_disjoint(branches, defs, context=strings):
+            return _append_all_of(_append_all_of(_without(node, "oneOf"), strings),
+                                  {"anyOf": branches})  # fmt: skip
     exclusive = exactly_one(branches, defs)
     if exclusive is None:
         return node
     if exclusive is False:
         return False
     return _append_all_of(_without(node, "oneOf"), exclusive)
+
+
+STRING_KEYWORDS = frozenset({"pattern", "format", "minLength", "maxLength"})
+
+
+def _string_only(branch: Any) -> bool:
+    """Whether ``branch`` is a schema object asserting only string keywords (no ``type``)."""
+    return isinstance(branch, dict) and all(
+        k in STRING_KEYWORDS or k in NO_CONSTRAINT for k in branch
+    )
 
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.postvalidate import validate_instance
-from espalier.constrained.schema.refs import resolve_refs
+from espalier.constrained.schema.refs import prune_unused_defs, resolve_refs
 from espalier.constrained.schema.rewrite import normalize_schema
 from espalier.constrained.schema.walk import walk
 
@@ -142,6 +142,46 @@ def test_pointer_format_patterns_match_the_checker(name: str) -> None:
     assert wrong == []
 
 
+LABEL63 = "a" * 62 + "b"
+LONG_HOST = ".".join([LABEL63] * 3 + ["a" * 61])  # 253 characters
+
+
+def _hostname_texts(rng: random.Random) -> list[str]:
+    label63, label64, long_name = LABEL63, "a" * 63 + "b", LONG_HOST
+    texts = ["", ".", "a", "a.", "a..b", "-a", "a-", "a-b", "A9.b-c.", "a_b", "a\n", "é.com"]
+    texts += [label63, label64, long_name, long_name + ".", long_name + "a", "\u212a"]
+    alphabet = "ab9-._Z\n"
+    texts += ["".join(rng.choices(alphabet, k=rng.randrange(1, 9))) for _ in range(1500)]
+    return texts
+
+
+def _email_texts(rng: random.Random) -> list[str]:
+    texts = ["", "@", "a@b", "ab", "\n@\n", "é@é", "a\nb"]
+    return texts + ["".join(rng.choices("a@.\n é", k=rng.randrange(6))) for _ in range(500)]
+
+
+# where the checker and the pattern may disagree: a false reject, never a false accept
+CHECKER_ONLY = {"hostname": {"a\n", "\u212a", LONG_HOST + "."}}
+
+
+@pytest.mark.parametrize(
+    ("name", "texts"), [("hostname", _hostname_texts), ("idn-email", _email_texts)]
+)
+def test_host_and_email_format_patterns_match_the_checker(name: str, texts: Any) -> None:
+    schema = {"type": "string", "format": name}
+    rewritten = rewrite(schema)
+    assert "format" not in keywords(rewritten)
+    wrong = []
+    for text in texts(random.Random(2)):
+        checker = validate_instance(schema, text).valid
+        pattern = validate_instance(rewritten, text).valid
+        if pattern and not checker:
+            wrong.append(("false accept", text))
+        elif checker != pattern and text not in CHECKER_ONLY.get(name, set()):
+            wrong.append(("false reject", text))
+    assert wrong == []
+
+
 VALUE_SETS = [
     ["a", "ab", "b", ""],
     ["foo", "fo]o", "^", "-", "a\nb", "é"],
@@ -229,3 +269,228 @@ def test_unique_items_over_finite_domains_becomes_enum(schema: Any) -> None:
 def test_unique_items_over_open_domains_is_left_alone() -> None:
     for schema in ({"uniqueItems": True}, {"items": {"type": "string"}, "uniqueItems": True}):
         assert "uniqueItems" in keywords(rewrite(schema))
+
+
+DYNAMIC = [
+    {  # the outermost $dynamicAnchor in scope wins: items must be strings
+        "$id": "https://example.test/root",
+        "$ref": "list",
+        "$defs": {
+            "foo": {"$dynamicAnchor": "items", "type": "string"},
+            "list": {
+                "$id": "list",
+                "type": "array",
+                "items": {"$dynamicRef": "#items"},
+                "$defs": {"items": {"$dynamicAnchor": "items"}},
+            },
+        },
+    },
+    {  # a recursive tree extended in place: every node needs "a", children included
+        "$id": "https://example.test/strict",
+        "$dynamicAnchor": "node",
+        "$ref": "tree",
+        "required": ["a"],
+        "$defs": {
+            "tree": {
+                "$id": "tree",
+                "$dynamicAnchor": "node",
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer"},
+                    "b": {"type": "array", "items": {"$dynamicRef": "#node"}},
+                },
+            }
+        },
+    },
+    {  # the same tree alone: the extension's anchor is not in scope
+        "$id": "https://example.test/tree",
+        "$dynamicAnchor": "node",
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"items": {"$dynamicRef": "#node"}}},
+    },
+    {  # two paths reach one $dynamicRef with different scopes
+        "$id": "https://example.test/paths",
+        "anyOf": [{"$ref": "numbers"}, {"$ref": "strings"}],
+        "$defs": {
+            "generic": {
+                "$id": "generic",
+                "properties": {"a": {"items": {"$dynamicRef": "#item"}}},
+                "$defs": {"default": {"$dynamicAnchor": "item"}},
+            },
+            "numbers": {
+                "$id": "numbers",
+                "$ref": "generic",
+                "$defs": {"item": {"$dynamicAnchor": "item", "type": "number"}},
+            },
+            "strings": {
+                "$id": "strings",
+                "$ref": "generic",
+                "required": ["a"],
+                "$defs": {"item": {"$dynamicAnchor": "item", "type": "string"}},
+            },
+        },
+    },
+    {  # Draft 2019-09: $recursiveRef follows the outermost $recursiveAnchor
+        "$schema": "https://json-schema.org/draft/2019-09/schema",
+        "$id": "https://example.test/rec",
+        "$recursiveAnchor": True,
+        "$ref": "tree",
+        "required": ["a"],
+        "$defs": {
+            "tree": {
+                "$id": "tree",
+                "$recursiveAnchor": True,
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer"},
+                    "b": {"type": "array", "items": {"$recursiveRef": "#"}},
+                },
+            }
+        },
+    },
+    {  # $dynamicRef to a boolean schema is that boolean
+        "$defs": {"t": True, "f": False},
+        "properties": {"a": {"$dynamicRef": "#/$defs/t"}, "b": {"$dynamicRef": "#/$defs/f"}},
+    },
+]
+DYNAMIC_KEYWORDS = {"$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"}
+
+
+@pytest.mark.parametrize("schema", DYNAMIC, ids=[json.dumps(s)[:60] for s in DYNAMIC])
+def test_dynamic_refs_resolve_statically(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not DYNAMIC_KEYWORDS & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_dynamic_scopes_past_the_limit_are_left_alone() -> None:
+    assert resolve_refs(DYNAMIC[3], max_dynamic_defs=1).schema == DYNAMIC[3]
+
+
+def test_dynamic_probes_tell_scopes_apart() -> None:
+    """The probe instances can see a wrong resolution: read as plain $refs, the first schema's
+    items are anything, and the random arrays then disagree with the dynamic verdict."""
+    static = json.loads(json.dumps(DYNAMIC[0]).replace('"$dynamicRef"', '"$ref"'))
+    static["$defs"]["list"]["$defs"]["items"] = {"$anchor": "items"}
+    assert mismatches(DYNAMIC[0], rewrite(static), 600)
+
+
+CONTAINS = [
+    {"contains": True},
+    {"contains": {}, "minContains": 2, "maxContains": 3},
+    {"contains": False},
+    {"contains": False, "minContains": 0},
+    {"contains": {"if": False, "else": True}},
+    {"contains": {"const": 1}, "minContains": 0},
+    {"contains": {"const": 1}, "minContains": 3, "maxContains": 1},
+    {"contains": {"type": "string"}, "maxContains": 0, "minContains": 0},
+    {"prefixItems": [{}], "contains": {"enum": [1, "a"]}, "maxContains": 0, "minContains": 0},
+    {"type": ["array", "string"], "contains": {"minimum": 2}, "minContains": 0, "maxContains": 0},
+    {"items": {"type": "integer"}, "contains": {"not": {}}, "maxContains": 0, "minContains": 0},
+]
+
+
+@pytest.mark.parametrize("schema", CONTAINS, ids=[json.dumps(s)[:50] for s in CONTAINS])
+def test_contains_without_a_counter_becomes_item_keywords(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"contains", "minContains", "maxContains"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_contains_that_needs_a_counter_is_left_alone() -> None:
+    for schema in (
+        {"contains": {"minimum": 5}},
+        {"contains": {"const": 1}, "minContains": 2},
+        {"contains": {"const": 1}, "maxContains": 1},
+        {"contains": {"pattern": "a", "type": "string"}, "minContains": 0, "maxContains": 0},
+    ):
+        assert "contains" in rewrite(schema), schema
+
+
+VALUES_IN_ALL_OF = [
+    {"allOf": [{"enum": [None, 1, "a"]}, {"not": {"type": "integer"}}]},
+    {"allOf": [{"const": [1, "a"]}, {"not": {"items": {"type": "number"}}}]},
+    {"allOf": [{"enum": [1, "foo", [1]], "title": "t"}, {"not": {"type": "string"}}, {}]},
+    {"type": "array", "additionalItems": False, "items": {"type": "integer"}},
+]
+
+
+@pytest.mark.parametrize(
+    "schema", VALUES_IN_ALL_OF, ids=[json.dumps(s)[:50] for s in VALUES_IN_ALL_OF]
+)
+def test_values_in_all_of_are_filtered_by_the_other_branches(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"not", "additionalItems"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+UNUSED_DEFS = [
+    {"$defs": {"a": {"not": {"type": "integer"}}}, "type": "string"},
+    {  # the filtered const no longer needs the def holding the refused keyword
+        "const": {"x": 1},
+        "allOf": [{"$ref": "#/$defs/n"}],
+        "$defs": {"n": {"not": {"required": ["y"], "patternProperties": {"y": False}}}},
+    },
+    {
+        "properties": {"a": {"$ref": "#/$defs/used"}},
+        "$defs": {
+            "used": {"items": {"$ref": "#/$defs/also"}},
+            "also": {"type": "integer"},
+            "unused": {"not": {"multipleOf": 3}},
+        },
+    },
+    {"type": "string", "format": "host-name"},
+]
+
+
+@pytest.mark.parametrize("schema", UNUSED_DEFS, ids=[json.dumps(s)[:50] for s in UNUSED_DEFS])
+def test_unused_defs_and_draft3_formats_are_dropped(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"not", "format"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_defs_reached_by_other_ref_forms_are_kept() -> None:
+    schema = {"$defs": {"a": {"$anchor": "x", "not": {"type": "integer"}}}, "items": {"$ref": "#x"}}
+    assert prune_unused_defs(schema) == schema
+
+
+STRING_ONE_OF = [
+    {"type": "string", "oneOf": [{"pattern": "^https?://.+$"}, {"pattern": "^\\./.+$"}]},
+    {"oneOf": [{"format": "uuid"}, {"pattern": "^\\$[A-Z0-9-_]+"}]},
+    {"oneOf": [{"pattern": "^[a-c]x"}, {"pattern": "^[d-e]"}, {"pattern": "^foo", "minLength": 4}]},
+    {"type": ["string", "null"], "oneOf": [{"pattern": "^a"}, {"pattern": "^b", "maxLength": 2}]},
+]
+
+
+@pytest.mark.parametrize("schema", STRING_ONE_OF, ids=[json.dumps(s)[:50] for s in STRING_ONE_OF])
+def test_one_of_strings_with_distinct_first_characters_becomes_any_of(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "oneOf" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+    texts = ["", "a", "b", "ab", "ax", "bx", "dx", "foo", "fooo", "./x", "http://x", "$A", "u"]
+    texts += ["123e4567-e89b-12d3-a456-426614174000", "$123e4567-e89b-12d3-a456-426614174000"]
+    for text in texts:
+        assert validate_instance(schema, text).valid == validate_instance(rewritten, text).valid
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "oneOf": [{"pattern": "^ab?c"}, {"pattern": "^a"}]},
+        {"type": "string", "oneOf": [{"pattern": "^a|^b"}, {"pattern": "^b"}]},
+        {"type": "string", "oneOf": [{"pattern": "^[^a]"}, {"pattern": "^b"}]},
+        {"type": "string", "oneOf": [{"pattern": "a"}, {"pattern": "^b"}]},
+        {"oneOf": [{"pattern": "^a"}, {"pattern": "^b"}, {"type": "number"}]},
+    ],
+)
+def test_one_of_strings_that_may_overlap_is_left_alone(schema: Any) -> None:
+    assert "oneOf" in keywords(rewrite(schema))
+
+
+def test_large_dynamic_schemas_get_fewer_scopes() -> None:
+    """Each scope copies up to the whole schema: a large one is left dynamic (and refused)
+    before the copies grow past a few MB."""
+    padded = {**DYNAMIC[3], "description": "x" * (2 << 20)}
+    assert resolve_refs(padded).schema == padded
+    assert resolve_refs(DYNAMIC[3]).schema != DYNAMIC[3]
