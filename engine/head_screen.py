@@ -10,8 +10,9 @@ allowed id whose exact logit could still be the maximum:
     |h . W_j - h . W16_j| <= |h|_2 * |W_j - W16_j|_2          (Cauchy-Schwarz, exact per row j)
 
 plus a fp32-accumulation allowance ``4 * H * 2^-24 * |h|_2 * |W_j|_2`` for both products.
-With ``bound_j`` their sum, id j stays a candidate iff
-``approx_j + bound_j >= max_k(approx_k - bound_k)`` (over allowed k): the true argmax stays.
+With ``bound_j`` their sum and ``t`` the allowed id of the largest ``approx``, id j stays a
+candidate iff ``approx_j + bound_j >= approx_t - bound_t`` (over allowed j): the true argmax
+stays, its exact logit being at least t's.
 The caller computes the candidates' logits exactly in fp32 (a gathered sub-head, as for sparse
 masks), so greedy picks are those of the full fp32 head. On the default model's bench rows:
 one candidate (median), at most a handful.
@@ -102,16 +103,30 @@ class HeadScreen:
 
         allowed: bool ``[m, V]`` (CPU) or None (every id allowed). A row allowing nothing gets
         an empty tensor.
+
+        With ``a`` the screen's logits, ``b_j = |h| * unit_j`` their bounds and ``t`` the
+        allowed id of the largest ``a``: every exact logit that can be the maximum is at least
+        ``floor = a_t - b_t`` (the exact logit of ``t`` is), so its id ``j`` has
+        ``a_j + b_j >= floor``. Two passes over ``[m, V]`` (argmax, one compare against the
+        row's ``floor - max_j b_j``) and one ``nonzero`` for the batch find a small superset;
+        the exact test runs on it alone.
         """
         assert self._packed is not None and self._unit is not None
+        unit = self._unit
         h = hidden.float().contiguous()
         approx = torch.ops.quantized.linear_dynamic_fp16(h, self._packed)  # [m, V]
-        bound = h.norm(dim=1, keepdim=True) * self._unit  # [m, V]
-        low = approx - bound
         if allowed is not None:
-            low.masked_fill_(~allowed, float("-inf"))
-        best_low = low.amax(dim=1, keepdim=True)  # max over allowed k of approx_k - bound_k
-        keep = approx.add_(bound) >= best_low
-        if allowed is not None:
-            keep &= allowed
-        return [row.nonzero().flatten() for row in keep]
+            approx.masked_fill_(~allowed, float("-inf"))
+        norm = h.norm(dim=1)  # [m]
+        top = approx.argmax(dim=1)  # [m]
+        rows = torch.arange(h.shape[0])
+        best = approx[rows, top]
+        floor = best - norm * unit[top]
+        # a row allowing nothing: no candidate (its approx is all -inf)
+        floor = torch.where(torch.isfinite(best), floor, float("inf"))
+        coarse = approx >= (floor - norm * unit.max())[:, None]
+        row_ids, ids = coarse.nonzero(as_tuple=True)  # row-major: ids sorted within a row
+        exact = approx[row_ids, ids] + norm[row_ids] * unit[ids] >= floor[row_ids]
+        row_ids, ids = row_ids[exact], ids[exact]
+        counts = torch.bincount(row_ids, minlength=h.shape[0]).tolist()
+        return list(torch.split(ids, counts))

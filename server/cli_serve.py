@@ -162,6 +162,9 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
 
 
 def run(args: argparse.Namespace) -> int:
+    from espalier.server.cpu_runtime import apply_runtime_env
+
+    apply_runtime_env(os.environ)  # before torch loads (``server/cpu_runtime.py``)
     from espalier.server.app import serve
     from espalier.server.loading import make_loader
     from espalier.server.state import ServingState

@@ -104,3 +104,30 @@ def test_a_process_may_exit_while_the_screen_builds() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+def test_tied_maxima_all_stay_and_a_batch_of_rows_matches_row_by_row() -> None:
+    """Duplicate head rows tie exactly: each tied id is a candidate (the sampler's first-index
+    argmax then decides as over the full head). The batch's candidates equal each row's alone."""
+    weight, _ = _head(11)
+    weight[100] = weight[7]
+    weight[3000] = weight[7]
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(24, H, generator=g) * 3
+    hidden[:, :3] *= 30
+    hidden[0] = weight[7] * 50  # row 0's maximum is the tied triple
+    screen = HeadScreen(weight, background=False)
+    allowed = torch.rand(24, V, generator=g) > 0.5
+    allowed[0, [7, 100, 3000]] = True
+    allowed[9] = False
+    for mask in (None, allowed):
+        found = screen.candidates(hidden, mask)
+        assert {7, 100, 3000} <= set(found[0].tolist())
+        for row in range(24):
+            alone = screen.candidates(
+                hidden[row : row + 1], None if mask is None else mask[row : row + 1]
+            )
+            assert found[row].tolist() == alone[0].tolist()
+            assert found[row].tolist() == sorted(found[row].tolist())
+        if mask is not None:
+            assert len(found[9]) == 0
