@@ -19,7 +19,7 @@ drafter, machinery from ``bench/spec.py``):
 
 ``tight_budget`` gives the constrained speculative run ``max_tokens = L_i`` too (the setting
 of runs 40-46): every request then ends exactly at its budget, so the closing policy
-(``engine/closing.py``) checks its tokens from the budget's last 64 on, which the user's budget
+(``engine/closing/``) checks its tokens from the budget's last 64 on, which the user's budget
 only asks for where the output runs into it (``at_budget`` requests).
 
 Batch 1 runs the schemas one after another (each request alone; tokens and seconds summed);

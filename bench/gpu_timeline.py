@@ -49,7 +49,7 @@ import spec as spec_bench  # bench/spec.py
 
 import espalier.constrained.backends.llguidance.native.capi as native_llguidance
 import espalier.engine.closing as closing
-import espalier.engine.closing_ahead as closing_ahead
+import espalier.engine.closing.ahead as closing_ahead
 import espalier.engine.engine as engine_mod
 import espalier.engine.model.runner as runner_mod
 import espalier.engine.scheduler as scheduler_mod

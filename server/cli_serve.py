@@ -155,7 +155,7 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
 
 def run(args: argparse.Namespace) -> int:
     from espalier.server.app import serve
-    from espalier.server.loading import make_loader
+    from espalier.server.startup import make_loader
     from espalier.server.state import ServingState
 
     config = config_from_args(args)

@@ -1,4 +1,4 @@
-"""Closing decisions made ahead along a draft tree (``engine/closing_ahead.py``) are exactly the
+"""Closing decisions made ahead along a draft tree (``engine/closing/ahead.py``) are exactly the
 inline ones.
 
 Two closers see the same grammar-valid random token streams (budget 30: inside the closing
@@ -21,9 +21,9 @@ from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 from espalier.constrained import bitmask as bm
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine import closing_ahead
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import NO_MEMO, BudgetCloser
+from espalier.engine.closing import ahead as closing_ahead
 from espalier.engine.request import Request
 
 SCHEMA = CLOSING_SCHEMA
