@@ -13,6 +13,18 @@ from espalier.constrained.errors import InvalidGrammarError
 DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
 
 
+class BackendName(str, enum.Enum):
+    """The closed set of grammar backends (``constrained/backends/<value>/``). A ``str`` too,
+    equal to its value, so it is the name that requests, reports and metrics carry."""
+
+    XGRAMMAR = "xgrammar"
+    LLGUIDANCE = "llguidance"
+    OUTLINES_CORE = "outlines_core"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class GrammarKind(enum.Enum):
     """The closed set of constraint kinds a request may carry."""
 

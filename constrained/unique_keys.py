@@ -11,7 +11,7 @@ object; ``accept`` rejects exactly those tokens; a draft tree's rows are the bac
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -136,15 +136,17 @@ class UniqueKeysMatcher:
 
     def fill_tree(
         self,
-        fill: Callable[..., TreeMasks],
         tree: DraftTree,
         out: torch.Tensor | np.ndarray,
-        **options: Any,
+        *,
+        budget: float | None,
+        root_row: torch.Tensor | np.ndarray | None = None,
+        threads: int = 1,
     ) -> TreeMasks:
-        """``fill`` (``traverse.fill_tree_bitmask``) on the backend's matcher, then each node
-        filtered in order: a node whose token the filtered parent row forbids is invalid with
-        its subtree; a filled row loses its duplicate completions."""
-        masks = fill(self.inner, tree, out, **options)
+        """The backend matcher's own walk (``inner.fill_tree``), then each node filtered in
+        order: a node whose token the filtered parent row forbids is invalid with its subtree;
+        a filled row loses its duplicate completions."""
+        masks = self.inner.fill_tree(tree, out, budget=budget, root_row=root_row, threads=threads)
         rows = out.numpy() if isinstance(out, torch.Tensor) else out
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         states: list[KeyState | None] = [self.history[-1]] + [None] * (len(tokens) - 1)
