@@ -21,11 +21,8 @@
    kernel (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention
    kernel (``kernels/paged_attention``, the default for them); every kernel in plain stream
    order (``kernels.pdl.PDL = False``), the anchor of programmatic dependent launch, and PDL
-   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``),
-   with the GEMV letting the next kernel launch at its start, not after its K loop
-   (``gemv.LAUNCH_NEXT_AFTER_LOOP = False``), or with its tensor-core tiles loading their first
-   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``); PDL at every batch size
-   (``pdl.PDL_MAX_ROWS``), not only for steps of one token.
+   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``);
+   PDL at every batch size (``pdl.PDL_MAX_ROWS``), not only for steps of one token.
    ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
@@ -87,10 +84,6 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_no_pdl": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
     # PDL, but the batch-1 gate/up projection on cuBLAS (outside the chain of early launches)
     "flashinfer_graphs_pdl_cublas_gate_up": ("flashinfer", (1, 8, 64)),
-    # PDL variants of the GEMV: the next launch let go at the start (not after the K loop);
-    # tensor-core tiles loading their first weight tile before the wait
-    "flashinfer_graphs_pdl_early_trigger": ("flashinfer", (1, 8, 64)),
-    "flashinfer_graphs_pdl_dot_prefetch": ("flashinfer", (1, 8, 64)),
     "flashinfer_graphs_pdl_every_batch": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
 }
 LAYERS = "espalier.engine.model.models.layers"
@@ -115,8 +108,6 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
     "flashinfer_graphs_no_pdl": {(PDL, "PDL"): False},
     "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
-    "flashinfer_graphs_pdl_early_trigger": {(GEMV, "LAUNCH_NEXT_AFTER_LOOP"): False},
-    "flashinfer_graphs_pdl_dot_prefetch": {(GEMV, "PREFETCH_WITH_DOT"): True},
     "flashinfer_graphs_pdl_every_batch": {(PDL, "PDL_MAX_ROWS"): 1 << 30},
 }
 
