@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_models import depths, gpu_config, gpu_runner, gpu_state, tree_input
-from spec_helpers import compile_matcher
 
 from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.combine import Proposer
@@ -24,6 +22,8 @@ from espalier.engine.spec.decoder import SpeculativeDecoder
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.tree_builder import tree_attention_mask
+from tests.fixtures.gpu_models import depths, gpu_config, gpu_runner, gpu_state, tree_input
+from tests.fixtures.spec_helpers import compile_matcher
 from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 pytestmark = [

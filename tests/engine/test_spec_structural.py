@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from spec_helpers import SCHEMA, plain_greedy, random_runner, tiny_config
 
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
@@ -21,6 +20,7 @@ from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.spec_helpers import SCHEMA, plain_greedy, random_runner, tiny_config
 from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
