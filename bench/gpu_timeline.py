@@ -228,7 +228,7 @@ class Timeline:
 
 def _count_replays(line: Timeline) -> None:
     """Count verify forwards by outcome: a graph replay, or eager (no graph fits the step:
-    a prefill, or with ``cuda_graphs.PAD_TREES`` off trees of different sizes), with the
+    a prefill, or a tree larger than every captured tree size), with the
     number of distinct tree sizes in the step."""
     import espalier.engine.model.cuda_graphs as graphs
 
