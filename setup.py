@@ -1,9 +1,10 @@
 """The native part of espalier, built with the package (``pip install``/``pip install -e``).
 
 Everything else is declared in pyproject.toml. The llguidance tree walk
-(``constrained/backends/llguidance/native/``) is C loaded through ctypes: it links against nothing
-but libc and pthreads (llguidance's functions come in as pointers at run time), so it is built
-as an extension module of no Python API, with the system C compiler, once, here.
+(``constrained/backends/llguidance/native/``) and the duplicate-key tracker
+(``constrained/keys/keys.c``) are C loaded through ctypes: they link against nothing but libc and
+pthreads (llguidance's functions come in as pointers at run time), so each is built as an
+extension module of no Python API, with the system C compiler, once, here.
 """
 
 from setuptools import Extension, setup
@@ -19,6 +20,12 @@ setup(
             include_dirs=[NATIVE],
             extra_compile_args=["-O2", "-pthread", "-std=c11", "-D_POSIX_C_SOURCE=200809L"],
             extra_link_args=["-pthread"],
-        )
+        ),
+        Extension(
+            "espalier.constrained.keys._keys",
+            sources=["constrained/keys/keys.c"],
+            extra_compile_args=["-O2", "-pthread", "-std=c11", "-D_POSIX_C_SOURCE=200809L"],
+            extra_link_args=["-pthread"],
+        ),
     ]
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -104,6 +104,31 @@ class GrammarMatcher(Protocol):
         """The factory (given a native thread count) of the batch entry point of this matcher's
         library; matchers with the same factory are filled in one call
         (``constrained/batch.py``). None: filled one by one."""
+        ...
+
+    @property
+    def row_filter(self) -> RowFilter | None:
+        """None: this matcher's rows are its own fills. Else its rows are those of
+        ``row_filter.source`` with ``row_filter`` applied after: a batch fills the source in its
+        library's batch call, then filters all such rows in one call per ``filter_kind``
+        (``constrained/batch.py``)."""
+        ...
+
+
+class RowFilter(Protocol):
+    """Tokens removed from the rows that another matcher (:attr:`source`) fills, e.g. those
+    completing a repeated JSON key (``constrained/keys/``)."""
+
+    @property
+    def source(self) -> GrammarMatcher:
+        """The matcher whose rows are filtered (its state is the filter's)."""
+        ...
+
+    @property
+    def filter_kind(self) -> Callable[[Sequence[Any], torch.Tensor, Sequence[int], int], None]:
+        """``kind(filters, bitmask, rows, threads)``: filter ``bitmask[rows[j]]`` (int32, CPU,
+        contiguous, filled from ``filters[j].source``) for all ``filters`` (of this kind, no
+        two the same) in one native call on up to ``threads`` threads; raises when it fails."""
         ...
 
 

@@ -5,7 +5,9 @@ the constrained requests of a plain decoding step at once. It only groups: match
 library has a batch entry point (``GrammarMatcher.batch_kind``: llguidance's ``LLExecutor``,
 xgrammar's ``BatchGrammarMatcher``, each owned by its backend) are filled by one call of it per
 library, in native code on the library's own thread pool with the GIL released; terminated
-matchers, outlines-core and small groups are filled one by one behind the same call.
+matchers, outlines-core and small groups are filled one by one behind the same call. A matcher
+with a ``row_filter`` (the duplicate-key tracker, ``constrained/keys/``) has its source filled
+with the others, then all such rows are filtered in one native call per filter kind.
 
 Rows are exactly those of ``matcher.fill_bitmask`` (stop-only rows for terminated matchers, the
 bits past V cleared). Faults are per request: a matcher that raises, or that a batch call
@@ -21,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from espalier.constrained.base import BatchStep, GrammarMatcher
+from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
 
 MIN_NATIVE_BATCH = 2
 """Fewer matchers of one library than this are filled one by one (a batch call's thread
@@ -47,11 +49,11 @@ class BatchFiller:
         """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
         ``matchers[j]``; the matchers' states do not change. Returns ``{j: exception}`` for the
         matchers that failed (their rows allow every token)."""
-        # wrappers that filter their inner matcher's row (unique_keys.py): the inner matchers
-        # are filled in the batch call, then each wrapper filters its row
-        filters = {j: m for j, m in enumerate(matchers) if hasattr(m, "filter_row")}
+        # matchers that filter another's rows (GrammarMatcher.row_filter): that one is filled
+        # here, in its library's batch call, then the filters run, one call per kind
+        filters = {j: f for j, m in enumerate(matchers) if (f := m.row_filter) is not None}
         if filters:
-            matchers = [getattr(m, "inner", m) for m in matchers]
+            matchers = [filters[j].source if j in filters else m for j, m in enumerate(matchers)]
         faults: dict[int, BaseException] = {}
         groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
         for j, matcher in enumerate(matchers):
@@ -78,15 +80,28 @@ class BatchFiller:
                     _fill_each(matchers, bitmask, rows, members, faults)
                     continue
                 faults.update({members[k]: exc for k, exc in failed.items()})
-        for j, wrapper in filters.items():
-            if j not in faults:
-                try:
-                    wrapper.filter_row(bitmask[rows[j]])  # type: ignore[attr-defined]
-                except Exception as exc:
-                    faults[j] = exc
+        _filter_rows(filters, bitmask, rows, faults, self.threads)
         for j in faults:
             bitmask[rows[j]].fill_(-1)
         return faults
+
+
+def _filter_rows(
+    filters: dict[int, RowFilter],
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    faults: dict[int, BaseException],
+    threads: int,
+) -> None:
+    kinds: dict[Callable[..., None], list[int]] = {}
+    for j, row_filter in filters.items():
+        if j not in faults:
+            kinds.setdefault(row_filter.filter_kind, []).append(j)
+    for kind, members in kinds.items():
+        try:
+            kind([filters[j] for j in members], bitmask, [rows[j] for j in members], threads)
+        except Exception as exc:  # which one failed is not said: all of them
+            faults.update(dict.fromkeys(members, exc))
 
 
 def _fill_each(

@@ -95,7 +95,7 @@ class GrammarService:
         out: Future[Any] = Future()
 
         def make(compiled: CompiledGrammar, report: CompileReport) -> None:
-            from espalier.constrained.unique_keys import with_unique_keys
+            from espalier.constrained.keys import with_unique_keys
 
             if not out.set_running_or_notify_cancel():
                 return

@@ -98,7 +98,7 @@ class Engine:
             mask_vocab_size=tokenizer.vocab_size,
             max_rows=sched_cfg.max_num_seqs,
             overlap=config.overlap_masks,
-            sparse_head=config.sparse_head,
+            sparse_head=config.sparse_head and runner.full_head,  # a TP rank holds a slice
         )
         limit = runner.model_config.max_position_embeddings
         if config.max_model_len is not None:
@@ -122,12 +122,16 @@ class Engine:
         path: str | os.PathLike[str],
         config: EngineConfig | None = None,
         runner_config: RunnerConfig | None = None,
+        *,
+        runner: ModelRunner | None = None,
     ) -> Engine:
-        """Load a model (HF directory or ``.gguf`` file) and its tokenizer."""
+        """Load a model (HF directory or ``.gguf`` file) and its tokenizer; ``runner``: the
+        model at ``path`` already built (a tensor-parallel rank 0): only the tokenizer is read."""
         from espalier.constrained.tokenizer import TokenizerInfo
         from espalier.engine.model.runner import ModelRunner
 
-        runner = ModelRunner.from_pretrained(path, runner_config)
+        if runner is None:
+            runner = ModelRunner.from_pretrained(path, runner_config)
         text = str(path)
         if text.endswith(".gguf"):
             tok = TokenizerInfo.from_gguf(text, vocab_size=runner.vocab_size)

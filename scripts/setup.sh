@@ -18,4 +18,6 @@ pipq -e clients/python
 # The native llguidance walk was built by the install above (setup.py); check it loads against
 # the installed llguidance (version and struct layout).
 .venv/bin/python -c "from espalier.constrained.backends.llguidance.native.capi import api; api()"
+# The duplicate-key tracker (constrained/keys/keys.c), built by the same install: check its ABI.
+.venv/bin/python -c "from espalier.constrained.keys.native import lib; lib()"
 .venv/bin/smg --version >/dev/null

@@ -45,6 +45,13 @@ def register(sub: Any) -> None:
     local.add_argument("--num-draft-tokens", type=int, default=8, help="draft tree nodes")
     local.add_argument("--draft-model", default=None, help="draft model (same tokenizer) PATH")
     local.add_argument("--eagle", default=None, help="EAGLE / EAGLE-3 head checkpoint DIR")
+    local.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N ranks that this command starts (cuda: one GPU each)",
+    )
     p.set_defaults(func=run)
 
 
@@ -110,15 +117,20 @@ def run_local(args: argparse.Namespace) -> int:
     # one-shot use: the first compile also builds the backend's view of the vocabulary
     config = EngineConfig(compile_timeout_s=600.0)
     runner_config = RunnerConfig(args.device, args.dtype)
+    runner = None
     try:
-        engine = Engine.from_model(resolve_model(args.model), config, runner_config=runner_config)
-    except (OSError, ValueError) as exc:  # no such model, an unreadable or unsupported one
+        path = resolve_model(args.model)
+        runner = tensor_parallel_runner(path, runner_config, args.tensor_parallel)
+        engine = Engine.from_model(path, config, runner_config=runner_config, runner=runner)
+    except (OSError, ValueError, RuntimeError) as exc:  # no such model, or one we cannot run
+        if runner is not None:
+            runner.close()
         print(f"espalier generate: {exc}", file=sys.stderr)
         return 2
     try:
         _enable_speculation(engine, args)
     except (OSError, ValueError) as exc:
-        engine.close()
+        _close(engine)
         print(f"espalier generate: {exc}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
@@ -135,7 +147,7 @@ def run_local(args: argparse.Namespace) -> int:
                 if args.stream and not args.json:
                     print(out.text_delta, end="", flush=True)
     finally:
-        engine.close()
+        _close(engine)
     last = chunks[-1]
     text = "".join(c.text_delta for c in chunks)
     if args.json:
@@ -148,6 +160,27 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"espalier generate: {last.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def tensor_parallel_runner(path: Any, runner_config: Any, ranks: int) -> Any:
+    """Rank 0's runner of ``ranks`` ranks over the model at ``path`` (the others spawned now),
+    or None for one rank: the engine loads the model itself."""
+    import functools
+
+    from espalier.engine.model.parallel import ParallelConfig
+    from espalier.engine.model.parallel.launch import start_tensor_parallel
+    from espalier.engine.model.weights import load_weights
+
+    if ranks == 1:
+        return None
+    parallel = ParallelConfig(world_size=ranks)  # ValueError below 1
+    loader = functools.partial(load_weights, path)
+    return start_tensor_parallel(loader, runner_config, parallel)
+
+
+def _close(engine: Any) -> None:
+    engine.close()
+    engine.runner.close()  # the engine's owner owns its runner (a TP runner's other ranks)
 
 
 def _speculative(stats: Any) -> dict[str, Any] | None:

@@ -46,6 +46,13 @@ def register(sub: Any) -> None:
         default="off",
         help="step the engine in a child process of its own (off: on a thread of the server)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N ranks that the server starts (cuda: one GPU each)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 = any free port (announced)")
     p.add_argument(
@@ -150,6 +157,7 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
         grammar_cache_max_bytes=int(args.grammar_cache_max_mb * MIB),
         engine_process=args.engine_process == "on",
         compile_slots=args.compile_slots,
+        tensor_parallel=args.tensor_parallel,
     )
 
 
@@ -162,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     problems = config.validate()
     if args.compile_slots < 1:
         problems.append("--compile-slots must be at least 1")
+    if args.tensor_parallel < 1:
+        problems.append("--tensor-parallel must be at least 1")
+    if args.tensor_parallel > 1 and args.engine_process == "on":
+        problems.append("--tensor-parallel runs the engine in this process: --engine-process off")
     if problems:
         raise SystemExit("espalier serve: " + "; ".join(problems))
     options = model_options_from_args(args, config)

@@ -10,6 +10,7 @@ load benchmarks, where the model's quality does not matter but the tokenizer's s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ class ModelOptions:
     compile_slots: int = 2  # compiles of one grammar backend at once (BackendOptions)
     seed: int = 0  # weights of tiny-random
     engine_process: bool = False  # step the engine in a child process (server/engine_process.py)
+    tensor_parallel: int = 1  # ranks the model is sharded over (engine/model/parallel/)
 
 
 def load_tokenizer(options: ModelOptions) -> TokenizerInfo:
@@ -93,22 +95,55 @@ def make_compiler(grammar: GrammarService, timeout_s: float) -> Compiler:
     return compile_one
 
 
-def _runner(options: ModelOptions, tokenizer: TokenizerInfo) -> Any:
+def _runner(
+    options: ModelOptions,
+    tokenizer: TokenizerInfo,
+    on_failure: Callable[[str], None] | None = None,
+) -> Any:
+    """The model's runner; with ``options.tensor_parallel > 1`` rank 0 of that many (the other
+    ranks started here; ``on_failure(why)``, from a thread, when one of them dies)."""
+    import functools
+
     import torch
 
-    from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
+    from espalier.engine.config import CacheConfig, RunnerConfig
     from espalier.engine.model.runner import ModelRunner
+    from espalier.engine.model.weights import load_weights
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = CacheConfig(block_size=16, num_blocks=options.kv_blocks)
+    if options.model == TINY_RANDOM and options.kv_blocks == 0:
+        cache = CacheConfig(16, 4096)
     config = RunnerConfig(device=device, dtype=options.dtype or "auto", cache=cache)
-    if options.model != TINY_RANDOM:
-        return ModelRunner.from_pretrained(resolve_model(options.model), config)
+    loader: Callable[[], tuple[Any, dict[str, Any]]]
+    if options.model == TINY_RANDOM:
+        vocab, stops = tokenizer.vocab_size, tuple(tokenizer.stop_token_ids)
+        loader = functools.partial(tiny_random_weights, vocab, stops, options.seed)
+    else:
+        loader = functools.partial(load_weights, resolve_model(options.model))
+    if options.tensor_parallel == 1:
+        model_config, state = loader()
+        return ModelRunner(model_config, state, config)
+    from espalier.engine.model.parallel import ParallelConfig
+    from espalier.engine.model.parallel.launch import start_tensor_parallel
+
+    parallel = ParallelConfig(world_size=options.tensor_parallel)
+    return start_tensor_parallel(loader, config, parallel, on_failure=on_failure)
+
+
+def tiny_random_weights(
+    vocab_size: int, eos_token_ids: tuple[int, ...], seed: int
+) -> tuple[Any, dict[str, Any]]:
+    """(ModelConfig, state dict) of ``tiny-random``: a 2-layer llama, seeded (picklable, so
+    tensor-parallel ranks build the same weights)."""
+    import torch
+
+    from espalier.engine.config import ModelConfig
     from espalier.engine.model.models.llama import LlamaForCausalLM
 
     model_config = ModelConfig(
         model_type="llama",
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_layers=2,
@@ -116,28 +151,30 @@ def _runner(options: ModelOptions, tokenizer: TokenizerInfo) -> Any:
         num_kv_heads=2,
         head_dim=16,
         max_position_embeddings=8192,
-        eos_token_ids=tokenizer.stop_token_ids,
+        eos_token_ids=eos_token_ids,
     )
-    torch.manual_seed(options.seed)
+    torch.manual_seed(seed)
     with torch.device("cpu"):
         model = LlamaForCausalLM(model_config, qkv_bias=False, o_bias=False)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state["lm_head.weight"] *= 4.0  # sharper logits: fewer greedy near-ties
-    if options.kv_blocks == 0:
-        config = RunnerConfig(device=device, dtype=config.dtype, cache=CacheConfig(16, 4096))
-    return ModelRunner(model_config, state, config)
+    return model_config, state
 
 
 def load_engine(
-    options: ModelOptions, tokenizer: TokenizerInfo, grammar: GrammarService
+    options: ModelOptions,
+    tokenizer: TokenizerInfo,
+    grammar: GrammarService,
+    on_failure: Callable[[str], None] | None = None,
 ) -> tuple[Any, ModelFacts]:
-    """Build the engine (blocking; run it on a thread). Returns (Engine, facts)."""
+    """Build the engine (blocking; run it on a thread). Returns (Engine, facts).
+    ``on_failure(why)``: called from a thread when a tensor-parallel rank dies."""
     from espalier.constrained.backends import BACKENDS
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.scheduler import SchedulerConfig
 
-    runner = _runner(options, tokenizer)
+    runner = _runner(options, tokenizer, on_failure)
     if tokenizer.vocab_size != max(runner.vocab_size, tokenizer.tokenizer_vocab_size):
         # The model pads its vocabulary: masks need its width, so a grammar service of its own.
         tokenizer = TokenizerInfo(tokenizer.hf, vocab_size=runner.vocab_size, name=tokenizer.name)

@@ -67,10 +67,20 @@ def make_loader(
 async def _start_engine_thread(
     options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
 ) -> tuple[ServingEngine, ModelFacts]:
-    """The engine on a thread of this process; CompileGrammar shares its compile cache."""
+    """The engine on a thread of this process; CompileGrammar shares its compile cache. A dead
+    tensor-parallel rank fails the server (``ServingState.fail``), as a dead engine process."""
     from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
 
-    engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar)
+    loop = asyncio.get_running_loop()
+
+    def on_failure(why: str) -> None:  # from the ranks' watch thread
+        loop.call_soon_threadsafe(lambda: loop.create_task(state.fail(why)))
+
+    engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar, on_failure)
+    if options.tensor_parallel > 1:
+        announce(
+            event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.runner.rank_pids
+        )
     state.tokenizer = engine.tokenizer
     state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
     state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)

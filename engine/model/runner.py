@@ -41,6 +41,7 @@ from espalier.engine.config import CacheConfig, ModelConfig, RunnerConfig
 
 if TYPE_CHECKING:
     from espalier.engine.model.cuda_graphs import StepGraphs
+    from espalier.engine.model.parallel import RankGroup
 
 LogitsSelect = Literal["last", "all", "none"]
 
@@ -97,10 +98,20 @@ class ModelRunner:
     ``device``/``dtype`` come from ``RunnerConfig`` (CPU fp32 and CUDA bf16 use the same code).
     ``num_blocks`` / ``block_size`` give the cache geometry that the scheduler's
     ``BlockAllocator(num_blocks)`` must use.
+
+    ``tensor_parallel``: this process's rank of a tensor-parallel group; the runner then holds
+    the rank's shard (``parallel/shard.py``: its heads, KV heads, MLP and vocabulary slices of
+    the full ``state_dict``), every forward is a collective of all ranks, and its logits are
+    still full-vocabulary. ``model_config`` stays the full model's.
     """
 
     def __init__(
-        self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], config: RunnerConfig
+        self,
+        model_config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        config: RunnerConfig,
+        *,
+        tensor_parallel: RankGroup | None = None,
     ) -> None:
         from espalier.engine.kv_cache import KVCache
         from espalier.engine.model.attention.base import get_attention_backend
@@ -110,7 +121,18 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            from espalier.engine.model.parallel.shard import local_config, shard_state_dict
+
+            world = tensor_parallel.world_size
+            state_dict = shard_state_dict(model_config, state_dict, tensor_parallel.rank, world)
+            model_config = local_config(model_config, world)
         self.model = build_model(model_config, state_dict, device=self.device, dtype=self.dtype)
+        if tensor_parallel is not None:
+            from espalier.engine.model.parallel.layers import parallelize
+
+            parallelize(self.model, tensor_parallel, self.model_config.vocab_size)
         if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up
             from espalier.kernels.fused import fuse_projections
 
@@ -129,6 +151,11 @@ class ModelRunner:
         if use_graphs and cache.num_blocks:
             cache = replace(cache, num_blocks=cache.num_blocks + 1)
         self.kv_cache = KVCache.allocate(model_config, cache, device=self.device, dtype=self.dtype)
+        self._num_blocks = self.kv_cache.num_blocks - self._reserved_blocks
+        if tensor_parallel is not None:  # ranks sized from their own free memory: the least
+            # (also the group's first collective: NCCL creates its communicator here, before
+            # any graph capture, which cannot)
+            self._num_blocks = tensor_parallel.min_int(self._num_blocks, self.device)
         self.graphs: StepGraphs | None = None
         if use_graphs:
             from espalier.engine.model.cuda_graphs import StepGraphs
@@ -160,11 +187,17 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks - self._reserved_blocks
+        return self._num_blocks
 
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    @property
+    def full_head(self) -> bool:
+        """Whether ``model.head_weight()`` is the whole LM head (False: a rank's vocabulary
+        slice under tensor parallelism, so logits come only from ``forward``)."""
+        return self.tensor_parallel is None
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -207,6 +240,10 @@ class ModelRunner:
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer (copy-on-write after fork)."""
         self.kv_cache.copy_blocks(src, dst)
+
+    def close(self) -> None:
+        """Release what outlives this object: nothing on one device (a tensor-parallel rank 0
+        stops the other ranks). Its owner calls it, not the engines sharing it."""
 
 
 __all__ = ["CacheConfig", "ForwardOutput", "ModelRunner", "RunnerConfig", "SeqInput"]

@@ -67,6 +67,8 @@ def build_drafters(
     if "eagle" in methods:
         if eagle is None:
             raise ValueError("--speculative eagle needs --eagle PATH")
+        if not target.full_head:  # the head reads the target's embedding and LM head
+            raise ValueError("--speculative eagle does not run with tensor parallelism")
         from espalier.engine.spec.eagle import load_eagle
         from espalier.engine.spec.eagle_drafter import EagleDrafter
 

@@ -1,4 +1,4 @@
-"""No JSON object repeats a key (``constrained/json_keys.py``, ``constrained/unique_keys.py``).
+"""No JSON object repeats a key (``constrained/keys/``).
 
 Oracles: the filtered row is the backend's row minus exactly the tokens whose bytes complete a
 key already in its object (checked by replaying each allowed token on the lexer); random
@@ -18,11 +18,12 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
-from espalier.constrained.json_keys import START, KeyTables, may_repeat_keys, step
+from espalier.constrained.keys import UniqueKeysMatcher, may_repeat_keys, with_unique_keys
+from espalier.constrained.keys.native import KeyTables, KeyTracker
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.masks import fill_tree_bitmask
-from espalier.constrained.unique_keys import UniqueKeysMatcher, with_unique_keys
+from tests.fixtures.keys_twin import START, parse_export, step
 
 FREE = {"type": "object", "additionalProperties": {"type": "integer"}}
 NESTED = {
@@ -44,6 +45,11 @@ PREFIXES = {
     "pattern": '{"a": 1, "a',
     "any": '{"b": [{"a": 1, "a',
 }
+
+
+def _state(matcher: Any) -> Any:
+    """The native tracker's state as the twin's ``KeyState``."""
+    return parse_export(matcher.keys.export())
 
 
 def _lex(text: str) -> Any:
@@ -166,7 +172,7 @@ def test_rows_lose_exactly_the_duplicate_completions(
                 break
             inner = set(_allowed(matcher.inner, tokenizer.vocab_size))
             mine = set(_allowed(matcher, tokenizer.vocab_size))
-            state = matcher.history[-1]
+            state = _state(matcher)
             dup = {t for t in inner if step(state, tokenizer.token_bytes[t]) is None}
             assert mine == inner - dup or (mine == inner and dup == inner), name
             for token in list(dup)[:3]:
@@ -193,7 +199,7 @@ def test_random_outputs_never_repeat_a_key(
             finished += 1
         # rollback restores the lexer with the grammar: the same tokens are accepted again
         matcher.rollback(len(tokens))
-        assert matcher.history == [START]
+        assert matcher.keys.accepted == 0 and _state(matcher) == START
         assert matcher.accept_tokens(tokens) == len(tokens)
     assert finished > 0
 
@@ -237,17 +243,23 @@ GEMMA_TEXTS = [
 
 @pytest.mark.parametrize("text", GEMMA_TEXTS)
 def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_tokenizer: Any) -> None:
-    """The fast path (prefix index, quoted-run prefilter) against running every token that
-    holds a quote through the lexer, on Gemma's 262k vocabulary (others cannot complete a key)."""
-    tables = KeyTables.build(gemma_tokenizer)
+    """The native fast path (prefix index, quoted-run index) against running every token that
+    holds a quote through the twin's lexer, on Gemma's 262k vocabulary (others cannot complete
+    a key)."""
+    tracker = KeyTracker(KeyTables(gemma_tokenizer.token_bytes))
     state = START
     for byte in text.encode():
         state = step(state, bytes((byte,)))
     assert state is not None
-    row = bm.allocate(1, gemma_tokenizer.vocab_size)[0].numpy()
+    tokens = gemma_tokenizer.encode(text)
+    assert tracker.accept_tokens(tokens) == len(tokens) and parse_export(tracker.export()) == state
+    full = bm.allocate(1, gemma_tokenizer.vocab_size)[0].numpy()
+    row = full.copy()
+    assert tracker.filter_row(row)
     quoted = [t for t, b in enumerate(gemma_tokenizer.token_bytes) if b'"' in b]
     expected = [t for t in quoted if step(state, gemma_tokenizer.token_bytes[t]) is None]
-    assert tables.duplicates(state, row) == expected
+    removed = np.flatnonzero(bm.unpack_allowed(full ^ row, gemma_tokenizer.vocab_size)).tolist()
+    assert removed == expected
     if text.endswith(', "'):
         assert expected  # a key start: a seen key and its closing quote in one token
 
@@ -267,7 +279,7 @@ def test_an_exhausted_key_language_is_left_as_the_grammar_says(toy_tokenizer: An
     inner = _allowed(matcher.inner, toy_tokenizer.vocab_size)
     assert inner and _allowed(matcher, toy_tokenizer.vocab_size) == inner
     assert matcher.accept(toy_tokenizer.encode('"')[0])
-    assert not matcher.history[-1].stack[-1][1]  # "a" counted once; a value comes next
+    assert not _state(matcher).stack[-1][1]  # "a" counted once; a value comes next
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])

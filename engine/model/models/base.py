@@ -6,7 +6,7 @@ paged cache on the way; ``compute_logits`` applies the LM head (+ softcapping) i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ class CausalLM(nn.Module):
     config: ModelConfig
     model: DecoderStack
     lm_head: nn.Linear | None
+    vocab_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Tensor parallel: this rank's vocabulary-slice logits -> the full vocabulary
+    (``parallel/layers.py``); None on one device."""
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[T]`` -> ``[T, hidden]`` in the model dtype."""
@@ -105,7 +108,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> fp32 ``[n, V]`` (final softcapping applied when configured)."""
-        logits = linear(hidden, self.head_weight()).float()
+        logits = linear(hidden, self.head_weight())
+        if self.vocab_gather is not None:  # tensor parallel: every rank's vocabulary slice
+            logits = self.vocab_gather(logits)
+        logits = logits.float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

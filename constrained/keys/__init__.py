@@ -1,0 +1,24 @@
+"""No JSON object repeats a key: a per-request key tracker over any backend's matcher.
+
+The backends' JSON compilers emit each declared property at most once (declared properties come
+in declared order; additional keys may not equal a declared name), but keys that come from
+``additionalProperties``, ``patternProperties`` or an untyped object are free strings, and a
+grammar cannot say "unlike every key before" (not context-free). So
+:class:`~espalier.constrained.keys.matcher.UniqueKeysMatcher` wraps a request's matcher: a small
+JSON lexer in C (``keys.c``, through ``native.py``) follows the accepted bytes (the stack of open
+containers, each object's keys so far), and a token that would *complete* a key already present
+in its object (the closing quote of the key string, wherever in the token it falls) is removed
+from the backend's row and rejected by ``accept``. Nothing else changes: the row is the backend's
+row minus exactly those tokens. The Python twin of the lexer and filters, the tests' oracle, is
+``tests/fixtures/keys_twin.py``.
+
+Exactness: a key can still be extended or changed, so removing its duplicate completions leaves
+a way on, unless the grammar's key language is finite and exhausted (``propertyNames: {"enum":
+[...]}``, an anchored ``patternProperties`` with ``minProperties``). There every allowed token
+would complete a duplicate; the tracker then removes nothing (a row is never emptied: the
+request goes on and post-validation reports the duplicate) instead of leaving a dead end.
+"""
+
+from espalier.constrained.keys.matcher import UniqueKeysMatcher, may_repeat_keys, with_unique_keys
+
+__all__ = ["UniqueKeysMatcher", "may_repeat_keys", "with_unique_keys"]

@@ -1,0 +1,688 @@
+/* The duplicate-key tracker in C: a JSON lexer over accepted token bytes, and the filter that
+ * removes from bitmask rows the tokens that would complete a key already in its object.
+ *
+ * Semantics are those of the Python twin (tests/fixtures/keys_twin.py: step, KeyState), byte for
+ * byte, quirks included; tests/constrained/test_keys_native.py compares states, rows and tree
+ * rows on random inputs. Loaded through ctypes (constrained/keys/native.py), which releases the
+ * GIL for every call. No Python API: this file links against libc and pthreads only.
+ *
+ * State (EspKeys): the stack of open containers (Frame), each object's keys as a persistent list
+ * in an append-only arena (KeyEntry, bytes), the key string being read (its bytes are the
+ * arena's tail), and the string/escape scalars. Every accepted token pushes a Mark (the scalars,
+ * depth and arena sizes before it); a stack slot written after the mark is saved first in the
+ * undo log. Rollback replays the undo log and restores the mark: O(bytes changed), no copies.
+ * The filter simulates candidate tokens the same way (advance, then roll back), so one lexer
+ * serves accept, rows and trees. A tracker is driven by one thread at a time (the matcher's).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ESP_KEYS_ABI 1
+
+enum { ARRAY = 0, OBJECT = 1 };
+
+typedef struct { int32_t kind, expect_key, keys; } Frame; /* keys: last KeyEntry, -1 none */
+typedef struct { int32_t prev; uint32_t off, len; } KeyEntry;
+typedef struct { int32_t slot; Frame old; } Undo;
+typedef struct {
+    int32_t in_key, in_value, esc_len, high, depth, n_entries;
+    uint32_t key_off, n_bytes;
+    uint8_t esc[4];
+    int64_t n_undo;
+} Mark;
+
+/* bytes -> token ids (CSR), open addressing; keys point into the tables' token bytes */
+typedef struct { uint64_t hash; const uint8_t *key; uint32_t len; int32_t start, count; } Slot;
+typedef struct { Slot *slots; uint64_t mask; int32_t *ids; } BytesMap;
+
+typedef struct EspKeysTables {
+    int64_t n_tokens;
+    uint8_t *bytes;
+    int64_t *offs;
+    BytesMap by_prefix; /* bytes before the first quote (no backslash among them) -> ids */
+    BytesMap by_run;    /* simulate tokens: each run between two quotes, and the prefix -> ids */
+    int32_t *quote_ids, *simulate_ids, *always_ids;
+    int64_t n_quote, n_simulate, n_always;
+} EspKeysTables;
+
+typedef struct EspKeys {
+    const EspKeysTables *tables;
+    int32_t in_key, in_value, esc_len, high;
+    uint32_t key_off;
+    uint8_t esc[4];
+    Frame *stack; int32_t depth, stack_cap;
+    KeyEntry *entries; int32_t n_entries, entries_cap;
+    uint8_t *bytes; uint32_t n_bytes, bytes_cap;
+    Undo *undo; int64_t n_undo, undo_cap;
+    Mark *marks; int64_t n_marks, marks_cap;
+    int32_t *found; int64_t found_cap; /* filter scratch */
+    int failed;                        /* an allocation failed: sticky */
+} EspKeys;
+
+/* ---- growth ------------------------------------------------------------------------------ */
+
+static int grow(void **data, int64_t *cap, int64_t need, size_t size) {
+    if (need <= *cap) return 1;
+    int64_t next = *cap ? *cap : 16;
+    while (next < need) next *= 2;
+    void *p = realloc(*data, (size_t)next * size);
+    if (!p) return 0;
+    *data = p;
+    *cap = next;
+    return 1;
+}
+
+static int grow32(void **data, int32_t *cap, int64_t need, size_t size) {
+    int64_t c = *cap;
+    int ok = grow(data, &c, need, size);
+    *cap = (int32_t)c;
+    return ok;
+}
+
+static int grow_u32(uint8_t **data, uint32_t *cap, int64_t need) {
+    int64_t c = *cap;
+    int ok = grow((void **)data, &c, need, 1);
+    *cap = (uint32_t)c;
+    return ok;
+}
+
+/* ---- the lexer ------------------------------------------------------------------------------ */
+
+static void put_byte(EspKeys *k, uint8_t b) {
+    if (!grow_u32(&k->bytes, &k->bytes_cap, (int64_t)k->n_bytes + 1)) { k->failed = 1; return; }
+    k->bytes[k->n_bytes++] = b;
+}
+
+static void put_utf8(EspKeys *k, int32_t point) { /* Python: chr(point).encode(surrogatepass) */
+    if (point == 0) return;
+    if (point < 0x80) {
+        put_byte(k, (uint8_t)point);
+    } else if (point < 0x800) {
+        put_byte(k, (uint8_t)(0xC0 | (point >> 6)));
+        put_byte(k, (uint8_t)(0x80 | (point & 0x3F)));
+    } else if (point < 0x10000) {
+        put_byte(k, (uint8_t)(0xE0 | (point >> 12)));
+        put_byte(k, (uint8_t)(0x80 | ((point >> 6) & 0x3F)));
+        put_byte(k, (uint8_t)(0x80 | (point & 0x3F)));
+    } else {
+        put_byte(k, (uint8_t)(0xF0 | (point >> 18)));
+        put_byte(k, (uint8_t)(0x80 | ((point >> 12) & 0x3F)));
+        put_byte(k, (uint8_t)(0x80 | ((point >> 6) & 0x3F)));
+        put_byte(k, (uint8_t)(0x80 | (point & 0x3F)));
+    }
+}
+
+static void put_char(EspKeys *k, uint8_t c) { /* Python: chr(c).encode() */
+    if (c < 0x80) { put_byte(k, c); return; }
+    put_byte(k, (uint8_t)(0xC0 | (c >> 6)));
+    put_byte(k, (uint8_t)(0x80 | (c & 0x3F)));
+}
+
+static void save_slot(EspKeys *k, int32_t slot) {
+    if (!grow((void **)&k->undo, &k->undo_cap, k->n_undo + 1, sizeof(Undo))) { k->failed = 1; return; }
+    Undo u = {slot, {0, 0, -1}};
+    if (slot < k->stack_cap) u.old = k->stack[slot];
+    k->undo[k->n_undo++] = u;
+}
+
+static void push(EspKeys *k, int32_t kind) {
+    if (!grow32((void **)&k->stack, &k->stack_cap, (int64_t)k->depth + 1, sizeof(Frame))) {
+        k->failed = 1;
+        return;
+    }
+    save_slot(k, k->depth);
+    Frame f = {kind, kind == OBJECT, -1};
+    k->stack[k->depth++] = f;
+}
+
+static int key_in(const EspKeys *k, int32_t entry, const uint8_t *key, uint32_t len) {
+    for (; entry >= 0; entry = k->entries[entry].prev) {
+        const KeyEntry *e = &k->entries[entry];
+        if (e->len == len && memcmp(k->bytes + e->off, key, len) == 0) return 1;
+    }
+    return 0;
+}
+
+/* The key string ends: 1 when it repeats a key of its object and strict (nothing changed after
+ * the key's bytes: the caller rolls the token back), else 0. */
+static int close_key(EspKeys *k, int strict) {
+    put_utf8(k, k->high);
+    Frame *top = &k->stack[k->depth - 1];
+    uint32_t len = k->n_bytes - k->key_off;
+    int seen = key_in(k, top->keys, k->bytes + k->key_off, len);
+    if (seen && strict) return 1;
+    save_slot(k, k->depth - 1);
+    if (!seen) {
+        if (grow32((void **)&k->entries, &k->entries_cap, (int64_t)k->n_entries + 1,
+                   sizeof(KeyEntry))) {
+            KeyEntry e = {top->keys, k->key_off, len};
+            k->entries[k->n_entries] = e;
+            top->keys = k->n_entries++;
+        } else {
+            k->failed = 1;
+        }
+    }
+    top->expect_key = 0;
+    k->in_key = 0;
+    k->high = 0;
+    return 0;
+}
+
+static int hex_value(uint8_t c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* One byte after a backslash inside a string (Python: _escape). */
+static void escape_byte(EspKeys *k, uint8_t b) {
+    int put = k->in_key;
+    if (k->esc_len == 1 && b != 'u') {
+        static const char simple_from[] = "bfnrt", simple_to[] = "\b\f\n\r\t";
+        const char *at = b ? strchr(simple_from, b) : NULL;
+        int32_t high = k->high;
+        k->high = 0;
+        k->esc_len = 0;
+        if (put) {
+            put_utf8(k, high);
+            put_char(k, at ? (uint8_t)simple_to[at - simple_from] : b);
+        }
+        return;
+    }
+    if (k->esc_len == 1) { k->esc_len = 2; return; }
+    k->esc[k->esc_len - 2] = b;
+    if (++k->esc_len < 6) return;
+    int32_t point = 0;
+    for (int i = 0; i < 4 && point >= 0; i++) {
+        int v = hex_value(k->esc[i]);
+        point = v < 0 ? -1 : point * 16 + v;
+    }
+    if (point < 0) point = 0xFFFD;
+    k->esc_len = 0;
+    int32_t high = k->high;
+    if (point >= 0xD800 && point < 0xDC00) {
+        k->high = point;
+        if (put) put_utf8(k, high);
+    } else if (point >= 0xDC00 && point < 0xE000 && high) {
+        k->high = 0;
+        if (put) put_utf8(k, 0x10000 + ((high - 0xD800) << 10) + (point - 0xDC00));
+    } else {
+        k->high = 0;
+        if (put) { put_utf8(k, high); put_utf8(k, point); }
+    }
+}
+
+/* 1: the byte completes a duplicate key (strict); the caller rolls back. */
+static int step_byte(EspKeys *k, uint8_t b, int strict) {
+    if (k->in_key || k->in_value) {
+        if (k->esc_len) {
+            escape_byte(k, b);
+        } else if (b == '\\') {
+            k->esc_len = 1;
+        } else if (b != '"') {
+            if (k->in_key) { put_utf8(k, k->high); put_byte(k, b); k->high = 0; }
+        } else if (k->in_value) {
+            k->in_value = 0;
+        } else {
+            return close_key(k, strict);
+        }
+        return 0;
+    }
+    Frame *top = k->depth ? &k->stack[k->depth - 1] : NULL;
+    if (b == '"') {
+        if (top && top->kind == OBJECT && top->expect_key) {
+            k->in_key = 1;
+            k->key_off = k->n_bytes;
+            k->high = 0;
+        } else {
+            k->in_value = 1;
+        }
+    } else if (b == '{') {
+        push(k, OBJECT);
+    } else if (b == '[') {
+        push(k, ARRAY);
+    } else if ((b == '}' || b == ']') && top) {
+        k->depth--;
+    } else if (b == ',' && top && top->kind == OBJECT) {
+        save_slot(k, k->depth - 1);
+        top->expect_key = 1;
+    }
+    return 0;
+}
+
+static void rollback(EspKeys *k, int64_t n) {
+    if (n <= 0) return;
+    if (n > k->n_marks) n = k->n_marks;
+    const Mark *m = &k->marks[k->n_marks - n];
+    while (k->n_undo > m->n_undo) {
+        const Undo *u = &k->undo[--k->n_undo];
+        k->stack[u->slot] = u->old;
+    }
+    k->in_key = m->in_key;
+    k->in_value = m->in_value;
+    k->esc_len = m->esc_len;
+    k->high = m->high;
+    k->depth = m->depth;
+    k->n_entries = m->n_entries;
+    k->key_off = m->key_off;
+    k->n_bytes = m->n_bytes;
+    memcpy(k->esc, m->esc, 4);
+    k->n_marks -= n;
+}
+
+static const uint8_t *token_bytes(const EspKeysTables *t, int64_t token, int64_t *len) {
+    if (token < 0 || token >= t->n_tokens) { *len = 0; return NULL; }
+    *len = t->offs[token + 1] - t->offs[token];
+    return t->bytes + t->offs[token];
+}
+
+/* Accept one token: 1 (a mark pushed), 0 it completes a duplicate (strict; state unchanged),
+ * -1 out of memory (state unchanged). */
+static int advance(EspKeys *k, int64_t token, int strict) {
+    if (!grow((void **)&k->marks, &k->marks_cap, k->n_marks + 1, sizeof(Mark))) return -1;
+    Mark m = {k->in_key, k->in_value, k->esc_len, k->high, k->depth, k->n_entries,
+              k->key_off, k->n_bytes, {0}, k->n_undo};
+    memcpy(m.esc, k->esc, 4);
+    k->marks[k->n_marks++] = m;
+    int64_t len;
+    const uint8_t *data = token_bytes(k->tables, token, &len);
+    for (int64_t i = 0; i < len && !k->failed; i++) {
+        if (step_byte(k, data[i], strict)) { rollback(k, 1); return 0; }
+    }
+    if (k->failed) { rollback(k, 1); k->failed = 0; return -1; }
+    return 1;
+}
+
+/* ---- the filter ------------------------------------------------------------------------------ */
+
+static uint64_t hash_bytes(const uint8_t *p, uint32_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (uint32_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+static const Slot *map_get(const BytesMap *m, const uint8_t *key, uint32_t len) {
+    if (!m->slots) return NULL;
+    uint64_t h = hash_bytes(key, len);
+    for (uint64_t i = h & m->mask;; i = (i + 1) & m->mask) {
+        const Slot *s = &m->slots[i];
+        if (s->count == 0) return NULL;
+        if (s->hash == h && s->len == len && memcmp(s->key, key, len) == 0) return s;
+    }
+}
+
+static int allowed(const uint32_t *row, int64_t words, int64_t t) {
+    return t >= 0 && t < words * 32 && ((row[t >> 5] >> (t & 31)) & 1u);
+}
+
+static int note(EspKeys *k, int64_t *n, int32_t token) {
+    if (!grow((void **)&k->found, &k->found_cap, *n + 1, sizeof(int32_t))) return 0;
+    k->found[(*n)++] = token;
+    return 1;
+}
+
+/* token completes a duplicate from here (the state is left as it was) */
+static int completes_duplicate(EspKeys *k, int32_t token) {
+    int r = advance(k, token, 1);
+    if (r == 1) rollback(k, 1);
+    return r == 0;
+}
+
+static int try_ids(EspKeys *k, const int32_t *ids, int64_t n, const uint32_t *row, int64_t words,
+                   int64_t *found) {
+    for (int64_t i = 0; i < n; i++) {
+        if (allowed(row, words, ids[i]) && completes_duplicate(k, ids[i]) &&
+            !note(k, found, ids[i]))
+            return 0;
+    }
+    return 1;
+}
+
+/* The allowed tokens of row that complete a duplicate key (into k->found, maybe repeated);
+ * -1 out of memory. Candidates as the index allows (see EspKeysTables). */
+static int64_t duplicates(EspKeys *k, const uint32_t *row, int64_t words) {
+    const EspKeysTables *t = k->tables;
+    int64_t found = 0;
+    if (k->in_key && (k->esc_len || k->high)) /* rare: every token holding a quote */
+        return try_ids(k, t->quote_ids, t->n_quote, row, words, &found) ? found : -1;
+    if (k->in_key) { /* a seen key that extends the key so far, closed at a token's first quote */
+        const uint8_t *key = k->bytes + k->key_off;
+        uint32_t len = k->n_bytes - k->key_off;
+        for (int32_t e = k->stack[k->depth - 1].keys; e >= 0; e = k->entries[e].prev) {
+            const KeyEntry *seen = &k->entries[e];
+            if (seen->len < len || memcmp(k->bytes + seen->off, key, len) != 0) continue;
+            const Slot *s = map_get(&t->by_prefix, k->bytes + seen->off + len, seen->len - len);
+            for (int32_t i = 0; s && i < s->count; i++) {
+                int32_t id = t->by_prefix.ids[s->start + i];
+                if (allowed(row, words, id) && !note(k, &found, id)) return -1;
+            }
+        }
+        return try_ids(k, t->simulate_ids, t->n_simulate, row, words, &found) ? found : -1;
+    }
+    /* outside a key: a key opened and closed in one token is one of its runs */
+    if (!try_ids(k, t->always_ids, t->n_always, row, words, &found)) return -1;
+    for (int32_t d = 0; d < k->depth; d++) {
+        for (int32_t e = k->stack[d].keys; k->stack[d].kind == OBJECT && e >= 0;
+             e = k->entries[e].prev) {
+            const Slot *s = map_get(&t->by_run, k->bytes + k->entries[e].off, k->entries[e].len);
+            if (s && !try_ids(k, t->by_run.ids + s->start, s->count, row, words, &found))
+                return -1;
+        }
+    }
+    return found;
+}
+
+/* Clear the duplicate completions from row unless that empties it: 1 cleared (or none
+ * allowed), 0 left as it was (the dead-end rule), -1 out of memory. */
+static int filter_row(EspKeys *k, uint32_t *row, int64_t words) {
+    int64_t n = duplicates(k, row, words);
+    if (n <= 0) return n < 0 ? -1 : 1;
+    for (int64_t i = 0; i < n; i++) row[k->found[i] >> 5] &= ~(1u << (k->found[i] & 31));
+    for (int64_t w = 0; w < words; w++)
+        if (row[w]) return 1;
+    for (int64_t i = 0; i < n; i++) row[k->found[i] >> 5] |= 1u << (k->found[i] & 31);
+    return 0;
+}
+
+/* ---- tables ---------------------------------------------------------------------------------- */
+
+typedef struct { const uint8_t *key; uint32_t len; int32_t id; } Item;
+
+static int map_build(BytesMap *m, const Item *items, int64_t n) {
+    uint64_t cap = 16;
+    while (cap < (uint64_t)(2 * n + 1)) cap *= 2;
+    m->slots = calloc(cap, sizeof(Slot));
+    m->ids = malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    int32_t *fill = calloc(cap, sizeof(int32_t));
+    if (!m->slots || !m->ids || !fill) { free(fill); return 0; }
+    m->mask = cap - 1;
+    Slot **at = malloc((size_t)(n ? n : 1) * sizeof(Slot *));
+    if (!at) { free(fill); return 0; }
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = hash_bytes(items[i].key, items[i].len);
+        uint64_t j = h & m->mask;
+        for (;; j = (j + 1) & m->mask) {
+            Slot *s = &m->slots[j];
+            if (s->count == 0) { s->hash = h; s->key = items[i].key; s->len = items[i].len; break; }
+            if (s->hash == h && s->len == items[i].len && memcmp(s->key, items[i].key, s->len) == 0)
+                break;
+        }
+        m->slots[j].count++;
+        at[i] = &m->slots[j];
+    }
+    int32_t start = 0;
+    for (uint64_t j = 0; j < cap; j++) { m->slots[j].start = start; start += m->slots[j].count; }
+    for (int64_t i = 0; i < n; i++) {
+        Slot *s = at[i];
+        m->ids[s->start + fill[s - m->slots]++] = items[i].id;
+    }
+    free(at);
+    free(fill);
+    return 1;
+}
+
+void espalier_keys_tables_free(EspKeysTables *t) {
+    if (!t) return;
+    free(t->bytes); free(t->offs);
+    free(t->by_prefix.slots); free(t->by_prefix.ids);
+    free(t->by_run.slots); free(t->by_run.ids);
+    free(t->quote_ids); free(t->simulate_ids); free(t->always_ids);
+    free(t);
+}
+
+static int same(const uint8_t *a, uint32_t na, const uint8_t *b, uint32_t nb) {
+    return na == nb && memcmp(a, b, na) == 0;
+}
+
+/* bytes: every token's bytes back to back; offs: int64[n + 1]. NULL when out of memory. */
+EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *offs, int64_t n) {
+    EspKeysTables *t = calloc(1, sizeof(EspKeysTables));
+    if (!t) return NULL;
+    int64_t total = offs[n], quotes = 0;
+    t->n_tokens = n;
+    t->bytes = malloc((size_t)(total ? total : 1));
+    t->offs = malloc((size_t)(n + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < total; i++) quotes += bytes[i] == '"';
+    t->quote_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    t->simulate_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    t->always_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    Item *prefixes = malloc((size_t)(n + 1) * sizeof(Item));
+    Item *runs = malloc((size_t)(quotes + n + 1) * sizeof(Item));
+    const uint8_t **cuts = malloc((size_t)(quotes + 1) * sizeof(uint8_t *));
+    int ok = t->bytes && t->offs && t->quote_ids && t->simulate_ids && t->always_ids && prefixes &&
+             runs && cuts;
+    int64_t n_prefixes = 0, n_runs = 0;
+    if (ok) {
+        memcpy(t->bytes, bytes, (size_t)total);
+        memcpy(t->offs, offs, (size_t)(n + 1) * sizeof(int64_t));
+    }
+    for (int64_t id = 0; ok && id < n; id++) {
+        const uint8_t *data = t->bytes + offs[id];
+        uint32_t len = (uint32_t)(offs[id + 1] - offs[id]), nq = 0;
+        for (uint32_t i = 0; i < len; i++)
+            if (data[i] == '"') cuts[nq++] = data + i;
+        if (!nq) continue;
+        t->quote_ids[t->n_quote++] = (int32_t)id;
+        uint32_t first = (uint32_t)(cuts[0] - data);
+        int slash_before = memchr(data, '\\', first) != NULL;
+        if (!slash_before) prefixes[n_prefixes++] = (Item){data, first, (int32_t)id};
+        if (!slash_before && nq == 1) continue;
+        t->simulate_ids[t->n_simulate++] = (int32_t)id;
+        /* runs: between consecutive quotes, and the prefix; always: a backslash anywhere, a run
+         * twice, or the prefix among the runs (Python: KeyTables.build, kept as the oracle) */
+        int always = memchr(data, '\\', len) != NULL;
+        runs[n_runs++] = (Item){data, first, (int32_t)id};
+        int64_t token_runs = n_runs;
+        for (uint32_t q = 0; q + 1 < nq; q++) {
+            const uint8_t *r = cuts[q] + 1;
+            uint32_t rl = (uint32_t)(cuts[q + 1] - r);
+            for (int64_t j = token_runs; j < n_runs; j++)
+                if (same(runs[j].key, runs[j].len, r, rl)) always = 1;
+            if (same(data, first, r, rl)) always = 1;
+            runs[n_runs++] = (Item){r, rl, (int32_t)id};
+        }
+        if (always) t->always_ids[t->n_always++] = (int32_t)id;
+    }
+    ok = ok && map_build(&t->by_prefix, prefixes, n_prefixes) && map_build(&t->by_run, runs, n_runs);
+    free(prefixes); free(runs); free(cuts);
+    if (!ok) { espalier_keys_tables_free(t); return NULL; }
+    return t;
+}
+
+/* ---- the API (ctypes) ------------------------------------------------------------------------ */
+
+int64_t espalier_keys_abi(void) { return ESP_KEYS_ABI; }
+
+EspKeys *espalier_keys_new(const EspKeysTables *tables) {
+    EspKeys *k = calloc(1, sizeof(EspKeys));
+    if (k) k->tables = tables;
+    return k;
+}
+
+void espalier_keys_free(EspKeys *k) {
+    if (!k) return;
+    free(k->stack); free(k->entries); free(k->bytes); free(k->undo); free(k->marks); free(k->found);
+    free(k);
+}
+
+static void *dup_array(const void *src, int64_t n, size_t size, int64_t *cap) {
+    *cap = n;
+    if (n == 0) return NULL;
+    void *p = malloc((size_t)n * size);
+    if (p) memcpy(p, src, (size_t)n * size);
+    return p;
+}
+
+/* An independent copy (with its rollback history); NULL when out of memory. */
+EspKeys *espalier_keys_fork(const EspKeys *k) {
+    EspKeys *c = calloc(1, sizeof(EspKeys));
+    if (!c) return NULL;
+    *c = *k;
+    int64_t cap;
+    c->stack = dup_array(k->stack, k->stack_cap, sizeof(Frame), &cap);
+    c->entries = dup_array(k->entries, k->n_entries, sizeof(KeyEntry), &cap);
+    c->entries_cap = (int32_t)cap;
+    c->bytes = dup_array(k->bytes, k->n_bytes, 1, &cap);
+    c->bytes_cap = (uint32_t)cap;
+    c->undo = dup_array(k->undo, k->n_undo, sizeof(Undo), &c->undo_cap);
+    c->marks = dup_array(k->marks, k->n_marks, sizeof(Mark), &c->marks_cap);
+    c->found = NULL;
+    c->found_cap = 0;
+    if ((k->stack_cap && !c->stack) || (k->n_entries && !c->entries) || (k->n_bytes && !c->bytes) ||
+        (k->n_undo && !c->undo) || (k->n_marks && !c->marks)) {
+        espalier_keys_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+void espalier_keys_reset(EspKeys *k) {
+    k->in_key = k->in_value = k->esc_len = k->high = 0;
+    k->depth = k->n_entries = 0;
+    k->n_bytes = k->key_off = 0;
+    k->n_undo = k->n_marks = 0;
+}
+
+int64_t espalier_keys_accepted(const EspKeys *k) { return k->n_marks; }
+
+/* 1 accepted, 0 it completes a duplicate key (state unchanged), -1 out of memory. strict=0:
+ * a duplicate goes through, the key counted once. */
+int32_t espalier_keys_accept(EspKeys *k, int64_t token, int32_t strict) {
+    return advance(k, token, strict);
+}
+
+/* Accept tokens in order up to the first duplicate: how many were accepted (-1: out of memory,
+ * nothing accepted). */
+int64_t espalier_keys_accept_tokens(EspKeys *k, const int32_t *tokens, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int r = advance(k, tokens[i], 1);
+        if (r < 0) { rollback(k, i); return -1; }
+        if (r == 0) return i;
+    }
+    return n;
+}
+
+void espalier_keys_rollback(EspKeys *k, int64_t n) { rollback(k, n); }
+
+int32_t espalier_keys_filter_row(EspKeys *k, uint32_t *row, int64_t words) {
+    return filter_row(k, row, words);
+}
+
+typedef struct {
+    EspKeys **keys;
+    uint32_t **rows;
+    int64_t n, words, first, stride;
+    int8_t *results;
+} RowsJob;
+
+static void *rows_job(void *arg) {
+    RowsJob *job = arg;
+    for (int64_t j = job->first; j < job->n; j += job->stride)
+        job->results[j] = (int8_t)filter_row(job->keys[j], job->rows[j], job->words);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+#define ROWS_PER_THREAD 64 /* a thread's start costs tens of rows' filters (bench/keys.py) */
+
+/* filter_row for n trackers (all distinct) and rows at once, on up to `threads` threads (one
+ * per ROWS_PER_THREAD rows at most); results[j]: filter_row's answer for row j. */
+void espalier_keys_filter_rows(EspKeys **keys, uint32_t **rows, int64_t n, int64_t words,
+                               int64_t threads, int8_t *results) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n / ROWS_PER_THREAD) threads = n / ROWS_PER_THREAD;
+    if (threads < 1) threads = 1;
+    RowsJob jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t i = 0; i < threads; i++) {
+        jobs[i] = (RowsJob){keys, rows, n, words, i, threads, results};
+        if (i > 0) started[i] = pthread_create(&ids[i], NULL, rows_job, &jobs[i]) == 0;
+    }
+    rows_job(&jobs[0]);
+    for (int64_t i = 1; i < threads; i++) {
+        if (started[i]) pthread_join(ids[i], NULL);
+        else rows_job(&jobs[i]); /* no thread: do its share here */
+    }
+}
+
+static void invalidate(int64_t node, int64_t parent, uint32_t *rows, int64_t words, uint8_t *valid,
+                       uint8_t *filled, uint8_t *terminated) {
+    valid[node] = filled[node] = terminated[node] = 0;
+    memcpy(rows + node * words, rows + parent * words, (size_t)words * 4); /* never all-zero */
+}
+
+/* A draft tree's rows, filled by the backend's walk from k's state, filtered node by node
+ * (the twin: tests/fixtures/keys_twin.py, filter_tree): a valid node whose token completes a
+ * duplicate from its parent's state, or that its parent's filtered row forbids, becomes invalid
+ * with its subtree (row copied from the parent: never all-zero); a filled row loses its
+ * duplicate completions (never emptied). The tree: first_child, next_sibling (-1: none; node 0
+ * the root), visited depth first, k advancing and rolling back along the path; it ends as it
+ * began. 0, or -1 out of memory. */
+int32_t espalier_keys_filter_tree(EspKeys *k, int64_t n, const int64_t *tokens,
+                                  const int64_t *first_child, const int64_t *next_sibling,
+                                  uint32_t *rows, int64_t words, uint8_t *valid, uint8_t *filled,
+                                  uint8_t *terminated) {
+    if (n <= 0) return 0;
+    int64_t *buf = malloc((size_t)(3 * n) * sizeof(int64_t));
+    int8_t *live = calloc((size_t)n, 1);
+    if (!buf || !live) { free(buf); free(live); return -1; }
+    int64_t *parent = buf, *stack = buf + n, *path = buf + 2 * n;
+    int64_t depth = 0, top = 0; /* path[0..depth): the live nodes k has accepted */
+    int32_t rc = 0;
+    live[0] = 1;
+    if (filled[0] && filter_row(k, rows, words) < 0) rc = -1;
+    if (first_child[0] >= 0) { parent[first_child[0]] = 0; stack[top++] = first_child[0]; }
+    while (top && rc == 0) {
+        int64_t v = stack[--top], p = parent[v];
+        if (next_sibling[v] >= 0) { parent[next_sibling[v]] = p; stack[top++] = next_sibling[v]; }
+        if (first_child[v] >= 0) { parent[first_child[v]] = v; stack[top++] = first_child[v]; }
+        if (!valid[v]) continue;
+        if (!live[p]) { invalidate(v, p, rows, words, valid, filled, terminated); continue; }
+        while (depth && path[depth - 1] != p) { rollback(k, 1); depth--; }
+        int r = allowed(rows + p * words, words, tokens[v]) ? advance(k, tokens[v], 1) : 0;
+        if (r < 0) { rc = -1; break; }
+        if (r == 0) { invalidate(v, p, rows, words, valid, filled, terminated); continue; }
+        live[v] = 1;
+        path[depth++] = v;
+        if (filled[v] && filter_row(k, rows + v * words, words) < 0) rc = -1;
+    }
+    rollback(k, depth);
+    free(live);
+    free(buf);
+    return rc;
+}
+
+/* The state for tests (parsed by tests/fixtures/keys_twin.py): the bytes it takes, written
+ * into out when cap allows. Frames bottom first: kind, expect_key, key count, keys (u32 length,
+ * bytes); then in_key, the key's bytes (u32 length, bytes), in_value, esc_len, esc[4], high. */
+int64_t espalier_keys_export(const EspKeys *k, uint8_t *out, int64_t cap) {
+    int64_t at = 0;
+#define PUT(src, len) do { if (at + (int64_t)(len) <= cap) memcpy(out + at, (src), (len)); at += (len); } while (0)
+    PUT(&k->depth, 4);
+    for (int32_t d = 0; d < k->depth; d++) {
+        const Frame *f = &k->stack[d];
+        uint32_t count = 0;
+        for (int32_t e = f->keys; e >= 0; e = k->entries[e].prev) count++;
+        PUT(&f->kind, 4);
+        PUT(&f->expect_key, 4);
+        PUT(&count, 4);
+        for (int32_t e = f->keys; e >= 0; e = k->entries[e].prev) {
+            PUT(&k->entries[e].len, 4);
+            PUT(k->bytes + k->entries[e].off, k->entries[e].len);
+        }
+    }
+    uint32_t key_len = k->in_key ? k->n_bytes - k->key_off : 0;
+    PUT(&k->in_key, 4);
+    PUT(&key_len, 4);
+    if (key_len) PUT(k->bytes + k->key_off, key_len);
+    PUT(&k->in_value, 4);
+    PUT(&k->esc_len, 4);
+    PUT(k->esc, 4);
+    PUT(&k->high, 4);
+#undef PUT
+    return at;
+}

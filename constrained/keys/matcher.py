@@ -1,0 +1,218 @@
+"""A :class:`GrammarMatcher` whose JSON objects never repeat a key: a backend's matcher plus the
+native key tracker (package docstring).
+
+:func:`with_unique_keys` wraps a request's matcher when its grammar can hold objects with free
+keys (:func:`may_repeat_keys`); other matchers are returned as they are. Rows are the backend's
+rows minus the tokens that would complete a key already in its object; ``accept`` rejects
+exactly those tokens. A batch's rows are the inner matchers' batch fill, then one native call
+filtering them all (:attr:`UniqueKeysMatcher.row_filter`); a draft tree's rows are the backend's
+walk, then one native call filtering them node by node (:meth:`UniqueKeysMatcher.fill_tree`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.keys.native import KeyTables, KeyTracker, filter_rows
+from espalier.constrained.spec import GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.constrained.tree import DraftTree
+    from espalier.constrained.tree.masks import TreeMasks
+
+
+def with_unique_keys(
+    spec: GrammarSpec, matcher: GrammarMatcher, tokenizer: TokenizerInfo
+) -> GrammarMatcher:
+    """``matcher`` itself, or wrapped so that no object of its output repeats a key."""
+    if not may_repeat_keys(spec):
+        return matcher
+    return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer)))
+
+
+def _tables(tokenizer: TokenizerInfo) -> KeyTables:
+    def build(tok: TokenizerInfo) -> KeyTables:
+        return KeyTables(tok.token_bytes)
+
+    tables: KeyTables = tokenizer.backend_view("espalier.constrained.keys", build)
+    return tables
+
+
+class UniqueKeysMatcher:
+    """``inner`` (any matcher) with duplicate-key completions removed (package docstring).
+
+    ``keys``: the native tracker, advanced and rolled back with ``inner`` (as many tokens)."""
+
+    def __init__(self, inner: GrammarMatcher, keys: KeyTracker) -> None:
+        self.inner = inner
+        self.keys = keys
+        self._row: torch.Tensor | None = None  # scratch row of the dead-end check, made on use
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def exact_rollback(self) -> bool:
+        return self.inner.exact_rollback
+
+    @property
+    def batch_kind(self) -> Callable[[int], BatchStep] | None:
+        """None: batches fill ``inner`` (:attr:`row_filter`), never this wrapper."""
+        return None
+
+    @property
+    def row_filter(self) -> RowFilter:
+        """Rows are ``inner``'s minus the duplicate completions (``constrained/batch.py``)."""
+        return self
+
+    @property
+    def source(self) -> GrammarMatcher:
+        return self.inner
+
+    @property
+    def filter_kind(self) -> Callable[[Sequence[Any], torch.Tensor, Sequence[int], int], None]:
+        return filter_batch
+
+    def accept(self, token: int) -> bool:
+        if not self._accept_keys(token):
+            return False
+        try:
+            if self.inner.accept(token):
+                return True
+        except BaseException:
+            self.keys.rollback(1)  # the two stay in step when the grammar fails
+            raise
+        self.keys.rollback(1)
+        return False
+
+    def accept_tokens(self, tokens: Sequence[int]) -> int:
+        done = 0
+        while done < len(tokens):
+            clean = self.keys.accept_tokens(tokens[done:])  # up to a duplicate completion
+            try:
+                taken = self.inner.accept_tokens(tokens[done : done + clean]) if clean else 0
+            except BaseException:
+                self.keys.rollback(clean)
+                raise
+            self.keys.rollback(clean - taken)
+            done += taken
+            if taken < clean or done == len(tokens) or not self.accept(tokens[done]):
+                break  # rejected by the grammar, or a duplicate the dead-end rule refuses
+            done += 1
+        return done
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.inner.rollback(n)
+        self.keys.rollback(n)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        self.inner.fill_bitmask(bitmask, index)
+        self.keys.filter_row(bitmask[index].numpy())
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def can_terminate(self) -> bool:
+        return self.inner.can_terminate()
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        forced = self.inner.forced_tokens(limit)
+        clean = self.keys.accept_tokens(forced)
+        self.keys.rollback(clean)
+        return forced[:clean]
+
+    def fork(self) -> UniqueKeysMatcher:
+        return UniqueKeysMatcher(self.inner.fork(), self.keys.fork())
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.keys.reset()
+
+    def fill_tree(
+        self,
+        tree: DraftTree,
+        out: torch.Tensor | np.ndarray,
+        *,
+        budget: float | None,
+        root_row: torch.Tensor | np.ndarray | None = None,
+        threads: int = 1,
+    ) -> TreeMasks:
+        """The backend matcher's own walk (``inner.fill_tree``), then one native call filtering
+        the rows node by node (``keys.c``: a node whose token the filtered parent row forbids,
+        or that completes a duplicate, is invalid with its subtree; a filled row loses its
+        duplicate completions, never all of its tokens)."""
+        masks = self.inner.fill_tree(tree, out, budget=budget, root_row=root_row, threads=threads)
+        rows = out.numpy() if isinstance(out, torch.Tensor) else out
+        flags = (masks.valid, masks.filled, masks.terminated)
+        self.keys.filter_tree(tree.tokens, tree.first_child, tree.next_sibling, rows, flags)
+        return masks
+
+    def _accept_keys(self, token: int) -> bool:
+        """Advance the tracker by ``token``; False when it completes a duplicate and some other
+        token is allowed (the dead-end rule: a row is never emptied)."""
+        if self.keys.accept(token):
+            return True
+        row = self._row
+        if row is None:
+            row = self._row = bm.allocate(1, self.inner.vocab_size, fill=0)
+        self.inner.fill_bitmask(row, 0)
+        if self.keys.filter_row(row[0].numpy()):
+            return False
+        return self.keys.accept(token, strict=False)
+
+
+def filter_batch(
+    filters: Sequence[UniqueKeysMatcher], bitmask: torch.Tensor, rows: Sequence[int], threads: int
+) -> None:
+    """``RowFilter.filter_kind`` of :class:`UniqueKeysMatcher`: ``bitmask[rows[j]]`` (filled
+    from ``filters[j].inner``) filtered for all of them in one native call."""
+    results = filter_rows([f.keys for f in filters], bitmask.numpy(), rows, threads)
+    if (results < 0).any():
+        raise MemoryError("key filter")
+
+
+def may_repeat_keys(spec: GrammarSpec) -> bool:
+    """Whether ``spec``'s language holds an object whose keys are not all declared properties
+    (so a backend could repeat one). Conservative: True when unsure."""
+    if spec.kind is GrammarKind.ANY_JSON:
+        return True
+    if spec.kind is not GrammarKind.JSON_SCHEMA:
+        return False
+    return _free_keys(spec.schema)
+
+
+def _free_keys(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return schema is True
+    kind = schema.get("type")
+    objects = kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if "enum" in schema or "const" in schema:
+        objects = False
+    if objects and (
+        schema.get("additionalProperties", True) is not False or "patternProperties" in schema
+    ):
+        return True
+    return any(_free_keys(sub) for sub in _subschemas(schema))
+
+
+def _subschemas(schema: dict[str, Any]) -> Iterable[Any]:
+    for word in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        value = schema.get(word)
+        if isinstance(value, dict):
+            yield from value.values()
+    for word in ("items", "prefixItems", "anyOf", "oneOf", "allOf"):
+        value = schema.get(word)
+        yield from value if isinstance(value, list) else [value] if value is not None else []
+    for word in ("additionalProperties", "additionalItems", "contains", "then", "else"):
+        if isinstance(schema.get(word), dict):
+            yield schema[word]
