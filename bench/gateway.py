@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "server"))
+sys.path.insert(0, str(REPO))  # the repository root: shared test helpers as tests.fixtures.*
 
-from gateway_process import SmgGateway  # noqa: E402
+from tests.fixtures.gateway_process import SmgGateway  # noqa: E402
 
 SCHEMA = {
     "type": "object",

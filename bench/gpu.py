@@ -13,19 +13,14 @@
    (``layers.SMALL_M_GEMV = False``), the anchor of the skinny GEMM kernel of decode steps
    (``espalier.kernels.gemv``; ``bench/gemv.py`` times it per shape); graphs whose decode steps
    attend with flashinfer's decode kernel (off by default: ``flashinfer.DECODE_KERNEL_UP_TO``
-   says why) at every batch size, on tensor cores or on CUDA cores (``DECODE_TENSOR_CORES``),
-   against the default prefill kernel; graphs with rope and the K/V write as three launches
-   (``layers.FUSE_ROPE_STORE = False``), the anchor of the fused ``rope_store``; one graph per
-   decode shape planned after each step's sync (``cuda_graphs.PLAN_AHEAD = False``), the anchor
-   of planning the next step during the replay; decode and tree steps on flashinfer's prefill
-   kernel (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention
-   kernel (``kernels/paged_attention``, the default for them); every kernel in plain stream
+   says why) at every batch size, against the default prefill kernel; graphs with rope and the
+   K/V write as three launches (``layers.FUSE_ROPE_STORE = False``), the anchor of the fused
+   ``rope_store``; decode and tree steps on flashinfer's prefill kernel
+   (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention kernel
+   (``kernels/paged_attention``, the default for them); every kernel in plain stream
    order (``kernels.pdl.PDL = False``), the anchor of programmatic dependent launch, and PDL
-   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``),
-   with the GEMV letting the next kernel launch at its start, not after its K loop
-   (``gemv.LAUNCH_NEXT_AFTER_LOOP = False``), or with its tensor-core tiles loading their first
-   weight tile before the wait (``gemv.PREFETCH_WITH_DOT``); PDL at every batch size
-   (``pdl.PDL_MAX_ROWS``), not only for steps of one token.
+   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``);
+   PDL at every batch size (``pdl.PDL_MAX_ROWS``), not only for steps of one token.
    ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
@@ -72,25 +67,16 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_unfused_add": ("flashinfer", (1, 8, 64)),
     # the anchor of the skinny GEMM: graphs captured (and LM heads run) with cuBLAS only
     "flashinfer_graphs_cublas": ("flashinfer", (1, 8, 64)),
-    # the decode kernel at every batch size, with tensor cores and on CUDA cores
+    # the decode kernel (tensor cores) at every batch size
     "flashinfer_graphs_decode_tc": ("flashinfer", (1, 8, 64)),
-    "flashinfer_graphs_decode_cc": ("flashinfer", (1, 8, 64)),
     # the anchor of the fused rope + K/V write: rope kernel, then two index_copy launches
     "flashinfer_graphs_unfused_rope": ("flashinfer", (1, 8, 64)),
-    # the anchor of planning ahead: one graph per decode shape, planned after each step's sync
-    "flashinfer_graphs_no_plan_ahead": ("flashinfer", (1, 8, 64)),
-    # prefill-kernel steps planned without split-KV (no merge kernel): an A/B of the default
-    "flashinfer_graphs_no_split_kv": ("flashinfer", (1, 8, 64)),
     # the anchor of the small-query attention kernel: decode steps on flashinfer's prefill kernel
     "flashinfer_graphs_prefill_attention": ("flashinfer", (1, 8, 64)),
     # the anchor of programmatic dependent launch: every kernel in plain stream order
     "flashinfer_graphs_no_pdl": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
     # PDL, but the batch-1 gate/up projection on cuBLAS (outside the chain of early launches)
     "flashinfer_graphs_pdl_cublas_gate_up": ("flashinfer", (1, 8, 64)),
-    # PDL variants of the GEMV: the next launch let go at the start (not after the K loop);
-    # tensor-core tiles loading their first weight tile before the wait
-    "flashinfer_graphs_pdl_early_trigger": ("flashinfer", (1, 8, 64)),
-    "flashinfer_graphs_pdl_dot_prefetch": ("flashinfer", (1, 8, 64)),
     "flashinfer_graphs_pdl_every_batch": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
 }
 LAYERS = "espalier.engine.model.models.layers"
@@ -104,19 +90,10 @@ PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and me
     "flashinfer_graphs_unfused_add": {(LAYERS, "FUSE_RESIDUAL_ADD"): False},
     "flashinfer_graphs_cublas": {(LAYERS, "SMALL_M_GEMV"): False},
     "flashinfer_graphs_decode_tc": {(FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30, **NO_SMALL_Q},
-    "flashinfer_graphs_decode_cc": {
-        (FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30,
-        (FLASHINFER, "DECODE_TENSOR_CORES"): False,
-        **NO_SMALL_Q,
-    },
     "flashinfer_graphs_unfused_rope": {(LAYERS, "FUSE_ROPE_STORE"): False},
-    "flashinfer_graphs_no_plan_ahead": {(GRAPHS, "PLAN_AHEAD"): False},
-    "flashinfer_graphs_no_split_kv": {(FLASHINFER, "SPLIT_KV"): False, **NO_SMALL_Q},
     "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
     "flashinfer_graphs_no_pdl": {(PDL, "PDL"): False},
     "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
-    "flashinfer_graphs_pdl_early_trigger": {(GEMV, "LAUNCH_NEXT_AFTER_LOOP"): False},
-    "flashinfer_graphs_pdl_dot_prefetch": {(GEMV, "PREFETCH_WITH_DOT"): True},
     "flashinfer_graphs_pdl_every_batch": {(PDL, "PDL_MAX_ROWS"): 1 << 30},
 }
 
@@ -377,15 +354,11 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
         threads = threads * len(names)
     if len(names) != len(threads):
         raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
-    pads = _per_pass(args.pad_trees, len(names), "--pad-trees")
     pools = _per_pass(args.torch_threads, len(names), "--torch-threads")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, pads, pools)
-    from espalier.engine.model import cuda_graphs
-
+    passes = zip(names, aheads, threads, pools)
     default_pool = torch.get_num_threads()
-    for i, (name, ahead, mask_threads, pad, pool) in enumerate(passes):
-        cuda_graphs.PAD_TREES = pad != "off"  # smaller trees replay a larger tree graph, padded
+    for i, (name, ahead, mask_threads, pool) in enumerate(passes):
         # torch's CPU thread pool of the engine process (the closing workers are processes)
         torch.set_num_threads(default_pool if pool == "default" else int(pool))
         ratios = equal_work(
@@ -407,7 +380,6 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             ""
             if len(aheads) == 1
             else f"run{i}_ahead_{name}_t{mask_threads}_"
-            + ("" if pad == "default" else f"pad_{pad}_")
             + ("" if pool == "default" else f"torch_threads_{pool}_")
         )
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
@@ -461,12 +433,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.close_ahead per equal-work pass, comma-separated from default (the "
         "engine's: on), on, off: e.g. default,off,on,on,off (a warm-up pass, then an ABBA A/B: "
         "the first pass in a process meets cold grammar caches)",
-    )
-    parser.add_argument(
-        "--pad-trees",
-        default="default",
-        help="cuda_graphs.PAD_TREES per equal-work pass (default and on: on; off: steps with "
-        "smaller trees run eagerly), one value or as many as --close-ahead",
     )
     parser.add_argument(
         "--torch-threads",

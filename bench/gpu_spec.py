@@ -19,7 +19,7 @@ drafter, machinery from ``bench/spec.py``):
 
 ``tight_budget`` gives the constrained speculative run ``max_tokens = L_i`` too (the setting
 of runs 40-46): every request then ends exactly at its budget, so the closing policy
-(``engine/closing.py``) checks its tokens from the budget's last 64 on, which the user's budget
+(``engine/closing/``) checks its tokens from the budget's last 64 on, which the user's budget
 only asks for where the output runs into it (``at_budget`` requests).
 
 Batch 1 runs the schemas one after another (each request alone; tokens and seconds summed);
@@ -299,7 +299,6 @@ def equal_work(
     import torch
 
     from espalier.constrained.spec import GrammarSpec
-    from espalier.engine.model import cuda_graphs
 
     schemas = [
         s
@@ -345,7 +344,6 @@ def equal_work(
                     "launch_first": launch_first,
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
-                    "pad_trees": cuda_graphs.PAD_TREES,
                     "torch_threads": torch.get_num_threads(),
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
@@ -367,7 +365,6 @@ def equal_work(
                 "closing": closing,
                 "close_ahead": close_ahead,
                 "tight_budget": tight_budget,
-                "pad_trees": cuda_graphs.PAD_TREES,
                 "torch_threads": torch.get_num_threads(),
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),

@@ -49,7 +49,7 @@ import spec as spec_bench  # bench/spec.py
 
 import espalier.constrained.backends.llguidance.native.capi as native_llguidance
 import espalier.engine.closing as closing
-import espalier.engine.closing_ahead as closing_ahead
+import espalier.engine.closing.ahead as closing_ahead
 import espalier.engine.engine as engine_mod
 import espalier.engine.model.runner as runner_mod
 import espalier.engine.scheduler as scheduler_mod
@@ -228,7 +228,7 @@ class Timeline:
 
 def _count_replays(line: Timeline) -> None:
     """Count verify forwards by outcome: a graph replay, or eager (no graph fits the step:
-    a prefill, or with ``cuda_graphs.PAD_TREES`` off trees of different sizes), with the
+    a prefill, or a tree larger than every captured tree size), with the
     number of distinct tree sizes in the step."""
     import espalier.engine.model.cuda_graphs as graphs
 

@@ -1,7 +1,7 @@
 """Load test of the gRPC server on loopback: N concurrent streaming requests (tiny random model,
 mixed constraints, fixed seeds), checked against the unary result of the same request, then the
 same with a fraction of clients cancelling at random points; with ``--abusive-fraction`` a third
-phase mixes abusive requests (every kind of ``tests/server/abuse_cases.py``, at random moments)
+phase mixes abusive requests (every kind of ``tests/fixtures/abuse_cases.py``, at random moments)
 into the streams and counts victims: normal streams that failed or changed (0 expected).
 
     .venv/bin/python bench/load.py [--requests 256] [--cancel-fraction 0.2] [--address HOST:PORT]
@@ -32,10 +32,10 @@ import grpc
 from espalier_client import AsyncClient, EspalierError
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "server"))
-from abuse_cases import SERVICE, AbuseCase, Bait, cases  # noqa: E402  (tests/server/abuse_cases.py)
+sys.path.insert(0, str(REPO))  # the repository root: shared test helpers as tests.fixtures.*
+from tests.fixtures.abuse_cases import SERVICE, AbuseCase, Bait, cases  # noqa: E402
 
-# The limits tests/server/abuse_cases.py assumes (the shared test server's).
+# The limits tests/fixtures/abuse_cases.py assumes (the shared test server's).
 ABUSE_SERVER_FLAGS = [
     "--max-grammar-bytes",
     "4096",

@@ -47,13 +47,13 @@ from masks import sample_files  # bench/masks.py (this folder is on sys.path)
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
+from espalier.constrained.backends.llguidance.tree_walk import walk_llguidance
 from espalier.constrained.compile import prepare_schema
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tokenizer import TokenizerInfo
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.masks import fill_tree_bitmask
-from espalier.constrained.tree.walk_llguidance import walk_llguidance
 from espalier.server.default_model import default_tokenizer
 from tests.fixtures.tree_random import sample_instance
 
@@ -219,7 +219,7 @@ def llguidance_native_walk(loaded: list[tuple[Any, list[int]]], vocab: int) -> l
 
 def traverse_walker(matcher: Any, tree: DraftTree) -> Any:
     """The walker that fills ``tree`` (llguidance's native walk takes chains, once ready)."""
-    from espalier.constrained.tree.walk_llguidance import native_takes, native_walk_ready
+    from espalier.constrained.backends.llguidance.tree_walk import native_takes, native_walk_ready
 
     compiled = matcher.compiled
     if compiled.native_slot is None or compiled.native_slot.wait(120) is None:

@@ -1,6 +1,6 @@
 """The two protocols of the grammar layer: a compiled grammar and a per-request matcher.
 
-A backend (``constrained/backends/<name>.py``) compiles a :class:`GrammarSpec` against a
+A backend (``constrained/backends/<name>/``) compiles a :class:`GrammarSpec` against a
 :class:`~espalier.constrained.tokenizer.TokenizerInfo` into a :class:`CompiledGrammar`; each request
 gets its own :class:`GrammarMatcher` from it. Bitmask rows follow ``constrained/bitmask.py``.
 """
@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.spec import GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from espalier.constrained.tree import DraftTree
+    from espalier.constrained.tree.masks import TreeMasks
 
 
 @runtime_checkable
@@ -70,6 +76,23 @@ class GrammarMatcher(Protocol):
 
     def fork(self) -> GrammarMatcher:
         """An independent copy with the same state (and its own rollback history)."""
+        ...
+
+    def fill_tree(
+        self,
+        tree: DraftTree,
+        out: torch.Tensor | np.ndarray,
+        *,
+        budget: float | None,
+        root_row: torch.Tensor | np.ndarray | None = None,
+        threads: int = 1,
+    ) -> TreeMasks:
+        """Fill rows ``0..n-1`` of ``out`` (int32 ``[>= n, ceil(V/32)]``, C-contiguous, CPU)
+        with the masks of ``tree``'s ``n`` nodes, one row per node, within ``budget`` seconds
+        (None: no limit); the state after equals the state before. The node semantics are
+        ``constrained/tree/masks.py``'s; each backend walks with its own library
+        (``backends/<name>/tree_walk.py``). ``root_row``: the root's mask if already known;
+        ``threads``: threads the walk may use (only llguidance's native walk uses two)."""
         ...
 
     def reset(self) -> None:

@@ -29,7 +29,12 @@ from espalier.constrained.errors import (
     SchemaNotEnforceableError,
     UnsupportedGrammarError,
 )
-from espalier.constrained.spec import DEFAULT_MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from espalier.constrained.spec import (
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    BackendName,
+    GrammarKind,
+    GrammarSpec,
+)
 
 if TYPE_CHECKING:
     import referencing
@@ -39,7 +44,11 @@ if TYPE_CHECKING:
 
 # Fastest first (bench/masks.py on JSONSchemaBench samples: llguidance compiles lazily in ~ms
 # and its masks cost tens of µs; xgrammar precomputes token masks at compile time).
-AUTO_ORDER: tuple[str, ...] = ("llguidance", "xgrammar", "outlines_core")
+AUTO_ORDER: tuple[BackendName, ...] = (
+    BackendName.LLGUIDANCE,
+    BackendName.XGRAMMAR,
+    BackendName.OUTLINES_CORE,
+)
 
 
 @dataclass(frozen=True)
@@ -138,11 +147,11 @@ def compile_grammar(
         raise InvalidGrammarError(
             spec.kind.value, f"grammar is {size} bytes, over the limit of {max_bytes} bytes"
         )
-    order = AUTO_ORDER if backend == "auto" else (backend,)
     if backend != "auto" and backend not in BACKENDS:
         from espalier.constrained.errors import UnknownBackendError
 
         raise UnknownBackendError(backend, ["auto", *BACKENDS])
+    order: tuple[str, ...] = AUTO_ORDER if backend == "auto" else (BackendName(backend),)
     if spec.kind is GrammarKind.STRUCTURAL_TAG:
         if backend != "auto":  # refused for the kind, not for the schemas inside
             order = _taking_kind(spec.kind, order, tokenizer, options)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from espalier.constrained.base import CompiledGrammar, CompileReport
 from espalier.constrained.errors import KeywordIssue
-from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
     from espalier.constrained.backends.common import BackendOptions
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 FORMAT = 3
 """Version of the file layout below; bump it when the layout or the report changes."""
 
-STORED_BACKEND = "xgrammar"
+STORED_BACKEND = BackendName.XGRAMMAR
 SUFFIX = ".xgrammar"
 _NAME = re.compile(r"^[0-9a-f]{64}\.xgrammar$")
 

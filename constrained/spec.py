@@ -13,6 +13,18 @@ from espalier.constrained.errors import InvalidGrammarError
 DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
 
 
+class BackendName(str, enum.Enum):
+    """The closed set of grammar backends (``constrained/backends/<value>/``). A ``str`` too,
+    equal to its value, so it is the name that requests, reports and metrics carry."""
+
+    XGRAMMAR = "xgrammar"
+    LLGUIDANCE = "llguidance"
+    OUTLINES_CORE = "outlines_core"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class GrammarKind(enum.Enum):
     """The closed set of constraint kinds a request may carry."""
 
@@ -35,7 +47,8 @@ class GrammarSpec:
     - REGEX / EBNF / LARK: the text as given.
     - CHOICE: a JSON array of the literal strings, in the caller's order.
     - STRUCTURAL_TAG: ``{"type": "structural_tag", "format": ...}`` without whitespace, as
-      ``constrained/structural_tag.py`` validates and rewrites it (legacy form included).
+      ``constrained/structural_tag.py`` validates and rewrites it (legacy form included); built
+      by ``structural_tag.structural_tag_spec``.
     """
 
     kind: GrammarKind
@@ -47,7 +60,7 @@ class GrammarSpec:
     ) -> GrammarSpec:
         """Build from a schema object or its JSON text; raises InvalidGrammarError on bad JSON."""
         if isinstance(schema, str):
-            _check_size(GrammarKind.JSON_SCHEMA, schema, max_bytes)
+            check_size(GrammarKind.JSON_SCHEMA, schema, max_bytes)
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
@@ -64,7 +77,7 @@ class GrammarSpec:
                 pointer="",
             )
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-        _check_size(GrammarKind.JSON_SCHEMA, text, max_bytes)
+        check_size(GrammarKind.JSON_SCHEMA, text, max_bytes)
         return cls(GrammarKind.JSON_SCHEMA, text)
 
     @classmethod
@@ -73,19 +86,19 @@ class GrammarSpec:
 
     @classmethod
     def regex(cls, pattern: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
-        _check_size(GrammarKind.REGEX, pattern, max_bytes)
+        check_size(GrammarKind.REGEX, pattern, max_bytes)
         return cls(GrammarKind.REGEX, pattern)
 
     @classmethod
     def ebnf(cls, grammar: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
-        _check_size(GrammarKind.EBNF, grammar, max_bytes)
+        check_size(GrammarKind.EBNF, grammar, max_bytes)
         if not grammar.strip():
             raise InvalidGrammarError(GrammarKind.EBNF.value, "grammar is empty")
         return cls(GrammarKind.EBNF, grammar)
 
     @classmethod
     def lark(cls, grammar: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
-        _check_size(GrammarKind.LARK, grammar, max_bytes)
+        check_size(GrammarKind.LARK, grammar, max_bytes)
         if not grammar.strip():
             raise InvalidGrammarError(GrammarKind.LARK.value, "grammar is empty")
         return cls(GrammarKind.LARK, grammar)
@@ -100,22 +113,8 @@ class GrammarSpec:
                     GrammarKind.CHOICE.value, f"option {i} must be a non-empty string"
                 )
         text = json.dumps(list(options), ensure_ascii=False)
-        _check_size(GrammarKind.CHOICE, text, DEFAULT_MAX_GRAMMAR_BYTES)
+        check_size(GrammarKind.CHOICE, text, DEFAULT_MAX_GRAMMAR_BYTES)
         return cls(GrammarKind.CHOICE, text)
-
-    @classmethod
-    def structural_tag(
-        cls, tag: dict[str, Any] | str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
-    ) -> GrammarSpec:
-        """Build from xgrammar's structural-tag JSON (text or object); raises
-        InvalidGrammarError on bad JSON or a format that is not a valid structural tag."""
-        from espalier.constrained.structural_tag import canonical_source
-
-        if isinstance(tag, str):
-            _check_size(GrammarKind.STRUCTURAL_TAG, tag, max_bytes)
-        text = canonical_source(tag)
-        _check_size(GrammarKind.STRUCTURAL_TAG, text, max_bytes)
-        return cls(GrammarKind.STRUCTURAL_TAG, text)
 
     @property
     def schema(self) -> dict[str, Any] | bool:
@@ -142,7 +141,8 @@ class GrammarSpec:
         return f"GrammarSpec({self.kind.value}, {preview!r})"
 
 
-def _check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
+def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
+    """Raise InvalidGrammarError when ``text`` is over ``max_bytes`` UTF-8 bytes."""
     size = len(text.encode("utf-8"))
     if size > max_bytes:
         raise InvalidGrammarError(

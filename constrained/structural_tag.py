@@ -18,7 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from espalier.constrained.errors import InvalidGrammarError
-from espalier.constrained.spec import DEFAULT_MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from espalier.constrained.spec import (
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    GrammarKind,
+    GrammarSpec,
+    check_size,
+)
 
 KIND = GrammarKind.STRUCTURAL_TAG.value
 Format = dict[str, Any]
@@ -157,6 +162,19 @@ def after_reasoning(spec: GrammarSpec, end_marker: str) -> GrammarSpec:
     return with_format({"type": "sequence", "elements": [thought, format_of(spec)]})
 
 
+def structural_tag_spec(
+    tag: dict[str, Any] | str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+) -> GrammarSpec:
+    """A STRUCTURAL_TAG spec from xgrammar's structural-tag JSON (text or object), in its
+    canonical text; raises InvalidGrammarError on bad JSON, a format that is not a valid
+    structural tag, or a text over ``max_bytes``."""
+    if isinstance(tag, str):
+        check_size(GrammarKind.STRUCTURAL_TAG, tag, max_bytes)
+    text = canonical_source(tag)
+    check_size(GrammarKind.STRUCTURAL_TAG, text, max_bytes)
+    return GrammarSpec(GrammarKind.STRUCTURAL_TAG, text)
+
+
 def json_whitespace(node: Format, default: int) -> int:
     """Whitespace characters a ``json_schema`` node allows between JSON tokens: its own
     ``max_whitespace_cnt``, else ``default`` (xgrammar needs at least 1 inside a structural tag,
@@ -179,7 +197,7 @@ def admit_structural_tag(
             KIND, f"the structural tag is nested {depth} levels deep, over the limit of {max_depth}"
         )
     try:
-        spec = GrammarSpec.structural_tag(text, max_bytes)
+        spec = structural_tag_spec(text, max_bytes)
     except RecursionError as exc:  # brackets inside strings can fool json_depth
         raise InvalidGrammarError(KIND, "the structural tag is nested too deeply") from exc
 

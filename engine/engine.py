@@ -11,7 +11,7 @@ wrapper's loop thread). Each ``step``:
    max tokens; incremental detokenization; post-validation of finished constrained outputs.
    Near the end of a constrained request's budget, a token after which the grammar could no
    longer be completed within max_tokens is replaced by a closing path and a stop token
-   (``engine/closing.py``), so constrained outputs finish valid instead of being cut.
+   (``engine/closing/``), so constrained outputs finish valid instead of being cut.
 
 Faults are the request's own: an exception raised by one request's grammar (mask fill, accept,
 closing search), detokenizer or post-validation ends that request alone with ``ERROR`` (a typed
@@ -62,7 +62,7 @@ class EngineConfig:
         rows for constrained sequences with sparse masks (exact; ``engine/logits.py``).
         postvalidate: check each finished constrained output against the full constraint.
         close_within_budget: near max_tokens, close a constrained output along a short path that
-        completes its grammar rather than cut it (``engine/closing.py``); ignore_eos requests
+        completes its grammar rather than cut it (``engine/closing/``); ignore_eos requests
         are never closed."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -67,7 +67,7 @@ class StepResult:
 
 
 def closing_logprob(token: int) -> TokenLogprob:
-    """The logprob entry of a token the closing policy emitted (``engine/closing.py``): chosen
+    """The logprob entry of a token the closing policy emitted (``engine/closing/``): chosen
     by the policy, not sampled, so its distribution is the one-token mask of a grammar-forced
     token: logprob 0.0, itself the only alternative."""
     return TokenLogprob(token, 0.0, ((token, 0.0),))

@@ -21,8 +21,10 @@ Two inner products (``SkinnyConfig.use_dot``):
   with the transposed weight tile (tensor cores), fp32 accumulation.
 
 Under programmatic dependent launch (``kernels/pdl.py``) the first K step's weight tiles of the
-FMA tiles (and of the tensor-core ones with ``PREFETCH_WITH_DOT``) are loaded before the wait
-for the previous kernel, so they stream during its tail.
+FMA tiles are loaded before the wait for the previous kernel, so they stream during its tail
+(the tensor-core tiles wait first: loading early gained nothing on the H200), and the next
+kernel may launch once the K loop ends (faster than at the start on the H200; both:
+``docs/decisions/pdl-one-row-steps.md``).
 
 Both accumulate in fp32 and round once to the output dtype, like cuBLAS (results agree with
 ``F.linear`` to bf16/fp16 rounding, not bit for bit: the summation order differs).
@@ -138,8 +140,6 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr,
 ):
     """Program p: ``out[:M, p * BLOCK_N : (p + 1) * BLOCK_N]`` over the whole of K.
 
@@ -163,13 +163,11 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     first = 0
-    if PREFETCH:
+    if not USE_DOT:
         # The first K step, peeled: its weight tiles load before the wait for the previous
         # kernel (no kernel writes weights), so under PDL they stream during that kernel's tail.
         k_ok = cols < K
         w, w_up = _load_tiles(w_ptrs, up_offset, k_ok, GATED, EVEN_K)
-        if not LATE_TRIGGER:
-            launch_dependents(USE_PDL)
         wait_previous(USE_PDL)
         acc, acc_up = _step(
             acc, acc_up, x_ptrs, w, w_up, m_ok, k_ok, GATED, USE_DOT, DOT_FP32, EVEN_K
@@ -178,8 +176,6 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
         first = BLOCK_K
     else:
-        if not LATE_TRIGGER:
-            launch_dependents(USE_PDL)
         wait_previous(USE_PDL)
     for k in range(first, K, BLOCK_K):
         k_ok = (k + cols) < K
@@ -189,8 +185,7 @@ def _skinny_gemm_kernel(
         )
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if LATE_TRIGGER:
-        launch_dependents(USE_PDL)
+    launch_dependents(USE_PDL)  # after the K loop: the next kernel launches as this one ends
     dtype = out_ptr.dtype.element_ty
     if USE_DOT:
         total = acc
@@ -234,17 +229,6 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
         return SkinnyConfig(True, 16, 32, 128, num_stages=3)
     return SkinnyConfig(True, 16, 32, 256, num_stages=4)
 
-
-PREFETCH_WITH_DOT = False
-"""Whether the tensor-core tiles (M >= 2) also peel their first K step, loading its weight tile
-before the wait for the previous kernel (the FMA tiles of M = 1 always do; without PDL the wait
-is a no-op; PDL only reaches them when ``pdl.PDL_MAX_ROWS`` admits steps of 2+ rows). Off:
-they wait first, then run the plain loop (no gain measured on the H200:
-``docs/decisions/pdl-one-row-steps.md``)."""
-
-LAUNCH_NEXT_AFTER_LOOP = True
-"""Under PDL, let the next kernel launch after the K loop, not at the start (measured faster on
-the H200: ``docs/decisions/pdl-one-row-steps.md``; why is not checked)."""
 
 GATE_UP_M1_UNDER_PDL = True
 """At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,
@@ -380,8 +364,6 @@ def _launch(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         USE_PDL=use_pdl,
-        PREFETCH=PREFETCH_WITH_DOT or not cfg.use_dot,
-        LATE_TRIGGER=LAUNCH_NEXT_AFTER_LOOP,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=use_pdl,

@@ -6,7 +6,7 @@ kernel's programs start only after the previous kernel has finished and drained:
 the ramp-up of every launch are idle memory bandwidth. With PDL (sm90+, ``launch_pdl=True``):
 
 - each kernel calls ``launch_dependents`` once its own programs need no more launching help:
-  first thing in the small kernels, after the K loop in the GEMV (``gemv.LAUNCH_NEXT_AFTER_LOOP``).
+  first thing in the small kernels, after the K loop in the GEMV (``kernels/gemv.py``).
   The next kernel is launched when every program of this one has called it or exited, so the
   programs of this kernel are all resident by then and the next kernel's waiting programs
   cannot starve them;

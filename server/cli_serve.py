@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
     apply_runtime_env(os.environ)  # before torch loads (``server/cpu_runtime.py``)
     from espalier.server.app import serve
-    from espalier.server.loading import make_loader
+    from espalier.server.startup import make_loader
     from espalier.server.state import ServingState
 
     config = config_from_args(args)

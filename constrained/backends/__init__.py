@@ -1,6 +1,7 @@
 """Registry of grammar backends, each imported lazily from its own module.
 
-``get_backend("xgrammar", tokenizer)`` imports ``constrained/backends/xgrammar.py`` only when asked,
+``get_backend(BackendName.XGRAMMAR, tokenizer)`` (or its name, ``"xgrammar"``) imports
+``constrained/backends/xgrammar/`` only when asked,
 so a missing optional library fails with a message naming the pip package, and only for that
 backend. Backends are cached per (name, tokenizer fingerprint, options).
 """
@@ -13,18 +14,19 @@ from typing import TYPE_CHECKING
 
 from espalier.constrained.backends.common import BackendOptions, BackendUnavailableError
 from espalier.constrained.errors import UnknownBackendError
+from espalier.constrained.spec import BackendName
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarBackend
     from espalier.constrained.tokenizer import TokenizerInfo
 
-BACKENDS: tuple[str, ...] = ("xgrammar", "llguidance", "outlines_core")
+BACKENDS: tuple[BackendName, ...] = tuple(BackendName)
 
-# backend name -> (module under espalier.constrained.backends, pip package it needs)
-_MODULES: dict[str, tuple[str, str]] = {
-    "xgrammar": ("espalier.constrained.backends.xgrammar", "xgrammar"),
-    "llguidance": ("espalier.constrained.backends.llguidance", "llguidance"),
-    "outlines_core": ("espalier.constrained.backends.outlines_core", "outlines-core"),
+# backend -> pip package it needs (its module: espalier.constrained.backends.<name>)
+_PACKAGES: dict[BackendName, str] = {
+    BackendName.XGRAMMAR: "xgrammar",
+    BackendName.LLGUIDANCE: "llguidance",
+    BackendName.OUTLINES_CORE: "outlines-core",
 }
 
 _CACHE: dict[tuple[str, str, BackendOptions], GrammarBackend] = {}
@@ -35,19 +37,20 @@ def get_backend(
     name: str, tokenizer: TokenizerInfo, options: BackendOptions | None = None
 ) -> GrammarBackend:
     """The backend ``name`` bound to ``tokenizer``; built once per (name, tokenizer, options)."""
-    if name not in _MODULES:
-        raise UnknownBackendError(name, list(BACKENDS))
+    if name not in _PACKAGES:
+        raise UnknownBackendError(name, [str(b) for b in BACKENDS])
     options = options or BackendOptions()
     key = (name, tokenizer.fingerprint, options)
     with _LOCK:
         backend = _CACHE.get(key)
     if backend is not None:
         return backend
-    module_name, package = _MODULES[name]
+    backend_name = BackendName(name)
+    package = _PACKAGES[backend_name]
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"{__name__}.{backend_name.value}")
     except ImportError as exc:
-        raise BackendUnavailableError(name, package, str(exc)) from exc
+        raise BackendUnavailableError(backend_name, package, str(exc)) from exc
     built: GrammarBackend = module.Backend(tokenizer, options)
     with _LOCK:
         return _CACHE.setdefault(key, built)
@@ -61,6 +64,7 @@ def clear_backend_cache() -> None:
 
 __all__ = [
     "BACKENDS",
+    "BackendName",
     "BackendOptions",
     "BackendUnavailableError",
     "clear_backend_cache",

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
@@ -27,6 +28,9 @@ from espalier.constrained.schema.number_bounds import (
     bound_schema_numbers,
 )
 from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.masks import TreeMasks, fill_with
+from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
     from espalier.constrained.base import BatchStep, RowFilter
@@ -82,7 +86,7 @@ class BackendOptions:
             ``CompileMemoryError``, and under a compile cache the child is killed at the
             deadline. ``0``: build in the calling process, unbounded and not interruptible.
         xgrammar_memory_limit: address-space cap in bytes of the child processes that compile
-            xgrammar grammars (``backends/xgrammar.py``); under a compile cache the child is
+            xgrammar grammars (``backends/xgrammar/``); under a compile cache the child is
             killed at the deadline. ``0``: compile in the calling process, not interruptible.
         compile_slots: compiles of one backend that run at once (child processes for xgrammar
             and outlines-core, in-process compiles for llguidance); more wait, each up to its
@@ -191,6 +195,11 @@ class MatcherBase:
     def _native_reset(self) -> None:
         raise NotImplementedError
 
+    def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:
+        """The backend's walk of ``tree`` and, where one of its fills can be slow, the walk to
+        run on a helper thread under a budget (``tree/masks.py:fill_with``; None: inline)."""
+        raise NotImplementedError
+
     # -- the protocol ----------------------------------------------------------------------------
 
     @property
@@ -239,6 +248,26 @@ class MatcherBase:
 
     def can_terminate(self) -> bool:
         return self._stop_depth > 0 or self._native_can_terminate()
+
+    def fill_tree(
+        self,
+        tree: DraftTree,
+        out: torch.Tensor | np.ndarray,
+        *,
+        budget: float | None,
+        root_row: torch.Tensor | np.ndarray | None = None,
+        threads: int = 1,
+    ) -> TreeMasks:
+        walk, bounded_walk = self._tree_walks(tree, threads)
+        return fill_with(
+            self,
+            tree,
+            out,
+            budget=budget,
+            root_row=root_row,
+            walk=walk,
+            bounded_walk=bounded_walk,
+        )
 
     def reset(self) -> None:
         self._stop_depth = 0

@@ -24,6 +24,7 @@ from typing import Any
 
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError, memory_bounded_children
 from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.spec import BackendName
 
 CHILD_MODULE = "espalier.constrained.outlines_index_child"
 
@@ -37,7 +38,7 @@ class IndexBuilder:
         max_children: children alive at once (lowered to what available memory holds).
     """
 
-    backend = "outlines_core"
+    backend = BackendName.OUTLINES_CORE
 
     def __init__(self, vocabulary: Any, memory_limit: int, max_children: int = 2) -> None:
         self.memory_limit = memory_limit

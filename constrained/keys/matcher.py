@@ -140,16 +140,18 @@ class UniqueKeysMatcher:
 
     def fill_tree(
         self,
-        fill: Callable[..., TreeMasks],
         tree: DraftTree,
         out: torch.Tensor | np.ndarray,
-        **options: Any,
+        *,
+        budget: float | None,
+        root_row: torch.Tensor | np.ndarray | None = None,
+        threads: int = 1,
     ) -> TreeMasks:
-        """``fill`` (``tree/masks.fill_tree_bitmask``) on the backend's matcher, then one native
-        call filtering the rows node by node (``keys.c``: a node whose token the filtered parent
-        row forbids, or that completes a duplicate, is invalid with its subtree; a filled row
-        loses its duplicate completions, never all of its tokens)."""
-        masks = fill(self.inner, tree, out, **options)
+        """The backend matcher's own walk (``inner.fill_tree``), then one native call filtering
+        the rows node by node (``keys.c``: a node whose token the filtered parent row forbids,
+        or that completes a duplicate, is invalid with its subtree; a filled row loses its
+        duplicate completions, never all of its tokens)."""
+        masks = self.inner.fill_tree(tree, out, budget=budget, root_row=root_row, threads=threads)
         rows = out.numpy() if isinstance(out, torch.Tensor) else out
         flags = (masks.valid, masks.filled, masks.terminated)
         self.keys.filter_tree(tree.tokens, tree.first_child, tree.next_sibling, rows, flags)

@@ -43,6 +43,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained.spec import BackendName
+
 # llguidance reads numeric bounds as float64: larger integer bounds would be rounded
 MAX_EXACT_INTEGER = 2**53 - 1
 _ANNOTATIONS = frozenset(
@@ -164,7 +166,7 @@ class _Walker:
     def _bound_typed(self, node: dict[str, Any], kind: str) -> dict[str, Any]:
         if any(not _is_number(node[k]) for k in _NUMERIC if k in node):
             return node  # a malformed bound: not ours to interpret
-        if self.backend == "xgrammar" and "multipleOf" in node:
+        if self.backend == BackendName.XGRAMMAR and "multipleOf" in node:
             return node  # xgrammar drops multipleOf next to a range ("not yet supported")
         lows = [node[k] for k in ("minimum", "exclusiveMinimum") if k in node]
         highs = [node[k] for k in ("maximum", "exclusiveMaximum") if k in node]
@@ -179,7 +181,7 @@ class _Walker:
             out[low_key] = -limit
         if not highs and (not lows or max(lows) < limit):
             out[high_key] = limit
-        if kind == "number" and self.backend == "llguidance" and "multipleOf" not in node:
+        if kind == "number" and self.backend == BackendName.LLGUIDANCE and "multipleOf" not in node:
             out["multipleOf"] = 10.0**-self.bounds.number_fraction_digits
         return out
 

@@ -19,7 +19,7 @@ import torch
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import GrammarMatcher
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree.masks import DEFAULT_BUDGET_S, TreeMasks, fill_tree_bitmask
+from espalier.constrained.tree.masks import DEFAULT_BUDGET_S, TreeMasks
 
 
 @dataclass
@@ -88,7 +88,7 @@ def fill_tree_bitmasks(
         if deadline is not None:
             left = max(deadline - time.perf_counter(), 0.0)
             tree_budget = left if tree_budget is None else min(tree_budget, left)
-        return fill_tree_bitmask(matcher, tree, batch.rows(b), tree_budget)
+        return matcher.fill_tree(tree, batch.rows(b), budget=tree_budget)
 
     def done(b: int, future: Future[TreeMasks]) -> None:
         error = future.exception()

@@ -12,7 +12,7 @@ by its own length (an xgrammar fill can take 80 ms on a Github_medium schema, an
 2. The caller waits until just before the deadline. Finished in time: done (the common case).
 3. Still running: the walk is **abandoned**. The caller keeps the nodes whose rows were complete
    at that moment (walkers set ``filled[i]`` only after row ``i`` is written, see
-   ``traverse.WalkResult``) and prunes every other node (``valid = filled = False``). The fill in
+   ``walk.WalkResult``) and prunes every other node (``valid = filled = False``). The fill in
    flight may still write *its* row of ``out`` (a pruned node's, never a kept one and never the
    root's) until ``TreeMasks.late_writes`` is set: the caller must not reuse ``out`` for other
    data before that (``engine/spec/masks.py`` allocates a fresh buffer instead). Nothing else
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree.masks import Walker, WalkResult
 from espalier.constrained.tree.return_latency import ReturnLatency
+from espalier.constrained.tree.walk import Walker, WalkResult
 
 LATENCY = ReturnLatency()
 """How early the caller stops waiting (``constrained/tree/return_latency.py``): waking from a timed
@@ -80,7 +80,7 @@ def walk_bounded(
 ) -> WalkResult:
     """Run ``walker`` for ``matcher`` on a helper thread; return by ``deadline``.
 
-    Same contract as a :data:`~espalier.constrained.tree.masks.Walker` (``rows`` filled for every
+    Same contract as a :data:`~espalier.constrained.tree.walk.Walker` (``rows`` filled for every
     node the result marks ``filled``; the matcher's state unchanged), plus: the call returns by
     ``deadline`` unless the root row itself has to be computed after it. When the walk is
     abandoned, ``result.late_writes`` is an event set when it ends (see :class:`WalkResult`).

@@ -22,7 +22,7 @@ QUANTILE = 0.99
 """The margin covers this share of the remembered latencies."""
 
 WRAP_UP_S = 150e-6
-"""``fill_tree_bitmask``'s work after the bounded walk returns (flags, stop bits, tail), with the
+"""``masks.fill_with``'s work after the bounded walk returns (flags, stop bits, tail), with the
 helper thread still finishing (GIL hand-over): ~60 µs alone, up to ~150 µs measured."""
 
 MIN_MARGIN_S = 150e-6

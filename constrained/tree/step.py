@@ -2,7 +2,7 @@
 
 The next step's root is the last token the grammar has seen; when verification ends on a tree
 node whose row was filled, that row *is* the next root row (pass it as ``root_row`` to
-``fill_tree_bitmask``) and the grammar need not be asked again.
+``GrammarMatcher.fill_tree``) and the grammar need not be asked again.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ their rows are dropped. flashinfer's wrappers are in CUDA-graph mode per shape (
 packed-mask buffers) and re-planned on the host before each replay, outside the graph. A shape
 whose capture fails is dropped with a logged reason; its steps run eagerly.
 
-Planning ahead (``PLAN_AHEAD``): a decode shape is captured twice (two graphs, two sets of
+Planning ahead: a decode shape is captured twice (two graphs, two sets of
 wrappers). While one replays, the other is planned for the step that most likely follows (the
 same sequences one token further, when their block tables already cover it), on a side stream:
 flashinfer's plan copies from pageable host memory, which waits for the stream it is issued on
@@ -52,16 +52,6 @@ log = logging.getLogger(__name__)
 Shape = tuple[int, int]  # (sequences, new tokens per sequence)
 LayoutKey = tuple[tuple[int, tuple[int, ...]], ...]  # per sequence: context_len, pages used
 
-PAD_TREES = True
-"""Steps whose trees are smaller than a captured tree size replay it, padded
-(``engine/model/graph_padding.py``); False: only steps whose every tree has exactly a captured size
-replay (the others run eagerly: the anchor in ``bench/gpu.py --pad-trees``). Read per step."""
-
-PLAN_AHEAD = True
-"""Capture decode shapes twice and plan each step's successor during its replay (module
-docstring); False: one graph per shape, planned after the previous step's sync. Read at
-capture."""
-
 
 @dataclass
 class _Graph:
@@ -94,7 +84,7 @@ class StepGraphs:
         self.tree_sizes = sorted({n for n in tree_sizes if 1 < n <= runner.block_size})
         self.scratch_block = scratch_block
         self.graphs: dict[Shape, _Graph] = {}
-        self.spares: dict[int, _Graph] = {}  # bucket -> the second decode graph (PLAN_AHEAD)
+        self.spares: dict[int, _Graph] = {}  # bucket -> the second decode graph (planned ahead)
         self._plan_stream: torch.cuda.Stream | None = None
         self.planned_ahead = 0  # decode steps that found their plan made during the last one
         self.failures: dict[Shape, str] = {}
@@ -125,7 +115,7 @@ class StepGraphs:
                     continue
                 pool = graph.graph.pool()
                 self.graphs[(bucket, n)] = graph
-                if n == 1 and PLAN_AHEAD:
+                if n == 1:
                     try:
                         self.spares[bucket] = self._capture_one(bucket, n, pool)
                     except Exception as exc:  # plan this bucket after each sync instead
@@ -219,12 +209,8 @@ class StepGraphs:
         m = step_tokens(batch)
         if m is None or any(layer != final for layer in hidden_layers):
             return None
-        if m > 1 and not PAD_TREES and any(s.q_len != m for s in batch):
-            return None
         shapes = ((k, b) for b, k in self.captured if b >= len(batch))
         fits = sorted((k, b) for k, b in shapes if (k == 1) == (m == 1) and k >= m)
-        if fits and m > 1 and not PAD_TREES and fits[0][0] != m:
-            return None
         return (fits[0][1], fits[0][0]) if fits else None
 
     def _planned_for(self, bucket: int, batch: Sequence[SeqInput]) -> _Graph | None:

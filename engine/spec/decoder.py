@@ -203,7 +203,7 @@ class SpeculativeDecoder:
         table covers). ``passthrough``: ``(request_id, input)`` of other sequences of the same
         forward that want no logits (prefill chunks); they go after ``seqs``. ``lookahead``:
         given the drafts, host jobs to run on the mask threads after the fills (called before
-        any fill starts; e.g. the engine's closing decisions, ``engine/closing_ahead.py``).
+        any fill starts; e.g. the engine's closing decisions, ``engine/closing/ahead.py``).
         A request whose grammar raises in its fill gets an outcome with ``fault`` set."""
         start = time.perf_counter()
         drafts = self._propose(seqs)

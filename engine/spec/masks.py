@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.tree.masks import fill_tree_bitmask
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
@@ -197,7 +196,7 @@ class MaskBuilder:
         mask_rows: list[int] = []
         jobs: list[tuple[int, Callable[[], Fill]]] = []
         # fewer trees than threads: a tree may share its walk with a spare thread (only
-        # llguidance's native walk does, ``constrained.tree.walk_llguidance``)
+        # llguidance's native walk does, ``constrained/backends/llguidance/tree_walk.py``)
         constrained = sum(m is not None for m in matchers)
         tree_threads = max(1, min(2, self.threads // max(1, constrained)))
         unconstrained: dict[int, int] = {}
@@ -258,7 +257,7 @@ class MaskBuilder:
         from espalier.constrained.tree import DraftTree
 
         tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = fill_tree_bitmask(matcher, tree, out, budget_s, threads=threads)
+        result = matcher.fill_tree(tree, out, budget=budget_s, threads=threads)
         if result.writes_pending():
             self._late.append(result)
         return result.valid, result.filled

@@ -59,7 +59,7 @@ class SpecConfig:
     where the launch is asynchronous; a step no CUDA graph fits starts its fills first even
     then: its eager launch is long; ``engine/spec/decoder.py``). close_ahead: the budget
     closer decides for every tree node on the mask threads while the verify forward runs
-    (``engine/closing_ahead.py``); off: each emitted token is decided inline. It cuts the
+    (``engine/closing/ahead.py``); off: each emitted token is decided inline. It cuts the
     closing work left on the engine thread to about half once the jobs start after the step's
     fills (``MaskBuilder.submit``; ``docs/decisions/closing-ahead-after-fills.md``).
     adaptive_drafts: per request, the drafters' share of a tree follows what they got accepted
@@ -97,7 +97,7 @@ class SpeculativeDecoding:
         max_model_len: int = 0,
     ) -> None:
         """closer, max_model_len: the engine's budget closer, whose decisions for the draft
-        trees are made ahead on the mask threads (``engine/closing_ahead.py``); None: none."""
+        trees are made ahead on the mask threads (``engine/closing/ahead.py``); None: none."""
         self.closer = closer
         self.max_model_len = max_model_len
         self.runner = runner

@@ -5,6 +5,7 @@ The mask oracle replays every token id through ``fork().accept`` (brute force) a
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,11 +358,12 @@ def test_registry(toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch):
     assert other is not get_backend("xgrammar", toy_tokenizer)
     with pytest.raises(UnknownBackendError, match="xgrammar"):
         get_backend("nope", toy_tokenizer)
-    monkeypatch.setitem(
-        backends._MODULES, "ghost", ("espalier.constrained.backends.ghost", "ghost-pkg")
-    )
-    with pytest.raises(BackendUnavailableError, match="pip install ghost-pkg"):
-        get_backend("ghost", toy_tokenizer)
+    # the set of backends is closed (BackendName); one whose library is missing fails with the
+    # pip package to install (fresh options: not a backend already built)
+    monkeypatch.setitem(sys.modules, "espalier.constrained.backends.outlines_core", None)
+    with pytest.raises(BackendUnavailableError, match="pip install outlines-core"):
+        fresh = BackendOptions(compile_slots=7)
+        get_backend(backends.BackendName.OUTLINES_CORE, toy_tokenizer, fresh)
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

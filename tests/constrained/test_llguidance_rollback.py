@@ -25,7 +25,8 @@ from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree.masks import WalkResult, fill_tree_bitmask, walk_generic
+from espalier.constrained.tree.masks import fill_tree_bitmask
+from espalier.constrained.tree.walk import WalkResult, walk_generic
 
 pytest.importorskip("llguidance")
 

@@ -22,7 +22,7 @@ from espalier.constrained.errors import (
     UnsupportedGrammarError,
 )
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-from espalier.constrained.structural_tag import after_reasoning, root_format
+from espalier.constrained.structural_tag import after_reasoning, root_format, structural_tag_spec
 from tests.fixtures.structural_tags import (
     CASES,
     POINT,
@@ -38,7 +38,7 @@ OTHERS = ("llguidance",)  # backends that claim structural tags besides xgrammar
 
 
 def test_legacy_form_is_triggered_tags() -> None:
-    spec = GrammarSpec.structural_tag(
+    spec = structural_tag_spec(
         {
             "type": "structural_tag",
             "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
@@ -49,7 +49,7 @@ def test_legacy_form_is_triggered_tags() -> None:
     fmt = root_format(spec)
     assert fmt["type"] == "triggered_tags" and fmt["triggers"] == ["<f"]
     assert fmt["tags"][0]["content"] == {"type": "json_schema", "json_schema": {"type": "integer"}}
-    assert GrammarSpec.structural_tag(spec.source) == spec  # canonical text is a fixed point
+    assert structural_tag_spec(spec.source) == spec  # canonical text is a fixed point
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_legacy_form_is_triggered_tags() -> None:
 )
 def test_bad_tags_are_invalid(tag: Any, needle: str) -> None:
     with pytest.raises(InvalidGrammarError, match="structural_tag") as info:
-        GrammarSpec.structural_tag(tag)
+        structural_tag_spec(tag)
     assert needle in str(info.value)
 
 
@@ -161,7 +161,7 @@ def test_reasoning_free_then_exact(backend: str, toy_tokenizer: Any) -> None:
 def test_auto_picks_an_exact_backend_and_strict_mode_refuses(toy_tokenizer: Any) -> None:
     at_least_one = json.loads(tool_tags().source)
     at_least_one["format"]["at_least_one"] = True
-    spec = GrammarSpec.structural_tag(at_least_one)
+    spec = structural_tag_spec(at_least_one)
     with pytest.raises(UnsupportedGrammarError, match="no exact llguidance form"):
         compile_grammar(spec, toy_tokenizer, "llguidance", options=OPTIONS)
     with pytest.raises(UnsupportedGrammarError, match="outlines_core"):

@@ -25,9 +25,9 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.backends.common import BackendOptions
+from espalier.constrained.backends.llguidance import tree_walk as traverse_llguidance
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-from espalier.constrained.tree import walk_llguidance as traverse_llguidance
 from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree, sample_instance

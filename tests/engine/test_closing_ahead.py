@@ -1,4 +1,4 @@
-"""Closing decisions made ahead along a draft tree (``engine/closing_ahead.py``) are exactly the
+"""Closing decisions made ahead along a draft tree (``engine/closing/ahead.py``) are exactly the
 inline ones.
 
 Two closers see the same grammar-valid random token streams (budget 30: inside the closing
@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine import closing_ahead
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import NO_MEMO, BudgetCloser
+from espalier.engine.closing import ahead as closing_ahead
 from espalier.engine.request import Request
+from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 
 SCHEMA = CLOSING_SCHEMA
 
@@ -200,12 +200,12 @@ def test_speculative_engine_takes_lookahead_decisions(
     toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """End to end: the speculative engine (decisions ahead) emits the plain engine's tokens."""
-    from spec_helpers import random_runner, tiny_config
     from test_spec_engine import run
 
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
+    from tests.fixtures.spec_helpers import random_runner, tiny_config
 
     answered = count_answers(monkeypatch)
     runner = random_runner(tiny_config(toy_tokenizer.vocab_size), seed=1)

@@ -14,13 +14,13 @@ from typing import Any
 
 import jsonschema
 import pytest
-from engine_fixtures import toy_tokenizer
 
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import CLOSING_WINDOW, BudgetCloser, ClosingPaths
 from espalier.engine.request import Request
+from tests.fixtures.engine_fixtures import toy_tokenizer
 
 RECURSIVE = {"type": "object", "properties": {"task": {"$ref": "#"}}}
 FREE: dict[str, Any] = {"type": "object"}

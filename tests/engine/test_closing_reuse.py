@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.compile import compile_grammar
@@ -22,6 +21,7 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import BudgetCloser
 from espalier.engine.request import Request
+from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
 
 SCHEMA = CLOSING_SCHEMA
 

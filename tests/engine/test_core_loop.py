@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
-from engine_fixtures import make_engine, run_all, tokens_of
 
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
@@ -24,6 +23,7 @@ from espalier.engine.api import (
 )
 from espalier.engine.core.loop import EngineLoop
 from espalier.engine.core.messages import Abort, AddRequest, EngineStopped, Shutdown, StepOutputs
+from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
 
 
 def request(i: int, max_tokens: int = 10, **kw: object) -> GenerationRequest:

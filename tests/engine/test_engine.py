@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_fixtures import drain, make_engine, run_all, text_of, tokens_of
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
@@ -15,6 +14,7 @@ from espalier.engine.api import (
     InvalidRequestError,
     SamplingParams,
 )
+from tests.fixtures.engine_fixtures import drain, make_engine, run_all, text_of, tokens_of
 
 SCHEMA = {
     "type": "object",

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_fixtures import make_engine, toy_tokenizer
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS
@@ -22,6 +21,7 @@ from espalier.engine.api import FinishReason, GenerationRequest, SamplingParams
 from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.request import Request
 from espalier.engine.step import SeqOutcome
+from tests.fixtures.engine_fixtures import make_engine, toy_tokenizer
 
 SCHEMA = GrammarSpec.json_schema(
     {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_fixtures import make_engine, run_all, tokens_of
 
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
@@ -17,6 +16,7 @@ from espalier.engine.async_engine import (
     EngineClosedError,
     QueueFullError,
 )
+from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
 
 
 def request(i: int, max_tokens: int = 10, **kw: object) -> GenerationRequest:

@@ -12,13 +12,20 @@ from typing import Any
 
 import jsonschema
 import pytest
-from engine_fixtures import CLOSING_SCHEMA, make_engine, run_all, text_of, tokens_of, toy_tokenizer
 
 from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
 from espalier.engine.closing import ClosingPaths
+from tests.fixtures.engine_fixtures import (
+    CLOSING_SCHEMA,
+    make_engine,
+    run_all,
+    text_of,
+    tokens_of,
+    toy_tokenizer,
+)
 
 SCHEMA = CLOSING_SCHEMA
 

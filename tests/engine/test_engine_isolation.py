@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from engine_fixtures import CLOSING_SCHEMA, drain, make_engine, run_all, tokens_of
 
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
@@ -26,6 +25,7 @@ from espalier.engine.api import (
 )
 from espalier.engine.engine import Engine
 from espalier.engine.spec.strategy import SpecConfig, install
+from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, drain, make_engine, run_all, tokens_of
 
 MANY_OPTIONS = [f"option-{i:04d}-{'x' * (i % 7)}" for i in range(2001)]
 

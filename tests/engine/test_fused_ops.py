@@ -228,7 +228,7 @@ def test_add_rms_norm_of_no_rows() -> None:
 def tiny_checkpoint(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    from tiny_models import make_tiny_model
+    from tests.fixtures.tiny_models import make_tiny_model
 
     directory = tmp_path_factory.mktemp(request.param)
     make_tiny_model(request.param, directory)

@@ -16,9 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from engine_fixtures import run_all, text_of, tokens_of
-from gpu_models import gpu_config, gpu_runner, gpu_state
-from spec_helpers import SCHEMA, compile_matcher, plain_greedy
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import FinishReason, GenerationRequest, SamplingParams
@@ -28,6 +25,9 @@ from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.engine_fixtures import run_all, text_of, tokens_of
+from tests.fixtures.gpu_models import gpu_config, gpu_runner, gpu_state
+from tests.fixtures.spec_helpers import SCHEMA, compile_matcher, plain_greedy
 from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 pytestmark = [

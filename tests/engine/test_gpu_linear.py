@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_models import gpu_config, gpu_runner, gpu_state
 
 from espalier.engine.model.models import layers
 from espalier.engine.model.runner import SeqInput
 from espalier.kernels import gemv
+from tests.fixtures.gpu_models import gpu_config, gpu_runner, gpu_state
 
 pytestmark = [
     pytest.mark.gpu,

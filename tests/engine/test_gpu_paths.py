@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_models import depths, gpu_config, gpu_runner, gpu_state, tree_input
-from spec_helpers import compile_matcher
 
 from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.combine import Proposer
@@ -24,6 +22,8 @@ from espalier.engine.spec.decoder import SpeculativeDecoder
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.tree_builder import tree_attention_mask
+from tests.fixtures.gpu_models import depths, gpu_config, gpu_runner, gpu_state, tree_input
+from tests.fixtures.spec_helpers import compile_matcher
 from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 pytestmark = [
@@ -75,10 +75,9 @@ def test_flashinfer_logits_match_sdpa(family: str, window: int | None) -> None:
         assert (want - got).abs().max() <= 0.03 * scale, (want - got).abs().max() / scale
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_kernel_matches_the_prefill_kernel(
-    family: str, tensor_cores: bool, monkeypatch: pytest.MonkeyPatch
+    family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One-token causal steps run flashinfer's decode kernel (sliding-window layers too), with
     the logits of its prefill kernel; tree steps keep the prefill kernel."""
@@ -93,7 +92,6 @@ def test_decode_kernel_matches_the_prefill_kernel(
     want = step_logits(prefill)
     assert not prefill.attention._eager_decode
     monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)  # the decode step has 2 sequences
-    monkeypatch.setattr(fi, "DECODE_TENSOR_CORES", tensor_cores)
     decode = gpu_runner(config, state, backend="flashinfer")
     got = step_logits(decode)
     assert decode.attention._eager_decode  # the decode step was planned on decode wrappers
@@ -104,26 +102,21 @@ def test_decode_kernel_matches_the_prefill_kernel(
 
 
 @pytest.mark.parametrize("small", [True, False])
-@pytest.mark.parametrize("plan_ahead", [True, False])
-def test_graph_replay_matches_eager_logits(
-    plan_ahead: bool, small: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_graph_replay_matches_eager_logits(small: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Padded replay (3, then 2 sequences in the buckets of 4 and 2) gives the eager logits;
     decode graphs attend with the small-query kernel or (``small`` False) with flashinfer: up to
     ``DECODE_KERNEL_UP_TO`` sequences its decode kernel, bigger ones its prefill kernel (both
     kinds here, around a limit of 2); with plans made ahead (during the previous replay, into
-    the bucket's second graph) or after each sync, and a plan made ahead for a step that does
-    not come (a sequence left) left unused."""
+    the bucket's second graph), and a plan made ahead for a step that does not come (a sequence
+    left) left unused."""
     import flashinfer
 
-    from espalier.engine.model import cuda_graphs
     from espalier.engine.model.attention import flashinfer as fi
     from espalier.engine.model.attention import small_query
 
     if not small:
         monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)
     monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)
-    monkeypatch.setattr(cuda_graphs, "PLAN_AHEAD", plan_ahead)
     config = gpu_config(97, window=6)
     state = gpu_state(config, seed=2)
     eager = gpu_runner(config, state, backend="flashinfer")
@@ -147,8 +140,8 @@ def test_graph_replay_matches_eager_logits(
         assert torch.allclose(want, got, atol=0.02 * float(want.abs().max()), rtol=0), step
     assert graphs.graphs.replays == {1: 12}
     # ahead: every step but the first of each batch (and the spare graphs exist)
-    assert graphs.graphs.planned_ahead == (10 if plan_ahead else 0)
-    assert sorted(graphs.graphs.spares) == ([1, 2, 4] if plan_ahead else [])
+    assert graphs.graphs.planned_ahead == 10
+    assert sorted(graphs.graphs.spares) == [1, 2, 4]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_models import gpu_config, gpu_state, tree_input
 
 from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.kv_cache import KVCache
@@ -20,6 +19,7 @@ from espalier.engine.model.attention.small_query import plan_windows, window_wra
 from espalier.engine.model.graph_padding import PaddedStep, pad_step, step_tokens
 from espalier.engine.model.runner import ModelRunner, SeqInput
 from espalier.kernels.paged_attention import Workspace
+from tests.fixtures.gpu_models import gpu_config, gpu_state, tree_input
 
 BLOCK = 16
 N = 9  # the captured tree size

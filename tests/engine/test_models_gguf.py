@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiny_models import VOCAB, make_tiny_model
 
 from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.model.runner import ModelRunner, SeqInput
+from tests.fixtures.tiny_models import VOCAB, make_tiny_model
 
 LAYER_PARTS = {
     "self_attn.q_proj": "attn_q",

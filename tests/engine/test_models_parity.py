@@ -1,6 +1,6 @@
 """Logit parity of our models + paged SDPA attention against transformers (eager attention).
 
-Tiny random-weight models (tests/engine/tiny_models.py) are saved as safetensors, loaded through
+Tiny random-weight models (tests/fixtures/tiny_models.py) are saved as safetensors, loaded through
 our loader, and run through the paged cache: whole prefills, chunked prefills mixed with decodes
 across several sequences of different lengths (sliding windows of 6 are crossed), and draft trees
 with custom masks (each node checked against a plain forward over its root-to-node path).
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import KINDS, VOCAB, make_tiny_model
 
 from espalier.engine.config import CacheConfig, RunnerConfig
 from espalier.engine.kv_cache import BlockAllocator, blocks_needed
 from espalier.engine.model.runner import ModelRunner, SeqInput
+from tests.fixtures.tiny_models import KINDS, VOCAB, make_tiny_model
 
 BLOCK = 4
 

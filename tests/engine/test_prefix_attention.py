@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from spec_helpers import one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.engine.model.runner import ModelRunner, SeqInput
+from tests.fixtures.spec_helpers import one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 BLOCK = 4
 
@@ -63,7 +63,7 @@ def test_sdpa_prefill_after_a_shared_prefix_equals_a_full_prefill(window: int | 
 def test_gpu_prefill_after_a_shared_prefix_equals_a_full_prefill(
     backend: str, window: int | None
 ) -> None:
-    from gpu_models import gpu_config, gpu_runner, gpu_state
+    from tests.fixtures.gpu_models import gpu_config, gpu_runner, gpu_state
 
     """bf16. On flashinfer the short chunks and the decode attend with the small-query kernel
     and the full prefill with flashinfer's prefill kernel, so the bound is the one the other
@@ -87,14 +87,13 @@ def test_gpu_engine_with_graphs_is_the_same_with_and_without_the_cache(
     """Plain and constrained requests in one batch, decoding plainly or speculatively (n-gram
     trees verified in CUDA graphs), on flashinfer with decode graphs: two waves over one system
     prompt, the second finding it cached; greedy outputs equal those without the cache."""
-    from gpu_models import gpu_config, gpu_runner, gpu_state
-
     from espalier.constrained.spec import GrammarSpec
     from espalier.engine.api import GenerationRequest, SamplingParams
     from espalier.engine.engine import Engine, EngineConfig
     from espalier.engine.scheduler import SchedulerConfig
     from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
     from espalier.engine.spec.strategy import SpecConfig, install
+    from tests.fixtures.gpu_models import gpu_config, gpu_runner, gpu_state
 
     config = gpu_config(toy_tokenizer.vocab_size, window=8)
     state = gpu_state(config, 7)

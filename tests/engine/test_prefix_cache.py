@@ -11,7 +11,6 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from engine_fixtures import drain, make_engine, run_all, tokens_of
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import GenerationRequest, RequestOutput, SamplingParams
@@ -20,6 +19,7 @@ from espalier.engine.kv_cache import BlockAllocator, NoFreeBlocksError
 from espalier.engine.scheduler import prefix_block_hashes
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.strategy import SpecConfig, install
+from tests.fixtures.engine_fixtures import drain, make_engine, run_all, tokens_of
 
 SYSTEM = "You are a careful assistant. Answer in JSON only, following the schema. " * 2
 SCHEMA_A = {

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
@@ -19,6 +18,7 @@ from espalier.engine.api import (
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.strategy import SpecConfig, install
+from tests.fixtures.spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 
 def run(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[list[int], Any]]:

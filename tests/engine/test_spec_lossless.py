@@ -13,12 +13,18 @@ from typing import Any
 
 import pytest
 import torch
-from spec_helpers import compile_matcher, plain_greedy, random_eagle, random_runner, tiny_config
 
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.spec_helpers import (
+    compile_matcher,
+    plain_greedy,
+    random_eagle,
+    random_runner,
+    tiny_config,
+)
 from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 PROMPTS = [

@@ -9,7 +9,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import GenerationRequest, SamplingParams, SpeculativeOptions
@@ -17,6 +16,7 @@ from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.scheduler import SchedulerConfig
 from espalier.engine.spec.draft_model import DraftModelConfig, DraftModelDrafter
 from espalier.engine.spec.strategy import SpecConfig, install
+from tests.fixtures.spec_helpers import SCHEMA, one_thread, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 N = 1200
 PROMPT = (5, 6, 7, 8, 9)

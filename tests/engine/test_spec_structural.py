@@ -11,16 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from spec_helpers import SCHEMA, plain_greedy, random_runner, tiny_config
 
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.structural_tag import after_reasoning
+from espalier.constrained.structural_tag import after_reasoning, structural_tag_spec
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from tests.fixtures.spec_helpers import SCHEMA, plain_greedy, random_runner, tiny_config
 from tests.fixtures.spec_loop import LoopRequest, SpecLoop
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
@@ -40,7 +40,7 @@ def tool_tag(trigger: str) -> GrammarSpec:
         "end": "\n",
     }
     fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": [tag]}
-    return GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
+    return structural_tag_spec({"type": "structural_tag", "format": fmt})
 
 
 def reasoning(marker: str) -> GrammarSpec:

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from spec_helpers import compile_matcher, one_thread, random_eagle, random_runner, tiny_config  # noqa: F401 (autouse fixture)
 
 from espalier.constrained.tree import DraftTree
 from espalier.engine.spec.base import DraftInput
@@ -36,6 +35,13 @@ from espalier.engine.spec.tree_builder import (
     tree_attention_mask,
 )
 from espalier.engine.spec.verify import compaction_slots
+from tests.fixtures.spec_helpers import (  # noqa: F401 (autouse fixture)
+    compile_matcher,
+    one_thread,
+    random_eagle,
+    random_runner,
+    tiny_config,
+)
 
 PARENTS = [-1, 0, 1, 1, 0, 4]
 TOKENS = [9, 4, 5, 6, 7, 8]

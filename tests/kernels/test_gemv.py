@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from espalier.kernels import gemv as gemv_mod
 from espalier.kernels import reference
 from espalier.kernels.gemv import SkinnyConfig, gated_gemv, gemv
 
@@ -55,16 +54,10 @@ def test_every_variant_matches_twin(config: SkinnyConfig, m: int) -> None:
     )
 
 
-@pytest.mark.parametrize("prefetch_with_dot", [True, False])
-@pytest.mark.parametrize("late_trigger", [False, True])
 @pytest.mark.parametrize("k", [80, 64, 20, 0])
-def test_loop_variants_match_twin(
-    prefetch_with_dot: bool, late_trigger: bool, k: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The peeled first K step and the plain loop, the trigger at the start and after the loop,
-    over K of several steps, one whole step, less than one step and none (64-column steps)."""
-    monkeypatch.setattr(gemv_mod, "PREFETCH_WITH_DOT", prefetch_with_dot)
-    monkeypatch.setattr(gemv_mod, "LAUNCH_NEXT_AFTER_LOOP", late_trigger)
+def test_loop_variants_match_twin(k: int) -> None:
+    """The peeled first K step (FMA tiles) and the plain loop (tensor-core tiles), over K of
+    several steps, one whole step, less than one step and none (64-column steps)."""
     for config, m in [
         (SkinnyConfig(use_dot=False, block_m=1, block_n=8, block_k=64), 1),
         (SkinnyConfig(use_dot=True, block_m=16, block_n=16, block_k=64), 3),

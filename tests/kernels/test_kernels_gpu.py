@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 from test_apply_bitmask import random_mask
-from trees import batch_of_trees
 
 from espalier.kernels import reference
 from espalier.kernels.bitmask import apply_bitmask_
 from espalier.kernels.sampling import SamplingTensors, sample
 from espalier.kernels.verify import verify_greedy
+from tests.fixtures.kernel_trees import batch_of_trees
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
-from trees import batch_of_trees
 
 from espalier.kernels import reference
 from espalier.kernels.sampling import SamplingTensors, sample, tree_speculative_sample
+from tests.fixtures.kernel_trees import batch_of_trees
 
 
 def test_processed_probs_filters() -> None:

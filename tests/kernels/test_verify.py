@@ -6,11 +6,11 @@ import random
 
 import pytest
 import torch
-from trees import batch_of_trees
 
 from espalier.constrained.bitmask import pack_allowed
 from espalier.kernels import reference
 from espalier.kernels.verify import verify_greedy
+from tests.fixtures.kernel_trees import batch_of_trees
 
 
 def run_both(**kw: object) -> tuple[reference.VerifyResult, reference.VerifyResult]:

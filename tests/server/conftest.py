@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from server_process import ServerProcess
+
+from tests.fixtures.server_process import ServerProcess
 
 
 @pytest.fixture(scope="session")

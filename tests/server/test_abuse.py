@@ -16,12 +16,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from abuse_cases import AbuseCase, Bait, cases, send_raw
-from audit_hook import TRAP
-from server_process import ServerProcess
 
 from espalier.v1 import espalier_pb2 as pb
 from espalier.v1 import espalier_pb2_grpc as pb_grpc
+from tests.fixtures.abuse_cases import AbuseCase, Bait, cases, send_raw
+from tests.fixtures.audit_hook import TRAP
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from espalier_client import Client
-from helpers import SCHEMA
-from server_process import ServerProcess
 
 from espalier.server.cli_serve import config_from_args, model_options_from_args
 from espalier.server.loading import grammar_service
 from espalier.server.main import build_parser
+from tests.fixtures.server_helpers import SCHEMA
+from tests.fixtures.server_process import ServerProcess
 
 
 def options(*argv: str) -> Any:

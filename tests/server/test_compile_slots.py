@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from espalier_client import Client
-from server_process import ServerProcess
 
 from espalier.constrained.backends import BackendOptions, get_backend
 from espalier.constrained.spec import GrammarSpec
@@ -19,6 +18,7 @@ from espalier.server import convert
 from espalier.server.cli_serve import config_from_args, model_options_from_args, run
 from espalier.server.loading import grammar_service
 from espalier.server.main import build_parser
+from tests.fixtures.server_process import ServerProcess
 
 
 def options(*argv: str) -> Any:

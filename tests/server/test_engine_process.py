@@ -15,8 +15,9 @@ import grpc
 import pytest
 from espalier_client import Client, UnavailableError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SCHEMA, check_output, scrape, wait_until_idle
-from server_process import ServerProcess
+
+from tests.fixtures.server_helpers import SCHEMA, check_output, scrape, wait_until_idle
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-from gateway_process import SmgGateway, smg_binary
-from server_process import REPO, ServerProcess
+
+from tests.fixtures.gateway_process import SmgGateway, smg_binary
+from tests.fixtures.server_process import REPO, ServerProcess
 
 openai = pytest.importorskip("openai", reason="the gateway extra is not installed")
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 from espalier_client import Client, DeadlineExceededError
-from helpers import scrape, wait_until_idle
-from server_process import ServerProcess
+
+from tests.fixtures.server_helpers import scrape, wait_until_idle
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

@@ -23,7 +23,8 @@ from espalier_client import (
     UnavailableError,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_process import ServerProcess
+
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

@@ -23,9 +23,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from helpers import CHOICES, CONSTRAINTS, SCHEMA, check_output, scrape, wait_until_idle
 from pydantic import BaseModel, ConfigDict, Field
-from server_process import ServerProcess
+
+from tests.fixtures.server_helpers import (
+    CHOICES,
+    CONSTRAINTS,
+    SCHEMA,
+    check_output,
+    scrape,
+    wait_until_idle,
+)
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

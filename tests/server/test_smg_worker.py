@@ -17,12 +17,13 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
-from abuse_cases import INVALID, AbuseCase, send_raw
-from server_process import ServerProcess
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
+
+from tests.fixtures.abuse_cases import INVALID, AbuseCase, send_raw
+from tests.fixtures.server_process import ServerProcess
 
 PROMPT = [2, 106, 1645, 108]  # <bos>, a few Gemma ids: the prompt's words do not matter
 

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 from espalier_client import Client, InvalidArgumentError
-from helpers import REGEX, SCHEMA
-from server_process import ServerProcess
+
+from tests.fixtures.server_helpers import REGEX, SCHEMA
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

@@ -11,8 +11,9 @@ import signal
 
 import pytest
 from espalier_client import Client, InternalError
-from helpers import SCHEMA, check_output
-from server_process import ServerProcess
+
+from tests.fixtures.server_helpers import SCHEMA, check_output
+from tests.fixtures.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

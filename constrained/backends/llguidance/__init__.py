@@ -21,7 +21,7 @@ state, into a scratch row, before the next consume unless a fill comes first
 (``tests/constrained/test_llguidance_stale_rollback.py``: a mask two tokens down, a rollback, a
 mask at the rolled-back state, and a sibling still gets the branch's mask). So nothing that
 needs exact masks rolls an llguidance matcher back after computing masks below: the tree walks
-start siblings from ``deep_copy`` snapshots or clones (``tree/walk_llguidance.py``), and probes that
+start siblings from ``deep_copy`` snapshots or clones (``tree_walk.py``), and probes that
 roll back check tokens by consuming them, not by masks (closing paths), or probe on a fork
 (forced chains below draft leaves: ``Matcher.exact_rollback`` is False).
 """
@@ -33,6 +33,7 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -48,27 +49,30 @@ from espalier.constrained.backends.common import (
     VocabFacts,
     vocab_facts,
 )
+from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as llg_native
+from espalier.constrained.backends.llguidance.tree_walk import (
+    native_takes,
+    native_walk_ready,
+    walk_llguidance,
+    walk_llguidance_py,
+)
 from espalier.constrained.compile_pool import InProcessLane
-from espalier.constrained.errors import GrammarError, InvalidGrammarError
-from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
+from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
     from espalier.constrained.backends.llguidance.native.twin import Twin
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
 
-NAME = "llguidance"
+NAME = BackendName.LLGUIDANCE
 ENCODE_CACHE_ENTRIES = 4096
 """Texts whose token ids the llguidance tokenizer callback remembers (cleared when full)."""
 _LARK_LOCATION = re.compile(r"^(?:at )?(\d+)\((\d+)\):", re.MULTILINE)
 _GBNF_LINE = re.compile(r"at line (\d+),")
-
-
-class MatcherStateError(GrammarError):
-    """llguidance hit a resource limit or internal error while matching (not a user token)."""
-
-    reason = "GRAMMAR_STATE_ERROR"
 
 
 class Backend:
@@ -83,9 +87,7 @@ class Backend:
         self.facts = vocab_facts(tokenizer)
         self.lane = InProcessLane(options.compile_slots)
         facts = self.facts  # backend_view holds the tokenizer's lock: build without re-entering
-        self.lltokenizer = tokenizer.backend_view(
-            "llguidance", lambda tok: _build_lltokenizer(tok, facts)
-        )
+        self.lltokenizer = tokenizer.backend_view(NAME, lambda tok: _build_lltokenizer(tok, facts))
         # the same tokenizer through llguidance's C API, for the native tree walk (built on a
         # background thread; walks use the Python path until it is ready)
         self.native_slot: llg_native.NativeTokenizerSlot | None = None
@@ -323,7 +325,7 @@ class Matcher(MatcherBase):
         self.mask_memo_stale = False
         self._scratch: np.ndarray | None = None
         # Tokens consumed natively, and the C-API twin the native tree walk runs from
-        # (``tree/walk_llguidance.py``, ``native/twin.py``): each walk catches it up first.
+        # (``tree_walk.py``, ``native/twin.py``): each walk catches it up first.
         self.history: list[int] = []
         self.twin: Twin | None = None
 
@@ -435,6 +437,14 @@ class Matcher(MatcherBase):
         other.mask_memo_stale = self.mask_memo_stale  # deep_copy copies the memo too
         other.history = list(self.history)  # its twin, if it is ever walked, replays them
         return other
+
+    def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:
+        """The native walk, inline (it checks the budget between nodes, in C), on the trees it
+        takes; else the Python walk, on a helper thread under a budget (``tree_walk.py``).
+        ``threads`` > 1 lets the native walk share a big tree with a second thread."""
+        walk = partial(walk_llguidance, threads=threads) if threads > 1 else walk_llguidance
+        inline = native_walk_ready(self) and native_takes(self, tree)
+        return walk, None if inline else walk_llguidance_py
 
 
 class _TokenizerSource:

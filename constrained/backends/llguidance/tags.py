@@ -26,10 +26,10 @@ from typing import Any
 
 from espalier.constrained.errors import UnsupportedGrammarError
 from espalier.constrained.schema.number_bounds import NumberBounds, bound_schema_numbers
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import BackendName, GrammarSpec
 from espalier.constrained.structural_tag import Format, json_whitespace, root_format
 
-NAME = "llguidance"
+NAME = BackendName.LLGUIDANCE
 _ANY = r"/(?s:.*)/"
 
 

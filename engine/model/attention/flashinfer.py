@@ -61,22 +61,6 @@ near-tie can make speculative output differ from plain decoding
 token for token. Set it (to 4, say) where no request speculates; what it gains:
 ``docs/decisions/flashinfer-plan-and-kernels.md``."""
 
-DECODE_TENSOR_CORES = True
-"""The decode wrapper's ``use_tensor_cores``: on Hopper flashinfer's FA3 kernel for one-token
-queries, with no split-KV merge: the fastest of the three at batch 1
-(``docs/decisions/flashinfer-plan-and-kernels.md``)."""
-
-
-SPLIT_KV = True
-"""Whether prefill-kernel steps let flashinfer split the KV into chunks (its default: more CTAs
-for short queries over long contexts, then a merge kernel). False plans them with
-``disable_split_kv`` (one CTA per query tile, no merge), for every step alike so that plain
-decoding and tree verification still run the same kernel. Read when a step is planned and when
-a CUDA graph is captured (an A/B flag for ``bench/gpu.py``, path
-``flashinfer_graphs_no_split_kv``). On: off saved nothing at short contexts (the merge it saves
-is eaten by fewer CTAs) and was much slower at long ones
-(``docs/decisions/flashinfer-split-kv-kept.md``)."""
-
 
 def use_decode_kernel(num_seqs: int) -> bool:
     """Whether a one-token causal step of ``num_seqs`` sequences runs the decode wrapper."""
@@ -148,7 +132,10 @@ class FlashinferBackend:
 
     def _decode_wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=DECODE_TENSOR_CORES, **graph_buffers
+            self.workspace,
+            "NHD",
+            use_tensor_cores=True,  # FA3 on Hopper, the fastest at batch 1 (docs/decisions)
+            **graph_buffers,
         )
 
     def _is_decode(self, wrapper: Any) -> bool:
@@ -237,7 +224,6 @@ class FlashinferBackend:
             *heads,
             custom_mask=custom_mask,
             causal=causal and custom_mask is None,
-            disable_split_kv=not SPLIT_KV,
             **common,
         )
 

@@ -1,9 +1,10 @@
 """A C-API twin of a request's llguidance matcher, and how it catches up with the request.
 
-The native tree walk (``tree/walk_llguidance.py``) runs on clones of a C-API matcher, not on the
-request's ``LLMatcher``. That matcher, the twin, only ever moves forward: each walk first makes
-it consume what the request accepted since the last walk, and computes the root row on it (a
-mask at its current state, as plain decoding would); every other row is computed on clones.
+The native tree walk (``backends/llguidance/tree_walk.py``) runs on clones of a C-API matcher,
+not on the request's ``LLMatcher``. That matcher, the twin, only ever moves forward: each walk
+first makes it consume what the request accepted since the last walk, and computes the root row
+on it (a mask at its current state, as plain decoding would); every other row is computed on
+clones.
 (llguidance 1.9.1 can answer a stale mask after a rollback: ``tests/constrained/
 test_llguidance_stale_rollback.py``.) When the request rolls back below what the twin consumed,
 the twin is dropped and a new one consumes the whole history at the next walk.

@@ -11,7 +11,7 @@ big tree (work stealing between two deques). A node off the current path gets a 
 which costs more than the Python walk's ``deep_copy``, so trees with more than
 ``BackendOptions.llguidance_native_max_branches`` branches take the Python walk. It checks the
 budget between nodes (a walk overruns it by at most one mask), so budgeted native walks run
-inline (``masks.fill_tree_bitmask``).
+inline (``Matcher.fill_tree``).
 
 **Python walk** (:func:`walk_llguidance_py`): an iterative DFS over ``deep_copy`` snapshots of
 the ``LLMatcher``.
@@ -34,7 +34,8 @@ sibling that needs one consumes on the parent's matcher itself, every earlier on
 ``deep_copy`` of it taken just before (p50 ~7 µs on Gemma, against ~15 µs for a mask). Each copy
 only ever moves forward, like a decoding request, and its memo (copied along) describes its own
 history. The caller's matcher is never advanced: the root's children all start from copies, so
-nothing is restored at the end and an abandoned walk (``tree/bounded.py``) leaves it as it was.
+nothing is restored at the end and an abandoned walk (``constrained/tree/bounded.py``) leaves it
+as it was.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from espalier.constrained.backends.llguidance import MatcherStateError
+from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as native
 from espalier.constrained.backends.llguidance.native.twin import Twin
 from espalier.constrained.tree import NONE, DraftTree
-from espalier.constrained.tree.masks import (
+from espalier.constrained.tree.walk import (
     WalkResult,
     flat_words,
     stop_row,

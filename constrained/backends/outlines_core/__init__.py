@@ -38,15 +38,18 @@ from espalier.constrained.backends.common import (
     canonical_forced_tokens,
     vocab_facts,
 )
+from espalier.constrained.backends.outlines_core.tree_walk import walk_outlines
 from espalier.constrained.backends.outlines_index import IndexBuilder
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.schema.number_bounds import bound_number_regex
-from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
+from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
 
-NAME = "outlines_core"
+NAME = BackendName.OUTLINES_CORE
 MAX_ROLLBACK = 1 << 20
 # a state allowing more tokens than this is treated as "nothing forced" (checking is too costly)
 _FORCED_MAX_BRANCHING = 4096
@@ -75,7 +78,7 @@ class Backend:
         self.sentinel_id = min(self.facts.excluded)
         facts, sentinel_id = self.facts, self.sentinel_id  # no re-entry into backend_view's lock
         self.vocabulary = tokenizer.backend_view(
-            "outlines_core", lambda tok: _build_vocabulary(facts, sentinel_id)
+            NAME, lambda tok: _build_vocabulary(facts, sentinel_id)
         )
         limit = options.outlines_memory_limit
         self.builder = (
@@ -251,6 +254,11 @@ class Matcher(MatcherBase):
         other._history = list(self._history)
         self._copy_state_to(other)
         return other
+
+    def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:
+        """DFA states by lookup, rows from the grammar's row cache (``tree_walk.py``), inline:
+        no single fill is slow. One thread whatever ``threads`` says."""
+        return walk_outlines, None
 
 
 def escape_literal(text: str) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from espalier.constrained.tree import NONE, DraftTree
-from espalier.constrained.tree.masks import (
+from espalier.constrained.tree.walk import (
     WalkResult,
     flat_words,
     stop_row,
@@ -121,10 +121,10 @@ def walk_xgrammar_nodes(
 
     A Python step per node makes it a little slower than the native walk, but each row is
     published (``result.filled``) as soon as it is written, so a walk abandoned at the deadline
-    (``tree/bounded.py``) keeps every finished row, and it honours ``root_ready``. Same rules
-    as the adapter: stop tokens never go to the library (the parent's row says whether the
-    grammar may end; their row is the stop row), ids at or above the tokenizer vocabulary are
-    invalid, after a stop token only stop tokens follow.
+    (``constrained/tree/bounded.py``) keeps every finished row, and it honours ``root_ready``.
+    Same rules as the adapter: stop tokens never go to the library (the parent's row says
+    whether the grammar may end; their row is the stop row), ids at or above the tokenizer
+    vocabulary are invalid, after a stop token only stop tokens follow.
     """
     native = matcher.native
     if matcher.is_terminated():

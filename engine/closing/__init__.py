@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from espalier.constrained import bitmask as bm
-from espalier.engine.closing_ahead import Lookahead, decide_tree, max_depth
+from espalier.engine.closing.ahead import Lookahead, decide_tree, max_depth
 
 if TYPE_CHECKING:
     import torch
@@ -195,7 +195,7 @@ class BudgetCloser:
 
     ``enabled=False``: never closes (``EngineConfig.close_within_budget``). The decisions for a
     speculative step's draft tree can be computed ahead on a mask thread (:meth:`lookahead`,
-    ``engine/closing_ahead.py``); :meth:`instead` then takes them instead of recomputing.
+    ``engine/closing/ahead.py``); :meth:`instead` then takes them instead of recomputing.
     """
 
     def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True) -> None:

@@ -37,16 +37,19 @@ from espalier.constrained.backends.common import (
     canonical_forced_tokens,
     vocab_facts,
 )
+from espalier.constrained.backends.xgrammar.tree_walk import walk_xgrammar, walk_xgrammar_nodes
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
-from espalier.constrained.spec import GrammarKind, GrammarSpec
+from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
+from espalier.constrained.tree import DraftTree
+from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
 
-NAME = "xgrammar"
+NAME = BackendName.XGRAMMAR
 CHILD_MODULE = "espalier.constrained.xgrammar_child"
 _LOCATION = re.compile(r"line (\d+), column (\d+)")
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
@@ -233,6 +236,12 @@ class Matcher(MatcherBase):
         self._copy_state_to(other)
         return other
 
+    def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:
+        """xgrammar's native ``traverse_draft_tree`` (``tree_walk.py``); under a budget a
+        node-by-node walk on a helper thread, since one xgrammar fill can take milliseconds.
+        One thread whatever ``threads`` says."""
+        return walk_xgrammar, walk_xgrammar_nodes
+
 
 def gbnf_literal(text: str) -> str:
     """``text`` as a GBNF double-quoted string literal (control characters as ``\\xHH``)."""
@@ -260,7 +269,7 @@ def tokenizer_info(tokenizer: TokenizerInfo) -> xgrammar.TokenizerInfo:
     # backend_view holds the tokenizer's lock: the facts are built first, without re-entering
     facts = vocab_facts(tokenizer)
     return tokenizer.backend_view(  # type: ignore[no-any-return]
-        "xgrammar", lambda tok: _build_tokenizer_info(tok, facts)
+        NAME, lambda tok: _build_tokenizer_info(tok, facts)
     )
 
 

@@ -4,7 +4,7 @@ Node states come from ``Index.get_next_state`` (the token-level DFA is determini
 request's ``Guide`` is not needed to decide validity. A row depends only on the DFA state, so rows
 are cached per compiled grammar (LRU, bounded in bytes); only a miss advances the request's
 ``Guide`` along the node's path (lazily, like a DFS; rolled back at the end) to write the mask,
-post-processed like the adapter does (``backends/outlines_core.py``): the sentinel token is never
+post-processed like the adapter does (``__init__.py``): the sentinel token is never
 allowed, and the stop tokens are allowed where the match may end.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from espalier.constrained.tree import NONE, DraftTree
-from espalier.constrained.tree.masks import WalkResult, stop_row, tokenizer_vocab_size, walk_generic
+from espalier.constrained.tree.walk import WalkResult, stop_row, tokenizer_vocab_size, walk_generic
 
 ROW_CACHE_BYTES = 16 << 20
 """Cached rows per compiled grammar (bytes); 512 rows of a 262,144-token vocabulary."""

@@ -1,0 +1,107 @@
+"""Start serving: the tokenizer first, then the engine on a thread or in a child process, then a
+warm-up generation before health turns SERVING.
+
+The parts are loaded by ``server/loading.py``; the child process's side is
+``server/engine_process.py`` (which loads through ``loading`` too), so this module, which picks
+between the two, is the one that imports both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from espalier.server.engine_port import ServingEngine
+from espalier.server.loading import (
+    ModelOptions,
+    grammar_service,
+    load_engine,
+    load_tokenizer,
+    make_compiler,
+)
+from espalier.server.state import ModelFacts, ServingState, announce
+
+if TYPE_CHECKING:
+    from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.constraints import GrammarService
+
+
+async def warm_up(engine: ServingEngine) -> None:
+    """One short generation through the whole path before health turns SERVING."""
+    from espalier.engine.api import GenerationRequest, SamplingParams
+
+    request = GenerationRequest(
+        request_id=f"warmup-{uuid.uuid4().hex}",
+        prompt="Hello",
+        sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+    )
+    async for _ in engine.generate(request):
+        pass
+
+
+def make_loader(
+    options: ModelOptions,
+) -> Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]:
+    async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
+        from espalier.server.gc_freeze import freeze_startup_heap
+
+        tokenizer = await asyncio.to_thread(load_tokenizer, options)
+        grammar = grammar_service(options, tokenizer)
+        state.tokenizer = tokenizer
+        state.compiler = make_compiler(grammar, options.compile_timeout_s)
+        state.metrics.bind_compile_cache(lambda: grammar.cache.stats)
+        announce(event="tokenizer_loaded", tokenizer=tokenizer.name)
+        if options.engine_process:
+            engine, facts = await _start_engine_process(options, state, tokenizer, grammar)
+        else:
+            engine, facts = await _start_engine_thread(options, state, tokenizer, grammar)
+        await warm_up(engine)
+        freeze_startup_heap()  # no multi-ms collections of the startup heap while serving
+        return engine, facts
+
+    return load
+
+
+async def _start_engine_thread(
+    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
+) -> tuple[ServingEngine, ModelFacts]:
+    """The engine on a thread of this process; CompileGrammar shares its compile cache. A dead
+    tensor-parallel rank fails the server (``ServingState.fail``), as a dead engine process."""
+    from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
+
+    loop = asyncio.get_running_loop()
+
+    def on_failure(why: str) -> None:  # from the ranks' watch thread
+        loop.call_soon_threadsafe(lambda: loop.create_task(state.fail(why)))
+
+    engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar, on_failure)
+    if options.tensor_parallel > 1:
+        announce(
+            event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.runner.rank_pids
+        )
+    state.tokenizer = engine.tokenizer
+    state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
+    state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
+    return AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue)), facts
+
+
+async def _start_engine_process(
+    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
+) -> tuple[ServingEngine, ModelFacts]:
+    """The engine in a child process; its death fails the server (``ServingState.fail``)."""
+    from espalier.server.engine_process import EngineProcessConfig, start_engine_process
+
+    def on_failure(why: str) -> None:
+        asyncio.get_running_loop().create_task(state.fail(why))
+
+    config = EngineProcessConfig(max_waiting=options.max_queue)
+    engine, facts, tokenizer = await start_engine_process(options, tokenizer, config, on_failure)
+    announce(event="engine_process", pid=engine.process.pid)
+    if tokenizer is not state.tokenizer:  # the model pads its vocabulary: masks need its width
+        grammar = grammar_service(options, tokenizer)
+        state.tokenizer = tokenizer
+        state.compiler = make_compiler(grammar, options.compile_timeout_s)
+    state.metrics.bind_compile_cache(lambda: engine.grammar_cache_stats(grammar.cache.stats))
+    return engine, facts
