@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [(name, schema) for name, schema in chosen if name in wanted]
-    emit({"event": "start", "set": args.set, "schemas": len(chosen), **vars(args)})
+    emit({"event": "start", **vars(args), "schemas": len(chosen)})
     try:
         counts = run(engine, chosen, args.max_tokens)
     finally:
