@@ -76,7 +76,10 @@ class GenerationRequest:
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # stop token or stop string
-    LENGTH = "length"  # max_tokens
+    LENGTH = "length"  # max_tokens or the model's context; a constrained output may end here
+    # max_tokens or the context cut a constrained output where its grammar cannot end and the
+    # closing policy could not close it: an unfinished prefix, never a complete output
+    LENGTH_UNCLOSED = "length_unclosed"
     GRAMMAR = "grammar"  # the grammar terminated
     ABORT = "abort"  # client cancel / deadline / shutdown
     ERROR = "error"
@@ -152,6 +155,7 @@ class RequestOutput:
     error: str | None = None
     weakened: tuple[str, ...] = ()  # keywords weakened by the chosen backend (allow_weakening)
     backend: str = ""  # the grammar backend used, "" when unconstrained
+    closed_by_budget: bool = False  # the closing policy ended it within max_tokens (STOP)
     # The typed exception behind ``error`` (e.g. a GrammarError from compiling), for the server to
     # map to a status; never serialized.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

@@ -47,6 +47,7 @@ from espalier.engine.scheduler import Scheduler, SchedulerConfig
 from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy, closing_logprob
 
 if TYPE_CHECKING:
+    from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.model.runner import ModelRunner, RunnerConfig
 
@@ -288,6 +289,7 @@ class Engine:
             if closing is not None:
                 kept = i
                 self.closer.emit(request, closing, new_ids, text_ids)
+                request.closed_by_budget = True
                 reason = FinishReason.STOP
                 break
             request.output_ids.append(token)
@@ -306,7 +308,7 @@ class Engine:
             if len(request.output_ids) >= params.max_tokens or (
                 request.num_tokens >= self.max_model_len
             ):
-                reason = FinishReason.LENGTH
+                reason = _length_reason(matcher)
                 break
         self.num_generated_tokens += len(new_ids)
         assert request.detokenizer is not None
@@ -415,6 +417,7 @@ class Engine:
             error=error,
             weakened=request.weakened,
             backend=request.backend,
+            closed_by_budget=request.closed_by_budget,
             speculative=request.spec_stats,
             exception=exception,
         )
@@ -485,6 +488,15 @@ class Engine:
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def _length_reason(matcher: GrammarMatcher | None) -> FinishReason:
+    """The reason for a request cut by max_tokens or the context: LENGTH unless its grammar
+    cannot end here (the closing policy, off or without a path, left it open), so that a
+    client never takes an unfinished constrained prefix for a complete output."""
+    if matcher is None or matcher.can_terminate():
+        return FinishReason.LENGTH
+    return FinishReason.LENGTH_UNCLOSED
 
 
 def _load_postvalidation() -> None:

@@ -315,6 +315,7 @@ def _invalid_fields(bad: list[Violation]) -> InvalidRequestError:
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.LENGTH_UNCLOSED: pb.FINISH_REASON_LENGTH_UNCLOSED,
     FinishReason.GRAMMAR: pb.FINISH_REASON_GRAMMAR,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,

@@ -29,14 +29,27 @@ _DETAILS_KEY = "grpc-status-details-bin"
 _UNSUPPORTED_REQUEST_FIELDS = ("mm_inputs", "media_refs", "kv_transfer_params")
 
 # Finish reasons in the worker protocol's words ("stop" when the grammar completed: the
-# answer ended where the constraint allows it to, as vLLM reports it).
+# answer ended where the constraint allows it to, as vLLM reports it; OpenAI's words have no
+# unclosed length, so it reads "length" there and espalier's own name travels in the trailing
+# metadata, see FINISH_METADATA_KEY).
 FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_GRAMMAR: "stop",
     pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_LENGTH_UNCLOSED: "length",
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_ERROR: "error",
 }
+# The worker's GenerateComplete has no free-form field (matched_stop names a stop that matched),
+# so the finished stream's trailing metadata carries espalier's own reason, e.g.
+# "length_unclosed", for callers of the worker that want the distinction.
+FINISH_METADATA_KEY = "espalier-finish-reason"
+
+
+def finish_metadata(reason: int) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata naming espalier's finish reason (``pb.FinishReason`` value)."""
+    name = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    return ((FINISH_METADATA_KEY, name),)
 
 
 def grammar_is_lark(grammar: str) -> bool:

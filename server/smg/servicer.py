@@ -78,6 +78,7 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
                 if request.stream:
                     yield convert.chunk_response(chunk, state)
                 if chunk.finished:
+                    context.set_trailing_metadata(convert.finish_metadata(chunk.finish_reason))
                     yield convert.complete_response(chunk, state, stream=request.stream)
         finally:
             self._in_flight.discard(request.request_id)

@@ -73,7 +73,7 @@ def test_constrained_outputs_close_within_max_tokens(max_tokens: int) -> None:
         jsonschema.validate(json.loads(text_of(chunks)), SCHEMA)
         assert len(tokens) <= max_tokens
         plain = tokens_of(cut[request_id])
-        if cut[request_id][-1].finish_reason is FinishReason.LENGTH:
+        if cut[request_id][-1].finish_reason is FinishReason.LENGTH_UNCLOSED:
             was_cut += 1
             # the model's own tokens are kept up to where the engine closed
             shared = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), None)
@@ -91,7 +91,9 @@ def test_ignore_eos_requests_are_never_closed() -> None:
         grammar=GrammarSpec.json_schema(SCHEMA),
     )
     out: Any = run_all(make_engine(), [request])["e"][-1]
-    assert out.finish_reason is FinishReason.LENGTH
+    # never closed, so the cut output is open and says so
+    assert out.finish_reason is FinishReason.LENGTH_UNCLOSED
+    assert len(out.token_ids) > 0 and not out.validation.valid
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -83,7 +83,7 @@ def test_constrained_generation_cuda_bf16(toy_tokenizer: Any) -> None:
     for rid, chunks in fast.items():
         assert tokens_of(chunks) == tokens_of(eager[rid]) == tokens_of(sdpa[rid]), rid
         last = chunks[-1]
-        if last.finish_reason is FinishReason.LENGTH:
+        if last.finish_reason in (FinishReason.LENGTH, FinishReason.LENGTH_UNCLOSED):
             continue  # a random model may run out of tokens inside a long string
         finished += 1
         assert last.validation is not None and last.validation.valid, (text_of(chunks), last)

@@ -252,3 +252,23 @@ def test_after_reasoning_wraps_the_constraint_or_is_refused() -> None:
         with pytest.raises(InvalidRequestError) as info:
             convert.constraint_to_spec(constraint, limits)
         assert fields_of(info.value) == ["constraint.after_reasoning"]
+
+
+def test_an_unclosed_cut_keeps_its_own_finish_reason_up_to_the_sdk() -> None:
+    from espalier_client._proto import espalier_pb2 as client_pb
+    from espalier_client.types import Generation
+
+    out = RequestOutput(
+        "r",
+        '{"a": [',
+        (5, 6),
+        finished=True,
+        finish_reason=FinishReason.LENGTH_UNCLOSED,
+        usage=Usage(3, 2, 0),
+        validation=ValidationResult(True, False, ("not valid JSON",)),
+    )
+    merged = convert.merge_unary([convert.output_to_proto(out)])
+    assert merged.finish_reason == pb.FINISH_REASON_LENGTH_UNCLOSED
+    wire = merged.SerializeToString()
+    result = Generation.from_proto(client_pb.GenerateResponse.FromString(wire))
+    assert result.finish_reason == "length_unclosed" and result.valid is False

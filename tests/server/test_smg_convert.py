@@ -151,6 +151,7 @@ def test_unary_complete_carries_every_token() -> None:
         (pb.FINISH_REASON_STOP, "stop"),
         (pb.FINISH_REASON_GRAMMAR, "stop"),
         (pb.FINISH_REASON_LENGTH, "length"),
+        (pb.FINISH_REASON_LENGTH_UNCLOSED, "length"),  # OpenAI's words have no unclosed cut
         (pb.FINISH_REASON_ABORT, "abort"),
     ],
 )
@@ -158,6 +159,15 @@ def test_finish_reasons(reason: int, expected: str) -> None:
     last = chunk([], finished=True, finish_reason=reason)
     state = convert.StreamState(prompt_tokens=0, want_logprobs=None)
     assert convert.complete_response(last, state, stream=True).complete.finish_reason == expected
+
+
+def test_the_trailing_metadata_keeps_espaliers_finish_reason() -> None:
+    assert convert.finish_metadata(pb.FINISH_REASON_LENGTH_UNCLOSED) == (
+        ("espalier-finish-reason", "length_unclosed"),
+    )
+    assert convert.finish_metadata(pb.FINISH_REASON_GRAMMAR) == (
+        ("espalier-finish-reason", "grammar"),
+    )
 
 
 def test_status_messages_spell_out_field_violations_in_worker_terms() -> None:

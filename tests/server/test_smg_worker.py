@@ -146,6 +146,22 @@ def test_streamed_deltas_add_up_to_the_schema_output(
     assert responses[-1].complete.finish_reason == "stop"
 
 
+def test_an_unclosed_cut_reads_length_with_espaliers_reason_in_the_trailers(
+    stub: vpb_grpc.VllmEngineStub,
+) -> None:
+    """One token cannot match 30 letters, nor can the closing policy close it: OpenAI's words
+    say "length"; the trailing metadata keeps espalier's distinct reason."""
+    request = vpb.GenerateRequest(
+        request_id="t-unclosed",
+        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=1, regex="[a-z]{30}"),
+    )
+    call = stub.Generate(request, timeout=900)
+    responses = list(call)
+    assert responses[-1].complete.finish_reason == "length"
+    assert dict(call.trailing_metadata())["espalier-finish-reason"] == "length_unclosed"
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [

@@ -12,6 +12,7 @@ _FINISH_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: "",
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_LENGTH_UNCLOSED: "length_unclosed",
     pb.FINISH_REASON_GRAMMAR: "grammar",
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_ERROR: "error",
