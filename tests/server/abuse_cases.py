@@ -104,6 +104,32 @@ def cases(bait: Bait) -> list[AbuseCase]:
             INVALID,
             "INVALID_GRAMMAR",
         ),
+        AbuseCase(  # strict mode too: refs are resolved at compile, not only by post-validation
+            "ref_to_file_strict",
+            "GenerateUnary",
+            _schema({"type": "object", "properties": {"a": {"$ref": bait.file_uri}}}),
+            INVALID,
+            "INVALID_GRAMMAR",
+        ),
+        AbuseCase(
+            "dynamic_ref_to_http",
+            "GenerateUnary",
+            _schema({"type": "array", "items": {"$dynamicRef": bait.http_url}}),
+            INVALID,
+            "INVALID_GRAMMAR",
+        ),
+        AbuseCase(
+            "recursive_ref_to_file",
+            "GenerateUnary",
+            _schema(
+                {
+                    "$schema": "https://json-schema.org/draft/2019-09/schema",
+                    "$recursiveRef": bait.file_uri,
+                }
+            ),
+            INVALID,
+            "INVALID_GRAMMAR",
+        ),
         AbuseCase(
             "recursive_ref_to_http",
             "GenerateUnary",
@@ -123,6 +149,22 @@ def cases(bait: Bait) -> list[AbuseCase]:
             pb.CompileGrammarRequest(
                 constraint=pb.Constraint(json_schema=json.dumps({"$schema": bait.http_url}))
             ).SerializeToString(),
+            grpc.StatusCode.OK,
+        ),
+        AbuseCase(
+            "schema_dialect_at_file",
+            "CompileGrammar",
+            pb.CompileGrammarRequest(
+                constraint=pb.Constraint(
+                    json_schema=json.dumps({"$schema": bait.file_uri, "type": "integer"})
+                )
+            ).SerializeToString(),
+            grpc.StatusCode.OK,
+        ),
+        AbuseCase(
+            "schema_dialect_at_http_generate",
+            "GenerateUnary",
+            _schema({"$schema": bait.http_url, "type": "string", "maxLength": 3}, weaken=True),
             grpc.StatusCode.OK,
         ),
         AbuseCase(
@@ -155,6 +197,18 @@ def cases(bait: Bait) -> list[AbuseCase]:
         AbuseCase("schema_300_deep", "GenerateUnary", _schema(deep), INVALID, "INVALID_GRAMMAR"),
         AbuseCase(
             "json_text_4000_deep", "GenerateUnary", _schema("[" * 4000), INVALID, "INVALID_GRAMMAR"
+        ),
+        AbuseCase(  # 100k-deep JSON text: refused by its size before any parsing
+            "json_text_100k_deep",
+            "GenerateUnary",
+            _schema("[" * 100_000),
+            INVALID,
+        ),
+        AbuseCase(
+            "lark_over_byte_limit",
+            "GenerateUnary",
+            _generate(pb.Constraint(lark='start: "' + "a" * 5000 + '"')),
+            INVALID,
         ),
         AbuseCase("ref_to_root", "GenerateUnary", _schema({"$ref": "#"}), INVALID),
         AbuseCase(
