@@ -202,54 +202,64 @@ def processed_probs(logits: torch.Tensor, params: Sequence[RowParams]) -> torch.
 def keep_mask(
     scaled: torch.Tensor, params: Sequence[RowParams], slack: float = 0.0
 ) -> torch.Tensor:
-    """bool ``[B, V]``: the tokens top-k, top-p and min-p keep (in that order, each on what the
-    previous kept) from ``scaled`` (fp32 ``[B, V]``, grammar-masked logits / temperature).
+    """bool ``[B, V]``: the tokens top-k, top-p and min-p keep (``_keep_sorted``) from ``scaled``
+    (fp32 ``[B, V]``, grammar-masked logits / temperature)."""
+    if not any(_filtered(p) for p in params):
+        return scaled > float("-inf")
+    values, order = scaled.sort(dim=-1, descending=True)
+    return torch.zeros_like(values, dtype=torch.bool).scatter_(
+        1, order, _keep_sorted(values, params, [slack])[0]
+    )
 
-    ``slack`` widens (> 0) or narrows (< 0) every threshold: top-k's by ``slack`` in ``scaled``
-    units, top-p's by ``slack`` of probability mass, min-p's by the factor ``1 - slack``. A filter
-    a row does not use keeps everything whatever the slack. Widening keeps a superset (more tail
-    lowers every token's mass before it), narrowing a subset.
+
+def _filtered(p: RowParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _keep_sorted(
+    values: torch.Tensor, params: Sequence[RowParams], slacks: Sequence[float]
+) -> list[torch.Tensor]:
+    """bool ``[B, V]`` per slack, over ``values`` (each row sorted descending): what top-k (keep
+    values >= the k-th largest, ties stay), then top-p (the smallest prefix whose mass reaches p;
+    the first token always stays), then min-p (``p >= min_p * max p``) keep, each on what the
+    previous kept.
+
+    A slack widens (> 0) or narrows (< 0) every threshold: top-k's by it in ``values`` units,
+    top-p's by it in probability mass, min-p's by the factor ``1 - slack``; a filter a row does
+    not use keeps everything. Widening keeps a superset (more tail lowers every token's mass
+    before it), narrowing a subset. Without top-k one softmax serves every slack's top-p.
     """
-    keep = scaled > float("-inf")
-    if any(p.top_k > 0 for p in params):
-        keep &= _top_k_keep(scaled, [p.top_k for p in params], slack)
+    device, inf = values.device, float("inf")
+    vocab = values.shape[-1]
+    finite = values > -inf
+    keeps = [finite.clone() for _ in slacks]
+    if any(0 < p.top_k < vocab for p in params):
+        index = torch.tensor([[min(max(p.top_k, 1), vocab) - 1] for p in params], device=device)
+        off = torch.tensor([[not 0 < p.top_k < vocab] for p in params], device=device)
+        threshold = values.gather(1, index).masked_fill(off, -inf)
+        for keep, slack in zip(keeps, slacks):
+            keep &= values >= threshold - slack
     if any(p.top_p < 1.0 for p in params):
-        keep &= _top_p_keep(scaled.masked_fill(~keep, float("-inf")), params, slack)
+        basis, mass_before = None, finite
+        for keep, slack in zip(keeps, slacks):
+            if basis is None or not torch.equal(keep, basis):
+                basis = keep.clone()
+                probs = values.masked_fill(~keep, -inf).softmax(dim=-1)
+                mass_before = probs.cumsum(dim=-1) - probs
+            tops = [[p.top_p + slack if p.top_p < 1.0 else inf] for p in params]
+            within = mass_before < torch.tensor(tops, dtype=torch.float32, device=device)
+            within[:, 0] = True
+            keep &= within
     if any(p.min_p > 0.0 for p in params):
-        probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=scaled.device)
-        threshold = probs.amax(dim=-1, keepdim=True) * (min_p * (1.0 - slack)).unsqueeze(1)
-        keep &= probs >= threshold
-    return keep
+        for keep, slack in zip(keeps, slacks):
+            probs = values.masked_fill(~keep, -inf).softmax(dim=-1)
+            min_p = torch.tensor([[max(p.min_p * (1.0 - slack), 0.0)] for p in params])
+            keep &= probs >= probs[:, :1] * min_p.to(device)
+    return keeps
 
 
 def _temperatures(params: Sequence[RowParams], device: torch.device) -> torch.Tensor:
     return torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-
-
-def _top_k_keep(scaled: torch.Tensor, ks: list[int], slack: float) -> torch.Tensor:
-    """Keep scaled >= the k-th largest (ties at the threshold stay); rows with k off keep all."""
-    vocab = scaled.shape[-1]
-    k_eff = [k if 0 < k < vocab else vocab for k in ks]
-    top = scaled.topk(max(k_eff), dim=-1).values  # [B, kmax], descending
-    index = torch.tensor([k - 1 for k in k_eff], device=scaled.device).unsqueeze(1)
-    threshold = top.gather(1, index)
-    off = torch.tensor([not 0 < k < vocab for k in ks], device=scaled.device).unsqueeze(1)
-    threshold = threshold.masked_fill(off, float("-inf"))
-    return scaled >= threshold - slack
-
-
-def _top_p_keep(scaled: torch.Tensor, params: Sequence[RowParams], slack: float) -> torch.Tensor:
-    """Keep the smallest prefix of the sorted distribution whose mass reaches p (the most likely
-    token always stays); rows with p = 1 keep all."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    ps = [p.top_p + slack if p.top_p < 1.0 else float("inf") for p in params]
-    p = torch.tensor(ps, dtype=torch.float32, device=scaled.device).unsqueeze(1)
-    drop_sorted = mass_before >= p
-    drop_sorted[:, 0] = False
-    return ~torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
 
 
 def draw(
@@ -260,7 +270,7 @@ def draw(
     the row's generator (V draws per row and step, independent of the logits): the exponential
     race ``argmax(p / q)`` without normalizing ``p``.
 
-    With ``margin > 0``, also the rows whose winner a perturbation of ``scaled`` below
+    With ``margin > 0``, also the rows whose winner a perturbation of ``logits / T`` below
     ``margin / 2`` could change -> their noise ``-log q`` (fp32 ``[V]``): the winner leads every
     other token the widened filters keep by less than ``margin``, or the narrowed filters drop it.
     """
@@ -269,20 +279,60 @@ def draw(
     for i, p in enumerate(params):
         noise[i].exponential_(generator=p.generator)
     noise.log_().neg_()
-    race = scaled + noise
-    scores = race.masked_fill(~keep_mask(scaled, params), float("-inf"))
-    winners = scores.argmax(dim=-1, keepdim=True)
+    chosen = [0] * len(params)
+    unsure: list[int] = []
+    plain = [i for i, p in enumerate(params) if not _filtered(p)]
+    filtered = [i for i, p in enumerate(params) if _filtered(p)]
+    for rows, race in ((plain, _race_plain), (filtered, _race_filtered)):
+        if not rows:
+            continue
+        sub = [params[i] for i in rows]
+        if len(rows) == len(params):
+            won, flagged = race(scaled, noise, sub, margin)
+        else:
+            index = torch.tensor(rows, device=scaled.device)
+            pair = scaled.index_select(0, index), noise.index_select(0, index)
+            won, flagged = race(*pair, sub, margin)
+        for row, token in zip(rows, won):
+            chosen[row] = token
+        unsure += [rows[j] for j in flagged]
+    return chosen, {row: noise[row].clone() for row in unsure}
+
+
+def _race_plain(
+    scaled: torch.Tensor, noise: torch.Tensor, params: Sequence[RowParams], margin: float
+) -> tuple[list[int], list[int]]:
+    """Rows without filters: every allowed token races (masked ones are ``-inf``)."""
+    top = (scaled + noise).topk(min(2, scaled.shape[-1]), dim=-1)
     # host sync: sampled ids go back to python once per step
-    chosen: list[int] = winners.squeeze(1).tolist()
+    chosen: list[int] = top.indices[:, 0].tolist()
+    if margin <= 0.0 or top.values.shape[-1] < 2:
+        return chosen, []
+    gaps = top.values[:, 0] - top.values[:, 1]
+    return chosen, (gaps < margin).nonzero().flatten().tolist()
+
+
+def _race_filtered(
+    scaled: torch.Tensor, noise: torch.Tensor, params: Sequence[RowParams], margin: float
+) -> tuple[list[int], list[int]]:
+    """Rows with top-k, top-p or min-p, raced in sorted order (one sort serves the filters at
+    all three slacks)."""
+    inf = float("inf")
+    values, order = scaled.sort(dim=-1, descending=True)
+    race = values + noise.gather(1, order)
+    slacks = [0.0, margin, -margin] if margin > 0.0 else [0.0]
+    keeps = _keep_sorted(values, params, slacks)
+    scores = race.masked_fill(~keeps[0], -inf)
+    winners = scores.argmax(dim=-1, keepdim=True)  # positions in sorted order
+    # host sync: sampled ids go back to python once per step
+    chosen: list[int] = order.gather(1, winners).squeeze(1).tolist()
     if margin <= 0.0:
-        return chosen, {}
-    lead = scores.gather(1, winners)
-    others = race.masked_fill(~keep_mask(scaled, params, margin), float("-inf"))
-    others.scatter_(1, winners, float("-inf"))
-    unsure = (others.amax(dim=-1, keepdim=True) > lead - margin).squeeze(1)
-    unsure |= ~keep_mask(scaled, params, -margin).gather(1, winners).squeeze(1)
-    rows = unsure.nonzero().flatten().tolist()
-    return chosen, {row: noise[row].clone() for row in rows}
+        return chosen, []
+    others = race.masked_fill(~keeps[1], -inf)
+    others.scatter_(1, winners, -inf)
+    unsure = (others.amax(dim=-1, keepdim=True) > scores.gather(1, winners) - margin).squeeze(1)
+    unsure |= ~keeps[2].gather(1, winners).squeeze(1)
+    return chosen, unsure.nonzero().flatten().tolist()
 
 
 def _kernel_draw(logits: torch.Tensor, params: Sequence[RowParams]) -> list[int]:

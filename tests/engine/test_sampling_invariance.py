@@ -16,7 +16,7 @@ from engine_fixtures import make_engine, run_all, tokens_of
 
 from espalier.engine.api import GenerationRequest, SamplingParams
 from espalier.engine.engine import Engine, EngineConfig
-from espalier.engine.sampler import RowParams, Sampler, make_generator
+from espalier.engine.sampler import RowParams, Sampler, _keep_sorted, make_generator
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 V = 64
@@ -132,3 +132,31 @@ def test_top_p_boundary_contender_is_uncertain() -> None:
     params = RowParams(temperature=1.0, top_p=0.9 + 5e-4, generator=make_generator(seed))
     out = Sampler()(logits.unsqueeze(0).clone(), [params])
     assert out.token_ids[0] == 2 and 0 in out.uncertain
+
+
+def test_widened_and_narrowed_filters_bracket_the_nominal_ones() -> None:
+    """For random rows and filter settings: the keep masks at slacks (0, +m, -m) computed
+    together equal each computed alone, and widened ⊇ nominal ⊇ narrowed."""
+    rng = torch.Generator().manual_seed(11)
+    for trial in range(30):
+        batch = 1 + trial % 4
+        logits = torch.randn(batch, V, generator=rng) * 2
+        logits[:, :3] = float("-inf")  # grammar-masked ids
+        params = [
+            RowParams(
+                temperature=0.8,
+                top_k=int(torch.randint(0, 12, (1,), generator=rng)) * (trial % 2),
+                top_p=[1.0, 0.9, 0.5][(trial + i) % 3],
+                min_p=[0.0, 0.05][(trial // 2 + i) % 2],
+            )
+            for i in range(batch)
+        ]
+        values = (logits / 0.8).sort(dim=-1, descending=True).values
+        margin = 0.05
+        together = _keep_sorted(values, params, [0.0, margin, -margin])
+        alone = [_keep_sorted(values, params, [s])[0] for s in (0.0, margin, -margin)]
+        for a, b in zip(together, alone):
+            assert torch.equal(a, b)
+        nominal, widened, narrowed = together
+        assert bool((nominal <= widened).all()) and bool((narrowed <= nominal).all())
+        assert bool(nominal[:, 0].all())  # the most likely token always stays
