@@ -47,6 +47,10 @@ if TYPE_CHECKING:
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
 
+CANONICAL_CHUNK = 512
+"""Tokens per forward of a canonical redraw: fixed, so its logits depend on the tokens only."""
+
+
 @dataclass
 class SeqOutcome:
     """Tokens a step produced for one sequence (1 for plain decoding), logprobs aligned or [].
@@ -194,7 +198,8 @@ class PlainDecoding:
             faults.update({sampling[row]: exc for row, exc in bad.items()})
         for row, noise in sampled.uncertain.items():
             seq = plan.seqs[sampling[row]]
-            token = self._canonical_redraw(seq, params[row], noise, rows[row], row in masked_rows)
+            constrained = seq.request.matcher is not None  # sparse-head rows too: mask them
+            token = self._canonical_redraw(seq, params[row], noise, rows[row], constrained)
             if token is not None:
                 sampled.token_ids[row] = token
         for row, i in enumerate(sampling):
@@ -213,9 +218,9 @@ class PlainDecoding:
         masked: bool,
     ) -> int | None:
         """The draw of ``seq``'s uncertain row from canonical logits: its known tokens (through
-        this step's) forwarded alone from position 0 into scratch blocks, freed after (reused
-        first, before any cached block is evicted). None when the pool has not the blocks (the
-        batch draw stands)."""
+        this step's) forwarded alone from position 0, in chunks of ``CANONICAL_CHUNK``, into
+        scratch blocks, freed after (reused first, before any cached block is evicted). None
+        when the pool has not the blocks (the batch draw stands)."""
         from espalier.engine.kv_cache import blocks_needed
         from espalier.engine.model.runner import SeqInput
 
@@ -227,8 +232,15 @@ class PlainDecoding:
             return None
         blocks = self.scratch.allocate(need)
         try:
-            tokens = seq.request.token_slice(0, num_tokens)
-            out = self.runner.forward([SeqInput(block_table=blocks, token_ids=tokens)])
+            for start in range(0, num_tokens, CANONICAL_CHUNK):
+                stop = min(start + CANONICAL_CHUNK, num_tokens)
+                chunk = SeqInput(
+                    block_table=blocks,
+                    token_ids=seq.request.token_slice(start, stop),
+                    context_len=start,
+                    logits="last" if stop == num_tokens else "none",
+                )
+                out = self.runner.forward([chunk])
         finally:
             self.scratch.free_first(blocks)
         logits = out.logits[:1].float()

@@ -10,11 +10,13 @@ after a prefix-cache hit gives the same tokens, at T=0.8 with top-p and top-k.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
-from engine_fixtures import make_engine, run_all, tokens_of
+from engine_fixtures import make_engine, run_all, text_of, tokens_of
 
-from espalier.engine.api import GenerationRequest, SamplingParams
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.sampler import RowParams, Sampler, _keep_sorted, make_generator
 
@@ -80,6 +82,31 @@ def test_canonical_redraws_give_the_certified_draws() -> None:
     assert always.strategy.num_canonical_redraws >= 3 * 16  # type: ignore[attr-defined]
     assert batched == alone == cached
     assert alone == _three_ways(_engine(), 0.9)[0]
+
+
+def test_canonical_redraws_keep_constrained_rows_in_their_grammar() -> None:
+    """Constrained rows are redrawn from masked canonical logits, sparse-head rows (few allowed
+    tokens: their batch logits never had a mask applied) included."""
+    always = _engine(margin=math.inf)
+    specs = {
+        "choice": (GrammarSpec.choice(["alpha", "beta", "gamma"]), "alpha|beta|gamma"),
+        "regex": (GrammarSpec.regex("[a-z]{3,10}"), "[a-z]{3,10}"),
+    }
+    requests = [
+        GenerationRequest(
+            name,
+            prompt=PROMPT,
+            sampling=SamplingParams(max_tokens=12, temperature=0.8, seed=5 + i),
+            grammar=spec,
+            constraint=ConstraintOptions(backend="llguidance"),
+        )
+        for i, (name, (spec, _)) in enumerate(specs.items())
+    ]
+    chunks = run_all(always, requests)
+    for name, (_, pattern) in specs.items():
+        assert chunks[name][-1].finish_reason is not FinishReason.ERROR, chunks[name][-1]
+        assert re.fullmatch(pattern, text_of(chunks[name])), text_of(chunks[name])
+    assert always.strategy.num_canonical_redraws >= 2  # type: ignore[attr-defined]
 
 
 def test_near_tie_is_uncertain_and_redrawn_canonically() -> None:
