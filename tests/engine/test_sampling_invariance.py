@@ -19,6 +19,7 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.sampler import RowParams, Sampler, _keep_sorted, make_generator
+from espalier.engine.spec.strategy import SpecConfig, install
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 V = 64
@@ -187,3 +188,13 @@ def test_widened_and_narrowed_filters_bracket_the_nominal_ones() -> None:
         nominal, widened, narrowed = together
         assert bool((nominal <= widened).all()) and bool((narrowed <= nominal).all())
         assert bool(nominal[:, 0].all())  # the most likely token always stays
+
+
+def test_requests_that_do_not_speculate_sample_as_on_a_plain_engine() -> None:
+    """With speculation loaded but not asked for, steps run on the plain strategy: the same
+    certified draws as an engine without speculation, alone and batched."""
+    plain_alone, plain_batched, _ = _three_ways(_engine(), 0.9)
+    spec = install(make_engine(), SpecConfig(enabled=False, methods=("forced",)), {})
+    spec_alone, spec_batched, spec_cached = _three_ways(spec, 0.9)
+    assert spec_alone == plain_alone and spec_batched == plain_batched == plain_alone
+    assert spec_cached == plain_alone
