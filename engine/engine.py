@@ -42,7 +42,7 @@ from espalier.engine.constraints import GrammarService
 from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.kv_cache import BlockAllocator
 from espalier.engine.request import Request, RequestStatus
-from espalier.engine.sampler import make_generator
+from espalier.engine.sampler import DEFAULT_MARGIN, Sampler, make_generator
 from espalier.engine.scheduler import Scheduler, SchedulerConfig
 from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy, closing_logprob
 
@@ -64,7 +64,9 @@ class EngineConfig:
         postvalidate: check each finished constrained output against the full constraint.
         close_within_budget: near max_tokens, close a constrained output along a short path that
         completes its grammar rather than cut it (``engine/closing/``); ignore_eos requests
-        are never closed."""
+        are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
+        sampled draws closer than this to a tie are redrawn from canonical logits
+        (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -73,6 +75,7 @@ class EngineConfig:
     sparse_head: bool = True
     postvalidate: bool = True
     close_within_budget: bool = True
+    sampling_margin: float = DEFAULT_MARGIN
 
 
 class Engine:
@@ -100,6 +103,8 @@ class Engine:
             max_rows=sched_cfg.max_num_seqs,
             overlap=config.overlap_masks,
             sparse_head=config.sparse_head and runner.full_head,  # a TP rank holds a slice
+            sampler=Sampler(margin=config.sampling_margin),
+            scratch=self.pool,
         )
         limit = runner.model_config.max_position_embeddings
         if config.max_model_len is not None:

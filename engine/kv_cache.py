@@ -101,6 +101,17 @@ class BlockAllocator:
             if refs == 1:
                 self._free[b] = None
 
+    def free_first(self, blocks: Sequence[int]) -> None:
+        """Free blocks whose K/V nobody will look up (never registered, e.g. scratch): they go
+        to the head of the LRU order, so the next ``allocate`` reuses them before evicting a
+        cached block."""
+        for b in blocks:
+            if self._refs[b] != 1 or b in self._hash_of:
+                raise ValueError(f"free_first of shared or cached block {b}")
+        for b in blocks:
+            self._refs[b] = 0
+        self._free = dict.fromkeys([*blocks, *self._free])
+
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 

@@ -107,7 +107,7 @@ class Request:
     # output
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: FinishReason | None = None
-    closed_by_budget: bool = False  # the closing policy ended the output (engine/closing.py)
+    closed_by_budget: bool = False  # the closing policy ended the output (engine/closing/)
     error: str | None = None
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)

@@ -11,6 +11,12 @@ the tokens accepted so far, so the whole batch's rows are filled by one grammar 
 (``constrained.batch``) on a worker thread while the forward runs (``overlap=True``), and applied
 to the logits when both are done.
 
+A sampled draw the sampler cannot certify against last-bit logit differences (``engine/sampler.py``,
+step 5: ~1 in 1,000) is redrawn, with the same noise, from canonical logits: the sequence's known
+tokens run alone from position 0 in scratch cache blocks, a forward that depends on those tokens
+only. So a seeded request's tokens do not depend on which requests share its steps or on prefix
+cache hits (while the scratch blocks can be had; a full cache keeps the batch draw).
+
 Faults are per request: a request whose grammar raises while its row is filled (its row then
 allows every token), or whose row alone makes the sampler raise, is reported in
 :attr:`StepResult.faults` (the engine ends it); the rest go on.
@@ -32,12 +38,17 @@ from espalier.constrained.batch import BatchFiller
 from espalier.engine.api import TokenLogprob
 from espalier.engine.head_screen import HeadScreen
 from espalier.engine.logits import compute_step_logits
-from espalier.engine.sampler import RowParams, Sampler, SamplerOutput
+from espalier.engine.sampler import RowParams, Sampler, SamplerOutput, apply_token_bitmask
 
 if TYPE_CHECKING:
+    from espalier.engine.kv_cache import BlockAllocator
     from espalier.engine.model.runner import LogitsSelect, ModelRunner
     from espalier.engine.request import Request
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
+
+
+CANONICAL_CHUNK = 512
+"""Tokens per forward of a canonical redraw: fixed, so its logits depend on the tokens only."""
 
 
 @dataclass
@@ -86,6 +97,8 @@ class PlainDecoding:
 
     mask_vocab_size: vocabulary the bitmask rows cover (the tokenizer's model vocab V).
     max_rows: most sequences one step samples from (the scheduler's ``max_num_seqs``).
+    scratch: the KV block pool that canonical redraws borrow blocks from (the engine's); None =
+    no redraws (uncertain draws keep their batch token).
     sparse_head: compute only the allowed rows of the LM head for constrained sequences whose
     mask is sparse (``engine/logits.py``); exact, and most of a small model's decode time. On
     CPU it also screens the head in fp16 for greedy rows (``engine/head_screen.py``; exact).
@@ -100,9 +113,12 @@ class PlainDecoding:
         overlap: bool = True,
         sparse_head: bool = True,
         sampler: Sampler | None = None,
+        scratch: BlockAllocator | None = None,
     ) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self.scratch = scratch
+        self.num_canonical_redraws = 0
         self.mask_vocab_size = mask_vocab_size
         on_cuda = runner.device.type == "cuda"
         # On CUDA the full LM head is one GEMM (0.5 ms for 262,144 x 4096 bf16 on an H200); the
@@ -180,12 +196,58 @@ class PlainDecoding:
         except Exception:  # one row's parameters or generator: find it, row by row
             sampled, bad = self._sample_alone(logits, params, rows, masked_rows)
             faults.update({sampling[row]: exc for row, exc in bad.items()})
+        for row, noise in sampled.uncertain.items():
+            seq = plan.seqs[sampling[row]]
+            constrained = seq.request.matcher is not None  # sparse-head rows too: mask them
+            token = self._canonical_redraw(seq, params[row], noise, rows[row], constrained)
+            if token is not None:
+                sampled.token_ids[row] = token
         for row, i in enumerate(sampling):
             if i in faults:
                 continue
             lp = sampled.logprobs[row]
             outcomes[i] = SeqOutcome([sampled.token_ids[row]], [lp] if lp is not None else [])
         return StepResult(outcomes, forward_s, mask_s, faults)
+
+    def _canonical_redraw(
+        self,
+        seq: ScheduledSeq,
+        params: RowParams,
+        noise: torch.Tensor,
+        bitmask_row: torch.Tensor,
+        masked: bool,
+    ) -> int | None:
+        """The draw of ``seq``'s uncertain row from canonical logits: its known tokens (through
+        this step's) forwarded alone from position 0, in chunks of ``CANONICAL_CHUNK``, into
+        scratch blocks, freed after (reused first, before any cached block is evicted). None
+        when the pool has not the blocks (the batch draw stands)."""
+        from espalier.engine.kv_cache import blocks_needed
+        from espalier.engine.model.runner import SeqInput
+
+        if self.scratch is None:
+            return None
+        num_tokens = seq.context_len + seq.num_new_tokens
+        need = blocks_needed(num_tokens, self.runner.block_size)
+        if need > self.scratch.num_free_blocks:
+            return None
+        blocks = self.scratch.allocate(need)
+        try:
+            for start in range(0, num_tokens, CANONICAL_CHUNK):
+                stop = min(start + CANONICAL_CHUNK, num_tokens)
+                chunk = SeqInput(
+                    block_table=blocks,
+                    token_ids=seq.request.token_slice(start, stop),
+                    context_len=start,
+                    logits="last" if stop == num_tokens else "none",
+                )
+                out = self.runner.forward([chunk])
+        finally:
+            self.scratch.free_first(blocks)
+        logits = out.logits[:1].float()
+        if masked:
+            apply_token_bitmask(logits, bitmask_row.unsqueeze(0), [0])
+        self.num_canonical_redraws += 1
+        return self.sampler.redraw(logits[0], params, noise)
 
     def _sample_alone(
         self,
@@ -201,6 +263,7 @@ class PlainDecoding:
         tokens: list[int] = [0] * len(params)
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         bad: dict[int, BaseException] = {}
+        uncertain: dict[int, torch.Tensor] = {}
         for row, p in enumerate(params):
             try:
                 one = self.sampler(
@@ -213,7 +276,9 @@ class PlainDecoding:
                 bad[row] = exc
                 continue
             tokens[row], logprobs[row] = one.token_ids[0], one.logprobs[0]
-        return SamplerOutput(tokens, logprobs), bad
+            if 0 in one.uncertain:
+                uncertain[row] = one.uncertain[0]
+        return SamplerOutput(tokens, logprobs, uncertain), bad
 
     def _fill_masks(
         self, requests: Sequence[Request], rows: Sequence[int]

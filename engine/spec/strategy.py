@@ -34,7 +34,7 @@ from espalier.engine.spec.decoder import SeqOutcome as DecoderOutcome
 from espalier.engine.spec.forced import ForcedConfig
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.tree_builder import Draft
-from espalier.engine.step import SeqOutcome, StepResult
+from espalier.engine.step import SeqOutcome, StepResult, StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,13 @@ ACCEPT_SMOOTHING = 0.5
 
 
 class SpeculativeDecoding:
-    """A ``StepStrategy``: speculative steps for the requests that ask, plain for the rest."""
+    """A ``StepStrategy``: speculative steps for the requests that ask, plain for the rest.
+
+    A step none of whose requests may speculate (``settings`` gives them no method) runs on
+    ``plain`` when given: the plain sampler's certified draws (``engine/step.py``), not the tree
+    sampler's one uniform per step, whose inverse CDF over a large vocabulary moves to an adjacent
+    id when the batch changes the logits' last bits. Such requests keep no decoder state.
+    """
 
     def __init__(
         self,
@@ -95,9 +101,12 @@ class SpeculativeDecoding:
         mask_vocab_size: int,
         closer: BudgetCloser | None = None,
         max_model_len: int = 0,
+        plain: StepStrategy | None = None,
     ) -> None:
         """closer, max_model_len: the engine's budget closer, whose decisions for the draft
-        trees are made ahead on the mask threads (``engine/closing/ahead.py``); None: none."""
+        trees are made ahead on the mask threads (``engine/closing/ahead.py``); None: none.
+        plain: the strategy for steps where no request may speculate (None: this one)."""
+        self.plain = plain
         self.closer = closer
         self.max_model_len = max_model_len
         self.runner = runner
@@ -141,6 +150,8 @@ class SpeculativeDecoding:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._release_finished()
+        if self.plain is not None and all(self.settings(s.request)[1] == 0 for s in plan.seqs):
+            return self.plain.execute(plan)
         sampling = [s for s in plan.seqs if s.samples]
         seqs = [self._spec_seq(s) for s in sampling]
         passthrough = [
@@ -295,11 +306,13 @@ class SpeculativeDecoding:
             self.decoder.release(request_id)
         self._live.clear()
         self.decoder.masks.close()
+        if self.plain is not None:
+            self.plain.close()
 
 
 def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter]) -> Engine:
-    """Make ``engine`` decode speculatively (replaces its plain strategy; returns it)."""
-    engine.strategy.close()
+    """Make ``engine`` decode speculatively (its plain strategy runs the steps where no request
+    may speculate; returns it)."""
     strategy = SpeculativeDecoding(
         engine.runner,
         engine.pool,
@@ -308,6 +321,7 @@ def install(engine: Engine, config: SpecConfig, drafters: Mapping[str, Drafter])
         mask_vocab_size=engine.tokenizer.vocab_size,
         closer=engine.closer if config.close_ahead else None,
         max_model_len=engine.max_model_len,
+        plain=engine.strategy,
     )
     engine.strategy = strategy
     engine.scheduler.decode_lookahead = strategy.lookahead

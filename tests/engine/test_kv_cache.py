@@ -58,6 +58,23 @@ def test_double_free_and_fork_of_free_block_raise() -> None:
     assert allocator.num_free_blocks == 2
 
 
+def test_free_first_blocks_are_reused_before_cached_ones_are_evicted() -> None:
+    pool = BlockAllocator(4)
+    cached = pool.allocate(2)
+    assert pool.register(cached[0], b"k0") and pool.register(cached[1], b"k1")
+    pool.free(cached[::-1])  # free and findable: the LRU order is now [2, 3, 1, 0]
+    scratch = pool.allocate(2)
+    assert scratch == [2, 3]
+    pool.free_first(scratch)
+    assert pool.allocate(2) == [2, 3]  # the scratch blocks again, not an eviction
+    assert pool.num_evictions == 0 and pool.lookup([b"k0", b"k1"]) == cached
+    with pytest.raises(ValueError):
+        pool.free_first(pool.acquire([cached[0]]))  # cached: its K/V is worth keeping
+    shared = pool.fork([2])
+    with pytest.raises(ValueError):
+        pool.free_first(shared)
+
+
 def test_random_workload_never_leaks() -> None:
     """Random allocate / fork / free / grow against a reference count model."""
     rng = random.Random(0)
