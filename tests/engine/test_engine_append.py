@@ -84,7 +84,7 @@ def test_a_run_appends_as_one_by_one_does(backend: str) -> None:
     cases = [
         ([text[:6]], 200),  # all valid, the request goes on
         ([[*text, stop]], 200),  # valid, then the stop token: STOP
-        ([[*text, stop]], 5),  # the budget ends inside, where the grammar cannot end: LENGTH_UNCLOSED
+        ([[*text, stop]], 5),  # the budget ends where the grammar cannot: LENGTH_UNCLOSED
         ([[*text[:3], bad, *text[3:6]]], 200),  # a rejected token inside the run: ERROR
         ([[*text, *text[:2]]], 200),  # the grammar is complete, then more text: rejected
         # inside the closing window: steps of 5 tokens, checks due now and then, a closing
