@@ -85,13 +85,16 @@ class ClosingPaths:
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
 
-        Gives up (None) when it has chosen the same token :data:`REPEAT_LIMIT` times in a row
-        (a closer excepted): the greedy choice is going round in a loop (``0`` after ``0`` in a
-        string whose format needs an ``@`` first) that would only end at ``limit``."""
+        Where it has chosen the same token :data:`REPEAT_LIMIT` - 1 times in a row (a closer
+        excepted), the greedy choice may be going round in a loop that would only end at
+        ``limit``: it takes the first other token the grammar accepts instead, once (a
+        date-time's fraction of a second, ``.000…``, is left by ``+``); a second such run gives
+        up (None: ``0`` after ``0`` in a string whose format needs an ``@`` first)."""
         if limit < 0:
             return None
         path: list[int] = []
         repeats = 0
+        escaped = False
         while not probe.can_terminate():
             if len(path) >= limit:
                 return None
@@ -101,12 +104,15 @@ class ClosingPaths:
                 path.extend(forced[:taken])
                 repeats = 0
                 continue
-            chosen = self._first_accepted(probe)
+            avoid = None
+            if repeats >= REPEAT_LIMIT - 1 and path[-1] not in self.closers:
+                if escaped:
+                    return None
+                avoid, escaped = path[-1], True
+            chosen = self._first_accepted(probe, avoid)
             if chosen is None:
                 return None
             repeats = repeats + 1 if path and path[-1] == chosen else 1
-            if repeats >= REPEAT_LIMIT and chosen not in self.closers:
-                return None
             path.append(chosen)
         return path
 
@@ -127,15 +133,17 @@ class ClosingPaths:
             probe.rollback(accepted)
         return None
 
-    def _first_accepted(self, probe: GrammarMatcher) -> int | None:
+    def _first_accepted(self, probe: GrammarMatcher, avoid: int | None = None) -> int | None:
         for token in self.candidates:
-            if probe.accept(token):
+            if token != avoid and probe.accept(token):
                 return token
         row = self._row()
         probe.fill_bitmask(row, 0)
         # whitespace last: it makes no progress (a grammar with bounded whitespace allows a few
         # such tokens, each one a token of the budget spent for nothing)
-        allowed = [t for t in _lowest_allowed(row[0].numpy(), 64) if t not in self.stops]
+        allowed = [
+            t for t in _lowest_allowed(row[0].numpy(), 64) if t not in self.stops and t != avoid
+        ]
         blank = self.blank
         for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
             if probe.accept(token):
