@@ -1,4 +1,4 @@
-"""The closing policy closes deep nests of the same object (``engine/closing.py``).
+"""The closing policy closes deep nests of the same object (``engine/closing/``).
 
 A model that loops on ``{"task": {"task": ...`` in a recursive schema opens one object per few
 tokens; closing it takes one ``}`` per level. Two things used to cut such outputs at max_tokens:

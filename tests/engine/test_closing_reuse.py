@@ -1,4 +1,4 @@
-"""The budget closer's reuse of known closing paths (``engine/closing.py``) stays sound.
+"""The budget closer's reuse of known closing paths (``engine/closing/``) stays sound.
 
 Along random grammar-valid token sequences (budget 30, inside the closing window): every time
 :meth:`BudgetCloser.instead` lets a token through, the path it keeps for the next check is

@@ -1,4 +1,4 @@
-"""Closing within the budget (``engine/closing.py``): constrained outputs finish valid.
+"""Closing within the budget (``engine/closing/``): constrained outputs finish valid.
 
 A tiny random-weight model rarely finishes a JSON array of strings within a few tokens, so
 without the policy most outputs are cut by max_tokens; with it, every output ends with a stop

@@ -86,7 +86,7 @@ def _break_after(engine: Engine, request_id: str, method: str, calls: int) -> Ca
         poll(outputs)
         request = engine._requests.get(request_id)
         matcher = None if request is None else request.matcher
-        # the library's matcher itself: a key-tracking wrapper (unique_keys.py) has its inner
+        # the library's matcher itself: a key-tracking wrapper (constrained/keys/) has its inner
         # matcher filled in the batch call, and calls into it for accept and fork
         matcher = getattr(matcher, "inner", matcher)
         if matcher is None or getattr(matcher, "_armed", False):

@@ -5,7 +5,7 @@ post-validate. Greedy Gemma 270M loops on several of them: it writes ``1000000..
 unbounded integer (Github_trivial/o10021), repeats array items (``"name1", "name2", ...``) or a
 sentence inside a string. Two policies make every output finish valid: bounded JSON numbers in
 the grammar (``constrained/schema/number_bounds.py``) and closing within max_tokens
-(``engine/closing.py``). CI runs ``test_outputs_are_valid_or_honestly_reported`` on 3 of the
+(``engine/closing/``). CI runs ``test_outputs_are_valid_or_honestly_reported`` on 3 of the
 schemas: outputs that finish are valid, and an output cut by max_tokens is reported invalid by
 post-validation, never as valid.
 """
