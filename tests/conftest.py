@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fixtures import tokenizers as fixtures_tokenizers
 from tests.fixtures.tokenizers import build_byte_level_hf, build_sentencepiece_hf
 
 # Without CUDA, Triton code runs in its CPU interpreter. ``triton.jit`` reads TRITON_INTERPRET when
@@ -30,10 +31,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def toy_tokenizer() -> Any:
-    from espalier.constrained.tokenizer import TokenizerInfo
-
-    hf = build_byte_level_hf()
-    return TokenizerInfo(hf, stop_token_ids=[hf.convert_tokens_to_ids("<eos>")], name="toy-bpe")
+    return fixtures_tokenizers.toy_tokenizer()
 
 
 @pytest.fixture(scope="session")
