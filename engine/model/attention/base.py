@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from espalier.engine.config import ModelConfig
+    from espalier.engine.config import ModelConfig, ModelOptions
     from espalier.engine.kv_cache import KVCache
     from espalier.engine.model.runner import SeqInput
 
@@ -127,10 +127,12 @@ def get_attention_backend(
     *,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    options: ModelOptions | None = None,
 ) -> AttentionBackend:
     """The backend called ``name`` ("sdpa", "flashinfer" or "auto"), imported lazily.
 
-    flashinfer needs ``device`` and ``dtype`` (its workspace lives on the device)."""
+    flashinfer needs ``device`` and ``dtype`` (its workspace lives on the device) and follows
+    ``options`` (which of its steps reach which kernel; None: the defaults)."""
     name = resolve_backend_name(name, model_config, device, dtype)
     if name == "sdpa":
         from espalier.engine.model.attention import sdpa  # noqa: F401  (registers itself)
@@ -139,7 +141,7 @@ def get_attention_backend(
 
         if device is None or dtype is None:
             raise ValueError("the flashinfer backend needs a CUDA device and a dtype")
-        return FlashinferBackend(model_config, device=device, dtype=dtype)
+        return FlashinferBackend(model_config, device=device, dtype=dtype, options=options)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     return _BACKENDS[name](model_config)

@@ -14,7 +14,7 @@ from torch import nn
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.layers import RMSNormBase, linear, rope_cos_sin
+from espalier.engine.model.models.layers import RMSNormBase, UsesOptions, linear, rope_cos_sin
 
 
 class DecoderStack(nn.Module):
@@ -29,7 +29,7 @@ class DecoderStack(nn.Module):
         self.norm = norm
 
 
-class CausalLM(nn.Module):
+class CausalLM(UsesOptions, nn.Module):
     """Base of every family: ``model.embed_tokens / layers / norm`` and ``lm_head`` (maybe tied).
 
     Subclasses build ``self.model`` (a ``DecoderStack``) and define
@@ -108,7 +108,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> fp32 ``[n, V]`` (final softcapping applied when configured)."""
-        logits = linear(hidden, self.head_weight())
+        logits = linear(hidden, self.head_weight(), None, self.options)
         if self.vocab_gather is not None:  # tensor parallel: every rank's vocabulary slice
             logits = self.vocab_gather(logits)
         logits = logits.float()
