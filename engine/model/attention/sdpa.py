@@ -21,7 +21,6 @@ from espalier.engine.model.attention.base import (
     AttentionMetadata,
     LayerSpec,
     int64_to_device,
-    register_backend,
 )
 
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -200,8 +199,3 @@ def _softcapped_attention(
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
-
-
-@register_backend("sdpa")
-def _make(model_config: ModelConfig) -> SdpaBackend:
-    return SdpaBackend(model_config)

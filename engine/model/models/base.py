@@ -6,7 +6,7 @@ paged cache on the way; ``compute_logits`` applies the LM head (+ softcapping) i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -14,7 +14,13 @@ from torch import nn
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.layers import RMSNormBase, UsesOptions, linear, rope_cos_sin
+from espalier.engine.model.models.layers import (
+    Linear,
+    RMSNormBase,
+    UsesOptions,
+    linear,
+    rope_cos_sin,
+)
 
 
 class DecoderStack(nn.Module):
@@ -32,8 +38,8 @@ class DecoderStack(nn.Module):
 class CausalLM(UsesOptions, nn.Module):
     """Base of every family: ``model.embed_tokens / layers / norm`` and ``lm_head`` (maybe tied).
 
-    Subclasses build ``self.model`` (a ``DecoderStack``) and define
-    ``embed(token_ids)``; each decoder layer is called as
+    Subclasses pass their decoder layers and final norm, and may redefine ``embed(token_ids)``
+    (default: the embedding lookup); each decoder layer is called as
     ``layer(x, delta, cos_sin, kv_cache, attention, meta) -> (x, delta)``: the residual stream
     is ``x + delta``, the add left to the next norm (``RMSNormBase.add_norm``: one kernel with
     the norm on CUDA); ``delta`` is None into layer 0.
@@ -46,9 +52,19 @@ class CausalLM(UsesOptions, nn.Module):
     """Tensor parallel: this rank's vocabulary-slice logits -> the full vocabulary
     (``parallel/layers.py``); None on one device."""
 
+    def __init__(self, config: ModelConfig, layers: Iterable[nn.Module], norm: RMSNormBase) -> None:
+        super().__init__()
+        self.config = config
+        embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model = DecoderStack(embed_tokens, nn.ModuleList(layers), norm)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[T]`` -> ``[T, hidden]`` in the model dtype."""
-        raise NotImplementedError
+        out: torch.Tensor = self.model.embed_tokens(token_ids)
+        return out
 
     def layer_cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

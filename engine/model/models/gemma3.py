@@ -9,8 +9,8 @@ from torch import nn
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.base import CausalLM, DecoderStack
-from espalier.engine.model.models.layers import GatedMLP, GemmaRMSNorm, Linear, PagedAttention
+from espalier.engine.model.models.base import CausalLM
+from espalier.engine.model.models.layers import GatedMLP, GemmaRMSNorm, PagedAttention
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -52,18 +52,8 @@ class Gemma3ForCausalLM(CausalLM):
     """Parameter names as in HF ``Gemma3ForCausalLM``."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size),
-            nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers)),
-            GemmaRMSNorm(config.hidden_size, config.rms_norm_eps),
-        )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        layers = (Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        super().__init__(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight

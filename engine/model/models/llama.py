@@ -8,8 +8,8 @@ from torch import nn
 from espalier.engine.config import ModelConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.base import CausalLM, DecoderStack
-from espalier.engine.model.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm
+from espalier.engine.model.models.base import CausalLM
+from espalier.engine.model.models.layers import GatedMLP, PagedAttention, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -48,22 +48,8 @@ class LlamaForCausalLM(CausalLM):
     """Parameter names as in HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3...``."""
 
     def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size),
-            nn.ModuleList(
-                LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias)
-                for i in range(config.num_layers)
-            ),
-            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        layers = (
+            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias)
+            for i in range(config.num_layers)
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.model.embed_tokens(token_ids)
-        return out
+        super().__init__(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
