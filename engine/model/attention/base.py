@@ -34,7 +34,6 @@ class LayerSpec:
     layer: int
     scale: float
     sliding_window: int | None = None
-    logit_softcap: float | None = None
 
 
 @dataclass

@@ -67,7 +67,7 @@ class GraphWrappers:
 
 def flashinfer_supports(model_config: ModelConfig, dtype: torch.dtype) -> bool:
     """Whether flashinfer imports and runs this model: half-precision K/V, a head dim it has
-    kernels for, and no attention-score softcapping (no supported model has one)."""
+    kernels for."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     if model_config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -313,8 +313,6 @@ class FlashinferBackend:
     ) -> torch.Tensor:
         """q: ``[T, H, D]`` (roped, bf16/fp16, CUDA; the step's K/V already in the cache) ->
         ``[T, H, D]``."""
-        if spec.logit_softcap is not None:
-            raise ValueError("the flashinfer backend plans no attention softcapping")
         wrapper = meta.backend_state[spec.sliding_window]
         out: torch.Tensor = wrapper.run(q, (kv_cache.k[spec.layer], kv_cache.v[spec.layer]))
         return out
