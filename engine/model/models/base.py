@@ -16,6 +16,7 @@ from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
 from espalier.engine.model.models.layers import (
     Linear,
+    PagedAttention,
     RMSNormBase,
     UsesOptions,
     linear,
@@ -33,6 +34,34 @@ class DecoderStack(nn.Module):
         self.embed_tokens = embed_tokens
         self.layers = layers
         self.norm = norm
+
+
+class DecoderLayer(nn.Module):
+    """A decoder layer: its input norm and attention, then the family's ``after_attention``."""
+
+    input_layernorm: RMSNormBase
+    self_attn: PagedAttention
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
+        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
+        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        return self.after_attention(x, self.self_attn(h, cos_sin, kv_cache, attention, meta))
+
+    def after_attention(
+        self, x: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream ``x`` and the attention output ``attn`` -> ``(x, delta)`` after the MLP."""
+        raise NotImplementedError
 
 
 class CausalLM(UsesOptions, nn.Module):
