@@ -43,15 +43,27 @@ def _tree_segments(batch: int, n: int, kv_len: int, gen: torch.Generator) -> lis
     return segments
 
 
+def make_backend(small: bool, kernels: Any = None) -> Any:
+    """A flashinfer backend of the 8B attention shape whose decode and tree steps take our
+    kernel (``small``, with ``kernels``: its ``KernelOptions``) or flashinfer's prefill kernel."""
+    from espalier.engine.config import ModelConfig, ModelOptions
+    from espalier.engine.model.attention.flashinfer import FlashinferBackend
+    from espalier.kernels.options import KernelOptions
+
+    config = ModelConfig("llama", 1000, 4096, 14336, 1, HEADS, KV_HEADS, DIM)
+    options = ModelOptions(small_query_up_to=16 if small else 0, kernels=kernels or KernelOptions())
+    return FlashinferBackend(
+        config, device=torch.device("cuda"), dtype=torch.bfloat16, options=options
+    )
+
+
 def case(
-    backend: Any, small: bool, batch: int, n: int, ctx: int, seed: int, check: bool = True
+    backend: Any, batch: int, n: int, ctx: int, seed: int, check: bool = True
 ) -> dict[str, Any]:
-    from espalier.engine.model.attention import small_query
     from espalier.engine.model.attention.paged_plan import paged_layout
     from espalier.kernels import paged_attention as pa
     from espalier.kernels import reference
 
-    small_query.SMALL_QUERY_UP_TO = 16 if small else 0
     gen = torch.Generator().manual_seed(seed)
     kv_len = ctx + n
     pages = -(-kv_len // PAGE)
@@ -109,11 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         emit({"skipped": "CUDA not available"})
         return 0
-    from espalier.engine.config import ModelConfig
-    from espalier.engine.model.attention.flashinfer import FlashinferBackend
-
-    config = ModelConfig("llama", 1000, 4096, 14336, 1, HEADS, KV_HEADS, DIM)
-    backend = FlashinferBackend(config, device=torch.device("cuda"), dtype=torch.bfloat16)
+    backends = {small: make_backend(small) for small in (False, True)}
     shapes = [(int(b), 1) for b in args.decode_batches.split(",") if b]
     shapes += [(int(b), args.tree) for b in args.tree_batches.split(",") if b]
     summary: dict[str, Any] = {"part": "summary"}
@@ -122,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record: dict[str, Any] = {"part": "attention", "batch": batch, "n": n, "ctx": ctx}
             for name, small in (("flashinfer", False), ("ours", True)):
                 try:
-                    result = case(backend, small, batch, n, ctx, seed=batch * 7 + n + ctx)
+                    result = case(backends[small], batch, n, ctx, seed=batch * 7 + n + ctx)
                 except Exception as exc:  # keep the other cases measurable
                     result = {"error": repr(exc)[:300]}
                 record.update({f"{name}_{k}": v for k, v in result.items()})
@@ -131,30 +139,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summary[f"b{batch}_n{n}_ctx{ctx}_vs_flashinfer"] = record["vs_flashinfer"]
             emit(record)
             if args.sweep:
-                summary.update(sweep(backend, batch, n, ctx))
+                summary.update(sweep(batch, n, ctx))
     emit(summary)
     return 0
 
 
-def sweep(backend: Any, batch: int, n: int, ctx: int) -> dict[str, Any]:
+def sweep(batch: int, n: int, ctx: int) -> dict[str, Any]:
     """Our kernel's time per launch shape for one case (JSON line each); the best one."""
-    from espalier.kernels import paged_attention as pa
+    from espalier.kernels.options import AttentionLaunch, KernelOptions
 
     best: tuple[float, str] = (float("inf"), "")
     for block, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (1, 2, 3), (1, 4)):
-        pa.LAUNCH[DIM] = pa.LaunchConfig(block, warps, stages)
-        pa.PROGRAMS_PER_SM = per_sm
+        launch = AttentionLaunch(block, warps, stages)
+        kernels = KernelOptions(attention_launch=launch, attention_programs_per_sm=per_sm)
         name = f"n{block}_w{warps}_s{stages}_p{per_sm}"
         try:
-            us = case(backend, True, batch, n, ctx, seed=batch * 7 + n + ctx, check=False)["us"]
+            backend = make_backend(True, kernels)
+            us = case(backend, batch, n, ctx, seed=batch * 7 + n + ctx, check=False)["us"]
         except Exception as exc:
             emit({"part": "sweep", "batch": batch, "n": n, "ctx": ctx, "config": name,
                   "error": repr(exc)[:200]})  # fmt: skip
             continue
         emit({"part": "sweep", "batch": batch, "n": n, "ctx": ctx, "config": name, "us": us})
         best = min(best, (us, name))
-    pa.LAUNCH.clear()
-    pa.PROGRAMS_PER_SM = 4
     return {f"b{batch}_n{n}_ctx{ctx}_best": f"{best[1]} {best[0]}"}
 
 

@@ -8,19 +8,20 @@
    greedy decode steps fed back through the runner with one host sync per step (the argmax, as
    the engine does): tokens/s and the ratio to the roofline for eager torch SDPA, flashinfer
    eager and flashinfer + CUDA graphs (the runners share the weights); and graphs captured with
-   the residual adds as separate kernels (``layers.FUSE_RESIDUAL_ADD = False``), the anchor of
-   the fused add + RMSNorm; and graphs with every projection on cuBLAS
-   (``layers.SMALL_M_GEMV = False``), the anchor of the skinny GEMM kernel of decode steps
+   the residual adds as separate kernels (``ModelOptions(fuse_residual_add=False)``), the
+   anchor of the fused add + RMSNorm; and graphs with every projection on cuBLAS
+   (``skinny_gemv=False``), the anchor of the skinny GEMM kernel of decode steps
    (``espalier.kernels.gemv``; ``bench/gemv.py`` times it per shape); graphs whose decode steps
-   attend with flashinfer's decode kernel (off by default: ``flashinfer.DECODE_KERNEL_UP_TO``
-   says why) at every batch size, against the default prefill kernel; graphs with rope and the
-   K/V write as three launches (``layers.FUSE_ROPE_STORE = False``), the anchor of the fused
+   attend with flashinfer's decode kernel (off by default: ``ModelOptions`` says why) at every
+   batch size (``decode_kernel_up_to``), against the default prefill kernel; graphs with rope
+   and the K/V write as three launches (``fuse_rope_store=False``), the anchor of the fused
    ``rope_store``; decode and tree steps on flashinfer's prefill kernel
-   (``small_query.SMALL_QUERY_UP_TO = 0``), the anchor of the small-query attention kernel
-   (``kernels/paged_attention``, the default for them); every kernel in plain stream
-   order (``kernels.pdl.PDL = False``), the anchor of programmatic dependent launch, and PDL
-   with the batch-1 gate/up projection left on cuBLAS (``gemv.GATE_UP_M1_UNDER_PDL = False``);
-   PDL at every batch size (``pdl.PDL_MAX_ROWS``), not only for steps of one token.
+   (``small_query_up_to=0``), the anchor of the small-query attention kernel
+   (``kernels/paged_attention``, the default for them); every kernel in plain stream order
+   (``KernelOptions(pdl=False)``), the anchor of programmatic dependent launch, and PDL with
+   the batch-1 gate/up projection left on cuBLAS (``gate_up_m1_under_pdl=False``); PDL at
+   every batch size (``pdl_max_rows``), not only for steps of one token. Each path's runner is
+   built with its options (``path_options``).
    ``pre_replay_ms``: host time
    from a graph step's call to its replay (the GPU idles through it, after the previous step's
    sync).
@@ -45,14 +46,12 @@ The last line is a summary. Usage (on the GPU machine)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import importlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,39 +78,27 @@ PATHS = {  # name -> (attention backend, decode CUDA-graph batch sizes)
     "flashinfer_graphs_pdl_cublas_gate_up": ("flashinfer", (1, 8, 64)),
     "flashinfer_graphs_pdl_every_batch": ("flashinfer", (1, 2, 4, 8, 16, 32, 64)),
 }
-LAYERS = "espalier.engine.model.models.layers"
-FLASHINFER = "espalier.engine.model.attention.flashinfer"
-GRAPHS = "espalier.engine.model.cuda_graphs"
-SMALL_Q = "espalier.engine.model.attention.small_query"
-PDL = "espalier.kernels.pdl"
-GEMV = "espalier.kernels.gemv"
-NO_SMALL_Q = {(SMALL_Q, "SMALL_QUERY_UP_TO"): 0}
-PATH_FLAGS = {  # name -> {(module, flag): value} while the path is built and measured
-    "flashinfer_graphs_unfused_add": {(LAYERS, "FUSE_RESIDUAL_ADD"): False},
-    "flashinfer_graphs_cublas": {(LAYERS, "SMALL_M_GEMV"): False},
-    "flashinfer_graphs_decode_tc": {(FLASHINFER, "DECODE_KERNEL_UP_TO"): 1 << 30, **NO_SMALL_Q},
-    "flashinfer_graphs_unfused_rope": {(LAYERS, "FUSE_ROPE_STORE"): False},
-    "flashinfer_graphs_prefill_attention": NO_SMALL_Q,
-    "flashinfer_graphs_no_pdl": {(PDL, "PDL"): False},
-    "flashinfer_graphs_pdl_cublas_gate_up": {(GEMV, "GATE_UP_M1_UNDER_PDL"): False},
-    "flashinfer_graphs_pdl_every_batch": {(PDL, "PDL_MAX_ROWS"): 1 << 30},
-}
 
 
-@contextlib.contextmanager
-def path_flags(name: str) -> Iterator[None]:
-    """Set the path's module flags (read at capture time and planning, and per call by eager
-    parts such as the LM head), restoring them after."""
-    flags = PATH_FLAGS.get(name, {})
-    modules = {module: importlib.import_module(module) for module, _ in flags}
-    saved = {(m, flag): getattr(modules[m], flag) for m, flag in flags}
-    for (m, flag), value in flags.items():
-        setattr(modules[m], flag, value)
-    try:
-        yield
-    finally:
-        for (m, flag), value in saved.items():
-            setattr(modules[m], flag, value)
+def path_options(name: str) -> Any:
+    """The ``ModelOptions`` a path's runner is built with (the defaults but for its anchor)."""
+    from espalier.engine.config import ModelOptions
+    from espalier.kernels.options import KernelOptions
+
+    no_small_query = {"small_query_up_to": 0}
+    changes: dict[str, dict[str, Any]] = {
+        "flashinfer_graphs_unfused_add": {"fuse_residual_add": False},
+        "flashinfer_graphs_cublas": {"skinny_gemv": False},
+        "flashinfer_graphs_decode_tc": {"decode_kernel_up_to": 1 << 30, **no_small_query},
+        "flashinfer_graphs_unfused_rope": {"fuse_rope_store": False},
+        "flashinfer_graphs_prefill_attention": no_small_query,
+        "flashinfer_graphs_no_pdl": {"kernels": KernelOptions(pdl=False)},
+        "flashinfer_graphs_pdl_cublas_gate_up": {
+            "kernels": KernelOptions(gate_up_m1_under_pdl=False)
+        },
+        "flashinfer_graphs_pdl_every_batch": {"kernels": KernelOptions(pdl_max_rows=1 << 30)},
+    }
+    return ModelOptions(**changes.get(name, {}))
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -229,17 +216,17 @@ def build_runners(
         if name not in paths:
             continue
         try:
-            with path_flags(name):
-                runners[name] = ModelRunner(
-                    config,
-                    state,
-                    RunnerConfig(
-                        device="cuda",
-                        attention_backend=backend,
-                        cache=CacheConfig(block_size=16, num_blocks=blocks),
-                        cuda_graph_batch_sizes=graphs,
-                    ),
-                )
+            runners[name] = ModelRunner(
+                config,
+                state,
+                RunnerConfig(
+                    device="cuda",
+                    attention_backend=backend,
+                    cache=CacheConfig(block_size=16, num_blocks=blocks),
+                    cuda_graph_batch_sizes=graphs,
+                    options=path_options(name),
+                ),
+            )
         except Exception as exc:  # keep the other paths measurable
             emit({"part": "decode", "path": name, "error": repr(exc)[:400]})
     return runners
@@ -267,8 +254,7 @@ def decode_part(
                 if (name, batch) in rates and not rates[(name, batch)]:
                     continue  # failed before
                 try:
-                    with path_flags(name):
-                        rate = decode_rate(runners[name], batch, steps, prompt_len=prompt_len)
+                    rate = decode_rate(runners[name], batch, steps, prompt_len=prompt_len)
                 except Exception as exc:
                     emit({"part": "decode", "path": name, "batch": batch, "error": repr(exc)[:400]})
                     rates[(name, batch)] = []
@@ -306,8 +292,7 @@ def decode_part(
         return summary
     for name, runner in runners.items():
         try:
-            with path_flags(name):
-                top_ops = profile_decode(runner)
+            top_ops = profile_decode(runner)
             emit({"part": "profile", "path": name, "batch": 1, "top_ops": top_ops})
         except Exception as exc:
             emit({"part": "profile", "path": name, "error": repr(exc)[:400]})

@@ -1,6 +1,6 @@
 """outlines-core compile time with the Index built in a child process, against the anchor in the
 same run: the Index built in the calling process (``BackendOptions.outlines_memory_limit=0``, the
-path before ``constrained/backends/outlines_index.py``). Prints one JSON line.
+path before ``constrained/backends/outlines_core/index.py``). Prints one JSON line.
 
 Schemas: JSONSchemaBench's, round-robin over subsets (``bench/spec.sample_schemas``), on the
 embedded Gemma tokenizer. Each is first compiled in a child under a compile cache with

@@ -1,7 +1,8 @@
 """Frozen configs of the engine's components, built once at the composition root.
 
 ``ModelConfig`` describes the architecture (read from an HF ``config.json`` or GGUF metadata);
-``CacheConfig`` the paged KV cache geometry; ``RunnerConfig`` device, dtype and attention backend.
+``CacheConfig`` the paged KV cache geometry; ``RunnerConfig`` device, dtype and attention backend;
+``ModelOptions`` which path each of the model's kernel decisions takes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+
+from espalier.kernels.options import KernelOptions
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA3_FAMILY = ("gemma3_text", "gemma3")
@@ -232,6 +235,41 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ModelOptions:
+    """Which path each of the model's kernel decisions takes, fixed when the model and its
+    attention backend are built (a CUDA graph keeps the paths it was captured with). The
+    defaults are the measured winners (``docs/decisions/``); the other values are the anchors
+    of ``bench/gpu.py`` / ``bench/attention.py`` and the ablations of tests.
+
+    - ``skinny_gemv``: on CUDA, projections of a few rows run the Triton skinny GEMM where it
+      beats cuBLAS (``kernels.gemv.preferred``); False: cuBLAS always.
+    - ``fuse_residual_add``: where the norms run as kernels, the residual add before a norm is
+      folded into its kernel (``RMSNormBase.add_norm``); False: two launches.
+    - ``fuse_rope_store``: on CUDA, q/k rotation and the K/V cache write are one kernel
+      (``kernels.fused.rope_store``); False: the rope kernel, then ``KVCache.write``.
+    - ``norm_kernels_on_cpu``: the Triton norm kernels run on CPU tensors too (tests only:
+      Triton's CPU interpreter).
+    - ``small_query_up_to``: flashinfer backend steps whose every sequence has at most this
+      many new tokens attend with espalier's small-query kernel
+      (``engine/model/attention/small_query.py``); 0: every step on flashinfer's kernels.
+    - ``decode_kernel_up_to``: one-token causal steps of at most this many sequences that reach
+      flashinfer run its decode kernel, bigger ones its prefill kernel. 0 (off): in bf16 the
+      decode kernel's logits differ in the last bits from the prefill kernel's for the same row
+      of a verified tree, so speculative output could part from plain decoding at a near-tie
+      (``docs/decisions/flashinfer-plan-and-kernels.md``).
+    - ``kernels``: the launch-level paths (``kernels/options.py``).
+    """
+
+    skinny_gemv: bool = True
+    fuse_residual_add: bool = True
+    fuse_rope_store: bool = True
+    norm_kernels_on_cpu: bool = False
+    small_query_up_to: int = 16
+    decode_kernel_up_to: int = 0
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """Where and how the model runs. ``dtype`` "auto" = fp32 on CPU, bf16 on CUDA.
 
@@ -242,6 +280,7 @@ class RunnerConfig:
     ``cuda_graph_tree_sizes``: draft-tree sizes (nodes per sequence, at most the block size)
     whose verification steps are captured too, for the same batch sizes (the speculative
     default: 8 draft tokens + the root).
+    ``options``: the model's kernel paths (``ModelOptions``; the defaults are the product's).
     """
 
     device: str = "cpu"
@@ -250,6 +289,7 @@ class RunnerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     cuda_graph_tree_sizes: tuple[int, ...] = (9,)
+    options: ModelOptions = field(default_factory=ModelOptions)
 
     @property
     def torch_dtype(self) -> torch.dtype:

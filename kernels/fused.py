@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import nn
 
 from espalier.kernels.norm import add_rms_norm, rms_norm
+from espalier.kernels.options import DEFAULT_KERNELS, KernelOptions
 from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 from espalier.kernels.rope import rope, rope_store
 
@@ -55,14 +56,16 @@ def _gated_act_kernel(
     tl.store(out_ptr + t * n_cols + cols, (a * u).to(dtype), mask=inside)
 
 
-def gated_act(gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:
+def gated_act(
+    gate_up: torch.Tensor, *, gelu: bool, options: KernelOptions = DEFAULT_KERNELS
+) -> torch.Tensor:
     """``act(gate) * up`` of ``gate_up [T, 2 * I]`` (contiguous) -> ``[T, I]``."""
     t, width = gate_up.shape
     n = width // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = 1024
-        use_pdl = pdl(gate_up.device, t)
+        use_pdl = pdl(gate_up.device, t, options)
         _gated_act_kernel[(t, triton.cdiv(n, block))](
             gate_up.contiguous(),
             out,

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from espalier.kernels import reference
 from espalier.kernels._dispatch import Backend, next_power_of_2, use_triton
+from espalier.kernels.options import DEFAULT_KERNELS, KernelOptions
 from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 MAX_M = 16
@@ -230,17 +231,17 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
     return SkinnyConfig(True, 16, 32, 256, num_stages=4)
 
 
-GATE_UP_M1_UNDER_PDL = True
-"""At M = 1 under PDL (``kernels/pdl.py``), run the fused gate/up projection as ``gemv`` too,
-not cuBLAS: a cuBLAS kernel does not take part in PDL, so it would break the chain of early
-launches twice per layer. False: cuBLAS (the A/B of ``bench/gpu.py``)."""
-
 PREFERRED_MAX_M = 16
 """Most rows for which ``preferred`` picks the kernel over cuBLAS (decode at small batches and
 batch-1 tree verification)."""
 
 
-def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def preferred(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    options: KernelOptions = DEFAULT_KERNELS,
+) -> bool:
     """Whether ``F.linear(x, weight, bias)`` should run as ``gemv``: CUDA bf16/fp16 operands,
     2-D ``x`` of 1..``PREFERRED_MAX_M`` rows, unit stride along K, weight rows 16-byte aligned
     (vector loads), and a shape where the kernel was faster than cuBLAS on the H200 in
@@ -249,7 +250,8 @@ def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
     - M = 1: every weight but those of 16384 <= N < 65536 rows (the fused gate/up projection:
       cuBLAS streams it at 0.87-0.96 of copy bandwidth and won two of three runs by 4 %), and
-      those too under PDL (``GATE_UP_M1_UNDER_PDL``).
+      those too under PDL (``KernelOptions.gate_up_m1_under_pdl``: a cuBLAS kernel takes no
+      part in PDL, so it would break the chain of early launches twice per layer).
       Ours vs cuBLAS: o +13-15 %, qkv +2-11 %, LM head +1-3 %, down -1 to +1 %.
     - M >= 2: K <= 8192 (cuBLAS wins the down projection, K = 14336, by 2-7 %) and N <= 4096 or
       N >= 16384: with 32-row tiles N = 6144 (qkv) makes 192 programs, 1.45 waves on 132 SMs,
@@ -272,15 +274,18 @@ def preferred(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     m, k = x.shape
     n = weight.shape[0]
     if m == 1:
-        return not 16384 <= n < 65536 or (GATE_UP_M1_UNDER_PDL and pdl(x.device, m))
+        under_pdl = options.gate_up_m1_under_pdl and pdl(x.device, m, options)
+        return not 16384 <= n < 65536 or under_pdl
     return k <= 8192 and (n <= 4096 or n >= 16384)
 
 
-def preferred_gated(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+def preferred_gated(
+    x: torch.Tensor, gate_up: torch.Tensor, options: KernelOptions = DEFAULT_KERNELS
+) -> bool:
     """Whether the gate/up projection + activation should run as ``gated_gemv``: where
     ``preferred`` holds, and M >= 2 (at M = 1 the two weight streams per program ran 13 %
     slower than one: 68 vs 60 µs on the 8B shape)."""
-    return x.dim() == 2 and x.shape[0] >= 2 and preferred(x, gate_up)
+    return x.dim() == 2 and x.shape[0] >= 2 and preferred(x, gate_up, options=options)
 
 
 def gemv(
@@ -290,18 +295,20 @@ def gemv(
     *,
     config: SkinnyConfig | None = None,
     backend: Backend = "auto",
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` with ``1 <= M <= MAX_M``.
 
     x: bf16/fp16/fp32 ``[M, K]``, unit stride along K (any row stride). weight: same dtype and
     device, ``[N, K]``, unit stride along K (row slices of a fused weight are fine). bias:
     optional ``[N]``, contiguous. Returns a new contiguous ``[M, N]`` in x's dtype (fp32
-    accumulation, one rounding). ``config``: launch shape (default ``default_config``).
+    accumulation, one rounding). ``config``: launch shape (default ``default_config``);
+    ``options``: the model's launch paths (``kernels/options.py``).
     """
     _check(x, weight, bias)
     if not use_triton(x, backend):
         return reference.linear(x, weight, bias)
-    return _launch(x, weight, bias, weight.shape[0], None, config)
+    return _launch(x, weight, bias, weight.shape[0], None, config, options)
 
 
 def gated_gemv(
@@ -311,6 +318,7 @@ def gated_gemv(
     gelu: bool,
     config: SkinnyConfig | None = None,
     backend: Backend = "auto",
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """``act(x @ gate^T) * (x @ up^T)`` in one launch, ``gate_up = cat([gate, up]) [2I, K]``.
 
@@ -323,7 +331,7 @@ def gated_gemv(
         raise ValueError(f"gate_up needs an even number of rows, got {gate_up.shape[0]}")
     if not use_triton(x, backend):
         return reference.gated_linear(x, gate_up, gelu=gelu)
-    return _launch(x, gate_up, None, gate_up.shape[0] // 2, gelu, config)
+    return _launch(x, gate_up, None, gate_up.shape[0] // 2, gelu, config, options)
 
 
 def _launch(
@@ -333,6 +341,7 @@ def _launch(
     n: int,
     gelu: bool | None,
     config: SkinnyConfig | None,
+    options: KernelOptions,
 ) -> torch.Tensor:
     """Run the kernel for ``n`` output columns; ``gelu`` None: plain, else gated."""
     m, k = x.shape
@@ -342,7 +351,7 @@ def _launch(
     cfg = config or default_config(m, weight.shape[0], k, x.device)
     if cfg.block_m < m or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config {cfg} does not fit M={m}")
-    use_pdl = pdl(x.device, m)
+    use_pdl = pdl(x.device, m, options)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
         weight,

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from espalier.kernels.options import DEFAULT_KERNELS, KernelOptions
 from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 
@@ -93,13 +94,14 @@ def _launch_per_row(
     gemma: bool,
     *,
     has_delta: bool,
+    options: KernelOptions,
 ) -> None:
     """Launch ``_norm_kernel(*tensors, n_cols, eps, ...)`` (``tensors``: x, d, w, sum, out) with
     one program per row of ``rows`` (``[R, C]``, contiguous, the x); nothing for zero rows.
     Without ``has_delta`` d and sum are not read or written (any tensors of the device)."""
     if rows.shape[0]:
         block = triton.next_power_of_2(rows.shape[1])
-        use_pdl = pdl(rows.device, rows.shape[0])
+        use_pdl = pdl(rows.device, rows.shape[0], options)
         _norm_kernel[(rows.shape[0],)](
             *tensors,
             rows.shape[1],
@@ -118,17 +120,33 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gemma: bool,
+    options: KernelOptions = DEFAULT_KERNELS,
+) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any shape, model dtype); ``weight``: ``[C]``, same
-    device. Returns a new contiguous tensor of ``x``'s shape and dtype."""
+    device. Returns a new contiguous tensor of ``x``'s shape and dtype. ``options``: the
+    model's launch paths (``kernels/options.py``)."""
     rows = _rows(x)
     out = torch.empty_like(rows)
-    _launch_per_row(rows, (rows, rows, weight, out, out), eps, gemma, has_delta=False)
+    _launch_per_row(
+        rows, (rows, rows, weight, out, out), eps, gemma, has_delta=False, options=options
+    )
     return out.view(x.shape)
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gemma: bool,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(summed, normed)``: ``summed = x + delta`` (as torch adds them) and
     ``normed = rms_norm(summed, weight, eps, gemma=gemma)``, one launch.
@@ -138,5 +156,7 @@ def add_rms_norm(
     """
     rows, deltas = _rows(x), _rows(delta)
     summed, out = torch.empty_like(rows), torch.empty_like(rows)
-    _launch_per_row(rows, (rows, deltas, weight, summed, out), eps, gemma, has_delta=True)
+    _launch_per_row(
+        rows, (rows, deltas, weight, summed, out), eps, gemma, has_delta=True, options=options
+    )
     return summed.view(x.shape), out.view(x.shape)

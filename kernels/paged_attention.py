@@ -48,6 +48,7 @@ from espalier.kernels._dispatch import (
     sm_count,
     use_triton,
 )
+from espalier.kernels.options import DEFAULT_KERNELS, AttentionLaunch, KernelOptions
 from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 LOG2E = 1.4426950408889634
@@ -73,48 +74,36 @@ class StepPlan:
     splits: int
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """K/V entries per loop step (a multiple of 32), warps and software-pipeline stages."""
-
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-LAUNCH: dict[int, LaunchConfig] = {}
-"""Overrides of ``launch_config`` per head dim (``bench/attention.py`` sweeps them)."""
-PROGRAMS_PER_SM = 1
-"""Programs a launch aims at per SM when it picks its splits (``choose_splits``). One: more won
-on long decode contexts but lost 2x on tree-verify steps in the H200 sweep of
-``bench/attention.py --sweep`` (``docs/decisions/small-query-attention.md``)."""
+def launch_config(head_dim: int, options: KernelOptions = DEFAULT_KERNELS) -> AttentionLaunch:
+    """The launch shape for ``head_dim``: ``options.attention_launch`` where set, else 64-entry
+    steps up to dim 128 (registers: ``[BLOCK_N, D]`` K and V tiles), 32 beyond."""
+    if options.attention_launch is not None:
+        return options.attention_launch
+    return AttentionLaunch(64 if head_dim <= 128 else 32)
 
 
-def launch_config(head_dim: int) -> LaunchConfig:
-    """The launch shape for ``head_dim``: 64-entry steps up to dim 128 (registers: ``[BLOCK_N,
-    D]`` K and V tiles), 32 beyond."""
-    if head_dim in LAUNCH:
-        return LAUNCH[head_dim]
-    return LaunchConfig(64 if head_dim <= 128 else 32)
-
-
-def block_n(head_dim: int) -> int:
-    return launch_config(head_dim).block_n
-
-
-def split_len_for(max_kv_len: int, splits: int, head_dim: int, min_split: int = MIN_SPLIT) -> int:
+def split_len_for(
+    max_kv_len: int,
+    splits: int,
+    head_dim: int,
+    min_split: int = MIN_SPLIT,
+    options: KernelOptions = DEFAULT_KERNELS,
+) -> int:
     """Entries per split so that ``splits`` splits cover ``max_kv_len`` (a multiple of the loop
-    step, at least ``min_split``: tests give a small one to split short sequences)."""
-    step = block_n(head_dim)
+    step of ``launch_config(head_dim, options)``, at least ``min_split``: tests give a small one
+    to split short sequences)."""
+    step = launch_config(head_dim, options).block_n
     per = max(-(-max(max_kv_len, 1) // splits), min_split, step)
     return -(-per // step) * step
 
 
-def choose_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
+def choose_splits(
+    programs: int, max_kv_len: int, device: torch.device, options: KernelOptions = DEFAULT_KERNELS
+) -> int:
     """Splits for a launch of ``programs`` (tiles x K/V heads) over at most ``max_kv_len``
-    entries: enough for ``PROGRAMS_PER_SM`` programs per SM, no split under ``MIN_SPLIT``
-    entries."""
-    want = -(-PROGRAMS_PER_SM * sm_count(device) // max(programs, 1))
+    entries: enough for ``options.attention_programs_per_sm`` programs per SM, no split under
+    ``MIN_SPLIT`` entries."""
+    want = -(-options.attention_programs_per_sm * sm_count(device) // max(programs, 1))
     by_length = max(-(-max_kv_len // MIN_SPLIT), 1)
     return max(1, min(want, by_length, MAX_SPLITS))
 
@@ -381,12 +370,14 @@ def paged_attention(
     out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
     backend: Backend = "auto",
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Attention of ``q [T, H, D]`` over the paged ``k``/``v`` (module docstring) -> ``out``.
 
     ``window_left``: -1 for none (ignored with ``mask``, which folds any window in).
     ``mask``: (int32 words, int32 word offsets ``[B + 1]``: ``pack_row_masks``) or None (causal).
     ``out``: optional ``[T, H, D]`` to write into (a CUDA graph's fixed output).
+    ``options``: the model's launch paths; the plan's split length was made with the same ones.
     """
     if out is None:
         out = torch.empty_like(q)
@@ -411,7 +402,7 @@ def paged_attention(
         return out
     t, h, d = q.shape
     kvh = k.shape[1]
-    launch = launch_config(d)
+    launch = launch_config(d, options)
     block_m, block_q = tile_shape(h, kvh, plan.max_q_len)
     tiles = tiles_per_sequence(h, kvh, plan.max_q_len)
     split = plan.splits > 1
@@ -424,7 +415,7 @@ def paged_attention(
         part_o = part_ml = out  # unused
     mask_bits, mask_indptr = mask if mask is not None else (plan.meta, plan.meta)
     grid = (plan.batch * tiles, kvh, plan.splits)
-    use_pdl = pdl(q.device, t)
+    use_pdl = pdl(q.device, t, options)
     _attention_kernel[grid](
         q,
         k,
@@ -479,12 +470,13 @@ def build_plan(
     splits: int,
     device: torch.device,
     min_split: int = MIN_SPLIT,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> StepPlan:
     """A fresh ``StepPlan`` on ``device`` (one host-to-device copy per tensor) of at most
     ``splits`` splits: as many as ``split_len_for``'s length needs to cover the longest
     sequence. ``pages[b]``: pages of sequence b; kv_indices: int32 CPU ``[sum(pages)]``."""
     max_kv = max(kv_lens)
-    split_len = split_len_for(max_kv, splits, head_dim, min_split)
+    split_len = split_len_for(max_kv, splits, head_dim, min_split, options)
     meta = host_meta(q_lens, kv_lens, pages, split_len)
     return StepPlan(
         torch.tensor(meta, dtype=torch.int32).to(device, non_blocking=True),
@@ -505,6 +497,7 @@ def make_plan(
     splits: int,
     device: torch.device,
     min_split: int = MIN_SPLIT,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> StepPlan:
     """``build_plan`` from per-sequence block tables (tests, benchmarks)."""
     pages = [-(-n // page_size) for n in kv_lens]
@@ -519,4 +512,5 @@ def make_plan(
         splits=splits,
         device=device,
         min_split=min_split,
+        options=options,
     )

@@ -21,9 +21,9 @@ the ramp-up of every launch are idle memory bandwidth. With PDL (sm90+, ``launch
 
 A kernel launched without PDL (cuBLAS, torch) waits for full completion as usual, and one that
 follows it sees the implicit trigger at that kernel's end, so mixing is safe. ``pdl(device,
-rows)`` says whether a launch uses it: on sm90+, for steps of one token (``PDL_MAX_ROWS``);
-``PDL = False`` turns it off everywhere. Why only one row, with the H200 numbers:
-``docs/decisions/pdl-one-row-steps.md``.
+rows, options)`` says whether a launch uses it: on sm90+, for steps of one token
+(``KernelOptions.pdl_max_rows``); ``KernelOptions(pdl=False)`` turns it off for a model. Why
+only one row, with the H200 numbers: ``docs/decisions/pdl-one-row-steps.md``.
 """
 
 from __future__ import annotations
@@ -35,17 +35,7 @@ import triton
 import triton.language as tl
 
 from espalier.kernels._dispatch import cuda_index
-
-PDL = True
-"""Launch the decode-path kernels with programmatic dependent launch where the device has it;
-False: plain stream order (the anchor path ``flashinfer_graphs_no_pdl`` of ``bench/gpu.py``).
-Read per launch, so a CUDA graph keeps the choice made when it was captured."""
-
-
-PDL_MAX_ROWS = 1
-"""Use PDL for launches over at most this many token rows: steps of one token (batch-1 decode).
-Above one row PDL lost 1-1.5 % at every batch measured on the H200, for every GEMV variant
-tried (``docs/decisions/pdl-one-row-steps.md``)."""
+from espalier.kernels.options import KernelOptions
 
 
 @functools.cache
@@ -54,12 +44,13 @@ def _capability(index: int) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def pdl(device: torch.device, rows: int) -> bool:
-    """Whether a kernel launched on ``device`` over ``rows`` token rows uses PDL: ``PDL`` is on,
-    ``rows <= PDL_MAX_ROWS`` and ``device`` is a CUDA device of compute capability 9.0 or newer
-    (never the CPU interpreter). Every kernel of a step sees the step's rows, so a step's chain
-    is all PDL or none (mixing would be safe too: see the module docstring)."""
-    if not PDL or rows > PDL_MAX_ROWS or device.type != "cuda":
+def pdl(device: torch.device, rows: int, options: KernelOptions) -> bool:
+    """Whether a kernel launched on ``device`` over ``rows`` token rows uses PDL: ``options.pdl``
+    is on, ``rows <= options.pdl_max_rows`` and ``device`` is a CUDA device of compute
+    capability 9.0 or newer (never the CPU interpreter). Every kernel of a step sees the step's
+    rows and its model's options, so a step's chain is all PDL or none (mixing would be safe
+    too: see the module docstring)."""
+    if not options.pdl or rows > options.pdl_max_rows or device.type != "cuda":
         return False
     return _capability(cuda_index(device)) >= (9, 0)
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from espalier.kernels.options import DEFAULT_KERNELS, KernelOptions
 from espalier.kernels.pdl import launch_dependents, pdl, wait_previous
 
 
@@ -81,7 +82,11 @@ def _rope_kernel(
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (unit stride in D; may be views
     of a fused projection) with ``cos, sin [T, 1, D]`` (contiguous) -> contiguous ``(q, k)``."""
@@ -90,7 +95,7 @@ def rope(
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
     if t:
-        _launch(q, k, k, cos, sin, None, q_out, k_out, k_out, store=False)
+        _launch(q, k, k, cos, sin, None, q_out, k_out, k_out, store=False, options=options)
     return q_out, k_out
 
 
@@ -103,6 +108,7 @@ def rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` as ``rope`` does, write the rotated k and
     ``v [T, Hkv, D]`` (q/k/v: unit stride in D, may be views of a fused projection) to rows
@@ -115,7 +121,7 @@ def rope_store(
         raise ValueError(f"slots must be int64 [{t}]")
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t:
-        _launch(q, k, v, cos, sin, slots, q_out, k_cache, v_cache, store=True)
+        _launch(q, k, v, cos, sin, slots, q_out, k_cache, v_cache, store=True, options=options)
     return q_out
 
 
@@ -131,9 +137,10 @@ def _launch(
     v_out: torch.Tensor,
     *,
     store: bool,
+    options: KernelOptions,
 ) -> None:
     t, hq, d = q.shape
-    use_pdl = pdl(q.device, t)
+    use_pdl = pdl(q.device, t, options)
     _rope_kernel[(t, hq + k.shape[1])](
         q,
         k,

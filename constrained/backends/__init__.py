@@ -4,19 +4,22 @@
 ``constrained/backends/xgrammar/`` only when asked,
 so a missing optional library fails with a message naming the pip package, and only for that
 backend. Backends are cached per (name, tokenizer fingerprint, options).
+
+Importing this package loads no torch (``common``, which does, is imported on first use): a
+compile child that lives in a backend's folder (``outlines_core/index_child.py``) imports it.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from espalier.constrained.backends.common import BackendOptions, BackendUnavailableError
 from espalier.constrained.errors import UnknownBackendError
 from espalier.constrained.spec import BackendName
 
 if TYPE_CHECKING:
+    from espalier.constrained.backends.common import BackendOptions, BackendUnavailableError
     from espalier.constrained.base import GrammarBackend
     from espalier.constrained.tokenizer import TokenizerInfo
 
@@ -37,6 +40,8 @@ def get_backend(
     name: str, tokenizer: TokenizerInfo, options: BackendOptions | None = None
 ) -> GrammarBackend:
     """The backend ``name`` bound to ``tokenizer``; built once per (name, tokenizer, options)."""
+    from espalier.constrained.backends.common import BackendOptions, BackendUnavailableError
+
     if name not in _PACKAGES:
         raise UnknownBackendError(name, [str(b) for b in BACKENDS])
     options = options or BackendOptions()
@@ -54,6 +59,15 @@ def get_backend(
     built: GrammarBackend = module.Backend(tokenizer, options)
     with _LOCK:
         return _CACHE.setdefault(key, built)
+
+
+def __getattr__(name: str) -> Any:
+    """``BackendOptions`` and ``BackendUnavailableError``, from ``common`` on first use."""
+    if name in ("BackendOptions", "BackendUnavailableError"):
+        from espalier.constrained.backends import common
+
+        return getattr(common, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def clear_backend_cache() -> None:

@@ -82,7 +82,7 @@ class BackendOptions:
             (``docs/decisions/llguidance-native-walk.md``). Chains (oracle, forced and n-gram
             drafts) take one clone and no ``deep_copy``.
         outlines_memory_limit: address-space cap in bytes of the child process that builds each
-            outlines-core Index (``backends/outlines_index.py``): a build past it fails with
+            outlines-core Index (``backends/outlines_core/index.py``): a build past it fails with
             ``CompileMemoryError``, and under a compile cache the child is killed at the
             deadline. ``0``: build in the calling process, unbounded and not interruptible.
         xgrammar_memory_limit: address-space cap in bytes of the child processes that compile

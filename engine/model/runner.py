@@ -128,7 +128,9 @@ class ModelRunner:
             world = tensor_parallel.world_size
             state_dict = shard_state_dict(model_config, state_dict, tensor_parallel.rank, world)
             model_config = local_config(model_config, world)
-        self.model = build_model(model_config, state_dict, device=self.device, dtype=self.dtype)
+        self.model = build_model(
+            model_config, state_dict, device=self.device, dtype=self.dtype, options=config.options
+        )
         if tensor_parallel is not None:
             from espalier.engine.model.parallel.layers import parallelize
 
@@ -143,7 +145,11 @@ class ModelRunner:
             pack_linears(self.model)
         # the backend first: its device workspace is not free memory for the KV cache
         self.attention = get_attention_backend(
-            config.attention_backend, model_config, device=self.device, dtype=self.dtype
+            config.attention_backend,
+            model_config,
+            device=self.device,
+            dtype=self.dtype,
+            options=config.options,
         )
         use_graphs = self.attention.name == "flashinfer" and bool(config.cuda_graph_batch_sizes)
         cache = config.cache

@@ -1,10 +1,12 @@
-"""outlines-core Index builds in child processes (``backends/outlines_index.py``): the same Index
-as in process, a clear error past the memory cap, the child killed at a compile cache's deadline,
-and the builder serving on after each."""
+"""outlines-core Index builds in child processes (``backends/outlines_core/index.py``): the same
+Index as in process, a clear error past the memory cap, the child killed at a compile cache's
+deadline, and the builder serving on after each; the child loads no torch."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -126,3 +128,18 @@ def test_a_cap_too_small_to_start_the_child_is_a_clear_error(toy_tokenizer: Any)
         outlines.compile(GrammarSpec.regex("ab+"))
     assert "1 MiB" in str(info.value)  # at start or at the first build: where it reads
     assert outlines.builder.live_pids() == []
+
+
+def test_the_child_module_loads_neither_torch_nor_the_adapter() -> None:
+    """The child imports its package on the way to ``index_child``: that chain stays free of
+    torch and of the adapter, whose memory each capped child would otherwise hold."""
+    from espalier.constrained.backends.outlines_core.index import CHILD_MODULE
+
+    probe = (
+        f"import sys, {CHILD_MODULE}; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('.adapter')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

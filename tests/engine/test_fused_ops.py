@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from espalier.engine.model.models import layers
 from espalier.engine.model.models.layers import (
     GemmaRMSNorm,
     RMSNorm,
@@ -238,20 +237,28 @@ def tiny_checkpoint(
 def test_fused_residual_adds_keep_the_logits(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The model with the CUDA norm path forced onto the CPU (``layers.KERNELS_ON_CPU``): with
-    the residual adds fused into the norms, the logits and captured hidden states are those of
-    the add + norm kernels launched separately (the CUDA path before), bit for bit, and, bf16
+    """The model with the CUDA norm path forced onto the CPU (``ModelOptions``'s
+    ``norm_kernels_on_cpu``): with the residual adds fused into the norms, the logits and
+    captured hidden states are those of the add + norm kernels launched separately (the CUDA
+    path before), bit for bit, and, bf16
     roundings being exact in the interpreter, those of the torch path. On CUDA (compiled
     kernels; the torch norm path is not used there) fused against separate, bit for bit."""
-    from espalier.engine.config import CacheConfig, RunnerConfig
+    from espalier.engine.config import CacheConfig, ModelOptions, RunnerConfig
     from espalier.engine.model.runner import ModelRunner, SeqInput
 
-    config = RunnerConfig(
-        device=DEVICE, dtype="bfloat16", cache=CacheConfig(block_size=4), attention_backend="sdpa"
-    )
-    runner = ModelRunner.from_pretrained(tiny_checkpoint, config)
-    num_layers = runner.model_config.num_layers
-    tokens = random.Random(3).choices(range(runner.model_config.vocab_size), k=9)
+    def runner_for(options: ModelOptions) -> ModelRunner:
+        config = RunnerConfig(
+            device=DEVICE,
+            dtype="bfloat16",
+            cache=CacheConfig(block_size=4),
+            attention_backend="sdpa",
+            options=options,
+        )
+        return ModelRunner.from_pretrained(tiny_checkpoint, config)
+
+    first = runner_for(ModelOptions())
+    num_layers = first.model_config.num_layers
+    tokens = random.Random(3).choices(range(first.model_config.vocab_size), k=9)
     calls = {"add_rms_norm": 0}
     add_rms_norm = fused.add_rms_norm
 
@@ -262,9 +269,9 @@ def test_fused_residual_adds_keep_the_logits(
     monkeypatch.setattr(fused, "add_rms_norm", counted)
 
     def run(*, kernels: bool, fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(layers, "KERNELS_ON_CPU", kernels)
-        monkeypatch.setattr(layers, "FUSE_RESIDUAL_ADD", fuse)
-        # prefill 8 tokens, then decode one (the KV cache is rewritten on every run)
+        options = ModelOptions(fuse_residual_add=fuse, norm_kernels_on_cpu=kernels)
+        runner = first if options == first.config.options else runner_for(options)
+        # prefill 8 tokens, then decode one
         runner.forward([SeqInput(block_table=[0, 1, 2], token_ids=tokens[:8], logits="all")])
         calls["add_rms_norm"] = 0
         seq = SeqInput(block_table=[0, 1, 2], token_ids=tokens[8:], context_len=8)

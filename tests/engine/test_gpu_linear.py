@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from espalier.engine.model.models import layers
+from espalier.engine.config import ModelOptions
 from espalier.engine.model.runner import SeqInput
 from espalier.kernels import gemv
 from tests.fixtures.gpu_models import gpu_config, gpu_runner, gpu_state
@@ -35,8 +35,10 @@ def _decode_logits(runner: Any) -> list[torch.Tensor]:
 def test_decode_logits_match_cublas(graphs: tuple[int, ...], monkeypatch: Any) -> None:
     config = gpu_config(97, window=6)
     state = gpu_state(config, seed=2)
-    monkeypatch.setattr(layers, "SMALL_M_GEMV", False)
-    want = _decode_logits(gpu_runner(config, state, backend="flashinfer", graphs=graphs))
+    cublas = ModelOptions(skinny_gemv=False)
+    want = _decode_logits(
+        gpu_runner(config, state, backend="flashinfer", graphs=graphs, options=cublas)
+    )
     calls: dict[str, list[int]] = {"gemv": [], "gated_gemv": []}
     for name, rows in calls.items():
         real = getattr(gemv, name)
@@ -48,7 +50,6 @@ def test_decode_logits_match_cublas(graphs: tuple[int, ...], monkeypatch: Any) -
             return real(x, *args, **kw)
 
         monkeypatch.setattr(gemv, name, counting)
-    monkeypatch.setattr(layers, "SMALL_M_GEMV", True)
     runner = gpu_runner(config, state, backend="flashinfer", graphs=graphs)
     got = _decode_logits(runner)
     assert calls["gemv"] and max(calls["gemv"]) <= 4  # decode rows; the prefill is cuBLAS

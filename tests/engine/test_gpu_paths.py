@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from espalier.engine.config import ModelOptions
 from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.combine import Proposer
 from espalier.engine.spec.decoder import SpeculativeDecoder
@@ -76,23 +77,18 @@ def test_flashinfer_logits_match_sdpa(family: str, window: int | None) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_decode_kernel_matches_the_prefill_kernel(
-    family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_decode_kernel_matches_the_prefill_kernel(family: str) -> None:
     """One-token causal steps run flashinfer's decode kernel (sliding-window layers too), with
     the logits of its prefill kernel; tree steps keep the prefill kernel."""
-    from espalier.engine.model.attention import flashinfer as fi
-    from espalier.engine.model.attention import small_query
-
-    monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)  # flashinfer's kernels only
     config = gpu_config(97, family=family, window=6)
     state = gpu_state(config, seed=3)
-    monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 0)
-    prefill = gpu_runner(config, state, backend="flashinfer")
+    flashinfer_only = ModelOptions(small_query_up_to=0, decode_kernel_up_to=0)
+    prefill = gpu_runner(config, state, backend="flashinfer", options=flashinfer_only)
     want = step_logits(prefill)
     assert not prefill.attention._eager_decode
-    monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)  # the decode step has 2 sequences
-    decode = gpu_runner(config, state, backend="flashinfer")
+    # the decode step has 2 sequences
+    with_decode = ModelOptions(small_query_up_to=0, decode_kernel_up_to=2)
+    decode = gpu_runner(config, state, backend="flashinfer", options=with_decode)
     got = step_logits(decode)
     assert decode.attention._eager_decode  # the decode step was planned on decode wrappers
     for a, b in zip(want, got):
@@ -102,25 +98,22 @@ def test_decode_kernel_matches_the_prefill_kernel(
 
 
 @pytest.mark.parametrize("small", [True, False])
-def test_graph_replay_matches_eager_logits(small: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graph_replay_matches_eager_logits(small: bool) -> None:
     """Padded replay (3, then 2 sequences in the buckets of 4 and 2) gives the eager logits;
     decode graphs attend with the small-query kernel or (``small`` False) with flashinfer: up to
-    ``DECODE_KERNEL_UP_TO`` sequences its decode kernel, bigger ones its prefill kernel (both
+    ``decode_kernel_up_to`` sequences its decode kernel, bigger ones its prefill kernel (both
     kinds here, around a limit of 2); with plans made ahead (during the previous replay, into
     the bucket's second graph), and a plan made ahead for a step that does not come (a sequence
     left) left unused."""
     import flashinfer
 
-    from espalier.engine.model.attention import flashinfer as fi
     from espalier.engine.model.attention import small_query
 
-    if not small:
-        monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", 0)
-    monkeypatch.setattr(fi, "DECODE_KERNEL_UP_TO", 2)
+    options = ModelOptions(small_query_up_to=16 if small else 0, decode_kernel_up_to=2)
     config = gpu_config(97, window=6)
     state = gpu_state(config, seed=2)
-    eager = gpu_runner(config, state, backend="flashinfer")
-    graphs = gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4))
+    eager = gpu_runner(config, state, backend="flashinfer", options=options)
+    graphs = gpu_runner(config, state, backend="flashinfer", graphs=(1, 2, 4), options=options)
     assert graphs.graphs is not None and graphs.graphs.captured == [(1, 1), (2, 1), (4, 1)]
     assert graphs.num_blocks == eager.num_blocks  # the scratch block is extra
     kinds = {b: type(graphs.graphs.graphs[(b, 1)].wrappers.wrappers[None]) for b in (2, 4)}
@@ -145,27 +138,30 @@ def test_graph_replay_matches_eager_logits(small: bool, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_pdl_replay_gives_the_logits_of_plain_stream_order(
-    family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_pdl_replay_gives_the_logits_of_plain_stream_order(family: str) -> None:
     """Decode graphs (batch 1 and a padded 3) and tree-verify graphs captured with programmatic
     dependent launch (``kernels/pdl.py``) give, bit for bit, the logits of graphs captured
     without it: the same kernels, so any difference is a kernel reading before the previous
-    one finished. PDL at every step size (``PDL_MAX_ROWS``: by default steps of one token
-    only), and every projection on the path it takes without PDL (``GATE_UP_M1_UNDER_PDL``
-    off), so that the kernels are the same."""
-    from espalier.kernels import gemv as gemv_mod
-    from espalier.kernels import pdl as pdl_mod
+    one finished. PDL at every step size (``KernelOptions.pdl_max_rows``: by default steps of
+    one token only; here the batch-4 and tree graphs too), and every projection on the path it
+    takes without PDL (``gate_up_m1_under_pdl`` off), so that the kernels are the same."""
+    from espalier.kernels.options import KernelOptions
 
-    monkeypatch.setattr(gemv_mod, "GATE_UP_M1_UNDER_PDL", False)
-    monkeypatch.setattr(pdl_mod, "PDL_MAX_ROWS", 1 << 30)  # the batch-4 and tree graphs too
     config = gpu_config(97, family=family, window=6)
     state = gpu_state(config, seed=3)
     runners = []
     for on in (False, True):
-        monkeypatch.setattr(pdl_mod, "PDL", on)
+        kernels = KernelOptions(pdl=on, pdl_max_rows=1 << 30, gate_up_m1_under_pdl=False)
         runners.append(
-            gpu_runner(config, state, backend="flashinfer", graphs=(1, 4), trees=(7,), block_size=8)
+            gpu_runner(
+                config,
+                state,
+                backend="flashinfer",
+                graphs=(1, 4),
+                trees=(7,),
+                block_size=8,
+                options=ModelOptions(kernels=kernels),
+            )
         )
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34]]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
@@ -227,21 +223,16 @@ def test_tree_verify_graph_matches_eager_logits() -> None:
 
 
 @pytest.mark.parametrize("small_query_up_to", [16, 0])
-def test_padded_tree_verify_graph_matches_eager_logits(
-    small_query_up_to: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_padded_tree_verify_graph_matches_eager_logits(small_query_up_to: int) -> None:
     """Trees of 9, 3 and 1 nodes and a plain decode in one step replay the 9-node graph, padded
     (``engine/model/graph_padding.py``), on espalier's small-query kernel and on flashinfer's: the
     logits of the eager step, and the same K/V outside the scratch block."""
-    from espalier.engine.model.attention import small_query
-
-    monkeypatch.setattr(small_query, "SMALL_QUERY_UP_TO", small_query_up_to)
+    options = ModelOptions(small_query_up_to=small_query_up_to)
     config = gpu_config(97, window=6)
     state = gpu_state(config, seed=6)
-    eager = gpu_runner(config, state, backend="flashinfer", block_size=16, num_blocks=64)
-    graphs = gpu_runner(
-        config, state, backend="flashinfer", graphs=(4, 8), trees=(9,), block_size=16, num_blocks=64
-    )
+    geometry = {"block_size": 16, "num_blocks": 64, "options": options}
+    eager = gpu_runner(config, state, backend="flashinfer", **geometry)
+    graphs = gpu_runner(config, state, backend="flashinfer", graphs=(4, 8), trees=(9,), **geometry)
     assert graphs.graphs is not None and (8, 9) in graphs.graphs.captured
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34], [40] * 12, [41] * 3]
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]

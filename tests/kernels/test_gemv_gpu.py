@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from espalier.kernels import gemv as gemv_mod
 from espalier.kernels.gemv import SkinnyConfig, gated_gemv, gemv, preferred
+from espalier.kernels.options import KernelOptions
 from espalier.kernels.pdl import pdl
 
 pytestmark = [
@@ -83,12 +83,10 @@ def test_gated_matches_cublas_and_act(m: int, gelu: bool) -> None:
 
 
 @pytest.mark.parametrize("gate_up_m1", [True, False])
-def test_preferred_follows_the_h200_sweep(
-    gate_up_m1: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_preferred_follows_the_h200_sweep(gate_up_m1: bool) -> None:
     """The static rule on the 8B-Llama shapes (see ``preferred``); at M = 1 under PDL the
-    gate/up projection too, unless ``GATE_UP_M1_UNDER_PDL`` is off."""
-    monkeypatch.setattr(gemv_mod, "GATE_UP_M1_UNDER_PDL", gate_up_m1)
+    gate/up projection too, unless ``KernelOptions.gate_up_m1_under_pdl`` is off."""
+    options = KernelOptions(gate_up_m1_under_pdl=gate_up_m1)
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)}
     shapes |= {"down": (4096, 14336), "lm_head": (128256, 4096)}
     picked: dict[int, set[str]] = {}
@@ -96,9 +94,9 @@ def test_preferred_follows_the_h200_sweep(
         picked[m] = set()
         for name, (n, k) in shapes.items():
             x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-            if preferred(x, torch.empty(n, k, device="cuda", dtype=torch.bfloat16)):
+            if preferred(x, torch.empty(n, k, device="cuda", dtype=torch.bfloat16), None, options):
                 picked[m].add(name)
-    under_pdl = {"gate_up"} if gate_up_m1 and pdl(torch.device("cuda"), 1) else set()
+    under_pdl = {"gate_up"} if gate_up_m1 and pdl(torch.device("cuda"), 1, options) else set()
     assert picked[1] == {"qkv", "o", "down", "lm_head"} | under_pdl
     assert picked[2] == picked[16] == {"o", "gate_up", "lm_head"}
     assert picked[17] == set()

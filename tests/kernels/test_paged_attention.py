@@ -9,6 +9,7 @@ import torch
 
 from espalier.kernels import paged_attention as pa
 from espalier.kernels import reference
+from espalier.kernels.options import DEFAULT_KERNELS, AttentionLaunch, KernelOptions
 
 PAGE = 4
 CPU = torch.device("cpu")
@@ -74,9 +75,11 @@ def _run(
     seed: int = 0,
     device: str = "cpu",
     min_split: int = pa.MIN_SPLIT,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the kernel's output, the twin's) for one step on ``device`` (the twin on the CPU);
-    ``min_split``: the fewest entries per split (small, to split short sequences)."""
+    ``min_split``: the fewest entries per split (small, to split short sequences); ``options``:
+    the launch paths of the plan and the kernel."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // PAGE) + 1 for n in kv_lens) + 8
     tables = _tables(kv_lens, num_pages, gen)
@@ -85,7 +88,15 @@ def _run(
     mask = _packed(_tree_masks(q_lens, kv_lens, gen), kv_lens) if tree else None
     dev = torch.device(device)
     plan = pa.make_plan(
-        q_lens, kv_lens, tables, PAGE, head_dim=dim, splits=splits, device=dev, min_split=min_split
+        q_lens,
+        kv_lens,
+        tables,
+        PAGE,
+        head_dim=dim,
+        splits=splits,
+        device=dev,
+        min_split=min_split,
+        options=options,
     )
     scale = dim**-0.5
     ours = pa.paged_attention(
@@ -98,6 +109,7 @@ def _run(
         window_left=window_left,
         mask=None if mask is None else (mask[0].to(dev), mask[1].to(dev)),
         backend="triton",
+        options=options,
     ).cpu()
     meta = plan.meta.tolist()
     b = len(q_lens)
@@ -260,11 +272,11 @@ def test_split_tickets_reset_between_launches() -> None:
 
 
 @pytest.mark.parametrize("block", [32, 128])
-def test_other_loop_steps_match_the_twin(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_loop_steps_match_the_twin(block: int) -> None:
     """32- and 128-entry loop steps (one mask word per row; a word per entry) on trees and
     windows, with splits of the step's size."""
-    monkeypatch.setattr(pa, "LAUNCH", {32: pa.LaunchConfig(block), 16: pa.LaunchConfig(block)})
-    kw = {"heads": 4, "kv_heads": 1, "dim": 32, "dtype": torch.float32, "splits": 3}
-    _close(*_run([5, 1, 9], [300, 17, 90], tree=True, seed=7, min_split=32, **kw))
-    kw["dim"] = 16
-    _close(*_run([12, 1], [200, 33], window_left=40, seed=8, min_split=32, **kw))
+    options = KernelOptions(attention_launch=AttentionLaunch(block))
+    assert pa.split_len_for(1, 1, 32, min_split=1, options=options) == block
+    kw = {"heads": 4, "kv_heads": 1, "dtype": torch.float32, "splits": 3, "min_split": 32}
+    _close(*_run([5, 1, 9], [300, 17, 90], dim=32, tree=True, seed=7, options=options, **kw))
+    _close(*_run([12, 1], [200, 33], dim=16, window_left=40, seed=8, options=options, **kw))

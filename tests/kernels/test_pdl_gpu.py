@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from espalier.kernels import pdl as pdl_mod
 from espalier.kernels.gemv import gated_gemv, gemv
+from espalier.kernels.options import DEFAULT_KERNELS, KernelOptions
 from espalier.kernels.pdl import pdl
 
 pytestmark = [
@@ -17,12 +17,15 @@ pytestmark = [
 ]
 
 
-def _chain(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+def _chain(x: torch.Tensor, weights: list[torch.Tensor], options: KernelOptions) -> torch.Tensor:
     """``x [1, 1024]`` through a GEMV per weight (``[2048, 1024]`` and ``[1024, 2048]`` in turn;
     three of the latter are gated GEMVs from ``[2048, 2048]``): every launch reads the previous
     launch's output, so a kernel that did not wait for it would read a stale row."""
     for w in weights:
-        x = gated_gemv(x, w, gelu=False) if w.shape == (2048, 2048) else gemv(x, w)
+        if w.shape == (2048, 2048):
+            x = gated_gemv(x, w, gelu=False, options=options)
+        else:
+            x = gemv(x, w, options=options)
     return x
 
 
@@ -37,9 +40,7 @@ def _weights(gen: torch.Generator) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_dependent_chain_matches_plain_stream_order(
-    graph: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_dependent_chain_matches_plain_stream_order(graph: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")
     weights = _weights(gen)
@@ -47,19 +48,18 @@ def test_dependent_chain_matches_plain_stream_order(
         torch.randn(1, 1024, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3)
     ]
 
-    monkeypatch.setattr(pdl_mod, "PDL", False)
-    assert not pdl(dev, 1)
-    want = [_chain(x, weights) for x in inputs]
-    monkeypatch.setattr(pdl_mod, "PDL", True)
+    plain, on = KernelOptions(pdl=False), DEFAULT_KERNELS
+    assert not pdl(dev, 1, plain)
+    want = [_chain(x, weights, plain) for x in inputs]
     if not graph:
-        got = [_chain(x, weights) for x in inputs]
+        got = [_chain(x, weights, on) for x in inputs]
     else:
         x = inputs[0].clone()
-        _chain(x, weights)  # compile outside the capture
+        _chain(x, weights, on)  # compile outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = _chain(x, weights)
+            out = _chain(x, weights, on)
         got = []
         for new in inputs:
             x.copy_(new)
@@ -75,6 +75,9 @@ def test_dependent_chain_matches_plain_stream_order(
 def test_pdl_follows_the_device_and_the_rows() -> None:
     dev = torch.device("cuda")
     major, _ = torch.cuda.get_device_capability()
-    assert pdl(dev, 1) == (major >= 9)
-    assert not pdl(dev, pdl_mod.PDL_MAX_ROWS + 1)
-    assert not pdl(torch.device("cpu"), 1)
+    on = DEFAULT_KERNELS
+    assert pdl(dev, 1, on) == (major >= 9)
+    assert not pdl(dev, on.pdl_max_rows + 1, on)
+    assert pdl(dev, 4, KernelOptions(pdl_max_rows=4)) == (major >= 9)
+    assert not pdl(dev, 1, KernelOptions(pdl=False))
+    assert not pdl(torch.device("cpu"), 1, on)

@@ -15,14 +15,14 @@ context entries and the new token's own position for new entries.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from espalier.engine.config import ModelConfig
+    from espalier.engine.config import ModelConfig, ModelOptions
     from espalier.engine.kv_cache import KVCache
     from espalier.engine.model.runner import SeqInput
 
@@ -34,7 +34,6 @@ class LayerSpec:
     layer: int
     scale: float
     sliding_window: int | None = None
-    logit_softcap: float | None = None
 
 
 @dataclass
@@ -97,17 +96,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-_BACKENDS: dict[str, Callable[[ModelConfig], AttentionBackend]] = {}
-
-
-def register_backend(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
-        _BACKENDS[name] = factory
-        return factory
-
-    return wrap
-
-
 def resolve_backend_name(
     name: str, model_config: ModelConfig, device: torch.device | None, dtype: torch.dtype | None
 ) -> str:
@@ -127,22 +115,24 @@ def get_attention_backend(
     *,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    options: ModelOptions | None = None,
 ) -> AttentionBackend:
     """The backend called ``name`` ("sdpa", "flashinfer" or "auto"), imported lazily.
 
-    flashinfer needs ``device`` and ``dtype`` (its workspace lives on the device)."""
+    flashinfer needs ``device`` and ``dtype`` (its workspace lives on the device) and follows
+    ``options`` (which of its steps reach which kernel; None: the defaults)."""
     name = resolve_backend_name(name, model_config, device, dtype)
     if name == "sdpa":
-        from espalier.engine.model.attention import sdpa  # noqa: F401  (registers itself)
+        from espalier.engine.model.attention.sdpa import SdpaBackend
+
+        return SdpaBackend(model_config)
     if name == "flashinfer":
         from espalier.engine.model.attention.flashinfer import FlashinferBackend
 
         if device is None or dtype is None:
             raise ValueError("the flashinfer backend needs a CUDA device and a dtype")
-        return FlashinferBackend(model_config, device=device, dtype=dtype)
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
-    return _BACKENDS[name](model_config)
+        return FlashinferBackend(model_config, device=device, dtype=dtype, options=options)
+    raise ValueError(f"unknown attention backend {name!r}; known: auto, flashinfer, sdpa")
 
 
 def int64_to_device(lists: Sequence[list[int]], device: torch.device) -> list[torch.Tensor]:

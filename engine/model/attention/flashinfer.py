@@ -4,9 +4,9 @@ Per distinct layer window (None = full attention: Llama has one kind, Gemma 3 tw
 ``BatchPrefillWithPagedKVCacheWrapper`` (FA2 kernels, "NHD" layout = ``engine/kv_cache.py``) for
 prefill chunks, trees and (by default) decodes, and one ``BatchDecodeWithPagedKVCacheWrapper``
 for steps whose every sequence feeds one token under the causal rule, in batches of up to
-``DECODE_KERNEL_UP_TO`` (0 by default: see there). Steps of at most
-``small_query.SMALL_QUERY_UP_TO`` new tokens per sequence (decodes, draft trees, short prefill
-chunks) do not reach flashinfer's kernels by default: ``small_query.SmallQueryWrapper`` (the same
+``ModelOptions.decode_kernel_up_to`` (0 by default: see there). Steps of at most
+``ModelOptions.small_query_up_to`` new tokens per sequence (decodes, draft trees, short prefill
+chunks) do not reach flashinfer's kernels: ``small_query.SmallQueryWrapper`` (the same
 planning surface, espalier's ``kernels/paged_attention``) takes them, eager and in CUDA graphs.
 ``prepare`` plans the step's wrappers once from its CSR arrays (``paged_plan``); ``attend`` runs
 the planned wrapper over the cache, which already holds the layer's new K/V. GQA is native
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from espalier.engine.config import ModelConfig
+from espalier.engine.config import ModelConfig, ModelOptions
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionMetadata, LayerSpec
 from espalier.engine.model.attention.paged_plan import (
@@ -46,26 +46,9 @@ from espalier.engine.model.attention.paged_plan import (
 from espalier.engine.model.attention.small_query import (
     SmallQueryWrapper,
     plan_windows,
-    use_small_query,
     window_wrappers,
 )
 from espalier.kernels.paged_attention import Workspace
-
-DECODE_KERNEL_UP_TO = 0
-"""One-token causal steps (plain decode) of at most this many sequences run flashinfer's decode
-wrapper; bigger ones, like every other step, its prefill kernel. Read when a step is planned or
-a CUDA graph's wrappers are made. Off (0) by default: in bf16 the decode kernel's logits differ
-in the last bits from those the prefill kernel gives the same row of a verified tree, so a
-near-tie can make speculative output differ from plain decoding
-(``test_speculative_lossless_cuda[bfloat16-llguidance]``); with one kernel for both they agree
-token for token. Set it (to 4, say) where no request speculates; what it gains:
-``docs/decisions/flashinfer-plan-and-kernels.md``."""
-
-
-def use_decode_kernel(num_seqs: int) -> bool:
-    """Whether a one-token causal step of ``num_seqs`` sequences runs the decode wrapper."""
-    return num_seqs <= DECODE_KERNEL_UP_TO
-
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-KV partial results)
@@ -84,7 +67,7 @@ class GraphWrappers:
 
 def flashinfer_supports(model_config: ModelConfig, dtype: torch.dtype) -> bool:
     """Whether flashinfer imports and runs this model: half-precision K/V, a head dim it has
-    kernels for, and no attention-score softcapping (no supported model has one)."""
+    kernels for."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     if model_config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -97,12 +80,19 @@ def flashinfer_supports(model_config: ModelConfig, dtype: torch.dtype) -> bool:
 
 
 class FlashinferBackend:
-    """Paged attention through flashinfer's batch prefill wrappers (see the module docstring)."""
+    """Paged attention through flashinfer's batch prefill wrappers (see the module docstring);
+    ``options``: which kernel takes which step (``small_query_up_to``, ``decode_kernel_up_to``)
+    and the small-query kernel's launch paths (None: the defaults)."""
 
     name = "flashinfer"
 
     def __init__(
-        self, model_config: ModelConfig, *, device: torch.device, dtype: torch.dtype
+        self,
+        model_config: ModelConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        options: ModelOptions | None = None,
     ) -> None:
         try:
             import flashinfer
@@ -112,6 +102,7 @@ class FlashinferBackend:
             raise ValueError("the flashinfer backend runs on CUDA only")
         self._flashinfer = flashinfer
         self.config = model_config
+        self.options = options or ModelOptions()
         self.device, self.dtype = device, dtype
         self.windows = sorted(
             {model_config.window(i) for i in range(model_config.num_layers)},
@@ -122,7 +113,7 @@ class FlashinferBackend:
         self._eager_decode: Wrappers = {}  # made at the first decode step (its JIT module)
         self._small_workspace = Workspace.empty(device)  # split partials of small-query steps
         self._eager_small: Wrappers = window_wrappers(
-            model_config, self.windows, device, self._small_workspace
+            model_config, self.windows, device, self._small_workspace, options=self.options.kernels
         )
 
     def _wrapper(self, **graph_buffers: Any) -> Any:
@@ -138,6 +129,15 @@ class FlashinferBackend:
             **graph_buffers,
         )
 
+    def _small_query(self, max_q_len: int) -> bool:
+        """Whether a step of at most ``max_q_len`` new tokens per sequence takes the small-query
+        kernel."""
+        return 0 < max_q_len <= self.options.small_query_up_to
+
+    def _decode_kernel(self, num_seqs: int) -> bool:
+        """Whether a one-token causal step of ``num_seqs`` sequences runs the decode wrapper."""
+        return num_seqs <= self.options.decode_kernel_up_to
+
     def _is_decode(self, wrapper: Any) -> bool:
         return isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
 
@@ -147,12 +147,12 @@ class FlashinferBackend:
         layout = meta_layout(meta)
         masks = {window: step_mask(meta, window) for window in self.windows}
         q_lens = (meta.q_indptr[b + 1] - meta.q_indptr[b] for b in range(meta.num_seqs))
-        if use_small_query(max(q_lens)):
+        if self._small_query(max(q_lens)):
             plan_windows(self._eager_small, layout, meta.block_size, masks)
             meta.backend_state = self._eager_small
             return
         causal = all(segments is None for segments in masks.values())
-        if causal and meta.num_tokens == meta.num_seqs and use_decode_kernel(meta.num_seqs):
+        if causal and meta.num_tokens == meta.num_seqs and self._decode_kernel(meta.num_seqs):
             if not self._eager_decode:
                 self._eager_decode = {w: self._decode_wrapper() for w in self.windows}
             self.plan_causal(self._eager_decode, layout, meta.block_size)
@@ -232,7 +232,7 @@ class FlashinferBackend:
     ) -> GraphWrappers:
         """Wrappers in CUDA-graph mode for ``batch_size`` sequences of ``tokens_per_seq`` new
         tokens over at most ``max_pages`` pages in all (fixed int32 index buffers on the device):
-        decode wrappers for one causal token per sequence (``DECODE_KERNEL_UP_TO``), else prefill
+        decode wrappers for one causal token per sequence (``decode_kernel_up_to``), else prefill
         ones.
         ``mask_bytes > 0``: custom-mask mode, with a packed-mask buffer of that many bytes per
         layer window (``plan_graph_masked`` fills it)."""
@@ -242,16 +242,22 @@ class FlashinferBackend:
 
         step = tokens_per_seq
         out = GraphWrappers({}, {})
-        if use_small_query(step):  # row-aligned mask words: up to 4 more bytes per row
+        if self._small_query(step):  # row-aligned mask words: up to 4 more bytes per row
             words = -(-mask_bytes // 4) + batch_size * step if mask_bytes else 0
             graph = (batch_size, step, max_pages)
             out.wrappers.update(
                 window_wrappers(
-                    self.config, self.windows, self.device, self._small_workspace, graph, words
+                    self.config,
+                    self.windows,
+                    self.device,
+                    self._small_workspace,
+                    graph,
+                    words,
+                    options=self.options.kernels,
                 )
             )
             return out
-        if step == 1 and not mask_bytes and use_decode_kernel(batch_size):
+        if step == 1 and not mask_bytes and self._decode_kernel(batch_size):
             for window in self.windows:
                 out.wrappers[window] = self._decode_wrapper(
                     use_cuda_graph=True,
@@ -307,8 +313,6 @@ class FlashinferBackend:
     ) -> torch.Tensor:
         """q: ``[T, H, D]`` (roped, bf16/fp16, CUDA; the step's K/V already in the cache) ->
         ``[T, H, D]``."""
-        if spec.logit_softcap is not None:
-            raise ValueError("the flashinfer backend plans no attention softcapping")
         wrapper = meta.backend_state[spec.sliding_window]
         out: torch.Tensor = wrapper.run(q, (kv_cache.k[spec.layer], kv_cache.v[spec.layer]))
         return out

@@ -21,7 +21,6 @@ from espalier.engine.model.attention.base import (
     AttentionMetadata,
     LayerSpec,
     int64_to_device,
-    register_backend,
 )
 
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -89,9 +88,7 @@ class SdpaBackend:
         kg = k_flat.index_select(0, group.slots.reshape(-1)).view(kv_shape).transpose(1, 2)
         vg = v_flat.index_select(0, group.slots.reshape(-1)).view(kv_shape).transpose(1, 2)
         mask = group.masks[spec.sliding_window]
-        if spec.logit_softcap is not None:
-            out = _softcapped_attention(qg, kg, vg, mask, spec.scale, spec.logit_softcap)
-        elif qg.is_cuda:
+        if qg.is_cuda:
             # not cuDNN: it builds an execution plan per new shape, and kv_len changes every step
             with sdpa_kernel(_CUDA_BACKENDS):
                 out = F.scaled_dot_product_attention(
@@ -182,26 +179,3 @@ def _group_sequences(meta: AttentionMetadata) -> list[list[int]]:
         exact, max_q, max_kv = new_exact, new_q, new_kv
     groups.append(current)
     return groups
-
-
-def _softcapped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """Eager attention with tanh soft-capped scores (Gemma 2 style). q: [G, H, Q, D]."""
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
-
-
-@register_backend("sdpa")
-def _make(model_config: ModelConfig) -> SdpaBackend:
-    return SdpaBackend(model_config)

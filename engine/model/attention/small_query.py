@@ -1,12 +1,12 @@
 """espalier's paged-attention kernel behind the flashinfer backend, for steps of few new tokens.
 
-Decode steps and tree verification (at most ``SMALL_QUERY_UP_TO`` new tokens per sequence, so
-also short prefill chunks) run ``kernels/paged_attention`` instead of flashinfer's prefill
-kernel: one kernel for both, so a decoded row and the verified row of the same token go through
-the same code, and at batch 1 it needs neither flashinfer's split-KV merge launch nor its output
-fill. It is faster than flashinfer's kernel for decode and tree verification over short
-contexts, slightly slower over long ones (``docs/decisions/small-query-attention.md``). Longer
-steps stay on flashinfer.
+Decode steps and tree verification (at most ``ModelOptions.small_query_up_to`` new tokens per
+sequence, so also short prefill chunks) run ``kernels/paged_attention`` instead of flashinfer's
+prefill kernel: one kernel for both, so a decoded row and the verified row of the same token go
+through the same code, and at batch 1 it needs neither flashinfer's split-KV merge launch nor
+its output fill. It is faster than flashinfer's kernel for decode and tree verification over
+short contexts, slightly slower over long ones (``docs/decisions/small-query-attention.md``).
+Longer steps stay on flashinfer.
 
 ``SmallQueryWrapper`` (one per layer window) runs per layer like a flashinfer wrapper. Its
 planning has two parts: ``SmallQueryPlan``, shared by every window's wrapper and planned once
@@ -26,15 +26,7 @@ import torch
 from espalier.engine.config import ModelConfig
 from espalier.engine.model.attention.paged_plan import PagedLayout
 from espalier.kernels import paged_attention as pa
-
-SMALL_QUERY_UP_TO = 16
-"""Steps whose every sequence has at most this many new tokens attend with the kernel here; 0:
-every step on flashinfer (the anchor path in ``bench/gpu.py``). Read when a step is planned and
-when a CUDA graph's wrappers are made."""
-
-
-def use_small_query(max_q_len: int) -> bool:
-    return 0 < max_q_len <= SMALL_QUERY_UP_TO
+from espalier.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 
 class SmallQueryPlan:
@@ -43,7 +35,7 @@ class SmallQueryPlan:
 
     ``graph``: (sequences, tokens per sequence, max pages) of a captured shape, for fixed
     buffers (and the split count and workspace fixed at capture); None for eager steps (fresh
-    tensors per plan)."""
+    tensors per plan). ``options``: the model's launch paths (splits, launch shape, PDL)."""
 
     def __init__(
         self,
@@ -54,16 +46,18 @@ class SmallQueryPlan:
         device: torch.device,
         workspace: pa.Workspace,
         graph: tuple[int, int, int] | None = None,
+        options: KernelOptions = DEFAULT_KERNELS,
     ) -> None:
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.device, self.workspace, self.graph = device, workspace, graph
+        self.options = options
         self.step: pa.StepPlan | None = None
         self.kv_lens: list[int] = []
         self.page_size = 0
         if graph is not None:
             batch, n, max_pages = graph
             programs = batch * pa.tiles_per_sequence(num_heads, num_kv_heads, n) * num_kv_heads
-            splits = pa.choose_splits(programs, 1 << 30, device)
+            splits = pa.choose_splits(programs, 1 << 30, device, options)
             self.step = pa.StepPlan(
                 torch.zeros(3 * batch + 3, dtype=torch.int32, device=device),
                 torch.zeros(max_pages, dtype=torch.int32, device=device),
@@ -87,10 +81,10 @@ class SmallQueryPlan:
         if self.graph is None:
             tiles = pa.tiles_per_sequence(self.heads, self.kv_heads, max(q_lens))
             programs = batch * tiles * self.kv_heads
-            splits = pa.choose_splits(programs, max(kv_lens), self.device)
+            splits = pa.choose_splits(programs, max(kv_lens), self.device, self.options)
             self.step = pa.build_plan(
                 q_lens, kv_lens, pages, layout.kv_indices,
-                head_dim=self.head_dim, splits=splits, device=self.device,
+                head_dim=self.head_dim, splits=splits, device=self.device, options=self.options,
             )  # fmt: skip
             return
         step = self.step
@@ -99,7 +93,7 @@ class SmallQueryPlan:
             raise ValueError("the step does not fit the captured shape")
         if len(layout.kv_indices) > step.kv_indices.numel():
             raise ValueError("more pages than the graph's index buffer holds")
-        split_len = pa.split_len_for(max(kv_lens), step.splits, self.head_dim)
+        split_len = pa.split_len_for(max(kv_lens), step.splits, self.head_dim, options=self.options)
         meta = pa.host_meta(q_lens, kv_lens, pages, split_len)
         step.meta.copy_(torch.tensor(meta, dtype=torch.int32), non_blocking=True)
         indices = layout.kv_indices
@@ -184,6 +178,7 @@ class SmallQueryWrapper:
             window_left=self.window_left,
             mask=self.mask,
             workspace=self.shared.workspace,
+            options=self.shared.options,
         )
 
 
@@ -209,9 +204,11 @@ def window_wrappers(
     workspace: pa.Workspace,
     graph: tuple[int, int, int] | None = None,
     mask_words: int = 0,
+    options: KernelOptions = DEFAULT_KERNELS,
 ) -> dict[int | None, SmallQueryWrapper]:
     """A wrapper per layer window over one shared ``SmallQueryPlan``: eager (``graph`` None)
-    or for a captured shape, with ``mask_words`` int32 mask words per window (0: causal only)."""
+    or for a captured shape, with ``mask_words`` int32 mask words per window (0: causal only);
+    ``options``: the model's launch paths."""
     shared = SmallQueryPlan(
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
@@ -219,6 +216,7 @@ def window_wrappers(
         device=device,
         workspace=workspace,
         graph=graph,
+        options=options,
     )
     wrappers = {}
     for window in windows:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from espalier.engine.config import ModelConfig
+from espalier.engine.config import ModelConfig, ModelOptions
 from espalier.engine.model.models.base import CausalLM
+from espalier.engine.model.models.layers import use_options
 
 
 def _build_llama(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
@@ -32,11 +33,13 @@ def build_model(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    options: ModelOptions | None = None,
 ) -> CausalLM:
     """Instantiate the family of ``config.model_type`` and load ``state_dict`` (HF names) strictly.
 
     The module is built on the meta device and takes the checkpoint tensors as its parameters,
     converted to ``dtype`` on ``device``; a tied LM head has no ``lm_head.weight`` key.
+    ``options``: the kernel paths of every layer (``ModelOptions``; None: the defaults).
     """
     with torch.device("meta"):
         model = _FAMILIES[config.family](config, state_dict)
@@ -46,6 +49,8 @@ def build_model(
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    if options is not None:
+        use_options(model, options)
     return model.eval()
 
 

@@ -6,7 +6,7 @@ paged cache on the way; ``compute_logits`` applies the LM head (+ softcapping) i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -14,7 +14,14 @@ from torch import nn
 from espalier.engine.config import ModelConfig, RopeConfig
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.layers import RMSNormBase, linear, rope_cos_sin
+from espalier.engine.model.models.layers import (
+    Linear,
+    PagedAttention,
+    RMSNormBase,
+    UsesOptions,
+    linear,
+    rope_cos_sin,
+)
 
 
 class DecoderStack(nn.Module):
@@ -29,11 +36,39 @@ class DecoderStack(nn.Module):
         self.norm = norm
 
 
-class CausalLM(nn.Module):
+class DecoderLayer(nn.Module):
+    """A decoder layer: its input norm and attention, then the family's ``after_attention``."""
+
+    input_layernorm: RMSNormBase
+    self_attn: PagedAttention
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
+        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
+        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        return self.after_attention(x, self.self_attn(h, cos_sin, kv_cache, attention, meta))
+
+    def after_attention(
+        self, x: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream ``x`` and the attention output ``attn`` -> ``(x, delta)`` after the MLP."""
+        raise NotImplementedError
+
+
+class CausalLM(UsesOptions, nn.Module):
     """Base of every family: ``model.embed_tokens / layers / norm`` and ``lm_head`` (maybe tied).
 
-    Subclasses build ``self.model`` (a ``DecoderStack``) and define
-    ``embed(token_ids)``; each decoder layer is called as
+    Subclasses pass their decoder layers and final norm, and may redefine ``embed(token_ids)``
+    (default: the embedding lookup); each decoder layer is called as
     ``layer(x, delta, cos_sin, kv_cache, attention, meta) -> (x, delta)``: the residual stream
     is ``x + delta``, the add left to the next norm (``RMSNormBase.add_norm``: one kernel with
     the norm on CUDA); ``delta`` is None into layer 0.
@@ -46,9 +81,19 @@ class CausalLM(nn.Module):
     """Tensor parallel: this rank's vocabulary-slice logits -> the full vocabulary
     (``parallel/layers.py``); None on one device."""
 
+    def __init__(self, config: ModelConfig, layers: Iterable[nn.Module], norm: RMSNormBase) -> None:
+        super().__init__()
+        self.config = config
+        embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model = DecoderStack(embed_tokens, nn.ModuleList(layers), norm)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[T]`` -> ``[T, hidden]`` in the model dtype."""
-        raise NotImplementedError
+        out: torch.Tensor = self.model.embed_tokens(token_ids)
+        return out
 
     def layer_cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -108,7 +153,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> fp32 ``[n, V]`` (final softcapping applied when configured)."""
-        logits = linear(hidden, self.head_weight())
+        logits = linear(hidden, self.head_weight(), None, self.options)
         if self.vocab_gather is not None:  # tensor parallel: every rank's vocabulary slice
             logits = self.vocab_gather(logits)
         logits = logits.float()

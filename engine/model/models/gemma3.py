@@ -4,16 +4,13 @@ GeGLU, sqrt(hidden) embedding scale, (1 + w) RMSNorms around attention and MLP, 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from espalier.engine.config import ModelConfig
-from espalier.engine.kv_cache import KVCache
-from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.base import CausalLM, DecoderStack
-from espalier.engine.model.models.layers import GatedMLP, GemmaRMSNorm, Linear, PagedAttention
+from espalier.engine.model.models.base import CausalLM, DecoderLayer
+from espalier.engine.model.models.layers import GatedMLP, GemmaRMSNorm, PagedAttention
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -30,20 +27,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        delta: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        attention: AttentionBackend,
-        meta: AttentionMetadata,
+    def after_attention(
+        self, x: torch.Tensor, attn: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
-        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
-        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
-        x, h = self.input_layernorm.add_norm(x, delta)
-        attn = self.self_attn(h, cos_sin, kv_cache, attention, meta)
         x, h = self.pre_feedforward_layernorm.add_norm(x, self.post_attention_layernorm(attn))
         return x, self.post_feedforward_layernorm(self.mlp(h))
 
@@ -52,18 +38,8 @@ class Gemma3ForCausalLM(CausalLM):
     """Parameter names as in HF ``Gemma3ForCausalLM``."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size),
-            nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers)),
-            GemmaRMSNorm(config.hidden_size, config.rms_norm_eps),
-        )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        layers = (Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        super().__init__(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight

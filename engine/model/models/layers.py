@@ -13,36 +13,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from espalier.engine.config import ModelConfig
+from espalier.engine.config import ModelConfig, ModelOptions
 from espalier.engine.kv_cache import KVCache
 from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata, LayerSpec
 from espalier.engine.model.models import cpu_packed
 from espalier.kernels import fused, gemv
 
-SMALL_M_GEMV = True
-"""On CUDA, projections of a few rows (decode) run the Triton skinny GEMM where it beats cuBLAS
-(``espalier.kernels.gemv.preferred``); False: cuBLAS always (A/B timing). Read per call, so a
-CUDA graph keeps the choice made when it was captured."""
+DEFAULT_OPTIONS = ModelOptions()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    options: ModelOptions = DEFAULT_OPTIONS,
+) -> torch.Tensor:
     """``F.linear`` for 2-D ``x [M, in]``; on CPU computed as ``(W @ x^T)^T``; on CUDA, for
-    small M, the skinny GEMM kernel (``SMALL_M_GEMV``).
+    small M, the skinny GEMM kernel (``ModelOptions.skinny_gemv``).
 
     Why: MKL's ``x @ W^T`` kernel is 3-15x slower than ``W @ x^T`` for small M on AVX2 CPUs
     (measured on AMD EPYC: M=8 LM head 0.73 s vs 0.19 s); the results agree to fp32 rounding.
     On CUDA the kernel is 1-15 % faster than cuBLAS on most 8B-Llama projections at M <= 16
     (H200; ``espalier.kernels.gemv.preferred`` says where, and why not elsewhere).
     """
-    if x.is_cuda and SMALL_M_GEMV and gemv.preferred(x, weight, bias):
-        return gemv.gemv(x, weight, bias)
+    kernels = options.kernels
+    if x.is_cuda and options.skinny_gemv and gemv.preferred(x, weight, bias, kernels):
+        return gemv.gemv(x, weight, bias, options=kernels)
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out + bias
 
 
-class Linear(nn.Linear):
+class UsesOptions:
+    """A module whose forward follows its model's ``ModelOptions`` (``options``: the defaults
+    until ``build_model`` gives every such module of a model that model's options)."""
+
+    options: ModelOptions = DEFAULT_OPTIONS
+
+
+def use_options(model: nn.Module, options: ModelOptions) -> None:
+    """Give every ``UsesOptions`` module of ``model`` (the model too, if it is one) ``options``."""
+    for module in model.modules():
+        if isinstance(module, UsesOptions):
+            module.options = options
+
+
+class Linear(UsesOptions, nn.Linear):
     """``nn.Linear`` routed through ``linear`` (same parameters and checkpoint names); on CPU,
     inputs of several rows use the oneDNN-packed weight when the runner made one
     (``cpu_packed.pack_linears``)."""
@@ -53,29 +70,10 @@ class Linear(nn.Linear):
         packed = self.packed_weight
         if packed is not None and x.dim() == 2 and x.shape[0] >= cpu_packed.MIN_ROWS:
             return cpu_packed.packed_linear(x.contiguous(), packed, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.options)
 
 
-KERNELS_ON_CPU = False
-"""Run the Triton norm kernels on CPU tensors too (tests only: Triton's CPU interpreter)."""
-
-FUSE_RESIDUAL_ADD = True
-"""Where the norms run as kernels, fold the residual add before a norm into its kernel
-(``RMSNormBase.add_norm``); False launches the add and the norm separately (for A/B timing)."""
-
-
-FUSE_ROPE_STORE = True
-"""On CUDA, rotate q/k and write the new K/V to the paged cache in one kernel
-(``fused.rope_store``); False: the rope kernel, then ``KVCache.write`` (for A/B timing). Read
-per call, so a CUDA graph keeps the choice made when it was captured."""
-
-
-def norm_kernels(x: torch.Tensor) -> bool:
-    """Whether the norms of ``x`` run as Triton kernels (``kernels/norm.py``): on CUDA."""
-    return x.is_cuda or KERNELS_ON_CPU
-
-
-class RMSNormBase(nn.Module):
+class RMSNormBase(UsesOptions, nn.Module):
     """RMSNorm over the last dim, in two flavours (``RMSNorm``, ``GemmaRMSNorm``); ``weight [C]``.
 
     On CUDA one Triton kernel per norm (``fused.rms_norm``, eight torch kernels otherwise) and
@@ -91,9 +89,14 @@ class RMSNormBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., C]`` (model dtype) -> normed, same shape, dtype and device."""
-        if norm_kernels(x):
-            return fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
+        if self._kernels(x):
+            kernels = self.options.kernels
+            return fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma, options=kernels)
         return self._torch_norm(x)
+
+    def _kernels(self, x: torch.Tensor) -> bool:
+        """Whether the norms of ``x`` run as Triton kernels (``kernels/norm.py``): on CUDA."""
+        return x.is_cuda or self.options.norm_kernels_on_cpu
 
     def add_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None
@@ -103,8 +106,11 @@ class RMSNormBase(nn.Module):
         (``fused.add_rms_norm``: the same values as the add followed by the norm kernel)."""
         if delta is None:
             return x, self(x)
-        if FUSE_RESIDUAL_ADD and norm_kernels(x):
-            return fused.add_rms_norm(x, delta, self.weight, self.eps, gemma=self.gemma)
+        if self.options.fuse_residual_add and self._kernels(x):
+            kernels = self.options.kernels
+            return fused.add_rms_norm(
+                x, delta, self.weight, self.eps, gemma=self.gemma, options=kernels
+            )
         summed = x + delta
         return summed, self(summed)
 
@@ -163,7 +169,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(UsesOptions, nn.Module):
     """``down(act(gate(x)) * up(x))`` with act = silu (SwiGLU) or gelu-tanh (GeGLU)."""
 
     gate_up_weight: torch.Tensor | None = None  # set on CUDA by ``fused.fuse_projections``
@@ -184,15 +190,17 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None and x.is_cuda:  # ``fused.fuse_projections``
-            gelu = self.act is _gelu_tanh
-            if SMALL_M_GEMV and gemv.preferred_gated(x, self.gate_up_weight):  # one launch
-                return self.down_proj(gemv.gated_gemv(x, self.gate_up_weight, gelu=gelu))
-            gate_up = linear(x, self.gate_up_weight)
-            return self.down_proj(fused.gated_act(gate_up, gelu=gelu))
+            gelu, options = self.act is _gelu_tanh, self.options
+            kernels = options.kernels
+            if options.skinny_gemv and gemv.preferred_gated(x, self.gate_up_weight, kernels):
+                gated = gemv.gated_gemv(x, self.gate_up_weight, gelu=gelu, options=kernels)
+                return self.down_proj(gated)  # one launch for gate/up and the activation
+            gate_up = linear(x, self.gate_up_weight, None, options)
+            return self.down_proj(fused.gated_act(gate_up, gelu=gelu, options=kernels))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(UsesOptions, nn.Module):
     """q/k/v/o projections (+ optional per-head QK-norm) around the paged attention backend."""
 
     qkv_weight: torch.Tensor | None = None  # set on CUDA by ``fused.fuse_projections``
@@ -228,7 +236,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_weight is not None and x.is_cuda:  # one GEMM (``fused.fuse_projections``)
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.options)
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
             k = qkv[:, nq : nq + nk].view(t, self.num_kv_heads, self.head_dim)
@@ -241,11 +249,13 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         layer = self.spec.layer
-        if q.is_cuda and FUSE_ROPE_STORE:  # rotation and cache write in one launch
-            q = fused.rope_store(q, k, v, cos, sin, *kv_cache.flat(layer), meta.slot_mapping)
+        kernels = self.options.kernels
+        if q.is_cuda and self.options.fuse_rope_store:  # rotation and cache write in one launch
+            cache, slots = kv_cache.flat(layer), meta.slot_mapping
+            q = fused.rope_store(q, k, v, cos, sin, *cache, slots, options=kernels)
         else:
             if q.is_cuda:
-                q, k = fused.rope(q, k, cos, sin)
+                q, k = fused.rope(q, k, cos, sin, kernels)
             else:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv_cache.write(layer, meta.slot_mapping, k, v)

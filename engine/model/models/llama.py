@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from espalier.engine.config import ModelConfig
-from espalier.engine.kv_cache import KVCache
-from espalier.engine.model.attention.base import AttentionBackend, AttentionMetadata
-from espalier.engine.model.models.base import CausalLM, DecoderStack
-from espalier.engine.model.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm
+from espalier.engine.model.models.base import CausalLM, DecoderLayer
+from espalier.engine.model.models.layers import GatedMLP, PagedAttention, RMSNorm
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -26,20 +23,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        delta: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        attention: AttentionBackend,
-        meta: AttentionMetadata,
+    def after_attention(
+        self, x: torch.Tensor, attn: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual stream ``x + delta`` (``[T, hidden]``; ``delta`` None: just ``x``) -> the
-        stream after the layer, again as ``(x, delta)``: each residual add is left to the next
-        norm, which on CUDA does both in one kernel (``RMSNormBase.add_norm``)."""
-        x, h = self.input_layernorm.add_norm(x, delta)
-        attn = self.self_attn(h, cos_sin, kv_cache, attention, meta)
         x, h = self.post_attention_layernorm.add_norm(x, attn)
         return x, self.mlp(h)
 
@@ -48,22 +34,8 @@ class LlamaForCausalLM(CausalLM):
     """Parameter names as in HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3...``."""
 
     def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size),
-            nn.ModuleList(
-                LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias)
-                for i in range(config.num_layers)
-            ),
-            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        layers = (
+            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias)
+            for i in range(config.num_layers)
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.model.embed_tokens(token_ids)
-        return out
+        super().__init__(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))

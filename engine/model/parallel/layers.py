@@ -80,5 +80,6 @@ def _row_parallel(old: Linear, group: RankGroup) -> RowParallelLinear:
         new = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None)
     new.weight = old.weight
     new.bias = old.bias
+    new.options = old.options
     new.group = group
     return new

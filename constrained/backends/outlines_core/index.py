@@ -1,7 +1,7 @@
 """outlines-core ``Index`` builds in child processes: capped in memory, killed at the deadline.
 
 An Index build is native code that cannot be interrupted from Python, and some take minutes and
-many GiB (``constrained/outlines_index_child.py`` has the numbers). On a compile thread of a
+many GiB (``index_child.py`` has the numbers). On a compile thread of a
 :class:`~espalier.constrained.cache.CompileCache` it would be abandoned at its timeout and run on,
 and a few of them could take the server's memory. :class:`IndexBuilder` runs each build in a child
 process of a :class:`~espalier.constrained.compile_pool.ChildPool` instead:
@@ -26,7 +26,7 @@ from espalier.constrained.compile_pool import ChildPool, ChildRefusedError, memo
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.spec import BackendName
 
-CHILD_MODULE = "espalier.constrained.outlines_index_child"
+CHILD_MODULE = "espalier.constrained.backends.outlines_core.index_child"
 
 
 class IndexBuilder:

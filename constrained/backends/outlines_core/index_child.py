@@ -1,7 +1,7 @@
 """The child process that builds outlines-core ``Index`` objects under a memory limit.
 
-Run as ``python -m espalier.constrained.outlines_index_child`` by the outlines-core backend's
-:class:`~espalier.constrained.compile_pool.ChildPool`; the protocol is
+Run as ``python -m espalier.constrained.backends.outlines_core.index_child`` by the
+outlines-core backend's :class:`~espalier.constrained.compile_pool.ChildPool`; the protocol is
 ``constrained/compile_child.py``'s: the setup payload is the pickled ``outlines_core.Vocabulary``,
 a request is a regex (UTF-8), an answer the pickled ``Index``.
 
