@@ -80,6 +80,14 @@ def _load() -> ctypes.CDLL:
     return so
 
 
+def filter_tree_address() -> int:
+    """The address of ``espalier_keys_filter_tree``, for native callers that filter a tree's
+    rows in their own call (an ``EspTreeFilterFn`` of ``llg_walk.c``, the tracker its state)."""
+    address = ctypes.cast(lib().espalier_keys_filter_tree, ctypes.c_void_p).value
+    assert address is not None  # a symbol ctypes found has an address
+    return address
+
+
 class KeyTables:
     """Per-tokenizer candidate index of ``keys.c`` (built once per tokenizer, shared by every
     tracker and thread; read-only). token_bytes: each token id's bytes."""
