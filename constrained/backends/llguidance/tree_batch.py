@@ -25,7 +25,7 @@ import numpy as np
 
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as native
-from espalier.constrained.backends.llguidance.tree_walk import WRAP_UP_S, native_walk_ready, twin_of
+from espalier.constrained.backends.llguidance.tree_walk import WRAP_UP_S, twin_of
 from espalier.constrained.base import BatchTree
 
 
@@ -43,7 +43,8 @@ class NativeTreeBatch:
             return False
         if len(parents) - 1 - len(set(parents[1:])) > matcher.compiled.native_max_branches:
             return False
-        return native_walk_ready(matcher) and twin_of(matcher) is not None
+        # a twin exists only once the grammar's C-API template did (made on the first walk)
+        return matcher.twin is not None or twin_of(matcher) is not None
 
     def fill_trees(
         self,

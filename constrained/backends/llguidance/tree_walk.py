@@ -6,9 +6,11 @@ default, ``constrained/backends/llguidance/native/``): each request's matcher ke
 through llguidance's C API, which only moves forward with the request (each walk first makes it
 consume what the request accepted since; it computes the root row). ``llg_walk.c`` walks the
 tree on clones of it: the same DFS as below, with no Python per node and the GIL dropped for the
-whole tree, so trees of a batch fill in parallel; with ``threads`` > 1 a second thread shares a
-big tree (work stealing between two deques). A node off the current path gets a fresh clone,
-which costs more than the Python walk's ``deep_copy``, so trees with more than
+whole call; with ``threads`` > 1 a second thread shares a branchy tree (work stealing between
+two deques). A speculative step's trees all go to one such call (``tree_batch.py``: in
+parallel on native threads, their key filters applied inside it); :func:`walk_llguidance` is
+the same call with one tree, for ``Matcher.fill_tree``. A node off the current path gets a
+fresh clone, which costs more than the Python walk's ``deep_copy``, so trees with more than
 ``BackendOptions.llguidance_native_max_branches`` branches take the Python walk. It checks the
 budget between nodes (a walk overruns it by at most one mask), so budgeted native walks run
 inline (``Matcher.fill_tree``).
