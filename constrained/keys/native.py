@@ -80,12 +80,18 @@ def _load() -> ctypes.CDLL:
     return so
 
 
+_filter_tree_address = 0
+
+
 def filter_tree_address() -> int:
     """The address of ``espalier_keys_filter_tree``, for native callers that filter a tree's
     rows in their own call (an ``EspTreeFilterFn`` of ``llg_walk.c``, the tracker its state)."""
-    address = ctypes.cast(lib().espalier_keys_filter_tree, ctypes.c_void_p).value
-    assert address is not None  # a symbol ctypes found has an address
-    return address
+    global _filter_tree_address
+    if not _filter_tree_address:
+        address = ctypes.cast(lib().espalier_keys_filter_tree, ctypes.c_void_p).value
+        assert address is not None  # a symbol ctypes found has an address
+        _filter_tree_address = address
+    return _filter_tree_address
 
 
 class KeyTables:
