@@ -117,7 +117,9 @@ class PendingMasks:
 
 class MaskBuilder:
     """Fills the tree masks of a batch on a small thread pool plus the thread that waits for
-    them (the grammar backends release the GIL inside their mask computations)."""
+    them (the grammar backends release the GIL inside their mask computations): a library's
+    tree batch (``GrammarMatcher.tree_batch_kind``) as one job on up to ``threads`` native
+    threads of its own, each other tree as one job."""
 
     def __init__(
         self,
@@ -171,8 +173,10 @@ class MaskBuilder:
         *,
         hidden_s: float = 0.0,
     ) -> PendingMasks:
-        """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
-        at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
+        """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request): the
+        trees a library's tree batch takes as one job (first), every other tree as one job of
+        its own (``fill_tree``); start at most ``threads`` workers on them; the caller's
+        ``result()`` takes what is left (on CUDA, where it waits at once, often the batch).
         ``after``: other jobs, run one after the other on a pool thread from when the last
         fill ends (``result()`` does not wait for them; they must not touch the matchers: they
         own what they use; one that raises is logged, the rest still run). Not before: run
