@@ -8,7 +8,9 @@ instance (a chain: oracle drafts), ``MaskBuilder.submit`` fills the step's trees
 ``--mask-threads`` threads, the calling thread (the engine) waits in one of two ways, and each
 request then accepts its chain:
 
-- ``wait``: ``PendingMasks.result()`` at once: ``masks_ms`` is the fills' wall time;
+- ``wait``: ``PendingMasks.result()`` at once: ``masks_ms`` is the fills' wall time,
+  ``cpu_ms`` the process's CPU time meanwhile (every thread: the fills' work, far less
+  sensitive than wall time to other processes on the cores);
 - ``busy``: pure Python until the fill workers end (the engine launching the next forward, on
   the GPU), then ``result()``: ``masks_ms`` is the fills' wall time next to a thread that wants
   the GIL, ``engine_share`` the rate of Python the caller kept meanwhile over its rate alone
@@ -100,6 +102,7 @@ def run(tokenizer: Any, plan: list[Any], args: argparse.Namespace, busy: bool) -
     builder = MaskBuilder(tokenizer.vocab_size, threads=args.mask_threads)
     at = [0] * len(plan)
     masks_ms: list[float] = []
+    cpu_ms: list[float] = []
     shares: list[float] = []
     nodes = 0
     try:
@@ -113,7 +116,7 @@ def run(tokenizer: Any, plan: list[Any], args: argparse.Namespace, busy: bool) -
                 drafts.append(Draft([0, *chain], list(range(-1, len(chain))), [0.0] * 9, [0] * 9))
                 nodes += len(chain) + 1
             alone = python_rate(0.002) if busy else 0.0
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             pending = builder.submit([matchers[b] for b in live], drafts)
             if busy:
                 workers = pending.workers
@@ -122,6 +125,7 @@ def run(tokenizer: Any, plan: list[Any], args: argparse.Namespace, busy: bool) -
                 shares.append(count / spun / alone if spun > 0 else 1.0)
             result = pending.result()
             masks_ms.append(1e3 * (time.perf_counter() - start))
+            cpu_ms.append(1e3 * (time.process_time() - start_cpu))
             assert bool(result.filled.all()), "an unbudgeted fill leaves no node unfilled"
             for b in live:
                 chain = plan[b][1][at[b] : at[b] + args.draft]
@@ -135,6 +139,7 @@ def run(tokenizer: Any, plan: list[Any], args: argparse.Namespace, busy: bool) -
         "nodes": nodes,
         "masks_ms_mean": round(statistics.fmean(masks_ms), 3),
         "masks_ms_p50": round(statistics.median(masks_ms), 3),
+        "cpu_ms_mean": round(statistics.fmean(cpu_ms), 3),
     }
     if busy:
         record["engine_share_mean"] = round(statistics.fmean(shares), 3)
