@@ -15,13 +15,14 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   finished request's last chunk, with its post-validation);
 - ``other``: ``Engine.step`` minus schedule, execute and append;
 
-and, from every thread: ``fill_sum`` (tree fills; ``fill_threads``: the threads that filled),
-``native_walk`` (the part of them inside llguidance's native walk call, GIL re-acquisition on
-return included), ``plain_fill`` (plain decoding's one batch grammar call per step,
-``constrained.batch``), ``lookahead_sum`` (closing lookahead jobs; ``lookahead_inline``: those
-run by the engine thread), and per
+and, from every thread: ``fill_sum`` (the mask threads' fill jobs: one per tree filled alone,
+one per tree batch, whose native threads fill its trees in parallel; ``fill_threads``: the
+threads that filled), ``native_walk`` (the part of them inside llguidance's native tree batch
+call, GIL re-acquisition on return included), ``plain_fill`` (plain decoding's one batch
+grammar call per step, ``constrained.batch``), ``lookahead_sum`` (closing lookahead jobs;
+``lookahead_inline``: those run by the engine thread), and per
 step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the end of the step's last fill)
-and ``fill_max`` (its slowest tree); per step, in ms after the verify forward's call starts:
+and ``fill_max`` (its slowest fill job); per step, in ms after the verify forward's call starts:
 ``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``);
 ``gc``: garbage collections (any thread, ``gc.callbacks``; ``calls["gc_genN"]``).
 
@@ -304,8 +305,9 @@ def install() -> Timeline:
         setattr(owner, attr, line.phase(name, getattr(owner, attr)))
     masks.MaskBuilder.submit = line.submit(masks.MaskBuilder.submit)  # type: ignore[method-assign]
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
+    masks.MaskBuilder._fill_batch = line.worker("fill_sum", masks.MaskBuilder._fill_batch)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
-    native_llguidance.walk = line.worker("native_walk", native_llguidance.walk)
+    native_llguidance.walk_batch = line.worker("native_walk", native_llguidance.walk_batch)
     step_mod.PlainDecoding._fill_masks = line.worker(
         "plain_fill", step_mod.PlainDecoding._fill_masks
     )  # type: ignore[method-assign]

@@ -15,8 +15,11 @@ Per side (constrained / unconstrained), one JSON line:
 - ``host_cpu_ms_per_step``: the engine thread's CPU time (``time.thread_time``) per step, less
   its CPU time inside the target's work: the host work itself, far less sensitive than wall
   time to other processes sharing the cores;
-- ``mask_fill_ms_per_step``: summed tree-fill time of the mask threads (on the GPU these run
-  while the forward does: they are hidden when this / mask threads < the forward's time);
+- ``mask_fill_ms_per_step``: tree-fill time summed over the trees (each tree's own fill: on a
+  mask thread, or on a native thread of a tree batch; on the GPU these run while the forward
+  does: they are hidden when this / mask threads < the forward's time);
+  ``mask_jobs_ms_per_step``: wall time of the mask threads' fill jobs, summed over the jobs (one
+  per tree filled alone, one per tree batch);
 - ``accepts_per_token``: ``GrammarMatcher.accept`` calls (every matcher, forks included, every
   thread) per emitted token, ``main_accepts_per_token`` those on the main thread (the rest run
   on the mask threads: tree fills, closing decisions made ahead); ``forks_per_token``,
@@ -61,7 +64,8 @@ class Probe:
         self.calls: Counter[str] = Counter()
         self.device_s = 0.0  # target forward + verification kernel (GPU work on the GPU)
         self.device_cpu_s = 0.0  # the engine thread's CPU time inside them
-        self.mask_fill_s = 0.0  # tree fills, summed over mask threads
+        self.mask_fill_s = 0.0  # tree fills, summed over trees
+        self.mask_jobs_s = 0.0  # fill jobs' wall time, summed over jobs
         self.tree_nodes = 0
         self.profiler: cProfile.Profile | None = None  # paused during device work
 
@@ -82,7 +86,9 @@ class Probe:
 
         patch(runner, "forward", self._timed_device)
         patch(verify, "verify_greedy", self._timed_device)
-        patch(masks.MaskBuilder, "_fill_one", self._timed_fill)
+        patch(masks.MaskBuilder, "_fill_one", self._timed_job)
+        patch(masks.MaskBuilder, "_fill_batch", self._timed_job)
+        patch(masks.PendingMasks, "result", self._counted_fills)
         patch(common.MatcherBase, "accept", lambda f: self._counted("accept", f))
         patch(llg.Matcher, "fork", lambda f: self._counted("fork", f))
         patch(llg.Matcher, "forced_tokens", lambda f: self._counted("forced_tokens", f))
@@ -97,7 +103,7 @@ class Probe:
 
     def reset(self) -> None:
         self.calls.clear()
-        self.device_s = self.device_cpu_s = self.mask_fill_s = 0.0
+        self.device_s = self.device_cpu_s = self.mask_fill_s = self.mask_jobs_s = 0.0
         self.tree_nodes = 0
 
     def _timed_device(self, function: Any) -> Any:
@@ -116,14 +122,24 @@ class Probe:
 
         return wrapper
 
-    def _timed_fill(self, function: Any) -> Any:
-        def wrapper(builder: Any, matcher: Any, draft: Any, *rest: Any) -> Any:
+    def _timed_job(self, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return function(builder, matcher, draft, *rest)
+                return function(*args, **kwargs)
             finally:
-                self.mask_fill_s += time.perf_counter() - start  # += on a float: GIL-atomic enough
-                self.tree_nodes += draft.num_nodes
+                self.mask_jobs_s += time.perf_counter() - start  # += on a float: GIL-atomic enough
+
+        return wrapper
+
+    def _counted_fills(self, function: Any) -> Any:
+        def wrapper(pending: Any) -> Any:
+            counted = pending.ready is not None
+            out = function(pending)
+            if not counted:  # once per step: the fills' own times and the nodes they walked
+                self.mask_fill_s += pending.fills.seconds
+                self.tree_nodes += sum(n for _, _, n in pending.trees.values())
+            return out
 
         return wrapper
 
@@ -180,6 +196,7 @@ def measure(
         "host_ms_per_step": round(1e3 * host / engine_steps, 3),
         "host_cpu_ms_per_step": round(1e3 * (cpu - probe.device_cpu_s) / engine_steps, 3),
         "mask_fill_ms_per_step": round(1e3 * probe.mask_fill_s / engine_steps, 3),
+        "mask_jobs_ms_per_step": round(1e3 * probe.mask_jobs_s / engine_steps, 3),
         "accepts_per_token": round(probe.calls["accept"] / tokens, 3),
         "main_accepts_per_token": round(probe.calls["accept_main"] / tokens, 3),
         "forks_per_token": round(probe.calls["fork"] / tokens, 3),

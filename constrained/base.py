@@ -107,6 +107,13 @@ class GrammarMatcher(Protocol):
         ...
 
     @property
+    def tree_batch_kind(self) -> Callable[[int], TreeBatch] | None:
+        """The factory (given a native thread count) of this matcher's library's entry point
+        for a step's draft trees (``engine/spec/masks.py``): the trees it takes are filled in
+        one call of it. None: ``fill_tree`` one by one."""
+        ...
+
+    @property
     def row_filter(self) -> RowFilter | None:
         """None: this matcher's rows are its own fills. Else its rows are those of
         ``row_filter.source`` with ``row_filter`` applied after: a batch fills the source in its
@@ -129,6 +136,63 @@ class RowFilter(Protocol):
         """``kind(filters, bitmask, rows, threads)``: filter ``bitmask[rows[j]]`` (int32, CPU,
         contiguous, filled from ``filters[j].source``) for all ``filters`` (of this kind, no
         two the same) in one native call on up to ``threads`` threads; raises when it fails."""
+        ...
+
+    @property
+    def native_tree_filter(self) -> tuple[int, int] | None:
+        """``(function, state)`` for native callers that filter a draft tree's rows in their
+        own call (a tree batch): the address of a C function of ``llg_walk.c``'s
+        ``EspTreeFilterFn`` signature (the tree, its rows and the walk's flags, updated in
+        place; the state ends as it began) and the state pointer it takes, valid while this
+        object lives. None: no native form (such trees are filled one by one)."""
+        ...
+
+
+@dataclass(frozen=True)
+class BatchTree:
+    """One request's draft tree in a :class:`TreeBatch` call.
+
+    index: the request's index in the step (fault keys); matcher: the matcher that walks it
+    (a row filter's source); tree_filter: its ``native_tree_filter`` is applied to its rows
+    after the walk, or None;
+    tokens, parents: the tree (``parents[0] == -1``, siblings in index order); row: its first
+    row of the step's bitmask; node: its first node in the step's flag planes.
+    """
+
+    index: int
+    matcher: GrammarMatcher
+    tree_filter: RowFilter | None
+    tokens: Sequence[int]
+    parents: Sequence[int]
+    row: int
+    node: int
+
+
+class TreeBatch(Protocol):
+    """One grammar library's entry point for a step's draft trees: one native call for all
+    the trees it takes, the GIL released throughout. Made once per mask builder and library
+    (``GrammarMatcher.tree_batch_kind``); one caller at a time."""
+
+    def takes(self, matcher: GrammarMatcher, parents: Sequence[int]) -> bool:
+        """Whether :meth:`fill_trees` can fill ``matcher``'s tree of these ``parents`` now
+        (else its ``fill_tree`` does)."""
+        ...
+
+    def fill_trees(
+        self,
+        trees: Sequence[BatchTree],
+        rows: np.ndarray,
+        flags: np.ndarray,
+        budget: float | None,
+        tree_threads: int,
+        faults: dict[int, BaseException],
+    ) -> float:
+        """Fill every tree (each ``takes``) as ``fill_tree`` would, then apply its filter:
+        rows int32 ``[R, ceil(V/32)]`` C-contiguous CPU; flags uint8 ``[3, M]`` (valid, filled,
+        terminated), zero where the trees go, written in place. ``budget``: seconds per tree
+        from its start (None: none); ``tree_threads``: threads one tree may use. A tree that
+        fails gets ``faults[tree.index]`` (its rows then undefined). Returns the fills'
+        seconds summed over the trees."""
         ...
 
 

@@ -33,7 +33,7 @@ from espalier.constrained.tree.masks import TreeMasks, fill_with
 from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import BatchStep, RowFilter
+    from espalier.constrained.base import BatchStep, RowFilter, TreeBatch
     from espalier.constrained.tokenizer import TokenizerInfo
 
 
@@ -166,6 +166,8 @@ class MatcherBase:
     """See ``GrammarMatcher.exact_rollback``."""
     batch_kind: Callable[[int], BatchStep] | None = None
     """See ``GrammarMatcher.batch_kind``: None, filled one by one."""
+    tree_batch_kind: Callable[[int], TreeBatch] | None = None
+    """See ``GrammarMatcher.tree_batch_kind``: None, trees filled one by one."""
     row_filter: RowFilter | None = None
     """See ``GrammarMatcher.row_filter``: None, the rows are the library's."""
 

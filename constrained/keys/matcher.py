@@ -6,7 +6,9 @@ keys (:func:`may_repeat_keys`); other matchers are returned as they are. Rows ar
 rows minus the tokens that would complete a key already in its object; ``accept`` rejects
 exactly those tokens. A batch's rows are the inner matchers' batch fill, then one native call
 filtering them all (:attr:`UniqueKeysMatcher.row_filter`); a draft tree's rows are the backend's
-walk, then one native call filtering them node by node (:meth:`UniqueKeysMatcher.fill_tree`).
+walk, then one native call filtering them node by node (:meth:`UniqueKeysMatcher.fill_tree`), or,
+in a step's tree batch, the same filter applied inside the batch's native call
+(:attr:`UniqueKeysMatcher.native_tree_filter`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.keys.native import KeyTables, KeyTracker, filter_rows
+from espalier.constrained.keys.native import (
+    KeyTables,
+    KeyTracker,
+    filter_rows,
+    filter_tree_address,
+)
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
+    from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter, TreeBatch
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.constrained.tree import DraftTree
     from espalier.constrained.tree.masks import TreeMasks
@@ -67,6 +74,17 @@ class UniqueKeysMatcher:
     def batch_kind(self) -> Callable[[int], BatchStep] | None:
         """None: batches fill ``inner`` (:attr:`row_filter`), never this wrapper."""
         return None
+
+    @property
+    def tree_batch_kind(self) -> Callable[[int], TreeBatch] | None:
+        """None: a step's tree batch walks ``inner`` (:attr:`row_filter`) and applies
+        :attr:`native_tree_filter` in the same native call."""
+        return None
+
+    @property
+    def native_tree_filter(self) -> tuple[int, int]:
+        """``keys.c``'s tree filter and this request's tracker (``RowFilter``)."""
+        return filter_tree_address(), self.keys.handle
 
     @property
     def row_filter(self) -> RowFilter:

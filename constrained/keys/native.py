@@ -80,6 +80,20 @@ def _load() -> ctypes.CDLL:
     return so
 
 
+_filter_tree_address = 0
+
+
+def filter_tree_address() -> int:
+    """The address of ``espalier_keys_filter_tree``, for native callers that filter a tree's
+    rows in their own call (an ``EspTreeFilterFn`` of ``llg_walk.c``, the tracker its state)."""
+    global _filter_tree_address
+    if not _filter_tree_address:
+        address = ctypes.cast(lib().espalier_keys_filter_tree, ctypes.c_void_p).value
+        assert address is not None  # a symbol ctypes found has an address
+        _filter_tree_address = address
+    return _filter_tree_address
+
+
 class KeyTables:
     """Per-tokenizer candidate index of ``keys.c`` (built once per tokenizer, shared by every
     tracker and thread; read-only). token_bytes: each token id's bytes."""

@@ -1,10 +1,14 @@
 """Tree masks of a verify batch, built on CPU threads while the target's forward runs.
 
-``MaskBuilder.submit`` queues one fill job per constrained request (its tree's rows in one pinned
-buffer) and starts the pool's workers on them; ``PendingMasks.result`` takes the jobs no worker
-has started yet on the calling thread, then waits. On CUDA the engine submits right after
-launching the verify forward (asynchronous), so the fills run while the GPU works and never
-compete with the launch for the GIL; on the CPU (synchronous forward) it submits before.
+``MaskBuilder.submit`` lays the step's trees out in one pinned buffer and queues their fills:
+one job per library with a tree batch (``GrammarMatcher.tree_batch_kind``: llguidance's native
+walk, every tree it takes in one native call on its own threads, the GIL released, row filters
+applied inside it), one job per other tree (``fill_tree``: xgrammar, outlines-core, trees the
+batch does not take); it starts the pool's workers on them. ``PendingMasks.result`` takes the
+jobs no worker has started yet on the calling thread, then waits. On CUDA the engine submits
+right after launching the verify forward (asynchronous), so the fills run while the GPU works
+and never compete with the launch for the GIL; on the CPU (synchronous forward) it submits
+before.
 
 Row semantics (``constrained.tree``): row ``i`` holds the tokens allowed after the path root→i;
 ``valid[i]`` says the path is grammar-valid, ``filled[i]`` that the row was computed. The fill
@@ -26,11 +30,12 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained.base import BatchTree
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import GrammarMatcher
+    from espalier.constrained.base import GrammarMatcher, TreeBatch
     from espalier.constrained.tree.masks import TreeMasks as ConstrainedTreeMasks
 
 log = logging.getLogger(__name__)
@@ -44,30 +49,30 @@ class FillJobs:
     """One step's fill jobs; workers and the caller take them one at a time (``next`` on an
     ``itertools.count`` is atomic under the GIL), so each matcher is used by one thread only.
 
-    jobs: ``(request index, fill)``; ``fill()`` fills that request's rows and returns its flags.
-    results: one slot per request of the step, set when its job is done (None before, and for
-        unconstrained requests, whose node count is in ``unconstrained``).
+    jobs: each one fills its requests' rows and flags and sets their ``results``.
+    results: one slot per request of the step, set when its fill is done (None before, and for
+        unconstrained requests).
     faults: request index -> the exception its fill raised (its grammar's fault alone).
+    seconds: the fills' time summed over trees (a native batch reports its own).
     """
 
-    jobs: list[tuple[int, Callable[[], Fill]]]
+    jobs: list[Callable[[FillJobs], None]]
     results: list[Fill | None]
-    unconstrained: dict[int, int]
+    flags: np.ndarray
+    """uint8 ``[3, N]`` (valid, filled, terminated) over every node of the step."""
     then: Callable[[], None] | None = None
     """Called once, by the thread that finishes the last job (``MaskBuilder.submit``'s
     ``after`` jobs start there); never when there are no jobs."""
     faults: dict[int, BaseException] = field(default_factory=dict)
+    seconds: float = 0.0
     _next: itertools.count[int] = field(default_factory=itertools.count)
     _done: itertools.count[int] = field(default_factory=itertools.count)
 
     def work(self) -> None:
         """Run jobs until none is left (on whichever thread calls it)."""
         while (job := next(self._next)) < len(self.jobs):
-            index, fill = self.jobs[job]
             try:
-                self.results[index] = fill()
-            except Exception as exc:  # this request's grammar: its own fault
-                self.faults[index] = exc
+                self.jobs[job](self)
             finally:
                 if next(self._done) == len(self.jobs) - 1 and self.then is not None:
                     self.then()
@@ -81,8 +86,9 @@ class PendingMasks:
     mask_rows: torch.Tensor
     fills: FillJobs
     workers: list[Future[None]]
-    trees: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Request index -> its tree's first bitmask row and node count (constrained requests)."""
+    trees: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """Request index -> its tree's first bitmask row, first node and node count (constrained
+    requests)."""
     ready: TreeMasks | None = None
 
     def faults(self) -> dict[int, BaseException]:
@@ -94,33 +100,26 @@ class PendingMasks:
             self.fills.work()
             for worker in self.workers:
                 worker.result()  # re-raises a worker's failure
-            valid: list[np.ndarray] = []
-            filled: list[np.ndarray] = []
-            for index, part in enumerate(self.fills.results):
-                if index in self.fills.faults:  # a root that allows everything, nothing below
-                    assert self.bitmask is not None
-                    start, n = self.trees[index]
-                    self.bitmask[start].fill_(-1)
-                    part = (np.zeros(n, dtype=bool), np.zeros(n, dtype=bool))
-                    part[0][0] = part[1][0] = True
-                if part is None:
-                    valid.append(np.ones(self.fills.unconstrained[index], dtype=bool))
-                    filled.append(valid[-1])
-                else:
-                    valid.append(part[0])
-                    filled.append(part[1])
+            for index in self.fills.faults:  # a root that allows everything, nothing below
+                assert self.bitmask is not None
+                row, node, n = self.trees[index]
+                self.bitmask[row].fill_(-1)
+                self.fills.flags[:, node : node + n] = 0
+                self.fills.flags[:2, node] = 1
             self.ready = TreeMasks(
                 self.bitmask,
                 self.mask_rows,
-                torch.from_numpy(np.concatenate(valid)),
-                torch.from_numpy(np.concatenate(filled)),
+                torch.from_numpy(self.fills.flags[0].view(bool)),
+                torch.from_numpy(self.fills.flags[1].view(bool)),
             )
         return self.ready
 
 
 class MaskBuilder:
     """Fills the tree masks of a batch on a small thread pool plus the thread that waits for
-    them (the grammar backends release the GIL inside their mask computations)."""
+    them (the grammar backends release the GIL inside their mask computations): a library's
+    tree batch (``GrammarMatcher.tree_batch_kind``) as one job on up to ``threads`` native
+    threads of its own, each other tree as one job."""
 
     def __init__(
         self,
@@ -141,6 +140,7 @@ class MaskBuilder:
         # fills abandoned at their budget whose native call may still write an unfilled row of
         # the buffer (constrained.tree.bounded): such a buffer is parked until they end
         self._late: list[ConstrainedTreeMasks] = []
+        self._batches: dict[Callable[[int], TreeBatch], TreeBatch] = {}
         self._parked: list[tuple[torch.Tensor, list[ConstrainedTreeMasks]]] = []
 
     def close(self) -> None:
@@ -173,8 +173,10 @@ class MaskBuilder:
         *,
         hidden_s: float = 0.0,
     ) -> PendingMasks:
-        """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request) and start
-        at most ``threads`` workers on them; the caller's ``result()`` takes what is left.
+        """Queue the fills of ``drafts`` (``matchers[b]`` None = unconstrained request): the
+        trees a library's tree batch takes as one job (first), every other tree as one job of
+        its own (``fill_tree``); start at most ``threads`` workers on them; the caller's
+        ``result()`` takes what is left (on CUDA, where it waits at once, often the batch).
         ``after``: other jobs, run one after the other on a pool thread from when the last
         fill ends (``result()`` does not wait for them; they must not touch the matchers: they
         own what they use; one that raises is logged, the rest still run). Not before: run
@@ -193,37 +195,97 @@ class MaskBuilder:
         # the fills write through numpy slices of one view (a tensor slice per tree would cost a
         # Tensor.numpy() each, tens of µs right after a native walk)
         array = self._array() if bitmask is not None else None
+        flags = np.zeros((3, sum(d.num_nodes for d in drafts)), dtype=np.uint8)
         mask_rows: list[int] = []
-        jobs: list[tuple[int, Callable[[], Fill]]] = []
+        singles: list[Callable[[FillJobs], None]] = []
+        batches: dict[TreeBatch, list[BatchTree]] = {}
         # fewer trees than threads: a tree may share its walk with a spare thread (only
         # llguidance's native walk does, ``constrained/backends/llguidance/tree_walk.py``)
         constrained = sum(m is not None for m in matchers)
         tree_threads = max(1, min(2, self.threads // max(1, constrained)))
-        unconstrained: dict[int, int] = {}
-        trees: dict[int, tuple[int, int]] = {}
-        row = 0
+        trees: dict[int, tuple[int, int, int]] = {}
+        row = node = 0
         for index, (matcher, draft) in enumerate(zip(matchers, drafts)):
             n = draft.num_nodes
-            if matcher is None or bitmask is None:
+            if matcher is None or array is None:
                 mask_rows.extend([-1] * n)
-                unconstrained[index] = n
+                flags[:2, node : node + n] = 1
+                node += n
                 continue
-            assert array is not None
-            out = array[row : row + n]
-            fill = functools.partial(self._fill_one, matcher, draft, out, budget, tree_threads)
-            jobs.append((index, fill))
-            trees[index] = (row, n)
+            batch, item = self._batch_of(index, matcher, draft, row, node)
+            if batch is not None and item is not None:
+                batches.setdefault(batch, []).append(item)
+            else:
+                out = array[row : row + n]
+                singles.append(
+                    functools.partial(
+                        self._fill_one, index, matcher, draft, out, budget, tree_threads, node
+                    )
+                )
+            trees[index] = (row, node, n)
             mask_rows.extend(range(row, row + n))
             row += n
+            node += n
+        # the native batches first: the first worker takes them while the others fill the rest
+        jobs = [
+            functools.partial(self._fill_batch, batch, items, array, budget, tree_threads)
+            for batch, items in batches.items()
+            if array is not None
+        ] + singles
         after_jobs = list(after)
         fills = FillJobs(
-            jobs, [None] * len(drafts), unconstrained, functools.partial(self._start, after_jobs)
+            jobs, [None] * len(drafts), flags, functools.partial(self._start, after_jobs)
         )
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
         if not jobs:
             self._start(after_jobs)
         return PendingMasks(bitmask, mask_rows_t, fills, workers, trees)
+
+    def _batch_of(
+        self, index: int, matcher: GrammarMatcher, draft: Draft, row: int, node: int
+    ) -> tuple[TreeBatch | None, BatchTree | None]:
+        """The tree batch that takes ``matcher``'s tree (its library's, with the row filter
+        applied natively), and the tree's entry; ``(None, None)``: ``fill_tree`` alone."""
+        tree_filter = matcher.row_filter
+        source = matcher if tree_filter is None else tree_filter.source
+        if tree_filter is not None and tree_filter.native_tree_filter is None:
+            return None, None
+        try:
+            kind = source.tree_batch_kind
+            if kind is None:
+                return None, None
+            batch = self._batches.get(kind)
+            if batch is None:
+                batch = self._batches[kind] = kind(self.threads)
+            if not batch.takes(source, draft.parents):
+                return None, None
+        except Exception:  # its own fill_tree meets the fault again, and reports it
+            return None, None
+        return batch, BatchTree(index, source, tree_filter, draft.tokens, draft.parents, row, node)
+
+    def _fill_batch(
+        self,
+        batch: TreeBatch,
+        items: list[BatchTree],
+        array: np.ndarray,
+        budget_s: float | None,
+        threads: int,
+        fills: FillJobs,
+    ) -> None:
+        """One native call for the trees ``batch`` takes (``TreeBatch.fill_trees``)."""
+        faults: dict[int, BaseException] = {}
+        try:
+            fills.seconds += batch.fill_trees(items, array, fills.flags, budget_s, threads, faults)
+        except Exception as exc:  # the call failed as a whole: each of its requests
+            faults = dict.fromkeys((item.index for item in items), exc)
+        fills.faults.update(faults)
+        for item in items:
+            n = len(item.tokens)
+            fills.results[item.index] = (
+                fills.flags[0, item.node : item.node + n].view(bool),
+                fills.flags[1, item.node : item.node + n].view(bool),
+            )
 
     def _start(self, jobs: list[Callable[[], None]]) -> None:
         """Run ``jobs`` one after the other on one pool thread: they are Python (the closing
@@ -247,20 +309,32 @@ class MaskBuilder:
 
     def _fill_one(
         self,
+        index: int,
         matcher: GrammarMatcher,
         draft: Draft,
         out: np.ndarray,
         budget_s: float | None,
         threads: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """One tree's fill."""
+        node: int,
+        fills: FillJobs,
+    ) -> None:
+        """One tree's fill (``GrammarMatcher.fill_tree``), its flags copied into the step's."""
         from espalier.constrained.tree import DraftTree
 
-        tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-        result = matcher.fill_tree(tree, out, budget=budget_s, threads=threads)
+        try:
+            tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
+            result = matcher.fill_tree(tree, out, budget=budget_s, threads=threads)
+        except Exception as exc:  # this request's grammar: its own fault
+            fills.faults[index] = exc
+            return
         if result.writes_pending():
             self._late.append(result)
-        return result.valid, result.filled
+        n = draft.num_nodes
+        fills.flags[0, node : node + n] = result.valid
+        fills.flags[1, node : node + n] = result.filled
+        fills.flags[2, node : node + n] = result.terminated
+        fills.seconds += result.seconds
+        fills.results[index] = (result.valid, result.filled)
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:

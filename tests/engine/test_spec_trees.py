@@ -361,3 +361,65 @@ def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: i
         assert len(seen) == 3
     finally:
         masks.close()
+
+
+def test_a_steps_llguidance_trees_fill_in_one_batch_as_each_alone(toy_tokenizer: Any) -> None:
+    # MaskBuilder hands every llguidance tree (its key filter too) to one native tree batch and
+    # fills the others (xgrammar here) one by one: each request's rows and flags equal its own
+    # fill_tree; unconstrained requests are all valid, with no rows.
+    import numpy as np
+
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.constrained.spec import GrammarSpec
+    from espalier.engine.spec.masks import MaskBuilder
+
+    free = {"type": "object", "additionalProperties": {"type": "integer"}}
+    spec = GrammarSpec.json_schema(free)
+
+    def request(backend: str) -> tuple[Any, Any]:
+        one, two = (compile_matcher(toy_tokenizer, backend, free) for _ in range(2))
+        if backend == "llguidance":
+            assert one.compiled.native_slot.wait(60) is not None
+        prefix = toy_tokenizer.encode('{"a":1,"b":2,"')
+        pair = tuple(with_unique_keys(spec, m, toy_tokenizer) for m in (one, two))
+        assert all(m.accept_tokens(prefix) == len(prefix) for m in pair)
+        return pair
+
+    pairs = [request("llguidance"), request("xgrammar"), request("llguidance")]
+    rng = random.Random(4)
+    drafts = []
+    for _ in range(4):
+        builder = TreeBuilder(0)
+        for _ in range(3):  # a few branches of plausible key text, some repeating "a"/"b"
+            path = toy_tokenizer.encode(rng.choice(['a":3}', 'b":4,"c', 'c":5}', 'ab":6}']))
+            builder.add_path(0, path, None, NodeSource.FORCED)
+        drafts.append(builder.build())
+    matchers = [pairs[0][0], None, pairs[1][0], pairs[2][0]]
+    masks = MaskBuilder(toy_tokenizer.vocab_size, threads=2)
+    try:
+        pending = masks.submit(matchers, drafts)
+        assert len(pending.fills.jobs) == 2  # one batch (both llguidance trees), one xgrammar
+        result = pending.result()
+        assert pending.faults() == {}
+        rows = result.bitmask.numpy()
+        alone_of = {0: pairs[0][1], 2: pairs[1][1], 3: pairs[2][1]}
+        node = row = 0
+        for index, draft in enumerate(drafts):
+            n = draft.num_nodes
+            valid = result.valid[node : node + n].numpy()
+            filled = result.filled[node : node + n].numpy()
+            if index not in alone_of:
+                assert valid.all() and filled.all()
+                assert result.mask_rows[node : node + n].tolist() == [-1] * n
+            else:
+                tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
+                out = np.zeros((n, rows.shape[1]), dtype=np.int32)
+                alone = alone_of[index].fill_tree(tree, out, budget=None)
+                assert np.array_equal(rows[row : row + n], out)
+                assert np.array_equal(valid, alone.valid) and np.array_equal(filled, alone.filled)
+                assert not alone.valid.all()  # the key filter cut a repeated key
+                assert result.mask_rows[node : node + n].tolist() == list(range(row, row + n))
+                row += n
+            node += n
+    finally:
+        masks.close()

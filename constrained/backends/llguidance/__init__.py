@@ -51,6 +51,7 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as llg_native
+from espalier.constrained.backends.llguidance.tree_batch import NativeTreeBatch
 from espalier.constrained.backends.llguidance.tree_walk import (
     native_takes,
     native_walk_ready,
@@ -309,6 +310,7 @@ class Matcher(MatcherBase):
 
     exact_rollback = False  # a stale mask can survive a rollback (module docstring)
     batch_kind = ExecutorBatch
+    tree_batch_kind = NativeTreeBatch
 
     def __init__(self, compiled: CompiledGrammar, native: llguidance.LLMatcher) -> None:
         super().__init__(compiled.tokenizer, compiled._facts)

@@ -6,9 +6,11 @@ default, ``constrained/backends/llguidance/native/``): each request's matcher ke
 through llguidance's C API, which only moves forward with the request (each walk first makes it
 consume what the request accepted since; it computes the root row). ``llg_walk.c`` walks the
 tree on clones of it: the same DFS as below, with no Python per node and the GIL dropped for the
-whole tree, so trees of a batch fill in parallel; with ``threads`` > 1 a second thread shares a
-big tree (work stealing between two deques). A node off the current path gets a fresh clone,
-which costs more than the Python walk's ``deep_copy``, so trees with more than
+whole call; with ``threads`` > 1 a second thread shares a branchy tree (work stealing between
+two deques). A speculative step's trees all go to one such call (``tree_batch.py``: in
+parallel on native threads, their key filters applied inside it); :func:`walk_llguidance` is
+the same call with one tree, for ``Matcher.fill_tree``. A node off the current path gets a
+fresh clone, which costs more than the Python walk's ``deep_copy``, so trees with more than
 ``BackendOptions.llguidance_native_max_branches`` branches take the Python walk. It checks the
 budget between nodes (a walk overruns it by at most one mask), so budgeted native walks run
 inline (``Matcher.fill_tree``).
@@ -160,12 +162,6 @@ def native_walk_ready(matcher: Any) -> bool:
     return matcher.compiled.native_template() is not None
 
 
-SPLIT_MIN_NODES = 8
-"""A tree walks on two threads (when allowed) only from this many nodes and with a branch: below
-it, the second thread's start (~30-60 µs) costs about what it would save, and a chain has no
-second subtree to give it."""
-
-
 def walk_llguidance(
     matcher: Any,
     tree: DraftTree,
@@ -177,31 +173,60 @@ def walk_llguidance(
     threads: int = 1,
 ) -> WalkResult:
     """Fill ``rows`` for an llguidance-backed matcher: natively when it can (module docstring),
-    else :func:`walk_llguidance_py`. ``threads`` > 1 lets a native walk of a tree of at least
-    :data:`SPLIT_MIN_NODES` nodes share it with a second thread."""
+    else :func:`walk_llguidance_py`. ``threads`` > 1 lets a native walk of a branchy tree of at
+    least 8 nodes share it with a second thread (``llg_walk.c``)."""
     if matcher.is_terminated() or matcher.native.is_error():
         return walk_generic(matcher, tree, rows, deadline, root_ready, result)
     if not native_takes(matcher, tree):
         return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
-    twin = _twin(matcher)
+    twin = twin_of(matcher)
     if twin is None:
         return walk_llguidance_py(matcher, tree, rows, deadline, root_ready, result)
+    n = tree.num_nodes
+    flags = np.zeros((3, n), dtype=np.uint8)
+    if deadline == float("inf"):
+        budget = -1.0
+    else:  # leave the wrap-up after the walk (flags, unfilled rows) inside the budget too
+        budget = max(deadline - time.perf_counter() - WRAP_UP_S, 0.0)
     history = matcher.history
-    return _walk_native(
-        matcher,
-        twin,
-        twin.catch_up(history),
-        len(history),
-        tree,
-        rows,
-        deadline,
-        root_ready,
-        result,
-        threads,
+    length = len(history)
+    sync = history[twin.length :]
+    one = native.BatchTrees(
+        roots=np.array([twin.native.pointer], dtype=np.uint64),
+        sync=np.array(sync, dtype=np.uint32),
+        sync_at=np.array([0, len(sync)], dtype=np.int64),
+        tokens=tree.tokens,
+        parents=tree.parents,
+        node_at=np.array([0, n], dtype=np.int64),
+        row_at=np.zeros(1, dtype=np.int64),
+        flag_at=np.zeros(1, dtype=np.int64),
+        filter_states=np.zeros(1, dtype=np.uint64),
     )
+    compiled = matcher.compiled
+    end = native.walk_batch(
+        native.api(),
+        one,
+        rows,
+        flags,
+        compiled.native_slot.tables,
+        matcher.vocab_size,
+        budget,
+        1,
+        threads,
+        native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
+    )
+    if end.errors:
+        if matcher.twin is twin:
+            matcher.twin = None  # its state is unknown now: the next walk starts a new one
+        raise MatcherStateError(f"llguidance tree walk: {end.errors[0]}")
+    twin.ended(length, int(end.helper_filled[0]))
+    result.flags = flags.view(bool)
+    result.complete = int(end.filled[0]) == n
+    result.budget_hit = int(end.status[0]) == native.WALK_BUDGET_HIT
+    return result
 
 
-def _twin(matcher: Any) -> Twin | None:
+def twin_of(matcher: Any) -> Twin | None:
     """``matcher``'s twin, made when it has none (None: no C-API template for its grammar)."""
     twin: Twin | None = matcher.twin
     if twin is None:
@@ -210,47 +235,3 @@ def _twin(matcher: Any) -> Twin | None:
             return None
         twin = matcher.twin = Twin(start)
     return twin
-
-
-def _walk_native(
-    matcher: Any,
-    twin: Twin,
-    sync: list[int],
-    length: int,
-    tree: DraftTree,
-    rows: np.ndarray,
-    deadline: float,
-    root_ready: bool,
-    result: WalkResult,
-    threads: int,
-) -> WalkResult:
-    """The native walk on ``twin`` after it consumes ``sync`` (it then stands at ``length``
-    tokens of ``matcher``'s history)."""
-    n = tree.num_nodes
-    forks = branches(tree)
-    flags = np.zeros((3, n), dtype=np.uint8)
-    if deadline == float("inf"):
-        budget = -1.0
-    else:  # leave the wrap-up after the walk (flags, unfilled rows) inside the budget too
-        budget = max(deadline - time.perf_counter() - WRAP_UP_S, 0.0)
-    try:
-        end = native.walk(
-            twin.native,
-            sync,
-            tree,
-            rows,
-            matcher.compiled.native_slot.tables,
-            native.ROOT_READY if root_ready else native.ROOT_COMPUTE,
-            budget,
-            flags,
-            2 if threads > 1 and n >= SPLIT_MIN_NODES and forks > 0 else 1,  # chains: one
-        )
-    except RuntimeError as exc:
-        if matcher.twin is twin:
-            matcher.twin = None  # its state is unknown now: the next walk starts a new one
-        raise MatcherStateError(str(exc)) from exc
-    twin.ended(length, end.helper_filled)
-    result.flags = flags.view(bool)
-    result.complete = end.filled == n
-    result.budget_hit = end.status == native.WALK_BUDGET_HIT
-    return result

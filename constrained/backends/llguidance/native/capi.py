@@ -58,34 +58,44 @@ class _WalkApi(ctypes.Structure):
     ]
 
 
-class _WalkArgs(ctypes.Structure):
-    """``EspWalkArgs`` of ``llg_walk.c``: one walk's inputs and outputs."""
+class _TreeBatchArgs(ctypes.Structure):
+    """``EspTreeBatch`` of ``llg_walk.c``: a step's trees, their inputs and outputs."""
 
     _fields_ = [
-        ("root", ctypes.c_void_p),
+        ("n_trees", ctypes.c_int64),
+        ("roots", ctypes.c_void_p),
+        ("filter_states", ctypes.c_void_p),
+        ("filter", ctypes.c_void_p),
         ("sync", ctypes.c_void_p),
-        ("n_sync", ctypes.c_int64),
-        ("n", ctypes.c_int64),
+        ("sync_at", ctypes.c_void_p),
+        ("node_at", ctypes.c_void_p),
+        ("row_at", ctypes.c_void_p),
+        ("flag_at", ctypes.c_void_p),
         ("tokens", ctypes.c_void_p),
-        ("first_child", ctypes.c_void_p),
-        ("next_sibling", ctypes.c_void_p),
+        ("parents", ctypes.c_void_p),
         ("rows", ctypes.c_void_p),
+        ("flags", ctypes.c_void_p),
+        ("plane", ctypes.c_int64),
         ("words", ctypes.c_int64),
         ("limit", ctypes.c_int64),
+        ("vocab_size", ctypes.c_int64),
         ("excluded", ctypes.c_void_p),
         ("stops", ctypes.c_void_p),
-        ("root_mode", ctypes.c_int64),
         ("budget_s", ctypes.c_double),
-        ("valid", ctypes.c_void_p),
-        ("filled", ctypes.c_void_p),
-        ("terminated", ctypes.c_void_p),
-        ("err", ctypes.c_void_p),
-        ("err_len", ctypes.c_int64),
+        ("root_mode", ctypes.c_int64),
         ("threads", ctypes.c_int64),
-        ("n_filled", ctypes.c_int64),
-        ("helper_filled", ctypes.c_int64),
+        ("tree_threads", ctypes.c_int64),
+        ("status", ctypes.c_void_p),
+        ("n_filled", ctypes.c_void_p),
+        ("helper_filled", ctypes.c_void_p),
+        ("seconds", ctypes.c_void_p),
+        ("errors", ctypes.c_void_p),
+        ("err_len", ctypes.c_int64),
     ]
 
+
+WALK_ABI = 2
+"""``espalier_llg_walk_abi()`` of the ``llg_walk.c`` this binding was written for."""
 
 TOKENIZE_CACHE_ENTRIES = 8192
 """Slots of the C tokenize cache (texts remembered: up to half of it; cleared when full)."""
@@ -142,7 +152,7 @@ class Api:
             )
         )
         walk_sig: dict[str, tuple[Any, list[Any]]] = {
-            "espalier_llg_walk": (ctypes.c_int64, [vp, vp]),
+            "espalier_llg_walk_batch": (ctypes.c_int64, [vp, vp]),
             "espalier_tokenize_cache_new": (vp, [vp, vp, sz]),
             "espalier_llg_series": (ctypes.c_char_p, []),
             "espalier_llg_constraint_init_size": (sz, []),
@@ -153,7 +163,7 @@ class Api:
         for name, (restype, argtypes) in walk_sig.items():
             fn = getattr(walk, name)
             fn.restype, fn.argtypes = restype, argtypes
-        self.walk_fn = walk.espalier_llg_walk
+        self.walk_batch_fn = walk.espalier_llg_walk_batch
         self.tokenize_cache_new = walk.espalier_tokenize_cache_new
         self.tokenize_cached: int = _address(walk, "espalier_tokenize_cached")
         self.fns_address = ctypes.addressof(self.fns)
@@ -249,6 +259,15 @@ def _load() -> Api:
         walk = ctypes.CDLL(str(_extension_path()))
     except OSError as exc:
         raise NativeBuildError(f"espalier's native tree walk does not load: {exc}") from exc
+    built = 1  # the first build exported no ABI number
+    if hasattr(walk, "espalier_llg_walk_abi"):
+        walk.espalier_llg_walk_abi.restype = ctypes.c_int64
+        built = int(walk.espalier_llg_walk_abi())
+    if built != WALK_ABI:
+        raise NativeBuildError(
+            f"espalier's native tree walk was built from llg_walk.c ABI {built}, this binding "
+            f"expects {WALK_ABI}: reinstall espalier (pip install -e .)"
+        )
     walk.espalier_llg_series.restype = ctypes.c_char_p
     series = bytes(walk.espalier_llg_series()).decode()
     check_version(installed_llguidance(), series)  # before any llguidance call: layout may differ
@@ -375,102 +394,118 @@ class WalkTables:
         return int(self.excluded.shape[0])
 
 
+@dataclass(frozen=True)
+class BatchTrees:
+    """A step's trees for :func:`walk_batch`, laid out back to back (``B`` trees, ``N`` nodes).
+
+    Attributes:
+        roots: uint64 ``[B]``: each tree's twin (a ``NativeMatcher``'s pointer), which first
+            consumes its catch-up tokens ``sync[sync_at[b]:sync_at[b + 1]]`` (uint32; int64
+            ``sync_at [B + 1]``).
+        tokens, parents: int64 ``[N]``: tree ``b``'s nodes are ``node_at[b]:node_at[b + 1]``
+            (int64 ``[B + 1]``), ``parents`` local to the tree (root -1, siblings in index
+            order).
+        row_at: int64 ``[B]``: tree ``b``'s first row of the rows; flag_at: int64 ``[B]`` its
+            first node in the flag planes.
+        filter_states: uint64 ``[B]``: per tree the state ``filter`` is called with after its
+            walk (0: none); filter: address of an ``EspTreeFilterFn`` (``llg_walk.c``), 0: none.
+    """
+
+    roots: np.ndarray
+    sync: np.ndarray
+    sync_at: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray
+    node_at: np.ndarray
+    row_at: np.ndarray
+    flag_at: np.ndarray
+    filter_states: np.ndarray
+    filter: int = 0
+
+    @property
+    def count(self) -> int:
+        return int(self.roots.shape[0])
+
+
 @dataclass
-class WalkEnd:
-    """How a walk ended: ``status`` (WALK_DONE or WALK_BUDGET_HIT), how many rows it filled, of
-    which the second thread filled ``helper_filled``."""
+class BatchEnd:
+    """How each tree of a :func:`walk_batch` ended, numpy ``[B]`` each: ``status`` (WALK_DONE,
+    WALK_BUDGET_HIT, or negative: failed, then ``errors[b]`` says why and that twin's state is
+    unknown), rows filled (``helper_filled`` of them by a second thread), seconds."""
 
-    status: int
-    filled: int
-    helper_filled: int = 0
+    status: np.ndarray
+    filled: np.ndarray
+    helper_filled: np.ndarray
+    seconds: np.ndarray
+    errors: dict[int, str]
 
 
-def walk(
-    root: NativeMatcher,
-    sync: Sequence[int],
-    tree: Any,
+def walk_batch(
+    lib: Api,
+    trees: BatchTrees,
     rows: np.ndarray,
-    tables: WalkTables,
-    root_mode: int,
-    budget_s: float,
     flags: np.ndarray,
-    threads: int = 1,
-) -> WalkEnd:
-    """Run ``llg_walk.c`` (see its comment) on clones of ``root`` (the request's twin), after
-    ``root`` catches up by consuming ``sync`` (it never rolls back). ``flags``: zeroed uint8
-    ``[3, n]`` (valid, filled, terminated), written in place; ``threads``: 1 or 2. Raises
-    RuntimeError on a library error (with its message; ``root``'s state is then unknown)."""
-    lib = root.tokenizer.api
-    n = tree.num_nodes
-    scratch = _thread_scratch(tables.words, n, len(sync))
-    args = scratch.args
-    args.root = root.pointer
-    if sync:
-        scratch.sync[: len(sync)] = sync
-    args.n_sync = len(sync)
-    args.n = n
-    scratch.tree[0, :n] = tree.tokens
-    scratch.tree[1, :n] = tree.first_child
-    scratch.tree[2, :n] = tree.next_sibling
-    args.rows = rows.ctypes.data
-    args.root_mode = root_mode
-    args.budget_s = budget_s
-    args.threads = threads
-    address = flags.ctypes.data
-    args.valid, args.filled, args.terminated = address, address + n, address + 2 * n
-    if scratch.tables is not tables:
-        scratch.use(tables)
-    scratch.error.value = b""
-    status = int(lib.walk_fn(lib.fns_address, scratch.args_address))
-    if status < 0:
-        raise RuntimeError(f"llguidance tree walk: {scratch.error.value.decode(errors='replace')}")
-    return WalkEnd(status, args.n_filled, args.helper_filled)
-
-
-class _WalkScratch:
-    """One thread's reusable walk buffers (fixed addresses, set in its :class:`_WalkArgs` once):
-    the tree's links, the catch-up tokens, the error text."""
-
-    def __init__(self, words: int, nodes: int, sync: int) -> None:
-        self.words, self.nodes, self.sync_room = words, nodes, sync
-        self.args = _WalkArgs()
-        self.args_address = ctypes.addressof(self.args)
-        self.tree = np.zeros((3, nodes), dtype=np.int64)
-        self.sync = np.zeros(sync, dtype=np.uint32)
-        self.error = ctypes.create_string_buffer(ERROR_BYTES)
-        self.tables: WalkTables | None = None
-        a = self.args
-        a.tokens = self.tree.ctypes.data
-        a.first_child, a.next_sibling = a.tokens + 8 * nodes, a.tokens + 16 * nodes
-        a.sync = self.sync.ctypes.data
-        a.words = words
-        a.err = ctypes.addressof(self.error)
-        a.err_len = ERROR_BYTES
-
-    def use(self, tables: WalkTables) -> None:
-        a = self.args
-        a.limit = tables.limit
-        a.excluded = tables.excluded.ctypes.data
-        a.stops = tables.stops.ctypes.data  # also the stop row (the stop ids' bitmap)
-        self.tables = tables
-
-
-def _thread_scratch(words: int, nodes: int, sync: int) -> _WalkScratch:
-    """This thread's :class:`_WalkScratch`, (re)made when too small for the call."""
-    scratch: _WalkScratch | None = getattr(_scratch, "value", None)
-    if scratch is None or (
-        scratch.words != words or scratch.nodes < nodes or scratch.sync_room < sync
-    ):
-        scratch = _WalkScratch(
-            words,
-            max(nodes, 256, 0 if scratch is None else scratch.nodes),
-            max(sync, 1024, 0 if scratch is None else scratch.sync_room),
-        )
-        _scratch.value = scratch
-    return scratch
-
-
-_scratch = threading.local()
+    tables: WalkTables,
+    vocab_size: int,
+    budget_s: float,
+    threads: int,
+    tree_threads: int = 1,
+    root_mode: int = ROOT_COMPUTE,
+) -> BatchEnd:
+    """Fill every tree of ``trees`` in one call of ``llg_walk.c``'s ``espalier_llg_walk_batch``
+    (the GIL released throughout): on up to ``threads`` native threads, a tree whole on one of
+    them (``tree_threads`` 2: a branchy tree of 8 nodes or more shares its walk with a second),
+    each tree's twin caught up, walked on clones (``budget_s`` from the tree's start, < 0 none),
+    its unfilled rows given the stop bits and the bits past ``vocab_size`` cleared, then its
+    filter. ``root_mode`` ROOT_READY: every tree's row 0 is given (not computed). rows: int32
+    ``[R, W]`` C-contiguous; flags: uint8 ``[3, M]`` C-contiguous, zero
+    where trees go (valid, filled, terminated planes), written in place."""
+    n = trees.count
+    assert rows.dtype == np.int32 and rows.flags.c_contiguous and rows.shape[1] == tables.words
+    assert flags.dtype == np.uint8 and flags.flags.c_contiguous and flags.shape[0] == 3
+    status = np.zeros(n, dtype=np.int64)
+    filled = np.zeros(n, dtype=np.int64)
+    helper = np.zeros(n, dtype=np.int64)
+    seconds = np.zeros(n, dtype=np.float64)
+    errors = ctypes.create_string_buffer(ERROR_BYTES * max(n, 1))
+    args = _TreeBatchArgs(
+        n,
+        trees.roots.ctypes.data,
+        trees.filter_states.ctypes.data,
+        trees.filter,
+        trees.sync.ctypes.data,
+        trees.sync_at.ctypes.data,
+        trees.node_at.ctypes.data,
+        trees.row_at.ctypes.data,
+        trees.flag_at.ctypes.data,
+        trees.tokens.ctypes.data,
+        trees.parents.ctypes.data,
+        rows.ctypes.data,
+        flags.ctypes.data,
+        flags.shape[1],
+        tables.words,
+        tables.limit,
+        vocab_size,
+        tables.excluded.ctypes.data,
+        tables.stops.ctypes.data,  # also the stop row (the stop ids' bitmap)
+        budget_s,
+        root_mode,
+        max(1, threads),
+        max(1, tree_threads),
+        status.ctypes.data,
+        filled.ctypes.data,
+        helper.ctypes.data,
+        seconds.ctypes.data,
+        ctypes.addressof(errors),
+        ERROR_BYTES,
+    )
+    failed = int(lib.walk_batch_fn(lib.fns_address, ctypes.addressof(args)))
+    messages: dict[int, str] = {}
+    if failed:
+        for b in np.flatnonzero(status < 0).tolist():
+            text = errors.raw[b * ERROR_BYTES : (b + 1) * ERROR_BYTES].split(b"\0", 1)[0]
+            messages[b] = text.decode(errors="replace") or f"status {int(status[b])}"
+    return BatchEnd(status, filled, helper, seconds, messages)
 
 
 class NativeTokenizerSlot:

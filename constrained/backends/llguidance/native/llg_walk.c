@@ -1,6 +1,9 @@
-/* Draft-tree mask walk over llguidance's C API, in one call that never touches Python.
+/* Draft-tree mask walks over llguidance's C API: every llguidance tree of a speculative step in
+ * one call that never touches Python (espalier_llg_walk_batch): trees in parallel on native
+ * threads, each tree's walk, wrap-up and duplicate-key filter (a function pointer into
+ * constrained/keys/keys.c) on one of them, the GIL released for the whole call.
  *
- * Semantics mirror constrained/tree/walk_llguidance.py (the Python walk): an iterative DFS, first
+ * Semantics mirror backends/llguidance/tree_walk.py (the Python walk): an iterative DFS, first
  * child first, where a node is tried only when its parent's row allows its token. Stop tokens are
  * never consumed: their row is the stop row, and below them only stop tokens are valid.
  *
@@ -36,6 +39,11 @@ typedef struct EspLlgApi {
     void *(*clone)(const void *matcher);
     void (*free_matcher)(void *matcher);
 } EspLlgApi;
+
+/* The layout of EspTreeBatch and the exported functions: capi.py checks it at load. */
+#define ESP_WALK_ABI 2
+
+int64_t espalier_llg_walk_abi(void) { return ESP_WALK_ABI; }
 
 enum { ROOT_COMPUTE = 0, ROOT_READY = 1 };
 enum { WALK_DONE = 0, WALK_BUDGET_HIT = 1, WALK_SYNC_ERROR = -1, WALK_MASK_ERROR = -2,
@@ -336,7 +344,7 @@ static void free_worker(Worker *w) {
 
 /* Returns WALK_DONE, WALK_BUDGET_HIT, or a negative error (message in `err`); after a
  * WALK_SYNC_ERROR the root's state is unknown (it is otherwise at the request's state). */
-int64_t espalier_llg_walk(const EspLlgApi *api, EspWalkArgs *a) {
+static int64_t walk_tree(const EspLlgApi *api, EspWalkArgs *a) {
     const int64_t n = a->n;
     Pool pool;
     memset(&pool, 0, sizeof(pool));
@@ -426,6 +434,189 @@ out:
     free_worker(&p->w[0]);
     if (split) free_worker(&p->w[1]);
     return p->status;
+}
+
+/* -- a step's trees in one call --------------------------------------------------------------- */
+
+/* A filter applied to a tree's rows after its walk, in the same call (the duplicate-key
+ * tracker's espalier_keys_filter_tree, constrained/keys/keys.c): state, the tree (n nodes,
+ * first_child / next_sibling links), its rows and the walk's flags, updated in place; 0, or -1
+ * out of memory. */
+typedef int32_t (*EspTreeFilterFn)(void *state, int64_t n, const int64_t *tokens,
+                                   const int64_t *first_child, const int64_t *next_sibling,
+                                   uint32_t *rows, int64_t words, uint8_t *valid, uint8_t *filled,
+                                   uint8_t *terminated);
+
+/* Every llguidance tree of a step (see espalier_llg_walk_batch). Tree b: its twin roots[b],
+ * which first consumes sync[sync_at[b] .. sync_at[b + 1]); its nodes node_at[b] ..
+ * node_at[b + 1] of tokens / parents (parents[0] = -1, each other one a node index of the same
+ * tree; siblings in index order); its rows from rows + row_at[b] * words; its flags from offset
+ * flag_at[b] of the three planes of `flags` (valid, filled, terminated; `plane` bytes apart,
+ * zeroed by the caller); root_mode: ROOT_COMPUTE (row 0 from the twin) or ROOT_READY (row 0
+ * given, flags set by the walk); filter_states[b]: the state `filter` is called with, NULL for none. Out
+ * per tree: status (WALK_*, or WALK_FILTER_ERROR / WALK_BAD_TREE), filled rows (helper: by a
+ * second thread), seconds, and the error text (err_len bytes each). */
+typedef struct EspTreeBatch {
+    int64_t n_trees;
+    void *const *roots;
+    void *const *filter_states;
+    EspTreeFilterFn filter;
+    const uint32_t *sync;
+    const int64_t *sync_at, *node_at, *row_at, *flag_at;
+    const int64_t *tokens, *parents;
+    uint32_t *rows;
+    uint8_t *flags;
+    int64_t plane, words, limit, vocab_size;
+    const uint32_t *excluded, *stops;
+    double budget_s;
+    int64_t root_mode, threads, tree_threads;
+    int64_t *status, *n_filled, *helper_filled;
+    double *seconds;
+    char *errors;
+    int64_t err_len;
+} EspTreeBatch;
+
+enum { WALK_FILTER_ERROR = -5, WALK_BAD_TREE = -6 };
+
+enum { MAX_BATCH_THREADS = 64, SPLIT_MIN_NODES = 8 };
+
+typedef struct BatchShared {
+    const EspLlgApi *api;
+    EspTreeBatch *b;
+    int64_t next; /* the next tree to take (atomic) */
+} BatchShared;
+
+static void set_error(EspTreeBatch *b, int64_t t, const char *message) {
+    char *err = b->errors + t * b->err_len;
+    strncpy(err, message, (size_t)b->err_len - 1);
+    err[b->err_len - 1] = '\0';
+}
+
+/* The rows a walk left unfilled get the stop bits (never an all-zero row); the bits past V
+ * are cleared in every row (the library may leave them set). */
+static void wrap_up(const EspTreeBatch *b, uint32_t *rows, int64_t n, const uint8_t *filled,
+                    int64_t n_filled) {
+    if (n_filled < n) {
+        for (int64_t i = 0; i < n; i++) {
+            if (filled[i]) continue;
+            uint32_t *row = rows + i * b->words;
+            for (int64_t w = 0; w < b->words; w++) row[w] |= b->stops[w];
+        }
+    }
+    const int64_t rem = b->vocab_size % 32;
+    if (rem && b->vocab_size / 32 < b->words) {
+        const uint32_t keep = (1u << rem) - 1u;
+        for (int64_t i = 0; i < n; i++) rows[i * b->words + b->vocab_size / 32] &= keep;
+    }
+}
+
+/* One tree: links from the parents, the walk, the wrap-up, the filter. */
+static void fill_one_tree(const EspLlgApi *api, EspTreeBatch *b, int64_t t) {
+    const double started = now_s();
+    const int64_t at = b->node_at[t], n = b->node_at[t + 1] - at;
+    const int64_t *tokens = b->tokens + at, *parents = b->parents + at;
+    uint32_t *rows = b->rows + b->row_at[t] * b->words;
+    uint8_t *valid = b->flags + b->flag_at[t], *filled = valid + b->plane, *terminated = filled + b->plane;
+    char *err = b->errors + t * b->err_len;
+    err[0] = '\0';
+    b->n_filled[t] = b->helper_filled[t] = 0;
+    int64_t *links = malloc(sizeof(int64_t) * (size_t)(3 * (n > 0 ? n : 1)));
+    if (links == NULL) {
+        b->status[t] = WALK_NO_MEMORY;
+        set_error(b, t, "out of memory");
+        return;
+    }
+    int64_t *first_child = links, *next_sibling = links + n, *last_child = links + 2 * n;
+    int64_t branches = 0, status = n > 0 && parents[0] == -1 ? WALK_DONE : WALK_BAD_TREE;
+    for (int64_t i = 0; i < n; i++) first_child[i] = next_sibling[i] = last_child[i] = -1;
+    for (int64_t i = 1; i < n && status == WALK_DONE; i++) {
+        const int64_t p = parents[i];
+        if (p < 0 || p >= n || p == i) {
+            status = WALK_BAD_TREE;
+        } else if (last_child[p] < 0) {
+            first_child[p] = i;
+        } else {
+            next_sibling[last_child[p]] = i;
+            branches++;
+        }
+        if (status == WALK_DONE) last_child[p] = i;
+    }
+    if (status == WALK_BAD_TREE) {
+        set_error(b, t, "malformed draft tree (a parent outside the tree)");
+    } else {
+        EspWalkArgs a;
+        memset(&a, 0, sizeof a);
+        a.root = b->roots[t];
+        a.sync = b->sync + b->sync_at[t];
+        a.n_sync = b->sync_at[t + 1] - b->sync_at[t];
+        a.n = n;
+        a.tokens = tokens;
+        a.first_child = first_child;
+        a.next_sibling = next_sibling;
+        a.rows = rows;
+        a.words = b->words;
+        a.limit = b->limit;
+        a.excluded = b->excluded;
+        a.stops = b->stops;
+        a.root_mode = b->root_mode;
+        a.budget_s = b->budget_s;
+        a.valid = valid;
+        a.filled = filled;
+        a.terminated = terminated;
+        a.err = err;
+        a.err_len = b->err_len;
+        /* a second thread only for a tree with a branch and enough nodes: below, its start
+         * (~30-60 us) costs about what it saves, and a chain has no second subtree to give */
+        a.threads = b->tree_threads > 1 && n >= SPLIT_MIN_NODES && branches > 0 ? 2 : 1;
+        status = walk_tree(api, &a);
+        b->n_filled[t] = a.n_filled;
+        b->helper_filled[t] = a.helper_filled;
+        if (status >= 0) {
+            wrap_up(b, rows, n, filled, a.n_filled);
+            void *state = b->filter_states != NULL ? b->filter_states[t] : NULL;
+            if (state != NULL && b->filter != NULL &&
+                b->filter(state, n, tokens, first_child, next_sibling, rows, b->words, valid,
+                          filled, terminated) != 0) {
+                status = WALK_FILTER_ERROR;
+                set_error(b, t, "the tree filter ran out of memory");
+            }
+        }
+    }
+    free(links);
+    b->status[t] = status;
+    b->seconds[t] = now_s() - started;
+}
+
+static void *batch_worker(void *arg) {
+    BatchShared *s = arg;
+    for (;;) {
+        const int64_t t = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
+        if (t >= s->b->n_trees) break;
+        fill_one_tree(s->api, s->b, t);
+    }
+    return NULL;
+}
+
+/* Fill every tree of `b` on up to b->threads threads (the caller's among them), each tree
+ * taken whole by one of them, in index order. Per tree: the twin catches up (sync), the walk
+ * (walk_tree: budget_s from the tree's own start, < 0 none), the wrap-up (unfilled rows get
+ * the stop bits; bits past vocab_size cleared), then b->filter. Never touches Python; returns
+ * how many trees failed (their status < 0, message in errors). */
+int64_t espalier_llg_walk_batch(const EspLlgApi *api, EspTreeBatch *b) {
+    BatchShared shared = {api, b, 0};
+    int64_t threads = b->threads < b->n_trees ? b->threads : b->n_trees;
+    if (threads > MAX_BATCH_THREADS) threads = MAX_BATCH_THREADS;
+    pthread_t ids[MAX_BATCH_THREADS];
+    int64_t started = 0;
+    for (int64_t i = 1; i < threads; i++) {
+        if (pthread_create(&ids[started], NULL, batch_worker, &shared) != 0) break;
+        started++;
+    }
+    batch_worker(&shared);
+    for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
+    int64_t failed = 0;
+    for (int64_t t = 0; t < b->n_trees; t++) failed += b->status[t] < 0;
+    return failed;
 }
 
 /* -- the tokenize callback's cache ----------------------------------------------------------- */
