@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from espalier.engine.api import GenerationRequest, InvalidRequestError, RequestOutput
-from espalier.engine.async_engine import EngineClosedError, QueueFullError
 from espalier.engine.core.messages import (
     Abort,
     AddRequest,
@@ -41,7 +40,7 @@ from espalier.engine.core.messages import (
     Shutdown,
     StepOutputs,
 )
-from espalier.server.errors import ServiceError
+from espalier.server.errors import DrainingError, ResourceExhaustedError, ServiceError
 from espalier.server.state import ModelFacts
 
 if TYPE_CHECKING:
@@ -76,6 +75,7 @@ class EngineProcessConfig:
 class _Ready:
     facts: ModelFacts
     vocab_size: int  # the engine's tokenizer width (the model may pad the vocabulary)
+    rank_pids: tuple[int, ...]  # the tensor-parallel ranks this child started (rank 1 on)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     the process group are ignored here; the server drains and then sends Shutdown. A closed
     channel ends the child."""
     from espalier.constrained.tokenizer import set_cache_root
-    from espalier.engine.core.loop import EngineLoop
+    from espalier.engine.core.loop import EngineLoop, FailureSignal
     from espalier.server.gc_freeze import freeze_startup_heap
     from espalier.server.loading import grammar_service, load_engine, load_tokenizer
 
@@ -99,17 +99,21 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
     set_cache_root(cache_dir)
+    failure = FailureSignal()  # a dead tensor-parallel rank ends the loop with its reason
     try:
         tokenizer = load_tokenizer(options)
-        engine, facts = load_engine(options, tokenizer, grammar_service(options, tokenizer))
+        grammar = grammar_service(options, tokenizer)
+        engine, facts = load_engine(options, tokenizer, grammar, on_failure=failure)
     except Exception as exc:
         channel.send(_LoadFailed(PortableError.of(exc)))
         return
     freeze_startup_heap()
-    channel.send(_Ready(facts, engine.tokenizer.vocab_size))
+    rank_pids = tuple(engine.runner.rank_pids) if options.tensor_parallel > 1 else ()
+    channel.send(_Ready(facts, engine.tokenizer.vocab_size, rank_pids))
     # On a thread, as in the server: torch's CPU kernels stepped on a process's main thread ran
     # many times slower on a loaded machine (bench/serve.py's note; the commit has the numbers).
-    loop = threading.Thread(target=EngineLoop(engine, channel).run, name="espalier-engine")
+    engine_loop = EngineLoop(engine, channel, failure=failure)
+    loop = threading.Thread(target=engine_loop.run, name="espalier-engine")
     loop.start()
     loop.join()
 
@@ -130,7 +134,10 @@ async def start_engine_process(
         target=engine_main,
         args=(options, theirs, str(cache_root())),
         name="espalier-engine",
-        daemon=True,
+        # Not daemonic: it starts the tensor-parallel ranks, and a daemonic process may not have
+        # children. It never outlives the server: the server's end of the channel closing (on
+        # any exit) ends its loop, and ``espalier serve`` leaves through ``os._exit``.
+        daemon=False,
     )
     process.start()
     theirs.close()  # the child holds the only other end: its death is EOF here
@@ -152,7 +159,7 @@ async def start_engine_process(
     assert isinstance(first, _Ready), first
     if first.vocab_size != tokenizer.vocab_size:
         tokenizer = TokenizerInfo(tokenizer.hf, vocab_size=first.vocab_size, name=tokenizer.name)
-    client = EngineProcess(process, ours, tokenizer, config, on_failure)
+    client = EngineProcess(process, ours, tokenizer, config, on_failure, first.rank_pids)
     return client, first.facts, tokenizer
 
 
@@ -167,8 +174,10 @@ class EngineProcess:
         tokenizer: TokenizerInfo,
         config: EngineProcessConfig,
         on_failure: Callable[[str], None],
+        rank_pids: tuple[int, ...] = (),
     ) -> None:
         self.process = process
+        self.rank_pids = rank_pids
         self.tokenizer = tokenizer
         self.config = config
         self._channel = channel
@@ -190,8 +199,9 @@ class EngineProcess:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's chunks; the last has ``finished=True``. Raises before yielding
-        what the engine refused (typed), QueueFullError, EngineClosedError; mid-stream
-        :class:`EngineUnavailableError` if the engine process dies."""
+        what the engine refused (typed), ``ResourceExhaustedError`` (``max_waiting`` requests
+        queued), ``DrainingError`` (shutting down); mid-stream :class:`EngineUnavailableError`
+        if the engine process dies."""
         request_id = request.request_id
         self._check_open()
         if request_id in self._streams:
@@ -200,7 +210,11 @@ class EngineProcess:
             waiting = self._stats["waiting"] + self._stats["compiling"]
             waiting += self._adds_sent - self._adds_applied
         if waiting >= self.config.max_waiting:
-            raise QueueFullError(waiting, self.config.max_waiting)
+            limit = self.config.max_waiting
+            raise ResourceExhaustedError(
+                f"the queue is full: {waiting} requests waiting (limit {limit})",
+                metadata={"limit": str(limit), "kind": "engine_queue"},
+            )
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
@@ -273,7 +287,7 @@ class EngineProcess:
         if self._failed is not None:
             raise EngineUnavailableError(self._failed)
         if self._closing:
-            raise EngineClosedError("the engine is shutting down")
+            raise DrainingError("the engine is shutting down")
 
     def _encode(self, prompt: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.hf.encode(prompt, add_special_tokens=True))

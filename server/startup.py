@@ -1,9 +1,9 @@
-"""Start serving: the tokenizer first, then the engine on a thread or in a child process, then a
+"""Start serving: the tokenizer first, then the engine in a child process of its own, then a
 warm-up generation before health turns SERVING.
 
 The parts are loaded by ``server/loading.py``; the child process's side is
-``server/engine_process.py`` (which loads through ``loading`` too), so this module, which picks
-between the two, is the one that imports both.
+``server/engine_process.py`` (which loads through ``loading`` too), so this module, which starts
+the child, is the one that imports both.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from espalier.server.engine_port import ServingEngine
 from espalier.server.loading import (
     ModelOptions,
     grammar_service,
-    load_engine,
     load_tokenizer,
     make_compiler,
 )
@@ -53,38 +52,12 @@ def make_loader(
         state.compiler = make_compiler(grammar, options.compile_timeout_s)
         state.metrics.bind_compile_cache(lambda: grammar.cache.stats)
         announce(event="tokenizer_loaded", tokenizer=tokenizer.name)
-        if options.engine_process:
-            engine, facts = await _start_engine_process(options, state, tokenizer, grammar)
-        else:
-            engine, facts = await _start_engine_thread(options, state, tokenizer, grammar)
+        engine, facts = await _start_engine_process(options, state, tokenizer, grammar)
         await warm_up(engine)
         freeze_startup_heap()  # no multi-ms collections of the startup heap while serving
         return engine, facts
 
     return load
-
-
-async def _start_engine_thread(
-    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
-) -> tuple[ServingEngine, ModelFacts]:
-    """The engine on a thread of this process; CompileGrammar shares its compile cache. A dead
-    tensor-parallel rank fails the server (``ServingState.fail``), as a dead engine process."""
-    from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
-
-    loop = asyncio.get_running_loop()
-
-    def on_failure(why: str) -> None:  # from the ranks' watch thread
-        loop.call_soon_threadsafe(lambda: loop.create_task(state.fail(why)))
-
-    engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar, on_failure)
-    if options.tensor_parallel > 1:
-        announce(
-            event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.runner.rank_pids
-        )
-    state.tokenizer = engine.tokenizer
-    state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
-    state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
-    return AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue)), facts
 
 
 async def _start_engine_process(
@@ -99,6 +72,8 @@ async def _start_engine_process(
     config = EngineProcessConfig(max_waiting=options.max_queue)
     engine, facts, tokenizer = await start_engine_process(options, tokenizer, config, on_failure)
     announce(event="engine_process", pid=engine.process.pid)
+    if options.tensor_parallel > 1:
+        announce(event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.rank_pids)
     if tokenizer is not state.tokenizer:  # the model pads its vocabulary: masks need its width
         grammar = grammar_service(options, tokenizer)
         state.tokenizer = tokenizer

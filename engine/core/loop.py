@@ -4,7 +4,9 @@ Single-threaded like the :class:`~espalier.engine.engine.Engine` it drives: betw
 takes every command waiting on the channel (never blocking while requests are unfinished), steps
 once, and sends the step's chunks as one message. Idle, it blocks on the channel up to
 ``idle_wait_s`` (waking early for a command) and steps anyway so finished compiles are noticed.
-The server process's end closing (the server died) aborts everything and ends the loop.
+The server process's end closing (the server died) aborts everything and ends the loop. A
+:class:`FailureSignal` set from another thread (a dead tensor-parallel rank) fails the requests in
+flight and ends the loop with :class:`EngineStopped` carrying the reason.
 """
 
 from __future__ import annotations
@@ -34,13 +36,32 @@ class LoopConfig:
     idle_wait_s: float = 0.02
 
 
+class FailureSignal:
+    """Set once, from any thread, by what leaves the engine unusable (``load_engine``'s
+    ``on_failure``: a tensor-parallel rank died); the loop reads it between steps."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def __call__(self, why: str) -> None:
+        if self.reason is None:
+            self.reason = why
+
+
 class EngineLoop:
     """Steps ``engine`` on this thread, talking over ``channel`` (one end of a Pipe)."""
 
-    def __init__(self, engine: Engine, channel: Connection, config: LoopConfig | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        channel: Connection,
+        config: LoopConfig | None = None,
+        failure: FailureSignal | None = None,
+    ):
         self.engine = engine
         self.channel = channel
         self.config = config or LoopConfig()
+        self.failure = failure or FailureSignal()
         self._live: set[str] = set()  # requests added and not yet finished
         self._adds = 0
         self._stopping = False
@@ -52,6 +73,7 @@ class EngineLoop:
         error = None
         try:
             self._run()
+            error = self.failure.reason
         except (EOFError, OSError):  # the server process is gone: nobody to answer
             log.warning("the server closed the channel; aborting %d requests", len(self._live))
             return
@@ -63,7 +85,7 @@ class EngineLoop:
         self.channel.send(EngineStopped(error))
 
     def _run(self) -> None:
-        while True:
+        while self.failure.reason is None:
             busy = self.engine.has_unfinished()
             outputs = self._take_commands(0.0 if busy else self.config.idle_wait_s)
             if self._stopping and not self._drain:
@@ -75,6 +97,7 @@ class EngineLoop:
                 self._send(outputs)
                 return
             self._send(outputs)
+        self._send(self._fail_live(f"engine failure: {self.failure.reason}"))
 
     def _take_commands(self, timeout_s: float) -> list[RequestOutput]:
         """Apply every waiting command (waiting up to ``timeout_s`` for the first); returns the
@@ -104,11 +127,14 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
-        except Exception as exc:  # a bug: fail every request rather than hang them
+        except Exception as exc:  # a bug or a dead rank: fail every request rather than hang them
             log.exception("engine step failed")
-            for request_id in self._live:
-                self.engine.abort(request_id, error=f"engine failure: {exc!r}")
-            return self.engine.take_pending()
+            return self._fail_live(f"engine failure: {exc!r}")
+
+    def _fail_live(self, error: str) -> list[RequestOutput]:
+        for request_id in self._live:
+            self.engine.abort(request_id, error=error)
+        return self.engine.take_pending()
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         stats = self._stats()

@@ -1,7 +1,8 @@
 """EngineLoop over a real multiprocessing Pipe (the loop on a thread here; the server runs it in a
 child process): the same tokens as stepping the engine directly, one message per step, refusals
-and grammar errors typed, abort, both kinds of shutdown, and the loop ending when the other end
-closes."""
+and grammar errors typed, abort, both kinds of shutdown, the loop ending when the other end
+closes, and a failure signalled from another thread (a dead tensor-parallel rank) failing the
+requests in flight and ending the loop with its reason."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from espalier.engine.api import (
     RequestOutput,
     SamplingParams,
 )
-from espalier.engine.core.loop import EngineLoop
+from espalier.engine.core.loop import EngineLoop, FailureSignal
 from espalier.engine.core.messages import Abort, AddRequest, EngineStopped, Shutdown, StepOutputs
 from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
 
@@ -130,4 +131,36 @@ def test_the_loop_ends_when_the_server_end_closes(
     assert ours.poll(60)
     ours.close()
     thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def test_a_signalled_failure_fails_requests_in_flight_and_ends_the_loop() -> None:
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    failure = FailureSignal()
+    thread = threading.Thread(target=EngineLoop(make_engine(), theirs, failure=failure).run)
+    thread.start()
+    try:
+        ours.send(AddRequest(request(1, max_tokens=5000)))
+        running = False
+        while not running:  # until its first chunk comes back
+            assert ours.poll(120), "the loop went quiet"
+            message = ours.recv()
+            assert isinstance(message, StepOutputs)
+            running = any(o.request_id == "q1" for o in message.outputs())
+        failure("tensor-parallel rank 1 exited (code -9)")
+        failure("a second reason is ignored")
+        last: list[RequestOutput] = []
+        while True:
+            assert ours.poll(120), "the loop went quiet"
+            message = ours.recv()
+            if isinstance(message, EngineStopped):
+                break
+            last.extend(o for o in message.outputs() if o.finished)
+        assert message == EngineStopped("tensor-parallel rank 1 exited (code -9)")
+        (failed,) = last
+        assert failed.request_id == "q1" and failed.finish_reason is FinishReason.ERROR
+        assert failed.error is not None and "rank 1" in failed.error
+    finally:
+        thread.join(timeout=60)
+        ours.close()
     assert not thread.is_alive()
