@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from espalier.constrained.cache import CacheStats
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.constraints import GrammarService
     from espalier.server.loading import ModelOptions
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,8 @@ class EngineProcess:
     ) -> None:
         self.process = process
         self.rank_pids = rank_pids
+        # The server's own grammar service (CompileGrammar), closed after the child stops.
+        self.compile_service: GrammarService | None = None
         self.tokenizer = tokenizer
         self.config = config
         self._channel = channel
@@ -276,6 +279,8 @@ class EngineProcess:
             self.process.kill()
             await asyncio.to_thread(self.process.join, 5.0)
         self._outbox.put(None)
+        if self.compile_service is not None:  # its disk cache's writes reach the disk
+            await asyncio.to_thread(self.compile_service.close)
 
     @property
     def is_running(self) -> bool:

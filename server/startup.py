@@ -78,5 +78,6 @@ async def _start_engine_process(
         grammar = grammar_service(options, tokenizer)
         state.tokenizer = tokenizer
         state.compiler = make_compiler(grammar, options.compile_timeout_s)
+    engine.compile_service = grammar
     state.metrics.bind_compile_cache(lambda: engine.grammar_cache_stats(grammar.cache.stats))
     return engine, facts
