@@ -6,8 +6,9 @@ the server's threads and locks is never run) loads the model and steps the engin
 tokenization of text prompts, and the streams. Grammars compile in the child, next to the
 matchers that use them: a compiled grammar is a native object of its backend (xgrammar,
 llguidance, outlines-core) with no common serialized form, and compiling there keeps the
-request path one hop. CompileGrammar compiles here on the server's own service (the on-disk
-cache, when configured, is shared through the file system).
+request path one hop. CompileGrammar goes through the channel too (:meth:`EngineProcess.compile`),
+so it warms the cache the requests use; before the child is ready it compiles on the server's
+own grammar service (the on-disk cache, when configured, is shared through the file system).
 
 One thread writes commands to the pipe (the event loop never blocks on a full pipe); one reads
 the engine's per-step messages and hands each to the event loop in one callback. When the child
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import queue
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -34,6 +38,8 @@ from espalier.engine.api import GenerationRequest, InvalidRequestError, RequestO
 from espalier.engine.core.messages import (
     Abort,
     AddRequest,
+    Compile,
+    Compiled,
     EngineCommand,
     EngineStopped,
     PortableError,
@@ -46,8 +52,11 @@ from espalier.server.state import ModelFacts
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
+    from espalier.constrained.base import CompileReport
     from espalier.constrained.cache import CacheStats
+    from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.api import ConstraintOptions
     from espalier.engine.constraints import GrammarService
     from espalier.server.loading import ModelOptions
 
@@ -65,11 +74,13 @@ class EngineUnavailableError(ServiceError):
 class EngineProcessConfig:
     """max_waiting: queued requests (compiling included, adds in flight counted) before new ones
     are refused. start_timeout_s: model load in the child. stop_timeout_s: after a Shutdown is
-    answered, before the child is terminated."""
+    answered, before the child is terminated. compile_timeout_s: the child's compile limit
+    (``--compile-timeout``); CompileGrammar waits for its answer a little longer."""
 
     max_waiting: int = 1024
     start_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
+    compile_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -195,6 +206,8 @@ class EngineProcess:
         self._failed: str | None = None
         self._stopped = threading.Event()
         self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
+        self._compiles: dict[int, Future[CompileReport]] = {}  # by Compile.call_id
+        self._call_ids = itertools.count()
         threading.Thread(target=self._write, name="engine-channel-out", daemon=True).start()
         threading.Thread(target=self._read, name="engine-channel-in", daemon=True).start()
 
@@ -250,6 +263,27 @@ class EngineProcess:
         """Stop a request; its stream ends with a ``FinishReason.ABORT`` chunk."""
         if self._failed is None:
             self._outbox.put(Abort(request_id))
+
+    def compile(self, spec: GrammarSpec, options: ConstraintOptions) -> CompileReport:
+        """CompileGrammar in the engine's compile cache (blocking: call it off the event loop).
+        Raises what the compile raised (typed), ``CompileTimeoutError``, or
+        :class:`EngineUnavailableError` if the engine process is gone."""
+        from espalier.constrained.errors import CompileTimeoutError
+
+        future: Future[CompileReport] = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            if self._failed is not None or self._stopped.is_set():
+                raise EngineUnavailableError(self._failed or "the engine process stopped")
+            self._compiles[call_id] = future
+        self._outbox.put(Compile(call_id, spec, options))
+        try:
+            return future.result(timeout=self.config.compile_timeout_s + 5.0)
+        except FutureTimeout:
+            raise CompileTimeoutError(self.config.compile_timeout_s) from None
+        finally:
+            with self._lock:
+                self._compiles.pop(call_id, None)
 
     def stats(self) -> dict[str, Any]:
         """The engine's gauges from its last message, and the streams open here."""
@@ -314,6 +348,8 @@ class EngineProcess:
                         self._stats = dict(message.stats)
                         self._adds_applied = message.adds_applied
                     self._loop.call_soon_threadsafe(self._deliver, message)
+                elif isinstance(message, Compiled):
+                    self._answer(message)
                 elif isinstance(message, EngineStopped):
                     if message.error is not None:
                         why = message.error
@@ -324,9 +360,24 @@ class EngineProcess:
             self.process.join(1.0)
             why = f"the engine process exited (exit code {self.process.exitcode})"
         finally:
-            self._stopped.set()
+            with self._lock:
+                self._stopped.set()
+                waiting, self._compiles = list(self._compiles.values()), {}
+            for future in waiting:
+                future.set_exception(EngineUnavailableError(why or "the engine process stopped"))
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
                 self._loop.call_soon_threadsafe(self._end, why)
+
+    def _answer(self, message: Compiled) -> None:
+        with self._lock:
+            future = self._compiles.get(message.call_id)
+        if future is None:  # its caller gave up waiting
+            return
+        if message.error is not None:
+            future.set_exception(message.error.rebuild())
+        else:
+            assert message.report is not None
+            future.set_result(message.report)
 
     def _deliver(self, message: StepOutputs) -> None:
         for out in message.outputs():

@@ -63,21 +63,22 @@ def make_loader(
 async def _start_engine_process(
     options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
 ) -> tuple[ServingEngine, ModelFacts]:
-    """The engine in a child process; its death fails the server (``ServingState.fail``)."""
+    """The engine in a child process; its death fails the server (``ServingState.fail``).
+    From here on CompileGrammar compiles in the child's cache (``EngineProcess.compile``)."""
     from espalier.server.engine_process import EngineProcessConfig, start_engine_process
 
     def on_failure(why: str) -> None:
         asyncio.get_running_loop().create_task(state.fail(why))
 
-    config = EngineProcessConfig(max_waiting=options.max_queue)
+    config = EngineProcessConfig(
+        max_waiting=options.max_queue, compile_timeout_s=options.compile_timeout_s
+    )
     engine, facts, tokenizer = await start_engine_process(options, tokenizer, config, on_failure)
     announce(event="engine_process", pid=engine.process.pid)
     if options.tensor_parallel > 1:
         announce(event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.rank_pids)
-    if tokenizer is not state.tokenizer:  # the model pads its vocabulary: masks need its width
-        grammar = grammar_service(options, tokenizer)
-        state.tokenizer = tokenizer
-        state.compiler = make_compiler(grammar, options.compile_timeout_s)
-    engine.compile_service = grammar
+    state.tokenizer = tokenizer  # at the engine's width when the model pads its vocabulary
+    state.compiler = engine.compile  # CompileGrammar warms the cache the requests use
+    engine.compile_service = grammar  # the one CompileGrammar used while the model loaded
     state.metrics.bind_compile_cache(lambda: engine.grammar_cache_stats(grammar.cache.stats))
     return engine, facts

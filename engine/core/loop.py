@@ -3,7 +3,8 @@
 Single-threaded like the :class:`~espalier.engine.engine.Engine` it drives: between steps it
 takes every command waiting on the channel (never blocking while requests are unfinished), steps
 once, and sends the step's chunks as one message. Idle, it blocks on the channel up to
-``idle_wait_s`` (waking early for a command) and steps anyway so finished compiles are noticed.
+``idle_wait_s`` (waking early for a command) and steps anyway so finished compiles are noticed
+(a request's, and CompileGrammar's: one :class:`Compiled` answer each).
 The server process's end closing (the server died) aborts everything and ends the loop. A
 :class:`FailureSignal` set from another thread (a dead tensor-parallel rank) fails the requests in
 flight and ends the loop with :class:`EngineStopped` carrying the reason.
@@ -12,6 +13,7 @@ flight and ends the loop with :class:`EngineStopped` carrying the reason.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,7 +22,10 @@ from espalier.engine.api import FinishReason, RequestOutput
 from espalier.engine.core.messages import (
     Abort,
     AddRequest,
+    Compile,
+    Compiled,
     EngineStopped,
+    PortableError,
     Shutdown,
     StepOutputs,
 )
@@ -67,6 +72,7 @@ class EngineLoop:
         self._stopping = False
         self._drain = True
         self._last_stats: dict[str, Any] = {}
+        self._compiles: dict[int, Future[Any]] = {}  # Compile call id -> the grammar's compile
 
     def run(self) -> None:
         """Until a Shutdown is done or the channel closes; sends :class:`EngineStopped` last."""
@@ -96,6 +102,7 @@ class EngineLoop:
             elif self._stopping:
                 self._send(outputs)
                 return
+            self._answer_compiles()
             self._send(outputs)
         self._send(self._fail_live(f"engine failure: {self.failure.reason}"))
 
@@ -120,6 +127,9 @@ class EngineLoop:
                     self._live.add(request.request_id)
             elif isinstance(command, Abort):
                 self.engine.abort(command.request_id)
+            elif isinstance(command, Compile):
+                future = self.engine.grammar.submit(command.spec, command.options)
+                self._compiles[command.call_id] = future
             elif isinstance(command, Shutdown):
                 self._stopping, self._drain = True, command.drain
         return refused
@@ -135,6 +145,18 @@ class EngineLoop:
         for request_id in self._live:
             self.engine.abort(request_id, error=error)
         return self.engine.take_pending()
+
+    def _answer_compiles(self) -> None:
+        """One :class:`Compiled` per finished compile (the compile cache bounds each in time)."""
+        for call_id, future in list(self._compiles.items()):
+            if not future.done():
+                continue
+            del self._compiles[call_id]
+            error = future.exception()
+            if error is None:
+                self.channel.send(Compiled(call_id, future.result()[1]))
+            else:
+                self.channel.send(Compiled(call_id, None, PortableError.of(error)))
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         stats = self._stats()

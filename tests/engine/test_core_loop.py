@@ -1,8 +1,9 @@
 """EngineLoop over a real multiprocessing Pipe (the loop on a thread here; the server runs it in a
 child process): the same tokens as stepping the engine directly, one message per step, refusals
 and grammar errors typed, abort, both kinds of shutdown, the loop ending when the other end
-closes, and a failure signalled from another thread (a dead tensor-parallel rank) failing the
-requests in flight and ending the loop with its reason."""
+closes, CompileGrammar's compiles answered from the cache the requests use, and a failure
+signalled from another thread (a dead tensor-parallel rank) failing the requests in flight and
+ending the loop with its reason."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
+    ConstraintOptions,
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
@@ -23,7 +25,15 @@ from espalier.engine.api import (
     SamplingParams,
 )
 from espalier.engine.core.loop import EngineLoop, FailureSignal
-from espalier.engine.core.messages import Abort, AddRequest, EngineStopped, Shutdown, StepOutputs
+from espalier.engine.core.messages import (
+    Abort,
+    AddRequest,
+    Compile,
+    Compiled,
+    EngineStopped,
+    Shutdown,
+    StepOutputs,
+)
 from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
 
 
@@ -164,3 +174,31 @@ def test_a_signalled_failure_fails_requests_in_flight_and_ends_the_loop() -> Non
         thread.join(timeout=60)
         ours.close()
     assert not thread.is_alive()
+
+
+def next_compiled(ours: Connection) -> Compiled:
+    while True:
+        assert ours.poll(120), "the loop went quiet"
+        message = ours.recv()
+        if isinstance(message, Compiled):
+            return message
+
+
+def test_compile_answers_from_the_cache_the_requests_use(
+    channel: tuple[Connection, threading.Thread],
+) -> None:
+    ours, _ = channel
+    spec, options = GrammarSpec.regex("[a-c]{2}x"), ConstraintOptions(backend="llguidance")
+    ours.send(Compile(7, spec, options))
+    first = next_compiled(ours)
+    assert first.call_id == 7 and first.error is None and first.report is not None
+    assert first.report.backend == "llguidance" and not first.report.cache_hit
+    ours.send(AddRequest(request(1, max_tokens=4, grammar=spec, constraint=options)))
+    receive_until(ours, {"q1"})
+    ours.send(Compile(8, spec, options))
+    again = next_compiled(ours)
+    assert again.call_id == 8 and again.report is not None and again.report.cache_hit
+    ours.send(Compile(9, GrammarSpec.regex("(unclosed"), options))
+    bad = next_compiled(ours)
+    assert bad.call_id == 9 and bad.report is None and bad.error is not None
+    assert isinstance(bad.error.rebuild(), GrammarError)
