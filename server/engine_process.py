@@ -130,15 +130,21 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     loop.join()
 
 
-async def start_engine_process(
-    options: ModelOptions,
-    tokenizer: TokenizerInfo,
-    config: EngineProcessConfig,
-    on_failure: Callable[[str], None],
-) -> tuple[EngineProcess, ModelFacts, TokenizerInfo]:
-    """Spawn the child, wait until its model is loaded; returns the client, the model facts
-    and the tokenizer at the engine's vocabulary width. Raises what the load raised."""
-    from espalier.constrained.tokenizer import TokenizerInfo, cache_root
+@dataclass(frozen=True)
+class SpawnedEngine:
+    """A child started by :func:`spawn_engine_process`, loading; ``channel`` is our end."""
+
+    process: BaseProcess
+    channel: Connection
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def spawn_engine_process(options: ModelOptions) -> SpawnedEngine:
+    """Start the child, which loads its tokenizer and model while this process loads its own
+    tokenizer (the two loads overlap); :func:`start_engine_process` waits for it."""
+    from espalier.constrained.tokenizer import cache_root
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe(duplex=True)
@@ -153,6 +159,21 @@ async def start_engine_process(
     )
     process.start()
     theirs.close()  # the child holds the only other end: its death is EOF here
+    return SpawnedEngine(process, ours)
+
+
+async def start_engine_process(
+    spawned: SpawnedEngine,
+    tokenizer: TokenizerInfo,
+    config: EngineProcessConfig,
+    on_failure: Callable[[str], None],
+) -> tuple[EngineProcess, ModelFacts, TokenizerInfo]:
+    """Wait until the spawned child's model is loaded; returns the client, the model facts and
+    the tokenizer at the engine's vocabulary width. Raises what the load raised (the child is
+    gone then)."""
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+    process, ours = spawned.process, spawned.channel
     try:
         if not await asyncio.to_thread(ours.poll, config.start_timeout_s):
             raise TimeoutError(f"the engine process did not load in {config.start_timeout_s} s")

@@ -1,5 +1,6 @@
-"""Start serving: the tokenizer first, then the engine in a child process of its own, then a
-warm-up generation before health turns SERVING.
+"""Start serving: the engine's child process and this process's tokenizer load side by side (the
+tokenizer is first ready: Tokenize and CompileGrammar work from then on), then a warm-up
+generation before health turns SERVING.
 
 The parts are loaded by ``server/loading.py``; the child process's side is
 ``server/engine_process.py`` (which loads through ``loading`` too), so this module, which starts
@@ -25,6 +26,7 @@ from espalier.server.state import ModelFacts, ServingState, announce
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.constraints import GrammarService
+    from espalier.server.engine_process import SpawnedEngine
 
 
 async def warm_up(engine: ServingEngine) -> None:
@@ -44,15 +46,21 @@ def make_loader(
     options: ModelOptions,
 ) -> Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]:
     async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
+        from espalier.server.engine_process import spawn_engine_process
         from espalier.server.gc_freeze import freeze_startup_heap
 
-        tokenizer = await asyncio.to_thread(load_tokenizer, options)
+        spawned = spawn_engine_process(options)  # it loads while our tokenizer does
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, options)
+        except BaseException:
+            spawned.kill()
+            raise
         grammar = grammar_service(options, tokenizer)
         state.tokenizer = tokenizer
         state.compiler = make_compiler(grammar, options.compile_timeout_s)
         state.metrics.bind_compile_cache(lambda: grammar.cache.stats)
         announce(event="tokenizer_loaded", tokenizer=tokenizer.name)
-        engine, facts = await _start_engine_process(options, state, tokenizer, grammar)
+        engine, facts = await _start_engine_process(options, state, spawned, tokenizer, grammar)
         await warm_up(engine)
         freeze_startup_heap()  # no multi-ms collections of the startup heap while serving
         return engine, facts
@@ -61,7 +69,11 @@ def make_loader(
 
 
 async def _start_engine_process(
-    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
+    options: ModelOptions,
+    state: ServingState,
+    spawned: SpawnedEngine,
+    tokenizer: TokenizerInfo,
+    grammar: GrammarService,
 ) -> tuple[ServingEngine, ModelFacts]:
     """The engine in a child process; its death fails the server (``ServingState.fail``).
     From here on CompileGrammar compiles in the child's cache (``EngineProcess.compile``)."""
@@ -73,7 +85,7 @@ async def _start_engine_process(
     config = EngineProcessConfig(
         max_waiting=options.max_queue, compile_timeout_s=options.compile_timeout_s
     )
-    engine, facts, tokenizer = await start_engine_process(options, tokenizer, config, on_failure)
+    engine, facts, tokenizer = await start_engine_process(spawned, tokenizer, config, on_failure)
     announce(event="engine_process", pid=engine.process.pid)
     if options.tensor_parallel > 1:
         announce(event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.rank_pids)
