@@ -13,10 +13,10 @@ kernels ran 7-30x slower on the loaded 2-core development machine (16 ms against
 of the tiny model), which compared the server with a handicapped anchor.
 
     .venv/bin/python bench/serve.py [--model tiny-random] [--streams 8] [--max-tokens 32] \\
-        [--reps 2] [--speculative ngram,forced] [--engine-process on,off]
+        [--reps 2] [--speculative ngram,forced] [--kv-blocks N]
 
-``--engine-process on,off`` starts one server per value (the engine in a child process, or on
-a thread of the server) and measures both against the same offline rounds.
+``--kv-blocks`` gives both sides the same KV cache; on CUDA set it (the default sizes the cache
+from free device memory, and the side loaded first would take most of it).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def offline_engine(args: argparse.Namespace) -> Any:
         model=args.model,
         speculative=tuple(m for m in args.speculative.split(",") if m),
         compile_timeout_s=600.0,
+        kv_blocks=args.kv_blocks,
     )
     tokenizer = load_tokenizer(options)
     engine, _ = load_engine(options, tokenizer, GrammarService(tokenizer, compile_timeout_s=600))
@@ -109,26 +110,21 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--backend", default="llguidance")
     parser.add_argument("--speculative", default="", help="drafters, as espalier serve's")
-    parser.add_argument(
-        "--engine-process",
-        default="on,off",
-        help="espalier serve --engine-process values to serve with, one server each",
-    )
+    parser.add_argument("--kv-blocks", type=int, default=0, help="as espalier serve's")
     args = parser.parse_args()
-    server_flags = ["--model", args.model]  # the last --model given wins (load.py's is first)
+    # The last --model given wins (load.py's is first).
+    server_flags = ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
     if args.speculative:
         server_flags += ["--speculative", args.speculative]
-    modes = [m for m in args.engine_process.split(",") if m]
     stepper = ThreadPoolExecutor(1, thread_name_prefix="offline-engine")
     engine = offline_engine(args)
-    servers = {m: start_server([*server_flags, "--engine-process", m]) for m in modes}
+    proc, address, _ = start_server(server_flags)
     try:
         for constrained in (False, True):
-            compare(engine, stepper, {m: s[1] for m, s in servers.items()}, args, constrained)
+            compare(engine, stepper, address, args, constrained)
     finally:
-        for proc, _, _ in servers.values():
-            proc.terminate()
-            proc.wait(timeout=60)
+        proc.terminate()
+        proc.wait(timeout=60)
         engine.close()
         stepper.shutdown()
     return 0
@@ -137,61 +133,44 @@ def main() -> int:
 def compare(
     engine: Any,
     stepper: ThreadPoolExecutor,
-    addresses: dict[str, str],
+    address: str,
     args: argparse.Namespace,
     constrained: bool,
 ) -> None:
     """One warm-up round per side, then ``--reps`` rounds, the side order reversed every other
-    round (ABBA); one JSON line per served mode."""
-    sides = ["offline", *addresses]
+    round (ABBA); one JSON line."""
+    sides = ["offline", "served"]
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
 
     def run(side: str) -> dict[str, Any]:
         if side == "offline":
             return stepper.submit(run_offline, engine, args, constrained).result()
-        return asyncio.run(run_served(addresses[side], args, constrained))
+        return asyncio.run(run_served(address, args, constrained))
 
     for side in sides:
         run(side)  # warm-up
     for rep in range(args.reps):
         for side in sides if rep % 4 in (0, 3) else sides[::-1]:
             runs[side].append(run(side))
-    offline = runs["offline"]
-    if {"on", "off"} <= addresses.keys():
-        pairs = zip(runs["on"], runs["off"])
-        emit(
-            {
-                "part": "serve_process_over_thread",
-                "constrained": constrained,
-                "streams": args.streams,
-                "ratios": [round(p["tok_per_s"] / t["tok_per_s"], 3) for p, t in pairs],
-                "median": round(
-                    statistics.median(
-                        p["tok_per_s"] / t["tok_per_s"] for p, t in zip(runs["on"], runs["off"])
-                    ),
-                    3,
-                ),
-            }
-        )
-    for mode in addresses:
-        served = runs[mode]
-        ratios = [s["tok_per_s"] / o["tok_per_s"] for s, o in zip(served, offline)]
-        emit(
-            {
-                "part": "serve",
-                "model": args.model,
-                "engine_process": mode,
-                "constrained": constrained,
-                "backend": args.backend if constrained else None,
-                "streams": args.streams,
-                "max_tokens": args.max_tokens,
-                "speculative": args.speculative or None,
-                "offline_tok_per_s": [round(o["tok_per_s"], 1) for o in offline],
-                "served_tok_per_s": [round(s["tok_per_s"], 1) for s in served],
-                "served_over_offline": round(statistics.median(ratios), 3),
-                "tokens_equal": all(s["ids"] == o["ids"] for s, o in zip(served, offline)),
-            }
-        )
+    offline, served = runs["offline"], runs["served"]
+    ratios = [s["tok_per_s"] / o["tok_per_s"] for s, o in zip(served, offline)]
+    emit(
+        {
+            "part": "serve",
+            "model": args.model,
+            "constrained": constrained,
+            "backend": args.backend if constrained else None,
+            "streams": args.streams,
+            "max_tokens": args.max_tokens,
+            "speculative": args.speculative or None,
+            "kv_blocks": args.kv_blocks,
+            "offline_tok_per_s": [round(o["tok_per_s"], 1) for o in offline],
+            "served_tok_per_s": [round(s["tok_per_s"], 1) for s in served],
+            "ratios": [round(r, 3) for r in ratios],
+            "served_over_offline": round(statistics.median(ratios), 3),
+            "tokens_equal": all(s["ids"] == o["ids"] for s, o in zip(served, offline)),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``espalier serve``: the gRPC server on a model. The only place that reads serving flags/env."""
+"""``espalier serve``: the gRPC server on a model, the engine stepping in a child process of its
+own (``server/engine_process.py``). The only place that reads serving flags/env."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import asyncio
 import os
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from espalier.server.config import MIB, ServerConfig
@@ -40,12 +42,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--grammar-cache-dir", default=None, help="keep compiled xgrammar grammars here")
     p.add_argument("--grammar-cache-max-mb", type=float, default=512.0)
-    p.add_argument(
-        "--engine-process",
-        choices=("on", "off"),
-        default="off",
-        help="step the engine in a child process of its own (off: on a thread of the server)",
-    )
     p.add_argument(
         "--tensor-parallel",
         type=int,
@@ -155,7 +151,6 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
         prefix_caching=not args.no_prefix_cache,
         grammar_cache_dir=args.grammar_cache_dir,
         grammar_cache_max_bytes=int(args.grammar_cache_max_mb * MIB),
-        engine_process=args.engine_process == "on",
         compile_slots=args.compile_slots,
         tensor_parallel=args.tensor_parallel,
     )
@@ -175,8 +170,6 @@ def run(args: argparse.Namespace) -> int:
         problems.append("--compile-slots must be at least 1")
     if args.tensor_parallel < 1:
         problems.append("--tensor-parallel must be at least 1")
-    if args.tensor_parallel > 1 and args.engine_process == "on":
-        problems.append("--tensor-parallel runs the engine in this process: --engine-process off")
     if problems:
         raise SystemExit("espalier serve: " + "; ".join(problems))
     options = model_options_from_args(args, config)
@@ -186,11 +179,16 @@ def run(args: argparse.Namespace) -> int:
         await serve(config, state, make_loader(options))
         return state.failed.is_set()
 
-    failed = asyncio.run(main())
+    try:
+        failed = asyncio.run(main())
+    except BaseException:  # a bug: still leave through os._exit (the engine process sees EOF)
+        traceback.print_exc()
+        failed = True
     # Drained: every accepted request has finished and "stopped" is announced. Leave without
     # the interpreter's teardown: threads that may still be inside native code (a compile
     # abandoned at its deadline, a background build) would otherwise run while native
-    # libraries destroy their thread pools, which aborts the process (exit status 134).
+    # libraries destroy their thread pools, which aborts the process (exit status 134), and
+    # multiprocessing would join the engine process, which waits for this end to close.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failed else 0)

@@ -1,8 +1,7 @@
-"""What the servicer needs from the engine: a small Protocol over ``engine/async_engine.py``."""
+"""What the servicer needs from the engine: a small Protocol over ``server/engine_process.py``."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -11,7 +10,8 @@ from espalier.engine.api import GenerationRequest, RequestOutput
 
 @runtime_checkable
 class ServingEngine(Protocol):
-    """The async engine as the server drives it (``espalier.engine.async_engine.AsyncEngine``)."""
+    """The engine as the server drives it: ``espalier serve``'s engine process
+    (``EngineProcess``); tests may put an in-process engine behind it."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has ``finished=True``."""
@@ -28,13 +28,3 @@ class ServingEngine(Protocol):
     def shutdown(self, drain: bool = True) -> Any:
         """Stop the engine, after finishing in-flight requests when ``drain`` (may be awaitable)."""
         ...
-
-
-@functools.cache
-def queue_full_errors() -> tuple[type[BaseException], ...]:
-    """The engine's queue-full exception types (empty before the engine module exists)."""
-    try:
-        from espalier.engine.async_engine import QueueFullError
-    except ImportError:
-        return ()
-    return (QueueFullError,)

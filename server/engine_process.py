@@ -6,8 +6,9 @@ the server's threads and locks is never run) loads the model and steps the engin
 tokenization of text prompts, and the streams. Grammars compile in the child, next to the
 matchers that use them: a compiled grammar is a native object of its backend (xgrammar,
 llguidance, outlines-core) with no common serialized form, and compiling there keeps the
-request path one hop. CompileGrammar compiles here on the server's own service (the on-disk
-cache, when configured, is shared through the file system).
+request path one hop. CompileGrammar goes through the channel too (:meth:`EngineProcess.compile`),
+so it warms the cache the requests use; before the child is ready it compiles on the server's
+own grammar service (the on-disk cache, when configured, is shared through the file system).
 
 One thread writes commands to the pipe (the event loop never blocks on a full pipe); one reads
 the engine's per-step messages and hands each to the event loop in one callback. When the child
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import queue
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -31,24 +35,29 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from espalier.engine.api import GenerationRequest, InvalidRequestError, RequestOutput
-from espalier.engine.async_engine import EngineClosedError, QueueFullError
 from espalier.engine.core.messages import (
     Abort,
     AddRequest,
+    Compile,
+    Compiled,
     EngineCommand,
     EngineStopped,
     PortableError,
     Shutdown,
     StepOutputs,
 )
-from espalier.server.errors import ServiceError
+from espalier.server.errors import DrainingError, ResourceExhaustedError, ServiceError
 from espalier.server.state import ModelFacts
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
+    from espalier.constrained.base import CompileReport
     from espalier.constrained.cache import CacheStats
+    from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.api import ConstraintOptions
+    from espalier.engine.constraints import GrammarService
     from espalier.server.loading import ModelOptions
 
 log = logging.getLogger(__name__)
@@ -65,17 +74,20 @@ class EngineUnavailableError(ServiceError):
 class EngineProcessConfig:
     """max_waiting: queued requests (compiling included, adds in flight counted) before new ones
     are refused. start_timeout_s: model load in the child. stop_timeout_s: after a Shutdown is
-    answered, before the child is terminated."""
+    answered, before the child is terminated. compile_timeout_s: the child's compile limit
+    (``--compile-timeout``); CompileGrammar waits for its answer a little longer."""
 
     max_waiting: int = 1024
     start_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
+    compile_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
 class _Ready:
     facts: ModelFacts
     vocab_size: int  # the engine's tokenizer width (the model may pad the vocabulary)
+    rank_pids: tuple[int, ...]  # the tensor-parallel ranks this child started (rank 1 on)
 
 
 @dataclass(frozen=True)
@@ -91,7 +103,7 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     the process group are ignored here; the server drains and then sends Shutdown. A closed
     channel ends the child."""
     from espalier.constrained.tokenizer import set_cache_root
-    from espalier.engine.core.loop import EngineLoop
+    from espalier.engine.core.loop import EngineLoop, FailureSignal
     from espalier.server.gc_freeze import freeze_startup_heap
     from espalier.server.loading import grammar_service, load_engine, load_tokenizer
 
@@ -99,30 +111,40 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
     set_cache_root(cache_dir)
+    failure = FailureSignal()  # a dead tensor-parallel rank ends the loop with its reason
     try:
         tokenizer = load_tokenizer(options)
-        engine, facts = load_engine(options, tokenizer, grammar_service(options, tokenizer))
+        grammar = grammar_service(options, tokenizer)
+        engine, facts = load_engine(options, tokenizer, grammar, on_failure=failure)
     except Exception as exc:
         channel.send(_LoadFailed(PortableError.of(exc)))
         return
     freeze_startup_heap()
-    channel.send(_Ready(facts, engine.tokenizer.vocab_size))
+    rank_pids = tuple(engine.runner.rank_pids) if options.tensor_parallel > 1 else ()
+    channel.send(_Ready(facts, engine.tokenizer.vocab_size, rank_pids))
     # On a thread, as in the server: torch's CPU kernels stepped on a process's main thread ran
     # many times slower on a loaded machine (bench/serve.py's note; the commit has the numbers).
-    loop = threading.Thread(target=EngineLoop(engine, channel).run, name="espalier-engine")
+    engine_loop = EngineLoop(engine, channel, failure=failure)
+    loop = threading.Thread(target=engine_loop.run, name="espalier-engine")
     loop.start()
     loop.join()
 
 
-async def start_engine_process(
-    options: ModelOptions,
-    tokenizer: TokenizerInfo,
-    config: EngineProcessConfig,
-    on_failure: Callable[[str], None],
-) -> tuple[EngineProcess, ModelFacts, TokenizerInfo]:
-    """Spawn the child, wait until its model is loaded; returns the client, the model facts
-    and the tokenizer at the engine's vocabulary width. Raises what the load raised."""
-    from espalier.constrained.tokenizer import TokenizerInfo, cache_root
+@dataclass(frozen=True)
+class SpawnedEngine:
+    """A child started by :func:`spawn_engine_process`, loading; ``channel`` is our end."""
+
+    process: BaseProcess
+    channel: Connection
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def spawn_engine_process(options: ModelOptions) -> SpawnedEngine:
+    """Start the child, which loads its tokenizer and model while this process loads its own
+    tokenizer (the two loads overlap); :func:`start_engine_process` waits for it."""
+    from espalier.constrained.tokenizer import cache_root
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe(duplex=True)
@@ -130,10 +152,28 @@ async def start_engine_process(
         target=engine_main,
         args=(options, theirs, str(cache_root())),
         name="espalier-engine",
-        daemon=True,
+        # Not daemonic: it starts the tensor-parallel ranks, and a daemonic process may not have
+        # children. It never outlives the server: the server's end of the channel closing (on
+        # any exit) ends its loop, and ``espalier serve`` leaves through ``os._exit``.
+        daemon=False,
     )
     process.start()
     theirs.close()  # the child holds the only other end: its death is EOF here
+    return SpawnedEngine(process, ours)
+
+
+async def start_engine_process(
+    spawned: SpawnedEngine,
+    tokenizer: TokenizerInfo,
+    config: EngineProcessConfig,
+    on_failure: Callable[[str], None],
+) -> tuple[EngineProcess, ModelFacts, TokenizerInfo]:
+    """Wait until the spawned child's model is loaded; returns the client, the model facts and
+    the tokenizer at the engine's vocabulary width. Raises what the load raised (the child is
+    gone then)."""
+    from espalier.constrained.tokenizer import TokenizerInfo
+
+    process, ours = spawned.process, spawned.channel
     try:
         if not await asyncio.to_thread(ours.poll, config.start_timeout_s):
             raise TimeoutError(f"the engine process did not load in {config.start_timeout_s} s")
@@ -152,7 +192,7 @@ async def start_engine_process(
     assert isinstance(first, _Ready), first
     if first.vocab_size != tokenizer.vocab_size:
         tokenizer = TokenizerInfo(tokenizer.hf, vocab_size=first.vocab_size, name=tokenizer.name)
-    client = EngineProcess(process, ours, tokenizer, config, on_failure)
+    client = EngineProcess(process, ours, tokenizer, config, on_failure, first.rank_pids)
     return client, first.facts, tokenizer
 
 
@@ -167,8 +207,12 @@ class EngineProcess:
         tokenizer: TokenizerInfo,
         config: EngineProcessConfig,
         on_failure: Callable[[str], None],
+        rank_pids: tuple[int, ...] = (),
     ) -> None:
         self.process = process
+        self.rank_pids = rank_pids
+        # The server's own grammar service (CompileGrammar), closed after the child stops.
+        self.compile_service: GrammarService | None = None
         self.tokenizer = tokenizer
         self.config = config
         self._channel = channel
@@ -183,6 +227,8 @@ class EngineProcess:
         self._failed: str | None = None
         self._stopped = threading.Event()
         self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
+        self._compiles: dict[int, Future[CompileReport]] = {}  # by Compile.call_id
+        self._call_ids = itertools.count()
         threading.Thread(target=self._write, name="engine-channel-out", daemon=True).start()
         threading.Thread(target=self._read, name="engine-channel-in", daemon=True).start()
 
@@ -190,8 +236,9 @@ class EngineProcess:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's chunks; the last has ``finished=True``. Raises before yielding
-        what the engine refused (typed), QueueFullError, EngineClosedError; mid-stream
-        :class:`EngineUnavailableError` if the engine process dies."""
+        what the engine refused (typed), ``ResourceExhaustedError`` (``max_waiting`` requests
+        queued), ``DrainingError`` (shutting down); mid-stream :class:`EngineUnavailableError`
+        if the engine process dies."""
         request_id = request.request_id
         self._check_open()
         if request_id in self._streams:
@@ -200,7 +247,11 @@ class EngineProcess:
             waiting = self._stats["waiting"] + self._stats["compiling"]
             waiting += self._adds_sent - self._adds_applied
         if waiting >= self.config.max_waiting:
-            raise QueueFullError(waiting, self.config.max_waiting)
+            limit = self.config.max_waiting
+            raise ResourceExhaustedError(
+                f"the queue is full: {waiting} requests waiting (limit {limit})",
+                metadata={"limit": str(limit), "kind": "engine_queue"},
+            )
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
@@ -234,6 +285,27 @@ class EngineProcess:
         if self._failed is None:
             self._outbox.put(Abort(request_id))
 
+    def compile(self, spec: GrammarSpec, options: ConstraintOptions) -> CompileReport:
+        """CompileGrammar in the engine's compile cache (blocking: call it off the event loop).
+        Raises what the compile raised (typed), ``CompileTimeoutError``, or
+        :class:`EngineUnavailableError` if the engine process is gone."""
+        from espalier.constrained.errors import CompileTimeoutError
+
+        future: Future[CompileReport] = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            if self._failed is not None or self._stopped.is_set():
+                raise EngineUnavailableError(self._failed or "the engine process stopped")
+            self._compiles[call_id] = future
+        self._outbox.put(Compile(call_id, spec, options))
+        try:
+            return future.result(timeout=self.config.compile_timeout_s + 5.0)
+        except FutureTimeout:
+            raise CompileTimeoutError(self.config.compile_timeout_s) from None
+        finally:
+            with self._lock:
+                self._compiles.pop(call_id, None)
+
     def stats(self) -> dict[str, Any]:
         """The engine's gauges from its last message, and the streams open here."""
         with self._lock:
@@ -262,6 +334,8 @@ class EngineProcess:
             self.process.kill()
             await asyncio.to_thread(self.process.join, 5.0)
         self._outbox.put(None)
+        if self.compile_service is not None:  # its disk cache's writes reach the disk
+            await asyncio.to_thread(self.compile_service.close)
 
     @property
     def is_running(self) -> bool:
@@ -273,7 +347,7 @@ class EngineProcess:
         if self._failed is not None:
             raise EngineUnavailableError(self._failed)
         if self._closing:
-            raise EngineClosedError("the engine is shutting down")
+            raise DrainingError("the engine is shutting down")
 
     def _encode(self, prompt: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.hf.encode(prompt, add_special_tokens=True))
@@ -295,6 +369,8 @@ class EngineProcess:
                         self._stats = dict(message.stats)
                         self._adds_applied = message.adds_applied
                     self._loop.call_soon_threadsafe(self._deliver, message)
+                elif isinstance(message, Compiled):
+                    self._answer(message)
                 elif isinstance(message, EngineStopped):
                     if message.error is not None:
                         why = message.error
@@ -305,9 +381,24 @@ class EngineProcess:
             self.process.join(1.0)
             why = f"the engine process exited (exit code {self.process.exitcode})"
         finally:
-            self._stopped.set()
+            with self._lock:
+                self._stopped.set()
+                waiting, self._compiles = list(self._compiles.values()), {}
+            for future in waiting:
+                future.set_exception(EngineUnavailableError(why or "the engine process stopped"))
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
                 self._loop.call_soon_threadsafe(self._end, why)
+
+    def _answer(self, message: Compiled) -> None:
+        with self._lock:
+            future = self._compiles.get(message.call_id)
+        if future is None:  # its caller gave up waiting
+            return
+        if message.error is not None:
+            future.set_exception(message.error.rebuild())
+        else:
+            assert message.report is not None
+            future.set_result(message.report)
 
     def _deliver(self, message: StepOutputs) -> None:
         for out in message.outputs():

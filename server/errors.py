@@ -44,7 +44,6 @@ from espalier.constrained.errors import (
     UnsupportedGrammarError,
 )
 from espalier.engine.api import InvalidRequestError as EngineInvalidRequest
-from espalier.server.engine_port import queue_full_errors
 
 DOMAIN = "espalier.v1"
 
@@ -268,6 +267,4 @@ def to_grpc_status(exc: BaseException, field_prefix: str = "") -> grpc.Status:
             _grammar_violations(exc, field_prefix),
             _grammar_metadata(exc),
         )
-    if isinstance(exc, queue_full_errors()):
-        return _status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "QUEUE_FULL", (), None, 1.0)
     return _status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", "INTERNAL")

@@ -44,7 +44,6 @@ class ModelOptions:
     grammar_cache_max_bytes: int = 512 << 20
     compile_slots: int = 2  # compiles of one grammar backend at once (BackendOptions)
     seed: int = 0  # weights of tiny-random
-    engine_process: bool = False  # step the engine in a child process (server/engine_process.py)
     tensor_parallel: int = 1  # ranks the model is sharded over (engine/model/parallel/)
 
 

@@ -1,9 +1,10 @@
-"""Start serving: the tokenizer first, then the engine on a thread or in a child process, then a
-warm-up generation before health turns SERVING.
+"""Start serving: the engine's child process and this process's tokenizer load side by side (the
+tokenizer is first ready: Tokenize and CompileGrammar work from then on), then a warm-up
+generation before health turns SERVING.
 
 The parts are loaded by ``server/loading.py``; the child process's side is
-``server/engine_process.py`` (which loads through ``loading`` too), so this module, which picks
-between the two, is the one that imports both.
+``server/engine_process.py`` (which loads through ``loading`` too), so this module, which starts
+the child, is the one that imports both.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from espalier.server.engine_port import ServingEngine
 from espalier.server.loading import (
     ModelOptions,
     grammar_service,
-    load_engine,
     load_tokenizer,
     make_compiler,
 )
@@ -26,6 +26,7 @@ from espalier.server.state import ModelFacts, ServingState, announce
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.constraints import GrammarService
+    from espalier.server.engine_process import SpawnedEngine
 
 
 async def warm_up(engine: ServingEngine) -> None:
@@ -45,18 +46,21 @@ def make_loader(
     options: ModelOptions,
 ) -> Callable[[ServingState], Awaitable[tuple[ServingEngine, ModelFacts]]]:
     async def load(state: ServingState) -> tuple[ServingEngine, ModelFacts]:
+        from espalier.server.engine_process import spawn_engine_process
         from espalier.server.gc_freeze import freeze_startup_heap
 
-        tokenizer = await asyncio.to_thread(load_tokenizer, options)
+        spawned = spawn_engine_process(options)  # it loads while our tokenizer does
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, options)
+        except BaseException:
+            spawned.kill()
+            raise
         grammar = grammar_service(options, tokenizer)
         state.tokenizer = tokenizer
         state.compiler = make_compiler(grammar, options.compile_timeout_s)
         state.metrics.bind_compile_cache(lambda: grammar.cache.stats)
         announce(event="tokenizer_loaded", tokenizer=tokenizer.name)
-        if options.engine_process:
-            engine, facts = await _start_engine_process(options, state, tokenizer, grammar)
-        else:
-            engine, facts = await _start_engine_thread(options, state, tokenizer, grammar)
+        engine, facts = await _start_engine_process(options, state, spawned, tokenizer, grammar)
         await warm_up(engine)
         freeze_startup_heap()  # no multi-ms collections of the startup heap while serving
         return engine, facts
@@ -64,44 +68,29 @@ def make_loader(
     return load
 
 
-async def _start_engine_thread(
-    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
-) -> tuple[ServingEngine, ModelFacts]:
-    """The engine on a thread of this process; CompileGrammar shares its compile cache. A dead
-    tensor-parallel rank fails the server (``ServingState.fail``), as a dead engine process."""
-    from espalier.engine.async_engine import AsyncEngine, AsyncEngineConfig
-
-    loop = asyncio.get_running_loop()
-
-    def on_failure(why: str) -> None:  # from the ranks' watch thread
-        loop.call_soon_threadsafe(lambda: loop.create_task(state.fail(why)))
-
-    engine, facts = await asyncio.to_thread(load_engine, options, tokenizer, grammar, on_failure)
-    if options.tensor_parallel > 1:
-        announce(
-            event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.runner.rank_pids
-        )
-    state.tokenizer = engine.tokenizer
-    state.compiler = make_compiler(engine.grammar, options.compile_timeout_s)
-    state.metrics.bind_compile_cache(lambda: engine.grammar.cache.stats)
-    return AsyncEngine(engine, AsyncEngineConfig(max_waiting=options.max_queue)), facts
-
-
 async def _start_engine_process(
-    options: ModelOptions, state: ServingState, tokenizer: TokenizerInfo, grammar: GrammarService
+    options: ModelOptions,
+    state: ServingState,
+    spawned: SpawnedEngine,
+    tokenizer: TokenizerInfo,
+    grammar: GrammarService,
 ) -> tuple[ServingEngine, ModelFacts]:
-    """The engine in a child process; its death fails the server (``ServingState.fail``)."""
+    """The engine in a child process; its death fails the server (``ServingState.fail``).
+    From here on CompileGrammar compiles in the child's cache (``EngineProcess.compile``)."""
     from espalier.server.engine_process import EngineProcessConfig, start_engine_process
 
     def on_failure(why: str) -> None:
         asyncio.get_running_loop().create_task(state.fail(why))
 
-    config = EngineProcessConfig(max_waiting=options.max_queue)
-    engine, facts, tokenizer = await start_engine_process(options, tokenizer, config, on_failure)
+    config = EngineProcessConfig(
+        max_waiting=options.max_queue, compile_timeout_s=options.compile_timeout_s
+    )
+    engine, facts, tokenizer = await start_engine_process(spawned, tokenizer, config, on_failure)
     announce(event="engine_process", pid=engine.process.pid)
-    if tokenizer is not state.tokenizer:  # the model pads its vocabulary: masks need its width
-        grammar = grammar_service(options, tokenizer)
-        state.tokenizer = tokenizer
-        state.compiler = make_compiler(grammar, options.compile_timeout_s)
+    if options.tensor_parallel > 1:
+        announce(event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.rank_pids)
+    state.tokenizer = tokenizer  # at the engine's width when the model pads its vocabulary
+    state.compiler = engine.compile  # CompileGrammar warms the cache the requests use
+    engine.compile_service = grammar  # the one CompileGrammar used while the model loaded
     state.metrics.bind_compile_cache(lambda: engine.grammar_cache_stats(grammar.cache.stats))
     return engine, facts

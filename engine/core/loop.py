@@ -3,13 +3,17 @@
 Single-threaded like the :class:`~espalier.engine.engine.Engine` it drives: between steps it
 takes every command waiting on the channel (never blocking while requests are unfinished), steps
 once, and sends the step's chunks as one message. Idle, it blocks on the channel up to
-``idle_wait_s`` (waking early for a command) and steps anyway so finished compiles are noticed.
-The server process's end closing (the server died) aborts everything and ends the loop.
+``idle_wait_s`` (waking early for a command) and steps anyway so finished compiles are noticed
+(a request's, and CompileGrammar's: one :class:`Compiled` answer each).
+The server process's end closing (the server died) aborts everything and ends the loop. A
+:class:`FailureSignal` set from another thread (a dead tensor-parallel rank) fails the requests in
+flight and ends the loop with :class:`EngineStopped` carrying the reason.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
@@ -18,7 +22,10 @@ from espalier.engine.api import FinishReason, RequestOutput
 from espalier.engine.core.messages import (
     Abort,
     AddRequest,
+    Compile,
+    Compiled,
     EngineStopped,
+    PortableError,
     Shutdown,
     StepOutputs,
 )
@@ -34,24 +41,45 @@ class LoopConfig:
     idle_wait_s: float = 0.02
 
 
+class FailureSignal:
+    """Set once, from any thread, by what leaves the engine unusable (``load_engine``'s
+    ``on_failure``: a tensor-parallel rank died); the loop reads it between steps."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def __call__(self, why: str) -> None:
+        if self.reason is None:
+            self.reason = why
+
+
 class EngineLoop:
     """Steps ``engine`` on this thread, talking over ``channel`` (one end of a Pipe)."""
 
-    def __init__(self, engine: Engine, channel: Connection, config: LoopConfig | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        channel: Connection,
+        config: LoopConfig | None = None,
+        failure: FailureSignal | None = None,
+    ):
         self.engine = engine
         self.channel = channel
         self.config = config or LoopConfig()
+        self.failure = failure or FailureSignal()
         self._live: set[str] = set()  # requests added and not yet finished
         self._adds = 0
         self._stopping = False
         self._drain = True
         self._last_stats: dict[str, Any] = {}
+        self._compiles: dict[int, Future[Any]] = {}  # Compile call id -> the grammar's compile
 
     def run(self) -> None:
         """Until a Shutdown is done or the channel closes; sends :class:`EngineStopped` last."""
         error = None
         try:
             self._run()
+            error = self.failure.reason
         except (EOFError, OSError):  # the server process is gone: nobody to answer
             log.warning("the server closed the channel; aborting %d requests", len(self._live))
             return
@@ -63,7 +91,7 @@ class EngineLoop:
         self.channel.send(EngineStopped(error))
 
     def _run(self) -> None:
-        while True:
+        while self.failure.reason is None:
             busy = self.engine.has_unfinished()
             outputs = self._take_commands(0.0 if busy else self.config.idle_wait_s)
             if self._stopping and not self._drain:
@@ -74,7 +102,9 @@ class EngineLoop:
             elif self._stopping:
                 self._send(outputs)
                 return
+            self._answer_compiles()
             self._send(outputs)
+        self._send(self._fail_live(f"engine failure: {self.failure.reason}"))
 
     def _take_commands(self, timeout_s: float) -> list[RequestOutput]:
         """Apply every waiting command (waiting up to ``timeout_s`` for the first); returns the
@@ -97,6 +127,9 @@ class EngineLoop:
                     self._live.add(request.request_id)
             elif isinstance(command, Abort):
                 self.engine.abort(command.request_id)
+            elif isinstance(command, Compile):
+                future = self.engine.grammar.submit(command.spec, command.options)
+                self._compiles[command.call_id] = future
             elif isinstance(command, Shutdown):
                 self._stopping, self._drain = True, command.drain
         return refused
@@ -104,11 +137,26 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
-        except Exception as exc:  # a bug: fail every request rather than hang them
+        except Exception as exc:  # a bug or a dead rank: fail every request rather than hang them
             log.exception("engine step failed")
-            for request_id in self._live:
-                self.engine.abort(request_id, error=f"engine failure: {exc!r}")
-            return self.engine.take_pending()
+            return self._fail_live(f"engine failure: {exc!r}")
+
+    def _fail_live(self, error: str) -> list[RequestOutput]:
+        for request_id in self._live:
+            self.engine.abort(request_id, error=error)
+        return self.engine.take_pending()
+
+    def _answer_compiles(self) -> None:
+        """One :class:`Compiled` per finished compile (the compile cache bounds each in time)."""
+        for call_id, future in list(self._compiles.items()):
+            if not future.done():
+                continue
+            del self._compiles[call_id]
+            error = future.exception()
+            if error is None:
+                self.channel.send(Compiled(call_id, future.result()[1]))
+            else:
+                self.channel.send(Compiled(call_id, None, PortableError.of(error)))
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         stats = self._stats()

@@ -1,11 +1,12 @@
 """The typed channel between the server process and the engine process.
 
-Server → engine: :class:`AddRequest`, :class:`Abort`, :class:`Shutdown`. Engine → server: one
-:class:`StepOutputs` per loop iteration that has news (every chunk of the step in one message, so
-streaming pays one pickle and one pipe write per step, not per token), and :class:`EngineStopped`
-last. Messages are pickled by ``multiprocessing.connection.Connection``; exceptions cross as
-:class:`PortableError` because an exception whose ``__init__`` takes other arguments than its
-``args`` (``InvalidRequestError(violations)``) does not survive pickling as itself.
+Server → engine: :class:`AddRequest`, :class:`Abort`, :class:`Compile`, :class:`Shutdown`.
+Engine → server: one :class:`StepOutputs` per loop iteration that has news (every chunk of the step
+in one message, so streaming pays one pickle and one pipe write per step, not per token),
+:class:`Compiled` for each Compile, and :class:`EngineStopped` last. Messages are pickled by
+``multiprocessing.connection.Connection``; exceptions cross as :class:`PortableError` because an
+exception whose ``__init__`` takes other arguments than its ``args``
+(``InvalidRequestError(violations)``) does not survive pickling as itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from espalier.engine.api import GenerationRequest, RequestOutput, TokenLogprob
+from espalier.constrained.base import CompileReport
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import ConstraintOptions, GenerationRequest, RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,32 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Compile:
+    """Compile ``spec`` into the engine's compile cache (CompileGrammar: the requests that follow
+    hit it); answered by one :class:`Compiled` with the same ``call_id``."""
+
+    call_id: int
+    spec: GrammarSpec
+    options: ConstraintOptions
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The answer to :class:`Compile` ``call_id``: its report, or the typed error it raised."""
+
+    call_id: int
+    report: CompileReport | None
+    error: PortableError | None = None
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Take nothing new; finish in-flight requests (``drain``) or abort them; then exit."""
 
     drain: bool = True
 
 
-EngineCommand = AddRequest | Abort | Shutdown
+EngineCommand = AddRequest | Abort | Compile | Shutdown
 
 
 ChunkRow = tuple[str, str, tuple[int, ...], tuple[TokenLogprob, ...]]

@@ -1,7 +1,9 @@
 """EngineLoop over a real multiprocessing Pipe (the loop on a thread here; the server runs it in a
 child process): the same tokens as stepping the engine directly, one message per step, refusals
-and grammar errors typed, abort, both kinds of shutdown, and the loop ending when the other end
-closes."""
+and grammar errors typed, abort, both kinds of shutdown, the loop ending when the other end
+closes, CompileGrammar's compiles answered from the cache the requests use, and a failure
+signalled from another thread (a dead tensor-parallel rank) failing the requests in flight and
+ending the loop with its reason."""
 
 from __future__ import annotations
 
@@ -15,14 +17,23 @@ import pytest
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
+    ConstraintOptions,
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
 )
-from espalier.engine.core.loop import EngineLoop
-from espalier.engine.core.messages import Abort, AddRequest, EngineStopped, Shutdown, StepOutputs
+from espalier.engine.core.loop import EngineLoop, FailureSignal
+from espalier.engine.core.messages import (
+    Abort,
+    AddRequest,
+    Compile,
+    Compiled,
+    EngineStopped,
+    Shutdown,
+    StepOutputs,
+)
 from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
 
 
@@ -131,3 +142,63 @@ def test_the_loop_ends_when_the_server_end_closes(
     ours.close()
     thread.join(timeout=60)
     assert not thread.is_alive()
+
+
+def test_a_signalled_failure_fails_requests_in_flight_and_ends_the_loop() -> None:
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    failure = FailureSignal()
+    thread = threading.Thread(target=EngineLoop(make_engine(), theirs, failure=failure).run)
+    thread.start()
+    try:
+        ours.send(AddRequest(request(1, max_tokens=5000)))
+        running = False
+        while not running:  # until its first chunk comes back
+            assert ours.poll(120), "the loop went quiet"
+            message = ours.recv()
+            assert isinstance(message, StepOutputs)
+            running = any(o.request_id == "q1" for o in message.outputs())
+        failure("tensor-parallel rank 1 exited (code -9)")
+        failure("a second reason is ignored")
+        last: list[RequestOutput] = []
+        while True:
+            assert ours.poll(120), "the loop went quiet"
+            message = ours.recv()
+            if isinstance(message, EngineStopped):
+                break
+            last.extend(o for o in message.outputs() if o.finished)
+        assert message == EngineStopped("tensor-parallel rank 1 exited (code -9)")
+        (failed,) = last
+        assert failed.request_id == "q1" and failed.finish_reason is FinishReason.ERROR
+        assert failed.error is not None and "rank 1" in failed.error
+    finally:
+        thread.join(timeout=60)
+        ours.close()
+    assert not thread.is_alive()
+
+
+def next_compiled(ours: Connection) -> Compiled:
+    while True:
+        assert ours.poll(120), "the loop went quiet"
+        message = ours.recv()
+        if isinstance(message, Compiled):
+            return message
+
+
+def test_compile_answers_from_the_cache_the_requests_use(
+    channel: tuple[Connection, threading.Thread],
+) -> None:
+    ours, _ = channel
+    spec, options = GrammarSpec.regex("[a-c]{2}x"), ConstraintOptions(backend="llguidance")
+    ours.send(Compile(7, spec, options))
+    first = next_compiled(ours)
+    assert first.call_id == 7 and first.error is None and first.report is not None
+    assert first.report.backend == "llguidance" and not first.report.cache_hit
+    ours.send(AddRequest(request(1, max_tokens=4, grammar=spec, constraint=options)))
+    receive_until(ours, {"q1"})
+    ours.send(Compile(8, spec, options))
+    again = next_compiled(ours)
+    assert again.call_id == 8 and again.report is not None and again.report.cache_hit
+    ours.send(Compile(9, GrammarSpec.regex("(unclosed"), options))
+    bad = next_compiled(ours)
+    assert bad.call_id == 9 and bad.report is None and bad.error is not None
+    assert isinstance(bad.error.rebuild(), GrammarError)

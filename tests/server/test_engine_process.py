@@ -1,4 +1,4 @@
-"""``espalier serve --engine-process on``: the engine steps in a child process, the server keeps
+"""``espalier serve``: the engine steps in a child process of its own, the server keeps
 gRPC, validation and tokenization. Real server on loopback, tiny random model, Gemma tokenizer:
 plain, constrained and streaming generation, cancellation across the channel, metrics from the
 engine's messages, the SIGTERM drain, and the engine process killed mid-stream (the client gets
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--engine-process", "on", "--compile-timeout", "900")
+    srv = ServerProcess("--compile-timeout", "900")
     try:
         if not srv.wait_loaded():
             pytest.fail(f"the engine did not load: {srv.wait_event('load_failed')}")
@@ -105,7 +105,7 @@ def test_cancel_crosses_the_channel(server: ServerProcess, client: Client) -> No
 def test_sigterm_drains_through_the_engine_process() -> None:
     """A stream in flight at SIGTERM finishes whole; then the engine process and the server exit
     cleanly (its own server: the drain ends it)."""
-    with ServerProcess("--engine-process", "on") as srv:
+    with ServerProcess() as srv:
         assert srv.wait_loaded()
         pid = _engine_pid(srv)
         with Client(srv.address, timeout_s=600.0) as client:
