@@ -101,6 +101,13 @@ PROPERTY_NAMES = [
     {"propertyNames": {"const": "bar"}, "required": ["bar"]},
     {"propertyNames": {"type": "integer"}},
     {"propertyNames": {"minLength": 3, "maxLength": 2}},
+    {"propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "string"}},
+    {"propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "integer"},
+     "properties": {"foo": {"type": "string"}, "x1": {}}},
+    {"propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": False,
+     "properties": {"aa": {"type": "string"}, "foo": {}}},
+    {"propertyNames": {"enum": ["a", "foo"]}, "additionalProperties": {"type": "string"},
+     "properties": {"a": {"type": "integer"}, "b": {}}},
 ]  # fmt: skip
 
 
@@ -115,8 +122,13 @@ def test_property_names_become_property_keywords(schema: Any) -> None:
     "schema",
     [
         {"propertyNames": {"pattern": "^a", "maxLength": 2}},  # an intersection: no one regex
-        {"propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "string"}},
         {"propertyNames": {"maxLength": 2}, "patternProperties": {"^f": {}}},
+        # a listed name that passes would also get additionalProperties' schema
+        {
+            "propertyNames": {"maxLength": 2},
+            "additionalProperties": {"type": "string"},
+            "properties": {"a": {"type": "integer"}},
+        },
     ],
 )
 def test_property_names_that_need_more_are_left_alone(schema: Any) -> None:
