@@ -75,6 +75,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     legacy = dialect_of(schema) != DRAFT_2020_12
     if legacy:
         schema = _map_tree(schema, _from_legacy)
+    elif '"dependencies"' in json.dumps(schema):
+        schema = _map_tree(schema, _split_dependencies)
     defs = schema.get("$defs") if isinstance(schema, dict) else None
     if '"unevaluated' in json.dumps(schema):
         schema = resolve_unevaluated(schema, defs if isinstance(defs, dict) else {})
@@ -140,6 +142,18 @@ def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
             node["items"] = node.pop("additionalItems")
     else:
         node.pop("additionalItems", None)  # ignored unless items is an array
+    node = _split_dependencies(node)
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
+            node[flag] = node.pop(bound)
+    return node
+
+
+def _split_dependencies(node: dict[str, Any]) -> dict[str, Any]:
+    """Draft 7's ``dependencies`` as ``dependentRequired`` / ``dependentSchemas``. Also applied
+    in 2019-09 / 2020-12, where the keyword no longer exists: a schema that uses it means the
+    split keywords, and enforcing them only narrows (an output still validates either way)."""
+    node = dict(node)
     deps = node.pop("dependencies", None)
     if isinstance(deps, dict):
         required = {k: v for k, v in deps.items() if isinstance(v, list)}
@@ -148,9 +162,6 @@ def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
             node["dependentRequired"] = {**node.get("dependentRequired", {}), **required}
         if schemas:
             node["dependentSchemas"] = {**node.get("dependentSchemas", {}), **schemas}
-    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-        if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
-            node[flag] = node.pop(bound)
     return node
 
 

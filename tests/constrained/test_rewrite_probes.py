@@ -506,3 +506,29 @@ def test_large_dynamic_schemas_get_fewer_scopes() -> None:
     padded = {**DYNAMIC[3], "description": "x" * (2 << 20)}
     assert resolve_refs(padded).schema == padded
     assert resolve_refs(DYNAMIC[3]).schema != DYNAMIC[3]
+
+
+DEPENDENCIES = [
+    {"dependencies": {"a": ["b"], "foo": ["bar", "c"]}},
+    {"properties": {"a": {"type": "integer"}}, "dependencies": {"a": {"required": ["x1"]}}},
+    {"type": "object", "dependencies": {"b": ["a"], "c": {"properties": {"a": {"const": 1}}}}},
+]
+
+
+@pytest.mark.parametrize("schema", DEPENDENCIES, ids=[json.dumps(s)[:50] for s in DEPENDENCIES])
+def test_dependencies_keep_their_draft_7_meaning_in_every_draft(schema: Any) -> None:
+    """Without ``$schema`` (2020-12, where ``dependencies`` is no keyword) the rewrite enforces
+    draft 7's meaning: equal to the draft-7 reading, and only narrower than the 2020-12 one."""
+    rewritten = rewrite(schema)
+    assert "dependencies" not in keywords(rewritten), rewritten
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **schema}
+    assert mismatches(draft7, rewritten, 400) == []
+    rng = random.Random(1)
+    narrowed = 0
+    for _ in range(400):
+        value = random_value(rng)
+        if validate_instance(rewritten, value).valid:
+            assert validate_instance(schema, value).valid, value
+        else:
+            narrowed += validate_instance(schema, value).valid
+    assert narrowed > 0  # the draft-7 meaning did constrain some instances
