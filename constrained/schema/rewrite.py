@@ -49,6 +49,7 @@ from espalier.constrained.schema.logic import (
     Defs,
     complement,
     exactly_one,
+    key_set,
     pairwise_disjoint,
     types_of,
 )
@@ -273,7 +274,7 @@ def _one_of(node: dict[str, Any], defs: Defs) -> Any:
         if pairwise_disjoint(branches, defs, context=strings):
             return _append_all_of(_append_all_of(_without(node, "oneOf"), strings),
                                   {"anyOf": branches})  # fmt: skip
-    exclusive = exactly_one(branches, defs)
+    exclusive = exactly_one(branches, defs, context=_without(node, "oneOf"))
     if exclusive is None:
         return node
     if exclusive is False:
@@ -292,10 +293,10 @@ def _string_only(branch: Any) -> bool:
 
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:
-    negated = complement(node["not"], defs)
+    rest = _without(node, "not")
+    negated = complement(node["not"], defs, keys=key_set(rest, defs))
     if negated is None:
         return node
-    rest = _without(node, "not")
     if negated is False:
         return False
     if negated is True:
@@ -306,10 +307,10 @@ def _negate(node: dict[str, Any], defs: Defs) -> Any:
 def _conditional(node: dict[str, Any], defs: Defs) -> Any:
     """``if/then/else`` = ``anyOf[allOf[if, then], allOf[not if, else]]`` when ``not if`` exists."""
     condition = node["if"]
-    otherwise = complement(condition, defs)
+    rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
+    otherwise = complement(condition, defs, keys=key_set(rest, defs))
     if otherwise is None:
         return node
-    rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
     branches = [
         {"allOf": [condition, node.get("then", True)]},
         {"allOf": [otherwise, node.get("else", True)]},

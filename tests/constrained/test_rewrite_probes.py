@@ -235,6 +235,23 @@ ONE_OF = [
     # overlapping ({} matches both): "this branch and not the other", through const complements
     {"type": "object", "oneOf": [{"properties": {"a": {"const": 1}}},
                                  {"properties": {"a": {"const": "foo"}}}]},
+    # closed objects ({} matches both): the other branch's additionalProperties: false is
+    # violated by a name this branch allows (GitHub_trivial/o10020)
+    {"type": "object",
+     "oneOf": [{"additionalProperties": False, "properties": {"a": {"type": "string"}}},
+               {"additionalProperties": False, "properties": {"b": {"type": "array"}}}]},
+    # the other branch's properties outside this branch's names need no complement (pattern)
+    {"type": "object",
+     "oneOf": [{"additionalProperties": False, "properties": {"a": {"pattern": "^x"}}},
+               {"additionalProperties": False, "properties": {"b": {"pattern": "y"}}}]},
+    # closed by the parent; a branch's patternProperties and additionalProperties schema
+    {"properties": {"a": {}, "b": {}, "foo": {}}, "additionalProperties": False,
+     "oneOf": [{"patternProperties": {"^f": {"type": "string"}}},
+               {"properties": {"a": {}}, "additionalProperties": {"type": "string"}},
+               {"required": ["b"]}]},
+    # an unknown keyword constrains nothing (a typo of additionalProperties)
+    {"oneOf": [{"type": "object", "additioalProperties": False, "required": ["a"]},
+               {"type": "object", "required": ["b"]}]},
 ]  # fmt: skip
 
 
@@ -243,6 +260,29 @@ def test_one_of_becomes_any_of(schema: Any) -> None:
     rewritten = rewrite(schema)
     assert "oneOf" not in keywords(rewritten), rewritten
     assert mismatches(schema, rewritten, 600) == []
+
+
+NOT_IN_CONTEXT = [
+    {"additionalProperties": False, "properties": {"a": {}, "b": {}},
+     "not": {"additionalProperties": False, "properties": {"a": {}}}},
+    {"type": "object", "propertyNames": {"enum": ["a", "foo"]},
+     "not": {"patternProperties": {"^f": {"type": "string"}}}},
+    {"additionalProperties": False, "properties": {"a": {}, "c": {}},
+     "if": {"additionalProperties": {"type": "string"}}, "then": {"required": ["a"]},
+     "else": {"required": ["c"]}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", NOT_IN_CONTEXT, ids=[json.dumps(s)[:50] for s in NOT_IN_CONTEXT])
+def test_not_of_open_keywords_among_closed_names_is_rewritten(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"not", "if"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_not_additional_properties_of_open_names_is_left_alone() -> None:
+    schema = {"type": "object", "not": {"additionalProperties": False, "properties": {"a": {}}}}
+    assert "not" in keywords(rewrite(schema))
 
 
 def test_overlapping_one_of_without_complements_is_left_alone() -> None:
