@@ -58,13 +58,14 @@ def false_reject_cause(
     positions = _key_positions(schema)
     ordered = _reorder(data, positions)
     fitted = _reorder_fitted(data, _declared_orders(schema))
-    guided = _reorder_guided(data, _resolved(schema, registry))
+    resolved = _resolved(schema, registry)
+    guided = [_reorder_guided(data, resolved, first) for first in (False, True)]
+    candidates = (ordered, fitted, *guided)
     if _has_unusual_number(data) and (
-        _beyond_bounds(data)
-        or any(accepts_text(_respelled(c)) for c in (data, ordered, fitted, guided))
+        _beyond_bounds(data) or any(accepts_text(_respelled(c)) for c in (data, *candidates))
     ):
         return "number"
-    for candidate in (ordered, fitted, guided):
+    for candidate in candidates:
         reordered = json.dumps(candidate) != json.dumps(data)
         if reordered and (accepts(candidate) or accepts(candidate, separators=(",", ":"))):
             return "property_order"
@@ -114,11 +115,12 @@ def _resolved(schema: Any, registry: referencing.Registry[Any] | None) -> Any:
         return schema
 
 
-def _reorder_guided(data: Any, schema: Any) -> Any:
+def _reorder_guided(data: Any, schema: Any, branches_first: bool = False) -> Any:
     """Each object's keys in the order of the schema node the instance reaches there: the
     node's ``properties``, then those of its ``allOf`` branches and of the first ``anyOf`` /
     ``oneOf`` branch the value matches (the order a backend merging the branches writes them
-    in), then ``required`` names none of them declares, other keys last."""
+    in; ``branches_first``: the branches' before the node's own), then ``required`` names none
+    of them declares, other keys last."""
     from espalier.constrained.postvalidate import validate_instance
 
     defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
@@ -140,7 +142,8 @@ def _reorder_guided(data: Any, schema: Any) -> Any:
         if not isinstance(node, dict) or depth > 8:
             return {}
         own = node.get("properties")
-        out = dict(own) if isinstance(own, dict) else {}
+        own = dict(own) if isinstance(own, dict) else {}
+        out = {} if branches_first else dict(own)
         branches = node.get("allOf")
         taken = list(branches) if isinstance(branches, list) else []
         for key in ("anyOf", "oneOf"):
@@ -150,6 +153,8 @@ def _reorder_guided(data: Any, schema: Any) -> Any:
         for branch in taken:
             for name, sub in node_properties(value, branch, depth + 1).items():
                 out.setdefault(name, sub)
+        for name, sub in own.items():
+            out.setdefault(name, sub)
         required = node.get("required")
         for name in required if isinstance(required, list) else []:
             if isinstance(name, str):

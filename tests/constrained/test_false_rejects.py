@@ -56,3 +56,19 @@ def test_a_number_outside_the_narrowed_language_is_the_number_policy() -> None:
     for value in (0.0280134, 9007199254740991, 1e-07):
         assert false_reject_cause(never, schema, {"b": value, "a": 1}) == "number", value
     assert false_reject_cause(never, schema, {"b": 0.25, "a": 1}) == "other"
+
+
+def test_a_backend_may_write_the_branches_properties_first() -> None:
+    """``allOf: [{$ref}]`` next to the node's own ``properties`` (Github_medium/o59186): the
+    merged order may start with the branch's names."""
+    node = {
+        "properties": {"next": {"type": "boolean"}, "value": {}},
+        "allOf": [{"$ref": "#/definitions/path"}],
+    }
+    schema = {
+        "properties": {"allow": node},
+        "definitions": {"path": {"properties": {"path": {"type": "string"}}}},
+    }
+    data = {"allow": {"value": 1, "path": "/a", "next": True}}
+    declared = json.dumps({"allow": {"path": "/a", "next": True, "value": 1}})
+    assert false_reject_cause(lambda text: text == declared, schema, data) == "property_order"
