@@ -14,6 +14,7 @@ takes the backend with the fewest issues and reports them in ``CompileReport.wea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -168,6 +169,27 @@ def compile_grammar(
         raise SchemaNotEnforceableError(_blocking_issues(prepared, order), backend)
     ranked = tuple(sorted(order, key=lambda b: len(prepared.issues[b])))
     return _compile_first(target, tokenizer, ranked, options, None, prepared.notes, prepared)
+
+
+def warm_up(
+    tokenizer: TokenizerInfo, backend: str = "auto", options: BackendOptions | None = None
+) -> None:
+    """Pay a process's one-time compile costs now, outside every compile deadline: each
+    backend's vocabulary view, the JSON-schema validator's imports (``jsonschema`` builds its
+    format checkers' parsers on import: ~1.6 s of CPU, which a first compile that filters an
+    ``enum`` used to pay inside its 10 s limit) and one small schema on each backend (xgrammar's
+    first compile waits for its compile child to start: 25 s on a loaded 2-core machine, 0.5 s
+    for the next one)."""
+    from espalier.constrained.backends import get_backend
+    from espalier.constrained.postvalidate import schema_validator
+
+    schema_validator({"type": "string"})
+    names: tuple[str, ...] = AUTO_ORDER if backend == "auto" else (backend,)
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"enum": [1, "b"]}}})
+    for name in names:
+        with contextlib.suppress(GrammarError):  # unavailable: compile_grammar reports it
+            get_backend(name, tokenizer, options)
+            compile_grammar(spec, tokenizer, name, options=options)
 
 
 def _compile_first(

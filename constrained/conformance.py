@@ -20,7 +20,6 @@ A schema the backend refuses counts all its tests as not passed, with the reason
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -157,15 +156,10 @@ class Runner:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Build each backend's vocabulary view now, outside the compile time limit."""
-        from espalier.constrained.backends import get_backend
-        from espalier.constrained.compile import AUTO_ORDER
-        from espalier.constrained.errors import GrammarError
+        """The one-time compile costs now, outside the compile time limit (:func:`warm_up`)."""
+        from espalier.constrained.compile import warm_up
 
-        names = AUTO_ORDER if self.config.backend == "auto" else (self.config.backend,)
-        for name in names:
-            with contextlib.suppress(GrammarError):  # unavailable: compile_grammar reports it
-                get_backend(name, self.tokenizer)
+        warm_up(self.tokenizer, self.config.backend)
 
     def run_file(self, path: Path) -> FileResult:
         result = FileResult(str(path))

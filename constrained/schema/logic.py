@@ -12,6 +12,7 @@ import json
 import re
 from typing import Any
 
+from espalier.constrained.schema.features import VOCABULARY
 from espalier.constrained.schema.string_prefix import strings_disjoint
 from espalier.constrained.schema.value_complement import json_type, values_complement
 
@@ -160,27 +161,69 @@ def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
     )
 
 
-def exactly_one(branches: list[Any], defs: Defs) -> Any:
-    """``oneOf`` as ``anyOf`` of "this branch and no other"; None when a complement is missing."""
+def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
+    """``oneOf`` as ``anyOf`` of "this branch and no other"; None when a complement is missing.
+
+    The other branches' complements are taken among the objects ``context`` (the keywords next
+    to the ``oneOf``) and this branch allow (:func:`key_set`), which makes closed objects'
+    ``additionalProperties`` / ``patternProperties`` complementable."""
     if len(branches) > 6:
         return None  # quadratic growth: leave it
-    negated = [complement(b, defs) for b in branches]
-    if any(n is None for n in negated):
-        return None
+    around = key_set(context, defs)
     options = []
     for i, branch in enumerate(branches):
-        others = [n for j, n in enumerate(negated) if j != i and n is not True]
+        keys = _meet(around, key_set(branch, defs))
+        others = [complement(b, defs, keys=keys) for j, b in enumerate(branches) if j != i]
+        if any(n is None for n in others):
+            return None
+        others = [n for n in others if n is not True]
         if any(n is False for n in others):
             continue  # another branch matches everything: this one can never be the only match
         options.append({"allOf": [branch, *others]} if others else branch)
     return {"anyOf": options} if options else False
 
 
-def complement(schema: Any, defs: Defs, depth: int = 0) -> Any:
+def key_set(schema: Any, defs: Defs, depth: int = 0) -> frozenset[str] | None:
+    """A finite set holding every property name an object matching ``schema`` can have (a
+    superset is fine); None when the names are open. From ``additionalProperties: false``
+    without ``patternProperties``, through ``allOf`` and every-branch ``anyOf`` / ``oneOf``."""
+    schema = deref(schema, defs)
+    if schema is False:
+        return frozenset()
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return None
+    keys: frozenset[str] | None = None
+    listed = schema.get("properties", {})
+    if (
+        schema.get("additionalProperties") is False
+        and not schema.get("patternProperties")
+        and isinstance(listed, dict)
+    ):
+        keys = frozenset(listed)
+    for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+        keys = _meet(keys, key_set(sub, defs, depth + 1))
+    for union in ("anyOf", "oneOf"):
+        branches = schema.get(union)
+        if isinstance(branches, list) and branches:
+            sets = [key_set(b, defs, depth + 1) for b in branches]
+            if all(k is not None for k in sets):
+                keys = _meet(keys, frozenset().union(*(k for k in sets if k is not None)))
+    return keys
+
+
+def _meet(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
+    return b if a is None else a if b is None else a & b
+
+
+def complement(schema: Any, defs: Defs, depth: int = 0, keys: frozenset[str] | None = None) -> Any:
     """A schema matching exactly the instances ``schema`` rejects; None when not expressible.
 
     A schema object is the conjunction of its keywords, so its complement is the ``anyOf`` of the
     keywords' complements; each keyword handled here constrains independently of the others.
+    ``keys``: the instances in question are known to have property names in this finite set
+    only (when objects); then ``additionalProperties`` / ``patternProperties`` have a
+    complement: one of those names present with a value they reject. Keywords of no JSON Schema
+    vocabulary constrain nothing.
     """
     schema = deref(schema, defs)
     if isinstance(schema, bool):
@@ -189,9 +232,23 @@ def complement(schema: Any, defs: Defs, depth: int = 0) -> Any:
         return None
     parts: list[Any] = []
     for key, value in schema.items():
-        if key in NO_CONSTRAINT:
+        if key in NO_CONSTRAINT or key not in VOCABULARY:
             continue
-        part = _keyword_complement(key, value, defs, depth + 1)
+        if key in ("additionalProperties", "patternProperties"):
+            part = _open_complement(key, schema, defs, depth + 1, keys)
+        elif key == "properties" and isinstance(value, dict) and keys is not None:
+            # a name outside ``keys`` is never present: its subschema cannot be violated
+            kept = {name: sub for name, sub in value.items() if name in keys}
+            part = _keyword_complement(key, kept, defs, depth + 1)
+        elif key in ("allOf", "anyOf") and isinstance(value, list) and value:
+            negated = [complement(sub, defs, depth + 1, keys) for sub in value]
+            part = (
+                None
+                if any(n is None for n in negated)
+                else {"anyOf" if key == "allOf" else "allOf": negated}
+            )
+        else:
+            part = _keyword_complement(key, value, defs, depth + 1)
         if part is None:
             return None
         parts.append(part)
@@ -201,6 +258,33 @@ def complement(schema: Any, defs: Defs, depth: int = 0) -> Any:
     if any(p is True for p in parts):
         return True
     return parts[0] if len(parts) == 1 else {"anyOf": parts}
+
+
+def _open_complement(
+    key: str, schema: dict[str, Any], defs: Defs, depth: int, keys: frozenset[str] | None
+) -> Any:
+    """Some name of ``keys`` present whose value ``schema``'s ``key`` rejects."""
+    patterns = schema.get("patternProperties", {})
+    listed = schema.get("properties", {})
+    if keys is None or not isinstance(patterns, dict) or not isinstance(listed, dict):
+        return None
+    parts = []
+    for name in sorted(keys):
+        try:
+            matched = [sub for p, sub in patterns.items() if re.search(p, name)]
+        except re.error:
+            return None
+        if key == "additionalProperties":
+            subs = [] if name in listed or matched else [schema["additionalProperties"]]
+        else:
+            subs = matched
+        for sub in subs:
+            negated = complement(sub, defs, depth)
+            if negated is None:
+                return None
+            if negated is not False:
+                parts.append({"type": "object", "required": [name], "properties": {name: negated}})
+    return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
 def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:

@@ -7,6 +7,11 @@ semantics, as ``patternProperties`` matches). In an object with no ``patternProp
 property whose name fails ``N`` becomes ``false``, ``patternProperties: {R: true}`` admits the other
 names that pass, ``additionalProperties: false`` refuses the rest. A finite list of names needs no
 regex: the names join ``properties`` (``true`` where not listed). Anything else is left as it is.
+
+With ``additionalProperties: S`` (a schema other than ``true``) the names that pass take ``S``
+instead of ``true`` (unlisted allowed names in ``properties``; ``patternProperties: {R: S}``) —
+exact when no listed name passes ``R``, since ``patternProperties`` would also apply ``S`` to it,
+or when ``S`` is ``false`` (then no ``patternProperties`` is needed).
 Names are checked here with Python's ``re``, patterns as written: a pattern Python cannot compile
 leaves the node alone.
 """
@@ -24,7 +29,8 @@ def rewrite_property_names(node: dict[str, Any]) -> dict[str, Any]:
     names = node.get("propertyNames")
     if not isinstance(names, dict) or "patternProperties" in node:
         return node
-    if node.get("additionalProperties", True) is not True:
+    other = node.get("additionalProperties", True)
+    if not isinstance(other, (bool, dict)):
         return node
     language = _language(names)
     if language is None:
@@ -35,7 +41,7 @@ def rewrite_property_names(node: dict[str, Any]) -> dict[str, Any]:
     allowed, regex = language
     rest = {k: v for k, v in node.items() if k not in ("propertyNames", "additionalProperties")}
     if allowed is not None:  # a finite set of names
-        properties = {n: listed.get(n, True) for n in allowed}
+        properties = {n: listed.get(n, other) for n in allowed}
         properties.update({n: False for n in listed if n not in allowed})
         return {**rest, "properties": properties, "additionalProperties": False}
     assert regex is not None
@@ -43,8 +49,13 @@ def rewrite_property_names(node: dict[str, Any]) -> dict[str, Any]:
         compiled = re.compile(regex)
     except re.error:
         return node
-    properties = {n: s if compiled.search(n) else False for n, s in listed.items()}
-    out = {**rest, "patternProperties": {regex: True}, "additionalProperties": False}
+    passing = {n for n in listed if compiled.search(n)}
+    if other is not True and other is not False and passing:
+        return node  # patternProperties would apply ``other`` to a listed name too
+    properties = {n: s if n in passing else False for n, s in listed.items()}
+    out = {**rest, "additionalProperties": False}
+    if other is not False:
+        out["patternProperties"] = {regex: other}
     if properties:
         out["properties"] = properties
     return out

@@ -123,7 +123,7 @@ def resolve_refs(
     if dynamic:
         size = len(json.dumps(schema))
         max_dynamic_defs = min(max_dynamic_defs, MAX_DYNAMIC_COPY_BYTES // max(size, 1))
-    state = _State(dialect_of(schema) == DRAFT_7, dynamic, max_dynamic_defs)
+    state = _State(dialect_of(schema) == DRAFT_7, dynamic, max_dynamic_defs, _specification(schema))
     try:
         body = state.expand(schema, resolver, "", entered=True)
     except _TooManyScopes:
@@ -156,24 +156,39 @@ def _is_dynamic(schema: Any) -> bool:
     return any(f'"{k}"' in text for k in ("$dynamicRef", "$recursiveRef", "$dynamicAnchor"))
 
 
+def _specification(schema: Any) -> referencing.Specification[Any]:
+    """The draft ``schema``'s ``$schema`` names (draft-04's ``id`` included), else 2020-12."""
+    default = referencing.jsonschema.specification_with(
+        dialect_of(schema), default=referencing.jsonschema.DRAFT202012
+    )
+    uri = schema.get("$schema") if isinstance(schema, dict) else None
+    return referencing.jsonschema.specification_with(uri, default=default) if uri else default
+
+
 def _root_resolver(
     schema: dict[str, Any], registry: referencing.Registry[Any] | None
 ) -> referencing._core.Resolver[Any]:
     from jsonschema_specifications import REGISTRY as METASCHEMAS
 
-    spec = referencing.jsonschema.specification_with(
-        dialect_of(schema), default=referencing.jsonschema.DRAFT202012
-    )
-    resource = spec.create_resource(schema)
+    resource = _specification(schema).create_resource(schema)
     base = registry.combine(METASCHEMAS) if registry is not None else METASCHEMAS
-    root_uri = schema.get("$id", "") if isinstance(schema.get("$id"), str) else ""
+    # an empty fragment ("...json#", common in draft-04/06 ids) names the document itself: the
+    # registry stores it without the '#', so the base URI must drop it too
+    root_uri = (resource.id() or "").rstrip("#")
     reg = base.with_resource(root_uri, resource)
     return reg.resolver(base_uri=root_uri)
 
 
 class _State:
-    def __init__(self, legacy: bool, dynamic: bool = False, max_defs: int = 0) -> None:
+    def __init__(
+        self,
+        legacy: bool,
+        dynamic: bool = False,
+        max_defs: int = 0,
+        spec: referencing.Specification[Any] = referencing.jsonschema.DRAFT202012,
+    ) -> None:
         self.legacy = legacy
+        self.spec = spec  # the root's draft: how its subschemas spell their ids
         self.dynamic = dynamic  # key hoisted targets by dynamic scope too
         self.max_defs = max_defs  # when dynamic
         self.defs: dict[str, Any] = {}
@@ -187,16 +202,17 @@ class _State:
         """Expand one schema object; ``entered``: ``resolver`` is already at this node's ``$id``."""
         if not isinstance(node, dict):
             return node
-        # Draft 7 and older: an $id next to $ref is ignored like every other sibling
-        ignored_id = self.legacy and "$ref" in node
-        if not entered and not ignored_id and isinstance(node.get("$id"), str):
-            spec = referencing.jsonschema.specification_with(
-                dialect_of(node), default=referencing.jsonschema.DRAFT202012
-            )
-            resolver = resolver.in_subresource(spec.create_resource(node))
+        # the root's draft decides: in Draft 7 and older an $id next to $ref is ignored like
+        # every other sibling, and an $id of '#name' is an anchor, not a new base URI
+        uri = None if entered else self.spec.id_of(node)
+        if isinstance(uri, str) and uri.rstrip("#"):  # '...json#' is the document itself
+            base = referencing.jsonschema.DRAFT202012.create_resource({"$id": uri.rstrip("#")})
+            resolver = resolver.in_subresource(base)
         out = map_subschemas(node, pointer, lambda sub, at: self.expand(sub, resolver, at))
         for key in IDENTIFIERS:
             out.pop(key, None)
+        if self.spec is referencing.jsonschema.DRAFT4 and isinstance(node.get("id"), str):
+            out.pop("id")  # draft-04's $id
         names = [
             self._hoist(keyword, node[keyword], resolver, pointer)
             for keyword in REFERENCES

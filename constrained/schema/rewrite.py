@@ -49,6 +49,7 @@ from espalier.constrained.schema.logic import (
     Defs,
     complement,
     exactly_one,
+    key_set,
     pairwise_disjoint,
     types_of,
 )
@@ -75,6 +76,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     legacy = dialect_of(schema) != DRAFT_2020_12
     if legacy:
         schema = _map_tree(schema, _from_legacy)
+    elif '"dependencies"' in json.dumps(schema):
+        schema = _map_tree(schema, _split_dependencies)
     defs = schema.get("$defs") if isinstance(schema, dict) else None
     if '"unevaluated' in json.dumps(schema):
         schema = resolve_unevaluated(schema, defs if isinstance(defs, dict) else {})
@@ -140,6 +143,18 @@ def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
             node["items"] = node.pop("additionalItems")
     else:
         node.pop("additionalItems", None)  # ignored unless items is an array
+    node = _split_dependencies(node)
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
+            node[flag] = node.pop(bound)
+    return node
+
+
+def _split_dependencies(node: dict[str, Any]) -> dict[str, Any]:
+    """Draft 7's ``dependencies`` as ``dependentRequired`` / ``dependentSchemas``. Also applied
+    in 2019-09 / 2020-12, where the keyword no longer exists: a schema that uses it means the
+    split keywords, and enforcing them only narrows (an output still validates either way)."""
+    node = dict(node)
     deps = node.pop("dependencies", None)
     if isinstance(deps, dict):
         required = {k: v for k, v in deps.items() if isinstance(v, list)}
@@ -148,9 +163,6 @@ def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:
             node["dependentRequired"] = {**node.get("dependentRequired", {}), **required}
         if schemas:
             node["dependentSchemas"] = {**node.get("dependentSchemas", {}), **schemas}
-    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-        if isinstance(node.get(flag), bool) and node.pop(flag) and bound in node:
-            node[flag] = node.pop(bound)
     return node
 
 
@@ -262,7 +274,7 @@ def _one_of(node: dict[str, Any], defs: Defs) -> Any:
         if pairwise_disjoint(branches, defs, context=strings):
             return _append_all_of(_append_all_of(_without(node, "oneOf"), strings),
                                   {"anyOf": branches})  # fmt: skip
-    exclusive = exactly_one(branches, defs)
+    exclusive = exactly_one(branches, defs, context=_without(node, "oneOf"))
     if exclusive is None:
         return node
     if exclusive is False:
@@ -281,10 +293,10 @@ def _string_only(branch: Any) -> bool:
 
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:
-    negated = complement(node["not"], defs)
+    rest = _without(node, "not")
+    negated = complement(node["not"], defs, keys=key_set(rest, defs))
     if negated is None:
         return node
-    rest = _without(node, "not")
     if negated is False:
         return False
     if negated is True:
@@ -295,10 +307,10 @@ def _negate(node: dict[str, Any], defs: Defs) -> Any:
 def _conditional(node: dict[str, Any], defs: Defs) -> Any:
     """``if/then/else`` = ``anyOf[allOf[if, then], allOf[not if, else]]`` when ``not if`` exists."""
     condition = node["if"]
-    otherwise = complement(condition, defs)
+    rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
+    otherwise = complement(condition, defs, keys=key_set(rest, defs))
     if otherwise is None:
         return node
-    rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
     branches = [
         {"allOf": [condition, node.get("then", True)]},
         {"allOf": [otherwise, node.get("else", True)]},

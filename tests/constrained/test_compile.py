@@ -54,9 +54,11 @@ def test_allow_weakening_compiles_and_reports(toy_tokenizer: Any) -> None:
 def test_auto_prefers_llguidance_and_falls_back_to_an_exact_backend(toy_tokenizer: Any) -> None:
     plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert compile_grammar(GrammarSpec.json_schema(plain), toy_tokenizer)[1].backend == "llguidance"
-    # llguidance refuses it (propertyNames next to additionalProperties: no rewrite applies)
+    # llguidance refuses it (propertyNames next to additionalProperties and a listed name that
+    # passes it: no rewrite applies)
     names = {
         "type": "object",
+        "properties": {"a": {"type": "integer"}},
         "propertyNames": {"maxLength": 2},
         "additionalProperties": {"type": "integer"},
     }
@@ -126,6 +128,31 @@ def test_recursive_refs_stay_local_and_finite() -> None:
     assert resolved.recursive and resolved.hoisted == 1
     text = json.dumps(resolved.schema)
     assert text.count('"$ref"') == 2 and "#/$defs/ref0_node" in text
+
+
+@pytest.mark.parametrize("draft", ["04", "06", "07"])
+def test_an_id_with_an_empty_fragment_names_its_own_document(draft: str) -> None:
+    """``"$id": ".../a.json#"`` (common in draft-04/06/07 schemas) is the document itself: local
+    refs resolve against it, also under a nested resource whose id ends in '#'."""
+    key = "id" if draft == "04" else "$id"
+    schema = {
+        "$schema": f"http://json-schema.org/draft-{draft}/schema#",
+        key: "https://example.com/a.json#",
+        "definitions": {
+            "h": {"type": "string"},
+            "n": {
+                key: "https://example.com/b.json#",
+                "definitions": {"i": {"type": "integer"}},
+                "properties": {"i": {"$ref": "#/definitions/i"}},
+            },
+        },
+        "properties": {"h": {"$ref": "#/definitions/h"}, "n": {"$ref": "#/definitions/n"}},
+    }
+    resolved = resolve_refs(schema).schema
+    for good, bad in [({"h": "x"}, {"h": 1}), ({"n": {"i": 1}}, {"n": {"i": "x"}})]:
+        assert validate_instance(schema, good).valid and validate_instance(resolved, good).valid
+        assert not validate_instance(schema, bad).valid
+        assert not validate_instance(resolved, bad).valid, (resolved, bad)
 
 
 def test_issue_pointers_inside_refs_name_the_original_location() -> None:

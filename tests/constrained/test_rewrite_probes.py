@@ -101,6 +101,13 @@ PROPERTY_NAMES = [
     {"propertyNames": {"const": "bar"}, "required": ["bar"]},
     {"propertyNames": {"type": "integer"}},
     {"propertyNames": {"minLength": 3, "maxLength": 2}},
+    {"propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "string"}},
+    {"propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "integer"},
+     "properties": {"foo": {"type": "string"}, "x1": {}}},
+    {"propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": False,
+     "properties": {"aa": {"type": "string"}, "foo": {}}},
+    {"propertyNames": {"enum": ["a", "foo"]}, "additionalProperties": {"type": "string"},
+     "properties": {"a": {"type": "integer"}, "b": {}}},
 ]  # fmt: skip
 
 
@@ -115,8 +122,13 @@ def test_property_names_become_property_keywords(schema: Any) -> None:
     "schema",
     [
         {"propertyNames": {"pattern": "^a", "maxLength": 2}},  # an intersection: no one regex
-        {"propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "string"}},
         {"propertyNames": {"maxLength": 2}, "patternProperties": {"^f": {}}},
+        # a listed name that passes would also get additionalProperties' schema
+        {
+            "propertyNames": {"maxLength": 2},
+            "additionalProperties": {"type": "string"},
+            "properties": {"a": {"type": "integer"}},
+        },
     ],
 )
 def test_property_names_that_need_more_are_left_alone(schema: Any) -> None:
@@ -223,6 +235,23 @@ ONE_OF = [
     # overlapping ({} matches both): "this branch and not the other", through const complements
     {"type": "object", "oneOf": [{"properties": {"a": {"const": 1}}},
                                  {"properties": {"a": {"const": "foo"}}}]},
+    # closed objects ({} matches both): the other branch's additionalProperties: false is
+    # violated by a name this branch allows (GitHub_trivial/o10020)
+    {"type": "object",
+     "oneOf": [{"additionalProperties": False, "properties": {"a": {"type": "string"}}},
+               {"additionalProperties": False, "properties": {"b": {"type": "array"}}}]},
+    # the other branch's properties outside this branch's names need no complement (pattern)
+    {"type": "object",
+     "oneOf": [{"additionalProperties": False, "properties": {"a": {"pattern": "^x"}}},
+               {"additionalProperties": False, "properties": {"b": {"pattern": "y"}}}]},
+    # closed by the parent; a branch's patternProperties and additionalProperties schema
+    {"properties": {"a": {}, "b": {}, "foo": {}}, "additionalProperties": False,
+     "oneOf": [{"patternProperties": {"^f": {"type": "string"}}},
+               {"properties": {"a": {}}, "additionalProperties": {"type": "string"}},
+               {"required": ["b"]}]},
+    # an unknown keyword constrains nothing (a typo of additionalProperties)
+    {"oneOf": [{"type": "object", "additioalProperties": False, "required": ["a"]},
+               {"type": "object", "required": ["b"]}]},
 ]  # fmt: skip
 
 
@@ -231,6 +260,29 @@ def test_one_of_becomes_any_of(schema: Any) -> None:
     rewritten = rewrite(schema)
     assert "oneOf" not in keywords(rewritten), rewritten
     assert mismatches(schema, rewritten, 600) == []
+
+
+NOT_IN_CONTEXT = [
+    {"additionalProperties": False, "properties": {"a": {}, "b": {}},
+     "not": {"additionalProperties": False, "properties": {"a": {}}}},
+    {"type": "object", "propertyNames": {"enum": ["a", "foo"]},
+     "not": {"patternProperties": {"^f": {"type": "string"}}}},
+    {"additionalProperties": False, "properties": {"a": {}, "c": {}},
+     "if": {"additionalProperties": {"type": "string"}}, "then": {"required": ["a"]},
+     "else": {"required": ["c"]}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", NOT_IN_CONTEXT, ids=[json.dumps(s)[:50] for s in NOT_IN_CONTEXT])
+def test_not_of_open_keywords_among_closed_names_is_rewritten(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"not", "if"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+def test_not_additional_properties_of_open_names_is_left_alone() -> None:
+    schema = {"type": "object", "not": {"additionalProperties": False, "properties": {"a": {}}}}
+    assert "not" in keywords(rewrite(schema))
 
 
 def test_overlapping_one_of_without_complements_is_left_alone() -> None:
@@ -494,3 +546,29 @@ def test_large_dynamic_schemas_get_fewer_scopes() -> None:
     padded = {**DYNAMIC[3], "description": "x" * (2 << 20)}
     assert resolve_refs(padded).schema == padded
     assert resolve_refs(DYNAMIC[3]).schema != DYNAMIC[3]
+
+
+DEPENDENCIES = [
+    {"dependencies": {"a": ["b"], "foo": ["bar", "c"]}},
+    {"properties": {"a": {"type": "integer"}}, "dependencies": {"a": {"required": ["x1"]}}},
+    {"type": "object", "dependencies": {"b": ["a"], "c": {"properties": {"a": {"const": 1}}}}},
+]
+
+
+@pytest.mark.parametrize("schema", DEPENDENCIES, ids=[json.dumps(s)[:50] for s in DEPENDENCIES])
+def test_dependencies_keep_their_draft_7_meaning_in_every_draft(schema: Any) -> None:
+    """Without ``$schema`` (2020-12, where ``dependencies`` is no keyword) the rewrite enforces
+    draft 7's meaning: equal to the draft-7 reading, and only narrower than the 2020-12 one."""
+    rewritten = rewrite(schema)
+    assert "dependencies" not in keywords(rewritten), rewritten
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **schema}
+    assert mismatches(draft7, rewritten, 400) == []
+    rng = random.Random(1)
+    narrowed = 0
+    for _ in range(400):
+        value = random_value(rng)
+        if validate_instance(rewritten, value).valid:
+            assert validate_instance(schema, value).valid, value
+        else:
+            narrowed += validate_instance(schema, value).valid
+    assert narrowed > 0  # the draft-7 meaning did constrain some instances
