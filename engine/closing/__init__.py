@@ -67,6 +67,9 @@ class ClosingPaths:
                 self.candidates.append(ids[0])
         closing = [tokenizer.encode(text) for text in ("}", "]")]
         self.closers = frozenset(ids[0] for ids in closing if len(ids) == 1)
+        quote = tokenizer.encode('"')
+        self.quote = quote[0] if len(quote) == 1 else None
+        self._closers_first = [t for t in self.candidates if t in self.closers]
         self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)
         # whitespace-only ids: a pass over the whole vocabulary (18-20 ms for Gemma's 262k ids
         # here), made at engine start and once per tokenizer, never in a step
@@ -135,7 +138,13 @@ class ClosingPaths:
 
     def _first_accepted(self, probe: GrammarMatcher, avoid: int | None = None) -> int | None:
         for token in self.candidates:
-            if token != avoid and probe.accept(token):
+            if token == avoid:
+                continue
+            if token == self.quote:
+                closer = self._empty_closer(probe, avoid)
+                if closer is not None:
+                    return closer
+            if probe.accept(token):
                 return token
         row = self._row()
         probe.fill_bitmask(row, 0)
@@ -148,6 +157,26 @@ class ClosingPaths:
         for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
             if probe.accept(token):
                 return token
+        return None
+
+    def _empty_closer(self, probe: GrammarMatcher, avoid: int | None) -> int | None:
+        """The closer that ends an empty container at ``probe``'s state (``{`` then ``}``,
+        ``[`` then ``]``), accepted on ``probe``: one token, where the ``"`` tried first would
+        open a key or a string that must be closed again (``{"":""}``). A closer the grammar
+        takes as string content is told apart on a fork: ``"`` is still allowed after it (a
+        closer that ends a container leaves a value that no ``"`` may follow). None, ``probe``
+        unchanged: no such closer."""
+        for closer in self._closers_first:
+            if closer == avoid:
+                continue
+            trial = probe.fork()
+            if not trial.accept(closer):
+                continue
+            if trial.accept(self.quote):  # type: ignore[arg-type]  # not None: the caller's
+                return None  # content of a string: so is any other closer
+            accepted = probe.accept(closer)
+            assert accepted, "the fork accepted it"
+            return closer
         return None
 
     def _row(self) -> torch.Tensor:
@@ -317,12 +346,11 @@ class BudgetCloser:
         if after is None:
             after = self.paths.search(probe, min(budget - 2, SEARCH_LIMIT))
         if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
-            later = (budget - 2 - SEARCH_LIMIT) // (GROWTH_PER_TOKEN + 1)
-            return None, replace(memo, next_check=here + 1 + later)
+            slack = budget - 2 - SEARCH_LIMIT
+            return None, replace(memo, next_check=_next_check(here, budget, slack))
         if after is not None:
             slack = budget - 2 - len(after) - MARGIN
-            next_check = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
-            return None, Memo((here + 1, after), next_check, False)
+            return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
         if path is None:
             path = self.paths.find(matcher, budget - 1)
         if path is None:
@@ -404,6 +432,16 @@ def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool)
     if here < memo.next_check:
         return memo  # far enough from the budget's end (a function of the tokens alone)
     return None
+
+
+def _next_check(here: int, budget: int, slack: int) -> int:
+    """The output length of the next check after one at ``here`` (``budget`` tokens left then)
+    that left ``slack`` tokens to spare: spaced by the slack (at most GROWTH_PER_TOKEN more
+    tokens of closing path per token) before the window, every token inside it (one token can
+    lengthen the path by far more: ``{`` opening an item whose required keys are long)."""
+    spaced = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
+    window = here + budget - CLOSING_WINDOW  # the output length whose budget is the window's
+    return min(spaced, max(here + 1, window))
 
 
 def _closes_after(
