@@ -50,6 +50,7 @@ SEARCH_LIMIT = 4 * CLOSING_WINDOW  # the longest search (far from the end: look 
 # a search choosing one token this many times in a row gives up (a loop); closers ("}", "]")
 # are exempt: each one ends a container, and a deep nest needs one per level
 REPEAT_LIMIT = 16
+START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
 
@@ -241,6 +242,39 @@ class BudgetCloser:
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
         self._ahead: dict[str, Lookahead] = {}
+        self._start_paths: dict[int, tuple[object, list[int] | None]] = {}
+
+    def _memo_of(self, request: Request, max_model_len: int) -> Memo:
+        """The request's memo; before its first token, the closing path of its grammar's start
+        state (one search per compiled grammar, not one per request): the first token's check
+        then tries it like any kept path (none at all when the token is its first).
+        A function of the grammar alone, so decisions stay a function of the tokens."""
+        memo = self._memo.get(request.request_id)
+        if memo is not None:
+            return memo
+        memo = NO_MEMO
+        compiled, matcher = request.compiled, request.matcher
+        fresh = not request.output_ids and not request.sampling.ignore_eos
+        if fresh and self.paths is not None and compiled is not None and matcher is not None:
+            path = self._start_path(compiled, matcher)
+            budget = min(request.sampling.max_tokens, max_model_len - request.num_tokens)
+            if path is not None and len(path) <= budget - 1:
+                memo = Memo((0, path), 0, False)
+        self._memo[request.request_id] = memo
+        return memo
+
+    def _start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
+        """The closing path from the start state of ``compiled`` (``matcher``: at that state)."""
+        assert self.paths is not None
+        key = id(compiled)
+        kept = self._start_paths.get(key)
+        if kept is not None and kept[0] is compiled:
+            return kept[1]
+        path = self.paths.find(matcher, SEARCH_LIMIT)
+        if len(self._start_paths) >= START_PATHS:
+            self._start_paths.clear()
+        self._start_paths[key] = (compiled, path)  # holds it: its id is not reused meanwhile
+        return path
 
     def known(self, request_id: str) -> tuple[int, list[int]] | None:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
@@ -255,7 +289,7 @@ class BudgetCloser:
         if self.paths is None or request.matcher is None:
             return len(tokens)
         request_id = request.request_id
-        memo = start = self._memo.get(request_id, NO_MEMO)
+        memo = start = self._memo_of(request, max_model_len)
         here = len(request.output_ids)
         ahead = self._ahead.get(request_id)
         if ahead is not None:
@@ -304,7 +338,7 @@ class BudgetCloser:
                 return outcome[0]
             del self._ahead[request_id]  # off the precomputed tree: decide inline from here
         budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
-        memo = self._memo.get(request_id, NO_MEMO)
+        memo = self._memo_of(request, max_model_len)
         path, after = self.decide(
             memo, matcher, token, here, budget, request.sampling.ignore_eos or token in stops
         )
@@ -370,7 +404,7 @@ class BudgetCloser:
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
         self._drop_ahead(request.request_id)
-        memo = self._memo.get(request.request_id, NO_MEMO)
+        memo = self._memo_of(request, max_model_len)
         here = len(request.output_ids)
         last = here + max_depth(parents) - 1  # output length at the deepest node's check
         budget = min(
