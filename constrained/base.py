@@ -150,6 +150,19 @@ class BatchStep(Protocol):
         then undefined); raises when the call fails as a whole without saying which did."""
         ...
 
+    def accept_runs(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        runs: Sequence[Sequence[int]],
+        accepted: list[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """Advance ``matchers[j]`` (this library's) by ``runs[j]`` exactly as
+        ``matchers[j].accept_tokens(runs[j])`` would, setting ``accepted[j]`` to the count it
+        would return. A matcher that raises gets its exception in ``faults[j]`` (its state is
+        then undefined); never raises as a whole."""
+        ...
+
 
 @runtime_checkable
 class CompiledGrammar(Protocol):

@@ -220,6 +220,17 @@ class MatcherBase:
             return False
         return self._native_accept(token)
 
+    def takes_natively(self, token: int) -> bool:
+        """Whether :meth:`accept` of ``token`` is the library's own accept alone (a text token,
+        not terminated): a batch accept may then hand it to the library directly."""
+        facts = self._facts
+        return (
+            not self._stop_depth
+            and 0 <= token < self._tokenizer_vocab
+            and token not in facts.excluded
+            and token not in facts.stops
+        )
+
     def accept_tokens(self, tokens: Sequence[int]) -> int:
         accepted = 0
         for token in tokens:

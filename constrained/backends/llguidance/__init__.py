@@ -303,6 +303,21 @@ class ExecutorBatch:
             else:
                 matcher.clear_tail(bitmask, rows[j])
 
+    def accept_runs(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        runs: Sequence[Sequence[int]],
+        accepted: list[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """See ``BatchStep.accept_runs``: one ``accept_tokens`` per matcher (one native
+        ``try_consume_tokens`` for a run of text tokens); the Python API has no batch consume."""
+        for j, (matcher, run) in enumerate(zip(matchers, runs)):
+            try:
+                accepted[j] = matcher.accept_tokens(run)
+            except Exception as exc:
+                faults[j] = exc
+
 
 class Matcher(MatcherBase):
     """Per-request state; ``native`` is the ``llguidance.LLMatcher``."""
