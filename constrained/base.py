@@ -70,6 +70,11 @@ class GrammarMatcher(Protocol):
         """The text so far is a complete match: a stop token would be accepted now."""
         ...
 
+    def completes(self, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` would make the text a complete match (``accept_tokens`` takes
+        them all, then ``can_terminate``); this matcher's state does not change."""
+        ...
+
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (canonical tokens); may be []."""
         ...

@@ -260,6 +260,13 @@ class MatcherBase:
     def can_terminate(self) -> bool:
         return self._stop_depth > 0 or self._native_can_terminate()
 
+    def completes(self, tokens: Sequence[int]) -> bool:
+        probe = self.fork()
+        return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
+
+    def fork(self) -> MatcherBase:
+        raise NotImplementedError
+
     def fill_tree(
         self,
         tree: DraftTree,

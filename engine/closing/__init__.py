@@ -25,7 +25,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -124,17 +124,13 @@ class ClosingPaths:
         """A closing path for ``probe`` made from ``path`` (one that closed the state just
         before ``probe``'s last token): a suffix of it (the token closed a value of its own:
         ``"`` ending a string), or a closer then all of it (the token opened one). One
-        ``accept_tokens`` call per try, at most 6; ``probe`` is left
-        after the path found, else unchanged. None: no such path within ``limit``."""
+        ``completes`` check per try, at most 6; ``probe`` is not changed. None: no such path
+        within ``limit``."""
         tries = [path[k:] for k in range(1, min(len(path), 3) + 1)]
         tries += [[c, *path] for c in self.candidates[:3]]
         for attempt in tries:
-            if len(attempt) > limit:
-                continue
-            accepted = probe.accept_tokens(attempt)
-            if accepted == len(attempt) and probe.can_terminate():
+            if len(attempt) <= limit and probe.completes(attempt):
                 return attempt
-            probe.rollback(accepted)
         return None
 
     def _first_accepted(self, probe: GrammarMatcher, avoid: int | None = None) -> int | None:
@@ -356,12 +352,15 @@ class BudgetCloser:
         exempt: bool,
     ) -> tuple[list[int] | None, Memo]:
         """:meth:`instead`'s decision from ``memo`` and ``matcher`` (the state before ``token``,
-        not changed: the checks run on forks): the closing path or None, and the memo after.
+        not changed: ``completes`` checks and forks): the closing path or None, and the memo
+        after.
 
         A path already known to close the current state is reused: when ``token`` is its first
         token its rest closes the next state (no grammar work). Else the last path found (for
         this state, or stale: found some tokens ago) is tried after ``token``, then paths
-        stitched from it (:meth:`ClosingPaths.stitch`), accepts only, before a new search.
+        stitched from it (:meth:`ClosingPaths.stitch`), ``completes`` checks only (nothing is
+        rolled back, so a search's probe is never one llguidance's stale masks could reach),
+        before a new search.
         ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
         quick = _without_check(memo, token, here, budget, exempt)
@@ -370,15 +369,18 @@ class BudgetCloser:
         known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
         seed = known[1] if known is not None else None  # only tried: it may be stale
-        probe = matcher.fork()
-        # after token: a path that leaves room for the stop token (searched on the probe itself)
-        after = _closes_after(probe, token, seed, budget - 2)
-        if after is False:
-            return None, memo  # the grammar rejects token: not for this policy to decide
-        if after is None and seed:
-            after = self.paths.stitch(probe, seed, budget - 2)
-        if after is None:
-            after = self.paths.search(probe, min(budget - 2, SEARCH_LIMIT))
+        # after token: a path that leaves room for the stop token; the kept one is checked on
+        # the matcher itself (``completes`` changes nothing), a probe is forked only past it
+        limit = budget - 2
+        if seed is not None and len(seed) <= limit and matcher.completes([token, *seed]):
+            after: list[int] | None = seed
+        else:
+            probe = matcher.fork()
+            if not probe.accept(token):
+                return None, memo  # the grammar rejects token: not for this policy to decide
+            after = self.paths.stitch(probe, seed, limit) if seed else None
+            if after is None:  # searched on the probe itself
+                after = self.paths.search(probe, min(limit, SEARCH_LIMIT))
         if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
             slack = budget - 2 - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))
@@ -476,22 +478,3 @@ def _next_check(here: int, budget: int, slack: int) -> int:
     spaced = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
     window = here + budget - CLOSING_WINDOW  # the output length whose budget is the window's
     return min(spaced, max(here + 1, window))
-
-
-def _closes_after(
-    probe: GrammarMatcher, token: int, path: list[int] | None, limit: int
-) -> list[int] | Literal[False] | None:
-    """Accept ``token`` on ``probe``; then ``path`` when it completes the grammar from there
-    within ``limit`` tokens (``probe`` is left after it: the caller drops it), else None
-    (``probe`` is left just after ``token``). False: ``token`` itself is rejected.
-
-    One ``accept_tokens`` call for the token and the path (one native call on llguidance)."""
-    if path is None or len(path) > limit:
-        return None if probe.accept(token) else False
-    accepted = probe.accept_tokens([token, *path])
-    if accepted == 0:
-        return False
-    if accepted == len(path) + 1 and probe.can_terminate():
-        return path
-    probe.rollback(accepted - 1)
-    return None
