@@ -120,16 +120,19 @@ class ClosingPaths:
             path.append(chosen)
         return path
 
-    def stitch(self, probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
-        """A closing path for ``probe`` made from ``path`` (one that closed the state just
-        before ``probe``'s last token): a suffix of it (the token closed a value of its own:
-        ``"`` ending a string), or a closer then all of it (the token opened one). One
-        ``completes`` check per try, at most 6; ``probe`` is not changed. None: no such path
-        within ``limit``."""
-        tries = [path[k:] for k in range(1, min(len(path), 3) + 1)]
-        tries += [[c, *path] for c in self.candidates[:3]]
+    def stitch(
+        self, matcher: GrammarMatcher, token: int, path: list[int], limit: int
+    ) -> list[int] | None:
+        """A closing path for the state after ``token`` from ``matcher``'s (not changed), made
+        from ``path`` (one that closed ``matcher``'s state, or an earlier one): all of it, a
+        suffix of it (the token closed a value of its own: ``"`` ending a string), or a closer
+        then all of it (the token opened one). One ``completes`` check per try, at most 7.
+        None: no such path within ``limit`` (or ``token`` is rejected)."""
+        tries = [path[k:] for k in range(min(len(path), 3) + 1)]
+        if path:
+            tries += [[c, *path] for c in self.candidates[:3]]
         for attempt in tries:
-            if len(attempt) <= limit and probe.completes(attempt):
+            if len(attempt) <= limit and matcher.completes([token, *attempt]):
                 return attempt
         return None
 
@@ -369,18 +372,16 @@ class BudgetCloser:
         known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
         seed = known[1] if known is not None else None  # only tried: it may be stale
-        # after token: a path that leaves room for the stop token; the kept one is checked on
-        # the matcher itself (``completes`` changes nothing), a probe is forked only past it
+        # after token: a path that leaves room for the stop token; the kept one and those
+        # stitched from it are checked on the matcher itself (``completes`` changes nothing), a
+        # probe is forked only for a search
         limit = budget - 2
-        if seed is not None and len(seed) <= limit and matcher.completes([token, *seed]):
-            after: list[int] | None = seed
-        else:
+        after = self.paths.stitch(matcher, token, seed, limit) if seed is not None else None
+        if after is None:
             probe = matcher.fork()
             if not probe.accept(token):
                 return None, memo  # the grammar rejects token: not for this policy to decide
-            after = self.paths.stitch(probe, seed, limit) if seed else None
-            if after is None:  # searched on the probe itself
-                after = self.paths.search(probe, min(limit, SEARCH_LIMIT))
+            after = self.paths.search(probe, min(limit, SEARCH_LIMIT))  # on the probe itself
         if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
             slack = budget - 2 - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))
