@@ -70,6 +70,11 @@ class GrammarMatcher(Protocol):
         """The text so far is a complete match: a stop token would be accepted now."""
         ...
 
+    def completes(self, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` would make the text a complete match (``accept_tokens`` takes
+        them all, then ``can_terminate``); this matcher's state does not change."""
+        ...
+
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (canonical tokens); may be []."""
         ...
@@ -212,6 +217,19 @@ class BatchStep(Protocol):
         ``matchers[j]`` (this library's, none terminated) exactly as ``fill_bitmask`` would;
         states unchanged. A matcher that fails gets its exception in ``faults[j]`` (its row is
         then undefined); raises when the call fails as a whole without saying which did."""
+        ...
+
+    def accept_runs(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        runs: Sequence[Sequence[int]],
+        accepted: list[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """Advance ``matchers[j]`` (this library's) by ``runs[j]`` exactly as
+        ``matchers[j].accept_tokens(runs[j])`` would, setting ``accepted[j]`` to the count it
+        would return. A matcher that raises gets its exception in ``faults[j]`` (its state is
+        then undefined); never raises as a whole."""
         ...
 
 

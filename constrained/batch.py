@@ -1,4 +1,5 @@
-"""One grammar call per engine step for a whole batch: every constrained request's next row.
+"""One grammar call per engine step for a whole batch: every constrained request's next row,
+and the accepts of the step's tokens (:meth:`BatchFiller.accept_runs`).
 
 :meth:`BatchFiller.fill_next_rows` fills bitmask row ``rows[j]`` from ``matchers[j]`` for all
 the constrained requests of a plain decoding step at once. It only groups: matchers whose
@@ -31,8 +32,9 @@ hand-off costs more than one fill)."""
 
 
 class BatchFiller:
-    """The batch entry points of the libraries met so far, made once per engine (thread-safe
-    for one caller at a time: the engine's grammar worker)."""
+    """The batch entry points of the libraries met so far (thread-safe for one caller at a
+    time: each user makes its own, the engine's grammar worker for fills, the engine thread
+    for accepts)."""
 
     def __init__(self, threads: int) -> None:
         """threads: native threads per batch call (the libraries' pools)."""
@@ -68,9 +70,7 @@ class BatchFiller:
                 if kind is None or len(members) < MIN_NATIVE_BATCH:
                     _fill_each(matchers, bitmask, rows, members, faults)
                     continue
-                step = self._steps.get(kind)
-                if step is None:
-                    step = self._steps[kind] = kind(self.threads)
+                step = self._step(kind)
                 failed: dict[int, BaseException] = {}
                 try:
                     step.fill_next_rows(
@@ -84,6 +84,55 @@ class BatchFiller:
         for j in faults:
             bitmask[rows[j]].fill_(-1)
         return faults
+
+    def accept_runs(
+        self, matchers: Sequence[GrammarMatcher], runs: Sequence[Sequence[int]]
+    ) -> tuple[list[int], dict[int, BaseException]]:
+        """Advance ``matchers[j]`` by ``runs[j]`` exactly as ``matchers[j].accept_tokens(runs[j])``
+        would, for a whole step's runs at once: one call per library whose batch entry point
+        accepts (``BatchStep.accept_runs``), the rest one by one (wrapped matchers such as the
+        duplicate-key tracker, outlines-core, terminated ones). Returns each run's accepted
+        count and ``{j: exception}`` for the matchers that raised (their state is undefined:
+        the caller ends those requests)."""
+        accepted = [0] * len(matchers)
+        faults: dict[int, BaseException] = {}
+        groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
+        for j, matcher in enumerate(matchers):
+            if not runs[j]:
+                continue
+            try:
+                kind = None if matcher.is_terminated() else matcher.batch_kind
+            except Exception as exc:
+                faults[j] = exc
+                continue
+            groups.setdefault(kind, []).append(j)
+        with self._lock:
+            for kind, members in groups.items():
+                if kind is None or len(members) < MIN_NATIVE_BATCH:
+                    for j in members:
+                        try:
+                            accepted[j] = matchers[j].accept_tokens(runs[j])
+                        except Exception as exc:
+                            faults[j] = exc
+                    continue
+                counts = [0] * len(members)
+                failed: dict[int, BaseException] = {}
+                try:
+                    self._step(kind).accept_runs(
+                        [matchers[j] for j in members], [runs[j] for j in members], counts, failed
+                    )
+                except Exception as exc:  # against its contract: their states are unknown
+                    failed = dict.fromkeys(range(len(members)), exc)
+                for k, j in enumerate(members):
+                    accepted[j] = counts[k]
+                faults.update({members[k]: exc for k, exc in failed.items()})
+        return accepted, faults
+
+    def _step(self, kind: Callable[[int], BatchStep]) -> BatchStep:
+        step = self._steps.get(kind)
+        if step is None:
+            step = self._steps[kind] = kind(self.threads)
+        return step
 
 
 def _filter_rows(

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from espalier.constrained.batch import BatchFiller
 from espalier.engine.api import (
     FinishReason,
     GenerationRequest,
@@ -115,6 +116,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
         self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
+        # the step's accepts, one call per grammar library (the engine thread's own entry points)
+        self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
         if config.postvalidate:
             _load_postvalidation()
         self._token_bytes = tokenizer.token_bytes
@@ -232,6 +235,12 @@ class Engine:
             return outputs
         elapsed = _now() - t0
         self.scheduler.cache_computed(plan)  # the K/V it wrote is valid: share full prompt blocks
+        appending = {
+            i: (seq.request, outcome)
+            for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes))
+            if i not in result.faults and outcome is not None and not seq.request.is_finished
+        }
+        runs = self._accept_runs(appending)
         for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes)):
             request = seq.request
             timeline = request.timeline
@@ -240,13 +249,16 @@ class Engine:
             else:
                 timeline.decode_s += elapsed
             fault = result.faults.get(i)
+            run = runs.get(i)
+            if isinstance(run, BaseException):  # its grammar raised in the batch accept
+                fault, run = run, None
             if fault is not None:
                 outputs.append(self._fail(request, fault))
                 continue
             if outcome is None or request.is_finished:
                 continue
             try:
-                outputs.append(self._append(request, outcome))
+                outputs.append(self._append(request, outcome, run))
             except Exception as exc:  # this request's grammar or detokenizer: its fault alone
                 outputs.append(self._fail(request, exc))
         return outputs
@@ -272,13 +284,17 @@ class Engine:
             stops.update(self.tokenizer.stop_token_ids)
         return stops
 
-    def _append(self, request: Request, outcome: SeqOutcome) -> RequestOutput:
+    def _append(
+        self, request: Request, outcome: SeqOutcome, run: _Run | None = None
+    ) -> RequestOutput:
+        """Append ``outcome``'s tokens to ``request``; ``run``: its leading tokens already
+        accepted by the step's batch accept (:meth:`_accept_runs`)."""
         if outcome.num_computed_tokens is not None:
             request.num_computed_tokens = outcome.num_computed_tokens
         if request.timeline.first_token is None:
             request.timeline.first_token = _now()
         params = request.sampling
-        stops = self._stops(request)
+        stops = run.stops if run is not None else self._stops(request)
         new_ids: list[int] = []
         text_ids: list[int] = []
         reason: FinishReason | None = None
@@ -286,8 +302,8 @@ class Engine:
         tokens = outcome.token_ids
         kept = len(tokens)  # model tokens emitted (logprobs align with these)
         start = 0
-        if request.matcher is not None and len(tokens) > 1:
-            start, reason, error = self._accept_run(request, tokens, stops, new_ids, text_ids)
+        if run is not None:
+            start, reason, error = self._take_run(request, run, new_ids, text_ids)
         for i in range(start, len(tokens) if reason is None else start):
             token = tokens[i]
             closing = self.closer.instead(request, token, stops, self.max_model_len)
@@ -330,21 +346,40 @@ class Engine:
         out.logprobs = logprobs
         return out
 
-    def _accept_run(
-        self,
-        request: Request,
-        tokens: Sequence[int],
-        stops: set[int],
-        new_ids: list[int],
-        text_ids: list[int],
-    ) -> tuple[int, FinishReason | None, str | None]:
-        """Append the leading tokens that cannot end the request (no stop token, not the last
-        one, before the budget's last token, none the closing policy must check) with one
-        ``accept_tokens`` call (one native call on llguidance, instead of one per token); the
-        same outcome as appending them one by one. Returns how many were taken, and a finish
-        reason if the grammar ended or rejected one of them."""
-        matcher = request.matcher
-        assert matcher is not None
+    def _accept_runs(
+        self, appending: dict[int, tuple[Request, SeqOutcome]]
+    ) -> dict[int, _Run | BaseException]:
+        """The leading tokens of each constrained request's step that cannot end it
+        (:meth:`_plan_run`), accepted for the whole batch with one call per grammar library
+        (``BatchFiller.accept_runs``); by the key of ``appending``, the run and its accepted
+        count, or the exception the request's grammar raised (its fault alone)."""
+        planned: dict[int, tuple[list[int], set[int]]] = {}
+        results: dict[int, _Run | BaseException] = {}
+        for i, (request, outcome) in appending.items():
+            if request.matcher is None or len(outcome.token_ids) < 2:
+                continue
+            stops = self._stops(request)
+            try:
+                planned[i] = (self._plan_run(request, outcome.token_ids, stops), stops)
+            except Exception as exc:  # its closing decisions: its grammar's fault
+                results[i] = exc
+        keys = [i for i, (head, _) in planned.items() if head]
+        matchers = [appending[i][0].matcher for i in keys]
+        counts, faults = self._batch.accept_runs(
+            matchers,  # type: ignore[arg-type]  # constrained: matchers are set
+            [planned[i][0] for i in keys],
+        )
+        for k, i in enumerate(keys):
+            results[i] = faults[k] if k in faults else _Run(planned[i][0], counts[k], planned[i][1])
+        for i, (head, stops) in planned.items():
+            if not head:
+                results[i] = _Run([], 0, stops)
+        return results
+
+    def _plan_run(self, request: Request, tokens: Sequence[int], stops: set[int]) -> list[int]:
+        """The leading tokens that can be appended as one run (no stop token, not the last
+        one, before the budget's last token, none the closing policy must check): the same
+        outcome as appending them one by one. The closing policy's memo is moved past them."""
         room = min(
             request.sampling.max_tokens - len(request.output_ids),
             self.max_model_len - request.num_tokens,
@@ -354,21 +389,29 @@ class Engine:
         while run < limit and tokens[run] not in stops:
             run += 1
         if run < 2:
-            return 0, None, None
+            return []
         # the closing policy's verdicts for these tokens, as one by one (memo updated)
         run = self.closer.pass_through(request, tokens[:run], self.max_model_len)
-        if run == 0:
+        return list(tokens[:run]) if run else []
+
+    def _take_run(
+        self, request: Request, run: _Run, new_ids: list[int], text_ids: list[int]
+    ) -> tuple[int, FinishReason | None, str | None]:
+        """Append a run the matcher has accepted ``run.accepted`` tokens of; returns how many
+        tokens were taken, and a finish reason if the grammar ended or rejected one of them."""
+        matcher = request.matcher
+        assert matcher is not None
+        head, accepted = run.head, run.accepted
+        if not head:
             return 0, None, None
-        head = list(tokens[:run])
-        accepted = matcher.accept_tokens(head)
         taken = head[:accepted]
         request.output_ids.extend(taken)
         new_ids.extend(taken)
         text_ids.extend(taken)
-        if accepted == run:
+        if accepted == len(head):
             if matcher.is_terminated():
-                return run, FinishReason.GRAMMAR, None
-            return run, None, None
+                return accepted, FinishReason.GRAMMAR, None
+            return accepted, None, None
         if matcher.is_terminated():  # it ended at the last accepted token (one by one: GRAMMAR)
             return accepted, FinishReason.GRAMMAR, None
         token = head[accepted]  # one by one, the rejected token is appended, then the error
@@ -489,6 +532,16 @@ class Engine:
     def close(self) -> None:
         self.strategy.close()
         self.grammar.close()
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A request's leading tokens of a step (``head``: empty when none), how many of them its
+    matcher accepted, and its stop tokens."""
+
+    head: list[int]
+    accepted: int
+    stops: set[int]
 
 
 def _now() -> float:

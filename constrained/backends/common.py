@@ -222,6 +222,17 @@ class MatcherBase:
             return False
         return self._native_accept(token)
 
+    def takes_natively(self, token: int) -> bool:
+        """Whether :meth:`accept` of ``token`` is the library's own accept alone (a text token,
+        not terminated): a batch accept may then hand it to the library directly."""
+        facts = self._facts
+        return (
+            not self._stop_depth
+            and 0 <= token < self._tokenizer_vocab
+            and token not in facts.excluded
+            and token not in facts.stops
+        )
+
     def accept_tokens(self, tokens: Sequence[int]) -> int:
         accepted = 0
         for token in tokens:
@@ -250,6 +261,13 @@ class MatcherBase:
 
     def can_terminate(self) -> bool:
         return self._stop_depth > 0 or self._native_can_terminate()
+
+    def completes(self, tokens: Sequence[int]) -> bool:
+        probe = self.fork()
+        return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
+
+    def fork(self) -> MatcherBase:
+        raise NotImplementedError
 
     def fill_tree(
         self,

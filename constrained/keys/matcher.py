@@ -143,6 +143,14 @@ class UniqueKeysMatcher:
     def can_terminate(self) -> bool:
         return self.inner.can_terminate()
 
+    def completes(self, tokens: Sequence[int]) -> bool:
+        clean = self.keys.accept_tokens(tokens)
+        self.keys.rollback(clean)
+        if clean < len(tokens):  # a duplicate completion: the dead-end rule decides
+            probe = self.fork()
+            return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
+        return self.inner.completes(tokens)
+
     def forced_tokens(self, limit: int) -> list[int]:
         forced = self.inner.forced_tokens(limit)
         clean = self.keys.accept_tokens(forced)

@@ -25,7 +25,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +50,7 @@ SEARCH_LIMIT = 4 * CLOSING_WINDOW  # the longest search (far from the end: look 
 # a search choosing one token this many times in a row gives up (a loop); closers ("}", "]")
 # are exempt: each one ends a container, and a deep nest needs one per level
 REPEAT_LIMIT = 16
+START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
 
@@ -67,6 +68,9 @@ class ClosingPaths:
                 self.candidates.append(ids[0])
         closing = [tokenizer.encode(text) for text in ("}", "]")]
         self.closers = frozenset(ids[0] for ids in closing if len(ids) == 1)
+        quote = tokenizer.encode('"')
+        self.quote = quote[0] if len(quote) == 1 else None
+        self._closers_first = [t for t in self.candidates if t in self.closers]
         self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)
         # whitespace-only ids: a pass over the whole vocabulary (18-20 ms for Gemma's 262k ids
         # here), made at engine start and once per tokenizer, never in a step
@@ -116,26 +120,31 @@ class ClosingPaths:
             path.append(chosen)
         return path
 
-    def stitch(self, probe: GrammarMatcher, path: list[int], limit: int) -> list[int] | None:
-        """A closing path for ``probe`` made from ``path`` (one that closed the state just
-        before ``probe``'s last token): a suffix of it (the token closed a value of its own:
-        ``"`` ending a string), or a closer then all of it (the token opened one). One
-        ``accept_tokens`` call per try, at most 6; ``probe`` is left
-        after the path found, else unchanged. None: no such path within ``limit``."""
-        tries = [path[k:] for k in range(1, min(len(path), 3) + 1)]
-        tries += [[c, *path] for c in self.candidates[:3]]
+    def stitch(
+        self, matcher: GrammarMatcher, token: int, path: list[int], limit: int
+    ) -> list[int] | None:
+        """A closing path for the state after ``token`` from ``matcher``'s (not changed), made
+        from ``path`` (one that closed ``matcher``'s state, or an earlier one): all of it, a
+        suffix of it (the token closed a value of its own: ``"`` ending a string), or a closer
+        then all of it (the token opened one). One ``completes`` check per try, at most 7.
+        None: no such path within ``limit`` (or ``token`` is rejected)."""
+        tries = [path[k:] for k in range(min(len(path), 3) + 1)]
+        if path:
+            tries += [[c, *path] for c in self.candidates[:3]]
         for attempt in tries:
-            if len(attempt) > limit:
-                continue
-            accepted = probe.accept_tokens(attempt)
-            if accepted == len(attempt) and probe.can_terminate():
+            if len(attempt) <= limit and matcher.completes([token, *attempt]):
                 return attempt
-            probe.rollback(accepted)
         return None
 
     def _first_accepted(self, probe: GrammarMatcher, avoid: int | None = None) -> int | None:
         for token in self.candidates:
-            if token != avoid and probe.accept(token):
+            if token == avoid:
+                continue
+            if token == self.quote:
+                closer = self._empty_closer(probe, avoid)
+                if closer is not None:
+                    return closer
+            if probe.accept(token):
                 return token
         row = self._row()
         probe.fill_bitmask(row, 0)
@@ -148,6 +157,26 @@ class ClosingPaths:
         for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
             if probe.accept(token):
                 return token
+        return None
+
+    def _empty_closer(self, probe: GrammarMatcher, avoid: int | None) -> int | None:
+        """The closer that ends an empty container at ``probe``'s state (``{`` then ``}``,
+        ``[`` then ``]``), accepted on ``probe``: one token, where the ``"`` tried first would
+        open a key or a string that must be closed again (``{"":""}``). A closer the grammar
+        takes as string content is told apart on a fork: ``"`` is still allowed after it (a
+        closer that ends a container leaves a value that no ``"`` may follow). None, ``probe``
+        unchanged: no such closer."""
+        for closer in self._closers_first:
+            if closer == avoid:
+                continue
+            trial = probe.fork()
+            if not trial.accept(closer):
+                continue
+            if trial.accept(self.quote):  # type: ignore[arg-type]  # not None: the caller's
+                return None  # content of a string: so is any other closer
+            accepted = probe.accept(closer)
+            assert accepted, "the fork accepted it"
+            return closer
         return None
 
     def _row(self) -> torch.Tensor:
@@ -212,6 +241,39 @@ class BudgetCloser:
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
         self._ahead: dict[str, Lookahead] = {}
+        self._start_paths: dict[int, tuple[object, list[int] | None]] = {}
+
+    def _memo_of(self, request: Request, max_model_len: int) -> Memo:
+        """The request's memo; before its first token, the closing path of its grammar's start
+        state (one search per compiled grammar, not one per request): the first token's check
+        then tries it like any kept path (none at all when the token is its first).
+        A function of the grammar alone, so decisions stay a function of the tokens."""
+        memo = self._memo.get(request.request_id)
+        if memo is not None:
+            return memo
+        memo = NO_MEMO
+        compiled, matcher = request.compiled, request.matcher
+        fresh = not request.output_ids and not request.sampling.ignore_eos
+        if fresh and self.paths is not None and compiled is not None and matcher is not None:
+            path = self._start_path(compiled, matcher)
+            budget = min(request.sampling.max_tokens, max_model_len - request.num_tokens)
+            if path is not None and len(path) <= budget - 1:
+                memo = Memo((0, path), 0, False)
+        self._memo[request.request_id] = memo
+        return memo
+
+    def _start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
+        """The closing path from the start state of ``compiled`` (``matcher``: at that state)."""
+        assert self.paths is not None
+        key = id(compiled)
+        kept = self._start_paths.get(key)
+        if kept is not None and kept[0] is compiled:
+            return kept[1]
+        path = self.paths.find(matcher, SEARCH_LIMIT)
+        if len(self._start_paths) >= START_PATHS:
+            self._start_paths.clear()
+        self._start_paths[key] = (compiled, path)  # holds it: its id is not reused meanwhile
+        return path
 
     def known(self, request_id: str) -> tuple[int, list[int]] | None:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
@@ -226,7 +288,7 @@ class BudgetCloser:
         if self.paths is None or request.matcher is None:
             return len(tokens)
         request_id = request.request_id
-        memo = start = self._memo.get(request_id, NO_MEMO)
+        memo = start = self._memo_of(request, max_model_len)
         here = len(request.output_ids)
         ahead = self._ahead.get(request_id)
         if ahead is not None:
@@ -275,7 +337,7 @@ class BudgetCloser:
                 return outcome[0]
             del self._ahead[request_id]  # off the precomputed tree: decide inline from here
         budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
-        memo = self._memo.get(request_id, NO_MEMO)
+        memo = self._memo_of(request, max_model_len)
         path, after = self.decide(
             memo, matcher, token, here, budget, request.sampling.ignore_eos or token in stops
         )
@@ -293,12 +355,15 @@ class BudgetCloser:
         exempt: bool,
     ) -> tuple[list[int] | None, Memo]:
         """:meth:`instead`'s decision from ``memo`` and ``matcher`` (the state before ``token``,
-        not changed: the checks run on forks): the closing path or None, and the memo after.
+        not changed: ``completes`` checks and forks): the closing path or None, and the memo
+        after.
 
         A path already known to close the current state is reused: when ``token`` is its first
         token its rest closes the next state (no grammar work). Else the last path found (for
         this state, or stale: found some tokens ago) is tried after ``token``, then paths
-        stitched from it (:meth:`ClosingPaths.stitch`), accepts only, before a new search.
+        stitched from it (:meth:`ClosingPaths.stitch`), ``completes`` checks only (nothing is
+        rolled back, so a search's probe is never one llguidance's stale masks could reach),
+        before a new search.
         ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
         quick = _without_check(memo, token, here, budget, exempt)
@@ -307,22 +372,22 @@ class BudgetCloser:
         known = memo.known
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
         seed = known[1] if known is not None else None  # only tried: it may be stale
-        probe = matcher.fork()
-        # after token: a path that leaves room for the stop token (searched on the probe itself)
-        after = _closes_after(probe, token, seed, budget - 2)
-        if after is False:
-            return None, memo  # the grammar rejects token: not for this policy to decide
-        if after is None and seed:
-            after = self.paths.stitch(probe, seed, budget - 2)
+        # after token: a path that leaves room for the stop token; the kept one and those
+        # stitched from it are checked on the matcher itself (``completes`` changes nothing), a
+        # probe is forked only for a search
+        limit = budget - 2
+        after = self.paths.stitch(matcher, token, seed, limit) if seed is not None else None
         if after is None:
-            after = self.paths.search(probe, min(budget - 2, SEARCH_LIMIT))
+            probe = matcher.fork()
+            if not probe.accept(token):
+                return None, memo  # the grammar rejects token: not for this policy to decide
+            after = self.paths.search(probe, min(limit, SEARCH_LIMIT))  # on the probe itself
         if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
-            later = (budget - 2 - SEARCH_LIMIT) // (GROWTH_PER_TOKEN + 1)
-            return None, replace(memo, next_check=here + 1 + later)
+            slack = budget - 2 - SEARCH_LIMIT
+            return None, replace(memo, next_check=_next_check(here, budget, slack))
         if after is not None:
             slack = budget - 2 - len(after) - MARGIN
-            next_check = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
-            return None, Memo((here + 1, after), next_check, False)
+            return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
         if path is None:
             path = self.paths.find(matcher, budget - 1)
         if path is None:
@@ -342,7 +407,7 @@ class BudgetCloser:
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
         self._drop_ahead(request.request_id)
-        memo = self._memo.get(request.request_id, NO_MEMO)
+        memo = self._memo_of(request, max_model_len)
         here = len(request.output_ids)
         last = here + max_depth(parents) - 1  # output length at the deepest node's check
         budget = min(
@@ -406,20 +471,11 @@ def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool)
     return None
 
 
-def _closes_after(
-    probe: GrammarMatcher, token: int, path: list[int] | None, limit: int
-) -> list[int] | Literal[False] | None:
-    """Accept ``token`` on ``probe``; then ``path`` when it completes the grammar from there
-    within ``limit`` tokens (``probe`` is left after it: the caller drops it), else None
-    (``probe`` is left just after ``token``). False: ``token`` itself is rejected.
-
-    One ``accept_tokens`` call for the token and the path (one native call on llguidance)."""
-    if path is None or len(path) > limit:
-        return None if probe.accept(token) else False
-    accepted = probe.accept_tokens([token, *path])
-    if accepted == 0:
-        return False
-    if accepted == len(path) + 1 and probe.can_terminate():
-        return path
-    probe.rollback(accepted - 1)
-    return None
+def _next_check(here: int, budget: int, slack: int) -> int:
+    """The output length of the next check after one at ``here`` (``budget`` tokens left then)
+    that left ``slack`` tokens to spare: spaced by the slack (at most GROWTH_PER_TOKEN more
+    tokens of closing path per token) before the window, every token inside it (one token can
+    lengthen the path by far more: ``{`` opening an item whose required keys are long)."""
+    spaced = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
+    window = here + budget - CLOSING_WINDOW  # the output length whose budget is the window's
+    return min(spaced, max(here + 1, window))

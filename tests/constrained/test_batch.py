@@ -80,3 +80,51 @@ def test_a_matcher_in_llguidance_error_state_is_its_own_fault(gemma_tokenizer: A
     assert bool((got[1] == -1).all())  # the faulty request's row allows everything
     keep = [r for r in rows if r != 1]
     assert torch.equal(got[keep], expected[keep])
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_batch_accepts_equal_one_by_one_accepts(gemma_tokenizer: Any, backend: str) -> None:
+    """``accept_runs`` advances each matcher as its own ``accept_tokens`` would: runs of every
+    length, one rejected midway, one through a stop token, an empty one, a terminated matcher;
+    counts, then the states (their next rows) equal those of forks accepting one by one."""
+    matchers = _matchers(gemma_tokenizer, backend)
+    tokens = gemma_tokenizer.encode(INSTANCE)
+    stop = gemma_tokenizer.stop_token_ids[0]
+    bad = gemma_tokenizer.encode("}")[0]
+    runs: list[list[int]] = []
+    for j in range(len(matchers) - 1):
+        cut = 2 * j
+        rest = tokens[cut:]
+        if j % 3 == 0:
+            runs.append(rest[: 1 + j % 5])
+        elif j % 3 == 1 and rest:
+            runs.append([*rest[:1], bad, *rest[1:3]])  # rejected after one (or at once)
+        else:
+            runs.append([*rest, stop] if j % 2 else [])
+    runs.append(tokens[:2])  # the terminated matcher rejects them
+    forks = [m.fork() for m in matchers]
+    expected = [f.accept_tokens(run) for f, run in zip(forks, runs)]
+    counts, faults = BatchFiller(2).accept_runs(matchers, runs)
+    assert faults == {}
+    assert counts == expected
+    assert 0 < sum(c < len(r) for c, r in zip(counts, runs)) < len(runs)  # some rejected
+    n = len(matchers)
+    got = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    want = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    for j, (matcher, fork) in enumerate(zip(matchers, forks)):
+        assert matcher.is_terminated() == fork.is_terminated()
+        matcher.fill_bitmask(got, j)
+        fork.fill_bitmask(want, j)
+    assert torch.equal(got, want)
+
+
+def test_a_batch_accept_that_raises_is_its_matchers_fault(gemma_tokenizer: Any) -> None:
+    good = _matchers(gemma_tokenizer, "llguidance")[:3]
+    many = [f"option-{i:04d}" for i in range(2001)]
+    bad = get_backend("llguidance", gemma_tokenizer).compile(GrammarSpec.choice(many)).matcher()
+    run = gemma_tokenizer.encode("option")
+    tokens = gemma_tokenizer.encode(INSTANCE)
+    runs = [tokens[0:2], run, tokens[2:3], tokens[4:6]]
+    counts, faults = BatchFiller(2).accept_runs([good[0], bad, good[1], good[2]], runs)
+    assert list(faults) == [1] and isinstance(faults[1], MatcherStateError)
+    assert [counts[0], counts[2], counts[3]] == [2, 1, 2]

@@ -76,3 +76,28 @@ def test_reused_paths_are_sound_and_deterministic(backend: str) -> None:
         closed += first[-1][2] is not None
     assert closed > 0  # random tokens do run out of budget
     assert checks  # and paths kept for the next token were replayed
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_first_token_on_the_start_states_path_is_let_through_at_once(backend: str) -> None:
+    """Before its first token a request's memo holds its grammar's start-state closing path,
+    searched once per compiled grammar: a first token that begins it needs no grammar work,
+    and the rest of it closes the state after that token."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    closer = BudgetCloser(tokenizer)
+    stops = set(tokenizer.stop_token_ids)
+    kept = []
+    for name in ("a", "b"):
+        request = Request(name, [1], SamplingParams(max_tokens=40), 0)
+        request.compiled, request.matcher = compiled, compiled.matcher()
+        start = closer.paths.find(request.matcher, 64)  # type: ignore[union-attr]
+        assert start is not None
+        assert closer.instead(request, start[0], stops, 10_000) is None
+        known = closer.known(name)
+        assert known is not None and known[0] == 1 and known[1] == start[1:]
+        assert request.matcher.accept(start[0])
+        probe = request.matcher.fork()
+        assert probe.accept_tokens(known[1]) == len(known[1]) and probe.can_terminate()
+        kept.append(known[1])
+    assert kept[0] == kept[1]

@@ -119,3 +119,31 @@ def test_whitespace_ids_are_known_once_per_tokenizer() -> None:
     assert first.blank is second.blank
     expected = {i for i, b in enumerate(tokenizer.token_bytes) if b and not b.strip()}
     assert first.blank == expected and expected  # the toy vocabulary has whitespace tokens
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize(
+    ("schema", "prefix", "closing"),
+    [
+        ({"type": "object"}, "{", "}"),
+        ({"type": "array"}, "[", "]"),
+        ({"type": "object", "properties": {"a": {"type": "object"}}}, '{"a": {', "}}"),
+        ({"type": "array", "items": {"type": "object"}}, "[{", "}]"),
+        # inside a string a closer is content: the string is closed first
+        ({"type": "object"}, '{"ab', '":""}'),
+        ({"type": "array", "items": {"type": "string"}}, '["a{', '"]'),
+    ],
+)
+def test_closing_paths_end_an_empty_container_with_its_closer(
+    backend: str, schema: Any, prefix: str, closing: str
+) -> None:
+    """Right after ``{`` or ``[`` the shortest closing is the closer itself (``{}``), not a
+    key or string opened with the ``"`` tried first (``{"":""}``)."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), tokenizer, backend)
+    matcher = compiled.matcher()
+    ids = tokenizer.encode(prefix)
+    assert matcher.accept_tokens(ids) == len(ids)
+    path = ClosingPaths(tokenizer).find(matcher, 20)
+    assert path is not None
+    assert b"".join(tokenizer.token_bytes[t] for t in path).decode() == closing

@@ -304,6 +304,21 @@ class ExecutorBatch:
             else:
                 matcher.clear_tail(bitmask, rows[j])
 
+    def accept_runs(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        runs: Sequence[Sequence[int]],
+        accepted: list[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """See ``BatchStep.accept_runs``: one ``accept_tokens`` per matcher (one native
+        ``try_consume_tokens`` for a run of text tokens); the Python API has no batch consume."""
+        for j, (matcher, run) in enumerate(zip(matchers, runs)):
+            try:
+                accepted[j] = matcher.accept_tokens(run)
+            except Exception as exc:
+                faults[j] = exc
+
 
 class Matcher(MatcherBase):
     """Per-request state; ``native`` is the ``llguidance.LLMatcher``."""
@@ -330,6 +345,7 @@ class Matcher(MatcherBase):
         # (``tree_walk.py``, ``native/twin.py``): each walk catches it up first.
         self.history: list[int] = []
         self.twin: Twin | None = None
+        self._eos = compiled.tokenizer.stop_token_ids[0]  # llguidance's EOS (_TokenizerSource)
 
     def refresh_mask_memo(self) -> None:
         """Compute the mask into a scratch row, so llguidance's memo describes this state.
@@ -420,6 +436,19 @@ class Matcher(MatcherBase):
 
     def _native_can_terminate(self) -> bool:
         return bool(self.native.is_accepting())
+
+    def completes(self, tokens: Sequence[int]) -> bool:
+        # llguidance validates a run without consuming it (a few us, where consuming it on a
+        # fork costs ~20x that); a stop token after it is allowed exactly when it can end there
+        if not tokens or not all(self.takes_natively(t) for t in tokens):
+            return super().completes(tokens)
+        if self.mask_memo_stale:
+            self.refresh_mask_memo()
+        stop = self._eos
+        valid: int = self.native.validate_tokens([*tokens, stop])
+        if self.native.is_error():
+            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
+        return valid == len(tokens) + 1
 
     def _native_reset(self) -> None:
         self.native.reset()

@@ -198,6 +198,44 @@ class MatcherBatch:
         for matcher, row in zip(mine, rows):
             matcher.clear_tail(bitmask, row)
 
+    def accept_runs(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        runs: Sequence[Sequence[int]],
+        accepted: list[int],
+        faults: dict[int, BaseException],
+    ) -> None:
+        """See ``BatchStep.accept_runs``: position by position, one ``batch_accept_token`` for
+        every matcher whose run goes on and whose token is plain text there
+        (``MatcherBase.takes_natively``); stop and special tokens through ``accept``."""
+        mine = [m for m in matchers if isinstance(m, Matcher)]
+        assert len(mine) == len(matchers)
+        going = [j for j, run in enumerate(runs) if run]
+        position = 0
+        while going:
+            native: list[int] = []
+            still: list[int] = []
+            for j in going:
+                token = runs[j][position]
+                if mine[j].takes_natively(token):
+                    native.append(j)
+                    continue
+                try:
+                    if mine[j].accept(token):
+                        still.append(j)
+                except Exception as exc:
+                    faults[j] = exc
+            if native:
+                tokens = [runs[j][position] for j in native]
+                results = xgrammar.BatchGrammarMatcher.batch_accept_token(
+                    [mine[j].native for j in native], tokens
+                )
+                still.extend(j for j, ok in zip(native, results) if ok)
+            position += 1
+            for j in still:
+                accepted[j] = position
+            going = sorted(j for j in still if position < len(runs[j]))
+
 
 class Matcher(MatcherBase):
     """Per-request state; ``native`` is the ``xgrammar.GrammarMatcher``."""
