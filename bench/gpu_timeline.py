@@ -71,7 +71,7 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("logprobs", decoder_mod.SpeculativeDecoder, "_logprobs"),
     ("copy_slots", runner_mod.ModelRunner, "copy_slots"),
     ("append", engine_mod.Engine, "_append"),
-    ("accept_run", engine_mod.Engine, "_accept_run"),
+    ("accept_run", engine_mod.Engine, "_accept_runs"),
     ("closing", closing.BudgetCloser, "instead"),
     ("take", closing_ahead.Lookahead, "take"),
     ("decide", closing.BudgetCloser, "decide"),
