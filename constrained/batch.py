@@ -20,7 +20,7 @@ rows are exact.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -57,14 +57,7 @@ class BatchFiller:
         if filters:
             matchers = [filters[j].source if j in filters else m for j, m in enumerate(matchers)]
         faults: dict[int, BaseException] = {}
-        groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
-        for j, matcher in enumerate(matchers):
-            try:
-                kind = None if matcher.is_terminated() else matcher.batch_kind
-            except Exception as exc:
-                faults[j] = exc
-                continue
-            groups.setdefault(kind, []).append(j)
+        groups = _by_kind(matchers, range(len(matchers)), faults)
         with self._lock:
             for kind, members in groups.items():
                 if kind is None or len(members) < MIN_NATIVE_BATCH:
@@ -96,16 +89,7 @@ class BatchFiller:
         the caller ends those requests)."""
         accepted = [0] * len(matchers)
         faults: dict[int, BaseException] = {}
-        groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
-        for j, matcher in enumerate(matchers):
-            if not runs[j]:
-                continue
-            try:
-                kind = None if matcher.is_terminated() else matcher.batch_kind
-            except Exception as exc:
-                faults[j] = exc
-                continue
-            groups.setdefault(kind, []).append(j)
+        groups = _by_kind(matchers, [j for j, run in enumerate(runs) if run], faults)
         with self._lock:
             for kind, members in groups.items():
                 if kind is None or len(members) < MIN_NATIVE_BATCH:
@@ -133,6 +117,24 @@ class BatchFiller:
         if step is None:
             step = self._steps[kind] = kind(self.threads)
         return step
+
+
+def _by_kind(
+    matchers: Sequence[GrammarMatcher], members: Iterable[int], faults: dict[int, BaseException]
+) -> dict[Callable[[int], BatchStep] | None, list[int]]:
+    """``members`` (indices into ``matchers``) grouped by their library's batch entry point
+    (None: terminated, or no batch entry point); a matcher whose state cannot be read goes to
+    ``faults`` instead."""
+    groups: dict[Callable[[int], BatchStep] | None, list[int]] = {}
+    for j in members:
+        matcher = matchers[j]
+        try:
+            kind = None if matcher.is_terminated() else matcher.batch_kind
+        except Exception as exc:
+            faults[j] = exc
+            continue
+        groups.setdefault(kind, []).append(j)
+    return groups
 
 
 def _filter_rows(
