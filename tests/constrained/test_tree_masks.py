@@ -16,7 +16,6 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.base import GrammarMatcher
-from espalier.constrained.forced import forced_tokens
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.masks import fill_tree_bitmask, fill_with
@@ -224,13 +223,13 @@ def test_forced_tokens_are_accepted_and_state_kept(backend: str, toy_tokenizer: 
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex("ababqq(c|d)"))
     matcher = grammar.matcher()
     before = state_snapshot(matcher)
-    chain = forced_tokens(matcher, 8)
+    chain = matcher.forced_tokens(8)
     assert state_snapshot(matcher) == before
     assert chain, "the grammar forces 'ababqq'"
     assert "ababqq".startswith(toy_tokenizer.decode(chain))
     fresh = grammar.matcher()
     assert all(fresh.accept(t) for t in chain)
-    assert forced_tokens(matcher, 0) == []
+    assert matcher.forced_tokens(0) == []
 
 
 def test_llguidance_tokenizer_callback_is_memoised(toy_tokenizer: Any) -> None:

@@ -2,8 +2,9 @@
 
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``compile_json_schema`` with
   whitespace bounded by ``BackendOptions.json_max_whitespace`` (``max_whitespace_cnt``) and
-  ``strict_mode`` from ``BackendOptions.json_strict_properties``; numbers bounded by
-  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``).
+  ``strict_mode=False`` (JSON Schema semantics: ``additionalProperties`` defaults to
+  allowed); numbers bounded by ``BackendOptions.json_number_bounds``
+  (``constrained/schema/number_bounds.py``).
 - REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``;
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
 - STRUCTURAL_TAG: ``compile_structural_tag``, each ``json_schema`` node with the number bounds
@@ -122,7 +123,7 @@ class Backend:
                 "any_whitespace": ws > 0,
                 "max_whitespace_cnt": ws if ws > 0 else None,
                 "separators": None if ws > 0 else [",", ":"],
-                "strict_mode": self.options.json_strict_properties,
+                "strict_mode": False,
             }
         if kind is GrammarKind.REGEX:
             return "compile_regex", {"regex": spec.source}
