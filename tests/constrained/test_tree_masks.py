@@ -21,6 +21,7 @@ from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.masks import fill_tree_bitmask, fill_with
 from espalier.constrained.tree.walk import stop_row, walk_generic
 from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import tree_from_paths
 
 REGEX = "xy+z"  # characters without BPE merges in the toy vocabulary
 
@@ -110,7 +111,7 @@ def test_state_restored_mid_generation_and_when_terminated(
     matcher = grammar.matcher()
     for token in (a, b):
         assert matcher.accept(token)
-    tree = DraftTree.from_paths(b, [[b, b, c, eos], [c, eos, eos], [c, a]])
+    tree = tree_from_paths(b, [[b, b, c, eos], [c, eos, eos], [c, a]])
     out = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size)
     before = state_snapshot(matcher)
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
@@ -118,7 +119,7 @@ def test_state_restored_mid_generation_and_when_terminated(
     assert state_snapshot(matcher) == before
     for token in (c, eos):
         assert matcher.accept(token)
-    tree = DraftTree.from_paths(eos, [[eos, eos], [a]])
+    tree = tree_from_paths(eos, [[eos, eos], [a]])
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
     assert masks.valid.tolist() == [True, True, True, False]
     assert masks.terminated.tolist() == [True, True, True, False]
@@ -202,14 +203,14 @@ def test_root_row_reuse(backend: str, toy_tokenizer: Any) -> None:
     as asking the grammar for the root again."""
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex(REGEX))
     a, b, c = ids(toy_tokenizer, "xyz")
-    tree = DraftTree.from_paths(0, [[a, b, b], [a, c]])  # nodes: 1:a 2:b 3:c 4:b
+    tree = tree_from_paths(0, [[a, b, b], [a, c]])  # nodes: 1:a 2:b 3:c 4:b
     out = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size)
     matcher = grammar.matcher()
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
     assert masks.filled.tolist()[:3] == [True, True, True]
     assert matcher.accept_tokens([a, b]) == 2  # verification accepted nodes 1 and 2
     root_row = out.numpy()[2].copy()
-    nxt = DraftTree.from_paths(b, [[b], [c]])
+    nxt = tree_from_paths(b, [[b], [c]])
     reused = bm.allocate(nxt.num_nodes, toy_tokenizer.vocab_size)
     fresh = bm.allocate(nxt.num_nodes, toy_tokenizer.vocab_size)
     m1 = fill_tree_bitmask(matcher, nxt, reused, budget=None, root_row=root_row)
