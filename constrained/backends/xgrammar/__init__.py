@@ -16,7 +16,8 @@ strings, so xgrammar never matches a control token as text; stop tokens are pass
 Compiles run in child processes (``constrained/xgrammar_child.py``, at most
 ``BackendOptions.compile_slots`` at once, all kept warm) that a compile cache kills at the
 compile's deadline: xgrammar cannot cancel a compile, and one can take minutes. The grammar comes
-back in xgrammar's own serialized form (:func:`serialize_compiled`, :func:`deserialize_compiled`).
+back in xgrammar's own serialized form (``CompiledGrammar.serialize_json``, UTF-8; read back by
+:func:`deserialize_compiled`).
 ``BackendOptions.xgrammar_memory_limit = 0`` compiles in the calling process instead.
 """
 
@@ -326,17 +327,11 @@ def _build_tokenizer_info(tokenizer: TokenizerInfo, facts: VocabFacts) -> xgramm
     )
 
 
-def serialize_compiled(compiled: xgrammar.CompiledGrammar) -> bytes:
-    """``compiled`` in xgrammar's own serialized form (JSON text, UTF-8)."""
-    text: str = compiled.serialize_json()
-    return text.encode("utf-8")
-
-
 def deserialize_compiled(
     data: bytes, tokenizer_info: xgrammar.TokenizerInfo
 ) -> xgrammar.CompiledGrammar:
-    """The grammar :func:`serialize_compiled` wrote, bound to ``tokenizer_info`` (the same
-    vocabulary it was compiled for)."""
+    """The grammar ``CompiledGrammar.serialize_json`` wrote (UTF-8), bound to ``tokenizer_info``
+    (the same vocabulary it was compiled for)."""
     return xgrammar.CompiledGrammar.deserialize_json(data.decode("utf-8"), tokenizer_info)
 
 
