@@ -143,7 +143,7 @@ def baseline_grammar(xgr_compiler: Any, schema: dict[str, Any]) -> Any:
         source,
         any_whitespace=True,
         max_whitespace_cnt=options.json_max_whitespace,
-        strict_mode=options.json_strict_properties,
+        strict_mode=False,
     )
 
 

@@ -211,7 +211,8 @@ def main() -> None:
                 batch_rows.append(plain)
                 draft = tokens[at : at + args.draft]
                 if draft:
-                    tree = DraftTree.from_paths(tokens[at - 1] if at else 0, [draft])
+                    root = tokens[at - 1] if at else 0
+                    tree = DraftTree.from_parents([root, *draft], [-1, *range(len(draft))])
                     times = tree_times(matcher, anchor, tree, args.reps)
                     nodes_n += tree.num_nodes
                     cut_n += times["cut"]

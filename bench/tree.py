@@ -7,8 +7,8 @@ budget (best of ``--repeat``) and with ``--budget`` (every repeat: p50/p99/max m
 cut by the budget, abandoned during one slow native fill, within the budget and within it + 1 ms;
 the slowest fill with its schema, position and root-row fill time, the part no budget cuts).
 ``auto`` is what a user gets by default: per schema the backend ``backend="auto"`` picks (strict
-mode), measured on the same trees. Then batch scaling: ``--batch`` trees filled by
-``TreeMaskBatch`` on 1..N threads, without a budget and with it. Oracle mismatches are counted on
+mode), measured on the same trees. Then batch scaling: ``--batch`` trees filled as ``fill_tree``
+tasks on a pool of 1..N threads, without a budget and with it. Oracle mismatches are counted on
 up to ``--oracle-trees`` trees per size and backend, with and without the budget. Trees:
 ``tests/fixtures/tree_random.py`` (topk 4; the first child follows a valid instance, the others mix
 grammar-valid, stop and random tokens), rooted at a random point of the instance. One JSON line per

@@ -29,8 +29,7 @@ from tree_measure import (  # bench/tree_measure.py
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree.batch import TreeMaskBatch
-from espalier.constrained.tree.masks import fill_tree_bitmask
+from espalier.constrained.tree.masks import TreeMasks, fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree
 
@@ -238,18 +237,28 @@ def run_batches(
             items.append((matcher, item.tree))
     if not items:
         return {}
-    batch = TreeMaskBatch(items, vocab)
+    offsets = np.cumsum([0] + [tree.num_nodes for _, tree in items]).tolist()
+    rows = bm.allocate(offsets[-1], vocab)
+
+    def fill_all(pool: ThreadPoolExecutor, bound: float | None) -> list[TreeMasks]:
+        """Every tree into its rows of one buffer, one task per tree on ``pool``."""
+        tasks = [
+            pool.submit(m.fill_tree, t, rows[offsets[b] : offsets[b + 1]], budget=bound)
+            for b, (m, t) in enumerate(items)
+        ]
+        return [task.result() for task in tasks]
+
     result: dict[str, Any] = {}
     for label, bound in (("unbounded", None), ("budget", budget)):
         walls: dict[str, float] = {}
         slowest = 0.0
         for threads in range(1, max_threads + 1):
             with ThreadPoolExecutor(threads) as pool:
-                all(m.wait_late_writes() for m in batch.submit(pool, budget=bound).result())
+                all(m.wait_late_writes() for m in fill_all(pool, bound))
                 runs = []
                 for _ in range(5):
                     start = time.perf_counter()
-                    masks = batch.submit(pool, budget=bound).result()
+                    masks = fill_all(pool, bound)
                     runs.append(time.perf_counter() - start)
                     all(m.wait_late_writes() for m in masks)  # the buffer is reused next run
                     slowest = max([slowest, *(m.seconds for m in masks)])

@@ -28,18 +28,13 @@ def allocate(
 ) -> torch.Tensor:
     """New CPU bitmask ``int32[rows, words_per_row(vocab_size)]``, every bit ``fill``-ed.
 
-    ``fill=-1`` allows everything (including bits past V; use :func:`full_row` for an exact row).
+    ``fill=-1`` allows everything, bits past V included.
     ``pin_memory`` asks for page-locked memory (only where CUDA is available).
     """
     pin = pin_memory and torch.cuda.is_available()
     out = torch.empty((rows, words_per_row(vocab_size)), dtype=DTYPE, pin_memory=pin)
     out.fill_(fill)
     return out
-
-
-def full_row(vocab_size: int) -> np.ndarray:
-    """Row ``int32[words]`` allowing exactly tokens ``0..vocab_size-1``."""
-    return pack_allowed(np.ones(vocab_size, dtype=bool))
 
 
 def pack_allowed(allowed: np.ndarray) -> np.ndarray:
@@ -83,20 +78,3 @@ def is_allowed(row: np.ndarray | torch.Tensor, token: int) -> bool:
     if token < 0 or word >= len(row):
         return False
     return bool((int(row[word]) >> (token % BITS_PER_WORD)) & 1)
-
-
-def clear_beyond(row: torch.Tensor | np.ndarray, vocab_size: int) -> None:
-    """Zero the bits of ids ``>= vocab_size`` in a row or rows (in place)."""
-    words = row.shape[-1]
-    first_word = vocab_size // BITS_PER_WORD
-    if first_word >= words:
-        return
-    rem = vocab_size % BITS_PER_WORD
-    if rem:
-        keep = (1 << rem) - 1
-        if isinstance(row, torch.Tensor):
-            row[..., first_word].bitwise_and_(keep)
-        else:
-            np.bitwise_and(row[..., first_word], keep, out=row[..., first_word])
-        first_word += 1
-    row[..., first_word:] = 0

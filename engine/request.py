@@ -23,7 +23,6 @@ from espalier.engine.api import (
     SamplingParams,
     SpeculativeStats,
     Timings,
-    TokenLogprob,
     Usage,
 )
 
@@ -109,7 +108,6 @@ class Request:
     finish_reason: FinishReason | None = None
     closed_by_budget: bool = False  # the closing policy ended the output (engine/closing/)
     error: str | None = None
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     spec_stats: SpeculativeStats | None = None
 
@@ -118,10 +116,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -184,10 +184,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
@@ -304,17 +300,6 @@ class Scheduler:
         context = request.num_computed_tokens
         request.num_computed_tokens += n
         return ScheduledSeq(request, context, n, samples=request.num_uncomputed_tokens == 0)
-
-    def reserve(self, request: Request, num_tokens: int) -> bool:
-        """Blocks for ``num_tokens`` cache entries of a running request, from free blocks only
-        (no preemption): lookahead slots for a draft tree. False when too few are free."""
-        need = self._blocks_for(num_tokens) - len(request.block_table)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free_blocks:
-            return False
-        request.block_table.extend(self.pool.allocate(need))
-        return True
 
     # -- blocks -------------------------------------------------------------------------------
 

@@ -61,9 +61,6 @@ class BackendOptions:
             ``json.dumps`` output (one space) and ``indent=2`` one level deep while keeping the
             outlines-core DFA small (its compile time grows with the bound: 16 costs ~4x of 4 on
             Gemma). ``0`` means compact JSON only.
-        json_strict_properties: xgrammar ``strict_mode``: refuse properties and items the schema
-            does not name. False keeps JSON Schema semantics (``additionalProperties`` defaults to
-            allowed).
         max_threads: threads a library may use to compile one grammar.
         json_number_bounds: how far JSON numbers may go in generated output
             (``constrained/schema/number_bounds.py``): integers within +-(2**53 - 1), numbers below
@@ -96,7 +93,6 @@ class BackendOptions:
     """
 
     json_max_whitespace: int = 4
-    json_strict_properties: bool = False
     max_threads: int = 2
     json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
     llguidance_native_walk: bool = True

@@ -80,25 +80,6 @@ class DraftTree:
         tree.validate()
         return tree
 
-    @classmethod
-    def from_paths(cls, root_token: int, paths: Sequence[Sequence[int]]) -> DraftTree:
-        """The trie of token ``paths`` under a root (shared prefixes share nodes), in BFS order."""
-        children: list[dict[int, int]] = [{}]
-        tokens = [int(root_token)]
-        parents = [NONE]
-        for path in paths:
-            node = 0
-            for token in path:
-                nxt = children[node].get(int(token))
-                if nxt is None:
-                    nxt = len(tokens)
-                    children[node][int(token)] = nxt
-                    children.append({})
-                    tokens.append(int(token))
-                    parents.append(node)
-                node = nxt
-        return cls.from_parents(tokens, parents)
-
     # -- checks ---------------------------------------------------------------------------------
 
     @property

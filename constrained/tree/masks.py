@@ -25,8 +25,7 @@ other bits are unspecified (stale data or a partial mask) and must not be used.
 
 The matcher's state after the call equals its state before. Each backend's matcher implements
 ``GrammarMatcher.fill_tree`` with its own walk (``constrained/backends/<name>/tree_walk.py``)
-through :func:`fill_with`, the driver shared by every walk (rows, root row, budget, wrap-up);
-:func:`fill_generic` is the same driver on the generic walk, for any other matcher.
+through :func:`fill_with`, the driver shared by every walk (rows, root row, budget, wrap-up).
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from espalier.constrained.tree.walk import (
     clear_tail,
     mark_unfilled_rows,
     stop_bits,
-    walk_generic,
 )
 
 DEFAULT_BUDGET_S = 0.002
@@ -128,8 +126,8 @@ def fill_with(
         tree: a valid :class:`DraftTree` with ``n`` nodes.
         out: int32 ``[>= n, ceil(V/32)]`` C-contiguous CPU tensor (pinned is fine) or numpy array.
         budget: seconds for the whole fill; ``None`` = no limit (``walk`` runs inline).
-        root_row: the root's mask if already known (step reuse, ``tree/step.py``); copied to row 0
-            instead of asking the grammar again.
+        root_row: the root's mask if already known (step reuse: the row of the node the last
+            verification ended on); copied to row 0 instead of asking the grammar again.
         walk: the backend's walk; with a budget it checks the deadline between nodes.
         bounded_walk: for backends whose single fills can be slow: with a budget and more than
             the root, this walk runs on a fork on a helper thread (``tree/bounded.py``) so that
@@ -149,21 +147,6 @@ def fill_with(
     else:
         walk(matcher, tree, rows, start + budget, root_ready, result)
     return _wrap_up(matcher, rows, result, start)
-
-
-def fill_generic(
-    matcher: Any,
-    tree: DraftTree,
-    out: torch.Tensor | np.ndarray,
-    *,
-    budget: float | None,
-    root_row: torch.Tensor | np.ndarray | None = None,
-) -> TreeMasks:
-    """:func:`fill_with` on :func:`~espalier.constrained.tree.walk.walk_generic`, inline: the
-    ``fill_tree`` of a matcher with no walk of its own (only its protocol methods are used)."""
-    return fill_with(
-        matcher, tree, out, budget=budget, root_row=root_row, walk=walk_generic, bounded_walk=None
-    )
 
 
 def _wrap_up(matcher: Any, rows: np.ndarray, result: WalkResult, start: float) -> TreeMasks:

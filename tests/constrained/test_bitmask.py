@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from espalier.constrained import bitmask
+from espalier.constrained.tree.walk import clear_tail
 
 
 @pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 64, 100, 32_007])
@@ -32,13 +33,13 @@ def test_bit_order_is_token_mod_32_of_word_token_div_32() -> None:
     assert not bitmask.is_allowed(row, -1)
 
 
-def test_allocate_and_clear_beyond() -> None:
+def test_allocate_and_clear_tail() -> None:
     mask = bitmask.allocate(3, 70)
     assert mask.dtype == torch.int32 and mask.shape == (3, 3)
-    bitmask.clear_beyond(mask, 70)
+    clear_tail(mask.numpy(), 70)
     for r in range(3):
         assert bitmask.allowed_tokens(mask[r], 96) == list(range(70))
-    np.testing.assert_array_equal(bitmask.full_row(70), mask[0].numpy())
+    np.testing.assert_array_equal(bitmask.row_from_tokens(range(70), 70), mask[0].numpy())
 
 
 def test_multirow_pack() -> None:

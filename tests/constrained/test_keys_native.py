@@ -16,6 +16,7 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.keys.native import KeyTables, KeyTracker, filter_rows
 from espalier.constrained.tree import DraftTree
 from tests.fixtures.keys_twin import START, KeyState, filter_row, filter_tree, parse_export, step
+from tests.fixtures.tree_random import tree_from_paths
 
 # pieces JSON-ish texts are made of: keys that repeat, escapes (\\", \\\\, \\u0061 = "a", a
 # surrogate pair and its halves, a bad \\u), containers, separators, strings with quotes in them
@@ -200,7 +201,7 @@ def test_row_filters_equal_the_twin_on_gemma(gemma_tokenizer: Any) -> None:
 def _random_tree(tokenizer: Any, rng: random.Random, root: int) -> DraftTree:
     texts = [_random_text(rng, rng.randrange(1, 6)) for _ in range(rng.randrange(1, 5))]
     paths = [tokenizer.encode(t)[:8] for t in texts]
-    return DraftTree.from_paths(root, [p for p in paths if p])
+    return tree_from_paths(root, [p for p in paths if p])
 
 
 def _check_trees(tokenizer: Any, seed: int, trees: int) -> int:

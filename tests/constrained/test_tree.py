@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from espalier.constrained.tree import DraftTree, MalformedTreeError
+from tests.fixtures.tree_random import tree_from_paths
 
 #  0:<root>
 #  ├─1:10
@@ -52,7 +53,7 @@ def test_from_parents_and_from_paths_round_trip() -> None:
     tree = DraftTree.from_parents(TOKENS, [-1, 0, 0, 1, 1, 4])
     assert tree.first_child.tolist() == FIRST_CHILD
     assert tree.next_sibling.tolist() == NEXT_SIBLING
-    trie = DraftTree.from_paths(7, [[1, 2], [1, 3], [4]])
+    trie = tree_from_paths(7, [[1, 2], [1, 3], [4]])
     assert trie.tokens.tolist() == [7, 1, 2, 3, 4]
     assert trie.draw() == "\n".join(["0:<root>", "├─1:1", "│ ├─2:2", "│ └─3:3", "└─4:4"])
 

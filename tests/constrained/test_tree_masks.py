@@ -1,14 +1,13 @@
 """fill_tree_bitmask on ASCII-drawn trees over a toy vocabulary, for every backend.
 
 Semantics checked node by node (valid / filled / terminated / rows), against the replay oracle
-(``tests/fixtures/tree_oracle.py``), plus: state restored, budget cut, batch API, step reuse,
+(``tests/fixtures/tree_oracle.py``), plus: state restored, budget cut, root row reuse,
 forced tokens, and the generic walker on a matcher no fast path knows.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -17,15 +16,12 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.base import GrammarMatcher
-from espalier.constrained.forced import forced_tokens
 from espalier.constrained.spec import GrammarSpec
 from espalier.constrained.tree import DraftTree
-from espalier.constrained.tree import masks as traverse
-from espalier.constrained.tree.batch import TreeMaskBatch
-from espalier.constrained.tree.masks import fill_tree_bitmask
-from espalier.constrained.tree.step import advance
-from espalier.constrained.tree.walk import stop_row
+from espalier.constrained.tree.masks import fill_tree_bitmask, fill_with
+from espalier.constrained.tree.walk import stop_row, walk_generic
 from tests.fixtures.tree_oracle import compare, replay_tree
+from tests.fixtures.tree_random import tree_from_paths
 
 REGEX = "xy+z"  # characters without BPE merges in the toy vocabulary
 
@@ -115,7 +111,7 @@ def test_state_restored_mid_generation_and_when_terminated(
     matcher = grammar.matcher()
     for token in (a, b):
         assert matcher.accept(token)
-    tree = DraftTree.from_paths(b, [[b, b, c, eos], [c, eos, eos], [c, a]])
+    tree = tree_from_paths(b, [[b, b, c, eos], [c, eos, eos], [c, a]])
     out = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size)
     before = state_snapshot(matcher)
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
@@ -123,7 +119,7 @@ def test_state_restored_mid_generation_and_when_terminated(
     assert state_snapshot(matcher) == before
     for token in (c, eos):
         assert matcher.accept(token)
-    tree = DraftTree.from_paths(eos, [[eos, eos], [a]])
+    tree = tree_from_paths(eos, [[eos, eos], [a]])
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
     assert masks.valid.tolist() == [True, True, True, False]
     assert masks.terminated.tolist() == [True, True, True, False]
@@ -194,63 +190,33 @@ def test_generic_walker_matches_fast_path(backend: str, toy_tokenizer_padded: An
     slow = bm.allocate(tree.num_nodes, toy_tokenizer_padded.vocab_size, fill=0)
     opaque = Opaque(grammar.matcher())
     a = fill_tree_bitmask(grammar.matcher(), tree, fast, budget=None)
-    b = traverse.fill_generic(opaque, tree, slow, budget=None)
+    b = fill_with(
+        opaque, tree, slow, budget=None, root_row=None, walk=walk_generic, bounded_walk=None
+    )
     assert a.valid.tolist() == b.valid.tolist() and a.filled.tolist() == b.filled.tolist()
     assert np.array_equal(fast.numpy()[a.filled], slow.numpy()[b.filled])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_step_reuse(backend: str, toy_tokenizer: Any) -> None:
+def test_root_row_reuse(backend: str, toy_tokenizer: Any) -> None:
+    """The row of the node verification ended on, passed as ``root_row``, gives the same masks
+    as asking the grammar for the root again."""
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex(REGEX))
     a, b, c = ids(toy_tokenizer, "xyz")
-    tree = DraftTree.from_paths(0, [[a, b, b], [a, c]])  # nodes: 1:a 2:b 3:c 4:b
+    tree = tree_from_paths(0, [[a, b, b], [a, c]])  # nodes: 1:a 2:b 3:c 4:b
     out = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size)
     matcher = grammar.matcher()
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
-    root_row = advance(matcher, tree, masks, out, [1, 2])
-    assert root_row is not None and np.array_equal(root_row, out.numpy()[2])
-    nxt = DraftTree.from_paths(b, [[b], [c]])
+    assert masks.filled.tolist()[:3] == [True, True, True]
+    assert matcher.accept_tokens([a, b]) == 2  # verification accepted nodes 1 and 2
+    root_row = out.numpy()[2].copy()
+    nxt = tree_from_paths(b, [[b], [c]])
     reused = bm.allocate(nxt.num_nodes, toy_tokenizer.vocab_size)
     fresh = bm.allocate(nxt.num_nodes, toy_tokenizer.vocab_size)
     m1 = fill_tree_bitmask(matcher, nxt, reused, budget=None, root_row=root_row)
     m2 = fill_tree_bitmask(matcher, nxt, fresh, budget=None)
     assert m1.valid.tolist() == m2.valid.tolist() == [True, True, True]
     assert np.array_equal(reused.numpy(), fresh.numpy())
-    # a bonus token that is a filled child reuses that child's row; another one returns None
-    masks = fill_tree_bitmask(matcher, nxt, out, budget=None)
-    assert np.array_equal(advance(matcher, nxt, masks, out, [], bonus_token=b), out.numpy()[1])
-    last = DraftTree.from_paths(b, [[b]])
-    masks = fill_tree_bitmask(matcher, last, out, budget=None)
-    with pytest.raises(ValueError, match="rejected"):
-        advance(matcher, last, masks, out, [], bonus_token=a)
-    assert advance(matcher, last, masks, out, [], bonus_token=c) is None
-    assert matcher.can_terminate()
-
-
-def test_batch_fills_every_tree_in_parallel(toy_tokenizer: Any) -> None:
-    a, b, c = ids(toy_tokenizer, "xyz")
-    items = []
-    for backend in BACKENDS:
-        for spec in (GrammarSpec.regex(REGEX), GrammarSpec.regex("(x|y)+z?")):
-            grammar = compiled(backend, toy_tokenizer, spec)
-            tree = DraftTree.from_paths(0, [[a, b, c], [b, b], [a, a, c], [c]])
-            items.append((grammar, grammar.matcher(), tree))
-    batch = TreeMaskBatch([(m, t) for _, m, t in items], toy_tokenizer.vocab_size)
-    with ThreadPoolExecutor(2) as pool:
-        results = batch.submit(pool, budget=None).result()
-        late = TreeMaskBatch([(m, t) for _, m, t in items], toy_tokenizer.vocab_size)
-        cut = late.submit(pool, deadline=time.perf_counter() - 1.0).result()
-    for k, (grammar, _, tree) in enumerate(items):
-        assert (
-            compare(results[k], batch.rows(k), tree, replay_tree(grammar.matcher, [], tree)) == []
-        )
-        single = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size)
-        fill_tree_bitmask(grammar.matcher(), tree, single, budget=None)
-        assert np.array_equal(single.numpy(), batch.rows(k).numpy())
-        assert cut[k].filled.tolist() == [True] + [False] * (tree.num_nodes - 1)
-        assert np.array_equal(late.rows(k).numpy()[0], single.numpy()[0])
-    with pytest.raises(ValueError, match="twice"):
-        TreeMaskBatch([items[0][1:], items[0][1:]], toy_tokenizer.vocab_size)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -258,13 +224,13 @@ def test_forced_tokens_are_accepted_and_state_kept(backend: str, toy_tokenizer: 
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex("ababqq(c|d)"))
     matcher = grammar.matcher()
     before = state_snapshot(matcher)
-    chain = forced_tokens(matcher, 8)
+    chain = matcher.forced_tokens(8)
     assert state_snapshot(matcher) == before
     assert chain, "the grammar forces 'ababqq'"
     assert "ababqq".startswith(toy_tokenizer.decode(chain))
     fresh = grammar.matcher()
     assert all(fresh.accept(t) for t in chain)
-    assert forced_tokens(matcher, 0) == []
+    assert matcher.forced_tokens(0) == []
 
 
 def test_llguidance_tokenizer_callback_is_memoised(toy_tokenizer: Any) -> None:

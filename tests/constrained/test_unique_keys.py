@@ -21,9 +21,9 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.keys import UniqueKeysMatcher, may_repeat_keys, with_unique_keys
 from espalier.constrained.keys.native import KeyTables, KeyTracker
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.keys_twin import START, parse_export, step
+from tests.fixtures.tree_random import tree_from_paths
 
 FREE = {"type": "object", "additionalProperties": {"type": "integer"}}
 NESTED = {
@@ -212,7 +212,7 @@ def test_tree_rows_equal_replaying_each_path(backend: str, toy_tokenizer: Any) -
     prefix = tokenizer.encode('{"a": 1, "ab": 2, "')
     assert matcher.accept_tokens(prefix) == len(prefix)
     texts = ["a", 'a"', "ab", 'ab"', "b", 'b"', '"', 'a":']
-    tree = DraftTree.from_paths(prefix[-1], [tokenizer.encode(t) for t in texts])
+    tree = tree_from_paths(prefix[-1], [tokenizer.encode(t) for t in texts])
     out = bm.allocate(tree.num_nodes, tokenizer.vocab_size, fill=0)
     masks = fill_tree_bitmask(matcher, tree, out, None)
     for node in range(tree.num_nodes):

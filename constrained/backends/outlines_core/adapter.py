@@ -202,7 +202,6 @@ class Matcher(MatcherBase):
         super().__init__(compiled.tokenizer, compiled._facts)
         self.compiled = compiled
         self.native = outlines_core.Guide(compiled.native, max_rollback=MAX_ROLLBACK)
-        self._sentinel = compiled.sentinel_id
         self._sentinel_word = compiled.sentinel_id >> 5
         self._sentinel_bit = 1 << (compiled.sentinel_id & 31)
         self._history: list[int] = []  # tokens given to the Guide, for fork()

@@ -2,8 +2,9 @@
 
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``compile_json_schema`` with
   whitespace bounded by ``BackendOptions.json_max_whitespace`` (``max_whitespace_cnt``) and
-  ``strict_mode`` from ``BackendOptions.json_strict_properties``; numbers bounded by
-  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``).
+  ``strict_mode=False`` (JSON Schema semantics: ``additionalProperties`` defaults to
+  allowed); numbers bounded by ``BackendOptions.json_number_bounds``
+  (``constrained/schema/number_bounds.py``).
 - REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``;
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
 - STRUCTURAL_TAG: ``compile_structural_tag``, each ``json_schema`` node with the number bounds
@@ -15,7 +16,8 @@ strings, so xgrammar never matches a control token as text; stop tokens are pass
 Compiles run in child processes (``constrained/xgrammar_child.py``, at most
 ``BackendOptions.compile_slots`` at once, all kept warm) that a compile cache kills at the
 compile's deadline: xgrammar cannot cancel a compile, and one can take minutes. The grammar comes
-back in xgrammar's own serialized form (:func:`serialize_compiled`, :func:`deserialize_compiled`).
+back in xgrammar's own serialized form (``CompiledGrammar.serialize_json``, UTF-8; read back by
+:func:`deserialize_compiled`).
 ``BackendOptions.xgrammar_memory_limit = 0`` compiles in the calling process instead.
 """
 
@@ -122,7 +124,7 @@ class Backend:
                 "any_whitespace": ws > 0,
                 "max_whitespace_cnt": ws if ws > 0 else None,
                 "separators": None if ws > 0 else [",", ":"],
-                "strict_mode": self.options.json_strict_properties,
+                "strict_mode": False,
             }
         if kind is GrammarKind.REGEX:
             return "compile_regex", {"regex": spec.source}
@@ -325,17 +327,11 @@ def _build_tokenizer_info(tokenizer: TokenizerInfo, facts: VocabFacts) -> xgramm
     )
 
 
-def serialize_compiled(compiled: xgrammar.CompiledGrammar) -> bytes:
-    """``compiled`` in xgrammar's own serialized form (JSON text, UTF-8)."""
-    text: str = compiled.serialize_json()
-    return text.encode("utf-8")
-
-
 def deserialize_compiled(
     data: bytes, tokenizer_info: xgrammar.TokenizerInfo
 ) -> xgrammar.CompiledGrammar:
-    """The grammar :func:`serialize_compiled` wrote, bound to ``tokenizer_info`` (the same
-    vocabulary it was compiled for)."""
+    """The grammar ``CompiledGrammar.serialize_json`` wrote (UTF-8), bound to ``tokenizer_info``
+    (the same vocabulary it was compiled for)."""
     return xgrammar.CompiledGrammar.deserialize_json(data.decode("utf-8"), tokenizer_info)
 
 
