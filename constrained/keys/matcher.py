@@ -151,6 +151,15 @@ class UniqueKeysMatcher:
             return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
         return self.inner.completes(tokens)
 
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        # the grammar first (most probes end there), then the tracker on what it takes
+        taken = self.inner.accepted_prefix(tokens)
+        clean = self.keys.accept_tokens(tokens[:taken]) if taken else 0
+        self.keys.rollback(clean)
+        if clean < taken:  # a duplicate completion: the dead-end rule decides, on a fork
+            return self.fork().accept_tokens(tokens)
+        return taken
+
     def forced_tokens(self, limit: int) -> list[int]:
         forced = self.inner.forced_tokens(limit)
         clean = self.keys.accept_tokens(forced)

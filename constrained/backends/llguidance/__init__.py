@@ -450,6 +450,18 @@ class Matcher(MatcherBase):
             raise MatcherStateError(f"llguidance: {self.native.get_error()}")
         return valid == len(tokens) + 1
 
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        # ``validate_tokens`` counts what ``try_consume_tokens`` would take, consuming nothing
+        # (where a fork costs a ``deep_copy`` and a new wrapper)
+        if not tokens or not all(self.takes_natively(t) for t in tokens):
+            return super().accepted_prefix(tokens)
+        if self.mask_memo_stale:
+            self.refresh_mask_memo()
+        valid: int = self.native.validate_tokens(list(tokens))
+        if self.native.is_error():
+            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
+        return valid
+
     def _native_reset(self) -> None:
         self.native.reset()
         self.mask_memo_stale = False
