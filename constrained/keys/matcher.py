@@ -154,7 +154,8 @@ class UniqueKeysMatcher:
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
         # the grammar first (most probes end there), then the tracker on what it takes
         taken = self.inner.accepted_prefix(tokens)
-        clean = self.keys.accept_tokens(tokens[:taken]) if taken else 0
+        head = tokens[:taken]
+        clean = int(self.keys.accept(head[0])) if taken == 1 else self.keys.accept_tokens(head)
         self.keys.rollback(clean)
         if clean < taken:  # a duplicate completion: the dead-end rule decides, on a fork
             return self.fork().accept_tokens(tokens)

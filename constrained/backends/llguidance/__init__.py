@@ -452,8 +452,14 @@ class Matcher(MatcherBase):
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
         # ``validate_tokens`` counts what ``try_consume_tokens`` would take, consuming nothing
-        # (where a fork costs a ``deep_copy`` and a new wrapper)
-        if not tokens or not all(self.takes_natively(t) for t in tokens):
+        # (where a fork costs a ``deep_copy`` and a new wrapper); ``takes_natively``, inlined
+        facts, vocab = self._facts, self._tokenizer_vocab
+        if (
+            self._stop_depth
+            or not tokens
+            or not all(0 <= t < vocab and t not in facts.excluded for t in tokens)
+            or not facts.stops.isdisjoint(tokens)
+        ):
             return super().accepted_prefix(tokens)
         if self.mask_memo_stale:
             self.refresh_mask_memo()
