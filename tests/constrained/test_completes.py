@@ -121,12 +121,14 @@ def test_accepted_prefix_equals_accepting_on_a_fork(backend: str, unique_keys: b
     matcher = cases[0][0].fork()
     matcher.reset()
     assert matcher.accept_tokens(tokenizer.encode('{"name":"ab","')) > 0
-    checks.append((matcher, [tokenizer.encode('name":"c"}'), tokenizer.encode("nam"), [stop]]))
+    duplicate = tokenizer.encode('name":"c"}')
+    checks.append((matcher, [duplicate, [*duplicate, stop], tokenizer.encode("nam"), [stop]]))
     for matcher, runs in checks:
         before = _state(matcher)
         for run in runs:
             got = matcher.accepted_prefix(run)
             assert got == matcher.fork().accept_tokens(run), run
+            assert matcher.completes(run) == _expected(matcher, run), run
             counts.add(min(got, 2))
         assert _state(matcher) == before
     assert counts == {0, 1, 2}
