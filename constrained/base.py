@@ -75,6 +75,12 @@ class GrammarMatcher(Protocol):
         them all, then ``can_terminate``); this matcher's state does not change."""
         ...
 
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` :meth:`accept_tokens` would accept (up to the first one it
+        would reject); this matcher's state does not change. A check without a :meth:`fork`
+        where the backend can (closing-path searches probe candidates with it)."""
+        ...
+
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (canonical tokens); may be []."""
         ...

@@ -262,6 +262,9 @@ class MatcherBase:
         probe = self.fork()
         return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
 
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        return self.fork().accept_tokens(tokens)
+
     def fork(self) -> MatcherBase:
         raise NotImplementedError
 

@@ -144,12 +144,24 @@ class UniqueKeysMatcher:
         return self.inner.can_terminate()
 
     def completes(self, tokens: Sequence[int]) -> bool:
+        if not self.inner.completes(tokens):  # the tracker only refuses more (most tries end here)
+            return False
         clean = self.keys.accept_tokens(tokens)
         self.keys.rollback(clean)
         if clean < len(tokens):  # a duplicate completion: the dead-end rule decides
             probe = self.fork()
             return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
-        return self.inner.completes(tokens)
+        return True  # the tracker takes them all: the grammar's answer
+
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        # the grammar first (most probes end there), then the tracker on what it takes
+        taken = self.inner.accepted_prefix(tokens)
+        head = tokens[:taken]
+        clean = int(self.keys.accept(head[0])) if taken == 1 else self.keys.accept_tokens(head)
+        self.keys.rollback(clean)
+        if clean < taken:  # a duplicate completion: the dead-end rule decides, on a fork
+            return self.fork().accept_tokens(tokens)
+        return taken
 
     def forced_tokens(self, limit: int) -> list[int]:
         forced = self.inner.forced_tokens(limit)

@@ -144,7 +144,8 @@ class ClosingPaths:
                 closer = self._empty_closer(probe, avoid)
                 if closer is not None:
                     return closer
-            if probe.accept(token):
+            # a check first: most candidates are refused, and a refused ``accept`` costs more
+            if probe.accepted_prefix([token]) and probe.accept(token):
                 return token
         row = self._row()
         probe.fill_bitmask(row, 0)
@@ -163,19 +164,19 @@ class ClosingPaths:
         """The closer that ends an empty container at ``probe``'s state (``{`` then ``}``,
         ``[`` then ``]``), accepted on ``probe``: one token, where the ``"`` tried first would
         open a key or a string that must be closed again (``{"":""}``). A closer the grammar
-        takes as string content is told apart on a fork: ``"`` is still allowed after it (a
-        closer that ends a container leaves a value that no ``"`` may follow). None, ``probe``
-        unchanged: no such closer."""
+        takes as string content is told apart: ``"`` is still allowed after it (a closer that
+        ends a container leaves a value that no ``"`` may follow); both checks are one
+        ``accepted_prefix``, no fork. None, ``probe`` unchanged: no such closer."""
         for closer in self._closers_first:
             if closer == avoid:
                 continue
-            trial = probe.fork()
-            if not trial.accept(closer):
+            taken = probe.accepted_prefix([closer, self.quote])  # type: ignore[list-item]
+            if taken == 0:
                 continue
-            if trial.accept(self.quote):  # type: ignore[arg-type]  # not None: the caller's
+            if taken == 2:
                 return None  # content of a string: so is any other closer
             accepted = probe.accept(closer)
-            assert accepted, "the fork accepted it"
+            assert accepted, "accepted_prefix took it"
             return closer
         return None
 

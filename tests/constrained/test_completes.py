@@ -1,14 +1,17 @@
-"""``GrammarMatcher.completes`` (closing-path checks without consuming) against its definition.
+"""``GrammarMatcher.completes`` and ``accepted_prefix`` (closing-path checks without consuming)
+against their definitions.
 
 From random grammar-valid prefixes, runs that complete the grammar (closing paths), valid runs
 that do not, runs with a random token inside (mostly rejected) and runs through a stop token, for
 every backend and with the duplicate-key tracker: ``completes`` equals a fork accepting the run
-then ``can_terminate``, and the matcher's own next row and ``can_terminate`` stay as they were.
+then ``can_terminate``, ``accepted_prefix`` the count a fork's ``accept_tokens`` returns, and the
+matcher's own next row and ``can_terminate`` stay as they were.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,9 +47,17 @@ def _expected(matcher: Any, run: list[int]) -> bool:
     return probe.accept_tokens(run) == len(run) and probe.can_terminate()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("unique_keys", [False, True])
-def test_completes_equals_accepting_on_a_fork(backend: str, unique_keys: bool) -> None:
+def _state(matcher: Any) -> tuple[list[int], bool]:
+    """What a check must leave as it was: the next row and ``can_terminate``."""
+    row = bm.allocate(1, matcher.vocab_size, fill=0)
+    return _allowed(matcher, row, matcher.vocab_size), matcher.can_terminate()
+
+
+def _cases(
+    backend: str, unique_keys: bool, seed: int, count: int
+) -> Iterator[tuple[Any, list[int], list[int], random.Random, Any]]:
+    """``count`` matchers at random grammar-valid states, each with a closing path from there
+    (``[]``: none within 40), a short valid walk, the generator and the tokenizer."""
     tokenizer = toy_tokenizer()
     spec = GrammarSpec.json_schema(SCHEMA)
     compiled, _ = compile_grammar(spec, tokenizer, backend)
@@ -54,9 +65,8 @@ def test_completes_equals_accepting_on_a_fork(backend: str, unique_keys: bool) -
     stop = tokenizer.stop_token_ids[0]
     paths = ClosingPaths(tokenizer)
     row = bm.allocate(1, vocab, fill=0)
-    rng = random.Random(7)
-    outcomes: list[bool] = []
-    for _ in range(12):
+    rng = random.Random(seed)
+    for _ in range(count):
         matcher = compiled.matcher()
         if unique_keys:
             matcher = with_unique_keys(spec, matcher, tokenizer)
@@ -73,12 +83,52 @@ def test_completes_equals_accepting_on_a_fork(backend: str, unique_keys: bool) -
                 break
             walk.append(rng.choice(choices))
             assert probe.accept(walk[-1])
+        yield matcher, closing, walk, rng, tokenizer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("unique_keys", [False, True])
+def test_completes_equals_accepting_on_a_fork(backend: str, unique_keys: bool) -> None:
+    outcomes: list[bool] = []
+    for matcher, closing, walk, rng, tokenizer in _cases(backend, unique_keys, 7, 12):
+        stop = tokenizer.stop_token_ids[0]
         runs = [closing, closing[:-1], walk, [*walk, stop], [*closing, stop]]
-        runs.append([*walk[:1], rng.randrange(vocab), *walk[1:]])
-        before = _allowed(matcher, row, vocab), matcher.can_terminate()
+        runs.append([*walk[:1], rng.randrange(tokenizer.vocab_size), *walk[1:]])
+        before = _state(matcher)
         for run in runs:
             got = matcher.completes(run)
             assert got == _expected(matcher, run), run
             outcomes.append(got)
-        assert (_allowed(matcher, row, vocab), matcher.can_terminate()) == before
+        assert _state(matcher) == before
     assert True in outcomes and False in outcomes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("unique_keys", [False, True])
+def test_accepted_prefix_equals_accepting_on_a_fork(backend: str, unique_keys: bool) -> None:
+    counts: set[int] = set()
+    cases = list(_cases(backend, unique_keys, 11, 12))
+    tokenizer = cases[0][4]
+    stop, vocab = tokenizer.stop_token_ids[0], tokenizer.vocab_size
+    checks: list[tuple[Any, list[list[int]]]] = []
+    for matcher, closing, walk, rng, _ in cases:
+        runs = [closing, closing[:1], walk, walk[:1], [*walk, stop], [*closing, stop, stop], []]
+        runs.append([*walk[:1], rng.randrange(vocab), *walk[1:]])
+        runs.append([*walk[:2], stop, *walk[2:]])
+        runs.append([rng.randrange(vocab) for _ in range(2)])
+        checks.append((matcher, runs))
+    # inside an object that holds "name" already: a duplicate key ahead (the tracker refuses it)
+    matcher = cases[0][0].fork()
+    matcher.reset()
+    assert matcher.accept_tokens(tokenizer.encode('{"name":"ab","')) > 0
+    duplicate = tokenizer.encode('name":"c"}')
+    checks.append((matcher, [duplicate, [*duplicate, stop], tokenizer.encode("nam"), [stop]]))
+    for matcher, runs in checks:
+        before = _state(matcher)
+        for run in runs:
+            got = matcher.accepted_prefix(run)
+            assert got == matcher.fork().accept_tokens(run), run
+            assert matcher.completes(run) == _expected(matcher, run), run
+            counts.add(min(got, 2))
+        assert _state(matcher) == before
+    assert counts == {0, 1, 2}

@@ -1,0 +1,168 @@
+"""The closing policy's cost on the engine thread, replayed on the CPU, printing JSON lines.
+
+Each valid test instance of a sample of JSONSchemaBench schemas (the Gemma tokenizer, llguidance,
+each matcher wrapped by the duplicate-key tracker as the engine wraps it) is fed token by token
+through ``BudgetCloser.instead`` and the matcher, as plain decoding appends them, with
+``max_tokens`` just past the instance: every token is inside the closing window, so each one is
+checked, and the closer's memo is stitched or searched again where a token leaves its path (the
+case of a speculative step's bonus token). No model: the cost is the grammar work alone.
+
+``--streams FILE`` replays recorded outputs instead (``bench/gpu.py --dump-streams`` lines:
+schema, tokens, max_tokens; ``bench/inputs/h200_b32_streams.jsonl`` holds an H200 run's batch
+of 32: the states the GPU timeline's closing sees).
+
+One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search`` calls),
+decision ms per token and in searches (CPU time of the thread: on a shared machine far steadier
+than wall time), and a digest of every decision and memo. With
+``--anchor DIR`` the same replay runs first under that checkout's code (its ``.venv``, this
+script), then here; the last line has the time ratios and whether the digests are equal (the
+decisions must be: a function of the tokens).
+
+    .venv/bin/python bench/closing.py [--schemas 8] [--instances 40] [--streams FILE]
+        [--reps 3] [--anchor /work/main]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def _pool(tokenizer: Any, schemas: int, instances: int, streams: str) -> list[tuple[Any, Any, int]]:
+    """``(compiled, tokens, max_tokens)`` to replay: the streams file's lines, else valid
+    instances with max_tokens just past them."""
+    if not streams:
+        pool = spec_bench.instance_pool(tokenizer, schemas, 16)[:instances]
+        return [(compiled, tokens, len(tokens) + 3) for compiled, tokens in pool]
+    lines = [json.loads(line) for line in Path(streams).read_text().splitlines() if line]
+    compiled = [spec_bench.compile_schema(line["schema"], tokenizer) for line in lines]
+    return [(c, line["tokens"], line["max_tokens"]) for c, line in zip(compiled, lines) if c]
+
+
+def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, Any]:
+    """The replay on this process's ``espalier`` (the best of ``reps`` timed passes after one
+    untimed pass)."""
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.engine import closing
+    from espalier.engine.api import SamplingParams
+    from espalier.engine.request import Request
+    from espalier.server.default_model import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    pool = _pool(tokenizer, schemas, instances, streams)
+    stops = set(tokenizer.stop_token_ids)
+    searched = [0, 0.0]
+    search = closing.ClosingPaths.search
+
+    def timed_search(self: Any, probe: Any, limit: int) -> Any:
+        started = time.thread_time()
+        try:
+            return search(self, probe, limit)
+        finally:
+            searched[0] += 1
+            searched[1] += time.thread_time() - started
+
+    closing.ClosingPaths.search = timed_search  # type: ignore[method-assign]
+    closer = closing.BudgetCloser(tokenizer)
+
+    def one_pass() -> tuple[float, int, str]:
+        digest = hashlib.sha256()
+        seconds = 0.0
+        tokens_seen = 0
+        for k, (compiled, tokens, max_tokens) in enumerate(pool):
+            request = Request(f"r{k}", [1], SamplingParams(max_tokens=max_tokens), 0)
+            request.compiled = compiled
+            request.matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+            for token in tokens:
+                started = time.thread_time()
+                path = closer.instead(request, token, stops, 1 << 20)
+                seconds += time.thread_time() - started
+                tokens_seen += 1
+                digest.update(repr((path, closer._memo.get(request.request_id))).encode())
+                if path is not None:
+                    break
+                request.output_ids.append(token)
+                assert request.matcher.accept(token)
+            closer.forget(request.request_id)
+        return seconds, tokens_seen, digest.hexdigest()[:16]
+
+    one_pass()  # first-use work (lexers, start paths) out of the timing
+    best: tuple[float, int, int, float, str] | None = None
+    for _ in range(reps):
+        searched[0], searched[1] = 0, 0.0
+        seconds, count, digest = one_pass()
+        if best is None or seconds < best[0]:
+            best = (seconds, count, searched[0], searched[1], digest)
+    assert best is not None
+    seconds, count, searches, search_s, digest = best
+    return {
+        "instances": len(pool),
+        "tokens": count,
+        "searches": searches,
+        "decide_ms_per_token": round(1e3 * seconds / max(count, 1), 4),
+        "search_ms_each": round(1e3 * search_s / max(searches, 1), 4),
+        "search_ms_total": round(1e3 * search_s, 2),
+        "decide_ms_total": round(1e3 * seconds, 2),
+        "digest": digest,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schemas", type=int, default=8)
+    parser.add_argument("--instances", type=int, default=40)
+    parser.add_argument("--streams", default="", help="recorded outputs to replay (JSON lines)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--anchor", help="a checkout (with its .venv) to replay first")
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = ["--schemas", str(args.schemas), "--instances", str(args.instances)]
+    sizes += ["--reps", str(args.reps)]
+    if args.streams:  # the anchor runs in its own folder
+        sizes += ["--streams", str(Path(args.streams).resolve())]
+    anchor = None
+    if args.anchor:
+        root = Path(args.anchor).resolve()
+        out = subprocess.run(
+            [str(root / ".venv" / "bin" / "python"), __file__, *sizes, "--json-only"],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        anchor = json.loads(out.stdout.strip().splitlines()[-1])
+        emit({"part": "closing_replay", "side": "anchor", "tree": str(root)} | anchor)
+    ours = replay(args.schemas, args.instances, args.streams, args.reps)
+    if args.json_only:
+        print(json.dumps(ours))
+        return
+    emit({"part": "closing_replay", "side": "this tree"} | ours)
+    if anchor is not None:
+        emit(
+            {
+                "part": "closing_replay_ratio",
+                "decisions_equal": anchor["digest"] == ours["digest"],
+                "decide_this_over_anchor": round(
+                    ours["decide_ms_total"] / max(anchor["decide_ms_total"], 1e-9), 3
+                ),
+                "search_this_over_anchor": round(
+                    ours["search_ms_total"] / max(anchor["search_ms_total"], 1e-9), 3
+                ),
+            }
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
