@@ -144,3 +144,26 @@ def test_no_text_crosses(both: Any) -> None:
         step = pickle.loads(message)
         assert all(len(row) == 3 and isinstance(row[1], tuple) for row in step.rows)
         assert all(out.text_delta == "" and out.validation is None for out in step.finished)
+
+
+def test_a_failing_post_validation_ends_the_request_with_an_error() -> None:
+    """Nothing accepted is lost: a validator that raises (here the replay's compile) still
+    ends the stream, with ERROR and a message naming only the exception's type."""
+    from tests.fixtures.tokenizers import toy_tokenizer
+
+    def broken(spec: Any, options: Any) -> Any:
+        raise MemoryError("no room to compile")
+
+    tokenizer = toy_tokenizer()
+    text = OutputProcessor(tokenizer, broken)
+    request = GenerationRequest("r", prompt="x", grammar=GrammarSpec.ebnf('root ::= "ab"'))
+    text.add(request)
+    ids = tuple(tokenizer.encode("ab"))
+    done = RequestOutput("r", "", ids, finished=True, finish_reason=FinishReason.STOP)
+    (out,) = text.process([done])
+    assert out.finished and out.finish_reason is FinishReason.ERROR
+    assert out.error == "internal error in this request's step: MemoryError"
+    assert out.validation is None
+    # its state is gone: a late chunk for it passes through untouched
+    late = RequestOutput("r", "", ids)
+    assert text.process([late]) == [late] and late.text_delta == ""
