@@ -47,7 +47,7 @@ import json, sys
 for line in open(sys.argv[1]):
     d = json.loads(line)
     print({k: d[k] for k in ("constrained", "streams", "served_over_offline", "ratios",
-                             "offline_tok_per_s", "served_tok_per_s", "tokens_equal")})
+                             "offline_tok_per_s", "served_tok_per_s", "tokens_equal", "texts_equal")})
 PY
     ;;
   *)

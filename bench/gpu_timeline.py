@@ -12,8 +12,10 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
   for a running job, or runs it inline), ``decide`` and ``search`` (the closer's decisions and
   closing-path searches made on the engine thread itself), ``finish`` (``Engine._finish``: a
-  finished request's last chunk, with its post-validation);
-- ``other``: ``Engine.step`` minus schedule, execute and append;
+  finished request's last chunk);
+- ``text`` (``OutputProcessor.process``: detokenization and finished requests'
+  post-validation; in-process here, in the server process when served);
+- ``other``: ``Engine.step`` minus schedule, execute, append and text;
 
 and, from every thread: ``fill_sum`` (the mask threads' fill jobs: one per tree filled alone,
 one per tree batch, whose native threads fill its trees in parallel; ``fill_threads``: the
@@ -53,6 +55,7 @@ import espalier.engine.closing as closing
 import espalier.engine.closing.ahead as closing_ahead
 import espalier.engine.engine as engine_mod
 import espalier.engine.model.runner as runner_mod
+import espalier.engine.output as output_mod
 import espalier.engine.scheduler as scheduler_mod
 import espalier.engine.spec.decoder as decoder_mod
 import espalier.engine.spec.masks as masks
@@ -77,6 +80,7 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("decide", closing.BudgetCloser, "decide"),
     ("search", closing.ClosingPaths, "search"),
     ("finish", engine_mod.Engine, "_finish"),
+    ("text", output_mod.OutputProcessor, "process"),
 )
 
 PER_STEP = (
@@ -91,6 +95,7 @@ PER_STEP = (
     "take",
     "lookahead_inline",
     "finish",
+    "text",
     "gc",
     "decide",
     "search",
@@ -200,7 +205,8 @@ class Timeline:
             ms.get("step", 0.0)
             - ms.get("schedule", 0.0)
             - ms.get("execute", 0.0)
-            - ms.get("append", 0.0),
+            - ms.get("append", 0.0)
+            - ms.get("text", 0.0),
             3,
         )
         spans = sorted(self.spans)

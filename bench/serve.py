@@ -7,10 +7,12 @@ requests with ``ignore_eos``-free max_tokens, the same prompts on both sides; af
 round on each side (compiles, allocators), ``--reps`` rounds alternating ABBA. ``tok_per_s``:
 tokens received over the wall time from the first request sent to the last one finished;
 ``served_over_offline``: the median of the round-by-round ratios. ``tokens_equal``: both sides
-produced the same tokens (the comparison is of equal work). The offline engine steps on a
-thread of its own, as the server's engine loop does: stepped on the main thread, torch's CPU
-kernels ran 7-30x slower on the loaded 2-core development machine (16 ms against 0.6 s steps
-of the tiny model), which compared the server with a handicapped anchor.
+produced the same tokens (the comparison is of equal work); ``texts_equal``: and the same text
+(the server process makes it from the engine process's token ids, the offline engine in its own
+process). The offline engine steps on a thread of its own, as the server's engine loop does:
+stepped on the main thread, torch's CPU kernels ran 7-30x slower on the loaded 2-core
+development machine (16 ms against 0.6 s steps of the tiny model), which compared the server
+with a handicapped anchor.
 
     .venv/bin/python bench/serve.py [--model tiny-random] [--streams 8] [--max-tokens 32] \\
         [--reps 2] [--speculative ngram,forced] [--kv-blocks N]
@@ -61,6 +63,7 @@ def run_offline(engine: Any, args: argparse.Namespace, constrained: bool) -> dic
     from espalier.engine.api import ConstraintOptions, GenerationRequest, SamplingParams
 
     tokens: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
     start = time.perf_counter()
     for i, prompt in enumerate(prompts(args.streams)):
         engine.add_request(
@@ -72,34 +75,45 @@ def run_offline(engine: Any, args: argparse.Namespace, constrained: bool) -> dic
                 constraint=ConstraintOptions(backend=args.backend if constrained else None),
             )
         )
-        tokens[i] = []
+        tokens[i], texts[i] = [], ""
     while engine.has_unfinished():
         for out in engine.step():
-            tokens[int(out.request_id.split("-")[1])].extend(out.token_ids)
+            i = int(out.request_id.split("-")[1])
+            tokens[i].extend(out.token_ids)
+            texts[i] += out.text_delta
     seconds = time.perf_counter() - start
-    return _rate(tokens, seconds)
+    return _rate(tokens, texts, seconds)
 
 
 async def run_served(address: str, args: argparse.Namespace, constrained: bool) -> dict[str, Any]:
     extra: dict[str, Any] = {"schema": SCHEMA, "backend": args.backend} if constrained else {}
     tokens: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
 
     async def one(client: AsyncClient, i: int, prompt: str) -> None:
         got: list[int] = []
+        text = ""
         async for chunk in client.stream(prompt, max_tokens=args.max_tokens, **extra):
             got.extend(chunk.token_ids)
-        tokens[i] = got
+            text += chunk.text
+        tokens[i], texts[i] = got, text
 
     async with AsyncClient(address) as client:
         start = time.perf_counter()
         await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts(args.streams))))
         seconds = time.perf_counter() - start
-    return _rate(tokens, seconds)
+    return _rate(tokens, texts, seconds)
 
 
-def _rate(tokens: dict[int, list[int]], seconds: float) -> dict[str, Any]:
+def _rate(tokens: dict[int, list[int]], texts: dict[int, str], seconds: float) -> dict[str, Any]:
     total = sum(len(t) for t in tokens.values())
-    return {"tokens": total, "seconds": seconds, "tok_per_s": total / seconds, "ids": tokens}
+    return {
+        "tokens": total,
+        "seconds": seconds,
+        "tok_per_s": total / seconds,
+        "ids": tokens,
+        "texts": texts,
+    }
 
 
 def main() -> int:
@@ -169,6 +183,7 @@ def compare(
             "ratios": [round(r, 3) for r in ratios],
             "served_over_offline": round(statistics.median(ratios), 3),
             "tokens_equal": all(s["ids"] == o["ids"] for s, o in zip(served, offline)),
+            "texts_equal": all(s["texts"] == o["texts"] for s, o in zip(served, offline)),
         }
     )
 

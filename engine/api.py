@@ -140,7 +140,9 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """One streamed chunk. ``finished`` is True on the last; only it carries the final fields."""
+    """One streamed chunk. ``finished`` is True on the last; only it carries the final fields.
+    The engine core fills the token fields; ``text_delta`` and ``validation`` come from the
+    text's maker (``engine/output.py``), in the server process when served."""
 
     request_id: str
     text_delta: str
@@ -156,6 +158,10 @@ class RequestOutput:
     weakened: tuple[str, ...] = ()  # keywords weakened by the chosen backend (allow_weakening)
     backend: str = ""  # the grammar backend used, "" when unconstrained
     closed_by_budget: bool = False  # the closing policy ended it within max_tokens (STOP)
+    # How many leading ``token_ids`` make text (not the stop token or the rejected token that
+    # ended the request); None: all of them. Set by the engine for its text's maker
+    # (``engine/output.py``).
+    text_tokens: int | None = None
     # The typed exception behind ``error`` (e.g. a GrammarError from compiling), for the server to
     # map to a status; never serialized.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

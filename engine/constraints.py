@@ -1,4 +1,4 @@
-"""The engine's side of the grammar layer: async compiles, per-request matchers, post-validation.
+"""The engine's side of the grammar layer: async compiles and per-request matchers.
 
 Compiles go through the grammar layer's compile cache (``constrained/compile.py`` on top of
 ``constrained/cache.py``) and come back as a ``concurrent.futures.Future`` that the engine polls
@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine.api import ConstraintOptions, ValidationResult
+from espalier.engine.api import ConstraintOptions
 
 if TYPE_CHECKING:
     from espalier.constrained.backends.common import BackendOptions
@@ -28,7 +28,7 @@ RequestGrammar = tuple["CompiledGrammar", "CompileReport", "GrammarMatcher"]
 
 
 class GrammarService:
-    """Compiles grammars for one tokenizer and checks finished outputs against the constraint.
+    """Compiles grammars for one tokenizer (post-validation is ``engine/output.py``'s).
 
     ``cache``: the compile cache to share (e.g. with the server's CompileGrammar); a private one
     with ``compile_timeout_s`` when None. ``disk_cache``: compiled xgrammar grammars kept across
@@ -126,13 +126,6 @@ class GrammarService:
             if self._matchers is None:
                 self._matchers = ThreadPoolExecutor(2, thread_name_prefix="espalier-matcher")
             return self._matchers
-
-    def validate(self, spec: GrammarSpec, text: str, compiled: CompiledGrammar) -> ValidationResult:
-        """Post-validation of a finished output against the full constraint."""
-        from espalier.constrained.postvalidate import postvalidate, replay_with
-
-        result = postvalidate(spec, text, replay=replay_with(compiled, self.tokenizer))
-        return ValidationResult(result.checked, result.valid, tuple(result.errors))
 
     def close(self) -> None:
         with self._matchers_lock:

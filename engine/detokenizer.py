@@ -8,6 +8,11 @@ character become U+FFFD at once. Control tokens (``skip_ids``) contribute no tex
 Stop strings: text that could still be the start of a stop string is held back until it is clear
 either way. When a stop string appears, the text before it is emitted and the stop string itself
 and everything after it are dropped.
+
+The two sides of a served request (``docs/decisions/engine-process.md``): the engine process
+finishes a request on a stop string with :class:`StopStringWatch` (the same decoding, no text
+kept), the server process makes its text with :class:`IncrementalDetokenizer`
+(``engine/output.py``); both see a stop string complete at the same token.
 """
 
 from __future__ import annotations
@@ -56,10 +61,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the text that became final. After a stop, returns empty deltas."""
         if self._stopped is not None:
             return DetokenizedDelta("", None)
-        n = len(self._token_bytes)
-        data = b"".join(
-            self._token_bytes[t] for t in token_ids if t not in self._skip_ids and 0 <= t < n
-        )
+        data = _bytes_of(self._token_bytes, self._skip_ids, token_ids)
         self._pending += self._decoder.decode(data)
         return self._emit(final=False)
 
@@ -88,6 +90,47 @@ class IncrementalDetokenizer:
     def _take(self, text: str, stop: str | None) -> DetokenizedDelta:
         self.text += text
         return DetokenizedDelta(text, stop)
+
+
+class StopStringWatch:
+    """Whether a stop string has appeared in the text of the tokens pushed so far, without
+    building that text: the engine's stop-string decision (its server makes the text).
+
+    Decodes as :class:`IncrementalDetokenizer` does (same bytes, same UTF-8 decoder, same
+    ``skip_ids``) and keeps only the last ``max(len(stop)) - 1`` characters, so :meth:`push`
+    is True exactly when the detokenizer's ``push`` of the same tokens reports a stop.
+    """
+
+    def __init__(
+        self,
+        token_bytes: Sequence[bytes],
+        *,
+        skip_ids: frozenset[int] | set[int] = frozenset(),
+        stop: Sequence[str],
+    ) -> None:
+        self._token_bytes = token_bytes
+        self._skip_ids = skip_ids
+        self._stops = tuple(s for s in stop if s)
+        self._keep = max((len(s) for s in self._stops), default=1) - 1
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tail = ""  # the text's last ``_keep`` characters
+
+    def push(self, token_ids: Sequence[int]) -> bool:
+        """Add tokens; True once a stop string has completed (the request ends here)."""
+        data = _bytes_of(self._token_bytes, self._skip_ids, token_ids)
+        text = self._tail + self._decoder.decode(data)
+        if any(stop in text for stop in self._stops):
+            return True
+        self._tail = text[len(text) - self._keep :] if self._keep else ""
+        return False
+
+
+def _bytes_of(
+    token_bytes: Sequence[bytes], skip_ids: frozenset[int] | set[int], token_ids: Sequence[int]
+) -> bytes:
+    """The raw bytes of ``token_ids``: control tokens and ids out of range give none."""
+    n = len(token_bytes)
+    return b"".join(token_bytes[t] for t in token_ids if t not in skip_ids and 0 <= t < n)
 
 
 def _earliest_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:

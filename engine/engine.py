@@ -1,20 +1,25 @@
 """The engine: requests in, streamed :class:`RequestOutput` chunks out, one step at a time.
 
-Single-threaded: ``add_request``, ``abort`` and ``step`` are called from one thread (the async
-wrapper's loop thread). Each ``step``:
+:class:`EngineCore` makes tokens (``espalier serve``'s engine process runs it); the text, stop
+strings aside, is made from its chunks by :class:`~espalier.engine.output.OutputProcessor`, in
+the server process when served and inside :class:`Engine` (the core and its text in one
+process: ``espalier generate --local``, tests, benches).
+
+Single-threaded: ``add_request``, ``abort`` and ``step`` are called from one thread (the engine
+loop's thread). Each ``step``:
 
 1. moves requests whose grammar finished compiling to the ready queue (or fails them);
 2. asks the scheduler for a plan (continuous batching, chunked prefill, preemption);
 3. runs it through the :class:`~espalier.engine.step.StepStrategy` (plain decoding now; the
    speculative and overlapped GPU paths plug in here);
-4. appends the new tokens: grammar accept, stop tokens, grammar termination, stop strings,
-   max tokens; incremental detokenization; post-validation of finished constrained outputs.
+4. appends the new tokens: grammar accept, stop tokens, grammar termination, stop strings
+   (:class:`~espalier.engine.detokenizer.StopStringWatch`), max tokens.
    Near the end of a constrained request's budget, a token after which the grammar could no
    longer be completed within max_tokens is replaced by a closing path and a stop token
    (``engine/closing/``), so constrained outputs finish valid instead of being cut.
 
 Faults are the request's own: an exception raised by one request's grammar (mask fill, accept,
-closing search), detokenizer or post-validation ends that request alone with ``ERROR`` (a typed
+closing search) ends that request alone with ``ERROR`` (a typed
 :class:`~espalier.constrained.errors.GrammarError` in ``exception`` when its input caused it,
 else a message naming only the exception's type) and the step goes on for the others. Only a
 failure of the batched forward or sampler fails the step's whole batch.
@@ -23,6 +28,7 @@ failure of the batched forward or sampler fails the step's whole batch.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import os
@@ -33,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from espalier.constrained.batch import BatchFiller
 from espalier.engine.api import (
+    ConstraintOptions,
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
@@ -40,15 +47,19 @@ from espalier.engine.api import (
 )
 from espalier.engine.closing import BudgetCloser
 from espalier.engine.constraints import GrammarService
-from espalier.engine.detokenizer import IncrementalDetokenizer
+from espalier.engine.detokenizer import StopStringWatch
 from espalier.engine.kv_cache import BlockAllocator
+from espalier.engine.output import OutputProcessor
 from espalier.engine.request import Request, RequestStatus
 from espalier.engine.sampler import DEFAULT_MARGIN, Sampler, make_generator
 from espalier.engine.scheduler import Scheduler, SchedulerConfig
 from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy, closing_logprob
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import GrammarMatcher
+    from typing import Self
+
+    from espalier.constrained.base import CompiledGrammar, GrammarMatcher
+    from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.model.runner import ModelRunner, RunnerConfig
 
@@ -62,7 +73,8 @@ class EngineConfig:
         by the cache capacity. compile_timeout_s: per grammar. overlap_masks: fill grammar masks
         on a CPU thread while the forward runs. sparse_head: compute only the allowed LM-head
         rows for constrained sequences with sparse masks (exact; ``engine/logits.py``).
-        postvalidate: check each finished constrained output against the full constraint.
+        postvalidate: check each finished constrained output against the full constraint
+        (:class:`Engine`'s text; a served engine's server always checks).
         close_within_budget: near max_tokens, close a constrained output along a short path that
         completes its grammar rather than cut it (``engine/closing/``); ignore_eos requests
         are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
@@ -79,7 +91,11 @@ class EngineConfig:
     sampling_margin: float = DEFAULT_MARGIN
 
 
-class Engine:
+class EngineCore:
+    """Requests in, token chunks out: ``text_delta`` empty and ``validation`` None (their
+    maker is :class:`~espalier.engine.output.OutputProcessor`); ``text_tokens`` on a final
+    chunk says which of its tokens make text."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -118,8 +134,6 @@ class Engine:
         self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
         # the step's accepts, one call per grammar library (the engine thread's own entry points)
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
-        if config.postvalidate:
-            _load_postvalidation()
         self._token_bytes = tokenizer.token_bytes
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -133,7 +147,7 @@ class Engine:
         runner_config: RunnerConfig | None = None,
         *,
         runner: ModelRunner | None = None,
-    ) -> Engine:
+    ) -> Self:
         """Load a model (HF directory or ``.gguf`` file) and its tokenizer; ``runner``: the
         model at ``path`` already built (a tensor-parallel rank 0): only the tokenizer is read."""
         from espalier.constrained.tokenizer import TokenizerInfo
@@ -178,9 +192,10 @@ class Engine:
         )
         if source.sampling.temperature > 0:
             request.generator = make_generator(source.sampling.seed, self.runner.device)
-        request.detokenizer = IncrementalDetokenizer(
-            self._token_bytes, skip_ids=self._skip_ids, stop=source.sampling.stop
-        )
+        if any(source.sampling.stop):
+            request.stop_watch = StopStringWatch(
+                self._token_bytes, skip_ids=self._skip_ids, stop=source.sampling.stop
+            )
         if source.grammar is not None:
             future = self.grammar.submit_request(source.grammar, source.constraint)
             timeline = request.timeline
@@ -200,7 +215,7 @@ class Engine:
         if request.grammar_future is not None and request.matcher is None:
             request.grammar_future.cancel()
         reason = FinishReason.ABORT if error is None else FinishReason.ERROR
-        self._pending.append(self._finish(request, reason, "", error=error))
+        self._pending.append(self._finish(request, reason, error=error))
         return True
 
     def take_pending(self) -> list[RequestOutput]:
@@ -215,7 +230,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns a chunk for every request that produced tokens or finished."""
-        outputs = self.take_pending()
+        outputs, self._pending = self._pending, []
         self._poll_grammars(outputs)
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -230,7 +245,7 @@ class Engine:
             log.exception("step failed")
             for seq in plan.seqs:
                 if not seq.request.is_finished:
-                    out = self._finish(seq.request, FinishReason.ERROR, "", error=repr(exc))
+                    out = self._finish(seq.request, FinishReason.ERROR, error=repr(exc))
                     outputs.append(out)
             return outputs
         elapsed = _now() - t0
@@ -259,24 +274,22 @@ class Engine:
                 continue
             try:
                 outputs.append(self._append(request, outcome, run))
-            except Exception as exc:  # this request's grammar or detokenizer: its fault alone
+            except Exception as exc:  # this request's grammar: its fault alone
                 outputs.append(self._fail(request, exc))
         return outputs
 
     def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
-        """End ``request`` alone for an exception its own grammar, sampler or detokenizer
-        raised: a :class:`GrammarError` (its input's fault) is passed on typed for the server's
+        """End ``request`` alone for an exception its own grammar or sampler raised: a
+        :class:`GrammarError` (its input's fault) is passed on typed for the server's
         INVALID_ARGUMENT; anything else is internal, and the message names only its type."""
         from espalier.constrained.errors import GrammarError
 
         if isinstance(exc, GrammarError):
             log.info("request %s ended by its grammar: %s", request.request_id, exc)
-            return self._finish(
-                request, FinishReason.ERROR, "", error=str(exc), exception=exc, validate=False
-            )
+            return self._finish(request, FinishReason.ERROR, error=str(exc), exception=exc)
         log.error("request %s failed", request.request_id, exc_info=exc)
         error = f"internal error in this request's step: {type(exc).__name__}"
-        return self._finish(request, FinishReason.ERROR, "", error=error, validate=False)
+        return self._finish(request, FinishReason.ERROR, error=error)
 
     def _stops(self, request: Request) -> set[int]:
         stops = set(request.sampling.stop_token_ids)
@@ -332,17 +345,17 @@ class Engine:
                 reason = _length_reason(matcher)
                 break
         self.num_generated_tokens += len(new_ids)
-        assert request.detokenizer is not None
-        delta = request.detokenizer.push(text_ids)
-        if delta.stop is not None and reason is not FinishReason.ERROR:
+        watch = request.stop_watch
+        if watch is not None and watch.push(text_ids) and reason is not FinishReason.ERROR:
             reason = FinishReason.STOP
         logprobs = tuple(outcome.logprobs[: min(kept, len(new_ids))])
         if params.logprobs and kept < len(new_ids):  # the closing path and its stop token
             logprobs += tuple(closing_logprob(t) for t in new_ids[kept:])
         if reason is None:
-            return RequestOutput(request.request_id, delta.text, tuple(new_ids), logprobs=logprobs)
-        out = self._finish(request, reason, delta.text, error=error)
+            return RequestOutput(request.request_id, "", tuple(new_ids), logprobs=logprobs)
+        out = self._finish(request, reason, error=error)
         out.token_ids = tuple(new_ids)
+        out.text_tokens = len(text_ids)
         out.logprobs = logprobs
         return out
 
@@ -423,45 +436,26 @@ class Engine:
         self,
         request: Request,
         reason: FinishReason,
-        text: str,
         *,
         error: str | None = None,
         exception: BaseException | None = None,
-        validate: bool = True,
     ) -> RequestOutput:
-        """Free the request everywhere and build its final chunk (``validate``: post-validate
-        a constrained output that ended normally; False once the request failed)."""
+        """Free the request everywhere and build its final chunk (no tokens: the caller sets
+        them)."""
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self.closer.forget(request.request_id)
         request.finish_reason = reason
         request.error = error
         request.timeline.finished = _now()
-        assert request.detokenizer is not None
-        if reason is not FinishReason.ERROR:
-            text += request.detokenizer.flush().text
-        validation = None
-        source = request.source
-        if (
-            validate
-            and self.config.postvalidate
-            and request.compiled is not None
-            and source is not None
-            and source.grammar is not None
-            and reason not in (FinishReason.ABORT, FinishReason.ERROR)
-        ):
-            validation = self.grammar.validate(
-                source.grammar, request.detokenizer.text, request.compiled
-            )
         return RequestOutput(
             request.request_id,
-            text,
+            "",
             (),
             finished=True,
             finish_reason=reason,
             usage=request.usage(),
             timings=request.timeline.to_timings(),
-            validation=validation,
             error=error,
             weakened=request.weakened,
             backend=request.backend,
@@ -485,7 +479,7 @@ class Engine:
             try:
                 compiled, report, matcher = future.result()
             except Exception as exc:
-                out = self._finish(request, FinishReason.ERROR, "", error=str(exc), exception=exc)
+                out = self._finish(request, FinishReason.ERROR, error=str(exc), exception=exc)
                 outputs.append(out)
                 continue
             request.compiled = compiled
@@ -557,10 +551,31 @@ def _length_reason(matcher: GrammarMatcher | None) -> FinishReason:
     return FinishReason.LENGTH_UNCLOSED
 
 
-def _load_postvalidation() -> None:
-    """Import jsonschema and its format checkers now (once per process), not when the first
-    constrained request finishes: the import builds dozens of parsers (rfc3987-syntax's Lark
-    grammars), seconds of CPU that would otherwise stall the whole batch mid-generation."""
-    import jsonschema
+class Engine(EngineCore):
+    """The core and its text in one process (``espalier generate --local``, tests, benches):
+    :class:`EngineCore`'s chunks through the same
+    :class:`~espalier.engine.output.OutputProcessor` that ``espalier serve``'s server process
+    runs over the engine process's messages, so both give the same text and verdicts."""
 
-    _ = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    @functools.cached_property
+    def output(self) -> OutputProcessor:
+        """Made with the first request (it loads the post-validation's checkers)."""
+        return OutputProcessor(
+            self.tokenizer, self._compiled, postvalidate=self.config.postvalidate
+        )
+
+    def add_request(self, source: GenerationRequest) -> None:
+        super().add_request(source)
+        self.output.add(source)
+
+    def step(self) -> list[RequestOutput]:
+        return self.output.process(super().step())
+
+    def take_pending(self) -> list[RequestOutput]:
+        return self.output.process(super().take_pending())
+
+    def _compiled(self, spec: GrammarSpec, options: ConstraintOptions) -> CompiledGrammar:
+        """The request's compiled grammar again (a compile-cache hit), for post-validation
+        by replay."""
+        compiled: CompiledGrammar = self.grammar.submit(spec, options).result()[0]
+        return compiled

@@ -28,7 +28,7 @@ from espalier.engine.api import (
 
 if TYPE_CHECKING:
     from espalier.constrained.base import CompiledGrammar, GrammarMatcher
-    from espalier.engine.detokenizer import IncrementalDetokenizer
+    from espalier.engine.detokenizer import StopStringWatch
 
 
 class RequestStatus(enum.Enum):
@@ -104,7 +104,7 @@ class Request:
     # sampling: a torch.Generator seeded per request (None = greedy or unseeded default)
     generator: Any = None
     # output
-    detokenizer: IncrementalDetokenizer | None = None
+    stop_watch: StopStringWatch | None = None  # set when the request has stop strings
     finish_reason: FinishReason | None = None
     closed_by_budget: bool = False  # the closing policy ended the output (engine/closing/)
     error: str | None = None

@@ -3,7 +3,9 @@
 The child (``multiprocessing`` spawn: CUDA is only ever initialised there, and a forked copy of
 the server's threads and locks is never run) loads the model and steps the engine in
 ``espalier.engine.core.loop.EngineLoop``; this process keeps the gRPC server, validation,
-tokenization of text prompts, and the streams. Grammars compile in the child, next to the
+tokenization of text prompts, and the streams, and makes their text: the child sends token ids,
+finish reasons and statuses, and each stream's text is detokenized and post-validated here
+(``engine/output.py``), off the engine's step. Grammars compile in the child, next to the
 matchers that use them: a compiled grammar is a native object of its backend (xgrammar,
 llguidance, outlines-core) with no common serialized form, and compiling there keeps the
 request path one hop. CompileGrammar goes through the channel too (:meth:`EngineProcess.compile`),
@@ -11,7 +13,9 @@ so it warms the cache the requests use; before the child is ready it compiles on
 own grammar service (the on-disk cache, when configured, is shared through the file system).
 
 One thread writes commands to the pipe (the event loop never blocks on a full pipe); one reads
-the engine's per-step messages and hands each to the event loop in one callback. When the child
+the engine's per-step messages, makes their text, and hands each to the event loop in one
+callback. Post-validation compiles a grammar only for a replay (EBNF, Lark, structural tags),
+in this process's own compile cache (:attr:`EngineProcess.compile_service`). When the child
 dies, every open stream ends with UNAVAILABLE and ``on_failure`` is called once.
 """
 
@@ -34,7 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from espalier.engine.api import GenerationRequest, InvalidRequestError, RequestOutput
+from espalier.engine.api import (
+    ConstraintOptions,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+)
 from espalier.engine.core.messages import (
     Abort,
     AddRequest,
@@ -46,17 +55,17 @@ from espalier.engine.core.messages import (
     Shutdown,
     StepOutputs,
 )
+from espalier.engine.output import OutputProcessor
 from espalier.server.errors import DrainingError, ResourceExhaustedError, ServiceError
 from espalier.server.state import ModelFacts
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from espalier.constrained.base import CompileReport
+    from espalier.constrained.base import CompiledGrammar, CompileReport
     from espalier.constrained.cache import CacheStats
     from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
-    from espalier.engine.api import ConstraintOptions
     from espalier.engine.constraints import GrammarService
     from espalier.server.loading import ModelOptions
 
@@ -104,6 +113,7 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     channel ends the child."""
     from espalier.constrained.tokenizer import set_cache_root
     from espalier.engine.core.loop import EngineLoop, FailureSignal
+    from espalier.engine.engine import EngineCore
     from espalier.server.gc_freeze import freeze_startup_heap
     from espalier.server.loading import grammar_service, load_engine, load_tokenizer
 
@@ -115,7 +125,9 @@ def engine_main(options: ModelOptions, channel: Connection, cache_dir: str) -> N
     try:
         tokenizer = load_tokenizer(options)
         grammar = grammar_service(options, tokenizer)
-        engine, facts = load_engine(options, tokenizer, grammar, on_failure=failure)
+        engine, facts = load_engine(
+            options, tokenizer, grammar, on_failure=failure, engine_type=EngineCore
+        )
     except Exception as exc:
         channel.send(_LoadFailed(PortableError.of(exc)))
         return
@@ -211,9 +223,11 @@ class EngineProcess:
     ) -> None:
         self.process = process
         self.rank_pids = rank_pids
-        # The server's own grammar service (CompileGrammar), closed after the child stops.
+        # The server's own grammar service (CompileGrammar before the child was ready, replays
+        # for post-validation), closed after the child stops.
         self.compile_service: GrammarService | None = None
         self.tokenizer = tokenizer
+        self._text = OutputProcessor(tokenizer, self._compiled)
         self.config = config
         self._channel = channel
         self._on_failure = on_failure
@@ -262,6 +276,7 @@ class EngineProcess:
             self._check_open()
             with self._lock:
                 self._adds_sent += 1
+            self._text.add(request)
             self._outbox.put(AddRequest(request))
             first = True
             while not finished:
@@ -277,6 +292,7 @@ class EngineProcess:
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+            self._text.discard(request_id)
             if not finished and self._failed is None:
                 self._outbox.put(Abort(request_id))
 
@@ -368,7 +384,8 @@ class EngineProcess:
                     with self._lock:
                         self._stats = dict(message.stats)
                         self._adds_applied = message.adds_applied
-                    self._loop.call_soon_threadsafe(self._deliver, message)
+                    outputs = self._text.process(message.outputs())  # here: off the event loop
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
                 elif isinstance(message, Compiled):
                     self._answer(message)
                 elif isinstance(message, EngineStopped):
@@ -400,8 +417,21 @@ class EngineProcess:
             assert message.report is not None
             future.set_result(message.report)
 
-    def _deliver(self, message: StepOutputs) -> None:
-        for out in message.outputs():
+    def _compiled(self, spec: GrammarSpec, options: ConstraintOptions) -> CompiledGrammar:
+        """``spec`` compiled in this process (post-validation's replay), blocking."""
+        from espalier.engine.constraints import GrammarService
+
+        with self._lock:
+            if self.compile_service is None:
+                self.compile_service = GrammarService(
+                    self.tokenizer, compile_timeout_s=self.config.compile_timeout_s
+                )
+            service = self.compile_service
+        compiled: CompiledGrammar = service.submit(spec, options).result()[0]
+        return compiled
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)

@@ -21,6 +21,7 @@ from espalier.server.state import Compiler, ModelFacts
 if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.constraints import GrammarService
+    from espalier.engine.engine import EngineCore
 
 TINY_RANDOM = "tiny-random"
 
@@ -165,8 +166,12 @@ def load_engine(
     tokenizer: TokenizerInfo,
     grammar: GrammarService,
     on_failure: Callable[[str], None] | None = None,
+    *,
+    engine_type: type[EngineCore] | None = None,
 ) -> tuple[Any, ModelFacts]:
-    """Build the engine (blocking; run it on a thread). Returns (Engine, facts).
+    """Build the engine (blocking; run it on a thread). Returns (engine, facts).
+    ``engine_type``: ``Engine`` (the default: its text made in this process) or
+    ``EngineCore`` (token chunks: the engine process, whose server makes the text).
     ``on_failure(why)``: called from a thread when a tensor-parallel rank dies."""
     from espalier.constrained.backends import BACKENDS
     from espalier.constrained.tokenizer import TokenizerInfo
@@ -184,7 +189,7 @@ def load_engine(
         ),
         compile_timeout_s=options.compile_timeout_s,
     )
-    engine = Engine(config, runner, tokenizer, grammar=grammar)
+    engine = (engine_type or Engine)(config, runner, tokenizer, grammar=grammar)
     if options.speculative:
         install_speculation(engine, options, runner.config)
     facts = ModelFacts(

@@ -29,7 +29,7 @@ from espalier.engine.core.messages import (
     Shutdown,
     StepOutputs,
 )
-from espalier.engine.engine import Engine
+from espalier.engine.engine import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,12 @@ class FailureSignal:
 
 
 class EngineLoop:
-    """Steps ``engine`` on this thread, talking over ``channel`` (one end of a Pipe)."""
+    """Steps ``engine`` (an :class:`EngineCore`: token chunks, the server makes the text) on
+    this thread, talking over ``channel`` (one end of a Pipe)."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineCore,
         channel: Connection,
         config: LoopConfig | None = None,
         failure: FailureSignal | None = None,

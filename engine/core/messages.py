@@ -2,7 +2,9 @@
 
 Server → engine: :class:`AddRequest`, :class:`Abort`, :class:`Compile`, :class:`Shutdown`.
 Engine → server: one :class:`StepOutputs` per loop iteration that has news (every chunk of the step
-in one message, so streaming pays one pickle and one pipe write per step, not per token),
+in one message, so streaming pays one pickle and one pipe write per step, not per token): token
+ids, finish reasons, usage and errors, never text (the server makes the text and post-validates
+it, ``engine/output.py``),
 :class:`Compiled` for each Compile, and :class:`EngineStopped` last. Messages are pickled by
 ``multiprocessing.connection.Connection``; exceptions cross as :class:`PortableError` because an
 exception whose ``__init__`` takes other arguments than its ``args``
@@ -106,8 +108,9 @@ class Shutdown:
 EngineCommand = AddRequest | Abort | Compile | Shutdown
 
 
-ChunkRow = tuple[str, str, tuple[int, ...], tuple[TokenLogprob, ...]]
-"""An unfinished chunk on the wire: (request_id, text_delta, token_ids, logprobs)."""
+ChunkRow = tuple[str, tuple[int, ...], tuple[TokenLogprob, ...]]
+"""An unfinished chunk on the wire: (request_id, token_ids, logprobs); all its tokens make
+text."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,14 @@ class StepOutputs:
     def pack(
         cls, outputs: list[RequestOutput], stats: Mapping[str, Any], adds_applied: int
     ) -> StepOutputs:
-        """The wire form of ``outputs`` (their ``exception`` fields are cleared)."""
+        """The wire form of ``outputs``, the engine core's token chunks (no text; their
+        ``exception`` fields are cleared)."""
         rows: list[ChunkRow] = []
         finished: list[RequestOutput] = []
         errors: dict[str, PortableError] = {}
         for out in outputs:
             if not out.finished:
-                rows.append((out.request_id, out.text_delta, out.token_ids, out.logprobs))
+                rows.append((out.request_id, out.token_ids, out.logprobs))
                 continue
             if out.exception is not None:
                 errors[out.request_id] = PortableError.of(out.exception)
@@ -146,7 +150,7 @@ class StepOutputs:
 
     def outputs(self) -> list[RequestOutput]:
         """The chunks again, unfinished first, typed exceptions rebuilt."""
-        chunks = [RequestOutput(rid, text, ids, logprobs=lp) for rid, text, ids, lp in self.rows]
+        chunks = [RequestOutput(rid, "", ids, logprobs=lp) for rid, ids, lp in self.rows]
         for out in self.finished:
             error = self.errors.get(out.request_id)
             if error is not None:

@@ -34,6 +34,7 @@ from espalier.engine.core.messages import (
     Shutdown,
     StepOutputs,
 )
+from espalier.engine.engine import EngineCore
 from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
 
 
@@ -45,7 +46,7 @@ def request(i: int, max_tokens: int = 10, **kw: object) -> GenerationRequest:
 @pytest.fixture
 def channel() -> Iterator[tuple[Connection, threading.Thread]]:
     ours, theirs = multiprocessing.Pipe(duplex=True)
-    loop = EngineLoop(make_engine(), theirs)
+    loop = EngineLoop(make_engine(engine_type=EngineCore), theirs)  # as the engine process
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     yield ours, thread
@@ -147,7 +148,8 @@ def test_the_loop_ends_when_the_server_end_closes(
 def test_a_signalled_failure_fails_requests_in_flight_and_ends_the_loop() -> None:
     ours, theirs = multiprocessing.Pipe(duplex=True)
     failure = FailureSignal()
-    thread = threading.Thread(target=EngineLoop(make_engine(), theirs, failure=failure).run)
+    engine = make_engine(engine_type=EngineCore)
+    thread = threading.Thread(target=EngineLoop(engine, theirs, failure=failure).run)
     thread.start()
     try:
         ours.send(AddRequest(request(1, max_tokens=5000)))

@@ -60,7 +60,7 @@ def test_forged_class_names_do_not_import_or_construct() -> None:
 
 def test_a_step_message_round_trips() -> None:
     logprob = TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5)))
-    running = RequestOutput("r1", "ab", (7, 9), logprobs=(logprob,))
+    running = RequestOutput("r1", "", (7, 9), logprobs=(logprob,))  # token chunks: no text
     failed = RequestOutput(
         "r2",
         "",
@@ -70,7 +70,9 @@ def test_a_step_message_round_trips() -> None:
         error="bad",
         exception=InvalidGrammarError("regex", "bad"),
     )
-    done = RequestOutput("r3", "!", (5,), finished=True, finish_reason=FinishReason.LENGTH)
+    done = RequestOutput(
+        "r3", "", (5, 1), finished=True, finish_reason=FinishReason.STOP, text_tokens=1
+    )
     message = StepOutputs.pack([running, failed, done], {"running": 1}, 3)
     again = pickle.loads(pickle.dumps(message)).outputs()
     assert [o.request_id for o in again] == ["r1", "r2", "r3"]

@@ -1,5 +1,5 @@
 """Appending a step's tokens: the one-call run (``Engine._accept_run``) gives what appending them
-one by one gives: the same output ids, text, finish reason and matcher state.
+one by one gives: the same output ids, text tokens, finish reason and matcher state.
 
 Each case appends the same token list to two identical requests of one engine: once as the engine
 does it, once with the run turned off (``BudgetCloser.pass_through`` answering 0, so every token
@@ -18,7 +18,6 @@ from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import FinishReason, GenerationRequest, SamplingParams
-from espalier.engine.detokenizer import IncrementalDetokenizer
 from espalier.engine.request import Request
 from espalier.engine.step import SeqOutcome
 from tests.fixtures.engine_fixtures import make_engine, toy_tokenizer
@@ -31,14 +30,14 @@ SCHEMA = GrammarSpec.json_schema(
 def make_request(engine: Any, compiled: Any, name: str, max_tokens: int) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens)
     request = Request(name, [1, 2], sampling, 0, source=GenerationRequest(name, prompt="x"))
-    request.detokenizer = IncrementalDetokenizer(engine._token_bytes, skip_ids=engine._skip_ids)
     request.matcher = compiled.matcher()
     return request
 
 
 def append_both(engine: Any, compiled: Any, steps: list[list[int]], max_tokens: int) -> list[Any]:
     """Per path (the run, then one by one), after appending each step's tokens: output ids,
-    text, finish reason, error, next mask, and the closer's memo."""
+    the chunk's tokens and how many make text, finish reason, error, next mask, and the
+    closer's memo."""
     results = []
     for one_by_one in (False, True):
         request = make_request(engine, compiled, f"r{one_by_one}", max_tokens)
@@ -55,7 +54,7 @@ def append_both(engine: Any, compiled: Any, steps: list[list[int]], max_tokens: 
                 seen.append(
                     (
                         list(request.output_ids),
-                        out.text_delta,
+                        (out.token_ids, out.text_tokens),
                         out.finish_reason,
                         out.error,
                         row.tolist(),

@@ -1,6 +1,7 @@
 """``espalier serve``: the engine steps in a child process of its own, the server keeps
 gRPC, validation and tokenization. Real server on loopback, tiny random model, Gemma tokenizer:
-plain, constrained and streaming generation, cancellation across the channel, metrics from the
+plain, constrained and streaming generation, the served text (made here from the engine process's
+token ids) equal to an in-process engine's, cancellation across the channel, metrics from the
 engine's messages, the SIGTERM drain, and the engine process killed mid-stream (the client gets
 UNAVAILABLE, the server reports NOT_SERVING and exits non-zero instead of hanging)."""
 
@@ -10,6 +11,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -37,6 +39,68 @@ def server() -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[Client]:
     with Client(server.address, timeout_s=600.0) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[Any]:
+    """The server's model in this process: ``Engine``, its text made here too."""
+    from espalier.engine.constraints import GrammarService
+    from espalier.server.loading import ModelOptions, load_engine, load_tokenizer
+
+    options = ModelOptions(model="tiny-random")
+    tokenizer = load_tokenizer(options)
+    engine, _ = load_engine(options, tokenizer, GrammarService(tokenizer))
+    yield engine
+    engine.close()
+
+
+def _offline(engine: Any, prompt: str, grammar: Any = None, **sampling: Any) -> dict[str, Any]:
+    from espalier.engine.api import GenerationRequest, SamplingParams
+
+    engine.add_request(
+        GenerationRequest(
+            "offline", prompt=prompt, sampling=SamplingParams(**sampling), grammar=grammar
+        )
+    )
+    text, ids, last = "", [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            text, ids, last = text + out.text_delta, ids + list(out.token_ids), out
+    assert last is not None and last.finished
+    valid = None if last.validation is None else last.validation.valid
+    return {"text": text, "ids": tuple(ids), "reason": last.finish_reason.value, "valid": valid}
+
+
+def _served(client: Client, prompt: str, **kwargs: Any) -> dict[str, Any]:
+    chunks = list(client.stream(prompt, **kwargs))
+    whole = client.generate(prompt, **kwargs)
+    assert "".join(c.text for c in chunks) == whole.text  # streamed deltas add up
+    reason = whole.finish_reason
+    return {"text": whole.text, "ids": whole.token_ids, "reason": reason, "valid": whole.valid}
+
+
+def test_served_text_equals_the_offline_engines(client: Client, offline: Any) -> None:
+    """Stop strings, characters split across tokens, post-validation (a failing one too):
+    what the server process makes from token ids is what an in-process engine makes."""
+    from espalier.constrained.spec import GrammarSpec
+
+    prompt = "Once upon a time"
+    plain = _offline(offline, prompt, max_tokens=40, ignore_eos=True)
+    assert _served(client, prompt, max_tokens=40, ignore_eos=True) == plain
+    text = plain["text"]
+    start = next(i for i in range(len(text) // 2, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    cut = _offline(offline, prompt, max_tokens=40, ignore_eos=True, stop=(stop,))
+    assert cut["reason"] == "stop" and cut["text"] == text[: text.find(stop)]
+    assert _served(client, prompt, max_tokens=40, ignore_eos=True, stop=[stop]) == cut
+    wide = "(é|世|界|🦙){2,12}"  # multi-byte characters, often in byte-fallback pieces
+    regex = _offline(offline, prompt, GrammarSpec.regex(wide), max_tokens=16)
+    assert regex["valid"] is not None
+    assert _served(client, prompt, regex=wide, max_tokens=16) == regex
+    # two tokens cannot finish the object: LENGTH_UNCLOSED, and post-validation says invalid
+    unclosed = _offline(offline, "JSON:", GrammarSpec.json_schema(SCHEMA), max_tokens=2)
+    assert unclosed["reason"] == "length_unclosed" and unclosed["valid"] is False
+    assert _served(client, "JSON:", schema=SCHEMA, max_tokens=2) == unclosed
 
 
 def _engine_pid(server: ServerProcess) -> int:
@@ -74,7 +138,7 @@ def test_token_id_prompt_and_text_prompt_agree(client: Client) -> None:
 def test_constrained_generation_is_valid(client: Client) -> None:
     out = client.generate("A person as JSON:", schema=SCHEMA, max_tokens=64)
     check_output("json_schema", out.text, out.finish_reason)
-    assert out.valid is True  # post-validated in the engine process
+    assert out.valid is True  # post-validated in the server process, from token ids
     json.loads(out.text)
 
 
