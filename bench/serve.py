@@ -15,7 +15,7 @@ development machine (16 ms against 0.6 s steps of the tiny model), which compare
 with a handicapped anchor.
 
     .venv/bin/python bench/serve.py [--model tiny-random] [--streams 8] [--max-tokens 32] \\
-        [--reps 2] [--speculative ngram,forced] [--kv-blocks N]
+        [--reps 2] [--speculative ngram,forced] [--kv-blocks N] [--tokenizer DIR]
 
 ``--kv-blocks`` gives both sides the same KV cache; on CUDA set it (the default sizes the cache
 from free device memory, and the side loaded first would take most of it).
@@ -52,6 +52,7 @@ def offline_engine(args: argparse.Namespace) -> Any:
         speculative=tuple(m for m in args.speculative.split(",") if m),
         compile_timeout_s=600.0,
         kv_blocks=args.kv_blocks,
+        tokenizer=args.tokenizer,
     )
     tokenizer = load_tokenizer(options)
     engine, _ = load_engine(options, tokenizer, GrammarService(tokenizer, compile_timeout_s=600))
@@ -125,11 +126,19 @@ def main() -> int:
     parser.add_argument("--backend", default="llguidance")
     parser.add_argument("--speculative", default="", help="drafters, as espalier serve's")
     parser.add_argument("--kv-blocks", type=int, default=0, help="as espalier serve's")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder, as espalier serve's (a machine without the embedded model's "
+        "package: --model tiny-random --tokenizer DIR)",
+    )
     args = parser.parse_args()
     # The last --model given wins (load.py's is first).
     server_flags = ["--model", args.model, "--kv-blocks", str(args.kv_blocks)]
     if args.speculative:
         server_flags += ["--speculative", args.speculative]
+    if args.tokenizer:
+        server_flags += ["--tokenizer", args.tokenizer]
     stepper = ThreadPoolExecutor(1, thread_name_prefix="offline-engine")
     engine = offline_engine(args)
     proc, address, _ = start_server(server_flags)
