@@ -3,9 +3,9 @@
 A constrained request promises output that matches its grammar, and ``max_tokens`` bounds its
 length. A model that loops (greedy repetition inside a string or an array: small models do)
 would reach max_tokens mid-value and return text that matches nothing. So before a sampled
-token is accepted, the engine checks that a *closing path* still fits after it (in the last
-:data:`CLOSING_WINDOW` tokens of the budget, and before them at checks spaced by the slack the
-last path left, so that a path longer than the window, a deep nest, is seen in time): a short
+token is accepted, the engine checks that a *closing path* still fits after it (at every token
+of the last :data:`SEARCH_LIMIT` + 2 of the budget, and before them at checks spaced by the slack
+the last path left, so that a path longer than that, a deep nest, is seen in time): a short
 token sequence that completes the grammar from the state after the token, plus one stop token.
 When it does not, the engine emits the closing path of the current state and a stop token
 instead, and the request ends there (``STOP``).
@@ -39,11 +39,10 @@ if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.request import Request
 
-CLOSING_WINDOW = 64  # tokens before the budget's end in which closing paths are checked ahead
-# Checks are spaced out while the budget is far from the last closing path's length: a token is
-# assumed to lengthen the closing path by at most GROWTH_PER_TOKEN tokens, plus MARGIN to spare.
-# (A token that grows it faster can only make the policy miss a closing, i.e. the output is cut
-# as without it; whatever is emitted still matches the grammar.)
+CLOSING_WINDOW = 64  # tokens before the budget's end in which closing decisions are made ahead
+# Checks are spaced out while more than SEARCH_LIMIT + 2 tokens are left (see _next_check): a
+# token is assumed to lengthen the closing path by at most GROWTH_PER_TOKEN tokens, plus MARGIN.
+# (A token that grows it faster there can only leave a path longer than SEARCH_LIMIT unseen.)
 GROWTH_PER_TOKEN = 2
 MARGIN = 4
 SEARCH_LIMIT = 4 * CLOSING_WINDOW  # the longest search (far from the end: look again later)
@@ -459,8 +458,9 @@ def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool)
     """The memo after ``token`` (appended at output length ``here`` with ``budget`` tokens
     left) when :meth:`BudgetCloser.decide` needs no grammar work for it; None when it does.
 
-    Before the window too, checks come at ``memo.next_check`` (the first at the first token):
-    a closing path longer than the window (a nest deeper than it) is seen while it still fits."""
+    Checks come at ``memo.next_check`` (the first at the first token; every token in the last
+    SEARCH_LIMIT + 2): a closing path longer than that (a nest deeper than it) is seen while it
+    still fits."""
     if exempt or memo.unclosable:
         return memo
     known = memo.known
@@ -475,8 +475,11 @@ def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool)
 def _next_check(here: int, budget: int, slack: int) -> int:
     """The output length of the next check after one at ``here`` (``budget`` tokens left then)
     that left ``slack`` tokens to spare: spaced by the slack (at most GROWTH_PER_TOKEN more
-    tokens of closing path per token) before the window, every token inside it (one token can
-    lengthen the path by far more: ``{`` opening an item whose required keys are long)."""
+    tokens of closing path per token) while more than :data:`SEARCH_LIMIT` + 2 tokens are left,
+    every token from there on: one token can lengthen the path by up to anything a search
+    finds (a key whose value is an object of many required keys), and only a check at that
+    very token can still close the output; a path no longer than the budget is found from
+    there (the search's limit is the budget's)."""
     spaced = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
-    window = here + budget - CLOSING_WINDOW  # the output length whose budget is the window's
-    return min(spaced, max(here + 1, window))
+    every = here + budget - SEARCH_LIMIT - 2  # the output length from which each token is checked
+    return min(spaced, max(here + 1, every))
