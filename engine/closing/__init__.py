@@ -4,7 +4,7 @@ A constrained request promises output that matches its grammar, and ``max_tokens
 length. A model that loops (greedy repetition inside a string or an array: small models do)
 would reach max_tokens mid-value and return text that matches nothing. So before a sampled
 token is accepted, the engine checks that a *closing path* still fits after it (at every token
-of the last :data:`SEARCH_LIMIT` + 2 of the budget, and before them at checks spaced by the slack
+of the last :data:`EVERY_TOKEN` of the budget, and before them at checks spaced by the slack
 the last path left, so that a path longer than that, a deep nest, is seen in time): a short
 token sequence that completes the grammar from the state after the token, plus one stop token.
 When it does not, the engine emits the closing path of the current state and a stop token
@@ -39,13 +39,16 @@ if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.request import Request
 
-CLOSING_WINDOW = 64  # tokens before the budget's end in which closing decisions are made ahead
-# Checks are spaced out while more than SEARCH_LIMIT + 2 tokens are left (see _next_check): a
+CLOSING_WINDOW = 64  # the unit of SEARCH_LIMIT
+# Checks are spaced out while more than EVERY_TOKEN tokens are left (see _next_check): a
 # token is assumed to lengthen the closing path by at most GROWTH_PER_TOKEN tokens, plus MARGIN.
 # (A token that grows it faster there can only leave a path longer than SEARCH_LIMIT unseen.)
 GROWTH_PER_TOKEN = 2
 MARGIN = 4
 SEARCH_LIMIT = 4 * CLOSING_WINDOW  # the longest search (far from the end: look again later)
+# tokens before the budget's end in which every token is checked (and, in a draft tree, decided
+# ahead on a mask thread): a path as long as a search finds is seen at the token that needs it
+EVERY_TOKEN = SEARCH_LIMIT + 2
 # a search choosing one token this many times in a row gives up (a loop); closers ("}", "]")
 # are exempt: each one ends a container, and a deep nest needs one per level
 REPEAT_LIMIT = 16
@@ -414,7 +417,7 @@ class BudgetCloser:
             request.sampling.max_tokens - last,
             max_model_len - request.num_tokens - (last - here),
         )
-        if len(tokens) < 2 or memo.unclosable or budget > CLOSING_WINDOW:
+        if len(tokens) < 2 or memo.unclosable or budget > EVERY_TOKEN:
             return None
         if last < memo.next_check:  # no check is needed: ``pass_through`` lets all by
             return None
@@ -475,11 +478,11 @@ def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool)
 def _next_check(here: int, budget: int, slack: int) -> int:
     """The output length of the next check after one at ``here`` (``budget`` tokens left then)
     that left ``slack`` tokens to spare: spaced by the slack (at most GROWTH_PER_TOKEN more
-    tokens of closing path per token) while more than :data:`SEARCH_LIMIT` + 2 tokens are left,
+    tokens of closing path per token) while more than :data:`EVERY_TOKEN` tokens are left,
     every token from there on: one token can lengthen the path by up to anything a search
     finds (a key whose value is an object of many required keys), and only a check at that
     very token can still close the output; a path no longer than the budget is found from
     there (the search's limit is the budget's)."""
     spaced = here + 1 + max(0, slack // (GROWTH_PER_TOKEN + 1))
-    every = here + budget - SEARCH_LIMIT - 2  # the output length from which each token is checked
+    every = here + budget - EVERY_TOKEN  # the output length from which each token is checked
     return min(spaced, max(here + 1, every))

@@ -1,7 +1,7 @@
 """Closing decisions for a speculative step's draft tree, computed ahead on a mask thread.
 
 The budget closer (``engine/closing/``) decides, before each constrained token is appended in
-the last :data:`~espalier.engine.closing.CLOSING_WINDOW` tokens of a request, whether a closing
+the last :data:`~espalier.engine.closing.EVERY_TOKEN` tokens of a request, whether a closing
 path still fits after it. Near the end of a budget that is a greedy search on matcher forks for
 many tokens, on the main thread, after verification: at batch 32 the largest host cost that only
 constrained requests pay. The decision is a function of the tokens alone, and a speculative
