@@ -643,3 +643,11 @@ def test_complements_skip_what_the_siblings_guarantee(schema: Any) -> None:
     assert not {"oneOf", "not", "if"} & keywords(rewritten), rewritten
     assert mismatches(schema, rewritten, 1500) == []
     assert mismatches(schema, rewritten, 1500, seed=1) == []
+
+
+def test_not_of_a_long_string_is_left_alone_not_a_crash() -> None:
+    """The "every string but these" pattern is spelled one trie level per character: a member
+    longer than the limit leaves the ``not`` in place (refused in strict mode) instead of
+    recursing past Python's stack limit."""
+    schema = {"not": {"const": "a" * 5000}}
+    assert "not" in keywords(rewrite(schema))
