@@ -6,7 +6,8 @@ branch and no other`` in a ``oneOf``, ``not`` / ``if`` next to their siblings), 
 with ``B'`` = ``B`` less those keywords. :func:`without_implied` builds ``B'``, which often has
 a complement where ``B`` has none (a shared ``$ref``'d property, the same
 ``additionalProperties``). Implied here: a keyword with an equal value in ``G`` (JSON equality;
-``additionalProperties`` only when the names and patterns it depends on are the same), each
+a keyword read with siblings, such as ``items`` with ``prefixItems``, only when those are equal
+too; ``additionalProperties`` only when the names and patterns it depends on are the same), each
 ``properties`` entry equal to ``G``'s (its subschema becomes ``true``: the name stays listed for
 ``additionalProperties``), ``required`` names ``G`` requires, a ``type`` covering ``G``'s.
 """
@@ -17,7 +18,18 @@ from typing import Any
 
 from espalier.constrained.schema.logic import Defs, canonical, deref
 
-LISTED = ("properties", "patternProperties")
+# keywords whose meaning depends on siblings: implied only when those are equal too
+READ_WITH = {
+    "items": ("prefixItems",),
+    "contains": ("minContains", "maxContains"),
+    "minContains": ("contains",),
+    "maxContains": ("contains",),
+    "if": ("then", "else"),
+    "then": ("if",),
+    "else": ("if",),
+}
+NEVER = frozenset({"unevaluatedProperties", "unevaluatedItems"})  # read every sibling
+_ABSENT: Any = object()  # a keyword not present (equal only to itself)
 
 
 def without_implied(schema: Any, givens: list[Any], defs: Defs) -> Any:
@@ -44,7 +56,10 @@ def _implies(fact: dict[str, Any], key: str, schema: dict[str, Any]) -> bool:
         return _covers(schema[key], fact.get("type"))
     if key == "additionalProperties":
         return _same_openness(schema, fact)
-    return key in fact and _equal(fact[key], schema[key])
+    if key in NEVER or key not in fact:
+        return False
+    together = (key, *READ_WITH.get(key, ()))
+    return all(_equal(fact.get(k, _ABSENT), schema.get(k, _ABSENT)) for k in together)
 
 
 def _flatten(givens: list[Any], defs: Defs, depth: int = 0) -> list[dict[str, Any]]:
@@ -62,6 +77,8 @@ def _flatten(givens: list[Any], defs: Defs, depth: int = 0) -> list[dict[str, An
 
 
 def _equal(a: Any, b: Any) -> bool:
+    if a is _ABSENT or b is _ABSENT:
+        return a is b
     return canonical(a) == canonical(b)
 
 

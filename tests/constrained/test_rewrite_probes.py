@@ -651,3 +651,13 @@ def test_not_of_a_long_string_is_left_alone_not_a_crash() -> None:
     recursing past Python's stack limit."""
     schema = {"not": {"const": "a" * 5000}}
     assert "not" in keywords(rewrite(schema))
+
+
+def test_keywords_read_with_siblings_are_implied_only_with_them() -> None:
+    """``items`` after a ``prefixItems`` covers fewer positions than ``items`` alone: the
+    sibling's ``items`` does not imply the ``not``'s, which stays (no complement of items)."""
+    schema = {"prefixItems": [{"type": "string"}], "items": {"type": "integer"},
+              "not": {"items": {"type": "integer"}}}  # fmt: skip
+    rewritten = rewrite(schema)
+    assert "not" in keywords(rewritten), rewritten
+    assert validate_instance(rewritten, ["a", 1]).valid
