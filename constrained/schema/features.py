@@ -333,6 +333,8 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED
     if keyword == "required" and required_outside_properties(node):
         return Support.WEAKENED  # probe "required-not-in-properties"
+    if keyword == "anyOf" and types and not _branches_within(node["anyOf"], types):
+        return Support.WEAKENED  # probe "anyOf-next-to-type"
     return Support.EXACT
 
 
