@@ -255,7 +255,17 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
             return Support.WEAKENED  # dropped next to a range (probe "multipleOf-with-range")
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
+    if keyword == "anyOf" and types and not _branches_within(node["anyOf"], types):
+        return Support.WEAKENED  # the type next to it is dropped (probe "anyOf-next-to-type")
     return Support.EXACT
+
+
+def _branches_within(branches: Any, types: set[str]) -> bool:
+    """Whether each branch has a ``type`` naming only types of ``types``."""
+    allowed = types | {"integer"} if "number" in types else types
+    return isinstance(branches, list) and all(
+        isinstance(b, dict) and (_types(b) or {"?"}) <= allowed for b in branches
+    )
 
 
 def required_outside_properties(node: dict[str, Any]) -> bool:
@@ -323,6 +333,8 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED
     if keyword == "required" and required_outside_properties(node):
         return Support.WEAKENED  # probe "required-not-in-properties"
+    if keyword == "anyOf" and types and not _branches_within(node["anyOf"], types):
+        return Support.WEAKENED  # probe "anyOf-next-to-type"
     return Support.EXACT
 
 

@@ -161,28 +161,6 @@ def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
     )
 
 
-def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
-    """``oneOf`` as ``anyOf`` of "this branch and no other"; None when a complement is missing.
-
-    The other branches' complements are taken among the objects ``context`` (the keywords next
-    to the ``oneOf``) and this branch allow (:func:`key_set`), which makes closed objects'
-    ``additionalProperties`` / ``patternProperties`` complementable."""
-    if len(branches) > 6:
-        return None  # quadratic growth: leave it
-    around = key_set(context, defs)
-    options = []
-    for i, branch in enumerate(branches):
-        keys = _meet(around, key_set(branch, defs))
-        others = [complement(b, defs, keys=keys) for j, b in enumerate(branches) if j != i]
-        if any(n is None for n in others):
-            return None
-        others = [n for n in others if n is not True]
-        if any(n is False for n in others):
-            continue  # another branch matches everything: this one can never be the only match
-        options.append({"allOf": [branch, *others]} if others else branch)
-    return {"anyOf": options} if options else False
-
-
 def key_set(schema: Any, defs: Defs, depth: int = 0) -> frozenset[str] | None:
     """A finite set holding every property name an object matching ``schema`` can have (a
     superset is fine); None when the names are open. From ``additionalProperties: false``
@@ -201,17 +179,17 @@ def key_set(schema: Any, defs: Defs, depth: int = 0) -> frozenset[str] | None:
     ):
         keys = frozenset(listed)
     for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
-        keys = _meet(keys, key_set(sub, defs, depth + 1))
+        keys = meet(keys, key_set(sub, defs, depth + 1))
     for union in ("anyOf", "oneOf"):
         branches = schema.get(union)
         if isinstance(branches, list) and branches:
             sets = [key_set(b, defs, depth + 1) for b in branches]
             if all(k is not None for k in sets):
-                keys = _meet(keys, frozenset().union(*(k for k in sets if k is not None)))
+                keys = meet(keys, frozenset().union(*(k for k in sets if k is not None)))
     return keys
 
 
-def _meet(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
+def meet(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
     return b if a is None else a if b is None else a & b
 
 
@@ -331,3 +309,14 @@ def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
             return None
         return {"anyOf" if key == "allOf" else "allOf": negated}
     return None
+
+
+def without(node: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k != key}
+
+
+def append_all_of(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Both apply: a merge when no key clashes, else one more ``allOf`` branch."""
+    if not set(extra) & set(node):
+        return {**node, **extra}
+    return {**node, "allOf": [*node.get("allOf", []), extra]}

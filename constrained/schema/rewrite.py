@@ -12,9 +12,11 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``oneOf`` whose branches cannot both match (disjoint types or values, a required property
   with distinct ``const`` values, strings with distinct leading characters) → ``anyOf`` (and
   ``type: string`` when every branch asserts string keywords only: non-strings match them all);
-  other ``oneOf`` → ``anyOf`` of "this branch and the complement of each other one" when the
-  complements exist (:mod:`schema_logic`);
-- ``not X`` → the complement of ``X`` when it can be written (types, bounds, lengths, counts,
+  ``oneOf`` decided type by type (two branches matching every instance of a type drop it)
+  → ``type`` and ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and the complement of
+  each other one" when the complements exist (:mod:`one_of`);
+- ``not X`` → the complement of ``X`` (less what its siblings guarantee: :mod:`implied`) when
+  it can be written (types, bounds, lengths, counts,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
@@ -44,15 +46,16 @@ from typing import Any
 
 from espalier.constrained.schema.contains import rewrite_contains
 from espalier.constrained.schema.enum_filter import filter_enums
+from espalier.constrained.schema.implied import without_implied
 from espalier.constrained.schema.logic import (
-    NO_CONSTRAINT,
     Defs,
+    append_all_of,
     complement,
-    exactly_one,
     key_set,
-    pairwise_disjoint,
     types_of,
+    without,
 )
+from espalier.constrained.schema.one_of import rewrite_one_of
 from espalier.constrained.schema.property_names import rewrite_property_names
 from espalier.constrained.schema.refs import prune_unused_defs
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
@@ -113,7 +116,7 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
     if "contains" in node:
         node = rewrite_contains(node, ctx.defs)
     if "oneOf" in node and isinstance(node["oneOf"], list):
-        node = _one_of(node, ctx.defs)
+        node = rewrite_one_of(node, ctx.defs)
         if not isinstance(node, dict):
             return node
     if "not" in node:
@@ -255,67 +258,39 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
     name = node["format"]
     types = types_of({"type": node["type"]}, {}) if "type" in node else None
     if name not in KNOWN_FORMATS or (types is not None and "string" not in types):
-        return _without(node, "format")
+        return without(node, "format")
     pattern = FORMAT_PATTERNS.get(name)
     if pattern is None:
         return node
     limit = FORMAT_MAX_LENGTH.get(name)
     extra = {"pattern": pattern, **({"maxLength": limit} if limit is not None else {})}
-    return _append_all_of(_without(node, "format"), extra)
-
-
-def _one_of(node: dict[str, Any], defs: Defs) -> Any:
-    branches = node["oneOf"]
-    if pairwise_disjoint(branches, defs, context=_without(node, "oneOf")):
-        return _append_all_of(_without(node, "oneOf"), {"anyOf": branches})
-    if len(branches) > 1 and all(_string_only(b) for b in branches):
-        # every branch matches every non-string: only strings can match exactly one
-        strings = {"type": "string"}
-        if pairwise_disjoint(branches, defs, context=strings):
-            return _append_all_of(_append_all_of(_without(node, "oneOf"), strings),
-                                  {"anyOf": branches})  # fmt: skip
-    exclusive = exactly_one(branches, defs, context=_without(node, "oneOf"))
-    if exclusive is None:
-        return node
-    if exclusive is False:
-        return False
-    return _append_all_of(_without(node, "oneOf"), exclusive)
-
-
-STRING_KEYWORDS = frozenset({"pattern", "format", "minLength", "maxLength"})
-
-
-def _string_only(branch: Any) -> bool:
-    """Whether ``branch`` is a schema object asserting only string keywords (no ``type``)."""
-    return isinstance(branch, dict) and all(
-        k in STRING_KEYWORDS or k in NO_CONSTRAINT for k in branch
-    )
+    return append_all_of(without(node, "format"), extra)
 
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:
-    rest = _without(node, "not")
-    negated = complement(node["not"], defs, keys=key_set(rest, defs))
+    rest = without(node, "not")
+    negated = complement(without_implied(node["not"], [rest], defs), defs, keys=key_set(rest, defs))
     if negated is None:
         return node
     if negated is False:
         return False
     if negated is True:
         return rest
-    return _append_all_of(rest, negated)
+    return append_all_of(rest, negated)
 
 
 def _conditional(node: dict[str, Any], defs: Defs) -> Any:
     """``if/then/else`` = ``anyOf[allOf[if, then], allOf[not if, else]]`` when ``not if`` exists."""
     condition = node["if"]
     rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
-    otherwise = complement(condition, defs, keys=key_set(rest, defs))
+    otherwise = complement(without_implied(condition, [rest], defs), defs, keys=key_set(rest, defs))
     if otherwise is None:
         return node
     branches = [
         {"allOf": [condition, node.get("then", True)]},
         {"allOf": [otherwise, node.get("else", True)]},
     ]
-    return _append_all_of(rest, {"anyOf": branches})
+    return append_all_of(rest, {"anyOf": branches})
 
 
 def _dependents(node: dict[str, Any]) -> dict[str, Any]:
@@ -323,24 +298,13 @@ def _dependents(node: dict[str, Any]) -> dict[str, Any]:
     schemas = node.get("dependentSchemas", {})
     if not isinstance(required, dict) or not isinstance(schemas, dict):
         return node
-    out = _without(_without(node, "dependentRequired"), "dependentSchemas")
+    out = without(without(node, "dependentRequired"), "dependentSchemas")
     for name, needed in required.items():
         if not isinstance(needed, list):
             return node
         branch = {"required": [name, *needed]}
-        out = _append_all_of(out, {"anyOf": [{"properties": {name: False}}, branch]})
+        out = append_all_of(out, {"anyOf": [{"properties": {name: False}}, branch]})
     for name, sub in schemas.items():
         present = {"allOf": [{"required": [name]}, sub]}
-        out = _append_all_of(out, {"anyOf": [{"properties": {name: False}}, present]})
+        out = append_all_of(out, {"anyOf": [{"properties": {name: False}}, present]})
     return out
-
-
-def _without(node: dict[str, Any], key: str) -> dict[str, Any]:
-    return {k: v for k, v in node.items() if k != key}
-
-
-def _append_all_of(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Both apply: a merge when no key clashes, else one more ``allOf`` branch."""
-    if not set(extra) & set(node):
-        return {**node, **extra}
-    return {**node, "allOf": [*node.get("allOf", []), extra]}

@@ -14,6 +14,7 @@ from typing import Any
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
 MAX_TOTAL_CHARS = 4000  # of the string members: the pattern grows with the trie
+MAX_MEMBER_CHARS = 256  # the trie is spelled recursively, one level per character
 
 
 def values_complement(values: list[Any]) -> Any:
@@ -26,6 +27,8 @@ def values_complement(values: list[Any]) -> Any:
         by_type.setdefault(kind, []).append(value)
     strings = by_type.get("string", [])
     if sum(len(s) for s in strings) > MAX_TOTAL_CHARS:
+        return None
+    if any(len(s) > MAX_MEMBER_CHARS for s in strings):
         return None
     parts: list[Any] = []
     free = [t for t in ALL_TYPES if t not in by_type]

@@ -239,6 +239,14 @@ PROBES: tuple[Probe, ...] = (
         [None, 1.5],
     ),
     _p("oneOf", "oneOf", {"oneOf": [{"type": "integer"}, {"minimum": 2}]}, [1, 2.5], [3]),
+    # xgrammar emits the branches of an anyOf and drops the "type" next to it
+    _p(
+        "anyOf-next-to-type",
+        "anyOf",
+        {"type": ["string", "null"], "anyOf": [{"type": "number"}, {}]},
+        ["a", None],
+        [123, True],
+    ),
     _p("allOf", "allOf", {"allOf": [{"type": "integer"}, {"minimum": 2}]}, [3], [1, "a"]),
     _p("allOf-single", "allOf", {"allOf": [{"type": "integer"}]}, [3], ["a"]),
     _p("not", "not", {"not": {"type": "string"}}, [1], ["a"]),

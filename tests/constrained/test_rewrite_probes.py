@@ -533,7 +533,6 @@ def test_one_of_strings_with_distinct_first_characters_becomes_any_of(schema: An
         {"type": "string", "oneOf": [{"pattern": "^a|^b"}, {"pattern": "^b"}]},
         {"type": "string", "oneOf": [{"pattern": "^[^a]"}, {"pattern": "^b"}]},
         {"type": "string", "oneOf": [{"pattern": "a"}, {"pattern": "^b"}]},
-        {"oneOf": [{"pattern": "^a"}, {"pattern": "^b"}, {"type": "number"}]},
     ],
 )
 def test_one_of_strings_that_may_overlap_is_left_alone(schema: Any) -> None:
@@ -572,3 +571,93 @@ def test_dependencies_keep_their_draft_7_meaning_in_every_draft(schema: Any) -> 
         else:
             narrowed += validate_instance(schema, value).valid
     assert narrowed > 0  # the draft-7 meaning did constrain some instances
+
+
+ONE_OF_BY_TYPE = [
+    # non-objects match every branch (properties / required alone): only objects can be valid
+    {"oneOf": [{"required": ["a"], "properties": {"a": {"const": 1}}},
+               {"required": ["a"], "properties": {"a": {"const": "foo"}}}]},
+    # arrays that can share only []: [] matches both and is not valid
+    {"oneOf": [{"type": "array", "items": {"type": "number"}},
+               {"type": "array", "items": {"type": "string"}}]},
+    # ... unless one branch needs an item: [] then matches exactly one
+    {"oneOf": [{"type": "array", "items": {"type": "number"}},
+               {"type": "array", "prefixItems": [{"type": "string"}], "minItems": 1}]},
+    # one branch takes every string, the others no string; one branch per other type
+    {"oneOf": [{"type": "string"}, {"type": "integer", "maximum": 0},
+               {"type": "array", "minItems": 2}, {"const": True}]},
+    # a branch matching everything of a type shared with no other
+    {"oneOf": [{"minLength": 2}, {"type": "object"}, {"type": "null"}]},
+    # numbers match all three branches (not valid), strings at most one of the patterns
+    {"oneOf": [{"pattern": "^a"}, {"pattern": "^b"}, {"type": "number"}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", ONE_OF_BY_TYPE, ids=[json.dumps(s)[:50] for s in ONE_OF_BY_TYPE])
+def test_one_of_decided_type_by_type_becomes_any_of(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "oneOf" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 800) == []
+    for value in ([], [1], ["a"], [1, "a"], {}, {"a": 1}, {"a": "foo"}, "", "ab", -1, 0.5, 3, None):
+        assert validate_instance(schema, value).valid == validate_instance(rewritten, value).valid
+
+
+NEEDS_A_COMPLEMENT = [
+    # every string matches the first branch and some match the second: a complement
+    {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]},
+    # arrays whose first items may overlap
+    {"oneOf": [{"type": "array", "items": {"type": "number"}},
+               {"type": "array", "items": {"minimum": 2}}]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", NEEDS_A_COMPLEMENT)
+def test_one_of_that_needs_a_complement_by_type_is_left_alone(schema: Any) -> None:
+    assert "oneOf" in keywords(rewrite(schema))
+
+
+SHARED = {"type": "object", "patternProperties": {"^x": {"type": "string"}}}
+IMPLIED = [
+    # closed objects sharing a property whose schema has no complement (open names)
+    {"$defs": {"p": SHARED},
+     "oneOf": [{"type": "object", "additionalProperties": False, "required": ["a"],
+                "properties": {"a": {"$ref": "#/$defs/p"}, "b": {"enum": ["none"]}}},
+               {"type": "object", "additionalProperties": False, "required": ["a"],
+                "properties": {"a": {"$ref": "#/$defs/p"}, "b": {"enum": ["foo", "bar"]},
+                               "c": {}}}]},
+    # the same open additionalProperties in both branches, told apart by a const
+    {"oneOf": [{"properties": {"a": {"const": 1}}, "additionalProperties": {"type": "string"}},
+               {"properties": {"a": {"const": 7}}, "additionalProperties": {"type": "string"}}],
+     "type": "object"},
+    # not / if next to siblings that already guarantee part of them
+    {"properties": {"a": SHARED}, "not": {"properties": {"a": SHARED}, "required": ["b"]}},
+    {"type": "object", "required": ["a"], "properties": {"a": SHARED},
+     "if": {"properties": {"a": SHARED, "b": {"const": 1}}, "required": ["a", "b"]},
+     "then": {"required": ["c"]}, "else": {"maxProperties": 2}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", IMPLIED, ids=[json.dumps(s)[:50] for s in IMPLIED])
+def test_complements_skip_what_the_siblings_guarantee(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not {"oneOf", "not", "if"} & keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 1500) == []
+    assert mismatches(schema, rewritten, 1500, seed=1) == []
+
+
+def test_not_of_a_long_string_is_left_alone_not_a_crash() -> None:
+    """The "every string but these" pattern is spelled one trie level per character: a member
+    longer than the limit leaves the ``not`` in place (refused in strict mode) instead of
+    recursing past Python's stack limit."""
+    schema = {"not": {"const": "a" * 5000}}
+    assert "not" in keywords(rewrite(schema))
+
+
+def test_keywords_read_with_siblings_are_implied_only_with_them() -> None:
+    """``items`` after a ``prefixItems`` covers fewer positions than ``items`` alone: the
+    sibling's ``items`` does not imply the ``not``'s, which stays (no complement of items)."""
+    schema = {"prefixItems": [{"type": "string"}], "items": {"type": "integer"},
+              "not": {"items": {"type": "integer"}}}  # fmt: skip
+    rewritten = rewrite(schema)
+    assert "not" in keywords(rewritten), rewritten
+    assert validate_instance(rewritten, ["a", 1]).valid
