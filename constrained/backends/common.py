@@ -221,12 +221,16 @@ class MatcherBase:
     def takes_natively(self, token: int) -> bool:
         """Whether :meth:`accept` of ``token`` is the library's own accept alone (a text token,
         not terminated): a batch accept may then hand it to the library directly."""
-        facts = self._facts
+        return self.takes_all_natively((token,))
+
+    def takes_all_natively(self, tokens: Sequence[int]) -> bool:
+        """:meth:`takes_natively` of every one of ``tokens`` (one pass: closing checks ask it
+        for every try)."""
+        facts, vocab = self._facts, self._tokenizer_vocab
         return (
             not self._stop_depth
-            and 0 <= token < self._tokenizer_vocab
-            and token not in facts.excluded
-            and token not in facts.stops
+            and all(0 <= t < vocab and t not in facts.excluded for t in tokens)
+            and facts.stops.isdisjoint(tokens)
         )
 
     def accept_tokens(self, tokens: Sequence[int]) -> int:

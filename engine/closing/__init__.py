@@ -385,11 +385,11 @@ class BudgetCloser:
             if not probe.accept(token):
                 return None, memo  # the grammar rejects token: not for this policy to decide
             after = self.paths.search(probe, min(limit, SEARCH_LIMIT))  # on the probe itself
-        if after is None and budget - 2 > SEARCH_LIMIT:  # not found that short: look again later
-            slack = budget - 2 - SEARCH_LIMIT
+        if after is None and limit > SEARCH_LIMIT:  # not found that short: look again later
+            slack = limit - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))
         if after is not None:
-            slack = budget - 2 - len(after) - MARGIN
+            slack = limit - len(after) - MARGIN
             return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
         if path is None:
             path = self.paths.find(matcher, budget - 1)

@@ -5,7 +5,7 @@ tokens, on the assumption that a token lengthens the path by at most ``GROWTH_PE
 tokens. One key token can lengthen it by hundreds: the ``b`` that starts ``"big"`` here, whose
 value is an object of many required keys (Github_hard/o56008's ``"properties"``: 6 -> 320 Gemma
 tokens). The next check found no closing path left, and max_tokens cut the output open
-(``length_unclosed``). Every token of the last ``SEARCH_LIMIT`` + 2 is checked now, so that key
+(``length_unclosed``). Every token of the last ``EVERY_TOKEN`` is checked now, so that key
 is replaced by a closing path while one fits.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine.closing import SEARCH_LIMIT, ClosingPaths
+from espalier.engine.closing import EVERY_TOKEN, ClosingPaths
 from tests.fixtures.closing_feed import closed_output
 from tests.fixtures.engine_fixtures import toy_tokenizer
 
@@ -36,7 +36,7 @@ BIG = {
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
-@pytest.mark.parametrize("max_tokens", [120, 200, SEARCH_LIMIT + 2])
+@pytest.mark.parametrize("max_tokens", [120, 200, EVERY_TOKEN])
 def test_a_key_that_opens_a_long_required_object_is_closed_in_time(
     backend: str, max_tokens: int
 ) -> None:

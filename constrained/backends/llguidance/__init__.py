@@ -440,25 +440,16 @@ class Matcher(MatcherBase):
     def completes(self, tokens: Sequence[int]) -> bool:
         # llguidance validates a run without consuming it (a few us, where consuming it on a
         # fork costs ~20x that); a stop token after it is allowed exactly when it can end there
-        if not tokens or not self._all_native(tokens):
+        if not tokens or not self.takes_all_natively(tokens):
             return super().completes(tokens)
         return self._validate([*tokens, self._eos]) == len(tokens) + 1
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
         # ``validate_tokens`` counts what ``try_consume_tokens`` would take, consuming nothing
         # (where a fork costs a ``deep_copy`` and a new wrapper)
-        if not tokens or not self._all_native(tokens):
+        if not tokens or not self.takes_all_natively(tokens):
             return super().accepted_prefix(tokens)
         return self._validate(list(tokens))
-
-    def _all_native(self, tokens: Sequence[int]) -> bool:
-        """``takes_natively`` of every token, inlined (closing checks ask it for every try)."""
-        facts, vocab = self._facts, self._tokenizer_vocab
-        return (
-            not self._stop_depth
-            and all(0 <= t < vocab and t not in facts.excluded for t in tokens)
-            and facts.stops.isdisjoint(tokens)
-        )
 
     def _validate(self, tokens: list[int]) -> int:
         """How many of ``tokens`` llguidance would consume (``validate_tokens``: none is)."""
