@@ -6,7 +6,7 @@ The server converts proto messages to and from these; nothing here imports grpc 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from espalier.constrained.spec import GrammarSpec
 
@@ -165,6 +165,22 @@ class RequestOutput:
     # The typed exception behind ``error`` (e.g. a GrammarError from compiling), for the server to
     # map to a status; never serialized.
     exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This unfinished chunk and the same request's ``later`` one as one chunk: tokens, text
+        and logprobs joined, the final fields (``later``'s) kept. Why: a stream whose reader lags
+        the engine sends one message for what piled up, not one per step."""
+        assert not self.finished and later.request_id == self.request_id
+        text_tokens = None  # an unfinished chunk's tokens all make text
+        if later.text_tokens is not None:
+            text_tokens = len(self.token_ids) + later.text_tokens
+        return replace(
+            later,
+            text_delta=self.text_delta + later.text_delta,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            text_tokens=text_tokens,
+        )
 
 
 class InvalidRequestError(ValueError):

@@ -208,6 +208,21 @@ async def start_engine_process(
     return client, first.facts, tokenizer
 
 
+def coalesce(
+    item: RequestOutput, stream: asyncio.Queue[RequestOutput | BaseException]
+) -> tuple[RequestOutput, BaseException | None]:
+    """``item`` joined with the chunks already queued behind it (up to a finished one), and an
+    exception found queued after them (None if none). Why: when the stream's reader lags the
+    engine (64 streams of 5 ms steps), one message carries what piled up instead of one per
+    step, so the server's per-message cost cannot hold the engine back."""
+    while not item.finished and not stream.empty():
+        later = stream.get_nowait()
+        if isinstance(later, BaseException):
+            return item, later
+        item = item.followed_by(later)
+    return item, None
+
+
 class EngineProcess:
     """A :class:`~espalier.server.engine_port.ServingEngine` over the child's channel; made
     inside the event loop it serves (its streams are that loop's queues)."""
@@ -279,11 +294,14 @@ class EngineProcess:
             self._text.add(request)
             self._outbox.put(AddRequest(request))
             first = True
+            held: BaseException | None = None
             while not finished:
-                item = await stream.get()
+                item = held if held is not None else await stream.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                item, held = coalesce(item, stream)
                 finished = item.finished
                 if first and finished and item.exception is not None and not item.token_ids:
                     raise item.exception  # refused or failed to compile: typed, nothing yielded
