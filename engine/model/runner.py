@@ -162,6 +162,8 @@ class ModelRunner:
             # (also the group's first collective: NCCL creates its communicator here, before
             # any graph capture, which cannot)
             self._num_blocks = tensor_parallel.min_int(self._num_blocks, self.device)
+        # every kernel variant a step can launch, before any step (and before the captures)
+        self.attention.warm_up(self.block_size)
         self.graphs: StepGraphs | None = None
         if use_graphs:
             from espalier.engine.model.cuda_graphs import StepGraphs
