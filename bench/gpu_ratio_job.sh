@@ -50,6 +50,9 @@ for line in open(sys.argv[1]):
         ms = d["ms_per_step"]
         print("TL c=%s s=%s tok/s=%s" % (d["constrained"], d["speculative"], d["tok_per_s"]),
               {k: round(v, 2) for k, v in ms.items() if isinstance(v, (int, float)) and v >= 0.05})
+        counts = d.get("per_step_counts", {})
+        print("   first steps ms", d["per_step_ms"]["step"][:4], "eager", sum(counts.get("eager", [])),
+              "compiled", d.get("compiled"))
     elif "tok_per_s" in d:
         print("RUN c=%s s=%s tok/s=%.1f reps=%s" % (d["constrained"], d["speculative"],
               d["tok_per_s"], [round(x, 1) for x in d.get("tok_per_s_reps", [])]))

@@ -27,6 +27,9 @@ step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the end of the ste
 and ``fill_max`` (its slowest fill job); per step, in ms after the verify forward's call starts:
 ``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``);
 ``gc``: garbage collections (any thread, ``gc.callbacks``; ``calls["gc_genN"]``).
+Per step also ``per_step_counts``: ``eager`` forwards (no CUDA graph fit) and ``compiles`` (new
+variants in the Triton caches of ``espalier.kernels``: anything compiled at run time), and
+``compiled`` per kernel over the run (issue 28: nothing should be).
 
 Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases) and
 ``clock_per_step_ms`` (the clock above), to tell a uniformly slower step from a few slow ones.
@@ -127,13 +130,26 @@ class Timeline:
         self.per_step: dict[str, list[float]] = defaultdict(list)  # PER_STEP phases, ms
         self._step_base: dict[str, float] = {}
         self._gc_start = 0.0
+        self.step_counts: dict[str, int] = defaultdict(int)  # this step's eager forwards
+        self.per_step_counts: dict[str, list[int]] = defaultdict(list)
+        self.compiled: dict[str, int] = defaultdict(int)  # kernel -> variants built in the run
+        self._variants = _variants()
 
     def _close_step(self) -> None:
-        """Record this step's share of the PER_STEP phases (sums since the last step)."""
+        """Record this step's share of the PER_STEP phases (sums since the last step), its
+        eager forwards and the Triton variants built during it."""
         for key in PER_STEP:
             total = self.sums.get(key, 0.0)
             self.per_step[key].append(round((total - self._step_base.get(key, 0.0)) * 1e3, 2))
             self._step_base[key] = total
+        variants = _variants()
+        new = {k: n - self._variants.get(k, 0) for k, n in variants.items()}
+        for kernel, n in new.items():
+            if n:
+                self.compiled[kernel] += n
+        self._variants = variants
+        self.per_step_counts["compiles"].append(sum(new.values()))
+        self.per_step_counts["eager"].append(self.step_counts.pop("eager", 0))
 
     def gc_callback(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
@@ -227,10 +243,43 @@ class Timeline:
                 for key, v in ((k, sorted(vs)) for k, vs in sorted(self.clock.items()))
             },
             "per_step_ms": dict(self.per_step),
+            "per_step_counts": dict(self.per_step_counts),
+            "compiled": dict(self.compiled),
             "clock_per_step_ms": {
                 k: [round(v * 1e3, 2) for v in vs] for k, vs in sorted(self.clock.items())
             },
         }
+
+
+def _triton_kernels() -> dict[str, Any]:
+    """Every Triton kernel of ``espalier.kernels``, by ``module.name``."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import espalier.kernels as package
+
+    kernels = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"espalier.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.jit.JITFunction):
+                kernels[f"{info.name}.{name}"] = value
+    return kernels
+
+
+_KERNELS: dict[str, Any] = {}
+
+
+def _variants() -> dict[str, int]:
+    """Compiled variants per kernel in this process (Triton's per-device caches)."""
+    if not _KERNELS:
+        _KERNELS.update(_triton_kernels())
+    return {
+        name: sum(len(cache[0]) for cache in getattr(fn, "device_caches", {}).values())
+        for name, fn in _KERNELS.items()
+    }
 
 
 def _count_replays(line: Timeline) -> None:
@@ -248,6 +297,8 @@ def _count_replays(line: Timeline) -> None:
             key = "replayed" if out is not None else "eager"
             line.calls[f"forward_{key}"] += 1
             line.calls[f"forward_{key}_tree_sizes_{len(sizes)}"] += 1
+            if out is None:
+                line.step_counts["eager"] += 1
         return out
 
     graphs.StepGraphs.forward = wrapper  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ take milliseconds (llguidance builds each request its own lexer).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -86,11 +87,20 @@ class GrammarService:
 
         return self.cache.submit(key, compile_fn)
 
-    def submit_request(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
+    def submit_request(
+        self,
+        spec: GrammarSpec,
+        options: ConstraintOptions,
+        *,
+        on_compiled: Callable[[], None] | None = None,
+    ) -> Future[Any]:
         """:meth:`submit`, then one new matcher for the request: the Future resolves to a
         :data:`RequestGrammar` ``(CompiledGrammar, CompileReport, GrammarMatcher)`` or raises
         what the compile raised. The matcher is made on this service's matcher threads, off the
-        engine thread. Cancelling the Future leaves the shared compile running."""
+        engine thread. Cancelling the Future leaves the shared compile running.
+        ``on_compiled``: called once the compile succeeded, before the matcher is made (on the
+        compile's thread, or on this one for a cached grammar): the engine may compute the
+        request's prompt meanwhile."""
         compiled_future = self.submit(spec, options)
         out: Future[Any] = Future()
 
@@ -112,6 +122,8 @@ class GrammarService:
                 if out.set_running_or_notify_cancel():
                     out.set_exception(exc)
                 return
+            if on_compiled is not None:
+                on_compiled()
             try:
                 self._matcher_pool().submit(make, compiled, report)
             except RuntimeError as exc:  # shut down while submitting: the engine is closing

@@ -197,7 +197,11 @@ class EngineCore:
                 self._token_bytes, skip_ids=self._skip_ids, stop=source.sampling.stop
             )
         if source.grammar is not None:
-            future = self.grammar.submit_request(source.grammar, source.constraint)
+            future = self.grammar.submit_request(
+                source.grammar,
+                source.constraint,
+                on_compiled=lambda: setattr(request, "grammar_compiled", True),
+            )
             timeline = request.timeline
             future.add_done_callback(lambda _f: setattr(timeline, "grammar_ready", _now()))
             request.grammar_future = future
@@ -467,8 +471,10 @@ class EngineCore:
     # -- grammars -----------------------------------------------------------------------------
 
     def _poll_grammars(self, outputs: list[RequestOutput]) -> None:
-        for request in list(self.scheduler.waiting):
-            if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+        """Give each request whose grammar Future finished its matcher (or its error): waiting
+        ones, and running ones prefilled while their matcher was being made."""
+        for request in list(self.scheduler.requests()):
+            if not request.grammar_pending:
                 continue
             future = request.grammar_future
             assert future is not None
@@ -489,14 +495,15 @@ class EngineCore:
                 timeline.compile_run_s = report.compile_seconds
             request.backend = report.backend
             request.weakened = tuple(issue.describe() for issue in report.weakened)
-            request.status = RequestStatus.WAITING
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                request.status = RequestStatus.WAITING
 
     def _wait_for_grammars(self, timeout_s: float = 0.02) -> None:
         """Nothing to run: block briefly until a compile finishes (instead of spinning)."""
         futures = [
             r.grammar_future
-            for r in self.scheduler.waiting
-            if r.status is RequestStatus.WAITING_FOR_GRAMMAR and r.grammar_future is not None
+            for r in self.scheduler.requests()
+            if r.grammar_pending and r.grammar_future is not None
         ]
         if futures:
             concurrent.futures.wait(

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.Enum):
-    """WAITING_FOR_GRAMMAR → WAITING → RUNNING ⇄ PREEMPTED; any state → FINISHED."""
+    """WAITING_FOR_GRAMMAR → WAITING → RUNNING ⇄ PREEMPTED; any state → FINISHED. A request
+    whose grammar compiled but whose matcher is still being made may go from WAITING_FOR_GRAMMAR
+    to RUNNING directly (its prompt computed but for the last token: ``num_feedable_tokens``)."""
 
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # compile Future not done yet
     WAITING = "waiting"  # ready, not admitted
@@ -95,8 +97,10 @@ class Request:
     # prompt tokens the first admission found cached (``usage.cached_prompt_tokens``)
     prompt_block_hashes: list[bytes] | None = None
     num_cached_tokens: int = 0
-    # grammar
+    # grammar: the Future of (compiled, report, own matcher); ``grammar_compiled`` is set (from
+    # the compile's thread) once the compile succeeded, while the matcher may still be in making
     grammar_future: Future[Any] | None = None
+    grammar_compiled: bool = False
     compiled: CompiledGrammar | None = None
     matcher: GrammarMatcher | None = None
     backend: str = ""
@@ -141,6 +145,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def grammar_pending(self) -> bool:
+        """Constrained, and its matcher not made yet: it may not sample (its prompt may be
+        computed, all but the last token, once ``grammar_compiled``)."""
+        return self.grammar_future is not None and self.matcher is None
+
+    @property
+    def num_feedable_tokens(self) -> int:
+        """Uncomputed tokens a step may feed now: all of them, or while its matcher is being
+        made (``grammar_pending``) all but the last, whose logits would need the matcher."""
+        return self.num_uncomputed_tokens - int(self.grammar_pending)
 
     def usage(self) -> Usage:
         return Usage(

@@ -15,8 +15,13 @@ planned this step is preempted (possibly the request itself): its blocks are fre
 back to the front of the waiting queue to be recomputed.
 
 A request whose grammar is still compiling (``WAITING_FOR_GRAMMAR``) keeps its queue position but is
-skipped, so it never blocks the requests behind it. The engine flips it to ``WAITING`` once the
-compile Future is done.
+skipped, so it never blocks the requests behind it. One whose grammar compiled but whose own
+matcher is still being made (``Request.grammar_pending``) is admitted like a ready one, but fed
+its prompt only up to the last token (``Request.num_feedable_tokens``): the last token's logits
+need the matcher. So a burst of constrained requests prefills together in one step, whatever
+order its matchers come in, and each request's last prompt token later joins a decode step
+(a one-token step: a CUDA-graph replay) once its matcher is there. The engine flips a waiting
+request to ``WAITING`` once its grammar Future is done.
 
 The scheduler owns the block tables: it allocates blocks from a :class:`BlockPool` (the KV cache's
 allocator) and frees them on finish, abort and preemption.
@@ -209,10 +214,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             uncomputed = request.num_uncomputed_tokens
-            if id(request) in planned or uncomputed <= 0 or (uncomputed == 1) != decodes:
-                i += 1  # planned already, nothing to feed, or the other pass's
+            feedable = request.num_feedable_tokens  # its last token waits for its matcher
+            if id(request) in planned or feedable <= 0 or (uncomputed == 1) != decodes:
+                i += 1  # planned already, nothing to feed (yet), or the other pass's
                 continue
-            n = min(uncomputed, budget)
+            n = min(feedable, budget)
             if not self._grow(request, request.num_computed_tokens + n, plan, planned):
                 break  # it preempted itself: every unplanned request after it is gone too
             plan.seqs.append(self._commit(request, n))
@@ -229,11 +235,14 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR and not request.grammar_compiled:
                 continue  # keeps its place, blocks nobody
             hits = self._cached_prefix(request)
             start = request.num_computed_tokens + len(hits) * self.config.block_size
-            n = min(request.num_tokens - start, budget)
+            # a request whose matcher is being made computes its prompt but the last token
+            n = min(request.num_tokens - start - int(request.grammar_pending), budget)
+            if n <= 0:
+                continue  # nothing to feed before its matcher: keeps its place
             held = len(request.block_table) + len(hits)
             whole = self._blocks_for(request.num_tokens + 1) - held
             # cached blocks nobody holds count as free now, but the hit takes them

@@ -128,6 +128,9 @@ class PlainDecoding:
         if self.sparse_head and runner.dtype == torch.float32:
             self.screen = HeadScreen.for_model(runner.model)
         self._bitmask = bm.allocate(max_rows, mask_vocab_size, pin_memory=on_cuda)
+        if on_cuda:  # the masking kernel built before the first step, not in it
+            logits = torch.zeros((1, runner.vocab_size), dtype=torch.float32, device=runner.device)
+            apply_token_bitmask(logits, self._bitmask[:1], [0])
         # CUDA: a step is a few ms, so the batch call spreads its rows over native threads;
         # CPU: one, the forward needs the cores
         self._filler = BatchFiller(4 if on_cuda else 1)

@@ -33,6 +33,7 @@ end write empty partials. A row that sees no entry writes zeros.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,7 +146,7 @@ def tile_shape(num_heads: int, num_kv_heads: int, max_q_len: int) -> tuple[int, 
     return block_m, max(block_m // group, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "num_rows", "window_left"])
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -458,6 +459,72 @@ def paged_attention(
         launch_pdl=use_pdl,
     )
     return out
+
+
+def warm_up(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_q_len: int,
+    window_lefts: Sequence[int] = (-1,),
+    options: KernelOptions = DEFAULT_KERNELS,
+) -> int:
+    """Launch (so compile) every kernel variant a step of at most ``max_q_len`` new tokens per
+    sequence can take for this model, on tiny dummy data; returns the number of launches.
+
+    A variant is the launch's constexprs: the tile shape (``tile_shape`` of the step's longest
+    sequence), explicit masks or causal with each layer window (``window_lefts``), KV splits or
+    not, PDL or not (``pdl`` of the step's rows). The step's sizes (sequences, rows, window)
+    are not specialized on (``do_not_specialize``), and the strides and pointer alignments are
+    those of every real step (contiguous ``q``, the cache's flat ``[slots, KVH, D]`` views), so
+    after this no step compiles anything: a new prefill length or batch size mid-run stalled
+    every stream for 0.7-1.5 s on the H200 (issue 28)."""
+    block_n = launch_config(head_dim, options).block_n
+    shapes: dict[tuple[int, int, int], int] = {}  # (BLOCK_M, BLOCK_Q, TILES) -> a q_len
+    for q_len in range(1, max_q_len + 1):
+        tiles = tiles_per_sequence(num_heads, num_kv_heads, q_len)
+        shapes.setdefault((*tile_shape(num_heads, num_kv_heads, q_len), tiles), q_len)
+    workspace = Workspace.empty(device)
+    launches = 0
+    for q_len in shapes.values():
+        kv_len = 2 * block_n * -(-q_len // block_n)  # two splits of whole loop steps
+        pages = -(-kv_len // page_size)
+        k = torch.zeros(pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # one sequence, then enough that the rows pass PDL's limit (where one sequence is under)
+        counts = [1] + ([options.pdl_max_rows // q_len + 1] if pdl(device, q_len, options) else [])
+        for batch in counts:
+            q = torch.zeros(batch * q_len, num_heads, head_dim, dtype=dtype, device=device)
+            flat = np.ones(q_len * kv_len, dtype=bool)
+            words, offsets = pack_row_masks([flat] * batch, [kv_len] * batch)
+            explicit = (
+                torch.from_numpy(words).to(device),
+                torch.from_numpy(offsets).to(device),
+            )
+            for splits in (1, 2):
+                plan = make_plan(
+                    [q_len] * batch,
+                    [kv_len] * batch,
+                    [list(range(pages))] * batch,
+                    page_size,
+                    head_dim=head_dim,
+                    splits=splits,
+                    device=device,
+                    min_split=block_n,
+                    options=options,
+                )
+                masks = [(w, None) for w in window_lefts] + [(-1, explicit)]
+                for window_left, mask in masks:
+                    paged_attention(
+                        q, k, k, plan, page_size=page_size, scale=1.0,
+                        window_left=window_left, mask=mask, workspace=workspace,
+                        backend="triton", options=options,
+                    )  # fmt: skip
+                    launches += 1
+    return launches
 
 
 def build_plan(

@@ -50,7 +50,7 @@ def _is_active(valid_ptr, filled_ptr, index, HAS_VALID: tl.constexpr, HAS_FILLED
     return ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _masked_argmax_kernel(
     logits_ptr,
     mask_ptr,
@@ -111,7 +111,7 @@ def _masked_argmax_kernel(
     tl.store(part_idx_ptr + r * n_splits + split, first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "max_nodes"])
 def _tree_walk_kernel(
     part_val_ptr,
     part_idx_ptr,
@@ -268,6 +268,9 @@ def verify_greedy(
     )
     argmax = torch.empty(n, dtype=torch.int64, device=dev)
     packed = torch.empty((batch, max_nodes + 2), dtype=torch.int64, device=dev)
+    # the walk's tile: every split the vocabulary can have (not this step's count) and the
+    # largest tree rounded up, so a step's sizes pick one of few variants (``warm_up``)
+    tile_nodes, tile_splits = next_power_of_2(max_nodes), next_power_of_2(blocks)
     _tree_walk_kernel[(batch,)](
         part_val,
         part_idx,
@@ -283,9 +286,51 @@ def verify_greedy(
         max_nodes,
         HAS_VALID=valid is not None,
         HAS_FILLED=filled is not None,
-        MAX_NODES=next_power_of_2(max_nodes),
-        SPLITS=next_power_of_2(splits),
+        MAX_NODES=tile_nodes,
+        SPLITS=tile_splits,
         # one warp for small trees (cheap reductions); more when the partials block is large
-        num_warps=4 if max_nodes > 128 or max_nodes * splits > 1024 else 1,
+        num_warps=4 if tile_nodes > 128 or tile_nodes * tile_splits > 1024 else 1,
     )
     return VerifyResult(argmax=argmax, packed=packed)
+
+
+def warm_up(
+    device: torch.device,
+    vocab_size: int,
+    mask_words: int,
+    max_nodes: int,
+    *,
+    logits_width: int,
+    backend: Backend = "auto",
+) -> int:
+    """Launch (so compile) every variant of both kernels that :func:`verify_greedy` can take on
+    ``device`` for fp32 logits ``[N, logits_width]`` (tokens ``>= vocab_size`` never chosen) and
+    int32 bitmasks of ``mask_words`` words, with per-node mask rows, valid and filled flags (the
+    engine's calls), constrained or not, for trees of up to ``max_nodes`` nodes; tiny dummy
+    trees. Returns the number of calls (none where ``backend`` resolves to the torch twin,
+    which compiles nothing: "auto" off CUDA).
+
+    A step's node, split and tree counts are not specialized on; only the walk's power-of-two
+    tree tile varies, so a step after this compiles nothing (a new tree size mid-run cost a
+    0.2-0.3 s compile on the H200, issue 28)."""
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return 0
+    calls = 0
+    nodes = 1
+    while True:
+        size = min(nodes, max_nodes)
+        logits = torch.zeros((size, logits_width), dtype=torch.float32, device=device)
+        chain = torch.arange(size, dtype=torch.int64, device=device)
+        first_child = torch.where(chain + 1 < size, chain + 1, -1)
+        next_sibling = torch.full_like(chain, -1)
+        flags = torch.ones(size, dtype=torch.bool, device=device)
+        rows = torch.zeros(size, dtype=torch.int64, device=device)
+        for bitmask in (None, torch.full((1, mask_words), -1, dtype=torch.int32, device=device)):
+            verify_greedy(
+                logits, first_child, next_sibling, chain, [0, size], bitmask=bitmask,
+                mask_rows=rows, valid=flags, filled=flags, vocab_size=vocab_size, backend=backend,
+            )  # fmt: skip
+            calls += 1
+        if size == max_nodes:
+            return calls
+        nodes *= 2

@@ -163,6 +163,9 @@ class ModelRunner:
             # any graph capture, which cannot)
             self._num_blocks = tensor_parallel.min_int(self._num_blocks, self.device)
         self.graphs: StepGraphs | None = None
+        # every kernel variant a step can launch, before any step (and before the captures)
+        self.attention.warm_up(self.block_size)
+        self._warm_up_steps()
         if use_graphs:
             from espalier.engine.model.cuda_graphs import StepGraphs
 
@@ -173,6 +176,30 @@ class ModelRunner:
                 scratch_block=self.kv_cache.num_blocks - 1,
             )
             self.graphs.capture()
+
+    WARM_UP_ROWS = (1, 2, 16, 17)
+    """Rows of the warm-up steps: one row (PDL; the skinny GEMM's one-row variant), a few, 16
+    (Triton's multiple-of-16 variant), more than the skinny GEMM takes (cuBLAS, the separate
+    activation kernel, flashinfer's prefill)."""
+
+    def _warm_up_steps(self) -> None:
+        """On CUDA, one eager step per ``WARM_UP_ROWS`` (one sequence, logits for every row),
+        so the model's Triton kernels (the skinny GEMMs of every weight, the LM head's included,
+        which no graph capture runs; norms, rope, activation) have every variant a step can take
+        before the first one: Triton specializes on a launch's row count being 1 or a multiple of
+        16, and a variant first built mid-run stalled every stream (issue 28). The steps write
+        into the first cache blocks (nothing holds any yet) and zero them again. Not under tensor
+        parallelism (a forward is a collective of all ranks)."""
+        if self.device.type != "cuda" or self.tensor_parallel is not None:
+            return
+        blocks = list(range(-(-max(self.WARM_UP_ROWS) // self.block_size)))
+        if len(blocks) > self.num_blocks:
+            return
+        for rows in self.WARM_UP_ROWS:
+            self.forward([SeqInput(blocks, [0] * rows, logits="all")])
+        for layer in range(len(self.kv_cache.k)):  # blocks 0 .. n-1: a view, zeroed in place
+            self.kv_cache.k[layer][: len(blocks)].zero_()
+            self.kv_cache.v[layer][: len(blocks)].zero_()
 
     @classmethod
     def from_pretrained(

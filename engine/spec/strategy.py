@@ -122,6 +122,17 @@ class SpeculativeDecoding:
         self.decoder = SpeculativeDecoder(
             runner, Proposer(drafters, config.forced), masks, launch_first=config.launch_first
         )
+        # every variant of the verification kernels a step can take, before the first step
+        from espalier.constrained.bitmask import words_per_row
+        from espalier.kernels.verify import warm_up as warm_up_verify
+
+        warm_up_verify(
+            runner.device,
+            runner.vocab_size,
+            words_per_row(mask_vocab_size),
+            config.max_draft_tokens + 1,
+            logits_width=runner.vocab_size,
+        )
         self._live: dict[str, Request] = {}
         # per request: drafted (not forced) tokens accepted per step, smoothed (adaptive_drafts)
         self._accepted: dict[str, float] = {}

@@ -156,6 +156,33 @@ def test_grammar_waiting_request_does_not_block_others() -> None:
     assert sched.running == [compiling, ready]  # FIFO order by arrival
 
 
+def test_matcher_pending_prefills_all_but_the_last_token() -> None:
+    """A compiled request whose matcher is still being made is admitted with the ready ones and
+    computes its prompt but the last token; that token is fed (and sampled) once the matcher is
+    there, as a one-token chunk next to the others' decodes. One still compiling waits."""
+    sched, pool = make(max_num_batched_tokens=100)
+    ready, pending, compiling = req(6), req(6), req(6)
+    for r in (pending, compiling):
+        r.grammar_future = Future()
+        r.status = RequestStatus.WAITING_FOR_GRAMMAR
+    pending.grammar_compiled = True
+    for r in (ready, pending, compiling):
+        sched.add(r)
+    plan = sched.schedule()
+    chunks = {s.request.request_id: (s.num_new_tokens, s.samples) for s in plan.seqs}
+    assert chunks == {ready.request_id: (6, True), pending.request_id: (5, False)}
+    finish_step(sched, plan)
+    plan = sched.schedule()  # the matcher is not there yet: only the ready request decodes
+    assert [(s.request, s.num_new_tokens) for s in plan.seqs] == [(ready, 1)]
+    finish_step(sched, plan)
+    pending.matcher = object()  # type: ignore[assignment]  # what the engine sets when done
+    plan = sched.schedule()
+    chunks = {s.request.request_id: (s.context_len, s.num_new_tokens, s.samples) for s in plan.seqs}
+    assert chunks == {ready.request_id: (7, 1, True), pending.request_id: (5, 1, True)}
+    assert compiling in sched.waiting and not compiling.block_table
+    check_blocks(sched, pool)
+
+
 def test_preemption_frees_newest_and_requeues_at_front() -> None:
     sched, pool = make(num_blocks=4, max_num_batched_tokens=100)
     a, b = req(4, max_tokens=20), req(4, max_tokens=20)

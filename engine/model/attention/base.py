@@ -78,7 +78,8 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Attends each layer's new queries over the paged cache.
 
-    ``prepare`` runs once per step (plan: index tensors, masks, flashinfer ``plan()``);
+    ``warm_up`` runs once, at the runner's construction; ``prepare`` once per step (plan: index
+    tensors, masks, flashinfer ``plan()``);
     ``attend`` once per layer with the step's prepared metadata, after the layer has written its
     new K/V to the cache (at ``meta.slot_mapping``; on CUDA fused with the rope kernel).
     """
@@ -93,6 +94,11 @@ class AttentionBackend(Protocol):
         self, spec: LayerSpec, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: ``[T, H, D]`` (roped, model dtype) -> ``[T, H, D]``."""
+        ...
+
+    def warm_up(self, block_size: int) -> None:
+        """Build every kernel variant a step over a cache of ``block_size``-token pages can
+        launch, once, before the first step (nothing is compiled while requests run)."""
         ...
 
 

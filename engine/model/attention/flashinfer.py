@@ -48,7 +48,7 @@ from espalier.engine.model.attention.small_query import (
     plan_windows,
     window_wrappers,
 )
-from espalier.kernels.paged_attention import Workspace
+from espalier.kernels import paged_attention as pa
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-KV partial results)
@@ -111,7 +111,7 @@ class FlashinferBackend:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._eager: Wrappers = {w: self._wrapper() for w in self.windows}
         self._eager_decode: Wrappers = {}  # made at the first decode step (its JIT module)
-        self._small_workspace = Workspace.empty(device)  # split partials of small-query steps
+        self._small_workspace = pa.Workspace.empty(device)  # split partials of small-query steps
         self._eager_small: Wrappers = window_wrappers(
             model_config, self.windows, device, self._small_workspace, options=self.options.kernels
         )
@@ -140,6 +140,26 @@ class FlashinferBackend:
 
     def _is_decode(self, wrapper: Any) -> bool:
         return isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
+
+    def warm_up(self, block_size: int) -> None:
+        """Compile every variant of the small-query kernel a step can launch (``paged_attention
+        .warm_up``: its tile shapes up to ``small_query_up_to`` rows per sequence, causal with
+        each layer window or masked, split or not, PDL or not); flashinfer's own kernels come
+        compiled (its JIT cache) and are not specialized on a step's sizes."""
+        if self.options.small_query_up_to <= 0:
+            return
+        cfg = self.config
+        pa.warm_up(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+            max_q_len=self.options.small_query_up_to,
+            window_lefts=[-1 if w is None else w - 1 for w in self.windows],
+            options=self.options.kernels,
+        )
 
     # -- planning (host side, once per step) ---------------------------------------------------
 

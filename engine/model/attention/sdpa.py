@@ -51,6 +51,9 @@ class SdpaBackend:
             key=lambda w: -1 if w is None else w,
         )
 
+    def warm_up(self, block_size: int) -> None:
+        """Nothing to build: torch's own kernels."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = [
             self._build_group(meta, members) for members in _group_sequences(meta)
