@@ -11,7 +11,7 @@ case of a speculative step's bonus token). No model: the cost is the grammar wor
 schema, tokens, max_tokens; ``bench/inputs/h200_b32_streams.jsonl`` holds an H200 run's batch
 of 32: the states the GPU timeline's closing sees).
 
-One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search`` calls),
+One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls),
 decision ms per token and in searches (CPU time of the thread: on a shared machine far steadier
 than wall time), and a digest of every decision and memo. With
 ``--anchor DIR`` the same replay runs first under that checkout's code (its ``.venv``, this
@@ -64,17 +64,19 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
     pool = _pool(tokenizer, schemas, instances, streams)
     stops = set(tokenizer.stop_token_ids)
     searched = [0, 0.0]
-    search = closing.ClosingPaths.search
+    # every search: ``search_after`` where this tree has it (native or Python), else ``search``
+    name = "search_after" if hasattr(closing.ClosingPaths, "search_after") else "search"
+    search = getattr(closing.ClosingPaths, name)
 
-    def timed_search(self: Any, probe: Any, limit: int) -> Any:
+    def timed_search(self: Any, *args: Any) -> Any:
         started = time.thread_time()
         try:
-            return search(self, probe, limit)
+            return search(self, *args)
         finally:
             searched[0] += 1
             searched[1] += time.thread_time() - started
 
-    closing.ClosingPaths.search = timed_search  # type: ignore[method-assign]
+    setattr(closing.ClosingPaths, name, timed_search)
     closer = closing.BudgetCloser(tokenizer)
 
     def one_pass() -> tuple[float, int, str]:

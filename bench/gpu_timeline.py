@@ -78,7 +78,7 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("closing", closing.BudgetCloser, "instead"),
     ("take", closing_ahead.Lookahead, "take"),
     ("decide", closing.BudgetCloser, "decide"),
-    ("search", closing.ClosingPaths, "search"),
+    ("search", closing.ClosingPaths, "search_after"),
     ("finish", engine_mod.Engine, "_finish"),
     ("text", output_mod.OutputProcessor, "process"),
 )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained.base import FALLBACK, ClosingRules
 from espalier.engine.closing.ahead import Lookahead, decide_tree, max_depth
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ EVERY_TOKEN = SEARCH_LIMIT + 2
 REPEAT_LIMIT = 16
 START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
+LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
 
 
@@ -79,6 +81,16 @@ class ClosingPaths:
         self.blank: frozenset[int] = tokenizer.backend_view(
             "espalier.engine.closing.blank_ids", _blank_ids
         )
+        # the same tries for backends that search natively (GrammarMatcher.native_closing)
+        self.rules = ClosingRules(
+            tuple(self.candidates),
+            tuple(self._closers_first),
+            self.quote,
+            self.closers,
+            self.blank,
+            REPEAT_LIMIT,
+            LOWEST_ALLOWED,
+        )
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -86,7 +98,24 @@ class ClosingPaths:
         ``matcher`` itself is not changed (the search runs on a fork)."""
         if limit < 0:
             return None
-        return self.search(matcher.fork(), limit)
+        return self.search_after(matcher, None, limit)[1]
+
+    def search_after(
+        self, matcher: GrammarMatcher, token: int | None, limit: int
+    ) -> tuple[bool, list[int] | None]:
+        """:meth:`search` from ``matcher``'s state after ``token`` (None: from here; ``matcher``
+        is not changed): whether ``matcher`` accepts ``token``, and the path (None: none within
+        ``limit``). Natively where the matcher's backend can (``native_closing``: the same
+        choices, the GIL released), else on a fork."""
+        native = matcher.native_closing(token, limit)
+        if native is not None:
+            outcome = native.kind(self.rules, [native], 1)[0]
+            if outcome is not FALLBACK:
+                return outcome is not False, outcome if isinstance(outcome, list) else None
+        probe = matcher.fork()
+        if token is not None and not probe.accept(token):
+            return False, None
+        return True, self.search(probe, limit)
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
@@ -153,9 +182,8 @@ class ClosingPaths:
         probe.fill_bitmask(row, 0)
         # whitespace last: it makes no progress (a grammar with bounded whitespace allows a few
         # such tokens, each one a token of the budget spent for nothing)
-        allowed = [
-            t for t in _lowest_allowed(row[0].numpy(), 64) if t not in self.stops and t != avoid
-        ]
+        lowest = _lowest_allowed(row[0].numpy(), LOWEST_ALLOWED)
+        allowed = [t for t in lowest if t not in self.stops and t != avoid]
         blank = self.blank
         for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
             if probe.accept(token):
@@ -381,10 +409,9 @@ class BudgetCloser:
         limit = budget - 2
         after = self.paths.stitch(matcher, token, seed, limit) if seed is not None else None
         if after is None:
-            probe = matcher.fork()
-            if not probe.accept(token):
+            accepted, after = self.paths.search_after(matcher, token, min(limit, SEARCH_LIMIT))
+            if not accepted:
                 return None, memo  # the grammar rejects token: not for this policy to decide
-            after = self.paths.search(probe, min(limit, SEARCH_LIMIT))  # on the probe itself
         if after is None and limit > SEARCH_LIMIT:  # not found that short: look again later
             slack = limit - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))
