@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ import numpy as np
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import FALLBACK, ClosingRules
 from espalier.engine.closing.ahead import Lookahead, decide_tree, max_depth
+from espalier.engine.closing.batch import answer_all, as_answer
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,16 @@ START_PATHS = 256  # compiled grammars whose start state's closing path is kept 
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
+
+
+@dataclass(frozen=True)
+class SearchCall:
+    """A closing-path search a decision needs: from ``matcher``'s state after ``token`` (None:
+    from there), at most ``limit`` tokens (``ClosingPaths.search_after``)."""
+
+    matcher: GrammarMatcher
+    token: int | None
+    limit: int
 
 
 class ClosingPaths:
@@ -111,7 +122,13 @@ class ClosingPaths:
         if native is not None:
             outcome = native.kind(self.rules, [native], 1)[0]
             if outcome is not FALLBACK:
-                return outcome is not False, outcome if isinstance(outcome, list) else None
+                return as_answer(outcome)
+        return self.python_search_after(matcher, token, limit)
+
+    def python_search_after(
+        self, matcher: GrammarMatcher, token: int | None, limit: int
+    ) -> tuple[bool, list[int] | None]:
+        """:meth:`search_after` in Python: :meth:`search` on a fork."""
         probe = matcher.fork()
         if token is not None and not probe.accept(token):
             return False, None
@@ -150,6 +167,16 @@ class ClosingPaths:
             repeats = repeats + 1 if path and path[-1] == chosen else 1
             path.append(chosen)
         return path
+
+    def answer(self, decision: Decision) -> tuple[list[int] | None, Memo]:
+        """Run ``decision`` (``BudgetCloser.decision``), making its searches one by one."""
+        try:
+            call = next(decision)
+            while True:
+                call = decision.send(self.search_after(call.matcher, call.token, call.limit))
+        except StopIteration as done:
+            outcome: tuple[list[int] | None, Memo] = done.value
+            return outcome
 
     def stitch(
         self, matcher: GrammarMatcher, token: int, path: list[int], limit: int
@@ -257,6 +284,9 @@ class Memo:
 
 NO_MEMO = Memo()
 
+Decision = Generator[SearchCall, tuple[bool, "list[int] | None"], tuple["list[int] | None", Memo]]
+"""``BudgetCloser.decision``: yields searches, is sent their outcomes, returns the decision."""
+
 
 class BudgetCloser:
     """The engine's side of the policy: when to close a request, and appending the closing.
@@ -266,12 +296,15 @@ class BudgetCloser:
     ``engine/closing/ahead.py``); :meth:`instead` then takes them instead of recomputing.
     """
 
-    def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True) -> None:
+    def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True, threads: int = 1) -> None:
         self.paths = ClosingPaths(tokenizer) if enabled else None
         self.stop_token = tokenizer.stop_token_ids[0]
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
         self._ahead: dict[str, Lookahead] = {}
+        self.threads = max(1, threads)  # native threads of a batch of searches (prepare)
+        # decisions made by ``prepare``: (here, token, exempt, memo they start from, outcome)
+        self._ready: dict[str, tuple[int, int, bool, Memo, tuple[list[int] | None, Memo]]] = {}
         self._start_paths: dict[int, tuple[object, list[int] | None]] = {}
 
     def _memo_of(self, request: Request, max_model_len: int) -> Memo:
@@ -369,12 +402,50 @@ class BudgetCloser:
             del self._ahead[request_id]  # off the precomputed tree: decide inline from here
         budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
         memo = self._memo_of(request, max_model_len)
-        path, after = self.decide(
-            memo, matcher, token, here, budget, request.sampling.ignore_eos or token in stops
-        )
+        exempt = request.sampling.ignore_eos or token in stops
+        ready = self._ready.pop(request_id, None)
+        if ready is not None and ready[:3] == (here, token, exempt) and ready[3] is memo:
+            path, after = ready[4]  # the same decision, made in ``prepare``'s batch
+        else:
+            path, after = self.decide(memo, matcher, token, here, budget, exempt)
         if after is not memo:
             self._memo[request_id] = after
         return path
+
+    def prepare(
+        self, items: Sequence[tuple[Request, int, int, set[int]]], max_model_len: int
+    ) -> None:
+        """Make ahead the decisions :meth:`instead` will need next for ``items`` (a request,
+        the token it will decide on next, the output length it is checked at, with the
+        request's matcher at that state already, and its stops), their
+        searches in one native call per wave (``batch.answer_all``) instead of one by one: the
+        step's first inline decisions (plain decoding's token, a speculative step's first token
+        past its accepted run). ``instead`` takes such a decision only when it is asked for
+        exactly that token, state and memo; a decision that raised is left to ``instead``."""
+        if self.paths is None:
+            return
+        decisions: dict[str, Decision] = {}
+        keys: dict[str, tuple[int, int, bool, Memo]] = {}
+        for request, token, here, stops in items:
+            matcher = request.matcher
+            request_id = request.request_id
+            if matcher is None or request_id in decisions:
+                continue
+            ahead = self._ahead.get(request_id)
+            if ahead is not None and ahead.decides(here, token):
+                continue  # decided on the tree already
+            memo = self._memo_of(request, max_model_len)
+            budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+            exempt = request.sampling.ignore_eos or token in stops
+            if _without_check(memo, token, here, budget, exempt) is not None:
+                continue  # no grammar work
+            decisions[request_id] = self.decision(memo, matcher, token, here, budget, exempt)
+            keys[request_id] = (here, token, exempt, memo)
+        if len(decisions) < 2:
+            return  # nothing to batch: ``instead`` decides as before
+        for request_id, outcome in answer_all(self.paths, decisions, self.threads).items():
+            if not isinstance(outcome, BaseException):
+                self._ready[request_id] = (*keys[request_id], outcome)
 
     def decide(
         self,
@@ -397,6 +468,22 @@ class BudgetCloser:
         before a new search.
         ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
+        return self.paths.answer(self.decision(memo, matcher, token, here, budget, exempt))
+
+    def decision(
+        self,
+        memo: Memo,
+        matcher: GrammarMatcher,
+        token: int,
+        here: int,
+        budget: int,
+        exempt: bool,
+    ) -> Decision:
+        """:meth:`decide` as steps: it yields each search it needs (a :class:`SearchCall`) and
+        is sent the outcome (``ClosingPaths.search_after``'s); its value is the decision. So
+        the searches of many decisions can be made in one native call
+        (``engine/closing/batch.py``)."""
+        assert self.paths is not None
         quick = _without_check(memo, token, here, budget, exempt)
         if quick is not None:
             return None, quick
@@ -409,7 +496,7 @@ class BudgetCloser:
         limit = budget - 2
         after = self.paths.stitch(matcher, token, seed, limit) if seed is not None else None
         if after is None:
-            accepted, after = self.paths.search_after(matcher, token, min(limit, SEARCH_LIMIT))
+            accepted, after = yield SearchCall(matcher, token, min(limit, SEARCH_LIMIT))
             if not accepted:
                 return None, memo  # the grammar rejects token: not for this policy to decide
         if after is None and limit > SEARCH_LIMIT:  # not found that short: look again later
@@ -418,8 +505,8 @@ class BudgetCloser:
         if after is not None:
             slack = limit - len(after) - MARGIN
             return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
-        if path is None:
-            path = self.paths.find(matcher, budget - 1)
+        if path is None and budget - 1 >= 0:  # ``find``: the current state's own path
+            path = (yield SearchCall(matcher, None, budget - 1))[1]
         if path is None:
             return None, replace(memo, unclosable=True)
         return path, memo
@@ -476,6 +563,7 @@ class BudgetCloser:
     def forget(self, request_id: str) -> None:
         """The request finished: drop what is kept about it."""
         self._memo.pop(request_id, None)
+        self._ready.pop(request_id, None)
         self._drop_ahead(request_id)
 
     def _drop_ahead(self, request_id: str) -> None:

@@ -117,6 +117,11 @@ class Lookahead:
             self._here += 1
         return found[1]
 
+    def decides(self, here: int, token: int) -> bool:
+        """Whether :meth:`take` has a decision for ``token`` at ``here`` (nothing moves; waits
+        for the job, or runs it, as ``take`` would)."""
+        return self._find(here, token) is not None
+
     def _find(self, here: int, token: int) -> tuple[int, Outcome] | None:
         if here != self._here:
             return None

@@ -25,7 +25,9 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.keys import with_unique_keys
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine.closing import SEARCH_LIMIT, ClosingPaths
+from espalier.engine.api import SamplingParams
+from espalier.engine.closing import SEARCH_LIMIT, BudgetCloser, ClosingPaths
+from espalier.engine.request import Request
 from tests.fixtures.jsonschemabench import schema_cases
 
 SLOW = os.environ.get("ESPALIER_SLOW") == "1"
@@ -133,3 +135,51 @@ def test_native_search_equals_python_on_jsonschemabench(gemma_tokenizer: Any) ->
         schemas += 1
     assert schemas >= 5 and checked > 100
     assert problems == []
+
+
+def test_prepared_decisions_equal_inline_ones(toy_tokenizer: Any) -> None:
+    """``BudgetCloser.prepare`` (a batch's decisions, searches in one native call per wave)
+    leaves ``instead`` with the same paths and memos as deciding each one inline."""
+    stops = set(toy_tokenizer.stop_token_ids)
+    vocab = toy_tokenizer.vocab_size
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(3)
+    batched, inline = BudgetCloser(toy_tokenizer, threads=2), BudgetCloser(toy_tokenizer)
+    pairs = []
+    for k in range(8):
+        spec = GrammarSpec.json_schema(FREE_KEYS[k % len(FREE_KEYS)])
+        compiled, matcher = _matcher(spec, toy_tokenizer)
+        sides = []
+        params = SamplingParams(max_tokens=rng.randrange(4, 30))
+        for side in ("b", "i"):
+            request = Request(f"r{k}", [1], params, 0)
+            request.compiled = compiled
+            request.matcher = matcher if side == "b" else matcher.fork()
+            sides.append(request)
+        pairs.append(sides)
+    decided = prepared = 0
+    while pairs:
+        tokens = []
+        for ours, _ in pairs:
+            allowed = [t for t in _allowed(ours.matcher, row, vocab) if t not in stops]
+            tokens.append(rng.choice(allowed) if allowed else next(iter(stops)))
+        items = [
+            (ours, token, len(ours.output_ids), stops) for (ours, _), token in zip(pairs, tokens)
+        ]
+        batched.prepare(items, 1 << 20)
+        prepared += len(batched._ready)
+        left = []
+        for (ours, theirs), token in zip(pairs, tokens):
+            path = batched.instead(ours, token, stops, 1 << 20)
+            assert path == inline.instead(theirs, token, stops, 1 << 20)
+            assert batched.known(ours.request_id) == inline.known(theirs.request_id)
+            decided += 1
+            done = path is not None or token in stops
+            done = done or len(ours.output_ids) + 1 >= ours.sampling.max_tokens
+            if not done:
+                for request in (ours, theirs):
+                    request.output_ids.append(token)
+                    assert request.matcher.accept(token)
+                left.append((ours, theirs))
+        pairs = left
+    assert decided > 40 and prepared > 10
