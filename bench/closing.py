@@ -77,6 +77,15 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
             searched[1] += time.thread_time() - started
 
     setattr(closing.ClosingPaths, name, timed_search)
+    in_python = [0]  # searches made in Python (no native search for the matcher, or a fallback)
+    if hasattr(closing.ClosingPaths, "python_search_after"):
+        python_search = closing.ClosingPaths.python_search_after
+
+        def counted(self: Any, *args: Any) -> Any:
+            in_python[0] += 1
+            return python_search(self, *args)
+
+        closing.ClosingPaths.python_search_after = counted  # type: ignore[method-assign]
     closer = closing.BudgetCloser(tokenizer)
     for compiled, _, _ in pool[:1]:  # the C-API tokenizer (native walk and search) built first
         slot = getattr(compiled, "native_slot", None)
@@ -107,16 +116,20 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
     one_pass()  # first-use work (lexers, start paths) out of the timing
     best: tuple[float, int, int, float, str] | None = None
     for _ in range(reps):
-        searched[0], searched[1] = 0, 0.0
+        searched[0], searched[1], in_python[0] = 0, 0.0, 0
         seconds, count, digest = one_pass()
         if best is None or seconds < best[0]:
-            best = (seconds, count, searched[0], searched[1], digest)
+            best = (seconds, count, searched[0], searched[1], digest, in_python[0])
     assert best is not None
-    seconds, count, searches, search_s, digest = best
+    seconds, count, searches, search_s, digest, python_searches = best
     return {
         "instances": len(pool),
         "tokens": count,
         "searches": searches,
+        # None: a tree whose searches are all Python (no ``python_search_after`` to count)
+        "python_searches": python_searches
+        if hasattr(closing.ClosingPaths, "python_search_after")
+        else None,
         "decide_ms_per_token": round(1e3 * seconds / max(count, 1), 4),
         "search_ms_each": round(1e3 * search_s / max(searches, 1), 4),
         "search_ms_total": round(1e3 * search_s, 2),

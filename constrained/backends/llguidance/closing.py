@@ -49,16 +49,16 @@ def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClo
         if start is None:
             return None
         base = matcher.closing_base = (start, 0)
-    history = list(matcher.history)
+    length = len(matcher.history)
     job = native_close.CloseJob(
         base=base[0],
-        base_length=base[1],
-        history=history,
+        sync=matcher.history[base[1] :],
+        length=length,
         token=token,
         limit=limit,
         stop_depth=matcher._stop_depth,
         keys=keys,
-        rebase=len(history) - base[1] >= native_close.REBASE_AFTER,
+        rebase=length - base[1] >= native_close.REBASE_AFTER,
     )
     return LlgClosing(matcher, job)
 
@@ -86,8 +86,8 @@ def run_closing(
 def _install(search: Any, base: Any) -> None:
     """A new base at the job's history end, unless the matcher moved on differently."""
     matcher, job = search.matcher, search.job
-    if len(matcher.history) == len(job.history):  # searches run on the matcher's thread
-        matcher.closing_base = (base, len(job.history))
+    if len(matcher.history) == job.length:  # searches run on the matcher's thread
+        matcher.closing_base = (base, job.length)
 
 
 def _tables_for(rules: ClosingRules, matcher: Any) -> native_close.CloseTables:

@@ -192,14 +192,14 @@ class CloseTables:
 
 @dataclass(frozen=True)
 class CloseJob:
-    """One search: from ``base`` (a C-API matcher at the first ``base_length`` tokens of
-    ``history``), the rest of ``history``, then ``token`` (None: none), at most ``limit`` tokens;
-    ``stop_depth`` the matcher's; ``keys``: its key tracker's handle (0: none; the caller keeps
-    it alive); ``rebase``: hand back a base at ``history``'s end."""
+    """One search: from ``base`` (a C-API matcher at a prefix of the matcher's history), the
+    rest of the history (``sync``; ``length`` tokens in all), then ``token`` (None: none), at
+    most ``limit`` tokens; ``stop_depth`` the matcher's; ``keys``: its key tracker's handle (0:
+    none; the caller keeps it alive); ``rebase``: hand back a base at the history's end."""
 
     base: capi.NativeMatcher
-    base_length: int
-    history: Sequence[int]
+    sync: Sequence[int]
+    length: int
     token: int | None
     limit: int
     stop_depth: int
@@ -221,7 +221,7 @@ def run_jobs(
     offset = 0
     keyed = False
     for j, job in enumerate(jobs):
-        sync = np.asarray(job.history[job.base_length :], dtype=np.uint32)
+        sync = np.asarray(job.sync, dtype=np.uint32)
         arrays.append(sync)
         keyed = keyed or bool(job.keys)
         s = structs[j]
