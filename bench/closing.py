@@ -20,6 +20,10 @@ decisions must be: a function of the tokens).
 
     .venv/bin/python bench/closing.py [--schemas 8] [--instances 40] [--streams FILE]
         [--reps 3] [--anchor /work/main]
+
+``--batch-threads N`` instead times a step's searches (one state per output of the streams
+file) one by one against one native batch call on 1 and on N threads (``closing_batch``).
+    .venv/bin/python bench/closing.py --batch-threads 2 [--streams FILE] [--reps 3]
 """
 
 from __future__ import annotations
@@ -138,6 +142,55 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
     }
 
 
+def batch_scaling(streams: str, threads: int, reps: int) -> dict[str, Any]:
+    """A step's searches in one call: one state per replayed output (its matcher part way along
+    it, the next token, the search limit), searched one by one (``search_after``) and as one
+    native batch on 1 and on ``threads`` threads; wall time, best of ``reps``."""
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.engine import closing
+    from espalier.engine.closing.batch import as_answer as as_pair
+    from espalier.server.default_model import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    pool = _pool(tokenizer, 8, 32, streams)
+    paths = closing.ClosingPaths(tokenizer)
+    pool[0][0].native_slot.wait()
+    states = []
+    for k, (compiled, tokens, _) in enumerate(pool):
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+        cut = (7 * k + 3) % max(len(tokens) - 1, 1)
+        assert matcher.accept_tokens(tokens[:cut]) == cut
+        states.append((matcher, tokens[cut]))
+
+    def one_by_one() -> Any:
+        return [paths.search_after(m, t, closing.SEARCH_LIMIT) for m, t in states]
+
+    def in_python() -> Any:  # the anchor: the definition, on forks
+        return [paths.python_search_after(m, t, closing.SEARCH_LIMIT) for m, t in states]
+
+    def batched(count: int) -> Any:
+        searches = [m.native_closing(t, closing.SEARCH_LIMIT) for m, t in states]
+        return searches[0].kind(paths.rules, searches, count)
+
+    timings: dict[str, float] = {}
+    runs = (("python", in_python), ("one_by_one", one_by_one), ("batch_1", lambda: batched(1)))
+    for name, run in runs:
+        timings[name] = _best_wall(run, reps)
+    timings[f"batch_{threads}"] = _best_wall(lambda: batched(threads), reps)
+    assert in_python() == [as_pair(o) for o in batched(threads)]  # the same paths
+    return {"searches": len(states)} | {f"{k}_ms": round(1e3 * v, 2) for k, v in timings.items()}
+
+
+def _best_wall(run: Any, reps: int) -> float:
+    run()  # first-use work (bases, lexers) out of the timing
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemas", type=int, default=8)
@@ -146,7 +199,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--anchor", help="a checkout (with its .venv) to replay first")
     parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--batch-threads",
+        type=int,
+        default=0,
+        help="time a step's searches as one batch (N threads)",
+    )
     args = parser.parse_args()
+    if args.batch_threads:
+        streams = args.streams or "bench/inputs/h200_b32_streams.jsonl"
+        emit({"part": "closing_batch"} | batch_scaling(streams, args.batch_threads, args.reps))
+        return
     sizes = ["--schemas", str(args.schemas), "--instances", str(args.instances)]
     sizes += ["--reps", str(args.reps)]
     if args.streams:  # the anchor runs in its own folder
