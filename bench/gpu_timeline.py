@@ -315,6 +315,9 @@ def install() -> Timeline:
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
     masks.MaskBuilder._fill_batch = line.worker("fill_sum", masks.MaskBuilder._fill_batch)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
+    closing_ahead.Lookahead.together = line.worker(
+        "lookahead_sum", closing_ahead.Lookahead.together
+    )  # type: ignore[method-assign]
     native_llguidance.walk_batch = line.worker("native_walk", native_llguidance.walk_batch)
     step_mod.PlainDecoding._fill_masks = line.worker(
         "plain_fill", step_mod.PlainDecoding._fill_masks

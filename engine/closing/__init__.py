@@ -22,16 +22,17 @@ output may be cut, as without this policy).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import FALLBACK, ClosingRules
-from espalier.engine.closing.ahead import Lookahead, decide_tree, max_depth
+from espalier.engine.closing.ahead import Lookahead, max_depth, tree_decisions
 from espalier.engine.closing.batch import answer_all, as_answer
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.request import Request
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 CLOSING_WINDOW = 64  # the unit of SEARCH_LIMIT
 # Checks are spaced out while more than EVERY_TOKEN tokens are left (see _next_check): a
@@ -168,14 +172,15 @@ class ClosingPaths:
             path.append(chosen)
         return path
 
-    def answer(self, decision: Decision) -> tuple[list[int] | None, Memo]:
-        """Run ``decision`` (``BudgetCloser.decision``), making its searches one by one."""
+    def answer(self, decision: Generator[SearchCall, tuple[bool, list[int] | None], R]) -> R:
+        """Run ``decision`` (``BudgetCloser.decision``, ``ahead.tree_decisions``), making its
+        searches one by one."""
         try:
             call = next(decision)
             while True:
                 call = decision.send(self.search_after(call.matcher, call.token, call.limit))
         except StopIteration as done:
-            outcome: tuple[list[int] | None, Memo] = done.value
+            outcome: R = done.value
             return outcome
 
     def stitch(
@@ -520,6 +525,35 @@ class BudgetCloser:
 
         Call it on the thread that owns the matcher, before anything else uses it in the step
         (the job runs on a fork made here); the job may run on any thread."""
+        ahead = self._lookahead(request, tokens, parents, max_model_len)
+        return ahead.run if ahead is not None else None
+
+    def lookaheads(
+        self,
+        trees: Sequence[tuple[Request, Sequence[int], Sequence[int]]],
+        max_model_len: int,
+    ) -> Callable[[], None] | None:
+        """One job deciding ahead for the draft trees of a step (``(request, tokens,
+        parents)`` each, as :meth:`lookahead`), their searches in one native call per wave
+        across the trees (``Lookahead.together``, on :attr:`threads` native threads); a tree
+        whose lookahead cannot be made (its grammar raised) is decided inline."""
+        aheads = []
+        for request, tokens, parents in trees:
+            try:
+                ahead = self._lookahead(request, tokens, parents, max_model_len)
+            except Exception:  # its grammar: decided inline, where the fault ends the request
+                log.debug("closing lookahead not made", exc_info=True)
+                continue
+            if ahead is not None:
+                aheads.append(ahead)
+        if not aheads:
+            return None
+        assert self.paths is not None
+        return functools.partial(Lookahead.together, aheads, self.paths, self.threads)
+
+    def _lookahead(
+        self, request: Request, tokens: Sequence[int], parents: Sequence[int], max_model_len: int
+    ) -> Lookahead | None:
         matcher = request.matcher
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
@@ -538,12 +572,12 @@ class BudgetCloser:
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)
         limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
-        compute = functools.partial(
-            decide_tree, self, memo, matcher.fork(), tree, links, here, limits, stops
+        steps = functools.partial(
+            tree_decisions, self, memo, matcher.fork(), tree, links, here, limits, stops
         )
-        ahead = Lookahead(tree, links, here, compute)
+        ahead = Lookahead(tree, links, here, steps, self.paths.answer)
         self._ahead[request.request_id] = ahead
-        return ahead.run
+        return ahead
 
     def emit(
         self, request: Request, path: list[int], new_ids: list[int], text_ids: list[int]

@@ -11,18 +11,19 @@ sends each decision its outcome. The outcomes are those of making each decision 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Generator, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from espalier.constrained.base import FALLBACK
 
 if TYPE_CHECKING:
-    from espalier.engine.closing import ClosingPaths, Decision, Memo, SearchCall
+    from espalier.engine.closing import ClosingPaths, SearchCall
 
 log = logging.getLogger(__name__)
 
-Outcome = tuple["list[int] | None", "Memo"]
 K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+Answer = tuple[bool, "list[int] | None"]
 
 
 def as_answer(outcome: object) -> tuple[bool, list[int] | None]:
@@ -32,12 +33,12 @@ def as_answer(outcome: object) -> tuple[bool, list[int] | None]:
 
 
 def answer_all(
-    paths: ClosingPaths, decisions: Mapping[K, Decision], threads: int
-) -> dict[K, Outcome | BaseException]:
-    """Each decision's outcome by its key, or the exception it raised (its grammar's: the
-    others go on)."""
-    results: dict[K, Outcome | BaseException] = {}
-    waiting: dict[K, tuple[Decision, SearchCall]] = {}
+    paths: ClosingPaths, decisions: Mapping[K, Generator[SearchCall, Answer, R]], threads: int
+) -> dict[K, R | BaseException]:
+    """Each decision's outcome by its key (``BudgetCloser.decision``s, or
+    ``ahead.tree_decisions``), or the exception it raised (its grammar's: the others go on)."""
+    results: dict[K, R | BaseException] = {}
+    waiting: dict[K, tuple[Generator[SearchCall, Answer, R], SearchCall]] = {}
     for key, decision in decisions.items():
         _advance(key, decision, None, waiting, results)
     while waiting:
@@ -55,10 +56,10 @@ def answer_all(
 
 def _advance(
     key: K,
-    decision: Decision,
-    answer: tuple[bool, list[int] | None] | None,
-    waiting: dict[K, tuple[Decision, SearchCall]],
-    results: dict[K, Outcome | BaseException],
+    decision: Generator[SearchCall, Answer, R],
+    answer: Answer | None,
+    waiting: dict[K, tuple[Generator[SearchCall, Answer, R], SearchCall]],
+    results: dict[K, R | BaseException],
 ) -> None:
     try:
         call = next(decision) if answer is None else decision.send(answer)
