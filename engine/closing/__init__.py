@@ -437,9 +437,12 @@ class BudgetCloser:
             if matcher is None or request_id in decisions:
                 continue
             ahead = self._ahead.get(request_id)
-            if ahead is not None and ahead.decides(here, token):
-                continue  # decided on the tree already
-            memo = self._memo_of(request, max_model_len)
+            try:
+                if ahead is not None and ahead.decides(here, token):
+                    continue  # decided on the tree already
+                memo = self._memo_of(request, max_model_len)  # may search (a new grammar)
+            except Exception:  # its grammar: ``instead`` meets it again and ends it alone
+                continue
             budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
             exempt = request.sampling.ignore_eos or token in stops
             if _without_check(memo, token, here, budget, exempt) is not None:
