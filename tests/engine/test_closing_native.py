@@ -83,7 +83,13 @@ def _matcher(spec: GrammarSpec, tokenizer: Any) -> tuple[Any, Any]:
     return compiled, with_unique_keys(spec, compiled.matcher(), tokenizer)
 
 
-def test_native_search_equals_python_on_random_walks(toy_tokenizer: Any) -> None:
+# whitespace next to other ids (the fallback tries whitespace last; in the toy vocabulary " " is
+# 223 and "\x7f" 224), repeats (REPEAT_LIMIT's escape) and regexes without JSON candidates
+REGEXES = ["[ \x7f]*\x7f", "( |\t)*[a-c]{2}", "x( y)*;", "(ab|a)*c"]
+
+
+@pytest.mark.parametrize("kind", ["schemas", "regexes"])
+def test_native_search_equals_python_on_random_walks(kind: str, toy_tokenizer: Any) -> None:
     paths = ClosingPaths(toy_tokenizer)
     vocab = toy_tokenizer.vocab_size
     stops = set(toy_tokenizer.stop_token_ids)
@@ -91,8 +97,12 @@ def test_native_search_equals_python_on_random_walks(toy_tokenizer: Any) -> None
     rng = random.Random(7)
     problems: list[str] = []
     checked = 0
-    for schema in FREE_KEYS:
-        spec = GrammarSpec.json_schema(schema)
+    specs = (
+        [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]
+        if kind == "schemas"
+        else [GrammarSpec.regex(pattern) for pattern in REGEXES]
+    )
+    for spec in specs:
         for _ in range(40 if SLOW else 12):
             _, matcher = _matcher(spec, toy_tokenizer)
             for _ in range(rng.randrange(1, 40)):
