@@ -15,7 +15,7 @@ setup(
     ext_modules=[
         Extension(
             "espalier.constrained.backends.llguidance.native._llg_walk",
-            sources=[f"{NATIVE}/llg_walk.c", f"{NATIVE}/llg_abi.c"],
+            sources=[f"{NATIVE}/llg_walk.c", f"{NATIVE}/llg_abi.c", f"{NATIVE}/llg_close.c"],
             depends=[f"{NATIVE}/llg_abi.h"],
             include_dirs=[NATIVE],
             extra_compile_args=["-O2", "-pthread", "-std=c11", "-D_POSIX_C_SOURCE=200809L"],

@@ -11,7 +11,7 @@ case of a speculative step's bonus token). No model: the cost is the grammar wor
 schema, tokens, max_tokens; ``bench/inputs/h200_b32_streams.jsonl`` holds an H200 run's batch
 of 32: the states the GPU timeline's closing sees).
 
-One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search`` calls),
+One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls),
 decision ms per token and in searches (CPU time of the thread: on a shared machine far steadier
 than wall time), and a digest of every decision and memo. With
 ``--anchor DIR`` the same replay runs first under that checkout's code (its ``.venv``, this
@@ -20,6 +20,10 @@ decisions must be: a function of the tokens).
 
     .venv/bin/python bench/closing.py [--schemas 8] [--instances 40] [--streams FILE]
         [--reps 3] [--anchor /work/main]
+
+``--batch-threads N`` instead times a step's searches (one state per output of the streams
+file) one by one against one native batch call on 1 and on N threads (``closing_batch``).
+    .venv/bin/python bench/closing.py --batch-threads 2 [--streams FILE] [--reps 3]
 """
 
 from __future__ import annotations
@@ -64,18 +68,33 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
     pool = _pool(tokenizer, schemas, instances, streams)
     stops = set(tokenizer.stop_token_ids)
     searched = [0, 0.0]
-    search = closing.ClosingPaths.search
+    # every search: ``search_after`` where this tree has it (native or Python), else ``search``
+    name = "search_after" if hasattr(closing.ClosingPaths, "search_after") else "search"
+    search = getattr(closing.ClosingPaths, name)
 
-    def timed_search(self: Any, probe: Any, limit: int) -> Any:
+    def timed_search(self: Any, *args: Any) -> Any:
         started = time.thread_time()
         try:
-            return search(self, probe, limit)
+            return search(self, *args)
         finally:
             searched[0] += 1
             searched[1] += time.thread_time() - started
 
-    closing.ClosingPaths.search = timed_search  # type: ignore[method-assign]
+    setattr(closing.ClosingPaths, name, timed_search)
+    in_python = [0]  # searches made in Python (no native search for the matcher, or a fallback)
+    if hasattr(closing.ClosingPaths, "python_search_after"):
+        python_search = closing.ClosingPaths.python_search_after
+
+        def counted(self: Any, *args: Any) -> Any:
+            in_python[0] += 1
+            return python_search(self, *args)
+
+        closing.ClosingPaths.python_search_after = counted  # type: ignore[method-assign]
     closer = closing.BudgetCloser(tokenizer)
+    for compiled, _, _ in pool[:1]:  # the C-API tokenizer (native walk and search) built first
+        slot = getattr(compiled, "native_slot", None)
+        if slot is not None:
+            slot.wait()
 
     def one_pass() -> tuple[float, int, str]:
         digest = hashlib.sha256()
@@ -101,22 +120,75 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
     one_pass()  # first-use work (lexers, start paths) out of the timing
     best: tuple[float, int, int, float, str] | None = None
     for _ in range(reps):
-        searched[0], searched[1] = 0, 0.0
+        searched[0], searched[1], in_python[0] = 0, 0.0, 0
         seconds, count, digest = one_pass()
         if best is None or seconds < best[0]:
-            best = (seconds, count, searched[0], searched[1], digest)
+            best = (seconds, count, searched[0], searched[1], digest, in_python[0])
     assert best is not None
-    seconds, count, searches, search_s, digest = best
+    seconds, count, searches, search_s, digest, python_searches = best
     return {
         "instances": len(pool),
         "tokens": count,
         "searches": searches,
+        # None: a tree whose searches are all Python (no ``python_search_after`` to count)
+        "python_searches": python_searches
+        if hasattr(closing.ClosingPaths, "python_search_after")
+        else None,
         "decide_ms_per_token": round(1e3 * seconds / max(count, 1), 4),
         "search_ms_each": round(1e3 * search_s / max(searches, 1), 4),
         "search_ms_total": round(1e3 * search_s, 2),
         "decide_ms_total": round(1e3 * seconds, 2),
         "digest": digest,
     }
+
+
+def batch_scaling(streams: str, threads: int, reps: int) -> dict[str, Any]:
+    """A step's searches in one call: one state per replayed output (its matcher part way along
+    it, the next token, the search limit), searched one by one (``search_after``) and as one
+    native batch on 1 and on ``threads`` threads; wall time, best of ``reps``."""
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.engine import closing
+    from espalier.engine.closing.batch import as_answer as as_pair
+    from espalier.server.default_model import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    pool = _pool(tokenizer, 8, 32, streams)
+    paths = closing.ClosingPaths(tokenizer)
+    pool[0][0].native_slot.wait()
+    states = []
+    for k, (compiled, tokens, _) in enumerate(pool):
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+        cut = (7 * k + 3) % max(len(tokens) - 1, 1)
+        assert matcher.accept_tokens(tokens[:cut]) == cut
+        states.append((matcher, tokens[cut]))
+
+    def one_by_one() -> Any:
+        return [paths.search_after(m, t, closing.SEARCH_LIMIT) for m, t in states]
+
+    def in_python() -> Any:  # the anchor: the definition, on forks
+        return [paths.python_search_after(m, t, closing.SEARCH_LIMIT) for m, t in states]
+
+    def batched(count: int) -> Any:
+        searches = [m.native_closing(t, closing.SEARCH_LIMIT) for m, t in states]
+        return searches[0].kind(paths.rules, searches, count)
+
+    timings: dict[str, float] = {}
+    runs = (("python", in_python), ("one_by_one", one_by_one), ("batch_1", lambda: batched(1)))
+    for name, run in runs:
+        timings[name] = _best_wall(run, reps)
+    timings[f"batch_{threads}"] = _best_wall(lambda: batched(threads), reps)
+    assert in_python() == [as_pair(o) for o in batched(threads)]  # the same paths
+    return {"searches": len(states)} | {f"{k}_ms": round(1e3 * v, 2) for k, v in timings.items()}
+
+
+def _best_wall(run: Any, reps: int) -> float:
+    run()  # first-use work (bases, lexers) out of the timing
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def main() -> None:
@@ -127,7 +199,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--anchor", help="a checkout (with its .venv) to replay first")
     parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--batch-threads",
+        type=int,
+        default=0,
+        help="time a step's searches as one batch (N threads)",
+    )
     args = parser.parse_args()
+    if args.batch_threads:
+        streams = args.streams or "bench/inputs/h200_b32_streams.jsonl"
+        emit({"part": "closing_batch"} | batch_scaling(streams, args.batch_threads, args.reps))
+        return
     sizes = ["--schemas", str(args.schemas), "--instances", str(args.instances)]
     sizes += ["--reps", str(args.reps)]
     if args.streams:  # the anchor runs in its own folder

@@ -79,9 +79,10 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("append", engine_mod.Engine, "_append"),
     ("accept_run", engine_mod.Engine, "_accept_runs"),
     ("closing", closing.BudgetCloser, "instead"),
+    ("closing_batch", closing.BudgetCloser, "prepare"),
     ("take", closing_ahead.Lookahead, "take"),
     ("decide", closing.BudgetCloser, "decide"),
-    ("search", closing.ClosingPaths, "search"),
+    ("search", closing.ClosingPaths, "search_after"),
     ("finish", engine_mod.Engine, "_finish"),
     ("text", output_mod.OutputProcessor, "process"),
 )
@@ -95,6 +96,7 @@ PER_STEP = (
     "append",
     "accept_run",
     "closing",
+    "closing_batch",
     "take",
     "lookahead_inline",
     "finish",
@@ -364,6 +366,9 @@ def install() -> Timeline:
     masks.MaskBuilder._fill_one = line.worker("fill_sum", masks.MaskBuilder._fill_one)  # type: ignore[method-assign]
     masks.MaskBuilder._fill_batch = line.worker("fill_sum", masks.MaskBuilder._fill_batch)  # type: ignore[method-assign]
     closing_ahead.Lookahead.run = line.worker("lookahead_sum", closing_ahead.Lookahead.run)  # type: ignore[method-assign]
+    closing_ahead.Lookahead.together = line.worker(
+        "lookahead_sum", closing_ahead.Lookahead.together
+    )  # type: ignore[method-assign]
     native_llguidance.walk_batch = line.worker("native_walk", native_llguidance.walk_batch)
     step_mod.PlainDecoding._fill_masks = line.worker(
         "plain_fill", step_mod.PlainDecoding._fill_masks

@@ -124,12 +124,52 @@ class GrammarMatcher(Protocol):
         one call of it. None: ``fill_tree`` one by one."""
         ...
 
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
+        """A closing-path search (``engine/closing``'s ``ClosingPaths.search``, choice for
+        choice) from this matcher's state after ``token`` (None: from here), at most ``limit``
+        tokens, that the backend runs natively (``NativeClosing.kind``); this matcher is not
+        changed. ``keys``: a duplicate-key tracker's handle whose rules the search follows
+        (``constrained/keys/``; the caller keeps it alive). None: no native search (the
+        caller searches in Python)."""
+        ...
+
     @property
     def row_filter(self) -> RowFilter | None:
         """None: this matcher's rows are its own fills. Else its rows are those of
         ``row_filter.source`` with ``row_filter`` applied after: a batch fills the source in its
         library's batch call, then filters all such rows in one call per ``filter_kind``
         (``constrained/batch.py``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClosingRules:
+    """What a closing-path search tries, in order (``engine/closing``'s ``ClosingPaths``), for
+    backends that run it natively: the candidate ids, the closers among them, the quote
+    (None: not one token), all closer ids, whitespace-only ids, how often one token may repeat
+    (REPEAT_LIMIT) and how many of the lowest allowed ids the fallback tries."""
+
+    candidates: tuple[int, ...]
+    closers_first: tuple[int, ...]
+    quote: int | None
+    closers: frozenset[int]
+    blank: frozenset[int]
+    repeat_limit: int
+    lowest: int
+
+
+FALLBACK = object()
+"""A native search that must be made in Python (it raises the library's error there)."""
+
+
+class NativeClosing(Protocol):
+    """One native closing-path search (``GrammarMatcher.native_closing``)."""
+
+    @property
+    def kind(self) -> Callable[[ClosingRules, Sequence[NativeClosing], int], list[object]]:
+        """``kind(rules, searches, threads)``: the outcomes of ``searches`` (all of this kind),
+        each a path, None (none within its limit), False (its token is rejected) or
+        :data:`FALLBACK`, in one native call on up to ``threads`` threads."""
         ...
 
 

@@ -131,7 +131,11 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._skip_ids = tokenizer.special_token_ids
-        self.closer = BudgetCloser(tokenizer, enabled=config.close_within_budget)
+        # CUDA: a step's closing searches spread over native threads; CPU: one (the forward's)
+        closing_threads = 8 if runner.device.type == "cuda" else 1
+        self.closer = BudgetCloser(
+            tokenizer, enabled=config.close_within_budget, threads=closing_threads
+        )
         # the step's accepts, one call per grammar library (the engine thread's own entry points)
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
         self._token_bytes = tokenizer.token_bytes
@@ -260,6 +264,7 @@ class EngineCore:
             if i not in result.faults and outcome is not None and not seq.request.is_finished
         }
         runs = self._accept_runs(appending)
+        self._prepare_closing(appending, runs)
         for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes)):
             request = seq.request
             timeline = request.timeline
@@ -392,6 +397,28 @@ class EngineCore:
             if not head:
                 results[i] = _Run([], 0, stops)
         return results
+
+    def _prepare_closing(
+        self,
+        appending: dict[int, tuple[Request, SeqOutcome]],
+        runs: dict[int, _Run | BaseException],
+    ) -> None:
+        """The closing decisions ``_append`` will make first, for all constrained requests at
+        once (``BudgetCloser.prepare``: their searches in one native call): each one's first
+        token past its accepted run."""
+        items: list[tuple[Request, int, int, set[int]]] = []
+        for i, (request, outcome) in appending.items():
+            run = runs.get(i)
+            if request.matcher is None or isinstance(run, BaseException):
+                continue
+            start = len(run.head) if run is not None else 0
+            if run is not None and run.accepted < start:
+                continue  # the grammar rejected a token of the run: no decision follows
+            if start < len(outcome.token_ids):
+                stops = run.stops if run is not None else self._stops(request)
+                here = len(request.output_ids) + start  # the run is appended in ``_take_run``
+                items.append((request, outcome.token_ids[start], here, stops))
+        self.closer.prepare(items, self.max_model_len)
 
     def _plan_run(self, request: Request, tokens: Sequence[int], stops: set[int]) -> list[int]:
         """The leading tokens that can be appended as one run (no stop token, not the last

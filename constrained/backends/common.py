@@ -33,7 +33,7 @@ from espalier.constrained.tree.masks import TreeMasks, fill_with
 from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import BatchStep, RowFilter, TreeBatch
+    from espalier.constrained.base import BatchStep, NativeClosing, RowFilter, TreeBatch
     from espalier.constrained.tokenizer import TokenizerInfo
 
 
@@ -271,6 +271,10 @@ class MatcherBase:
 
     def fork(self) -> MatcherBase:
         raise NotImplementedError
+
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
+        """See ``GrammarMatcher.native_closing``: None, the caller searches in Python."""
+        return None
 
     def fill_tree(
         self,

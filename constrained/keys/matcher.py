@@ -29,7 +29,13 @@ from espalier.constrained.keys.native import (
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter, TreeBatch
+    from espalier.constrained.base import (
+        BatchStep,
+        GrammarMatcher,
+        NativeClosing,
+        RowFilter,
+        TreeBatch,
+    )
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.constrained.tree import DraftTree
     from espalier.constrained.tree.masks import TreeMasks
@@ -168,6 +174,10 @@ class UniqueKeysMatcher:
         clean = self.keys.accept_tokens(forced)
         self.keys.rollback(clean)
         return forced[:clean]
+
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
+        """``inner``'s native search under this tracker's rules (``keys`` is this one's)."""
+        return self.inner.native_closing(token, limit, self.keys.handle)
 
     def fork(self) -> UniqueKeysMatcher:
         return UniqueKeysMatcher(self.inner.fork(), self.keys.fork())

@@ -22,15 +22,18 @@ output may be cut, as without this policy).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from espalier.constrained import bitmask as bm
-from espalier.engine.closing.ahead import Lookahead, decide_tree, max_depth
+from espalier.constrained.base import FALLBACK, ClosingRules
+from espalier.engine.closing.ahead import Lookahead, max_depth, tree_decisions
+from espalier.engine.closing.batch import answer_all, as_answer
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.request import Request
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 CLOSING_WINDOW = 64  # the unit of SEARCH_LIMIT
 # Checks are spaced out while more than EVERY_TOKEN tokens are left (see _next_check): a
@@ -54,7 +60,18 @@ EVERY_TOKEN = SEARCH_LIMIT + 2
 REPEAT_LIMIT = 16
 START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 # tried in order where nothing is forced: closers first, then minimal values, then separators
+LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
+
+
+@dataclass(frozen=True)
+class SearchCall:
+    """A closing-path search a decision needs: from ``matcher``'s state after ``token`` (None:
+    from there), at most ``limit`` tokens (``ClosingPaths.search_after``)."""
+
+    matcher: GrammarMatcher
+    token: int | None
+    limit: int
 
 
 class ClosingPaths:
@@ -79,6 +96,16 @@ class ClosingPaths:
         self.blank: frozenset[int] = tokenizer.backend_view(
             "espalier.engine.closing.blank_ids", _blank_ids
         )
+        # the same tries for backends that search natively (GrammarMatcher.native_closing)
+        self.rules = ClosingRules(
+            tuple(self.candidates),
+            tuple(self._closers_first),
+            self.quote,
+            self.closers,
+            self.blank,
+            REPEAT_LIMIT,
+            LOWEST_ALLOWED,
+        )
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -86,7 +113,30 @@ class ClosingPaths:
         ``matcher`` itself is not changed (the search runs on a fork)."""
         if limit < 0:
             return None
-        return self.search(matcher.fork(), limit)
+        return self.search_after(matcher, None, limit)[1]
+
+    def search_after(
+        self, matcher: GrammarMatcher, token: int | None, limit: int
+    ) -> tuple[bool, list[int] | None]:
+        """:meth:`search` from ``matcher``'s state after ``token`` (None: from here; ``matcher``
+        is not changed): whether ``matcher`` accepts ``token``, and the path (None: none within
+        ``limit``). Natively where the matcher's backend can (``native_closing``: the same
+        choices, the GIL released), else on a fork."""
+        native = matcher.native_closing(token, limit)
+        if native is not None:
+            outcome = native.kind(self.rules, [native], 1)[0]
+            if outcome is not FALLBACK:
+                return as_answer(outcome)
+        return self.python_search_after(matcher, token, limit)
+
+    def python_search_after(
+        self, matcher: GrammarMatcher, token: int | None, limit: int
+    ) -> tuple[bool, list[int] | None]:
+        """:meth:`search_after` in Python: :meth:`search` on a fork."""
+        probe = matcher.fork()
+        if token is not None and not probe.accept(token):
+            return False, None
+        return True, self.search(probe, limit)
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
@@ -122,6 +172,17 @@ class ClosingPaths:
             path.append(chosen)
         return path
 
+    def answer(self, decision: Generator[SearchCall, tuple[bool, list[int] | None], R]) -> R:
+        """Run ``decision`` (``BudgetCloser.decision``, ``ahead.tree_decisions``), making its
+        searches one by one."""
+        try:
+            call = next(decision)
+            while True:
+                call = decision.send(self.search_after(call.matcher, call.token, call.limit))
+        except StopIteration as done:
+            outcome: R = done.value
+            return outcome
+
     def stitch(
         self, matcher: GrammarMatcher, token: int, path: list[int], limit: int
     ) -> list[int] | None:
@@ -153,9 +214,8 @@ class ClosingPaths:
         probe.fill_bitmask(row, 0)
         # whitespace last: it makes no progress (a grammar with bounded whitespace allows a few
         # such tokens, each one a token of the budget spent for nothing)
-        allowed = [
-            t for t in _lowest_allowed(row[0].numpy(), 64) if t not in self.stops and t != avoid
-        ]
+        lowest = _lowest_allowed(row[0].numpy(), LOWEST_ALLOWED)
+        allowed = [t for t in lowest if t not in self.stops and t != avoid]
         blank = self.blank
         for token in [t for t in allowed if t not in blank] + [t for t in allowed if t in blank]:
             if probe.accept(token):
@@ -229,6 +289,9 @@ class Memo:
 
 NO_MEMO = Memo()
 
+Decision = Generator[SearchCall, tuple[bool, "list[int] | None"], tuple["list[int] | None", Memo]]
+"""``BudgetCloser.decision``: yields searches, is sent their outcomes, returns the decision."""
+
 
 class BudgetCloser:
     """The engine's side of the policy: when to close a request, and appending the closing.
@@ -238,12 +301,15 @@ class BudgetCloser:
     ``engine/closing/ahead.py``); :meth:`instead` then takes them instead of recomputing.
     """
 
-    def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True) -> None:
+    def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True, threads: int = 1) -> None:
         self.paths = ClosingPaths(tokenizer) if enabled else None
         self.stop_token = tokenizer.stop_token_ids[0]
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
         self._ahead: dict[str, Lookahead] = {}
+        self.threads = max(1, threads)  # native threads of a batch of searches (prepare)
+        # decisions made by ``prepare``: (here, token, exempt, memo they start from, outcome)
+        self._ready: dict[str, tuple[int, int, bool, Memo, tuple[list[int] | None, Memo]]] = {}
         self._start_paths: dict[int, tuple[object, list[int] | None]] = {}
 
     def _memo_of(self, request: Request, max_model_len: int) -> Memo:
@@ -341,12 +407,53 @@ class BudgetCloser:
             del self._ahead[request_id]  # off the precomputed tree: decide inline from here
         budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
         memo = self._memo_of(request, max_model_len)
-        path, after = self.decide(
-            memo, matcher, token, here, budget, request.sampling.ignore_eos or token in stops
-        )
+        exempt = request.sampling.ignore_eos or token in stops
+        ready = self._ready.pop(request_id, None)
+        if ready is not None and ready[:3] == (here, token, exempt) and ready[3] is memo:
+            path, after = ready[4]  # the same decision, made in ``prepare``'s batch
+        else:
+            path, after = self.decide(memo, matcher, token, here, budget, exempt)
         if after is not memo:
             self._memo[request_id] = after
         return path
+
+    def prepare(
+        self, items: Sequence[tuple[Request, int, int, set[int]]], max_model_len: int
+    ) -> None:
+        """Make ahead the decisions :meth:`instead` will need next for ``items`` (a request,
+        the token it will decide on next, the output length it is checked at, with the
+        request's matcher at that state already, and its stops), their
+        searches in one native call per wave (``batch.answer_all``) instead of one by one: the
+        step's first inline decisions (plain decoding's token, a speculative step's first token
+        past its accepted run). ``instead`` takes such a decision only when it is asked for
+        exactly that token, state and memo; a decision that raised is left to ``instead``."""
+        if self.paths is None:
+            return
+        decisions: dict[str, Decision] = {}
+        keys: dict[str, tuple[int, int, bool, Memo]] = {}
+        for request, token, here, stops in items:
+            matcher = request.matcher
+            request_id = request.request_id
+            if matcher is None or request_id in decisions:
+                continue
+            ahead = self._ahead.get(request_id)
+            try:
+                if ahead is not None and ahead.decides(here, token):
+                    continue  # decided on the tree already
+                memo = self._memo_of(request, max_model_len)  # may search (a new grammar)
+            except Exception:  # its grammar: ``instead`` meets it again and ends it alone
+                continue
+            budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+            exempt = request.sampling.ignore_eos or token in stops
+            if _without_check(memo, token, here, budget, exempt) is not None:
+                continue  # no grammar work
+            decisions[request_id] = self.decision(memo, matcher, token, here, budget, exempt)
+            keys[request_id] = (here, token, exempt, memo)
+        if len(decisions) < 2:
+            return  # nothing to batch: ``instead`` decides as before
+        for request_id, outcome in answer_all(self.paths, decisions, self.threads).items():
+            if not isinstance(outcome, BaseException):
+                self._ready[request_id] = (*keys[request_id], outcome)
 
     def decide(
         self,
@@ -369,6 +476,22 @@ class BudgetCloser:
         before a new search.
         ``exempt``: ignore_eos or a stop token (no check)."""
         assert self.paths is not None
+        return self.paths.answer(self.decision(memo, matcher, token, here, budget, exempt))
+
+    def decision(
+        self,
+        memo: Memo,
+        matcher: GrammarMatcher,
+        token: int,
+        here: int,
+        budget: int,
+        exempt: bool,
+    ) -> Decision:
+        """:meth:`decide` as steps: it yields each search it needs (a :class:`SearchCall`) and
+        is sent the outcome (``ClosingPaths.search_after``'s); its value is the decision. So
+        the searches of many decisions can be made in one native call
+        (``engine/closing/batch.py``)."""
+        assert self.paths is not None
         quick = _without_check(memo, token, here, budget, exempt)
         if quick is not None:
             return None, quick
@@ -381,18 +504,17 @@ class BudgetCloser:
         limit = budget - 2
         after = self.paths.stitch(matcher, token, seed, limit) if seed is not None else None
         if after is None:
-            probe = matcher.fork()
-            if not probe.accept(token):
+            accepted, after = yield SearchCall(matcher, token, min(limit, SEARCH_LIMIT))
+            if not accepted:
                 return None, memo  # the grammar rejects token: not for this policy to decide
-            after = self.paths.search(probe, min(limit, SEARCH_LIMIT))  # on the probe itself
         if after is None and limit > SEARCH_LIMIT:  # not found that short: look again later
             slack = limit - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))
         if after is not None:
             slack = limit - len(after) - MARGIN
             return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
-        if path is None:
-            path = self.paths.find(matcher, budget - 1)
+        if path is None and budget - 1 >= 0:  # ``find``: the current state's own path
+            path = (yield SearchCall(matcher, None, budget - 1))[1]
         if path is None:
             return None, replace(memo, unclosable=True)
         return path, memo
@@ -406,6 +528,35 @@ class BudgetCloser:
 
         Call it on the thread that owns the matcher, before anything else uses it in the step
         (the job runs on a fork made here); the job may run on any thread."""
+        ahead = self._lookahead(request, tokens, parents, max_model_len)
+        return ahead.run if ahead is not None else None
+
+    def lookaheads(
+        self,
+        trees: Sequence[tuple[Request, Sequence[int], Sequence[int]]],
+        max_model_len: int,
+    ) -> Callable[[], None] | None:
+        """One job deciding ahead for the draft trees of a step (``(request, tokens,
+        parents)`` each, as :meth:`lookahead`), their searches in one native call per wave
+        across the trees (``Lookahead.together``, on :attr:`threads` native threads); a tree
+        whose lookahead cannot be made (its grammar raised) is decided inline."""
+        aheads = []
+        for request, tokens, parents in trees:
+            try:
+                ahead = self._lookahead(request, tokens, parents, max_model_len)
+            except Exception:  # its grammar: decided inline, where the fault ends the request
+                log.debug("closing lookahead not made", exc_info=True)
+                continue
+            if ahead is not None:
+                aheads.append(ahead)
+        if not aheads:
+            return None
+        assert self.paths is not None
+        return functools.partial(Lookahead.together, aheads, self.paths, self.threads)
+
+    def _lookahead(
+        self, request: Request, tokens: Sequence[int], parents: Sequence[int], max_model_len: int
+    ) -> Lookahead | None:
         matcher = request.matcher
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
@@ -424,12 +575,12 @@ class BudgetCloser:
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)
         limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
-        compute = functools.partial(
-            decide_tree, self, memo, matcher.fork(), tree, links, here, limits, stops
+        steps = functools.partial(
+            tree_decisions, self, memo, matcher.fork(), tree, links, here, limits, stops
         )
-        ahead = Lookahead(tree, links, here, compute)
+        ahead = Lookahead(tree, links, here, steps, self.paths.answer)
         self._ahead[request.request_id] = ahead
-        return ahead.run
+        return ahead
 
     def emit(
         self, request: Request, path: list[int], new_ids: list[int], text_ids: list[int]
@@ -449,6 +600,7 @@ class BudgetCloser:
     def forget(self, request_id: str) -> None:
         """The request finished: drop what is kept about it."""
         self._memo.pop(request_id, None)
+        self._ready.pop(request_id, None)
         self._drop_ahead(request_id)
 
     def _drop_ahead(self, request_id: str) -> None:

@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
-    from espalier.engine.closing import BudgetCloser, Memo
+    from espalier.engine.closing import BudgetCloser, ClosingPaths, Memo, SearchCall
 
 log = logging.getLogger(__name__)
 
 Outcome = tuple["list[int] | None", "Memo"]
 """A node's decision: the closing path to emit instead of its token (None: none) and the memo
 after it."""
+
+TreeSteps = Generator["SearchCall", tuple[bool, "list[int] | None"], "list[Outcome | None]"]
+"""A tree's decisions as steps (:func:`tree_decisions`): yields searches, returns outcomes."""
 
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 
@@ -55,9 +58,11 @@ class Lookahead:
     """One request's decisions along its draft tree (see the module docstring).
 
     tokens, parents: the tree (node 0 = root). here: output length when the step started (the
-    first appended token's check sees it). compute: makes the decisions, one per node (None
-    for the root and for nodes below a closing or a stop): :func:`decide_tree` on a matcher
-    fork; it raises or returns None when it has none (then every token is decided inline).
+    first appended token's check sees it). steps: makes the decisions as steps, one per node
+    (None for the root and for nodes below a closing or a stop): :func:`tree_decisions` on a
+    matcher fork, its searches made by ``answer`` (``ClosingPaths.answer``: one by one) or, for
+    a step's trees together, by :meth:`together`; when it raises, every token is decided
+    inline.
     """
 
     def __init__(
@@ -65,9 +70,11 @@ class Lookahead:
         tokens: list[int],
         parents: list[int],
         here: int,
-        compute: Callable[[], list[Outcome | None] | None],
+        steps: Callable[[], TreeSteps],
+        answer: Callable[[TreeSteps], list[Outcome | None]],
     ) -> None:
-        self._compute: Callable[[], list[Outcome | None] | None] | None = compute
+        self._steps: Callable[[], TreeSteps] | None = steps
+        self._answer = answer
         self._tokens = tokens
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
         self._child = child_index(tokens, parents)
@@ -79,29 +86,60 @@ class Lookahead:
 
     def run(self) -> None:
         """Decide for every node (the job; a no-op once started elsewhere or cancelled)."""
+        steps = self.claim()
+        if steps is None:
+            return
+        try:
+            outcomes: list[Outcome | None] | BaseException = self._answer(steps)
+        except Exception as exc:  # a grammar error: decide inline (where it will surface again)
+            outcomes = exc
+        self.finish(outcomes)
+
+    @staticmethod
+    def together(aheads: Sequence[Lookahead], paths: ClosingPaths, threads: int) -> None:
+        """Run the lookaheads not started yet side by side (``batch.answer_all``): each wave's
+        searches, across the trees, in one native call on up to ``threads`` native threads."""
+        from espalier.engine.closing.batch import answer_all
+
+        claimed = {k: steps for k, a in enumerate(aheads) if (steps := a.claim()) is not None}
+        try:
+            results = answer_all(paths, claimed, threads)
+        except Exception as exc:  # not expected (answer_all keeps each tree's faults apart)
+            results = dict.fromkeys(claimed, exc)
+        for k in claimed:
+            aheads[k].finish(results[k])
+
+    def claim(self) -> TreeSteps | None:
+        """The decisions' steps, for the caller to run and :meth:`finish`; None when the job
+        started elsewhere or was cancelled."""
         with self._lock:
             if self._state != _PENDING:
-                return
+                return None
             self._state = _RUNNING
+        assert self._steps is not None
+        steps, self._steps = self._steps, None
         try:
-            assert self._compute is not None
-            outcomes = self._compute()
-            if outcomes is not None and len(outcomes) == len(self._tokens):
-                self._outcomes = outcomes
-        except Exception:  # a grammar error: decide inline (where it will surface again)
-            log.debug("closing lookahead failed; deciding inline", exc_info=True)
-        finally:
-            self._compute = None
-            with self._lock:
-                self._state = _DONE
-            self._done.set()
+            return steps()
+        except Exception as exc:
+            self.finish(exc)
+            return None
+
+    def finish(self, outcomes: list[Outcome | None] | BaseException) -> None:
+        """The claimed job's outcomes (an exception: none, decide inline)."""
+        if isinstance(outcomes, BaseException):
+            log.debug("closing lookahead failed; deciding inline", exc_info=outcomes)
+        elif len(outcomes) == len(self._tokens):
+            self._outcomes = outcomes
+        with self._lock:
+            self._state = _DONE
+        self._done.set()
 
     def cancel(self) -> None:
         """Not needed any more: a job not yet started will not run."""
         with self._lock:
             if self._state == _PENDING:
                 self._state = _CANCELLED
-                self._compute = None
+                self._steps = None
                 self._done.set()
 
     def take(self, here: int, token: int, *, unless_closing: bool = False) -> Outcome | None:
@@ -117,6 +155,11 @@ class Lookahead:
             self._here += 1
         return found[1]
 
+    def decides(self, here: int, token: int) -> bool:
+        """Whether :meth:`take` has a decision for ``token`` at ``here`` (nothing moves; waits
+        for the job, or runs it, as ``take`` would)."""
+        return self._find(here, token) is not None
+
     def _find(self, here: int, token: int) -> tuple[int, Outcome] | None:
         if here != self._here:
             return None
@@ -130,7 +173,7 @@ class Lookahead:
         return None if outcome is None else (child, outcome)
 
 
-def decide_tree(
+def tree_decisions(
     closer: BudgetCloser,
     memo: Memo,
     matcher: GrammarMatcher,
@@ -139,8 +182,9 @@ def decide_tree(
     here: int,
     limits: tuple[int, int],
     stops: frozenset[int] | set[int],
-) -> list[Outcome | None]:
-    """``closer.decide`` for every node of a draft tree, depth first from the root.
+) -> TreeSteps:
+    """``closer.decide`` for every node of a draft tree, depth first from the root, as steps
+    (``BudgetCloser.decision``'s: each search is yielded).
 
     memo, matcher: the request's memo and a matcher at the root (it has accepted the root
     token; advanced and forked here: the caller gives up its own). tokens, parents: the tree
@@ -154,7 +198,7 @@ def decide_tree(
     for i in range(1, len(tokens)):
         children[parents[i]].append(i)
     max_tokens, room = limits
-    decide = closer.decide
+    decision = closer.decision
     stack: list[tuple[int, int, GrammarMatcher, Memo]] = [(0, 0, matcher, memo)]
     while stack:
         node, depth, at, memo_at = stack.pop()
@@ -164,7 +208,7 @@ def decide_tree(
         for k, child in enumerate(kids):
             token = tokens[child]
             exempt = token in stops
-            path, after = decide(memo_at, at, token, check, budget, exempt)
+            path, after = yield from decision(memo_at, at, token, check, budget, exempt)
             outcomes[child] = (path, after)
             if path is not None or exempt or not children[child] or budget <= 1:
                 continue

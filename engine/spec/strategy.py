@@ -15,7 +15,6 @@ speculation on or off, pick methods among the drafters loaded, and set its node 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -35,8 +34,6 @@ from espalier.engine.spec.forced import ForcedConfig
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.tree_builder import Draft
 from espalier.engine.step import SeqOutcome, StepResult, StepStrategy
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from espalier.engine.closing import BudgetCloser
@@ -211,18 +208,13 @@ class SpeculativeDecoding:
         specs: Sequence[SpecSeq],
         drafts: Sequence[Draft],
     ) -> list[Callable[[], None]]:
-        """The closer's decisions ahead for each draft tree (``requests``: by ``id(spec)``)."""
-        jobs = []
-        for spec, draft in zip(specs, drafts):
-            request = requests[id(spec)]
-            try:
-                job = closer.lookahead(request, draft.tokens, draft.parents, self.max_model_len)
-            except Exception:  # its grammar: decided inline, where the fault ends the request
-                log.debug("closing lookahead not made", exc_info=True)
-                continue
-            if job is not None:
-                jobs.append(job)
-        return jobs
+        """The closer's decisions ahead for the draft trees (``requests``: by ``id(spec)``):
+        one job, their searches in one native call per wave (``BudgetCloser.lookaheads``)."""
+        trees = [
+            (requests[id(spec)], draft.tokens, draft.parents) for spec, draft in zip(specs, drafts)
+        ]
+        job = closer.lookaheads(trees, self.max_model_len)
+        return [job] if job is not None else []
 
     def _spec_seq(self, sched: ScheduledSeq) -> SpecSeq:
         request = sched.request

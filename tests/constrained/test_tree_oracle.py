@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,11 +27,10 @@ from espalier.constrained.backends.llguidance import tree_walk as traverse_llgui
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.constrained.tree.masks import fill_tree_bitmask
+from tests.fixtures.jsonschemabench import SHARED, schema_cases
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree, sample_instance
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared" / "conformance"
 SLOW = os.environ.get("ESPALIER_SLOW") == "1"
 
 TOY_GRAMMARS = [
@@ -125,33 +122,6 @@ def test_oracle_toy(backend: str, spec: GrammarSpec, toy_tokenizer_padded: Any) 
 
 
 # -- Gemma tokenizer: JSONSchemaBench schemas and the shared GBNF grammars ----------------------
-
-
-def bench_dir() -> Path:
-    target = ROOT / ".data" / "jsonschemabench"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        archive = SHARED / "jsonschemabench.tar.xz"
-        if not archive.exists():
-            pytest.skip(f"{archive} is missing (../shared sits beside the checkout in CI)")
-        subprocess.run(["tar", "-xJf", str(archive), "-C", str(target.parent)], check=True)
-    return target
-
-
-def schema_cases(count: int) -> list[tuple[str, dict[str, Any], Any]]:
-    """The ``count`` smallest schemas (with a valid instance) from a few subsets, deterministic."""
-    cases = []
-    for subset in ("Github_easy", "Github_medium", "Kubernetes", "Snowplow", "WashingtonPost"):
-        folder = bench_dir() / subset
-        files = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_size, p.name))
-        picked = 0
-        for path in files[: 8 * count]:
-            item = json.loads(path.read_text())
-            data = [t["data"] for t in item.get("tests", []) if t.get("valid")]
-            if data and isinstance(item.get("schema"), dict) and picked < count:
-                cases.append((f"{subset}/{path.name}", item["schema"], data[0]))
-                picked += 1
-    return cases
 
 
 @pytest.mark.model

@@ -107,8 +107,12 @@ def closing_requests() -> list[Any]:
     ]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["one", "together"])
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
-def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lookahead_decides_like_inline(
+    backend: str, together: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # together: the step's job of ``BudgetCloser.lookaheads`` (searches in waves, natively)
     tokenizer = toy_tokenizer()
     compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
     stops = set(tokenizer.stop_token_ids)
@@ -121,7 +125,11 @@ def test_lookahead_decides_like_inline(backend: str, monkeypatch: pytest.MonkeyP
         pos, done = 0, False
         while pos < len(stream) and not done:
             root = stream[pos - 1] if pos else 1
-            job = ahead.lookahead(requests[0], *_tree(stream[pos:], root, rng), 10_000)
+            tree = _tree(stream[pos:], root, rng)
+            if together:
+                job = ahead.lookaheads([(requests[0], *tree)], 10_000)
+            else:
+                job = ahead.lookahead(requests[0], *tree, 10_000)
             if job is not None:
                 job()
             for token in stream[pos : pos + rng.randint(1, 7)]:

@@ -113,7 +113,7 @@ def _break_after(engine: Engine, request_id: str, method: str, calls: int) -> Ca
     [
         (False, "fill_bitmask", "outlines_core"),
         (False, "accept", "llguidance"),
-        (True, "fork", "llguidance"),
+        (True, "completes", "llguidance"),  # its closing checks (the searches fork no more)
         (True, "accept", "xgrammar"),
     ],
 )

@@ -49,6 +49,7 @@ from espalier.constrained.backends.common import (
     VocabFacts,
     vocab_facts,
 )
+from espalier.constrained.backends.llguidance.closing import LlgClosing, closing_of
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as llg_native
 from espalier.constrained.backends.llguidance.tree_batch import NativeTreeBatch
@@ -345,6 +346,9 @@ class Matcher(MatcherBase):
         # (``tree_walk.py``, ``native/twin.py``): each walk catches it up first.
         self.history: list[int] = []
         self.twin: Twin | None = None
+        # the C-API matcher closing searches clone, at the first n tokens of history
+        # (``closing.py``): never advanced, shared with forks
+        self.closing_base: tuple[llg_native.NativeMatcher, int] | None = None
         self._eos = compiled.tokenizer.stop_token_ids[0]  # llguidance's EOS (_TokenizerSource)
 
     def refresh_mask_memo(self) -> None:
@@ -399,6 +403,8 @@ class Matcher(MatcherBase):
         del self.history[len(self.history) - n :]
         if self.twin is not None and self.twin.length > len(self.history):
             self.twin = None  # it never rolls back (native/twin.py): the next walk makes one
+        if self.closing_base is not None and self.closing_base[1] > len(self.history):
+            self.closing_base = None
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
@@ -465,6 +471,7 @@ class Matcher(MatcherBase):
         self.mask_memo_stale = False
         self.history.clear()
         self.twin = None
+        self.closing_base = None
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():
@@ -472,11 +479,15 @@ class Matcher(MatcherBase):
         tokens: list[int] = self.native.compute_ff_tokens()
         return tokens[:limit]
 
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> LlgClosing | None:
+        return closing_of(self, token, limit, keys)
+
     def fork(self) -> Matcher:
         other = Matcher(self.compiled, self.native.deep_copy())
         self._copy_state_to(other)
         other.mask_memo_stale = self.mask_memo_stale  # deep_copy copies the memo too
         other.history = list(self.history)  # its twin, if it is ever walked, replays them
+        other.closing_base = self.closing_base
         return other
 
     def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:

@@ -1,0 +1,195 @@
+"""The native closing-path search (llguidance, ``llg_close.c``) against ``ClosingPaths.search``.
+
+``ClosingPaths.search`` (Python, on a fork) is the definition; ``ClosingPaths.search_after``
+runs the same search natively where the matcher's backend can (llguidance, with or without the
+duplicate-key tracker). At states along valid instances of JSONSchemaBench schemas (Gemma
+tokenizer) and along random allowed tokens (toy tokenizer, free-key objects, so the tracker's
+duplicate and dead-end rules come up), for the next token, a random allowed one and a random
+one (mostly rejected), at several limits, both must give the same acceptance and the same path
+token for token. A change to the Python choices that the C search does not follow fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.base import FALLBACK
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import GrammarError
+from espalier.constrained.keys import with_unique_keys
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import SamplingParams
+from espalier.engine.closing import SEARCH_LIMIT, BudgetCloser, ClosingPaths
+from espalier.engine.request import Request
+from tests.fixtures.jsonschemabench import schema_cases
+
+SLOW = os.environ.get("ESPALIER_SLOW") == "1"
+LIMITS = (0, 3, 12, SEARCH_LIMIT)
+FREE_KEYS = [
+    {"type": "object"},
+    {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "boolean"}}},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "string"}},
+        "patternProperties": {"^b+$": {"type": "integer"}},
+        "additionalProperties": False,
+    },
+]
+
+
+def _python(paths: ClosingPaths, matcher: Any, token: int, limit: int) -> tuple[bool, Any]:
+    probe = matcher.fork()
+    if not probe.accept(token):
+        return False, None
+    return True, paths.search(probe, limit)
+
+
+def _compare(
+    paths: ClosingPaths, matcher: Any, tokens: list[int], rng: random.Random, problems: list[str]
+) -> int:
+    """Compare both searches for each of ``tokens`` at a random limit; how many ran natively."""
+    native = 0
+    for token in tokens:
+        limit = rng.choice(LIMITS)
+        search = matcher.native_closing(token, limit)
+        assert search is not None, "the native search serves llguidance matchers"
+        outcome = search.kind(paths.rules, [search], 1)[0]
+        assert outcome is not FALLBACK
+        got = (outcome is not False, outcome if isinstance(outcome, list) else None)
+        expected = _python(paths, matcher, token, limit)
+        if got != expected:
+            problems.append(f"token {token} limit {limit}: native {got}, python {expected}")
+        assert paths.search_after(matcher, token, limit) == expected
+        native += 1
+    return native
+
+
+def _allowed(matcher: Any, row: Any, vocab: int) -> list[int]:
+    matcher.fill_bitmask(row, 0)
+    return np.flatnonzero(bm.unpack_allowed(row[0], vocab)).tolist()
+
+
+def _matcher(spec: GrammarSpec, tokenizer: Any) -> tuple[Any, Any]:
+    compiled, _ = compile_grammar(spec, tokenizer, "llguidance")
+    assert compiled.native_slot is not None and compiled.native_slot.wait(60) is not None
+    return compiled, with_unique_keys(spec, compiled.matcher(), tokenizer)
+
+
+# whitespace next to other ids (the fallback tries whitespace last; in the toy vocabulary " " is
+# 223 and "\x7f" 224), repeats (REPEAT_LIMIT's escape) and regexes without JSON candidates
+REGEXES = ["[ \x7f]*\x7f", "( |\t)*[a-c]{2}", "x( y)*;", "(ab|a)*c"]
+
+
+@pytest.mark.parametrize("kind", ["schemas", "regexes"])
+def test_native_search_equals_python_on_random_walks(kind: str, toy_tokenizer: Any) -> None:
+    paths = ClosingPaths(toy_tokenizer)
+    vocab = toy_tokenizer.vocab_size
+    stops = set(toy_tokenizer.stop_token_ids)
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(7)
+    problems: list[str] = []
+    checked = 0
+    specs = (
+        [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]
+        if kind == "schemas"
+        else [GrammarSpec.regex(pattern) for pattern in REGEXES]
+    )
+    for spec in specs:
+        for _ in range(40 if SLOW else 12):
+            _, matcher = _matcher(spec, toy_tokenizer)
+            for _ in range(rng.randrange(1, 40)):
+                allowed = [t for t in _allowed(matcher, row, vocab) if t not in stops]
+                if not allowed:
+                    break
+                tries = [rng.choice(allowed), rng.randrange(vocab)]
+                checked += _compare(paths, matcher, tries, rng, problems)
+                assert matcher.accept(tries[0])
+    assert checked > 200
+    assert problems == []
+
+
+@pytest.mark.model
+def test_native_search_equals_python_on_jsonschemabench(gemma_tokenizer: Any) -> None:
+    paths = ClosingPaths(gemma_tokenizer)
+    vocab = gemma_tokenizer.vocab_size
+    stops = set(gemma_tokenizer.stop_token_ids)
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(11)
+    problems: list[str] = []
+    checked = schemas = 0
+    for name, schema, data in schema_cases(6 if SLOW else 2):
+        spec = GrammarSpec.json_schema(schema)
+        try:
+            _, matcher = _matcher(spec, gemma_tokenizer)
+        except GrammarError:
+            continue
+        instance = gemma_tokenizer.encode(json.dumps(data))
+        found: list[str] = []
+        for token in instance:
+            tries = [token]
+            if rng.random() < 0.3:
+                allowed = [t for t in _allowed(matcher, row, vocab) if t not in stops]
+                tries += [rng.choice(allowed), rng.randrange(vocab)] if allowed else []
+            checked += _compare(paths, matcher, tries, rng, found)
+            if not matcher.accept(token):
+                break
+        problems += [f"{name}: {p}" for p in found]
+        schemas += 1
+    assert schemas >= 5 and checked > 100
+    assert problems == []
+
+
+def test_prepared_decisions_equal_inline_ones(toy_tokenizer: Any) -> None:
+    """``BudgetCloser.prepare`` (a batch's decisions, searches in one native call per wave)
+    leaves ``instead`` with the same paths and memos as deciding each one inline."""
+    stops = set(toy_tokenizer.stop_token_ids)
+    vocab = toy_tokenizer.vocab_size
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(3)
+    batched, inline = BudgetCloser(toy_tokenizer, threads=2), BudgetCloser(toy_tokenizer)
+    pairs = []
+    for k in range(8):
+        spec = GrammarSpec.json_schema(FREE_KEYS[k % len(FREE_KEYS)])
+        compiled, matcher = _matcher(spec, toy_tokenizer)
+        sides = []
+        params = SamplingParams(max_tokens=rng.randrange(4, 30))
+        for side in ("b", "i"):
+            request = Request(f"r{k}", [1], params, 0)
+            request.compiled = compiled
+            request.matcher = matcher if side == "b" else matcher.fork()
+            sides.append(request)
+        pairs.append(sides)
+    decided = prepared = 0
+    while pairs:
+        tokens = []
+        for ours, _ in pairs:
+            allowed = [t for t in _allowed(ours.matcher, row, vocab) if t not in stops]
+            tokens.append(rng.choice(allowed) if allowed else next(iter(stops)))
+        items = [
+            (ours, token, len(ours.output_ids), stops) for (ours, _), token in zip(pairs, tokens)
+        ]
+        batched.prepare(items, 1 << 20)
+        prepared += len(batched._ready)
+        left = []
+        for (ours, theirs), token in zip(pairs, tokens):
+            path = batched.instead(ours, token, stops, 1 << 20)
+            assert path == inline.instead(theirs, token, stops, 1 << 20)
+            assert batched.known(ours.request_id) == inline.known(theirs.request_id)
+            decided += 1
+            done = path is not None or token in stops
+            done = done or len(ours.output_ids) + 1 >= ours.sampling.max_tokens
+            if not done:
+                for request in (ours, theirs):
+                    request.output_ids.append(token)
+                    assert request.matcher.accept(token)
+                left.append((ours, theirs))
+        pairs = left
+    assert decided > 40 and prepared > 10
