@@ -28,6 +28,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   ``minItems`` / ``maxItems`` / ``type`` (:mod:`contains`);
 - ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
   ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
+- ``minProperties`` / ``maxProperties`` next to optional listed properties → ``anyOf`` of
+  branches on which of them are present (:mod:`property_counts`), last, everywhere;
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
   (``properties: {p: false}``) and "present and ..." branches;
 - ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
@@ -56,6 +58,7 @@ from espalier.constrained.schema.logic import (
     without,
 )
 from espalier.constrained.schema.one_of import rewrite_one_of
+from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
 from espalier.constrained.schema.refs import prune_unused_defs
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
@@ -91,6 +94,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
         defs=defs if isinstance(defs, dict) else {},
     )
     out = _rewrite(schema, "", ctx)
+    if not ctx.annotations_matter:  # last: counts that complements wrote are rewritten too
+        out = _map_tree(out, lambda node: rewrite_property_counts(node, ctx.defs))
     if isinstance(out, dict):
         out.pop("$schema", None)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing

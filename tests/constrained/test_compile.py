@@ -242,3 +242,19 @@ def test_refusals_name_the_reasons_of_the_backend_tried(toy_tokenizer: Any) -> N
         "the reasons of 'llguidance'" in messages["auto"]
         and "'patternProperties'" not in messages["auto"]
     )
+
+
+def test_property_counts_over_optional_names_compile_on_llguidance(toy_tokenizer: Any) -> None:
+    """llguidance refuses min/maxProperties next to optional listed names; the rewrite
+    (schema/property_counts.py) makes them branches it counts."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "minProperties": 1,
+        "maxProperties": 2,
+    }
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    for value in ({}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"c": 3}, {"a": 1, "c": 3},
+                  {"a": 1, "b": 2, "c": 3}, {"c": 1, "d": 2, "e": 3}):  # fmt: skip
+        assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid

@@ -661,3 +661,52 @@ def test_keywords_read_with_siblings_are_implied_only_with_them() -> None:
     rewritten = rewrite(schema)
     assert "not" in keywords(rewritten), rewritten
     assert validate_instance(rewritten, ["a", 1]).valid
+
+
+OPEN = {"properties": {"a": {"type": "integer"}, "b": {}, "foo": False}}
+CLOSED = {**OPEN, "additionalProperties": False}
+PROPERTY_COUNTS = [
+    {**OPEN, "minProperties": 1},
+    {**OPEN, "minProperties": 2, "required": ["a"]},
+    {**OPEN, "minProperties": 3},
+    {**OPEN, "maxProperties": 1},
+    {**OPEN, "maxProperties": 2, "minProperties": 1, "required": ["b"]},
+    {**CLOSED, "minProperties": 1},
+    {**CLOSED, "minProperties": 3},
+    {**CLOSED, "maxProperties": 1},
+    {**CLOSED, "maxProperties": 0, "minProperties": 0},
+    {**CLOSED, "maxProperties": 1, "required": ["a", "b"], "type": ["object", "string"]},
+    {**OPEN, "patternProperties": {"^x": {}}, "additionalProperties": False, "minProperties": 2},
+    {"type": "object", "properties": {n: {} for n in NAMES[:4]}, "minProperties": 2},
+    {"type": "object", "properties": {"a": {}, "b": {}}, "propertyNames": False},
+]
+
+
+def _counted_with_optional(schema: Any) -> list[Any]:
+    """Nodes with a property count next to a listed name that is neither required nor false:
+    the shape llguidance refuses."""
+    out = []
+    for node in walk(schema):
+        counted = isinstance(node.schema, dict) and (
+            "minProperties" in node.schema or "maxProperties" in node.schema
+        )
+        if counted:
+            required = set(node.schema.get("required", []))
+            listed = node.schema.get("properties", {})
+            if any(n not in required and s is not False for n, s in listed.items()):
+                out.append(node.schema)
+    return out
+
+
+@pytest.mark.parametrize(
+    "schema", PROPERTY_COUNTS, ids=[json.dumps(s)[:60] for s in PROPERTY_COUNTS]
+)
+def test_property_counts_over_optional_names_become_branches(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert _counted_with_optional(rewritten) == [], rewritten
+    assert mismatches(schema, rewritten, 800) == []
+
+
+def test_property_counts_past_the_branch_limit_are_left_alone() -> None:
+    many = {"properties": {f"p{i}": {} for i in range(20)}, "minProperties": 3}
+    assert rewrite(many)["minProperties"] == 3
