@@ -26,6 +26,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
   schema matching everything or nothing, ``maxContains < minContains``) → ``items`` /
   ``minItems`` / ``maxItems`` / ``type`` (:mod:`contains`);
+- ``patternProperties`` matching every name or a single name → ``additionalProperties`` /
+  ``properties`` (:mod:`pattern_properties`), so that the rest are disjoint for llguidance;
 - ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
   ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
 - ``minProperties`` / ``maxProperties`` next to optional listed properties → ``anyOf`` of
@@ -58,9 +60,10 @@ from espalier.constrained.schema.logic import (
     without,
 )
 from espalier.constrained.schema.one_of import rewrite_one_of
+from espalier.constrained.schema.pattern_properties import rewrite_pattern_properties
 from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
-from espalier.constrained.schema.refs import prune_unused_defs
+from espalier.constrained.schema.refs import inline_boolean_refs, prune_unused_defs
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
 from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
@@ -99,7 +102,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     if isinstance(out, dict):
         out.pop("$schema", None)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
-    return prune_unused_defs(filter_enums(out, annotations_matter=ctx.annotations_matter))
+    out = filter_enums(out, annotations_matter=ctx.annotations_matter)
+    return prune_unused_defs(inline_boolean_refs(out))
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
@@ -112,6 +116,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = _format(node)
     if ctx.annotations_matter:
         return node
+    if "patternProperties" in node:
+        node = rewrite_pattern_properties(node)
     if "propertyNames" in node:
         node = rewrite_property_names(node)
     if node.get("uniqueItems") is True:

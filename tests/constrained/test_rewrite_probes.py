@@ -710,3 +710,47 @@ def test_property_counts_over_optional_names_become_branches(schema: Any) -> Non
 def test_property_counts_past_the_branch_limit_are_left_alone() -> None:
     many = {"properties": {f"p{i}": {} for i in range(20)}, "minProperties": 3}
     assert rewrite(many)["minProperties"] == 3
+
+
+BOOLEAN_REFS = [
+    {"properties": {"a": {"$ref": "#/$defs/no"}, "b": {"$ref": "#/$defs/yes"}},
+     "$defs": {"no": False, "yes": True}},
+    {"patternProperties": {"^a": {"$ref": "#/$defs/no"}}, "items": {"$ref": "#/$defs/no"},
+     "$defs": {"no": False}},
+    {"anyOf": [{"$ref": "#/$defs/via"}, {"type": "string"}],
+     "$defs": {"via": {"$ref": "#/$defs/no"}, "no": False}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", BOOLEAN_REFS, ids=[json.dumps(s)[:60] for s in BOOLEAN_REFS])
+def test_refs_to_boolean_defs_become_the_boolean(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "$ref" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+PATTERN_PROPERTIES = [
+    {"patternProperties": {".*": {"type": "integer"}, "^a": {"minimum": 1}}},
+    {"properties": {"b": {"maximum": 5}}, "additionalProperties": False,
+     "patternProperties": {"": {"type": "integer"}, "^x": {"minimum": 1}, "a": {"const": 7}}},
+    {"patternProperties": {"^foo$": {"type": "string"}, "o": {"const": "foo"}, "^a$": False}},
+    {"properties": {"foo": {"minLength": 2}}, "additionalProperties": {"type": "null"},
+     "patternProperties": {"^foo$": {"type": "string"}, "^f": {"maxLength": 3}}},
+    {"patternProperties": {"^.*": {"type": ["integer", "string"]}, "^x1$": {"type": "string"},
+                           "1": {"minLength": 2}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schema", PATTERN_PROPERTIES, ids=[json.dumps(s)[:60] for s in PATTERN_PROPERTIES]
+)
+def test_universal_and_single_name_patterns_leave_the_pattern_properties(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    patterns = rewritten.get("patternProperties", {})
+    assert len(patterns) < len(schema["patternProperties"]), rewritten
+    assert mismatches(schema, rewritten, 800) == []
+
+
+def test_patterns_of_other_shapes_are_left_alone() -> None:
+    schema = {"patternProperties": {"a": {"type": "integer"}, "^b$|c": {"minimum": 1}}}
+    assert rewrite(schema) == schema
