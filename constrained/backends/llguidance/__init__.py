@@ -150,8 +150,10 @@ class Backend:
             name = _unsatisfiable_def(message) if spec.kind is GrammarKind.JSON_SCHEMA else None
             if name == "" and "Regex is empty" not in message:
                 raise EmptyLanguageError(spec.kind.value, f"no JSON value matches: {message}")
+            if not name:
+                break
             source = source or self.options.json_source(spec, NAME)
-            schema = json.loads(source) if name else None
+            schema = json.loads(source)
             defs = schema.get("$defs") if isinstance(schema, dict) else None
             if not isinstance(defs, dict) or defs.get(name, False) is False:
                 break
