@@ -33,6 +33,7 @@ import referencing.exceptions
 import referencing.jsonschema
 
 from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.schema.logic import deref
 from espalier.constrained.schema.walk import DRAFT_7, dialect_of, map_subschemas, walk
 
 # Keywords that read their siblings in the same schema object: merging a $ref target into its
@@ -296,6 +297,22 @@ def prune_unused_defs(schema: Any) -> Any:
         todo.extend(more)
     kept = {name: sub for name, sub in defs.items() if name in seen}
     return {**body, "$defs": kept} if kept else body
+
+
+def inline_boolean_refs(schema: Any) -> Any:
+    """``schema`` with each lone ``{"$ref": "#/$defs/x"}`` whose target is ``true`` / ``false``
+    replaced by that boolean (llguidance refuses a ref to ``false``: "schema is false")."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
+        return schema
+    defs: dict[str, Any] = schema["$defs"]
+
+    def inline(node: Any, pointer: str) -> Any:
+        target = deref(node, defs)
+        if isinstance(target, bool) and target is not node:
+            return target
+        return map_subschemas(node, pointer, inline) if isinstance(node, dict) else node
+
+    return inline(schema, "")
 
 
 def _def_targets(node: Any) -> set[str] | None:

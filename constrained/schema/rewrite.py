@@ -26,8 +26,12 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
   schema matching everything or nothing, ``maxContains < minContains``) → ``items`` /
   ``minItems`` / ``maxItems`` / ``type`` (:mod:`contains`);
+- ``patternProperties`` matching every name or a single name → ``additionalProperties`` /
+  ``properties`` (:mod:`pattern_properties`), so that the rest are disjoint for llguidance;
 - ``propertyNames`` saying one thing (pattern, lengths, names) → ``patternProperties`` /
   ``properties`` and ``additionalProperties: false`` (:mod:`property_names`);
+- ``minProperties`` / ``maxProperties`` next to optional listed properties → ``anyOf`` of
+  branches on which of them are present (:mod:`property_counts`), last, everywhere;
 - ``dependentRequired`` / ``dependentSchemas`` → ``anyOf`` of "property absent"
   (``properties: {p: false}``) and "present and ..." branches;
 - ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
@@ -56,8 +60,10 @@ from espalier.constrained.schema.logic import (
     without,
 )
 from espalier.constrained.schema.one_of import rewrite_one_of
+from espalier.constrained.schema.pattern_properties import rewrite_pattern_properties
+from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
-from espalier.constrained.schema.refs import prune_unused_defs
+from espalier.constrained.schema.refs import inline_boolean_refs, prune_unused_defs
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
 from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
@@ -91,10 +97,13 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
         defs=defs if isinstance(defs, dict) else {},
     )
     out = _rewrite(schema, "", ctx)
+    if not ctx.annotations_matter:  # last: counts that complements wrote are rewritten too
+        out = _map_tree(out, lambda node: rewrite_property_counts(node, ctx.defs))
     if isinstance(out, dict):
         out.pop("$schema", None)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
-    return prune_unused_defs(filter_enums(out, annotations_matter=ctx.annotations_matter))
+    out = filter_enums(out, annotations_matter=ctx.annotations_matter)
+    return prune_unused_defs(inline_boolean_refs(out))
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
@@ -107,6 +116,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = _format(node)
     if ctx.annotations_matter:
         return node
+    if "patternProperties" in node:
+        node = rewrite_pattern_properties(node)
     if "propertyNames" in node:
         node = rewrite_property_names(node)
     if node.get("uniqueItems") is True:

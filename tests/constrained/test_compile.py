@@ -11,6 +11,7 @@ import pytest
 from espalier.constrained.compile import compile_grammar, prepare_schema
 from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import (
+    EmptyLanguageError,
     InvalidGrammarError,
     SchemaNotEnforceableError,
     UnknownBackendError,
@@ -242,3 +243,58 @@ def test_refusals_name_the_reasons_of_the_backend_tried(toy_tokenizer: Any) -> N
         "the reasons of 'llguidance'" in messages["auto"]
         and "'patternProperties'" not in messages["auto"]
     )
+
+
+def test_property_counts_over_optional_names_compile_on_llguidance(toy_tokenizer: Any) -> None:
+    """llguidance refuses min/maxProperties next to optional listed names; the rewrite
+    (schema/property_counts.py) makes them branches it counts."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "minProperties": 1,
+        "maxProperties": 2,
+    }
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    for value in ({}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"c": 3}, {"a": 1, "c": 3},
+                  {"a": 1, "b": 2, "c": 3}, {"c": 1, "d": 2, "e": 3}):  # fmt: skip
+        assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid
+
+
+def test_empty_defs_reached_optionally_compile_on_llguidance(toy_tokenizer: Any) -> None:
+    """llguidance refuses a schema when a ``$defs`` entry it reaches has no instance, even
+    through an optional property: the entry is compiled as ``false`` instead; a root with no
+    instance is an EmptyLanguageError."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/never"}, "b": {"type": "integer"}},
+        "$defs": {
+            "never": {"type": "object", "oneOf": [{"type": "string"}, {"enum": ["x", "y"]}]},
+        },
+    }
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    for value in ({}, {"b": 1}, {"a": {}}, {"a": "x"}, {"b": "1"}):
+        assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid
+    required = {**schema, "required": ["a"]}
+    with pytest.raises(EmptyLanguageError):
+        compile_grammar(GrammarSpec.json_schema(required), toy_tokenizer)
+
+
+def test_overlapping_pattern_properties_of_every_or_one_name_compile_on_llguidance(
+    toy_tokenizer: Any,
+) -> None:
+    """llguidance refuses patternProperties that may match one name; a pattern matching every
+    name or a single one is taken out (schema/pattern_properties.py)."""
+    schema = {
+        "type": "object",
+        "patternProperties": {
+            ".*": {"type": "integer"},
+            "^a": {"minimum": 1},
+            "^ab$": {"maximum": 5},
+        },
+    }
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    for value in ({}, {"a": 1}, {"a": 0}, {"b": 0}, {"b": "x"}, {"ab": 5}, {"ab": 6}, {"ab": 0}):
+        assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid

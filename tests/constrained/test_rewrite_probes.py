@@ -661,3 +661,96 @@ def test_keywords_read_with_siblings_are_implied_only_with_them() -> None:
     rewritten = rewrite(schema)
     assert "not" in keywords(rewritten), rewritten
     assert validate_instance(rewritten, ["a", 1]).valid
+
+
+OPEN = {"properties": {"a": {"type": "integer"}, "b": {}, "foo": False}}
+CLOSED = {**OPEN, "additionalProperties": False}
+PROPERTY_COUNTS = [
+    {**OPEN, "minProperties": 1},
+    {**OPEN, "minProperties": 2, "required": ["a"]},
+    {**OPEN, "minProperties": 3},
+    {**OPEN, "maxProperties": 1},
+    {**OPEN, "maxProperties": 2, "minProperties": 1, "required": ["b"]},
+    {**CLOSED, "minProperties": 1},
+    {**CLOSED, "minProperties": 3},
+    {**CLOSED, "maxProperties": 1},
+    {**CLOSED, "maxProperties": 0, "minProperties": 0},
+    {**CLOSED, "maxProperties": 1, "required": ["a", "b"], "type": ["object", "string"]},
+    {**OPEN, "patternProperties": {"^x": {}}, "additionalProperties": False, "minProperties": 2},
+    {"type": "object", "properties": {n: {} for n in NAMES[:4]}, "minProperties": 2},
+    {"type": "object", "properties": {"a": {}, "b": {}}, "propertyNames": False},
+]
+
+
+def _counted_with_optional(schema: Any) -> list[Any]:
+    """Nodes with a property count next to a listed name that is neither required nor false:
+    the shape llguidance refuses."""
+    out = []
+    for node in walk(schema):
+        counted = isinstance(node.schema, dict) and (
+            "minProperties" in node.schema or "maxProperties" in node.schema
+        )
+        if counted:
+            required = set(node.schema.get("required", []))
+            listed = node.schema.get("properties", {})
+            if any(n not in required and s is not False for n, s in listed.items()):
+                out.append(node.schema)
+    return out
+
+
+@pytest.mark.parametrize(
+    "schema", PROPERTY_COUNTS, ids=[json.dumps(s)[:60] for s in PROPERTY_COUNTS]
+)
+def test_property_counts_over_optional_names_become_branches(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert _counted_with_optional(rewritten) == [], rewritten
+    assert mismatches(schema, rewritten, 800) == []
+
+
+def test_property_counts_past_the_branch_limit_are_left_alone() -> None:
+    many = {"properties": {f"p{i}": {} for i in range(20)}, "minProperties": 3}
+    assert rewrite(many)["minProperties"] == 3
+
+
+BOOLEAN_REFS = [
+    {"properties": {"a": {"$ref": "#/$defs/no"}, "b": {"$ref": "#/$defs/yes"}},
+     "$defs": {"no": False, "yes": True}},
+    {"patternProperties": {"^a": {"$ref": "#/$defs/no"}}, "items": {"$ref": "#/$defs/no"},
+     "$defs": {"no": False}},
+    {"anyOf": [{"$ref": "#/$defs/via"}, {"type": "string"}],
+     "$defs": {"via": {"$ref": "#/$defs/no"}, "no": False}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", BOOLEAN_REFS, ids=[json.dumps(s)[:60] for s in BOOLEAN_REFS])
+def test_refs_to_boolean_defs_become_the_boolean(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert "$ref" not in keywords(rewritten), rewritten
+    assert mismatches(schema, rewritten, 600) == []
+
+
+PATTERN_PROPERTIES = [
+    {"patternProperties": {".*": {"type": "integer"}, "^a": {"minimum": 1}}},
+    {"properties": {"b": {"maximum": 5}}, "additionalProperties": False,
+     "patternProperties": {"": {"type": "integer"}, "^x": {"minimum": 1}, "a": {"const": 7}}},
+    {"patternProperties": {"^foo$": {"type": "string"}, "o": {"const": "foo"}, "^a$": False}},
+    {"properties": {"foo": {"minLength": 2}}, "additionalProperties": {"type": "null"},
+     "patternProperties": {"^foo$": {"type": "string"}, "^f": {"maxLength": 3}}},
+    {"patternProperties": {"^.*": {"type": ["integer", "string"]}, "^x1$": {"type": "string"},
+                           "1": {"minLength": 2}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schema", PATTERN_PROPERTIES, ids=[json.dumps(s)[:60] for s in PATTERN_PROPERTIES]
+)
+def test_universal_and_single_name_patterns_leave_the_pattern_properties(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    patterns = rewritten.get("patternProperties", {})
+    assert len(patterns) < len(schema["patternProperties"]), rewritten
+    assert mismatches(schema, rewritten, 800) == []
+
+
+def test_patterns_of_other_shapes_are_left_alone() -> None:
+    schema = {"patternProperties": {"a": {"type": "integer"}, "^b$|c": {"minimum": 1}}}
+    assert rewrite(schema) == schema

@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import llguidance
 import numpy as np
@@ -60,7 +61,8 @@ from espalier.constrained.backends.llguidance.tree_walk import (
     walk_llguidance_py,
 )
 from espalier.constrained.compile_pool import InProcessLane
-from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.errors import EmptyLanguageError, InvalidGrammarError
+from espalier.constrained.schema.refs import inline_boolean_refs
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
@@ -75,6 +77,10 @@ ENCODE_CACHE_ENTRIES = 4096
 """Texts whose token ids the llguidance tokenizer callback remembers (cleared when full)."""
 _LARK_LOCATION = re.compile(r"^(?:at )?(\d+)\((\d+)\):", re.MULTILINE)
 _GBNF_LINE = re.compile(r"at line (\d+),")
+_UNSATISFIABLE = "Unsatisfiable schema"
+_WHILE_PROCESSING = re.compile(r"while processing (\S*)")
+_DEF_URI = re.compile(r"json-schema:///#/\$defs/([^/]+)")
+MAX_EMPTY_DEFS = 16  # $defs entries set to false before a schema is refused
 
 
 class Backend:
@@ -113,10 +119,7 @@ class Backend:
             return self._compile(spec)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        grammar = self.grammar_text(spec)
-        template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise _invalid(spec.kind, template.get_error())
+        grammar, template = self._template(spec)
         compiled = CompiledGrammar(
             spec,
             self.tokenizer,
@@ -130,6 +133,37 @@ class Backend:
         if self.native_slot is not None and self.native_slot.built() is not None:
             compiled.native_template()  # its own lexer warms here too, not in a first walk
         return compiled
+
+    def _template(self, spec: GrammarSpec) -> tuple[str, llguidance.LLMatcher]:
+        """The grammar text and its compiled matcher. llguidance compiles each ``$defs`` entry
+        a ref reaches and refuses the whole JSON schema when one has no instance
+        ("Unsatisfiable schema ... while processing #/$defs/x"), even when only an optional
+        property reaches it: that entry is then written ``false`` (the same language: it had no
+        instance) and the compile retried, up to MAX_EMPTY_DEFS times. Unsatisfiable at the root
+        (other than by its regex reasoning): no value matches (EmptyLanguageError)."""
+        grammar = self.grammar_text(spec)
+        source: str | None = None
+        for _ in range(MAX_EMPTY_DEFS + 1):
+            template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+            if not template.is_error():
+                return grammar, template
+            message = template.get_error()
+            name = _unsatisfiable_def(message) if spec.kind is GrammarKind.JSON_SCHEMA else None
+            if name == "" and "Regex is empty" not in message:
+                raise EmptyLanguageError(spec.kind.value, f"no JSON value matches: {message}")
+            if not name:
+                break
+            source = source or self.options.json_source(spec, NAME)
+            schema = json.loads(source)
+            defs = schema.get("$defs") if isinstance(schema, dict) else None
+            if not isinstance(defs, dict) or defs.get(name, False) is False:
+                break
+            defs[name] = False
+            source = json.dumps(inline_boolean_refs(schema), ensure_ascii=False)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                source, overrides=self._json_options()
+            )
+        raise _invalid(spec.kind, message)
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """The llguidance grammar (JSON text) for ``spec``; raises InvalidGrammarError."""
@@ -547,6 +581,20 @@ def _native_slot(tokenizer: TokenizerInfo, facts: VocabFacts) -> llg_native.Nati
         words, tokenizer.tokenizer_vocab_size, sorted(facts.excluded), sorted(facts.stops)
     )
     return llg_native.NativeTokenizerSlot(source, tables)
+
+
+def _unsatisfiable_def(message: str) -> str | None:
+    """The ``$defs`` entry an "Unsatisfiable schema" error names; "" for the root; None when
+    the error is another one."""
+    if not message.startswith(_UNSATISFIABLE):
+        return None
+    match = _WHILE_PROCESSING.search(message)
+    if match is None:
+        return ""
+    place = _DEF_URI.fullmatch(match.group(1))
+    if place is None:
+        return None
+    return unquote(place.group(1)).replace("~1", "/").replace("~0", "~")
 
 
 def _build_lltokenizer(tokenizer: TokenizerInfo, facts: VocabFacts) -> llguidance.LLTokenizer:

@@ -1,0 +1,81 @@
+"""Overlapping ``patternProperties`` made disjoint where no regex reasoning is needed.
+
+llguidance refuses ``patternProperties`` whose regexes may match a common name ("not
+disjoint"). Two kinds of regex need no intersection to take apart:
+
+- a regex matching *every* name (``.*``, ``^.*``, ``""``: a pattern is searched, and these
+  match the empty prefix): its schema ``U`` applies to every property, so it joins each
+  ``properties`` entry and each other pattern's schema (``allOf``), and becomes
+  ``additionalProperties`` (which it made dead: no name was left over for it);
+- a regex matching *one* name (``^MD5$``, ``^a\\.b$``: anchored, no operator): that name moves
+  to ``properties`` with the pattern's schema (``allOf`` with its entry there, if any). A listed
+  name still takes the schemas of the other patterns it matches, exactly as before.
+
+Each keeps the valid instances the same (JSON Schema applies every matching pattern and the
+``properties`` entry to a name; ``additionalProperties`` only to names none of them matches).
+Regexes of other shapes are left as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# searched, each matches the empty string at position 0: so every name
+_UNIVERSAL = frozenset({"", "^", ".*", "^.*", ".*?", "^.*?", "[\\s\\S]*", "^[\\s\\S]*"})
+_LITERAL = re.compile(r"\^((?:[^\\^$.|?*+()\[\]{}]|\\[\\^$.|?*+()\[\]{}/-])*)\$")
+
+
+def rewrite_pattern_properties(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with universal and single-name patterns taken out as above, or unchanged."""
+    patterns = node.get("patternProperties")
+    listed = node.get("properties", {})
+    if not isinstance(patterns, dict) or len(patterns) < 2 or not isinstance(listed, dict):
+        return node
+    universal = [p for p in patterns if p in _UNIVERSAL]
+    literal = {p: _literal(p) for p in patterns if p not in _UNIVERSAL}
+    singles = {p: name for p, name in literal.items() if name is not None}
+    if not universal and not singles:
+        return node
+    out = dict(node)
+    kept = {p: s for p, s in patterns.items() if p not in universal and p not in singles}
+    listed = dict(listed)
+    for pattern, name in singles.items():
+        listed[name] = (
+            _both(listed[name], patterns[pattern]) if name in listed else patterns[pattern]
+        )
+    if universal:
+        every = _all([patterns[p] for p in universal])
+        listed = {name: _both(schema, every) for name, schema in listed.items()}
+        kept = {p: _both(s, every) for p, s in kept.items()}
+        out["additionalProperties"] = every
+    if listed:
+        out["properties"] = listed
+    if kept:
+        out["patternProperties"] = kept
+    else:
+        out.pop("patternProperties")
+    return out
+
+
+def _literal(pattern: str) -> str | None:
+    """The one name ``pattern`` matches, or None when it may match others."""
+    match = _LITERAL.fullmatch(pattern)
+    if match is None:
+        return None
+    return re.sub(r"\\(.)", r"\1", match.group(1))
+
+
+def _both(a: Any, b: Any) -> Any:
+    if a is True or a == {}:
+        return b
+    if b is True or b == {}:
+        return a
+    return {"allOf": [a, b]}
+
+
+def _all(schemas: list[Any]) -> Any:
+    out: Any = True
+    for schema in schemas:
+        out = _both(out, schema)
+    return out
