@@ -79,6 +79,9 @@ class ClosingPaths:
         self.blank: frozenset[int] = tokenizer.backend_view(
             "espalier.engine.closing.blank_ids", _blank_ids
         )
+        from espalier.engine.closing.backtrack import Backtracking  # it imports this module
+
+        self.fallback = Backtracking(self, tokenizer)  # where the greedy search finds none
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -86,7 +89,8 @@ class ClosingPaths:
         ``matcher`` itself is not changed (the search runs on a fork)."""
         if limit < 0:
             return None
-        return self.search(matcher.fork(), limit)
+        path = self.search(matcher.fork(), limit)
+        return path if path is not None else self.fallback.find(matcher, [], limit)
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
@@ -385,6 +389,8 @@ class BudgetCloser:
             if not probe.accept(token):
                 return None, memo  # the grammar rejects token: not for this policy to decide
             after = self.paths.search(probe, min(limit, SEARCH_LIMIT))  # on the probe itself
+            if after is None:
+                after = self.paths.fallback.find(matcher, [token], min(limit, SEARCH_LIMIT))
         if after is None and limit > SEARCH_LIMIT:  # not found that short: look again later
             slack = limit - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))
