@@ -20,7 +20,8 @@ choice) and differs at two kinds of choice:
 - **any other choice**, as one of at most :data:`DEPARTURES` departures per path from the
   greedy choice: the other candidates allowed, the lowest allowed whitespace token (a ``\\s`` in
   a pattern: the greedy takes whitespace last) and the lowest other allowed tokens (at most
-  :data:`ALTERNATIVES` in all). Keys after the first count as departures too.
+  :data:`ALTERNATIVES` in all), not inside a run of the greedy's choice (departing at its
+  start is that and shorter). Keys after the first count as departures too.
 
 A branch that chooses one token ``REPEAT_LIMIT`` times in a row (closers included) is
 dropped. Cost: at most :data:`NODES` grammar steps per call (a forced run, an accepted choice,
@@ -151,7 +152,7 @@ class _Search:
                     yield (min(k, 1), *self._shortened(probe, tokens, after))
                 return
         yield 0, [token], chosen
-        if departures:
+        if departures and (not path or path[-1] != token):  # a run departs at its start only
             for other in self._alternatives(probe, token):
                 child = probe.fork()
                 self.steps -= 1
