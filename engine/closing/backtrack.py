@@ -62,6 +62,7 @@ ALTERNATIVES = 4  # departures tried at one choice
 KEY_BRANCHES = 160  # a key trie node allowing more tokens than this: free text
 KEYS = 24  # more keys than this at one place are not listed (the greedy choice stands)
 KEY_BYTES = 64  # nor are keys longer than this
+SLACK = 2  # paths up to this many times the limit are searched (then encoded shorter)
 MINIMAL_VALUES = ('""', "0", "null", "false", "[]", "{}")  # to see what may follow a key
 Option = tuple[int, list[int], "GrammarMatcher"]  # (departures it costs, tokens, matcher after)
 
@@ -88,7 +89,8 @@ class Backtracking:
         probe = matcher.fork()
         if probe.accept_tokens(prefix) != len(prefix):
             return None
-        return _Search(self, limit, prefix[-1:]).walk(probe, [], DEPARTURES)
+        search = _Search(self, limit, probe, prefix[-1:])
+        return search.walk(probe.fork(), [], DEPARTURES)
 
     def row(self) -> torch.Tensor:
         """This thread's scratch bitmask row (int32 ``[1, ceil(V/32)]``, CPU)."""
@@ -102,11 +104,15 @@ class _Search:
     """One :meth:`Backtracking.find` call: its limit, the steps it has left and the token
     before its start (``before``: none known)."""
 
-    def __init__(self, owner: Backtracking, limit: int, before: Sequence[int] = ()) -> None:
+    def __init__(
+        self, owner: Backtracking, limit: int, start: GrammarMatcher, before: Sequence[int] = ()
+    ) -> None:
         self.owner = owner
+        self.start = start  # the state the search starts from (not advanced)
         self.before = list(before)
         self.paths = owner.paths
         self.limit = limit
+        self.reach = SLACK * limit  # a path this long may still be written in fewer tokens
         self.steps = NODES
         self.quote: int = owner.paths.quote  # type: ignore[assignment]
 
@@ -114,9 +120,9 @@ class _Search:
         """A closing path from ``probe`` (advanced along the first branch) after ``path``:
         forced runs, then each option of :meth:`options` in turn, depth first."""
         while not probe.can_terminate():
-            if len(path) >= self.limit or self.steps <= 0:
+            if len(path) >= self.reach or self.steps <= 0:
                 return None
-            forced = probe.forced_tokens(self.limit - len(path))
+            forced = probe.forced_tokens(self.reach - len(path))
             taken = probe.accept_tokens(forced) if forced else 0
             self.steps -= 1
             if taken:
@@ -125,7 +131,7 @@ class _Search:
             if _run(path) >= REPEAT_LIMIT:
                 return None
             for cost, tokens, child in self.options(probe, path, departures):
-                if len(path) + len(tokens) > self.limit:
+                if len(path) + len(tokens) > self.reach:
                     continue
                 found = self.walk(child, [*path, *tokens], departures - cost)
                 if found is not None:
@@ -133,7 +139,24 @@ class _Search:
                 if self.steps <= 0:
                     break
             return None
-        return path
+        return self._written(path)
+
+    def _written(self, path: list[int]) -> list[int] | None:
+        """``path`` or the tokenizer's encoding of its text where the grammar takes that and it
+        is shorter (the masks' tokens are often shorter pieces: Github_ultra/o21380's closing
+        from its start state is 328 tokens as the walk takes them, 190 encoded); None when
+        neither fits the limit."""
+        text = b"".join(self.owner.token_bytes[t] for t in path)
+        try:
+            encoded = self.owner.encode(text.decode())
+        except UnicodeDecodeError:
+            encoded = path
+        self.steps -= 1
+        if len(encoded) < len(path):
+            probe = self.start.fork()
+            if probe.accept_tokens(encoded) == len(encoded) and probe.can_terminate():
+                path = encoded
+        return path if len(path) <= self.limit else None
 
     def options(self, probe: GrammarMatcher, path: list[int], departures: int) -> Iterator[Option]:
         """The choices at ``probe``'s state (``path``: the tokens the search took to reach it),
