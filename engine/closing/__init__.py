@@ -15,8 +15,9 @@ Outputs that finish on their own are untouched, token for token.
 grammar forces where it forces some (``forced_tokens``: required keys, ``":"``), else the first
 of a few closers and minimal JSON values that the grammar accepts (``"``, ``}``, ``]``, ``0``,
 ``null``, ..., then ``{`` and ``[``), else the lowest allowed token id that is not whitespace;
-at most ``limit`` tokens, or None when none is found that short (then nothing changes: the
-output may be cut, as without this policy).
+at most ``limit`` tokens. Where that walk finds none, a bounded search that chooses object keys
+and backtracks tries (``engine/closing/backtrack.py``); None when neither finds one that short
+(then nothing changes: the output may be cut, as without this policy).
 """
 
 from __future__ import annotations
