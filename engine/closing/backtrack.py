@@ -27,9 +27,10 @@ A branch that chooses one token ``REPEAT_LIMIT`` times in a row (closers include
 dropped. Cost: at most :data:`NODES` grammar steps per call (a forced run, an accepted choice,
 a trie node or a ranking check), each a few library calls (fork, accept, mask fill: µs to tens
 of µs with llguidance and Gemma's 262k vocabulary). Measured on this project's 2-core CPU under
-load: 60-80 ms CPU for a search that spends all its steps (Github_ultra/o21380, o80235: no
-document fits), 7-40 ms for those that find a path (Github_medium/o90224, Github_hard/o21330,
-JsonSchemaStore/ruleset_schema); the greedy search that failed first costs 10-28 ms there. It
+load: 60-100 ms CPU for a search that spends all its steps (Github_ultra/o80235: no document
+fits), 7-75 ms for those that find a path (Github_medium/o90224, Github_hard/o21330,
+Github_ultra/o21380, JsonSchemaStore/ruleset_schema); the greedy search that failed first costs
+6-47 ms there. It
 runs only where the greedy search returns None, and a decision where neither finds a path
 marks the request unclosable (no further checks). A count, not a clock, bounds it, so the
 result is a function of the state (decisions stay a function of the tokens). Exact: every
@@ -290,7 +291,7 @@ class _Search:
     def _shortened(
         self, probe: GrammarMatcher, tokens: list[int], after: GrammarMatcher
     ) -> tuple[list[int], GrammarMatcher]:
-        """A key's ``"`` and single-byte ``tokens`` from ``probe`` (``after``: the state after
+        """A key's ``"`` and its trie ``tokens`` from ``probe`` (``after``: the state after
         them) as the tokenizer writes the key, where the grammar takes that (fewer tokens)."""
         text = b"".join(self.owner.token_bytes[t] for t in tokens)
         try:
