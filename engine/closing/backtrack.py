@@ -153,7 +153,7 @@ class _Search:
         except UnicodeDecodeError:
             encoded = path
         self.steps -= 1
-        if len(encoded) < len(path):
+        if len(encoded) < len(path) and self.paths.stops.isdisjoint(encoded):
             probe = self.start.fork()
             if probe.accept_tokens(encoded) == len(encoded) and probe.can_terminate():
                 path = encoded
@@ -297,6 +297,8 @@ class _Search:
         try:
             encoded = self.owner.encode('"' + text.decode())
         except UnicodeDecodeError:
+            encoded = []
+        if not self.paths.stops.isdisjoint(encoded):  # text that spells a special token
             encoded = []
         child = probe.fork()
         self.steps -= 1
