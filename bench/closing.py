@@ -13,10 +13,12 @@ of 32: the states the GPU timeline's closing sees).
 
 One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls),
 decision ms per token and in searches (CPU time of the thread: on a shared machine far steadier
-than wall time), and a digest of every decision and memo. With
-``--anchor DIR`` the same replay runs first under that checkout's code (its ``.venv``, this
-script), then here; the last line has the time ratios and whether the digests are equal (the
-decisions must be: a function of the tokens).
+than wall time), a digest of every decision and memo, and one of the decisions before each
+instance's first greedy search that returned None (``greedy_digest``: where the fallback of
+``engine/closing/backtrack.py`` has not yet run). With ``--anchor DIR`` the same replay runs
+first under that checkout's code (its ``.venv``, this script), then here; the last line has the
+time ratios and whether the digests are equal (the decisions must be: a function of the
+tokens; a change to the fallback alone keeps ``greedy_decisions_equal``).
 
     .venv/bin/python bench/closing.py [--schemas 8] [--instances 40] [--streams FILE]
         [--reps 3] [--anchor /work/main]
@@ -71,14 +73,24 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
     # every search: ``search_after`` where this tree has it (native or Python), else ``search``
     name = "search_after" if hasattr(closing.ClosingPaths, "search_after") else "search"
     search = getattr(closing.ClosingPaths, name)
+    failed = [False]  # the greedy search returned None in this instance (the fallback's turn)
+    # where the tree has the fallback behind ``or_fallback``, the greedy answers pass through it
+    with_fallback = hasattr(closing.ClosingPaths, "or_fallback")
 
     def timed_search(self: Any, *args: Any) -> Any:
         started = time.thread_time()
+        found = None
         try:
-            return search(self, *args)
+            found = search(self, *args)
+            return found
         finally:
             searched[0] += 1
             searched[1] += time.thread_time() - started
+            if not with_fallback:  # the old trees: the greedy search's own None
+                if isinstance(found, tuple):  # search_after: (accepted, path)
+                    failed[0] = failed[0] or (found[0] and found[1] is None)
+                else:
+                    failed[0] = failed[0] or found is None
 
     setattr(closing.ClosingPaths, name, timed_search)
     in_python = [0]  # searches made in Python (no native search for the matcher, or a fallback)
@@ -90,42 +102,67 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
             return python_search(self, *args)
 
         closing.ClosingPaths.python_search_after = counted  # type: ignore[method-assign]
+    if with_fallback:
+        or_fallback = closing.ClosingPaths.or_fallback
+
+        def watched(self: Any, matcher: Any, token: Any, limit: int, answer: Any) -> Any:
+            failed[0] = failed[0] or (answer[0] and answer[1] is None)
+            return or_fallback(self, matcher, token, limit, answer)
+
+        closing.ClosingPaths.or_fallback = watched  # type: ignore[method-assign]
+    # a grammar's start path is searched once and kept: whether the greedy search failed then
+    start_failed: dict[int, bool] = {}
+    start_path = closing.BudgetCloser._start_path
+
+    def tracked_start_path(self: Any, compiled: Any, matcher: Any) -> Any:
+        before, failed[0] = failed[0], False
+        try:
+            return start_path(self, compiled, matcher)
+        finally:
+            start_failed[id(compiled)] = start_failed.get(id(compiled), False) or failed[0]
+            failed[0] = before or failed[0]
+
+    closing.BudgetCloser._start_path = tracked_start_path  # type: ignore[method-assign]
     closer = closing.BudgetCloser(tokenizer)
     for compiled, _, _ in pool[:1]:  # the C-API tokenizer (native walk and search) built first
         slot = getattr(compiled, "native_slot", None)
         if slot is not None:
             slot.wait()
 
-    def one_pass() -> tuple[float, int, str]:
-        digest = hashlib.sha256()
+    def one_pass() -> tuple[float, int, str, str]:
+        digest, greedy = hashlib.sha256(), hashlib.sha256()
         seconds = 0.0
         tokens_seen = 0
         for k, (compiled, tokens, max_tokens) in enumerate(pool):
             request = Request(f"r{k}", [1], SamplingParams(max_tokens=max_tokens), 0)
             request.compiled = compiled
             request.matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+            failed[0] = start_failed.get(id(compiled), False)
             for token in tokens:
                 started = time.thread_time()
                 path = closer.instead(request, token, stops, 1 << 20)
                 seconds += time.thread_time() - started
                 tokens_seen += 1
-                digest.update(repr((path, closer._memo.get(request.request_id))).encode())
+                decision = repr((path, closer._memo.get(request.request_id))).encode()
+                digest.update(decision)
+                if not failed[0]:  # the decisions before the first greedy None in the instance
+                    greedy.update(decision)
                 if path is not None:
                     break
                 request.output_ids.append(token)
                 assert request.matcher.accept(token)
             closer.forget(request.request_id)
-        return seconds, tokens_seen, digest.hexdigest()[:16]
+        return seconds, tokens_seen, digest.hexdigest()[:16], greedy.hexdigest()[:16]
 
     one_pass()  # first-use work (lexers, start paths) out of the timing
-    best: tuple[float, int, int, float, str] | None = None
+    best: tuple[float, int, int, float, str, str] | None = None
     for _ in range(reps):
         searched[0], searched[1], in_python[0] = 0, 0.0, 0
-        seconds, count, digest = one_pass()
+        seconds, count, digest, greedy_digest = one_pass()
         if best is None or seconds < best[0]:
-            best = (seconds, count, searched[0], searched[1], digest, in_python[0])
+            best = (seconds, count, searched[0], searched[1], digest, greedy_digest, in_python[0])
     assert best is not None
-    seconds, count, searches, search_s, digest, python_searches = best
+    seconds, count, searches, search_s, digest, greedy_digest, python_searches = best
     return {
         "instances": len(pool),
         "tokens": count,
@@ -139,6 +176,7 @@ def replay(schemas: int, instances: int, streams: str, reps: int) -> dict[str, A
         "search_ms_total": round(1e3 * search_s, 2),
         "decide_ms_total": round(1e3 * seconds, 2),
         "digest": digest,
+        "greedy_digest": greedy_digest,
     }
 
 
@@ -236,6 +274,7 @@ def main() -> None:
             {
                 "part": "closing_replay_ratio",
                 "decisions_equal": anchor["digest"] == ours["digest"],
+                "greedy_decisions_equal": anchor["greedy_digest"] == ours["greedy_digest"],
                 "decide_this_over_anchor": round(
                     ours["decide_ms_total"] / max(anchor["decide_ms_total"], 1e-9), 3
                 ),

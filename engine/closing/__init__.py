@@ -15,8 +15,9 @@ Outputs that finish on their own are untouched, token for token.
 grammar forces where it forces some (``forced_tokens``: required keys, ``":"``), else the first
 of a few closers and minimal JSON values that the grammar accepts (``"``, ``}``, ``]``, ``0``,
 ``null``, ..., then ``{`` and ``[``), else the lowest allowed token id that is not whitespace;
-at most ``limit`` tokens, or None when none is found that short (then nothing changes: the
-output may be cut, as without this policy).
+at most ``limit`` tokens. Where that walk finds none, a bounded search that chooses object keys
+and backtracks tries (``engine/closing/backtrack.py``); None when neither finds one that short
+(then nothing changes: the output may be cut, as without this policy).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class ClosingPaths:
             REPEAT_LIMIT,
             LOWEST_ALLOWED,
         )
+        from espalier.engine.closing.backtrack import Backtracking  # it imports this module
+
+        self.fallback = Backtracking(self, tokenizer)  # where the greedy search finds none
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -121,22 +125,41 @@ class ClosingPaths:
         """:meth:`search` from ``matcher``'s state after ``token`` (None: from here; ``matcher``
         is not changed): whether ``matcher`` accepts ``token``, and the path (None: none within
         ``limit``). Natively where the matcher's backend can (``native_closing``: the same
-        choices, the GIL released), else on a fork."""
+        choices, the GIL released), else on a fork; where that greedy search finds none,
+        :meth:`or_fallback`."""
         native = matcher.native_closing(token, limit)
         if native is not None:
             outcome = native.kind(self.rules, [native], 1)[0]
             if outcome is not FALLBACK:
-                return as_answer(outcome)
-        return self.python_search_after(matcher, token, limit)
+                return self.or_fallback(matcher, token, limit, as_answer(outcome))
+        return self.or_fallback(
+            matcher, token, limit, self.python_search_after(matcher, token, limit)
+        )
 
     def python_search_after(
         self, matcher: GrammarMatcher, token: int | None, limit: int
     ) -> tuple[bool, list[int] | None]:
-        """:meth:`search_after` in Python: :meth:`search` on a fork."""
+        """The greedy :meth:`search` after ``token``, in Python, on a fork (no fallback)."""
         probe = matcher.fork()
         if token is not None and not probe.accept(token):
             return False, None
         return True, self.search(probe, limit)
+
+    def or_fallback(
+        self,
+        matcher: GrammarMatcher,
+        token: int | None,
+        limit: int,
+        answer: tuple[bool, list[int] | None],
+    ) -> tuple[bool, list[int] | None]:
+        """``answer`` (the greedy search's, native or not), or, where it took ``token`` and found
+        no path, the bounded search that chooses object keys and backtracks
+        (``engine/closing/backtrack.py``): the one place every search's answer passes, so the
+        native batch (``batch.answer_all``) and the inline searches fall back alike."""
+        accepted, path = answer
+        if not accepted or path is not None or limit < 0:
+            return answer
+        return True, self.fallback.find(matcher, [] if token is None else [token], limit)
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.

@@ -74,7 +74,8 @@ def _advance(
 def _search_all(
     paths: ClosingPaths, calls: Mapping[K, SearchCall], threads: int
 ) -> dict[K, tuple[bool, list[int] | None] | BaseException]:
-    """``paths.search_after`` of every call: the native ones in one call per kind."""
+    """``paths.search_after`` of every call: the native ones in one call per kind, then
+    ``paths.or_fallback`` where the greedy search found no path."""
     answers: dict[K, tuple[bool, list[int] | None] | BaseException] = {}
     kinds: dict[Any, list[tuple[K, Any]]] = {}
     python: list[K] = []
@@ -103,6 +104,14 @@ def _search_all(
         call = calls[key]
         try:
             answers[key] = paths.python_search_after(call.matcher, call.token, call.limit)
+        except Exception as exc:
+            answers[key] = exc
+    for key, answer in answers.items():  # where the greedy search found none: the fallback
+        if isinstance(answer, BaseException):
+            continue
+        call = calls[key]
+        try:
+            answers[key] = paths.or_fallback(call.matcher, call.token, call.limit, answer)
         except Exception as exc:
             answers[key] = exc
     return answers
