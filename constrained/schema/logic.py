@@ -117,6 +117,8 @@ def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) ->
         return True
     if common == {"string"} and (strings_disjoint(a, b) or _patterns_disjoint(a, b)):
         return True  # e.g. anchored patterns whose first characters differ
+    if _no_member_matches(a, b, defs) or _no_member_matches(b, a, defs):
+        return True  # e.g. enum ["Door", "Window"] against pattern "(\\+)\\w+"
     if common is None or common - {"object"} or depth >= MAX_DEPTH:
         return False  # a non-object instance ignores properties/required: it may match both
     present = set().union(*(_required(s) for s in (a, b, context)))
@@ -136,6 +138,25 @@ def _patterns_disjoint(a: Any, b: Any) -> bool:
         s["pattern"] for s in (a, b) if isinstance(s, dict) and isinstance(s.get("pattern"), str)
     )
     return len(patterns) == 2 and patterns_meet(patterns) is False
+
+
+def _no_member_matches(finite: Any, other: Any, defs: Defs) -> bool:
+    """Whether ``finite`` allows a few values only (``const`` / ``enum``, up to 64) and the
+    post-validator finds none of them valid under ``other`` (refs against the root ``$defs``)."""
+    if not isinstance(finite, dict) or not (
+        "const" in finite or isinstance(finite.get("enum"), list)
+    ):
+        return False
+    members = [finite["const"]] if "const" in finite else finite["enum"]
+    if len(members) > 64:
+        return False
+    from espalier.constrained.postvalidate import schema_validator
+
+    try:
+        validator = schema_validator({"$defs": defs, "allOf": [other]})
+        return not any(validator.is_valid(m) for m in members)
+    except Exception:  # a pattern Python cannot compile, an unresolvable ref: no verdict
+        return False
 
 
 def _required(schema: Any) -> set[str]:

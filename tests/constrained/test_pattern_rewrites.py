@@ -51,6 +51,8 @@ SCHEMAS = [
     {"if": {"pattern": "^a"}, "then": {"maxLength": 2}, "else": {"minLength": 1}},
     {"type": "string", "not": {"anyOf": [{"pattern": "^a"}, {"pattern": "^b"}]}},
     {"oneOf": [{"pattern": r"^\d{2}$"}, {"pattern": r"^[a-f\d]{2}$"}]},
+    {"oneOf": [{"enum": ["a+", "b"]}, {"enum": ["x"]}, {"type": "string", "pattern": r"(\+)\w+"}]},
+    {"oneOf": [{"const": "a+b"}, {"type": "string", "pattern": r"(\+)\w+"}]},
 ]  # fmt: skip
 
 
