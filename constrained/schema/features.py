@@ -305,6 +305,8 @@ def may_match_escaped(pattern: str) -> bool:
     """Whether ``pattern`` may match a string holding a character JSON writes escaped (``"``,
     ``\\``, U+0000-U+001F) as the backends read it: exact by :mod:`regular`, True when it
     cannot read the pattern."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$"):
+        return True  # open at an end: any character may come there (no automaton needed)
     from espalier.constrained.schema.regular import patterns_meet
 
     return patterns_meet((pattern, _ESCAPED_BY_JSON), final_newline=False) is not False

@@ -148,11 +148,13 @@ class _Parser:
         if char == "\\":
             end = _escape_end(text, at)
             self.at = end
+            if end == at + 2 and not text[at + 1].isalnum():  # an escaped punctuation character
+                return Chars(((ord(text[at + 1]), ord(text[at + 1])),))
             return oracle_class(text[at:end])
         if char in "*+?":
             raise Unsupported(f"nothing to repeat at {at}")
         self.at += 1
-        return oracle_class(char)
+        return oracle_class(char) if char == "." else Chars(((ord(char), ord(char)),))
 
     def group(self) -> Alt:
         text, at = self.text, self.at
