@@ -53,6 +53,13 @@ SCHEMAS = [
     {"oneOf": [{"pattern": r"^\d{2}$"}, {"pattern": r"^[a-f\d]{2}$"}]},
     {"oneOf": [{"enum": ["a+", "b"]}, {"enum": ["x"]}, {"type": "string", "pattern": r"(\+)\w+"}]},
     {"oneOf": [{"const": "a+b"}, {"type": "string", "pattern": r"(\+)\w+"}]},
+    # left alone before the algebra (tests/constrained/test_rewrite_probes.py now uses lookaheads)
+    {"type": "object", "oneOf": [{"properties": {"a": {"pattern": "x"}}},
+                                 {"properties": {"a": {"pattern": "y"}}}]},
+    {"type": "string", "oneOf": [{"pattern": "^ab?c"}, {"pattern": "^a"}]},
+    {"type": "string", "oneOf": [{"pattern": "^a|^b"}, {"pattern": "^b"}]},
+    {"type": "string", "oneOf": [{"pattern": "a"}, {"pattern": "^b"}]},
+    {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]},
 ]  # fmt: skip
 
 
