@@ -22,6 +22,7 @@ Run the analysis on the schema the backend will see, i.e. after :func:`refs.reso
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -247,6 +248,8 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED  # probe "required-not-in-properties"
     if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
         return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
+    if keyword == "pattern" and _names_escaped_char(str(node["pattern"])):
+        return Support.WEAKENED  # read over the JSON text: "\\n" matches [\u005c]n (probe)
     if keyword == "multipleOf":
         value = node["multipleOf"]
         if types != {"integer"} or not (isinstance(value, int) or float(value).is_integer()):
@@ -292,6 +295,29 @@ def optional_group_repeats(pattern: str) -> bool:
     return False
 
 
+_ESCAPED_BY_JSON = '[\\u0000-\\u001f"\\\\]'  # the characters a JSON string writes escaped
+_NAMES_ESCAPED = re.compile(
+    r'\\\\|\\u00[01][0-9a-fA-F]|\\u005[cC]|\\u0022|\\x[01]|\\x22|\\x5[cC]|"'
+)
+
+
+def may_match_escaped(pattern: str) -> bool:
+    """Whether ``pattern`` may match a string holding a character JSON writes escaped (``"``,
+    ``\\``, U+0000-U+001F) as the backends read it: exact by :mod:`regular`, True when it
+    cannot read the pattern."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$"):
+        return True  # open at an end: any character may come there (no automaton needed)
+    from espalier.constrained.schema.regular import patterns_meet
+
+    return patterns_meet((pattern, _ESCAPED_BY_JSON), final_newline=False) is not False
+
+
+def _names_escaped_char(pattern: str) -> bool:
+    """Whether ``pattern`` spells out such a character (xgrammar then matches it against the
+    escape's text) and may match it."""
+    return bool(_NAMES_ESCAPED.search(pattern)) and may_match_escaped(pattern)
+
+
 def _syntax(pattern: str) -> list[tuple[int, str]]:
     """``(index, char)`` of the regex characters outside escapes and ``[...]`` classes."""
     out = []
@@ -329,6 +355,8 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.IGNORED
     if kind == "string" and _string_groups(node) > 1:
         return Support.WEAKENED  # the sub-regexes are not intersected
+    if keyword == "pattern" and may_match_escaped(str(node["pattern"])):
+        return Support.WEAKENED  # read over the JSON text: "\\n" is two characters (probe)
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
     if keyword == "required" and required_outside_properties(node):

@@ -1,7 +1,8 @@
 """Reasoning about schemas as sets of instances: types, disjointness, complements.
 
 Used by :mod:`rewrite` to express ``not``, ``if/then/else`` and ``oneOf`` with keywords the
-backends enforce. Every function is exact or gives up (returns None / False): a schema built here
+backends enforce (a ``pattern``'s complement and two patterns' disjointness come from
+:mod:`regular`). Every function is exact or gives up (returns None / False): a schema built here
 matches exactly the instances its docstring says. ``defs`` is the root ``$defs`` after
 :func:`refs.resolve_refs`, so ``{"$ref": "#/$defs/<name>"}`` can be looked through.
 """
@@ -13,6 +14,7 @@ import re
 from typing import Any
 
 from espalier.constrained.schema.features import VOCABULARY
+from espalier.constrained.schema.regular import complement_pattern, patterns_meet
 from espalier.constrained.schema.string_prefix import strings_disjoint
 from espalier.constrained.schema.value_complement import json_type, values_complement
 
@@ -113,8 +115,10 @@ def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) ->
     va, vb = values_of(a, defs), values_of(b, defs)
     if va is not None and vb is not None and not va & vb:
         return True
-    if common == {"string"} and strings_disjoint(a, b):
+    if common == {"string"} and (strings_disjoint(a, b) or _patterns_disjoint(a, b)):
         return True  # e.g. anchored patterns whose first characters differ
+    if _no_member_matches(a, b, defs) or _no_member_matches(b, a, defs):
+        return True  # e.g. enum ["Door", "Window"] against pattern "(\\+)\\w+"
     if common is None or common - {"object"} or depth >= MAX_DEPTH:
         return False  # a non-object instance ignores properties/required: it may match both
     present = set().union(*(_required(s) for s in (a, b, context)))
@@ -126,6 +130,33 @@ def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) ->
         ):
             return True
     return False
+
+
+def _patterns_disjoint(a: Any, b: Any) -> bool:
+    """Whether the ``pattern``s of two schema objects match no common string (:mod:`regular`)."""
+    patterns = tuple(
+        s["pattern"] for s in (a, b) if isinstance(s, dict) and isinstance(s.get("pattern"), str)
+    )
+    return len(patterns) == 2 and patterns_meet(patterns) is False
+
+
+def _no_member_matches(finite: Any, other: Any, defs: Defs) -> bool:
+    """Whether ``finite`` allows a few values only (``const`` / ``enum``, up to 64) and the
+    post-validator finds none of them valid under ``other`` (refs against the root ``$defs``)."""
+    if not isinstance(finite, dict) or not (
+        "const" in finite or isinstance(finite.get("enum"), list)
+    ):
+        return False
+    members = [finite["const"]] if "const" in finite else finite["enum"]
+    if len(members) > 64:
+        return False
+    from espalier.constrained.postvalidate import schema_validator
+
+    try:
+        validator = schema_validator({"$defs": defs, "allOf": [other]})
+        return not any(validator.is_valid(m) for m in members)
+    except Exception:  # a pattern Python cannot compile, an unresolvable ref: no verdict
+        return False
 
 
 def _required(schema: Any) -> set[str]:
@@ -297,6 +328,11 @@ def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
             if negated is not False:
                 parts.append({"type": "object", "required": [name], "properties": {name: negated}})
         return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
+    if key == "pattern" and isinstance(value, str):
+        negated = complement_pattern(value)
+        if negated is None or negated is False:
+            return negated  # not expressible / every string matches
+        return {"type": "string"} if negated is True else {"type": "string", "pattern": negated}
     if key == "not":
         return value
     if key == "const":

@@ -76,6 +76,16 @@ PROBES: tuple[Probe, ...] = (
         ["aZ", "ax12Z"],
         ["a1Z", "a12Z", "axZ"],
     ),
+    # xgrammar and outlines-core match a pattern against the JSON text of the string: a pattern
+    # that can match an escaped character ("\\n" is two characters there) lets escapes through
+    _p(
+        "pattern-names-escaped-char",
+        "pattern",
+        {"type": "string", "pattern": "^[b-z]*\\\\n$"},
+        ["\\n", "b\\n"],
+        ["\n", "b\n"],
+    ),
+    _p("pattern-any-char", "pattern", {"type": "string", "pattern": "^.+$"}, ["x", "ab"], ["\n"]),
     _p("maximum", "maximum", {"type": "number", "maximum": 1.5}, [1.5, 1], [1.6, 30]),
     _p(
         "exclusiveMinimum",

@@ -1,0 +1,253 @@
+"""Complement and intersection of ``pattern`` languages, printed back as one anchored pattern.
+
+The languages come from :mod:`pattern_parse` (the post-validator's ``regex.search`` meaning).
+The code points are first split into the blocks no pattern involved tells apart (``\\w``'s ~700
+ranges become a few blocks), one symbol per block; :mod:`automaton` builds capped deterministic
+automata over those symbols (complement, intersection, minimisation) and :mod:`dfa_regex` turns
+the result back into an expression, which :func:`_class` spells in the subset the three
+backends read alike: ASCII letters and digits as themselves, every other character inside
+``[...]``; classes of explicit code point ranges (no ``\\d`` / ``\\w`` shorthands, whose
+meaning differs between engines; ASCII punctuation and non-printable BMP characters as
+``\\uXXXX``), ``(?:...)``, ``|``, ``*``, ``+``, ``?``, wrapped
+in ``^(?:...)$``. llguidance, xgrammar and outlines-core read such a ``^...$`` as a full match
+of the body (no trailing newline); the post-validator's ``$`` also takes one final newline,
+which :func:`_without_newline_twins` accounts for, so both readings stay within the language.
+
+Surrogate code points (U+D800-U+DFFF) are left out of every printed result: a backend cannot
+write one (UTF-8), so this narrows only strings no model can produce. Everything is bounded
+(:data:`MAX_POSITIONS` repeated atoms in the inputs, :data:`MAX_BUILT` states of any automaton,
+:data:`MAX_STATES` of the printed one, :data:`MAX_PRINTED` characters); past a bound the answer
+is None and the caller leaves the keyword as it was (strict mode refuses it, naming it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from espalier.constrained.schema.automaton import Dfa, TooBig, from_tree, minimal, product
+from espalier.constrained.schema.dfa_regex import spell, to_regex
+from espalier.constrained.schema.pattern_parse import (
+    ANY,
+    NEWLINE,
+    Alt,
+    Chars,
+    Node,
+    Repeat,
+    Unsupported,
+    search_language,
+)
+
+MAX_POSITIONS = 160  # atoms of the inputs with repetitions unrolled: bounds the automata built
+MAX_BUILT = 4_000  # states of any automaton built on the way
+MAX_STATES = 64  # of the minimal automaton printed (the expression grows with them)
+MAX_PRINTED = 20_000
+SURROGATES = Chars(((0xD800, 0xDFFF),))
+
+
+def complement_pattern(pattern: str) -> str | bool | None:
+    """A pattern matching exactly the strings ``pattern`` does not (``False``: no string;
+    ``True``: every string); None when not expressible within the bounds."""
+    return _combine((pattern,), negate=True)
+
+
+def intersect_patterns(patterns: tuple[str, ...]) -> str | bool | None:
+    """One pattern matching exactly the strings every one of ``patterns`` matches (``False``:
+    no string does; ``True``: every string); None when not expressible within the bounds."""
+    return _combine(patterns, negate=False)
+
+
+def patterns_meet(patterns: tuple[str, ...], final_newline: bool = True) -> bool | None:
+    """Whether some string matches every one of ``patterns``; None when they are not read."""
+    found = _language(patterns, False, final_newline)
+    return None if found is None else not found[0].empty()
+
+
+@functools.lru_cache(maxsize=512)
+def _language(
+    patterns: tuple[str, ...], negate: bool, final_newline: bool
+) -> tuple[Dfa, _Alphabet] | None:
+    """The minimal automaton of the intersection (of the complements, ``negate``) and its
+    alphabet; None when a pattern is not read or a bound is passed."""
+    try:
+        trees = [search_language(p, final_newline) for p in patterns]
+    except Unsupported:
+        return None
+    if sum(_positions(t) for t in trees) > MAX_POSITIONS:
+        return None
+    alphabet = _Alphabet([*_classes(trees), SURROGATES, NEWLINE])
+    try:
+        result = alphabet.dfa(Repeat(ANY, 0, None))
+        for tree in trees:
+            dfa = alphabet.dfa(tree)
+            result = minimal(product(result, dfa.complement() if negate else dfa, True, MAX_BUILT))
+    except TooBig:
+        return None
+    return result, alphabet
+
+
+@functools.lru_cache(maxsize=512)
+def _combine(patterns: tuple[str, ...], negate: bool) -> str | bool | None:
+    found = _language(patterns, negate, True)
+    if found is None:
+        return None
+    result, alphabet = found
+    if result.empty():
+        return False
+    if result.universal():
+        return True
+    try:
+        printed = _without_newline_twins(result, alphabet)
+        if printed is None:
+            return None
+        writable = alphabet.dfa(Repeat(alphabet.writable_chars(), 0, None))
+        printed = minimal(product(printed, writable, True, MAX_BUILT))
+    except TooBig:
+        return None
+    if printed.empty() or len(printed.delta) > MAX_STATES:
+        return None  # only surrogate strings, or too big to print
+    expression = to_regex(printed)
+    if expression is None:
+        return None
+    try:
+        body = spell(expression, lambda symbols: _class(alphabet.ranges(symbols)))
+    except Unsupported:
+        return None
+    return None if len(body) > MAX_PRINTED else f"^(?:{body})$"
+
+
+def _without_newline_twins(language: Dfa, alphabet: _Alphabet) -> Dfa | None:
+    """``L'`` = the strings ``s`` of ``language`` whose ``s + "\\n"`` is in it too, when
+    ``L' ∪ L'·"\\n"`` is ``language``; else None. The post-validator reads a printed
+    ``^(?:R)$`` as ``R ∪ R·"\\n"`` (its ``$`` takes a final newline) where the backends read
+    ``R``: printing ``L'`` gives ``language`` to the first and ``L' ⊆ language`` to the
+    others, so neither reading lets through a string outside ``language``."""
+    newline = alphabet.symbol(NEWLINE)
+    before_newline = Dfa(
+        language.delta,
+        frozenset(s for s, row in enumerate(language.delta) if row[newline] in language.finals),
+    )
+    twins = minimal(product(language, before_newline, True, MAX_BUILT))
+    # twins·"\n": the twins' states, flagged when the last symbol was a newline out of a final
+    size = len(twins.delta)
+    delta = tuple(
+        tuple(t + size * (symbol == newline and s in twins.finals) for symbol, t in enumerate(row))
+        for s, row in enumerate(twins.delta)
+    )
+    appended = Dfa(delta + delta, frozenset(range(size, 2 * size)))
+    union = product(twins, appended, False, MAX_BUILT)
+    same = (
+        product(union, language.complement(), True, MAX_BUILT).empty()
+        and product(language, union.complement(), True, MAX_BUILT).empty()
+    )
+    return twins if same else None
+
+
+def _positions(node: Node) -> int:
+    """Atoms with repetitions unrolled (an unbounded one counted once more than its minimum)."""
+    if isinstance(node, Chars):
+        return 1
+    if isinstance(node, Repeat):
+        times = max(node.low, 1) if node.high is None else max(node.high, 1)
+        return min(_positions(node.item) * times, 10 * MAX_POSITIONS)
+    assert isinstance(node, Alt)
+    return sum(_positions(n) for option in node.options for n in option)
+
+
+def _classes(trees: list[Alt]) -> list[Chars]:
+    out: list[Chars] = []
+
+    def visit(node: Node) -> None:
+        if isinstance(node, Chars):
+            out.append(node)
+        elif isinstance(node, Repeat):
+            visit(node.item)
+        elif isinstance(node, Alt):
+            for option in node.options:
+                for item in option:
+                    visit(item)
+
+    for tree in trees:
+        visit(tree)
+    return out
+
+
+class _Alphabet:
+    """The coarsest split of all code points into blocks that every class is a union of."""
+
+    def __init__(self, classes: list[Chars]) -> None:
+        distinct = list(dict.fromkeys(classes))
+        cuts = sorted(
+            {0, 0x110000} | {x for c in distinct for a, b in c.ranges for x in (a, b + 1)}
+        )
+        index = {cut: i for i, cut in enumerate(cuts)}
+        signatures: list[set[int]] = [set() for _ in range(len(cuts) - 1)]
+        for number, chars in enumerate(distinct):
+            for a, b in chars.ranges:
+                for piece in range(index[a], index[b + 1]):
+                    signatures[piece].add(number)
+        blocks: dict[frozenset[int], list[tuple[int, int]]] = {}
+        for piece, signature in enumerate(signatures):
+            blocks.setdefault(frozenset(signature), []).append((cuts[piece], cuts[piece + 1] - 1))
+        self.blocks = list(blocks.values())
+        self._symbols_of = {
+            chars: frozenset(i for i, sig in enumerate(blocks) if number in sig)
+            for number, chars in enumerate(distinct)
+        }
+
+    def writable_chars(self) -> Chars:
+        """Every block but the surrogates' (the alphabet always splits them off)."""
+        kept = [r for block in self.blocks for r in block if not 0xD800 <= r[0] <= 0xDFFF]
+        return Chars(tuple(sorted(kept)))
+
+    def dfa(self, node: Node) -> Dfa:
+        return from_tree(node, self.symbols, len(self.blocks), MAX_BUILT)
+
+    def symbols(self, chars: Chars) -> frozenset[int]:
+        """The blocks ``chars`` covers (every class seen at construction is a union of them)."""
+        known = self._symbols_of.get(chars)
+        if known is not None:
+            return known
+        return frozenset(i for i, block in enumerate(self.blocks) if _contains(chars, block[0][0]))
+
+    def symbol(self, chars: Chars) -> int:
+        """The one block of a class that is a block of its own (``NEWLINE``)."""
+        (symbol,) = self._symbols_of[chars]
+        return symbol
+
+    def ranges(self, symbols: frozenset[int]) -> list[tuple[int, int]]:
+        """The code point ranges of a set of blocks, merged, surrogates left out."""
+        picked = sorted(r for i in symbols for r in self.blocks[i] if not 0xD800 <= r[0] <= 0xDFFF)
+        merged: list[tuple[int, int]] = []
+        for a, b in picked:
+            if merged and merged[-1][1] + 1 == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
+
+
+def _contains(chars: Chars, code: int) -> bool:
+    return any(a <= code <= b for a, b in chars.ranges)
+
+
+def _class(ranges: list[tuple[int, int]]) -> str:
+    if not ranges:
+        raise Unsupported("an empty class (only surrogates) reached the printer")
+    if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
+        char = chr(ranges[0][0])
+        if char.isascii() and char.isalnum():
+            return char
+    body = "".join(
+        _class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}" for a, b in ranges
+    )
+    return f"[{body}]"
+
+
+def _class_char(code: int) -> str:
+    """ASCII letters and digits and printable non-ASCII characters as themselves, every other
+    BMP character as ``\\uXXXX`` (xgrammar misreads a range between escaped punctuation such
+    as ``\\[-\\^``)."""
+    char = chr(code)
+    if (char.isascii() and char.isalnum()) or (not char.isascii() and char.isprintable()):
+        return char
+    return f"\\u{code:04x}" if code < 0x10000 else char

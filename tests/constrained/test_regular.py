@@ -1,0 +1,166 @@
+"""The regular-language algebra over ``pattern`` (:mod:`regular`), against the ``regex`` oracle.
+
+For a pattern ``p`` and its complement ``c`` (or an intersection), on random strings: the
+post-validator's reading of ``c`` (``regex.search``) equals the computed language exactly, and
+the backends' reading (a full match of the ``^...$`` body) never takes a string outside it.
+Random patterns come from a small generator (literals, classes, ``\\d`` / ``\\w`` / ``\\s``,
+``.``, groups, alternations, ``* + ? {m,n}``, anchors); strings mix ASCII, Unicode digits and
+letters, newlines and an astral character.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import regex
+
+from espalier.constrained.schema.pattern_parse import Unsupported, search_language
+from espalier.constrained.schema.regular import complement_pattern, intersect_patterns
+
+CHARS = [*"ab1590+=.$/:{}-\\ _xZé", "\n", "\t", "\u0660", "\u2028", "\U0001d7ce", "😀"]
+
+
+def random_string(rng: random.Random, extra: str = "") -> str:
+    pool = CHARS + list(extra)
+    return "".join(rng.choice(pool) for _ in range(rng.randrange(9)))
+
+
+def random_pattern(rng: random.Random, depth: int = 0) -> str:
+    atoms = ["a", "b", "1", r"\d", r"\w", r"\s", r"\S", ".", "[a-c]", "[^a]", r"[\d.]", r"\+", "é"]
+    items = []
+    for _ in range(rng.randrange(1, 4)):
+        if depth < 2 and rng.random() < 0.2:
+            inner = "|".join(random_pattern(rng, depth + 1) for _ in range(rng.randrange(1, 3)))
+            atom = f"(?:{inner})"
+        else:
+            atom = rng.choice(atoms)
+        atom += rng.choice(["", "", "", "*", "+", "?", "{2}", "{1,3}", "{0,2}", "{2,}"])
+        items.append(atom)
+    body = "".join(items)
+    if depth == 0:
+        body = rng.choice(["", "^"]) + body + rng.choice(["", "$"])
+    return body
+
+
+def language_mismatches(
+    patterns: list[str], printed: str | bool, negate: bool, seed: int
+) -> list[str]:
+    """Random strings where ``printed`` disagrees with the language it stands for."""
+    rng = random.Random(seed)
+    extra = "".join(patterns)
+    out = []
+    for _ in range(600):
+        text = random_string(rng, extra)
+        inside = all(regex.search(p, text) for p in patterns)
+        wanted = not inside if negate else inside
+        if isinstance(printed, bool):
+            searched = full = printed
+        else:
+            searched = bool(regex.search(printed, text))
+            full = bool(regex.fullmatch(printed[1:-1], text))
+        if searched != wanted or (full and not wanted):
+            out.append(text)
+    return out
+
+
+HAND_PICKED = [
+    r"(\+)\w+", r"^[A-Fa-f\d]{4}$", r"^(\.\d+)+\.?$", "^a*$", r".*\{\{.+}}.*", r"^\./.+$",
+    "a5b", "(^[^5]*$)|7", "99", "^$", "$", "^", "", "a|", "(a|^b)", "(^a|b$)", "^(a|b)$",
+    r"^(?:[01]\d|2[0-3]):[0-5]\d$", r"^https?://.+$", "^([a-z][0-9])+$", r"(\$)", "x{2,3}y?",
+    "a{,2}b", "a{}", "[^=]+=.*", r"^\p{Lu}\w*$", r"\s\S", "é+$", "^.{2}$", r"[\]a-]", "[a-c-e]",
+    r"^\u00e9\x41$", r"^[^\n]+$", "(?P<name>ab)+c",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", HAND_PICKED)
+def test_complement_of_hand_picked_patterns(pattern: str) -> None:
+    printed = complement_pattern(pattern)
+    assert printed is not None, pattern
+    assert language_mismatches([pattern], printed, negate=True, seed=1) == []
+
+
+def test_complement_of_random_patterns() -> None:
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(60):
+        pattern = random_pattern(rng)
+        printed = complement_pattern(pattern)
+        if printed is None:
+            continue  # no exact spelling: the keyword stays refused
+        checked += 1
+        assert language_mismatches([pattern], printed, negate=True, seed=checked) == [], pattern
+    assert checked >= 40
+
+
+def test_intersection_of_random_pairs() -> None:
+    rng = random.Random(11)
+    checked = empty = 0
+    for _ in range(40):
+        pair = (random_pattern(rng), random_pattern(rng))
+        printed = intersect_patterns(pair)
+        if printed is None:
+            continue
+        checked += 1
+        empty += printed is False
+        assert language_mismatches(list(pair), printed, negate=False, seed=checked) == [], pair
+    assert checked >= 25
+
+
+@pytest.mark.parametrize(
+    ("patterns", "expected"),
+    [
+        (("^a$", "^b$"), False),
+        ((r"^\d+$", "^[a-z]"), False),
+        (("a", "b"), "some"),
+        ((r"^\w+$", "^x"), "some"),
+        (("", "."), "some"),
+    ],
+)
+def test_disjointness_is_decided(patterns: tuple[str, ...], expected: object) -> None:
+    printed = intersect_patterns(patterns)
+    assert (printed is False) == (expected is False), printed
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"(?=a)b", r"(?!a)b", r"(?<=a)b", r"(a)\1", r"\bword\b", "(?i)abc", "a*+", "a{2000}",
+     "[[:alpha:]]", r"a^b", r"(a$)b", r"(^a)*", "\\"],
+)  # fmt: skip
+def test_syntax_not_read_is_refused_not_guessed(pattern: str) -> None:
+    assert complement_pattern(pattern) is None
+
+
+def test_a_pattern_that_cannot_be_printed_within_bounds_is_refused_quickly() -> None:
+    start = time.monotonic()
+    assert complement_pattern("^[0-9a-zA-Z_-]{1,255}$") is None
+    assert complement_pattern("^(?:[a-f0-9]{2}:){40}$") is None  # states past the cap
+    assert complement_pattern("((c1d3g3).{4,8}){6,6}") is None  # subsets past the cap
+    assert time.monotonic() - start < 5
+
+
+def test_a_language_the_post_validator_cannot_read_back_is_refused() -> None:
+    """Strings of whitespace (``\\n`` included) have no complement ``^R$`` can spell: ``""`` is
+    in it, ``"\\n"`` is not, and ``$`` takes a final newline."""
+    assert complement_pattern(r"^\s+$") is None
+
+
+def test_unicode_classes_follow_the_oracle() -> None:
+    tree = search_language(r"^\d$")
+    assert tree.options  # parsed
+    printed = complement_pattern(r"^\d$")
+    assert isinstance(printed, str)
+    for digit in ("7", "\u0660", "\U0001d7ce"):  # ASCII, Arabic-Indic, mathematical bold
+        assert not regex.search(printed, digit) and regex.search(printed, digit + "x")
+    with pytest.raises(Unsupported):
+        search_language(r"(?<=x)y")
+
+
+def test_trivial_languages() -> None:
+    assert complement_pattern("") is False  # matches every string
+    assert intersect_patterns(("", "x|")) is True
+    # the oracle reads [^\s\S] as any character (a quirk of ``regex``), so its complement is
+    # {""}, which no "^R$" spells without also taking "\n" under the post-validator's "$"
+    assert complement_pattern(r"[^\s\S]") is None
+    assert intersect_patterns(("a", "b")) not in (None, True, False)
