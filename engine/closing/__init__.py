@@ -152,14 +152,20 @@ class ClosingPaths:
         limit: int,
         answer: tuple[bool, list[int] | None],
     ) -> tuple[bool, list[int] | None]:
-        """``answer`` (the greedy search's, native or not), or, where it took ``token`` and found
-        no path, the bounded search that chooses object keys and backtracks
+        """``answer`` (the greedy search's, native or not), or, where it found no path from the
+        current state (``token`` None: a grammar's start path, or the path a decision closes
+        with now), the bounded search that chooses object keys and backtracks
         (``engine/closing/backtrack.py``): the one place every search's answer passes, so the
-        native batch (``batch.answer_all``) and the inline searches fall back alike."""
+        native batch (``batch.answer_all``) and the inline searches fall back alike.
+
+        A search *after* a token does not fall back: a decision whose greedy search finds no
+        path after the token closes with the path it knows for the current state, so the
+        fallback (tens of ms of Python) runs only where a request would otherwise be cut
+        unclosed, not once per token of a grammar the greedy search cannot close."""
         accepted, path = answer
-        if not accepted or path is not None or limit < 0:
+        if not accepted or path is not None or limit < 0 or token is not None:
             return answer
-        return True, self.fallback.find(matcher, [] if token is None else [token], limit)
+        return True, self.fallback.find(matcher, [], limit)
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
