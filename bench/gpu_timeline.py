@@ -393,6 +393,7 @@ def install() -> Timeline:
         speculative = any(r.speculative.enabled for group in groups for r in group)
         head = {"part": "timeline", "constrained": constrained, "speculative": speculative}
         head |= {"requests": sum(len(g) for g in groups), "tok_per_s": round(out["tok_per_s"], 1)}
+        head |= {"tokens": out["tokens"], "seconds": round(out["seconds"], 4)}
         print(json.dumps(head | line.record()), flush=True)
         return out
 
