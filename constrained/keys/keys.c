@@ -93,7 +93,6 @@ typedef struct EspKeys {
     int32_t *found; int64_t found_cap; /* filter scratch */
     uint32_t *saved; int64_t saved_cap; /* filter scratch: a row before a number's cut */
     int failed;                        /* an allocation failed: sticky */
-    int refused_item;                  /* the last refused token completed a duplicate item */
 } EspKeys;
 
 /* ---- growth ------------------------------------------------------------------------------ */
@@ -362,16 +361,15 @@ static uint32_t put_number(EspKeys *k, uint32_t off) {
     return start;
 }
 
-/* The item [off, n_bytes) ends: 1 when it repeats an item of its array and strict (the caller
- * rolls the token back), else 0 (recorded, once). */
-static int close_item(EspKeys *k, uint32_t off, int strict) {
+/* The item [off, n_bytes) ends: 1 when it repeats an item of its array (the caller rolls the
+ * token back; strict or not: no instance with a duplicate item is ever accepted), else 0. */
+static int close_item(EspKeys *k, uint32_t off) {
     k->item = NO_ITEM;
     if (k->failed || !k->depth) return 0;
     Frame *top = &k->stack[k->depth - 1];
     uint32_t len = k->n_bytes - off;
     int seen = key_in(k, top->items, k->bytes + off, len);
-    if (seen && strict) { k->refused_item = 1; return 1; }
-    if (seen) return 0;
+    if (seen) return 1;
     save_slot(k, k->depth - 1);
     if (grow32((void **)&k->entries, &k->entries_cap, (int64_t)k->n_entries + 1, sizeof(KeyEntry))) {
         KeyEntry e = {top->items, off, len};
@@ -395,12 +393,12 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
         if (number_byte(b)) { put_byte(k, b); return 0; }
         uint32_t off = put_number(k, k->item_off + 1);
         if (k->failed || k->bytes[off] == 'X') k->item = NO_ITEM; /* not a number: no item */
-        else if (close_item(k, off, strict)) return 1;
+        else if (close_item(k, off)) return 1;
     } else if (k->item == LITERAL_ITEM) {
         uint32_t read = k->n_bytes - k->item_off - 1;
         if ((uint8_t)LITERALS[literal_index(k->bytes[k->item_off + 1])][read] == b) {
             put_byte(k, b);
-            return read + 1 == (uint32_t)k->lit_need ? close_item(k, k->item_off, strict) : 0;
+            return read + 1 == (uint32_t)k->lit_need ? close_item(k, k->item_off) : 0;
         }
         k->item = NO_ITEM; /* not a literal after all: no item (the grammar never writes it) */
     }
@@ -420,7 +418,7 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
             if (k->item == STRING_ITEM) {
                 put_utf8(k, k->high);
                 k->high = 0;
-                return close_item(k, k->item_off, strict);
+                return close_item(k, k->item_off);
             }
         } else {
             return close_key(k, strict);
@@ -514,12 +512,11 @@ static int advance(EspKeys *k, int64_t token, int strict) {
     k->marks[k->n_marks++] = m;
     int64_t len;
     const uint8_t *data = token_bytes(k->tables, token, &len);
-    k->refused_item = 0;
     for (int64_t i = 0; i < len && !k->failed; i++) {
         if (step_byte(k, data[i], strict)) { rollback(k, 1); return 0; }
     }
     if (k->failed) { rollback(k, 1); k->failed = 0; return -1; }
-    if (strict && in_taken_literal(k)) { rollback(k, 1); k->refused_item = 1; return 0; }
+    if (in_taken_literal(k)) { rollback(k, 1); return 0; }
     return 1;
 }
 
@@ -959,8 +956,8 @@ void espalier_keys_reset(EspKeys *k) {
 
 int64_t espalier_keys_accepted(const EspKeys *k) { return k->n_marks; }
 
-/* 1 accepted, 0 it completes a duplicate key (state unchanged), -1 out of memory. strict=0:
- * a duplicate goes through, the key counted once. */
+/* 1 accepted, 0 it completes a duplicate key or item (state unchanged), -1 out of memory. strict=0:
+ * a duplicate key goes through, counted once (a duplicate item never does). */
 int32_t espalier_keys_accept(EspKeys *k, int64_t token, int32_t strict) {
     return advance(k, token, strict);
 }
@@ -977,9 +974,6 @@ int64_t espalier_keys_accept_tokens(EspKeys *k, const int32_t *tokens, int64_t n
 }
 
 void espalier_keys_rollback(EspKeys *k, int64_t n) { rollback(k, n); }
-
-/* The last token accept refused completed a duplicate item (not a duplicate key). */
-int32_t espalier_keys_refused_item(const EspKeys *k) { return k->refused_item; }
 
 int32_t espalier_keys_filter_row(EspKeys *k, uint32_t *row, int64_t words) {
     return filter_row(k, row, words);

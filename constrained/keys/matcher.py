@@ -225,11 +225,9 @@ class UniqueKeysMatcher:
     def _accept_keys(self, token: int) -> bool:
         """Advance the tracker by ``token``; False when it completes a duplicate item, or a
         duplicate key and some other token is allowed (the dead-end rule: a row is never
-        emptied; an item is never let through, so no invalid instance is accepted)."""
+        emptied; the tracker never lets an item through, so no invalid instance is accepted)."""
         if self.keys.accept(token):
             return True
-        if self.keys.refused_item:
-            return False
         row = self._row
         if row is None:
             row = self._row = bm.allocate(1, self.inner.vocab_size, fill=0)

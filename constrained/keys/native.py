@@ -69,7 +69,6 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_accept": (i32, [vp, i64, i32]),
         "espalier_keys_accept_tokens": (i64, [vp, vp, i64]),
         "espalier_keys_rollback": (None, [vp, i64]),
-        "espalier_keys_refused_item": (i32, [vp]),
         "espalier_keys_filter_row": (i32, [vp, vp, i64]),
         "espalier_keys_filter_rows": (None, [vp, vp, i64, i64, i64, vp]),
         "espalier_keys_filter_tree": (i32, [vp, i64, vp, vp, vp, vp, i64, vp, vp, vp]),
@@ -211,8 +210,8 @@ class KeyTracker:
 
     def accept(self, token: int, *, strict: bool = True) -> bool:
         """Advance by ``token``'s bytes; False (state unchanged) when they complete a key
-        already in its object (or an item already in its unique array). ``strict=False``: it
-        goes through, counted once."""
+        already in its object, or an item already in its unique array. ``strict=False``: a
+        duplicate key goes through, counted once (a duplicate item never does)."""
         done = int(self._lib.espalier_keys_accept(self._h, token, int(strict)))
         if done < 0:
             raise MemoryError("key tracker")
@@ -227,11 +226,6 @@ class KeyTracker:
         if done < 0:
             raise MemoryError("key tracker")
         return done
-
-    @property
-    def refused_item(self) -> bool:
-        """The last token :meth:`accept` refused completed a duplicate item, not a key."""
-        return bool(self._lib.espalier_keys_refused_item(self._h))
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (all of them when fewer)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained.schema.logic import DEFS_PREFIX
+from espalier.constrained.schema.value_complement import json_type
 from espalier.constrained.schema.walk import child_schemas, map_subschemas
 
 MARK = "x-espalier-uniqueItems"
@@ -198,10 +199,10 @@ class _Analysis:
             kinds = [kinds]
         if isinstance(kinds, list) and kind not in kinds:
             return False
-        if "const" in node and _json_type(node["const"]) != kind:
+        if "const" in node and json_type(node["const"]) != kind:
             return False
         values = node.get("enum")
-        if isinstance(values, list) and all(_json_type(v) != kind for v in values):
+        if isinstance(values, list) and all(json_type(v) != kind for v in values):
             return False
         target = self._target(node)
         if target is not None and not self._admits(target, kind, depth + 1):
@@ -342,18 +343,6 @@ class _Analysis:
             if isinstance(node.get("allOf"), list):
                 stack.extend(node["allOf"])
         return out
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
 
 
 def _prefix(node: dict[str, Any]) -> list[Any]:
