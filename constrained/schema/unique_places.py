@@ -79,7 +79,8 @@ def mark_unique_items(schema: Any) -> Any:
     ``uniqueItems: true`` replaced by :data:`MARK` when :class:`Places` can follow them all
     (module docstring), else ``schema`` unchanged. Marks already in ``schema`` are dropped
     first: only this function places them."""
-    schema = _strip(schema, MARK)
+    if any(True for _ in _nodes_with(schema, MARK)):
+        schema = _strip(schema, MARK)
     if not any(True for _ in _nodes_with(schema, "uniqueItems")):
         return schema
     try:

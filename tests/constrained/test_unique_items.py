@@ -184,3 +184,21 @@ def test_a_mark_in_the_user_schema_is_dropped(toy_tokenizer: Any) -> None:
     compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
     assert MARK not in compiled.spec.source
     assert grammar_accepts(compiled, toy_tokenizer, '["a", "a"]')
+
+
+def test_a_structural_tags_schemas_keep_refusing_unique_items(toy_tokenizer: Any) -> None:
+    """A structural tag's matcher is not wrapped by the tracker: its uniqueItems stay refused."""
+    from espalier.constrained.structural_tag import structural_tag_spec
+
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<t>",
+            "content": {"type": "json_schema", "json_schema": STRINGS},
+            "end": "</t>",
+        },
+    }
+    with pytest.raises(SchemaNotEnforceableError) as caught:
+        compile_grammar(structural_tag_spec(tag), toy_tokenizer)
+    assert "uniqueItems" in {i.keyword for i in caught.value.issues}
