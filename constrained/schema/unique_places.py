@@ -224,6 +224,8 @@ class _Analysis:
     def _expand(self, base: frozenset[int], kind: str) -> list[dict[str, Any]]:
         """The schema objects that all apply to a value of ``kind`` at a place (module
         docstring); raises :class:`_Refused` where the place has no one answer."""
+        if not all(self._admits(n, kind) for n in self._conjuncts([self.nodes[i] for i in base])):
+            return []  # no value of this kind here: nothing to follow
         out: dict[int, dict[str, Any]] = {}
         stack = [self.nodes[i] for i in base]
         while stack:
