@@ -26,6 +26,7 @@ setup(
             sources=["constrained/keys/keys.c"],
             extra_compile_args=["-O2", "-pthread", "-std=c11", "-D_POSIX_C_SOURCE=200809L"],
             extra_link_args=["-pthread"],
+            libraries=["m"],
         ),
     ]
 )

@@ -69,8 +69,15 @@ def prepare_schema(
     schema: dict[str, Any] | bool,
     registry: referencing.Registry[Any] | None = None,
     backends: tuple[str, ...] = AUTO_ORDER,
+    *,
+    track_unique: bool = True,
 ) -> PreparedSchema:
-    """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError."""
+    """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError.
+
+    ``track_unique``: ``uniqueItems`` the key tracker can follow become its marks
+    (:func:`~espalier.constrained.schema.unique_places.mark_unique_items`; the matcher is then
+    wrapped by :func:`~espalier.constrained.keys.with_unique_keys`), so no backend refuses
+    them; False (a structural tag's schemas, whose matchers are not wrapped): left to refuse."""
     from espalier.constrained.schema.empty import unproductive_pointer
     from espalier.constrained.schema.features import backend_issues
     from espalier.constrained.schema.refs import resolve_refs
@@ -78,6 +85,10 @@ def prepare_schema(
 
     resolved = resolve_refs(schema, registry)
     prepared = normalize_schema(resolved.schema)
+    if track_unique:
+        from espalier.constrained.schema.unique_places import mark_unique_items
+
+        prepared = mark_unique_items(prepared)
     if prepared is False:
         raise EmptyLanguageError(
             "json_schema", "the schema matches no value at all (it is 'false')", pointer=""
@@ -117,7 +128,7 @@ def prepare_structural_tag(
     notes: list[str] = []
 
     def prepare(node: dict[str, Any], pointer: str) -> dict[str, Any]:
-        prepared = prepare_schema(node["json_schema"], registry, backends)
+        prepared = prepare_schema(node["json_schema"], registry, backends, track_unique=False)
         for name, found in prepared.issues.items():
             issues[name] += [
                 dataclasses.replace(i, pointer=f"{pointer}/json_schema{i.pointer}") for i in found

@@ -267,8 +267,11 @@ def serialize(data: Any) -> str:
 
 
 def grammar_accepts(compiled: Any, tokenizer: TokenizerInfo, text: str) -> bool:
-    """Whether a fresh matcher accepts the tokens of ``text`` and then a stop token."""
-    matcher = compiled.matcher()
+    """Whether a fresh matcher, wrapped as the engine wraps it (no repeated keys, unique items
+    where the schema wants them), accepts the tokens of ``text`` and then a stop token."""
+    from espalier.constrained.keys import with_unique_keys
+
+    matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
     for token in tokenizer.encode(text):
         if not matcher.accept(token):
             return False

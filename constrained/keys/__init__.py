@@ -1,4 +1,5 @@
-"""No JSON object repeats a key: a per-request key tracker over any backend's matcher.
+"""No JSON object repeats a key, no unique array repeats an item: a per-request tracker over
+any backend's matcher.
 
 The backends' JSON compilers emit each declared property at most once (declared properties come
 in declared order; additional keys may not equal a declared name), but keys that come from
@@ -11,6 +12,13 @@ in its object (the closing quote of the key string, wherever in the token it fal
 from the backend's row and rejected by ``accept``. Nothing else changes: the row is the backend's
 row minus exactly those tokens. The Python twin of the lexer and filters, the tests' oracle, is
 ``tests/fixtures/keys_twin.py``.
+
+Unique items (``docs/decisions/unique-items.md``): the same lexer follows the schema's places
+(:mod:`~espalier.constrained.schema.unique_places`: which arrays must hold unique items) and each
+such array's items, compared as ``jsonschema`` compares them; a token that would complete an
+item already in its array (a string's closing quote, the byte ending a number, a literal's last
+letter, or one that ends inside a literal already there) is removed and refused the same way,
+except that ``accept`` never lets a duplicate item through.
 
 Exactness: a key can still be extended or changed, so removing its duplicate completions leaves
 a way on, unless the grammar's key language is finite and exhausted (``propertyNames: {"enum":

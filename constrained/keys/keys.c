@@ -1,5 +1,6 @@
-/* The duplicate-key tracker in C: a JSON lexer over accepted token bytes, and the filter that
- * removes from bitmask rows the tokens that would complete a key already in its object.
+/* The duplicate-key and duplicate-item tracker in C: a JSON lexer over accepted token bytes, and
+ * the filter that removes from bitmask rows the tokens that would complete a key already in its
+ * object, or an item already in its array where the schema wants unique items (EspPlaces).
  *
  * Semantics are those of the Python twin (tests/fixtures/keys_twin.py: step, KeyState), byte for
  * byte, quirks included; tests/constrained/test_keys_native.py compares states, rows and tree
@@ -14,21 +15,28 @@
  * The filter simulates candidate tokens the same way (advance, then roll back), so one lexer
  * serves accept, rows and trees. A tracker is driven by one thread at a time (the matcher's).
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 1
+#define ESP_KEYS_ABI 2
 
 enum { ARRAY = 0, OBJECT = 1 };
+enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
 
-typedef struct { int32_t kind, expect_key, keys; } Frame; /* keys: last KeyEntry, -1 none */
+/* keys / items: last KeyEntry (-1 none); loc: this container's place (EspPlaces state, -1 none
+ * tracked); index: an array's items before the current one; vloc: an object's value place after
+ * its last key */
+typedef struct { int32_t kind, expect_key, keys, loc, index, vloc, items; } Frame;
+#define EMPTY_FRAME {0, 0, -1, -1, 0, -1, -1}
 typedef struct { int32_t prev; uint32_t off, len; } KeyEntry;
 typedef struct { int32_t slot; Frame old; } Undo;
 typedef struct {
-    int32_t in_key, in_value, esc_len, high, depth, n_entries;
-    uint32_t key_off, n_bytes;
+    int32_t in_key, in_value, esc_len, high, depth, n_entries, item, lit_need, expect_value;
+    uint32_t key_off, n_bytes, item_off;
     uint8_t esc[4];
     int64_t n_undo;
 } Mark;
@@ -45,12 +53,37 @@ typedef struct EspKeysTables {
     BytesMap by_run;    /* simulate tokens: each run between two quotes, and the prefix -> ids */
     int32_t *quote_ids, *simulate_ids, *always_ids;
     int64_t n_quote, n_simulate, n_always;
+    /* items: tokens that can complete a scalar item (a quote; a digit before a byte that ends a
+     * number; a whole true/false/null), tokens that start with a number byte and hold another
+     * (end a number being read), tokens that go on with a literal (by letters read), and one bit per
+     * token: its first byte continues a number (or it has no bytes) */
+    int32_t *item_ids, *numrun_ids, *lit_ids;
+    int64_t n_item, n_numrun, lit_start[3][6], lit_count[3][6];
+    uint32_t *numstart;
+    int64_t numstart_words;
 } EspKeysTables;
+
+/* Where arrays must hold unique items (constrained/schema/unique_places.py): a deterministic
+ * automaton over an instance's places. State s: unique[s] (an array here has unique items),
+ * object keys names[key_start[s] .. + key_count[s]) -> key_target, other keys -> key_default[s];
+ * array items at index i < prefix_count[s] -> prefix_target[prefix_start[s] + i], later ones ->
+ * item_default[s]. -1: no place below is tracked. Read-only, shared by trackers and forks. */
+typedef struct EspPlaces {
+    int32_t n_states;
+    uint8_t *unique;
+    int32_t *key_start, *key_count, *key_default, *prefix_start, *prefix_count, *item_default;
+    int32_t *key_target, *prefix_target;
+    int64_t *name_off;
+    int32_t *name_len;
+    uint8_t *names;
+} EspPlaces;
 
 typedef struct EspKeys {
     const EspKeysTables *tables;
-    int32_t in_key, in_value, esc_len, high;
-    uint32_t key_off;
+    const EspPlaces *places; /* NULL: keys only */
+    int32_t in_key, in_value, esc_len, high, item, lit_need;
+    int32_t expect_value; /* outside strings, a value may start here (after [ , : or at the root) */
+    uint32_t key_off, item_off; /* item_off: the item's bytes (a tag byte first) in the arena */
     uint8_t esc[4];
     Frame *stack; int32_t depth, stack_cap;
     KeyEntry *entries; int32_t n_entries, entries_cap;
@@ -58,6 +91,7 @@ typedef struct EspKeys {
     Undo *undo; int64_t n_undo, undo_cap;
     Mark *marks; int64_t n_marks, marks_cap;
     int32_t *found; int64_t found_cap; /* filter scratch */
+    uint32_t *saved; int64_t saved_cap; /* filter scratch: a row before a number's cut */
     int failed;                        /* an allocation failed: sticky */
 } EspKeys;
 
@@ -114,6 +148,11 @@ static void put_utf8(EspKeys *k, int32_t point) { /* Python: chr(point).encode(s
     }
 }
 
+static void put_point(EspKeys *k, int32_t point) { /* a \\u escape's character, NUL included */
+    if (point == 0) put_byte(k, 0);
+    else put_utf8(k, point);
+}
+
 static void put_char(EspKeys *k, uint8_t c) { /* Python: chr(c).encode() */
     if (c < 0x80) { put_byte(k, c); return; }
     put_byte(k, (uint8_t)(0xC0 | (c >> 6)));
@@ -122,18 +161,51 @@ static void put_char(EspKeys *k, uint8_t c) { /* Python: chr(c).encode() */
 
 static void save_slot(EspKeys *k, int32_t slot) {
     if (!grow((void **)&k->undo, &k->undo_cap, k->n_undo + 1, sizeof(Undo))) { k->failed = 1; return; }
-    Undo u = {slot, {0, 0, -1}};
+    Undo u = {slot, EMPTY_FRAME};
     if (slot < k->stack_cap) u.old = k->stack[slot];
     k->undo[k->n_undo++] = u;
 }
 
+/* ---- places ---------------------------------------------------------------------------------- */
+
+static int32_t key_place(const EspPlaces *p, int32_t loc, const uint8_t *key, uint32_t len) {
+    if (loc < 0) return -1;
+    for (int32_t i = p->key_start[loc], end = i + p->key_count[loc]; i < end; i++)
+        if ((uint32_t)p->name_len[i] == len && memcmp(p->names + p->name_off[i], key, len) == 0)
+            return p->key_target[i];
+    return p->key_default[loc];
+}
+
+static int32_t item_place(const EspPlaces *p, int32_t loc, int32_t index) {
+    if (loc < 0) return -1;
+    if (index < p->prefix_count[loc]) return p->prefix_target[p->prefix_start[loc] + index];
+    return p->item_default[loc];
+}
+
+/* The place of a value starting here (-1: untracked). */
+static int32_t value_place(const EspKeys *k) {
+    if (!k->places) return -1;
+    if (!k->depth) return 0;
+    const Frame *top = &k->stack[k->depth - 1];
+    if (top->loc < 0) return -1;
+    return top->kind == OBJECT ? top->vloc : item_place(k->places, top->loc, top->index);
+}
+
+/* The innermost container is an array whose items must be unique. */
+static int in_unique(const EspKeys *k) {
+    if (!k->places || !k->depth) return 0;
+    const Frame *top = &k->stack[k->depth - 1];
+    return top->kind == ARRAY && top->loc >= 0 && k->places->unique[top->loc];
+}
+
 static void push(EspKeys *k, int32_t kind) {
+    int32_t loc = value_place(k);
     if (!grow32((void **)&k->stack, &k->stack_cap, (int64_t)k->depth + 1, sizeof(Frame))) {
         k->failed = 1;
         return;
     }
     save_slot(k, k->depth);
-    Frame f = {kind, kind == OBJECT, -1};
+    Frame f = {kind, kind == OBJECT, -1, loc, 0, -1, -1};
     k->stack[k->depth++] = f;
 }
 
@@ -165,6 +237,7 @@ static int close_key(EspKeys *k, int strict) {
         }
     }
     top->expect_key = 0;
+    if (top->loc >= 0) top->vloc = key_place(k->places, top->loc, k->bytes + k->key_off, len);
     k->in_key = 0;
     k->high = 0;
     return 0;
@@ -179,7 +252,7 @@ static int hex_value(uint8_t c) {
 
 /* One byte after a backslash inside a string (Python: _escape). */
 static void escape_byte(EspKeys *k, uint8_t b) {
-    int put = k->in_key;
+    int put = k->in_key || k->item == STRING_ITEM;
     if (k->esc_len == 1 && b != 'u') {
         static const char simple_from[] = "bfnrt", simple_to[] = "\b\f\n\r\t";
         const char *at = b ? strchr(simple_from, b) : NULL;
@@ -211,27 +284,151 @@ static void escape_byte(EspKeys *k, uint8_t b) {
         if (put) put_utf8(k, 0x10000 + ((high - 0xD800) << 10) + (point - 0xDC00));
     } else {
         k->high = 0;
-        if (put) { put_utf8(k, high); put_utf8(k, point); }
+        if (put) { put_utf8(k, high); put_point(k, point); }
     }
+}
+
+/* ---- items ----------------------------------------------------------------------------------- */
+
+static const char *const LITERALS[3] = {"true", "false", "null"};
+
+static int literal_index(uint8_t first) { return first == 't' ? 0 : first == 'f' ? 1 : 2; }
+
+static int number_byte(uint8_t b) {
+    return (b >= '0' && b <= '9') || b == '-' || b == '+' || b == '.' || b == 'e' || b == 'E';
+}
+
+static int json_number(const uint8_t *s, uint32_t n, int *integer) {
+    uint32_t i = 0;
+    *integer = 1;
+    if (i < n && s[i] == '-') i++;
+    if (i < n && s[i] == '0') i++;
+    else if (i < n && s[i] >= '1' && s[i] <= '9') while (i < n && s[i] >= '0' && s[i] <= '9') i++;
+    else return 0;
+    if (i < n && s[i] == '.') {
+        *integer = 0;
+        if (++i >= n || s[i] < '0' || s[i] > '9') return 0;
+        while (i < n && s[i] >= '0' && s[i] <= '9') i++;
+    }
+    if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+        *integer = 0;
+        if (++i < n && (s[i] == '+' || s[i] == '-')) i++;
+        if (i >= n || s[i] < '0' || s[i] > '9') return 0;
+        while (i < n && s[i] >= '0' && s[i] <= '9') i++;
+    }
+    return i == n;
+}
+
+/* Append the canonical form of the number text [off, n_bytes) (Python's json.loads, compared
+ * as jsonschema compares: an integer literal is an exact int, any other a double; equal values
+ * give equal forms): 'I' + the exact decimal of an integral value ("-0" is "0"), 'F' + the
+ * double's 8 bytes, 'X' + the text when it is not a JSON number. Returns the form's offset. */
+static uint32_t put_number(EspKeys *k, uint32_t off) {
+    uint32_t n = k->n_bytes - off, start = k->n_bytes;
+    int integer;
+    if (!json_number(k->bytes + off, n, &integer)) {
+        put_byte(k, 'X');
+        for (uint32_t i = 0; i < n && !k->failed; i++) put_byte(k, k->bytes[off + i]);
+        return start;
+    }
+    if (integer) {
+        uint32_t i = k->bytes[off] == '-';
+        int zero = n - i == 1 && k->bytes[off + i] == '0';
+        put_byte(k, 'I');
+        if (i && !zero) put_byte(k, '-');
+        for (; i < n && !k->failed; i++) put_byte(k, k->bytes[off + i]);
+        return start;
+    }
+    char text[1100];
+    char *buf = n < sizeof text ? text : malloc((size_t)n + 1);
+    if (!buf) { k->failed = 1; return start; }
+    memcpy(buf, k->bytes + off, n);
+    buf[n] = 0;
+    double d = strtod(buf, NULL); /* correctly rounded, as Python's float() */
+    if (buf != text) free(buf);
+    if (isfinite(d) && d == floor(d)) {
+        char digits[400];
+        int len = snprintf(digits, sizeof digits, "%.0f", d); /* glibc: exact */
+        put_byte(k, 'I');
+        const char *at = strcmp(digits, "-0") == 0 ? "0" : digits;
+        for (int i = 0; at[i] && i < len; i++) put_byte(k, (uint8_t)at[i]);
+        return start;
+    }
+    uint8_t raw[8];
+    memcpy(raw, &d, 8);
+    put_byte(k, 'F');
+    for (int i = 0; i < 8; i++) put_byte(k, raw[i]);
+    return start;
+}
+
+/* The item [off, n_bytes) ends: 1 when it repeats an item of its array (the caller rolls the
+ * token back; strict or not: no instance with a duplicate item is ever accepted), else 0. */
+static int close_item(EspKeys *k, uint32_t off) {
+    k->item = NO_ITEM;
+    if (k->failed || !k->depth) return 0;
+    Frame *top = &k->stack[k->depth - 1];
+    uint32_t len = k->n_bytes - off;
+    int seen = key_in(k, top->items, k->bytes + off, len);
+    if (seen) return 1;
+    save_slot(k, k->depth - 1);
+    if (grow32((void **)&k->entries, &k->entries_cap, (int64_t)k->n_entries + 1, sizeof(KeyEntry))) {
+        KeyEntry e = {top->items, off, len};
+        k->entries[k->n_entries] = e;
+        top->items = k->n_entries++;
+    } else {
+        k->failed = 1;
+    }
+    return 0;
+}
+
+static void start_item(EspKeys *k, int32_t item, uint8_t tag) {
+    k->item = item;
+    k->item_off = k->n_bytes;
+    put_byte(k, tag);
 }
 
 /* 1: the byte completes a duplicate key (strict); the caller rolls back. */
 static int step_byte(EspKeys *k, uint8_t b, int strict) {
+    if (k->item == NUMBER_ITEM) {
+        if (number_byte(b)) { put_byte(k, b); return 0; }
+        uint32_t off = put_number(k, k->item_off + 1);
+        if (k->failed || k->bytes[off] == 'X') k->item = NO_ITEM; /* not a number: no item */
+        else if (close_item(k, off)) return 1;
+    } else if (k->item == LITERAL_ITEM) {
+        uint32_t read = k->n_bytes - k->item_off - 1;
+        if ((uint8_t)LITERALS[literal_index(k->bytes[k->item_off + 1])][read] == b) {
+            put_byte(k, b);
+            return read + 1 == (uint32_t)k->lit_need ? close_item(k, k->item_off) : 0;
+        }
+        k->item = NO_ITEM; /* not a literal after all: no item (the grammar never writes it) */
+    }
     if (k->in_key || k->in_value) {
         if (k->esc_len) {
             escape_byte(k, b);
         } else if (b == '\\') {
             k->esc_len = 1;
         } else if (b != '"') {
-            if (k->in_key) { put_utf8(k, k->high); put_byte(k, b); k->high = 0; }
+            if (k->in_key || k->item == STRING_ITEM) {
+                put_utf8(k, k->high);
+                put_byte(k, b);
+                k->high = 0;
+            }
         } else if (k->in_value) {
             k->in_value = 0;
+            if (k->item == STRING_ITEM) {
+                put_utf8(k, k->high);
+                k->high = 0;
+                return close_item(k, k->item_off);
+            }
         } else {
             return close_key(k, strict);
         }
         return 0;
     }
     Frame *top = k->depth ? &k->stack[k->depth - 1] : NULL;
+    int value_start = k->expect_value;
+    if (b == ' ' || b == '\t' || b == '\n' || b == '\r') return 0;
+    k->expect_value = b == '[' || b == ':' || b == ',';
     if (b == '"') {
         if (top && top->kind == OBJECT && top->expect_key) {
             k->in_key = 1;
@@ -239,7 +436,15 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
             k->high = 0;
         } else {
             k->in_value = 1;
+            if (in_unique(k)) { start_item(k, STRING_ITEM, 's'); k->high = 0; }
         }
+    } else if (((b >= '0' && b <= '9') || b == '-') && value_start && in_unique(k)) {
+        start_item(k, NUMBER_ITEM, 'n');
+        put_byte(k, b);
+    } else if ((b == 't' || b == 'f' || b == 'n') && value_start && in_unique(k)) {
+        start_item(k, LITERAL_ITEM, 'l');
+        k->lit_need = (int32_t)strlen(LITERALS[literal_index(b)]);
+        put_byte(k, b);
     } else if (b == '{') {
         push(k, OBJECT);
     } else if (b == '[') {
@@ -249,8 +454,21 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
     } else if (b == ',' && top && top->kind == OBJECT) {
         save_slot(k, k->depth - 1);
         top->expect_key = 1;
+    } else if (b == ',' && top && top->loc >= 0) { /* an array's next item */
+        save_slot(k, k->depth - 1);
+        top->index++;
     }
     return 0;
+}
+
+/* Inside a literal already in its array: its first letter names it, so every way on repeats
+ * it (a token that ends here is refused like one that completes it). */
+static int in_taken_literal(const EspKeys *k) {
+    if (k->item != LITERAL_ITEM) return 0;
+    uint8_t word[6] = {'l'};
+    const char *lit = LITERALS[literal_index(k->bytes[k->item_off + 1])];
+    memcpy(word + 1, lit, strlen(lit));
+    return key_in(k, k->stack[k->depth - 1].items, word, 1 + (uint32_t)strlen(lit));
 }
 
 static void rollback(EspKeys *k, int64_t n) {
@@ -267,6 +485,10 @@ static void rollback(EspKeys *k, int64_t n) {
     k->high = m->high;
     k->depth = m->depth;
     k->n_entries = m->n_entries;
+    k->item = m->item;
+    k->lit_need = m->lit_need;
+    k->expect_value = m->expect_value;
+    k->item_off = m->item_off;
     k->key_off = m->key_off;
     k->n_bytes = m->n_bytes;
     memcpy(k->esc, m->esc, 4);
@@ -283,8 +505,9 @@ static const uint8_t *token_bytes(const EspKeysTables *t, int64_t token, int64_t
  * -1 out of memory (state unchanged). */
 static int advance(EspKeys *k, int64_t token, int strict) {
     if (!grow((void **)&k->marks, &k->marks_cap, k->n_marks + 1, sizeof(Mark))) return -1;
-    Mark m = {k->in_key, k->in_value, k->esc_len, k->high, k->depth, k->n_entries,
-              k->key_off, k->n_bytes, {0}, k->n_undo};
+    Mark m = {k->in_key, k->in_value, k->esc_len,      k->high,    k->depth,
+              k->n_entries, k->item, k->lit_need, k->expect_value, k->key_off,
+              k->n_bytes, k->item_off, {0}, k->n_undo};
     memcpy(m.esc, k->esc, 4);
     k->marks[k->n_marks++] = m;
     int64_t len;
@@ -293,6 +516,7 @@ static int advance(EspKeys *k, int64_t token, int strict) {
         if (step_byte(k, data[i], strict)) { rollback(k, 1); return 0; }
     }
     if (k->failed) { rollback(k, 1); k->failed = 0; return -1; }
+    if (in_taken_literal(k)) { rollback(k, 1); return 0; }
     return 1;
 }
 
@@ -375,15 +599,70 @@ static int64_t duplicates(EspKeys *k, const uint32_t *row, int64_t words) {
     return found;
 }
 
+/* Some open container (or the root) has a tracked place: an item may complete from here. */
+static int items_live(const EspKeys *k) {
+    if (!k->places) return 0;
+    if (!k->depth) return 1;
+    for (int32_t d = 0; d < k->depth; d++)
+        if (k->stack[d].loc >= 0) return 1;
+    return 0;
+}
+
+/* The number being read, ended here, repeats an item of its array. */
+static int number_repeats(EspKeys *k) {
+    uint32_t saved = k->n_bytes;
+    uint32_t off = put_number(k, k->item_off + 1);
+    const Frame *top = &k->stack[k->depth - 1];
+    int seen = !k->failed && k->bytes[off] != 'X' &&
+               key_in(k, top->items, k->bytes + off, k->n_bytes - off);
+    k->n_bytes = saved;
+    k->failed = 0; /* out of memory: the accept path still refuses the duplicate */
+    return seen;
+}
+
+/* Append to k->found the allowed tokens of row that complete a duplicate item (candidates: see
+ * EspKeysTables); found: how many k->found held. -1 out of memory. */
+static int64_t item_duplicates(EspKeys *k, const uint32_t *row, int64_t words, int64_t found) {
+    const EspKeysTables *t = k->tables;
+    if (!try_ids(k, t->item_ids, t->n_item, row, words, &found)) return -1;
+    if (k->item == NUMBER_ITEM && !try_ids(k, t->numrun_ids, t->n_numrun, row, words, &found))
+        return -1;
+    if (k->item == LITERAL_ITEM) {
+        int lit = literal_index(k->bytes[k->item_off + 1]);
+        int64_t read = (int64_t)(k->n_bytes - k->item_off - 1);
+        if (read >= 1 && read < (int64_t)strlen(LITERALS[lit]) &&
+            !try_ids(k, t->lit_ids + t->lit_start[lit][read], t->lit_count[lit][read], row, words,
+                     &found))
+            return -1;
+    }
+    return found;
+}
+
 /* Clear the duplicate completions from row unless that empties it: 1 cleared (or none
- * allowed), 0 left as it was (the dead-end rule), -1 out of memory. */
+ * allowed), 0 left as it was (the dead-end rule), -1 out of memory. Inside a number that
+ * already is an item of its array, every token whose first byte ends the number is one. */
 static int filter_row(EspKeys *k, uint32_t *row, int64_t words) {
     int64_t n = duplicates(k, row, words);
-    if (n <= 0) return n < 0 ? -1 : 1;
+    if (n < 0) return -1;
+    int cut = 0;
+    if (items_live(k)) {
+        n = item_duplicates(k, row, words, n);
+        if (n < 0) return -1;
+        cut = k->item == NUMBER_ITEM && number_repeats(k);
+    }
+    if (n == 0 && !cut) return 1;
+    if (cut) {
+        if (!grow((void **)&k->saved, &k->saved_cap, words, sizeof(uint32_t))) return -1;
+        memcpy(k->saved, row, (size_t)words * 4);
+        const EspKeysTables *t = k->tables;
+        for (int64_t w = 0; w < words && w < t->numstart_words; w++) row[w] &= t->numstart[w];
+    }
     for (int64_t i = 0; i < n; i++) row[k->found[i] >> 5] &= ~(1u << (k->found[i] & 31));
     for (int64_t w = 0; w < words; w++)
         if (row[w]) return 1;
-    for (int64_t i = 0; i < n; i++) row[k->found[i] >> 5] |= 1u << (k->found[i] & 31);
+    if (cut) memcpy(row, k->saved, (size_t)words * 4);
+    else
+        for (int64_t i = 0; i < n; i++) row[k->found[i] >> 5] |= 1u << (k->found[i] & 31);
     return 0;
 }
 
@@ -430,11 +709,82 @@ void espalier_keys_tables_free(EspKeysTables *t) {
     free(t->by_prefix.slots); free(t->by_prefix.ids);
     free(t->by_run.slots); free(t->by_run.ids);
     free(t->quote_ids); free(t->simulate_ids); free(t->always_ids);
+    free(t->item_ids); free(t->numrun_ids); free(t->lit_ids); free(t->numstart);
     free(t);
 }
 
 static int same(const uint8_t *a, uint32_t na, const uint8_t *b, uint32_t nb) {
     return na == nb && memcmp(a, b, na) == 0;
+}
+
+/* The token goes on with the rest of a literal: it agrees with rest on their common length. */
+static int starts_with(const uint8_t *data, int64_t len, const char *rest) {
+    int64_t n = (int64_t)strlen(rest);
+    return len > 0 && memcmp(data, rest, (size_t)(len < n ? len : n)) == 0;
+}
+
+static int holds(const uint8_t *data, int64_t len, const char *word) {
+    int64_t n = (int64_t)strlen(word);
+    for (int64_t i = 0; i + n <= len; i++)
+        if (memcmp(data + i, word, (size_t)n) == 0) return 1;
+    return 0;
+}
+
+/* The token ends with the start of a literal (a proper prefix of one, at the token's start or
+ * after a byte that may come before a value). */
+static int literal_opened(const uint8_t *data, int64_t len) {
+    for (int lit = 0; lit < 3; lit++)
+        for (int64_t n = 1; n < (int64_t)strlen(LITERALS[lit]) && n <= len; n++)
+            if (memcmp(data + len - n, LITERALS[lit], (size_t)n) == 0 &&
+                (n == len || strchr(" \t\n\r,[:", data[len - n - 1])))
+                return 1;
+    return 0;
+}
+
+/* The item candidates of EspKeysTables, from the tokens' bytes. */
+static int item_tables(EspKeysTables *t) {
+    int64_t n = t->n_tokens, total_lit = 0;
+    t->numstart_words = (n + 31) / 32;
+    t->item_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    t->numrun_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    t->numstart = calloc((size_t)(t->numstart_words + 1), sizeof(uint32_t));
+    if (!t->item_ids || !t->numrun_ids || !t->numstart) return 0;
+    for (int64_t id = 0; id < n; id++) {
+        const uint8_t *data = t->bytes + t->offs[id];
+        int64_t len = t->offs[id + 1] - t->offs[id];
+        int quote = memchr(data, '"', (size_t)len) != NULL, digit_closed = 0, digit = 0, other = 0;
+        for (int64_t i = 0; i < len; i++) {
+            if (data[i] >= '0' && data[i] <= '9') digit = 1;
+            else if (!number_byte(data[i])) { other = 1; digit_closed |= digit; }
+        }
+        if (quote || digit_closed || holds(data, len, "true") || holds(data, len, "false") ||
+            holds(data, len, "null") || literal_opened(data, len))
+            t->item_ids[t->n_item++] = (int32_t)id;
+        if (len && number_byte(data[0]) && other) t->numrun_ids[t->n_numrun++] = (int32_t)id;
+        if (!len || number_byte(data[0])) t->numstart[id >> 5] |= 1u << (id & 31);
+        for (int lit = 0; lit < 3; lit++)
+            for (size_t read = 1; read < strlen(LITERALS[lit]); read++)
+                if (starts_with(data, len, LITERALS[lit] + read)) t->lit_count[lit][read]++;
+    }
+    for (int64_t id = n; id < t->numstart_words * 32; id++) /* no bytes: ends nothing */
+        t->numstart[id >> 5] |= 1u << (id & 31);
+    for (int lit = 0; lit < 3; lit++)
+        for (int read = 0; read < 6; read++) {
+            t->lit_start[lit][read] = total_lit;
+            total_lit += t->lit_count[lit][read];
+            t->lit_count[lit][read] = 0;
+        }
+    t->lit_ids = malloc((size_t)(total_lit + 1) * sizeof(int32_t));
+    if (!t->lit_ids) return 0;
+    for (int64_t id = 0; id < n; id++) {
+        const uint8_t *data = t->bytes + t->offs[id];
+        int64_t len = t->offs[id + 1] - t->offs[id];
+        for (int lit = 0; lit < 3; lit++)
+            for (size_t read = 1; read < strlen(LITERALS[lit]); read++)
+                if (starts_with(data, len, LITERALS[lit] + read))
+                    t->lit_ids[t->lit_start[lit][read] + t->lit_count[lit][read]++] = (int32_t)id;
+    }
+    return 1;
 }
 
 /* bytes: every token's bytes back to back; offs: int64[n + 1]. NULL when out of memory. */
@@ -487,6 +837,7 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
         if (always) t->always_ids[t->n_always++] = (int32_t)id;
     }
     ok = ok && map_build(&t->by_prefix, prefixes, n_prefixes) && map_build(&t->by_run, runs, n_runs);
+    ok = ok && item_tables(t);
     free(prefixes); free(runs); free(cuts);
     if (!ok) { espalier_keys_tables_free(t); return NULL; }
     return t;
@@ -498,14 +849,11 @@ int64_t espalier_keys_abi(void) { return ESP_KEYS_ABI; }
 
 EspKeys *espalier_keys_new(const EspKeysTables *tables) {
     EspKeys *k = calloc(1, sizeof(EspKeys));
-    if (k) k->tables = tables;
+    if (k) {
+        k->tables = tables;
+        k->expect_value = 1;
+    }
     return k;
-}
-
-void espalier_keys_free(EspKeys *k) {
-    if (!k) return;
-    free(k->stack); free(k->entries); free(k->bytes); free(k->undo); free(k->marks); free(k->found);
-    free(k);
 }
 
 static void *dup_array(const void *src, int64_t n, size_t size, int64_t *cap) {
@@ -515,6 +863,62 @@ static void *dup_array(const void *src, int64_t n, size_t size, int64_t *cap) {
     if (p) memcpy(p, src, (size_t)n * size);
     return p;
 }
+
+void espalier_keys_places_free(EspPlaces *p) {
+    if (!p) return;
+    free(p->unique); free(p->key_start); free(p->key_count); free(p->key_default);
+    free(p->prefix_start); free(p->prefix_count); free(p->item_default); free(p->key_target);
+    free(p->prefix_target); free(p->name_off); free(p->name_len); free(p->names);
+    free(p);
+}
+
+/* A places automaton (EspPlaces), copied from the caller's arrays: per state (n) unique, key
+ * start/count/default, prefix start/count, item default; per name (m) its offset in names,
+ * length and target; per prefix place (q) its target. NULL when out of memory. */
+EspPlaces *espalier_keys_places_new(int32_t n, const uint8_t *unique, const int32_t *per_state,
+                                    int32_t m, const int64_t *name_off, const int32_t *name_len,
+                                    const int32_t *key_target, const uint8_t *names,
+                                    int64_t names_len, int32_t q, const int32_t *prefix_target) {
+    EspPlaces *p = calloc(1, sizeof(EspPlaces));
+    if (!p) return NULL;
+    int64_t cap;
+    p->n_states = n;
+    p->unique = dup_array(unique, n, 1, &cap);
+    int32_t **cols[6] = {&p->key_start,    &p->key_count,    &p->key_default,
+                         &p->prefix_start, &p->prefix_count, &p->item_default};
+    int ok = p->unique != NULL;
+    for (int c = 0; c < 6; c++) {
+        *cols[c] = malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+        ok = ok && *cols[c];
+        for (int32_t s = 0; ok && s < n; s++) (*cols[c])[s] = per_state[(int64_t)s * 6 + c];
+    }
+    p->name_off = malloc((size_t)(m ? m : 1) * sizeof(int64_t));
+    p->name_len = malloc((size_t)(m ? m : 1) * sizeof(int32_t));
+    p->key_target = malloc((size_t)(m ? m : 1) * sizeof(int32_t));
+    p->names = malloc((size_t)(names_len ? names_len : 1));
+    p->prefix_target = malloc((size_t)(q ? q : 1) * sizeof(int32_t));
+    ok = ok && p->name_off && p->name_len && p->key_target && p->names && p->prefix_target;
+    if (!ok) { espalier_keys_places_free(p); return NULL; }
+    if (m) {
+        memcpy(p->name_off, name_off, (size_t)m * sizeof(int64_t));
+        memcpy(p->name_len, name_len, (size_t)m * sizeof(int32_t));
+        memcpy(p->key_target, key_target, (size_t)m * sizeof(int32_t));
+    }
+    if (names_len) memcpy(p->names, names, (size_t)names_len);
+    if (q) memcpy(p->prefix_target, prefix_target, (size_t)q * sizeof(int32_t));
+    return p;
+}
+
+/* Follow places (NULL: keys only) from now on; call on a fresh or reset tracker. */
+void espalier_keys_set_places(EspKeys *k, const EspPlaces *places) { k->places = places; }
+
+void espalier_keys_free(EspKeys *k) {
+    if (!k) return;
+    free(k->stack); free(k->entries); free(k->bytes); free(k->undo); free(k->marks); free(k->found);
+    free(k->saved);
+    free(k);
+}
+
 
 /* An independent copy (with its rollback history); NULL when out of memory. */
 EspKeys *espalier_keys_fork(const EspKeys *k) {
@@ -531,6 +935,8 @@ EspKeys *espalier_keys_fork(const EspKeys *k) {
     c->marks = dup_array(k->marks, k->n_marks, sizeof(Mark), &c->marks_cap);
     c->found = NULL;
     c->found_cap = 0;
+    c->saved = NULL;
+    c->saved_cap = 0;
     if ((k->stack_cap && !c->stack) || (k->n_entries && !c->entries) || (k->n_bytes && !c->bytes) ||
         (k->n_undo && !c->undo) || (k->n_marks && !c->marks)) {
         espalier_keys_free(c);
@@ -540,7 +946,9 @@ EspKeys *espalier_keys_fork(const EspKeys *k) {
 }
 
 void espalier_keys_reset(EspKeys *k) {
-    k->in_key = k->in_value = k->esc_len = k->high = 0;
+    k->in_key = k->in_value = k->esc_len = k->high = k->item = k->lit_need = 0;
+    k->item_off = 0;
+    k->expect_value = 1;
     k->depth = k->n_entries = 0;
     k->n_bytes = k->key_off = 0;
     k->n_undo = k->n_marks = 0;
@@ -548,8 +956,8 @@ void espalier_keys_reset(EspKeys *k) {
 
 int64_t espalier_keys_accepted(const EspKeys *k) { return k->n_marks; }
 
-/* 1 accepted, 0 it completes a duplicate key (state unchanged), -1 out of memory. strict=0:
- * a duplicate goes through, the key counted once. */
+/* 1 accepted, 0 it completes a duplicate key or item (state unchanged), -1 out of memory. strict=0:
+ * a duplicate key goes through, counted once (a duplicate item never does). */
 int32_t espalier_keys_accept(EspKeys *k, int64_t token, int32_t strict) {
     return advance(k, token, strict);
 }
@@ -683,6 +1091,27 @@ int64_t espalier_keys_export(const EspKeys *k, uint8_t *out, int64_t cap) {
     PUT(&k->esc_len, 4);
     PUT(k->esc, 4);
     PUT(&k->high, 4);
+    /* then per frame: loc, index, vloc, item count, items (u32 length, bytes); then
+     * expect_value, item, lit_need, the item's bytes so far (u32 length, bytes) */
+    for (int32_t d = 0; d < k->depth; d++) {
+        const Frame *f = &k->stack[d];
+        uint32_t count = 0;
+        for (int32_t e = f->items; e >= 0; e = k->entries[e].prev) count++;
+        PUT(&f->loc, 4);
+        PUT(&f->index, 4);
+        PUT(&f->vloc, 4);
+        PUT(&count, 4);
+        for (int32_t e = f->items; e >= 0; e = k->entries[e].prev) {
+            PUT(&k->entries[e].len, 4);
+            PUT(k->bytes + k->entries[e].off, k->entries[e].len);
+        }
+    }
+    uint32_t item_len = k->item ? k->n_bytes - k->item_off : 0;
+    PUT(&k->expect_value, 4);
+    PUT(&k->item, 4);
+    PUT(&k->lit_need, 4);
+    PUT(&item_len, 4);
+    if (item_len) PUT(k->bytes + k->item_off, item_len);
 #undef PUT
     return at;
 }

@@ -1,9 +1,11 @@
-"""A :class:`GrammarMatcher` whose JSON objects never repeat a key: a backend's matcher plus the
-native key tracker (package docstring).
+"""A :class:`GrammarMatcher` whose JSON objects never repeat a key, and whose unique arrays never
+repeat an item: a backend's matcher plus the native tracker (package docstring).
 
 :func:`with_unique_keys` wraps a request's matcher when its grammar can hold objects with free
-keys (:func:`may_repeat_keys`); other matchers are returned as they are. Rows are the backend's
-rows minus the tokens that would complete a key already in its object; ``accept`` rejects
+keys (:func:`may_repeat_keys`) or arrays that must hold unique items (the schema's
+:func:`~espalier.constrained.schema.unique_places.unique_places`, marked at compile time); other
+matchers are returned as they are. Rows are the backend's rows minus the tokens that would
+complete a key already in its object or an item already in its unique array; ``accept`` rejects
 exactly those tokens. A batch's rows are the inner matchers' batch fill, then one native call
 filtering them all (:attr:`UniqueKeysMatcher.row_filter`); a draft tree's rows are the backend's
 walk, then one native call filtering them node by node (:meth:`UniqueKeysMatcher.fill_tree`), or,
@@ -13,6 +15,7 @@ in a step's tree batch, the same filter applied inside the batch's native call
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,7 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.keys.native import (
     KeyTables,
     KeyTracker,
+    PlaceTable,
     filter_rows,
     filter_tree_address,
 )
@@ -44,10 +48,23 @@ if TYPE_CHECKING:
 def with_unique_keys(
     spec: GrammarSpec, matcher: GrammarMatcher, tokenizer: TokenizerInfo
 ) -> GrammarMatcher:
-    """``matcher`` itself, or wrapped so that no object of its output repeats a key."""
-    if not may_repeat_keys(spec):
+    """``matcher`` itself, or wrapped so that no object of its output repeats a key and no
+    array the schema wants unique repeats an item."""
+    places = _place_table(spec.source) if spec.kind is GrammarKind.JSON_SCHEMA else None
+    if places is None and not may_repeat_keys(spec):
         return matcher
-    return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer)))
+    return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer), places))
+
+
+@functools.lru_cache(maxsize=256)
+def _place_table(source: str) -> PlaceTable | None:
+    """The native places of a JSON schema's marked unique arrays (None: none), per schema."""
+    from espalier.constrained.schema.unique_places import MARK, unique_places
+
+    if MARK not in source:
+        return None
+    places = unique_places(GrammarSpec(GrammarKind.JSON_SCHEMA, source).schema)
+    return PlaceTable(places) if places is not None else None
 
 
 def _tables(tokenizer: TokenizerInfo) -> KeyTables:
@@ -206,8 +223,9 @@ class UniqueKeysMatcher:
         return masks
 
     def _accept_keys(self, token: int) -> bool:
-        """Advance the tracker by ``token``; False when it completes a duplicate and some other
-        token is allowed (the dead-end rule: a row is never emptied)."""
+        """Advance the tracker by ``token``; False when it completes a duplicate item, or a
+        duplicate key and some other token is allowed (the dead-end rule: a row is never
+        emptied; the tracker never lets an item through, so no invalid instance is accepted)."""
         if self.keys.accept(token):
             return True
         row = self._row

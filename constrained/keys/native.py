@@ -1,4 +1,4 @@
-"""ctypes binding of ``keys.c``: per-tokenizer tables and per-request key trackers.
+"""ctypes binding of ``keys.c``: per-tokenizer tables, per-schema places and per-request trackers.
 
 The extension ``_keys`` is built with the package (``setup.py``); it is loaded on first use and
 its ABI number checked (:data:`ABI`). ctypes releases the GIL for every call, so row and tree
@@ -13,11 +13,14 @@ import importlib.machinery
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-ABI = 1
+if TYPE_CHECKING:
+    from espalier.constrained.schema.unique_places import Places
+
+ABI = 2
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
@@ -56,6 +59,9 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_tables_new": (vp, [vp, vp, i64]),
         "espalier_keys_tables_free": (None, [vp]),
         "espalier_keys_new": (vp, [vp]),
+        "espalier_keys_places_new": (vp, [i32, vp, vp, i32, vp, vp, vp, vp, i64, i32, vp]),
+        "espalier_keys_places_free": (None, [vp]),
+        "espalier_keys_set_places": (None, [vp, vp]),
         "espalier_keys_free": (None, [vp]),
         "espalier_keys_fork": (vp, [vp]),
         "espalier_keys_reset": (None, [vp]),
@@ -115,18 +121,77 @@ class KeyTables:
             self._free(handle)
 
 
+class PlaceTable:
+    """One schema's :class:`~espalier.constrained.schema.unique_places.Places` in ``keys.c``
+    (``EspPlaces``: read-only, shared by every tracker of the schema and their forks)."""
+
+    def __init__(self, places: Places) -> None:
+        so = lib()
+        n = len(places.unique)
+        unique = np.array(places.unique, dtype=np.uint8)
+        per_state = np.zeros((n, 6), dtype=np.int32)
+        names: list[bytes] = []
+        targets: list[int] = []
+        prefix: list[int] = []
+        for s in range(n):
+            keys = places.keys[s]
+            per_state[s] = (
+                len(names),
+                len(keys),
+                places.key_default[s],
+                len(prefix),
+                len(places.prefix[s]),
+                places.item_default[s],
+            )
+            names += [name for name, _ in keys]
+            targets += [target for _, target in keys]
+            prefix += places.prefix[s]
+        lengths = np.array([len(b) for b in names], dtype=np.int32)
+        offsets = np.zeros(len(names), dtype=np.int64)
+        if names:
+            np.cumsum(lengths[:-1], out=offsets[1:])
+        blob = np.frombuffer(b"".join(names) or b"\0", dtype=np.uint8)
+        key_target = np.array(targets, dtype=np.int32)
+        prefix_target = np.array(prefix, dtype=np.int32)
+        self.handle = so.espalier_keys_places_new(
+            n,
+            unique.ctypes.data,
+            per_state.ctypes.data,
+            len(names),
+            offsets.ctypes.data,
+            lengths.ctypes.data,
+            key_target.ctypes.data,
+            blob.ctypes.data,
+            int(lengths.sum()),
+            len(prefix),
+            prefix_target.ctypes.data,
+        )
+        if not self.handle:
+            raise MemoryError("places")
+        self._free = so.espalier_keys_places_free
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle:
+            self._free(handle)
+
+
 class KeyTracker:
     """One request's key state and rollback history (``keys.c``: the lexer over accepted token
-    bytes). Driven by one thread at a time; :meth:`fork` gives an independent copy."""
+    bytes), following ``places`` (unique items) when given. Driven by one thread at a time;
+    :meth:`fork` gives an independent copy."""
 
-    __slots__ = ("_h", "_lib", "tables")
+    __slots__ = ("_h", "_lib", "places", "tables")
 
-    def __init__(self, tables: KeyTables) -> None:
+    def __init__(self, tables: KeyTables, places: PlaceTable | None = None) -> None:
         self._lib = lib()
         self.tables = tables  # keeps the tables alive while a tracker points into them
+        self.places = places  # likewise
         self._h = self._lib.espalier_keys_new(tables.handle)
         if not self._h:
             raise MemoryError("key tracker")
+        if places is not None:
+            self._lib.espalier_keys_set_places(self._h, places.handle)
 
     def __del__(self) -> None:
         handle = getattr(self, "_h", None)
@@ -145,7 +210,8 @@ class KeyTracker:
 
     def accept(self, token: int, *, strict: bool = True) -> bool:
         """Advance by ``token``'s bytes; False (state unchanged) when they complete a key
-        already in its object. ``strict=False``: it goes through, the key counted once."""
+        already in its object, or an item already in its unique array. ``strict=False``: a
+        duplicate key goes through, counted once (a duplicate item never does)."""
         done = int(self._lib.espalier_keys_accept(self._h, token, int(strict)))
         if done < 0:
             raise MemoryError("key tracker")
@@ -171,7 +237,12 @@ class KeyTracker:
         if not handle:
             raise MemoryError("key tracker")
         clone = KeyTracker.__new__(KeyTracker)  # as __init__, without loading the library again
-        clone._lib, clone.tables, clone._h = self._lib, self.tables, handle
+        clone._lib, clone.tables, clone.places, clone._h = (
+            self._lib,
+            self.tables,
+            self.places,
+            handle,
+        )
         return clone
 
     def reset(self) -> None:

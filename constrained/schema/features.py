@@ -16,7 +16,9 @@ everywhere. A backend that *refuses* a schema at compile time is not a false acc
 here means "this backend cannot enforce it", whether it then refuses or drops it.
 
 Run the analysis on the schema the backend will see, i.e. after :func:`refs.resolve_refs` and
-:func:`rewrite.normalize_schema`.
+:func:`rewrite.normalize_schema`. ``uniqueItems`` is in no backend's profile: where the run-time
+tracker follows it (:mod:`unique_places`, every backend, since the tracker wraps any matcher),
+compile has already replaced it by a mark no backend reads; what is left is refused.
 """
 
 from __future__ import annotations

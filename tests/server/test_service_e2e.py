@@ -111,9 +111,9 @@ def test_compile_grammar_reports_backend_and_cache(client: Client) -> None:
 
 
 def test_strict_mode_refuses_a_weakened_schema_with_json_pointers(client: Client) -> None:
-    schema = {  # xgrammar does not enforce uniqueItems
+    schema = {  # no backend enforces uniqueItems over objects
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "properties": {"tags": {"type": "array", "items": {"type": "object"}, "uniqueItems": True}},
         "additionalProperties": False,
     }
     with pytest.raises(InvalidArgumentError) as info:

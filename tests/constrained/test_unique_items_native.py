@@ -1,0 +1,279 @@
+"""The native tracker's unique items (``keys.c`` with ``EspPlaces``) against its Python twin
+(``tests/fixtures/keys_twin.py``): states, rollback, forks, row filters, batch row filters and
+tree filters on random token sequences over a schema with tracked places (strings with escapes
+and surrogates, numbers written many ways, literals, nested and prefix places, untracked
+neighbours), on the toy vocabulary and Gemma's. Every comparison must match exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from espalier.constrained import bitmask as bm
+from espalier.constrained.compile import prepare_schema
+from espalier.constrained.keys.native import KeyTables, KeyTracker, PlaceTable, filter_rows
+from espalier.constrained.schema.unique_places import Places, unique_places
+from espalier.constrained.tree import DraftTree
+from tests.fixtures.keys_twin import START, KeyState, filter_row, filter_tree, parse_export, step
+from tests.fixtures.tree_random import tree_from_paths
+
+SCALARS = {"type": ["string", "number", "boolean", "null"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": SCALARS, "uniqueItems": True},
+        "grid": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "number"}, "uniqueItems": True},
+        },
+        "pair": {
+            "type": "array",
+            "prefixItems": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            ],
+        },
+        "free": {"type": "array", "items": SCALARS},
+    },
+    "additionalProperties": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+}
+ITEMS = [
+    '"a"', '"\\u0061"', '"b"', '"ab"', '""', '"\\u0000"', '"\\ud83d\\ude00"', '"\U0001f600"',
+    '"\\ud83d"', '"\\""', '"null"', '"1"', "1", "1.0", "1e0", "10E-1", "-0", "0", "0.0", "-0.0",
+    "0.1", "0.10000000000000001", "100000000000000001", "100000000000000000", "1e17", "1e400",
+    "2e400", "-1", "true", "false", "null", "[]", "{}",
+]  # fmt: skip
+KEYS = ["tags", "grid", "pair", "free", "x", "\\u0074ags", "y"]
+
+
+def _places() -> Places:
+    places = unique_places(prepare_schema(SCHEMA).schema)
+    assert places is not None
+    return places
+
+
+def _array(rng: random.Random, nested: bool) -> str:
+    items = [
+        _array(rng, False) if nested and rng.random() < 0.4 else rng.choice(ITEMS)
+        for _ in range(rng.randrange(6))
+    ]
+    text = "".join(rng.choice([",", ", ", " ,", ",\n"]) + item for item in items)
+    return "[" + text[text.index(items[0]) :] + "]" if items else "[]"
+
+
+def _text(rng: random.Random) -> str:
+    pairs = []
+    for _ in range(rng.randrange(1, 5)):
+        key = rng.choice(KEYS)
+        value = (
+            "[" + rng.choice(ITEMS) + ", " + _array(rng, False) + "]"
+            if key == "pair"
+            else _array(rng, key in ("grid", "free"))
+        )
+        pairs.append(f'"{key}": {value}')
+    text = "{" + ", ".join(pairs) + "}"
+    return text[: rng.randrange(len(text) + 1)] if rng.random() < 0.7 else text
+
+
+def _tracker(tokenizer: Any, places: Places) -> KeyTracker:
+    tables = tokenizer.backend_view("test_keys_native", lambda t: KeyTables(t.token_bytes))
+    return KeyTracker(tables, PlaceTable(places))
+
+
+def _walk(tb: list[bytes], tokens: list[int], places: Places) -> list[KeyState | None]:
+    states: list[KeyState | None] = [START]
+    for token in tokens:
+        prev = states[-1]
+        data = tb[token] if token < len(tb) else b""
+        states.append(step(prev, data, places=places) if prev is not None else None)
+    return states
+
+
+def _tokens(tokenizer: Any, rng: random.Random) -> list[int]:
+    """A random instance (cut anywhere) as tokens, sometimes written byte by byte, with random
+    single tokens (quotes, digits, separators) mixed in."""
+    text = _text(rng)
+    if rng.random() < 0.2:
+        tokens = [t for ch in text for t in tokenizer.encode(ch)]
+    else:
+        tokens = tokenizer.encode(text)
+    singles = tokenizer.encode('"1,] tf')
+    for _ in range(rng.choice([0, 0, 0, 1, 2])):
+        tokens.insert(rng.randrange(len(tokens) + 1), rng.choice(singles))
+    return tokens
+
+
+def _check_states(tokenizer: Any, seed: int, walks: int) -> int:
+    rng = random.Random(seed)
+    places = _places()
+    tb = tokenizer.token_bytes
+    met = 0
+    for _ in range(walks):
+        tokens = _tokens(tokenizer, rng)
+        expected = _walk(tb, tokens, places)
+        tracker = _tracker(tokenizer, places)
+        accepted = 0
+        for i, token in enumerate(tokens):
+            ok = tracker.accept(token)
+            assert ok == (expected[i + 1] is not None), (tokens[: i + 1], expected[i])
+            if not ok:
+                met += 1
+                assert parse_export(tracker.export()) == expected[i]
+                break
+            accepted += 1
+            assert parse_export(tracker.export()) == expected[i + 1]
+        back = rng.randrange(accepted + 1)
+        fork = tracker.fork()
+        tracker.rollback(back)
+        assert parse_export(tracker.export()) == expected[accepted - back]
+        assert parse_export(fork.export()) == expected[accepted]
+        assert tracker.accept_tokens(tokens[accepted - back :]) == back
+        assert parse_export(tracker.export()) == expected[accepted]
+    return met
+
+
+def test_states_equal_the_twin_on_the_toy_vocabulary(toy_tokenizer: Any) -> None:
+    assert _check_states(toy_tokenizer, seed=11, walks=400) > 20
+
+
+@pytest.mark.model
+def test_states_equal_the_twin_on_gemma(gemma_tokenizer: Any) -> None:
+    assert _check_states(gemma_tokenizer, seed=12, walks=200) > 10
+
+
+def _pool(tokenizer: Any) -> list[int]:
+    """Tokens that matter to items: those of items written with separators, and short ones
+    holding quotes, digits, separators or literal letters."""
+    tb = tokenizer.token_bytes
+    written = {
+        t
+        for item in ITEMS
+        for text in (item, item + ",", item + "]", ", " + item, item[1:], item[2:])
+        for t in tokenizer.encode(text)
+    }
+    marks = (b'"', b",", b"]", b" ", b"e", b"t", b"f", b"n", b"u", b"l", b"}")
+    short = [
+        t
+        for t, b in enumerate(tb)
+        if len(b) <= 3 and (any(c in b for c in marks) or any(48 <= c <= 57 for c in b))
+    ]
+    return sorted(written) * 4 + short
+
+
+def _random_row(rng: random.Random, words: int, pool: list[int], dense: bool) -> np.ndarray:
+    if dense and rng.random() < 0.3:
+        return np.full(words, -1, dtype=np.int32)
+    row = np.zeros(words, dtype=np.int32).view(np.uint32)
+    for t in rng.sample(pool, min(len(pool), rng.choice([5, 40, 400]))):
+        row[t >> 5] |= np.uint32(1 << (t & 31))
+    return row.view(np.int32)
+
+
+def _check_rows(tokenizer: Any, seed: int, walks: int, dense: bool) -> int:
+    rng = random.Random(seed)
+    places = _places()
+    tb = tokenizer.token_bytes
+    words = bm.words_per_row(tokenizer.vocab_size)
+    pool = _pool(tokenizer)
+    trackers, states, rows, changed = [], [], [], 0
+    for _ in range(walks):
+        tokens = _tokens(tokenizer, rng)
+        expected = _walk(tb, tokens, places)
+        tracker = _tracker(tokenizer, places)
+        done = tracker.accept_tokens(tokens)
+        cut = done if rng.random() < 0.6 else rng.randrange(done + 1)
+        tracker.rollback(done - cut)
+        state = expected[cut]
+        assert state is not None
+        row = _random_row(rng, words, pool, dense)
+        mine, theirs = row.copy(), row.copy()
+        assert tracker.filter_row(mine) == filter_row(state, theirs, tb, places)
+        assert np.array_equal(mine, theirs)
+        changed += not np.array_equal(mine, row)
+        trackers.append(tracker)
+        states.append(state)
+        rows.append(row)
+    place = list(range(len(rows)))
+    rng.shuffle(place)
+    bitmask = np.zeros((len(rows), words), dtype=np.int32)
+    for j, row in enumerate(rows):
+        bitmask[place[j]] = row
+    results = filter_rows(trackers, bitmask, place, threads=2)
+    for j, row in enumerate(rows):
+        theirs = row.copy()
+        assert results[j] == filter_row(states[j], theirs, tb, places)
+        assert np.array_equal(bitmask[place[j]], theirs)
+    return changed
+
+
+def test_row_filters_equal_the_twin_on_the_toy_vocabulary(toy_tokenizer: Any) -> None:
+    assert _check_rows(toy_tokenizer, seed=13, walks=300, dense=True) > 20
+
+
+@pytest.mark.model
+def test_row_filters_equal_the_twin_on_gemma(gemma_tokenizer: Any) -> None:
+    assert _check_rows(gemma_tokenizer, seed=14, walks=150, dense=False) > 10
+
+
+def _random_tree(tokenizer: Any, rng: random.Random, root: int) -> DraftTree:
+    paths = [tokenizer.encode(_text(rng))[:8] for _ in range(rng.randrange(1, 5))]
+    return tree_from_paths(root, [p for p in paths if p])
+
+
+def _check_trees(tokenizer: Any, seed: int, trees: int, dense: bool) -> int:
+    rng = random.Random(seed)
+    places = _places()
+    tb = tokenizer.token_bytes
+    words = bm.words_per_row(tokenizer.vocab_size)
+    pool = _pool(tokenizer)
+    cut_nodes = 0
+    for _ in range(trees):
+        tokens = _tokens(tokenizer, rng)
+        expected = _walk(tb, tokens, places)
+        tracker = _tracker(tokenizer, places)
+        done = tracker.accept_tokens(tokens)
+        state = expected[done]
+        assert state is not None
+        # the tree continues the instance: its paths repeat the array's items
+        tails = [tokenizer.encode(rng.choice(ITEMS) + rng.choice([",", "]", " ,"])) for _ in "ab"]
+        tree = tree_from_paths(tokens[done - 1] if done else 0, [t[:8] for t in tails if t])
+        if rng.random() < 0.3:
+            tree = _random_tree(tokenizer, rng, tokens[done - 1] if done else 0)
+        n = tree.num_nodes
+        rows = np.stack([_random_row(rng, words, pool, dense) for _ in range(n)])
+        for node in range(n):
+            if rng.random() < 0.9:
+                for child in range(n):
+                    if tree.parents[child] == node:
+                        t = int(tree.tokens[child])
+                        rows[node].view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
+        valid = np.array([rng.random() < 0.9 for _ in range(n)])
+        valid[0] = True
+        filled = valid & np.array([rng.random() < 0.9 for _ in range(n)])
+        terminated = filled & np.array([rng.random() < 0.1 for _ in range(n)])
+        mine_rows, mine_flags = rows.copy(), (valid.copy(), filled.copy(), terminated.copy())
+        twin_rows, twin_flags = rows.copy(), (valid.copy(), filled.copy(), terminated.copy())
+        before = tracker.export()
+        tracker.filter_tree(tree.tokens, tree.first_child, tree.next_sibling, mine_rows, mine_flags)
+        assert tracker.export() == before
+        filter_tree(
+            state, tree.tokens.tolist(), tree.parents.tolist(), twin_rows, twin_flags, tb, places
+        )
+        assert np.array_equal(mine_rows, twin_rows)
+        for mine, theirs in zip(mine_flags, twin_flags, strict=True):
+            assert np.array_equal(mine, theirs)
+        cut_nodes += int(valid.sum() - mine_flags[0].sum())
+    return cut_nodes
+
+
+def test_tree_filters_equal_the_twin_on_the_toy_vocabulary(toy_tokenizer: Any) -> None:
+    assert _check_trees(toy_tokenizer, seed=15, trees=200, dense=True) > 10
+
+
+@pytest.mark.model
+def test_tree_filters_equal_the_twin_on_gemma(gemma_tokenizer: Any) -> None:
+    assert _check_trees(gemma_tokenizer, seed=16, trees=80, dense=False) > 5
