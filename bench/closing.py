@@ -11,7 +11,8 @@ case of a speculative step's bonus token). No model: the cost is the grammar wor
 schema, tokens, max_tokens; ``bench/inputs/h200_b32_streams.jsonl`` holds an H200 run's batch
 of 32: the states the GPU timeline's closing sees).
 
-One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls),
+One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls;
+since a decision's stitch tries run in the same call as its search, one per decision checked),
 decision ms per token and in searches (CPU time of the thread: on a shared machine far steadier
 than wall time), a digest of every decision and memo, and one of the decisions before each
 instance's first greedy search that returned None (``greedy_digest``: where the fallback of

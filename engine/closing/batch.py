@@ -81,7 +81,7 @@ def _search_all(
     python: list[K] = []
     for key, call in calls.items():
         try:
-            native = call.matcher.native_closing(call.token, call.limit)
+            native = call.matcher.native_closing(call.token, call.limit, tries=call.tries)
         except Exception as exc:
             answers[key] = exc
             continue
@@ -103,7 +103,9 @@ def _search_all(
     for key in python:
         call = calls[key]
         try:
-            answers[key] = paths.python_search_after(call.matcher, call.token, call.limit)
+            answers[key] = paths.python_search_after(
+                call.matcher, call.token, call.limit, call.tries
+            )
         except Exception as exc:
             answers[key] = exc
     for key, answer in answers.items():  # where the greedy search found none: the fallback
