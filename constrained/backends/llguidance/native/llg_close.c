@@ -75,7 +75,7 @@ typedef struct EspCloseTables {
  * at the request's state), tries (n_tries stitch tries back to back, try k ending at
  * try_ends[k]: checked before the search, each as completes([token, *try])), path (room for
  * path_cap ids). Out: status, path_len, chosen (the try taken, path = it; -1: none),
- * new_base (rebase: the caller owns it), own (the request's matcher at the history's end: the
+ * new_base (rebase, where the search ran: the caller owns it), own (the request's matcher at the history's end: the
  * caller owns it; NULL after a failure). */
 typedef struct EspCloseJob {
     void *base;
@@ -578,8 +578,18 @@ out:
     return status;
 }
 
-/* One job: the request's state (own, or a clone of the base; synced; a new base cloned from
- * it), the stitch tries on it, then the search on a clone of it after the token. */
+/* A job's search: a new base cloned from own where asked, then on a clone of own (p->m, freed
+ * by the caller) the token and the search. */
+static int64_t search_from(Probe *p, EspCloseJob *job, void *own) {
+    if (job->rebase && (job->new_base = p->llg->clone(own)) == NULL) return CLOSE_NO_MEMORY;
+    if ((p->m = p->llg->clone(own)) == NULL) return CLOSE_NO_MEMORY;
+    if (job->token >= 0 && !accept(p, job->token)) return p->failed ? p->failed : CLOSE_REJECTED;
+    return p->failed ? p->failed : search(p, job);
+}
+
+/* One job: the request's state (own, or a clone of the base; synced), the stitch tries on it,
+ * then, where none completes, the search on a clone of it after the token (and a new base
+ * cloned from it, where asked: a base moves only where a search runs, as before the tries). */
 static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCloseTables *t,
                     EspCloseJob *job, uint32_t *row) {
     Probe p;
@@ -604,10 +614,6 @@ static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCl
             return;
         }
     }
-    if (job->rebase && (job->new_base = llg->clone(own)) == NULL) {
-        job->status = CLOSE_NO_MEMORY;
-        return;
-    }
     if (job->keys != NULL && (p.keys = ka->fork(job->keys)) == NULL) {
         job->status = CLOSE_NO_MEMORY;
         return;
@@ -615,16 +621,7 @@ static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCl
     p.m = own; /* only validated on, cloned */
     int64_t status = job->n_tries ? stitch(&p, job) : -1;
     p.m = NULL;
-    if (status == -1) {
-        p.m = llg->clone(own);
-        if (p.m == NULL)
-            status = CLOSE_NO_MEMORY;
-        else if (job->token >= 0 && !accept(&p, job->token))
-            status = p.failed ? p.failed : CLOSE_REJECTED;
-        else
-            status = p.failed ? p.failed : search(&p, job);
-    }
-    job->status = status;
+    job->status = status == -1 ? search_from(&p, job, own) : status;
     probe_free(&p);
 }
 
