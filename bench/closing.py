@@ -11,8 +11,7 @@ case of a speculative step's bonus token). No model: the cost is the grammar wor
 schema, tokens, max_tokens; ``bench/inputs/h200_b32_streams.jsonl`` holds an H200 run's batch
 of 32: the states the GPU timeline's closing sees).
 
-One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls;
-since a decision's stitch tries run in the same call as its search, one per decision checked),
+One line per side (``closing_replay``): tokens, searches (``ClosingPaths.search_after`` calls),
 decision ms per token and in searches (CPU time of the thread: on a shared machine far steadier
 than wall time), of it in the fallback search (``fallback_ms_total``: where it runs, most of the
 time; the pass kept is the one with the least time outside it), a digest of every decision and

@@ -124,16 +124,13 @@ class GrammarMatcher(Protocol):
         one call of it. None: ``fill_tree`` one by one."""
         ...
 
-    def native_closing(
-        self, token: int | None, limit: int, keys: int = 0, tries: Sequence[Sequence[int]] = ()
-    ) -> NativeClosing | None:
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
         """A closing-path search (``engine/closing``'s ``ClosingPaths.search``, choice for
         choice) from this matcher's state after ``token`` (None: from here), at most ``limit``
         tokens, that the backend runs natively (``NativeClosing.kind``); this matcher is not
-        changed. ``tries`` (``ClosingPaths.stitch``'s, ``token`` not None): checked first, each
-        as ``completes([token, *try])``; the first that completes is the outcome. ``keys``: a
-        duplicate-key tracker's handle whose rules the search follows (``constrained/keys/``;
-        the caller keeps it alive). None: no native search (the caller searches in Python)."""
+        changed. ``keys``: a duplicate-key tracker's handle whose rules the search follows
+        (``constrained/keys/``; the caller keeps it alive). None: no native search (the
+        caller searches in Python)."""
         ...
 
     @property

@@ -272,9 +272,7 @@ class MatcherBase:
     def fork(self) -> MatcherBase:
         raise NotImplementedError
 
-    def native_closing(
-        self, token: int | None, limit: int, keys: int = 0, tries: Sequence[Sequence[int]] = ()
-    ) -> NativeClosing | None:
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
         """See ``GrammarMatcher.native_closing``: None, the caller searches in Python."""
         return None
 

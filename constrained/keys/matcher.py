@@ -192,11 +192,9 @@ class UniqueKeysMatcher:
         self.keys.rollback(clean)
         return forced[:clean]
 
-    def native_closing(
-        self, token: int | None, limit: int, keys: int = 0, tries: Sequence[Sequence[int]] = ()
-    ) -> NativeClosing | None:
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
         """``inner``'s native search under this tracker's rules (``keys`` is this one's)."""
-        return self.inner.native_closing(token, limit, self.keys.handle, tries)
+        return self.inner.native_closing(token, limit, self.keys.handle)
 
     def fork(self) -> UniqueKeysMatcher:
         return UniqueKeysMatcher(self.inner.fork(), self.keys.fork())

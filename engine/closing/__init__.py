@@ -68,13 +68,11 @@ CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", "
 @dataclass(frozen=True)
 class SearchCall:
     """A closing-path search a decision needs: from ``matcher``'s state after ``token`` (None:
-    from there), at most ``limit`` tokens, unless one of the stitch ``tries`` completes the
-    grammar after ``token`` first (``ClosingPaths.search_after``)."""
+    from there), at most ``limit`` tokens (``ClosingPaths.search_after``)."""
 
     matcher: GrammarMatcher
     token: int | None
     limit: int
-    tries: Sequence[Sequence[int]] = ()
 
 
 class ClosingPaths:
@@ -122,41 +120,26 @@ class ClosingPaths:
         return self.search_after(matcher, None, limit)[1]
 
     def search_after(
-        self,
-        matcher: GrammarMatcher,
-        token: int | None,
-        limit: int,
-        tries: Sequence[Sequence[int]] = (),
+        self, matcher: GrammarMatcher, token: int | None, limit: int
     ) -> tuple[bool, list[int] | None]:
         """:meth:`search` from ``matcher``'s state after ``token`` (None: from here; ``matcher``
         is not changed): whether ``matcher`` accepts ``token``, and the path (None: none within
-        ``limit``); the first of the stitch ``tries`` (:meth:`stitch_tries`) that completes the
-        grammar after ``token`` instead, where one does (then no search). Natively where the
-        matcher's backend can (``native_closing``: the same checks and choices, the GIL
-        released), else in Python (:meth:`python_search_after`); where the greedy search finds
-        none, :meth:`or_fallback`."""
-        native = matcher.native_closing(token, limit, tries=tries)
+        ``limit``). Natively where the matcher's backend can (``native_closing``: the same
+        choices, the GIL released), else on a fork; where that greedy search finds none,
+        :meth:`or_fallback`."""
+        native = matcher.native_closing(token, limit)
         if native is not None:
             outcome = native.kind(self.rules, [native], 1)[0]
             if outcome is not FALLBACK:
                 return self.or_fallback(matcher, token, limit, as_answer(outcome))
         return self.or_fallback(
-            matcher, token, limit, self.python_search_after(matcher, token, limit, tries)
+            matcher, token, limit, self.python_search_after(matcher, token, limit)
         )
 
     def python_search_after(
-        self,
-        matcher: GrammarMatcher,
-        token: int | None,
-        limit: int,
-        tries: Sequence[Sequence[int]] = (),
+        self, matcher: GrammarMatcher, token: int | None, limit: int
     ) -> tuple[bool, list[int] | None]:
-        """:meth:`stitch` of ``tries``, else the greedy :meth:`search` after ``token``, in
-        Python, on a fork (no fallback)."""
-        if token is not None and tries:
-            stitched = self.stitch(matcher, token, tries)
-            if stitched is not None:
-                return True, stitched
+        """The greedy :meth:`search` after ``token``, in Python, on a fork (no fallback)."""
         probe = matcher.fork()
         if token is not None and not probe.accept(token):
             return False, None
@@ -224,31 +207,25 @@ class ClosingPaths:
         try:
             call = next(decision)
             while True:
-                answer = self.search_after(call.matcher, call.token, call.limit, call.tries)
-                call = decision.send(answer)
+                call = decision.send(self.search_after(call.matcher, call.token, call.limit))
         except StopIteration as done:
             outcome: R = done.value
             return outcome
 
-    def stitch_tries(self, path: list[int], limit: int) -> list[list[int]]:
-        """Closing paths to try after a token, made from ``path`` (one that closed the state
-        before the token, or an earlier one): all of it, a suffix of it (the token closed a
-        value of its own: ``"`` ending a string), or a closer then all of it (the token opened
-        one); at most 7, in that order, none longer than ``limit``."""
+    def stitch(
+        self, matcher: GrammarMatcher, token: int, path: list[int], limit: int
+    ) -> list[int] | None:
+        """A closing path for the state after ``token`` from ``matcher``'s (not changed), made
+        from ``path`` (one that closed ``matcher``'s state, or an earlier one): all of it, a
+        suffix of it (the token closed a value of its own: ``"`` ending a string), or a closer
+        then all of it (the token opened one). One ``completes`` check per try, at most 7.
+        None: no such path within ``limit`` (or ``token`` is rejected)."""
         tries = [path[k:] for k in range(min(len(path), 3) + 1)]
         if path:
             tries += [[c, *path] for c in self.candidates[:3]]
-        return [attempt for attempt in tries if len(attempt) <= limit]
-
-    def stitch(
-        self, matcher: GrammarMatcher, token: int, tries: Sequence[Sequence[int]]
-    ) -> list[int] | None:
-        """The first of ``tries`` (:meth:`stitch_tries`) after which, following ``token``, the
-        grammar completes from ``matcher``'s state (not changed: one ``completes`` check per
-        try); None: none does (or ``token`` is rejected)."""
         for attempt in tries:
-            if matcher.completes([token, *attempt]):
-                return list(attempt)
+            if len(attempt) <= limit and matcher.completes([token, *attempt]):
+                return attempt
         return None
 
     def _first_accepted(self, probe: GrammarMatcher, avoid: int | None = None) -> int | None:
@@ -551,13 +528,14 @@ class BudgetCloser:
         path = known[1] if known is not None and known[0] == here else None  # fits budget - 1
         seed = known[1] if known is not None else None  # only tried: it may be stale
         # after token: a path that leaves room for the stop token; the kept one and those
-        # stitched from it are checked first (``completes``: nothing is changed), in the same
-        # call as the search that runs where none completes (one native job)
+        # stitched from it are checked on the matcher itself (``completes`` changes nothing), a
+        # probe is forked only for a search
         limit = budget - 2
-        tries = self.paths.stitch_tries(seed, limit) if seed is not None else []
-        accepted, after = yield SearchCall(matcher, token, min(limit, SEARCH_LIMIT), tries)
-        if not accepted:
-            return None, memo  # the grammar rejects token: not for this policy to decide
+        after = self.paths.stitch(matcher, token, seed, limit) if seed is not None else None
+        if after is None:
+            accepted, after = yield SearchCall(matcher, token, min(limit, SEARCH_LIMIT))
+            if not accepted:
+                return None, memo  # the grammar rejects token: not for this policy to decide
         if after is None and limit > SEARCH_LIMIT:  # not found that short: look again later
             slack = limit - SEARCH_LIMIT
             return None, replace(memo, next_check=_next_check(here, budget, slack))

@@ -81,7 +81,7 @@ def _search_all(
     python: list[K] = []
     for key, call in calls.items():
         try:
-            native = call.matcher.native_closing(call.token, call.limit, tries=call.tries)
+            native = call.matcher.native_closing(call.token, call.limit)
         except Exception as exc:
             answers[key] = exc
             continue
@@ -103,9 +103,7 @@ def _search_all(
     for key in python:
         call = calls[key]
         try:
-            answers[key] = paths.python_search_after(
-                call.matcher, call.token, call.limit, call.tries
-            )
+            answers[key] = paths.python_search_after(call.matcher, call.token, call.limit)
         except Exception as exc:
             answers[key] = exc
     for key, answer in answers.items():  # where the greedy search found none: the fallback

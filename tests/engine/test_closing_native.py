@@ -7,11 +7,6 @@ tokenizer) and along random allowed tokens (toy tokenizer, free-key objects, so 
 duplicate and dead-end rules come up), for the next token, a random allowed one and a random
 one (mostly rejected), at several limits, both must give the same acceptance and the same path
 token for token. A change to the Python choices that the C search does not follow fails here.
-
-A decision's stitch tries (``ClosingPaths.stitch``: ``completes`` checks before the search) run in
-the same native job, on the request's own C-API matcher kept at its history's end: each try's
-answer must equal the Python ``completes`` (stop, special and padding ids, duplicate keys and
-rollbacks below the kept matcher included), and a job's answer with tries the Python one.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,7 +27,6 @@ from espalier.constrained.keys import with_unique_keys
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import SamplingParams
 from espalier.engine.closing import SEARCH_LIMIT, BudgetCloser, ClosingPaths
-from espalier.engine.closing.batch import as_answer
 from espalier.engine.request import Request
 from tests.fixtures.jsonschemabench import schema_cases
 
@@ -82,48 +75,6 @@ def _compare(
     return native
 
 
-def _native(paths: ClosingPaths, matcher: Any, token: int, limit: int, tries: Any) -> object:
-    search = matcher.native_closing(token, limit, tries=tries)
-    assert search is not None, "the native search serves llguidance matchers"
-    outcome = search.kind(paths.rules, [search], 1)[0]
-    assert outcome is not FALLBACK
-    return outcome
-
-
-def _compare_stitch(
-    paths: ClosingPaths,
-    matcher: Any,
-    token: int,
-    tries: list[list[int]],
-    rng: random.Random,
-    problems: list[str],
-) -> int:
-    """Each of ``tries`` alone against ``completes([token, *try])`` (a limit of -1: no search
-    after it), then all of them before a search against the Python stitch and search; how many
-    answers were compared."""
-    for attempt in tries:
-        outcome = _native(paths, matcher, token, -1, [attempt])
-        assert not isinstance(outcome, list) or outcome == attempt
-        expected = matcher.completes([token, *attempt])
-        if isinstance(outcome, list) != expected:
-            problems.append(f"completes {[token, *attempt]}: native {outcome}, python {expected}")
-    limit = rng.choice(LIMITS)
-    got = as_answer(_native(paths, matcher, token, limit, tries))
-    expected = paths.python_search_after(matcher, token, limit, tries)
-    if got != expected:
-        problems.append(f"stitch {token} {tries} limit {limit}: native {got}, python {expected}")
-    return len(tries) + 1
-
-
-def _tries(paths: ClosingPaths, seed: list[int], odd: list[int], rng: random.Random) -> Any:
-    """The decision's tries from ``seed`` and a few others: with ``odd`` ids (stops, specials,
-    padding) inside or after, cut short."""
-    tries = paths.stitch_tries(seed, SEARCH_LIMIT)
-    extra = [[*seed, rng.choice(odd)], seed[: rng.randrange(len(seed) + 1)]]
-    extra.append([rng.choice(odd), *seed])
-    return tries + rng.sample(extra, 2)
-
-
 def _allowed(matcher: Any, row: Any, vocab: int) -> list[int]:
     matcher.fill_bitmask(row, 0)
     return np.flatnonzero(bm.unpack_allowed(row[0], vocab)).tolist()
@@ -133,17 +84,6 @@ def _matcher(spec: GrammarSpec, tokenizer: Any) -> tuple[Any, Any]:
     compiled, _ = compile_grammar(spec, tokenizer, "llguidance")
     assert compiled.native_slot is not None and compiled.native_slot.wait(60) is not None
     return compiled, with_unique_keys(spec, compiled.matcher(), tokenizer)
-
-
-def _instances(tokenizer: Any) -> Iterator[tuple[str, Any, list[int]]]:
-    """JSONSchemaBench schemas the backend takes: name, a fresh matcher, a valid instance."""
-    for name, schema, data in schema_cases(6 if SLOW else 2):
-        spec = GrammarSpec.json_schema(schema)
-        try:
-            _, matcher = _matcher(spec, tokenizer)
-        except GrammarError:
-            continue
-        yield name, matcher, tokenizer.encode(json.dumps(data))
 
 
 # whitespace next to other ids (the fallback tries whitespace last; in the toy vocabulary " " is
@@ -188,7 +128,13 @@ def test_native_search_equals_python_on_jsonschemabench(gemma_tokenizer: Any) ->
     rng = random.Random(11)
     problems: list[str] = []
     checked = schemas = 0
-    for name, matcher, instance in _instances(gemma_tokenizer):
+    for name, schema, data in schema_cases(6 if SLOW else 2):
+        spec = GrammarSpec.json_schema(schema)
+        try:
+            _, matcher = _matcher(spec, gemma_tokenizer)
+        except GrammarError:
+            continue
+        instance = gemma_tokenizer.encode(json.dumps(data))
         found: list[str] = []
         for token in instance:
             tries = [token]
@@ -201,69 +147,6 @@ def test_native_search_equals_python_on_jsonschemabench(gemma_tokenizer: Any) ->
         problems += [f"{name}: {p}" for p in found]
         schemas += 1
     assert schemas >= 5 and checked > 100
-    assert problems == []
-
-
-def test_native_stitch_equals_python_on_random_walks(toy_tokenizer_padded: Any) -> None:
-    """Random walks over free-key schemas (padded toy vocabulary: two stop ids, a special id,
-    padding ids past the tokenizer's), with rollbacks: every try's native answer is the Python
-    ``completes``, and every job's the Python stitch-then-search."""
-    tokenizer = toy_tokenizer_padded
-    paths = ClosingPaths(tokenizer)
-    vocab = tokenizer.vocab_size
-    stops = set(tokenizer.stop_token_ids)
-    odd = [*stops, 0, vocab - 1, tokenizer.tokenizer_vocab_size]  # <pad>: special; padding
-    row = bm.allocate(1, vocab, fill=0)
-    rng = random.Random(5)
-    problems: list[str] = []
-    checked = 0
-    for spec in [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]:
-        for _ in range(16 if SLOW else 5):
-            _, matcher = _matcher(spec, tokenizer)
-            seed: list[int] = []
-            walked = 0
-            for _ in range(rng.randrange(1, 40)):
-                allowed = [t for t in _allowed(matcher, row, vocab) if t not in stops]
-                if not allowed:
-                    break
-                seed = paths.python_search_after(matcher, None, 24)[1] or seed
-                for token in (rng.choice(allowed), rng.randrange(vocab)):
-                    checked += _compare_stitch(
-                        paths, matcher, token, _tries(paths, seed, odd, rng), rng, problems
-                    )
-                taken = matcher.accept_tokens([rng.choice(allowed) for _ in range(3)])
-                walked += taken
-                if walked and rng.random() < 0.3:  # past the kept matcher, or below it
-                    back = rng.randrange(1, min(walked, taken + 2) + 1)
-                    matcher.rollback(back)
-                    walked -= back
-    assert checked > 1000
-    assert problems == []
-
-
-@pytest.mark.model
-def test_native_stitch_equals_python_on_jsonschemabench(gemma_tokenizer: Any) -> None:
-    """Along valid JSONSchemaBench instances (Gemma), the decision's tries from the path found
-    one token before (the case of a token that leaves the kept path)."""
-    paths = ClosingPaths(gemma_tokenizer)
-    stops = set(gemma_tokenizer.stop_token_ids)
-    odd = [*stops, gemma_tokenizer.vocab_size - 1]
-    rng = random.Random(13)
-    problems: list[str] = []
-    checked = schemas = 0
-    for name, matcher, instance in _instances(gemma_tokenizer):
-        found: list[str] = []
-        seed: list[int] = []
-        for token in instance:
-            checked += _compare_stitch(
-                paths, matcher, token, _tries(paths, seed, odd, rng), rng, found
-            )
-            if not matcher.accept(token):
-                break
-            seed = paths.python_search_after(matcher, None, 64)[1] or seed
-        problems += [f"{name}: {p}" for p in found]
-        schemas += 1
-    assert schemas >= 5 and checked > 500
     assert problems == []
 
 

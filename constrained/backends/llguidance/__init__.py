@@ -383,9 +383,6 @@ class Matcher(MatcherBase):
         # the C-API matcher closing searches clone, at the first n tokens of history
         # (``closing.py``): never advanced, shared with forks
         self.closing_base: tuple[llg_native.NativeMatcher, int] | None = None
-        # the C-API matcher closing jobs check stitch tries on, at the first n tokens of
-        # history (``closing.py``): advanced by them, this matcher's alone (not forks')
-        self.closing_own: tuple[llg_native.NativeMatcher, int] | None = None
         self._eos = compiled.tokenizer.stop_token_ids[0]  # llguidance's EOS (_TokenizerSource)
 
     def refresh_mask_memo(self) -> None:
@@ -442,8 +439,6 @@ class Matcher(MatcherBase):
             self.twin = None  # it never rolls back (native/twin.py): the next walk makes one
         if self.closing_base is not None and self.closing_base[1] > len(self.history):
             self.closing_base = None
-        if self.closing_own is not None and self.closing_own[1] > len(self.history):
-            self.closing_own = None
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
@@ -511,7 +506,6 @@ class Matcher(MatcherBase):
         self.history.clear()
         self.twin = None
         self.closing_base = None
-        self.closing_own = None
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():
@@ -519,10 +513,8 @@ class Matcher(MatcherBase):
         tokens: list[int] = self.native.compute_ff_tokens()
         return tokens[:limit]
 
-    def native_closing(
-        self, token: int | None, limit: int, keys: int = 0, tries: Sequence[Sequence[int]] = ()
-    ) -> LlgClosing | None:
-        return closing_of(self, token, limit, keys, tries)
+    def native_closing(self, token: int | None, limit: int, keys: int = 0) -> LlgClosing | None:
+        return closing_of(self, token, limit, keys)
 
     def fork(self) -> Matcher:
         other = Matcher(self.compiled, self.native.deep_copy())

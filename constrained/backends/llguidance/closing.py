@@ -7,10 +7,6 @@ rest of the history and the decided token, and runs ``engine/closing``'s greedy 
 :data:`~espalier.constrained.backends.llguidance.native.close.REBASE_AFTER` tokens past the
 base, the search hands back a new base at the history's end. A rollback below the base drops
 it (as the tree walk's twin is dropped).
-
-Each matcher also keeps its *own* C-API matcher (``Matcher.closing_own``, not shared with
-forks): the state a job's stitch tries are checked on, advanced by each job to the history's end
-and handed back, so a decision whose kept path still fits needs no clone.
 """
 
 from __future__ import annotations
@@ -42,12 +38,9 @@ class LlgClosing:
         return run_closing
 
 
-def closing_of(
-    matcher: Any, token: int | None, limit: int, keys: int, tries: Sequence[Sequence[int]] = ()
-) -> LlgClosing | None:
-    """``Matcher.native_closing``: a search from ``matcher``'s state (its stitch ``tries``
-    first), or None while it has no C-API base (the native tokenizer not built yet, or the
-    grammar refused there)."""
+def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClosing | None:
+    """``Matcher.native_closing``: a search from ``matcher``'s state, or None while it has no
+    C-API base (the native tokenizer not built yet, or the grammar refused there)."""
     if matcher.native.is_error():
         return None
     base = matcher.closing_base
@@ -57,19 +50,15 @@ def closing_of(
             return None
         base = matcher.closing_base = (start, 0)
     length = len(matcher.history)
-    own = matcher.closing_own
-    since = own[1] if own is not None else base[1]
     job = native_close.CloseJob(
         base=base[0],
-        sync=matcher.history[since:],
+        sync=matcher.history[base[1] :],
         length=length,
         token=token,
         limit=limit,
         stop_depth=matcher._stop_depth,
         keys=keys,
         rebase=length - base[1] >= native_close.REBASE_AFTER,
-        own=own[0] if own is not None else None,
-        tries=tries,
     )
     return LlgClosing(matcher, job)
 
@@ -80,47 +69,25 @@ def run_closing(
     """``NativeClosing.kind`` of :class:`LlgClosing`: one native call per tokenizer."""
     outcomes: list[object] = [None] * len(searches)
     groups: dict[int, list[int]] = {}
-    owners: set[int] = set()
-    jobs: list[LlgClosing] = []
     for i, search in enumerate(searches):
         assert isinstance(search, LlgClosing)
-        if search.job.own is not None and id(search.matcher) in owners:
-            search = _without_own(search)  # its own is another job's in this call
-        owners.add(id(search.matcher))
-        jobs.append(search)
         groups.setdefault(id(search.matcher.compiled.native_slot), []).append(i)
     for members in groups.values():
-        mine = [jobs[i] for i in members]
+        mine = [search for i in members if isinstance(search := searches[i], LlgClosing)]
         tables = _tables_for(rules, mine[0].matcher)
-        results = native_close.run_jobs(tables, [s.job for s in mine], threads)
-        for i, search, result in zip(members, mine, results):
-            outcomes[i] = result.outcome
-            _install(search, result)
+        found, bases = native_close.run_jobs(tables, [s.job for s in mine], threads)
+        for i, search, outcome, base in zip(members, mine, found, bases):
+            outcomes[i] = outcome
+            if base is not None:
+                _install(search, base)
     return outcomes
 
 
-def _without_own(search: LlgClosing) -> LlgClosing:
-    """``search`` from the base instead of its matcher's own."""
+def _install(search: Any, base: Any) -> None:
+    """A new base at the job's history end, unless the matcher moved on differently."""
     matcher, job = search.matcher, search.job
-    base = matcher.closing_base
-    assert base is not None
-    sync = matcher.history[base[1] :]
-    return LlgClosing(matcher, job._replace(own=None, sync=sync))
-
-
-def _install(search: Any, result: native_close.JobResult) -> None:
-    """The new base and own matcher at the job's history end, unless the matcher moved on
-    differently (searches run on the matcher's thread); a failed job drops its own."""
-    matcher, job = search.matcher, search.job
-    kept = matcher.closing_own
-    if kept is not None and job.own is not None and kept[0] is job.own:
-        matcher.closing_own = None  # advanced in C: recorded again below where it is known
-    if len(matcher.history) != job.length:
-        return
-    if result.base is not None:
-        matcher.closing_base = (result.base, job.length)
-    if result.own is not None:
-        matcher.closing_own = (result.own, job.length)
+    if len(matcher.history) == job.length:  # searches run on the matcher's thread
+        matcher.closing_base = (base, job.length)
 
 
 def _tables_for(rules: ClosingRules, matcher: Any) -> native_close.CloseTables:
@@ -132,11 +99,7 @@ def _tables_for(rules: ClosingRules, matcher: Any) -> native_close.CloseTables:
             return kept[2]
         tokenizer = matcher.compiled.tokenizer
         tables = native_close.CloseTables(
-            rules,
-            slot.tables,
-            tokenizer.tokenizer_vocab_size,
-            tokenizer.vocab_size,
-            tokenizer.stop_token_ids[0],  # llguidance's EOS (Matcher._eos)
+            rules, slot.tables, tokenizer.tokenizer_vocab_size, tokenizer.vocab_size
         )
         if len(_tables) >= 64:
             _tables.clear()

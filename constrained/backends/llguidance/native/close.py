@@ -12,10 +12,9 @@ error comes back as ``base.FALLBACK``: the caller runs the Python search, which 
 from __future__ import annotations
 
 import ctypes
-import itertools
-from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,7 +25,7 @@ from espalier.constrained.base import FALLBACK
 if TYPE_CHECKING:
     from espalier.constrained.base import ClosingRules
 
-CLOSE_ABI = 2
+CLOSE_ABI = 1
 """``espalier_llg_close_abi()`` of the ``llg_close.c`` this binding was written for."""
 
 CLOSE_FOUND, CLOSE_NONE, CLOSE_REJECTED = 0, 1, 2
@@ -82,7 +81,6 @@ class _Tables(ctypes.Structure):
         ("vocab_size", ctypes.c_int64),
         ("repeat_limit", ctypes.c_int64),
         ("lowest", ctypes.c_int64),
-        ("eos", ctypes.c_int64),
     ]
 
 
@@ -101,11 +99,6 @@ class _Job(ctypes.Structure):
         ("status", ctypes.c_int64),
         ("path_len", ctypes.c_int64),
         ("new_base", ctypes.c_void_p),
-        ("own", ctypes.c_void_p),
-        ("tries", ctypes.c_void_p),
-        ("try_ends", ctypes.c_void_p),
-        ("n_tries", ctypes.c_int64),
-        ("chosen", ctypes.c_int64),
     ]
 
 
@@ -170,12 +163,7 @@ class CloseTables:
     with their arrays)."""
 
     def __init__(
-        self,
-        rules: ClosingRules,
-        tables: capi.WalkTables,
-        tokenizer_vocab: int,
-        vocab_size: int,
-        eos: int,
+        self, rules: ClosingRules, tables: capi.WalkTables, tokenizer_vocab: int, vocab_size: int
     ) -> None:
         bits = tables.words * bm.BITS_PER_WORD
         candidates = np.array(rules.candidates or [0], dtype=np.int64)
@@ -198,19 +186,16 @@ class CloseTables:
             vocab_size,
             rules.repeat_limit,
             rules.lowest,
-            eos,
         )
         self._walk_tables = tables  # its stops / excluded arrays are pointed to
 
 
-class CloseJob(NamedTuple):
-    """One search: from ``own`` (the request's own C-API matcher at the first ``length -
-    len(sync)`` tokens of its history; None: a clone of ``base``, a C-API matcher at a prefix of
-    it), the rest of the history (``sync``; ``length`` tokens in all), then ``token`` (None:
-    none), at most ``limit`` tokens; ``stop_depth`` the matcher's; ``keys``: its key tracker's
-    handle (0: none; the caller keeps it alive); ``rebase``: hand back a base at the history's
-    end; ``tries``: stitch tries checked first, each as ``completes([token, *try])``. (A named
-    tuple: one is made per closing decision.)"""
+@dataclass(frozen=True)
+class CloseJob:
+    """One search: from ``base`` (a C-API matcher at a prefix of the matcher's history), the
+    rest of the history (``sync``; ``length`` tokens in all), then ``token`` (None: none), at
+    most ``limit`` tokens; ``stop_depth`` the matcher's; ``keys``: its key tracker's handle (0:
+    none; the caller keeps it alive); ``rebase``: hand back a base at the history's end."""
 
     base: capi.NativeMatcher
     sync: Sequence[int]
@@ -220,61 +205,37 @@ class CloseJob(NamedTuple):
     stop_depth: int
     keys: int
     rebase: bool
-    own: capi.NativeMatcher | None = None
-    tries: Sequence[Sequence[int]] = ()
 
 
-class JobResult(NamedTuple):
-    """A job's outcome (a path, None, ``REJECTED`` or ``base.FALLBACK``), its new base (asked
-    for and made) and the request's own matcher at the history's end (None after a failure)."""
-
-    outcome: SearchOutcome
-    base: capi.NativeMatcher | None
-    own: capi.NativeMatcher | None
-
-
-def run_jobs(tables: CloseTables, jobs: Sequence[CloseJob], threads: int) -> list[JobResult]:
-    """Every job in one ``espalier_llg_close_batch`` call on up to ``threads`` threads. No two
-    jobs may share an ``own`` matcher (each is advanced by its job)."""
+def run_jobs(
+    tables: CloseTables, jobs: Sequence[CloseJob], threads: int
+) -> tuple[list[SearchOutcome], list[capi.NativeMatcher | None]]:
+    """Every job in one ``espalier_llg_close_batch`` call on up to ``threads`` threads: the
+    outcome of each and, where asked, its new base (a :class:`capi.NativeMatcher`)."""
     lib = close_lib()
     n = len(jobs)
+    arrays: list[Any] = []
     structs = (_Job * max(n, 1))()
-    # every job's sync in one uint32 buffer, its tries and their ends in one int64 buffer, its
-    # path's room in another (addresses taken once all are complete)
-    syncs = array("I")
-    ints = array("q")
-    places: list[tuple[int, int, int, int]] = []  # sync, path, tries: starts; path room
-    room = 0
+    caps = [min(max(job.limit, 0), PATH_CAP) + 1 for job in jobs]
+    paths = np.zeros(max(sum(caps), 1), dtype=np.int64)
+    offset = 0
     keyed = False
-    for job in jobs:
-        cap = min(max(job.limit, 0), PATH_CAP)
-        if job.tries:
-            cap = max(cap, *map(len, job.tries))
-        places.append((len(syncs), room, len(ints), cap + 1))
-        room += cap + 1
-        syncs.extend(job.sync)
-        if job.tries:
-            ints.extend(itertools.chain.from_iterable(job.tries))
-            ints.extend(itertools.accumulate(map(len, job.tries)))
+    for j, job in enumerate(jobs):
+        sync = np.asarray(job.sync, dtype=np.uint32)
+        arrays.append(sync)
         keyed = keyed or bool(job.keys)
-    paths = array("q", bytes(8 * room))
-    sync_at, paths_at, ints_at = (a.buffer_info()[0] for a in (syncs, paths, ints))
-    for s, job, (sync, path, tries, cap) in zip(structs, jobs, places):
+        s = structs[j]
         s.base = job.base.pointer
-        s.sync = sync_at + 4 * sync
-        s.n_sync = len(job.sync)
+        s.sync = sync.ctypes.data
+        s.n_sync = sync.shape[0]
         s.token = -1 if job.token is None else job.token
         s.limit = job.limit
         s.stop_depth = job.stop_depth
         s.keys = job.keys or None
         s.rebase = int(job.rebase)
-        s.path = paths_at + 8 * path
-        s.path_cap = cap
-        s.own = None if job.own is None else job.own.pointer
-        if job.tries:
-            s.tries = ints_at + 8 * tries
-            s.n_tries = len(job.tries)
-            s.try_ends = ints_at + 8 * (tries + sum(map(len, job.tries)))
+        s.path = paths.ctypes.data + 8 * offset
+        s.path_cap = caps[j]
+        offset += caps[j]
     keys_api = ctypes.addressof(lib.keys_api()) if keyed else None
     lib.batch(
         ctypes.addressof(lib.llg_fns),
@@ -284,23 +245,21 @@ def run_jobs(tables: CloseTables, jobs: Sequence[CloseJob], threads: int) -> lis
         n,
         max(1, threads),
     )
-    results: list[JobResult] = []
-    for s, job, (_, path, _, _) in zip(structs, jobs, places):
-        status = s.status
-        outcome: SearchOutcome
+    outcomes: list[SearchOutcome] = []
+    bases: list[capi.NativeMatcher | None] = []
+    offset = 0
+    for j, job in enumerate(jobs):
+        s = structs[j]
+        status = int(s.status)
         if status == CLOSE_FOUND:
-            outcome = paths[path : path + s.path_len].tolist()
+            outcomes.append(paths[offset : offset + int(s.path_len)].tolist())
         elif status == CLOSE_NONE:
-            outcome = None
+            outcomes.append(None)
         elif status == CLOSE_REJECTED:
-            outcome = REJECTED
+            outcomes.append(REJECTED)
         else:
-            outcome = FALLBACK
-        new = s.new_base
-        base = capi.NativeMatcher(job.base.tokenizer, new) if new else None
-        own = job.own
-        pointer = s.own
-        if pointer and (own is None or own.pointer != pointer):
-            own = capi.NativeMatcher(job.base.tokenizer, pointer)  # made here: freed with it
-        results.append(JobResult(outcome, base, own if pointer and status >= 0 else None))
-    return results
+            outcomes.append(FALLBACK)
+        offset += caps[j]
+        new = int(s.new_base or 0)
+        bases.append(capi.NativeMatcher(job.base.tokenizer, new) if new else None)
+    return outcomes, bases

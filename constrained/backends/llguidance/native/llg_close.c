@@ -12,12 +12,6 @@
  * through the wrapper's rules of constrained/keys/matcher.py (UniqueKeysMatcher), in the same
  * order. tests/engine/test_closing_native.py compares both on many states.
  *
- * A job may also carry a decision's stitch tries (BudgetCloser.decision: ClosingPaths.stitch's
- * paths from the kept one): each is checked as GrammarMatcher.completes([token, *try]) on the
- * request's own C-API matcher at its history's end (`own`: kept by the caller between jobs and
- * only advanced, so a check needs no clone); the first that completes is the answer, else the
- * search runs. The same tests compare the stitch's answers.
- *
  * Nothing is rolled back on a matcher (llguidance can answer a stale mask after a rollback):
  * a check of a multi-token candidate is llg_matcher_validate_tokens, a check that needs a fork
  * is made on a clone. This file links against nothing but libc and pthreads.
@@ -64,19 +58,13 @@ typedef struct EspCloseTables {
     const uint32_t *closers, *blank, *stops, *excluded;
     int64_t words, tokenizer_vocab, vocab_size;
     int64_t repeat_limit, lowest;
-    int64_t eos; /* the stop id a completes check validates after its tokens (Matcher._eos) */
 } EspCloseTables;
 
-/* One search. In: base (a C-API matcher, only cloned) or own (the request's own matcher at a
- * prefix of its history, advanced here; NULL: a clone of base), sync[0..n_sync) (what the
- * request's matcher consumed after base, or after own), token (accepted first, as
- * BudgetCloser.decide does; -1: none), limit, stop_depth (the matcher's stop tokens accepted),
- * keys (the matcher's tracker, only forked; NULL: not wrapped), rebase (1: hand back a new base
- * at the request's state), tries (n_tries stitch tries back to back, try k ending at
- * try_ends[k]: checked before the search, each as completes([token, *try])), path (room for
- * path_cap ids). Out: status, path_len, chosen (the try taken, path = it; -1: none),
- * new_base (rebase, where the search ran: the caller owns it), own (the request's matcher at the history's end: the
- * caller owns it; NULL after a failure). */
+/* One search. In: base (a C-API matcher, only cloned), sync[0..n_sync) (what the request's
+ * matcher consumed after the base), token (accepted first, as BudgetCloser.decide does; -1:
+ * none), limit, stop_depth (the matcher's stop tokens accepted), keys (the matcher's tracker,
+ * only forked; NULL: not wrapped), rebase (1: hand back a matcher at the request's state),
+ * path (room for path_cap ids). Out: status, path_len, new_base (rebase: the caller owns it). */
 typedef struct EspCloseJob {
     void *base;
     const uint32_t *sync;
@@ -87,9 +75,6 @@ typedef struct EspCloseJob {
     int64_t path_cap;
     int64_t status, path_len;
     void *new_base;
-    void *own;
-    const int64_t *tries, *try_ends;
-    int64_t n_tries, chosen;
 } EspCloseJob;
 
 enum {
@@ -102,7 +87,7 @@ enum {
 };
 
 /* The layout of EspCloseJob / EspCloseTables and the function: capi.py checks it at load. */
-#define ESP_CLOSE_ABI 2
+#define ESP_CLOSE_ABI 1
 
 int64_t espalier_llg_close_abi(void) { return ESP_CLOSE_ABI; }
 
@@ -373,85 +358,6 @@ static void probe_free(Probe *p) {
     p->m = p->keys = NULL;
 }
 
-/* Matcher.completes: llguidance validates the tokens and the stop id after them where the
- * library itself takes every one of them; else MatcherBase.completes, on a clone. */
-static int inner_completes(Probe *p, const int64_t *tokens, int64_t n) {
-    int all_text = n > 0 && !p->stop_depth;
-    for (int64_t i = 0; all_text && i < n; i++) all_text = text_token(p, tokens[i]);
-    if (all_text) {
-        uint32_t small[64];
-        uint32_t *ids = n < 64 ? small : malloc(sizeof(uint32_t) * (size_t)(n + 1));
-        if (ids == NULL) {
-            fail(p, CLOSE_NO_MEMORY);
-            return 0;
-        }
-        for (int64_t i = 0; i < n; i++) ids[i] = (uint32_t)tokens[i];
-        ids[n] = (uint32_t)p->t->eos;
-        const int32_t valid = p->llg->validate(p->m, ids, (size_t)n + 1u);
-        if (ids != small) free(ids);
-        if (valid < 0 || p->llg->is_error(p->m)) {
-            fail(p, CLOSE_ERROR);
-            return 0;
-        }
-        return valid == n + 1;
-    }
-    Probe fork = *p;
-    fork.keys = NULL;
-    fork.failed = 0;
-    fork.m = p->llg->clone(p->m);
-    if (fork.m == NULL) {
-        fail(p, CLOSE_NO_MEMORY);
-        return 0;
-    }
-    const int done = inner_accept_tokens(&fork, tokens, n) == n && inner_can_terminate(&fork);
-    if (fork.failed) fail(p, fork.failed);
-    p->llg->free_matcher(fork.m);
-    return done && !p->failed;
-}
-
-/* UniqueKeysMatcher.completes: the grammar first (the tracker only refuses more), then the
- * tracker; where it refuses a duplicate completion, the dead-end rule decides on a fork. */
-static int completes(Probe *p, const int64_t *tokens, int64_t n) {
-    const int grammar = inner_completes(p, tokens, n);
-    if (!grammar || p->failed || p->keys == NULL) return grammar && !p->failed;
-    const int64_t clean = keys_accept_tokens(p, tokens, n);
-    if (p->failed) return 0;
-    p->ka->rollback(p->keys, clean);
-    if (clean == n) return 1;
-    Probe fork;
-    if (!probe_fork(p, &fork)) return 0;
-    const int done = accept_tokens(&fork, tokens, n) == n && can_terminate(&fork);
-    if (fork.failed) fail(p, fork.failed);
-    probe_free(&fork);
-    return done && !p->failed;
-}
-
-/* ClosingPaths.stitch's checks on p (the state before job->token): the first try after which
- * the grammar completes goes to job->path (CLOSE_FOUND, job->chosen); -1: none; else a
- * failure status. */
-static int64_t stitch(Probe *p, EspCloseJob *job) {
-    int64_t start = 0;
-    for (int64_t k = 0; k < job->n_tries; k++) {
-        const int64_t n = job->try_ends[k] - start;
-        int64_t *tokens = malloc(sizeof(int64_t) * (size_t)(n + 1));
-        if (tokens == NULL) return CLOSE_NO_MEMORY;
-        tokens[0] = job->token;
-        memcpy(tokens + 1, job->tries + start, sizeof(int64_t) * (size_t)n);
-        const int done = completes(p, tokens, n + 1);
-        free(tokens);
-        if (p->failed) return p->failed;
-        if (done) {
-            if (n > job->path_cap) return CLOSE_OVERFLOW;
-            memcpy(job->path, job->tries + start, sizeof(int64_t) * (size_t)n);
-            job->path_len = n;
-            job->chosen = k;
-            return CLOSE_FOUND;
-        }
-        start = job->try_ends[k];
-    }
-    return -1;
-}
-
 /* -- the search (ClosingPaths) ----------------------------------------------------------------- */
 
 /* ClosingPaths._empty_closer: the closer accepted, or -1 (nothing changed). */
@@ -578,18 +484,7 @@ out:
     return status;
 }
 
-/* A job's search: a new base cloned from own where asked, then on a clone of own (p->m, freed
- * by the caller) the token and the search. */
-static int64_t search_from(Probe *p, EspCloseJob *job, void *own) {
-    if (job->rebase && (job->new_base = p->llg->clone(own)) == NULL) return CLOSE_NO_MEMORY;
-    if ((p->m = p->llg->clone(own)) == NULL) return CLOSE_NO_MEMORY;
-    if (job->token >= 0 && !accept(p, job->token)) return p->failed ? p->failed : CLOSE_REJECTED;
-    return p->failed ? p->failed : search(p, job);
-}
-
-/* One job: the request's state (own, or a clone of the base; synced), the stitch tries on it,
- * then, where none completes, the search on a clone of it after the token (and a new base
- * cloned from it, where asked: a base moves only where a search runs, as before the tries). */
+/* One job: the probe made from the base (clone, sync, rebase, token), then the search. */
 static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCloseTables *t,
                     EspCloseJob *job, uint32_t *row) {
     Probe p;
@@ -601,27 +496,35 @@ static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCl
     p.stop_depth = job->stop_depth;
     job->new_base = NULL;
     job->path_len = 0;
-    job->chosen = -1;
-    void *own = job->own != NULL ? job->own : llg->clone(job->base);
-    job->own = own; /* handed back in every case: the caller keeps it only on success */
-    if (own == NULL) {
+    p.m = llg->clone(job->base);
+    if (job->keys != NULL) p.keys = ka->fork(job->keys);
+    if (p.m == NULL || (job->keys != NULL && p.keys == NULL)) {
         job->status = CLOSE_NO_MEMORY;
+        probe_free(&p);
         return;
     }
     for (int64_t i = 0; i < job->n_sync; i++) {
-        if (llg->consume(own, job->sync[i]) != 0) {
+        if (llg->consume(p.m, job->sync[i]) != 0) {
             job->status = CLOSE_ERROR;
+            probe_free(&p);
             return;
         }
     }
-    if (job->keys != NULL && (p.keys = ka->fork(job->keys)) == NULL) {
-        job->status = CLOSE_NO_MEMORY;
+    if (job->rebase) {
+        job->new_base = p.m;
+        p.m = llg->clone(job->new_base);
+        if (p.m == NULL) {
+            job->status = CLOSE_NO_MEMORY;
+            probe_free(&p);
+            return;
+        }
+    }
+    if (job->token >= 0 && !accept(&p, job->token)) {
+        job->status = p.failed ? p.failed : CLOSE_REJECTED;
+        probe_free(&p);
         return;
     }
-    p.m = own; /* only validated on, cloned */
-    int64_t status = job->n_tries ? stitch(&p, job) : -1;
-    p.m = NULL;
-    job->status = status == -1 ? search_from(&p, job, own) : status;
+    job->status = p.failed ? p.failed : search(&p, job);
     probe_free(&p);
 }
 
