@@ -226,10 +226,11 @@ class MatcherBase:
     def takes_all_natively(self, tokens: Sequence[int]) -> bool:
         """:meth:`takes_natively` of every one of ``tokens`` (one pass: closing checks ask it
         for every try)."""
-        facts, vocab = self._facts, self._tokenizer_vocab
+        facts = self._facts
         return (
             not self._stop_depth
-            and all(0 <= t < vocab and t not in facts.excluded for t in tokens)
+            and (not tokens or (min(tokens) >= 0 and max(tokens) < self._tokenizer_vocab))
+            and facts.excluded.isdisjoint(tokens)
             and facts.stops.isdisjoint(tokens)
         )
 

@@ -220,12 +220,14 @@ class ClosingPaths:
         suffix of it (the token closed a value of its own: ``"`` ending a string), or a closer
         then all of it (the token opened one). One ``completes`` check per try, at most 7.
         None: no such path within ``limit`` (or ``token`` is rejected)."""
-        tries = [path[k:] for k in range(min(len(path), 3) + 1)]
-        if path:
-            tries += [[c, *path] for c in self.candidates[:3]]
-        for attempt in tries:
-            if len(attempt) <= limit and matcher.completes([token, *attempt]):
-                return attempt
+        # each try is made only when reached: the first one completes most often
+        for k in range(min(len(path), 3) + 1):
+            if len(path) - k <= limit and matcher.completes([token, *path[k:]]):
+                return path[k:]
+        if path and len(path) < limit:
+            for closer in self.candidates[:3]:
+                if matcher.completes([token, closer, *path]):
+                    return [closer, *path]
         return None
 
     def _first_accepted(self, probe: GrammarMatcher, avoid: int | None = None) -> int | None:

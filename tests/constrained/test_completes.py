@@ -132,3 +132,30 @@ def test_accepted_prefix_equals_accepting_on_a_fork(backend: str, unique_keys: b
             counts.add(min(got, 2))
         assert _state(matcher) == before
     assert counts == {0, 1, 2}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_takes_all_natively_is_each_token_a_library_token(
+    backend: str, toy_tokenizer_padded: Any
+) -> None:
+    """``takes_all_natively`` (the check before a native ``completes`` / ``accepted_prefix``)
+    equals asking each token alone: in the tokenizer's vocabulary (not negative, not padding),
+    not a special id, not a stop id; and False once terminated."""
+    tokenizer = toy_tokenizer_padded
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    matcher = compiled.matcher()
+    stops, text = set(tokenizer.stop_token_ids), tokenizer.tokenizer_vocab_size
+    special = {0}  # <pad>
+    odd = [-1, 0, text - 1, text, tokenizer.vocab_size - 1, *stops]
+    rng = random.Random(3)
+    for _ in range(300):
+        tokens = [
+            rng.choice(odd) if rng.random() < 0.2 else rng.randrange(3, text)
+            for _ in range(rng.randrange(0, 6))
+        ]
+        expected = all(0 <= t < text and t not in special and t not in stops for t in tokens)
+        assert matcher.takes_all_natively(tokens) == expected, tokens
+    path = ClosingPaths(tokenizer).find(matcher, 64)
+    assert path is not None and matcher.accept_tokens(path) == len(path)
+    assert matcher.accept(next(iter(stops)))
+    assert not matcher.takes_all_natively([3]) and not matcher.takes_all_natively([])
