@@ -3,7 +3,8 @@
 Three exact forms, tried in order by :func:`rewrite_one_of`:
 
 1. the branches are pairwise disjoint given the keywords next to the ``oneOf``
-   (:func:`logic.disjoint`): ``anyOf`` of the branches;
+   (:func:`disjoint.disjoint`: conjuncts through ``allOf`` / refs, unions split): ``anyOf``
+   of the branches;
 2. **type by type** (:func:`by_type`): for each JSON type ``T`` every branch matches all of
    ``T`` (no keyword of it reads a ``T`` instance), none of ``T`` (its ``type``, ``enum`` or
    ``const`` excludes ``T``) or some. Two or more branches matching all of ``T``: no ``T``
@@ -25,6 +26,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from espalier.constrained.schema.disjoint import disjoint, pairwise_disjoint
 from espalier.constrained.schema.features import NOT_ASSERTING, TYPE_OF, VOCABULARY
 from espalier.constrained.schema.implied import without_implied
 from espalier.constrained.schema.logic import (
@@ -34,10 +36,8 @@ from espalier.constrained.schema.logic import (
     append_all_of,
     complement,
     deref,
-    disjoint,
     key_set,
     meet,
-    pairwise_disjoint,
     without,
 )
 from espalier.constrained.schema.value_complement import json_type
@@ -60,6 +60,23 @@ def rewrite_one_of(node: dict[str, Any], defs: Defs) -> Any:
     if exclusive is False:
         return False
     return append_all_of(context, exclusive)
+
+
+def rewrite_one_of_in_all_of(node: dict[str, Any], defs: Defs) -> dict[str, Any]:
+    """``node`` with each ``allOf`` member that holds a ``oneOf`` whose branches are pairwise
+    disjoint given everything else ``node`` asserts (its other keywords, the other members,
+    the member's own other keywords) turned into ``anyOf``; real schemas put the discriminator's
+    ``required`` next to ``allOf: [base, {oneOf: [...]}]``, out of the member's sight."""
+    members = node["allOf"]
+    out = list(members)
+    for i, member in enumerate(members):
+        if not isinstance(member, dict) or not isinstance(member.get("oneOf"), list):
+            continue
+        others = [m for j, m in enumerate(out) if j != i]
+        context = {**without(node, "allOf"), "allOf": [without(member, "oneOf"), *others]}
+        if pairwise_disjoint(member["oneOf"], defs, context=context):
+            out[i] = append_all_of(without(member, "oneOf"), {"anyOf": member["oneOf"]})
+    return node if out == members else {**node, "allOf": out}
 
 
 def by_type(branches: list[Any], context: dict[str, Any], defs: Defs) -> Any:
