@@ -214,7 +214,9 @@ def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
         keys = meet(around, key_set(branch, defs))
         givens = [branch, context]
         others = [
-            complement(without_implied(b, givens, defs), defs, keys=keys)
+            True  # no instance of this branch matches b: nothing to exclude
+            if disjoint(branch, b, defs, context)
+            else complement(without_implied(b, givens, defs), defs, keys=keys)
             for j, b in enumerate(branches)
             if j != i
         ]

@@ -171,3 +171,48 @@ def test_conjuncts_flatten_all_of_and_refs() -> None:
     parts = conjuncts({"allOf": [{"$ref": "#/$defs/d"}, {"minProperties": 1}]}, defs)
     assert parts == [{}, {"title": "t"}, {"type": "object"}, {"required": ["a"]},
                      {"minProperties": 1}]  # fmt: skip
+
+
+LESS_IMPLIED = [
+    # a property both branches list: only what this branch's subschema leaves open can differ
+    # (item counts here), so the other's items need no complement
+    {"type": "object",
+     "oneOf": [{"properties": {"x": {"type": "array", "items": {"required": ["kind"]},
+                                     "minItems": 1, "maxItems": 1}}},
+               {"properties": {"x": {"type": "array", "items": {"required": ["kind"]},
+                                     "minItems": 2}}}]},
+    # the branches' subschemas for the property are disjoint: any present value violates one
+    {"oneOf": [{"properties": {"x": {"type": "array", "items": {"enum": ["a", "b"]}}}},
+               {"properties": {"x": {"enum": ["a", "b"]}}}]},
+    # a branch without a complement, disjoint from the others, which overlap each other
+    {"oneOf": [{"type": "array", "items": {"type": "integer"}},
+               {"type": "object", "required": ["x"]},
+               {"type": "object", "required": ["y"]}]},
+]  # fmt: skip
+LESS_IMPLIED_EXAMPLES: list[Any] = [
+    {},
+    {"x": [{"kind": "a"}]},
+    {"x": [{"kind": "a"}, {"kind": "b"}]},
+    {"x": [{"kind": 1}, 3]},
+    {"x": [{}]},
+    {"x": []},
+    {"x": "a"},
+    {"x": ["a"]},
+    {"x": ["a", "c"]},
+    {"x": 3},
+    {"x": 1, "y": 2},
+    {"y": 2},
+    [1, 2],
+    [1, "a"],
+    [],
+    "a",
+]
+
+
+@pytest.mark.parametrize("schema", LESS_IMPLIED, ids=[json.dumps(s)[:60] for s in LESS_IMPLIED])
+def test_complements_less_what_the_branch_implies_per_property(schema: Any) -> None:
+    rewritten = rewrite(schema)
+    assert not has_one_of(rewritten), rewritten
+    values = pool(5) + LESS_IMPLIED_EXAMPLES
+    assert same_verdicts(schema, rewritten, values) == []
+    assert {validate_instance(schema, v).valid for v in values} == {True, False}
