@@ -43,6 +43,8 @@ from espalier.constrained.schema.logic import (
 from espalier.constrained.schema.value_complement import json_type
 
 ALL, NONE, SOME = "all", "none", "some"
+MAX_BRANCHES = 64  # pairwise disjointness checks grow with the square
+MAX_OVERLAPS = 28  # branch pairs that need complements: the rewrite grows with each
 
 
 def rewrite_one_of(node: dict[str, Any], defs: Defs) -> Any:
@@ -201,12 +203,20 @@ def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
     """``oneOf`` as ``anyOf`` of "this branch and no other"; None when a complement is missing.
 
     Each other branch is complemented less what this branch and ``context`` imply
-    (:mod:`implied`).
+    (:mod:`implied`); a branch disjoint from this one (:func:`disjoint.disjoint`) needs none.
+    The growth is one complement per overlapping pair (at most MAX_OVERLAPS pairs).
 
     The other branches' complements are taken among the objects ``context`` (the keywords next
     to the ``oneOf``) and this branch allow (:func:`key_set`), which makes closed objects'
     ``additionalProperties`` / ``patternProperties`` complementable."""
-    if len(branches) > 6:
+    if len(branches) > MAX_BRANCHES:
+        return None
+    overlapping = {
+        (i, j)
+        for i, j in itertools.combinations(range(len(branches)), 2)
+        if not disjoint(branches[i], branches[j], defs, context)
+    }
+    if len(overlapping) > MAX_OVERLAPS:
         return None  # quadratic growth: leave it
     around = key_set(context, defs)
     options = []
@@ -214,11 +224,9 @@ def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
         keys = meet(around, key_set(branch, defs))
         givens = [branch, context]
         others = [
-            True  # no instance of this branch matches b: nothing to exclude
-            if disjoint(branch, b, defs, context)
-            else complement(without_implied(b, givens, defs), defs, keys=keys)
+            complement(without_implied(b, givens, defs), defs, keys=keys)
             for j, b in enumerate(branches)
-            if j != i
+            if (min(i, j), max(i, j)) in overlapping
         ]
         if any(n is None for n in others):
             return None

@@ -188,6 +188,14 @@ LESS_IMPLIED = [
     {"oneOf": [{"type": "array", "items": {"type": "integer"}},
                {"type": "object", "required": ["x"]},
                {"type": "object", "required": ["y"]}]},
+    # two equal branches: an instance matching them matches two, it is never valid
+    {"oneOf": [{"required": ["x"], "properties": {"kind": {"const": "a"}}},
+               {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "b"}}},
+               {"required": ["x"], "properties": {"kind": {"const": "a"}}}]},
+    # many branches, one overlapping pair: one complement per overlapping pair
+    {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "boolean"}, {"const": 3},
+               {"type": "number", "maximum": 0}, {"type": "array", "maxItems": 1},
+               {"type": "object", "required": ["x"]}, {"type": "object", "required": ["y"]}]},
 ]  # fmt: skip
 LESS_IMPLIED_EXAMPLES: list[Any] = [
     {},
@@ -202,6 +210,9 @@ LESS_IMPLIED_EXAMPLES: list[Any] = [
     {"x": 3},
     {"x": 1, "y": 2},
     {"y": 2},
+    {"x": 1, "kind": "a"},
+    {"x": 1, "kind": "b"},
+    {"kind": "b"},
     [1, 2],
     [1, "a"],
     [],
@@ -210,7 +221,7 @@ LESS_IMPLIED_EXAMPLES: list[Any] = [
 
 
 @pytest.mark.parametrize("schema", LESS_IMPLIED, ids=[json.dumps(s)[:60] for s in LESS_IMPLIED])
-def test_complements_less_what_the_branch_implies_per_property(schema: Any) -> None:
+def test_exactly_one_complements_only_overlapping_branches(schema: Any) -> None:
     rewritten = rewrite(schema)
     assert not has_one_of(rewritten), rewritten
     values = pool(5) + LESS_IMPLIED_EXAMPLES
