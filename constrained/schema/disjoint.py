@@ -23,6 +23,7 @@ from espalier.constrained.schema.string_prefix import strings_disjoint
 MAX_CONJUNCTS = 32  # per schema, through nested allOf / refs
 MAX_UNION = 16  # branches of a union split in a proof
 MAX_SPLIT_DEPTH = 3  # nested union splits along one proof
+MAX_STEPS = 400  # schema pairs one proof may compare (unions and properties multiply them)
 
 
 def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
@@ -35,25 +36,30 @@ def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
 
 def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) -> bool:
     """True only when no instance can match ``a``, ``b`` and ``context`` (the keywords next to
-    the ``oneOf``) together, as the module docstring says."""
-    return _disjoint(a, b, defs, context, depth, 0)
+    the ``oneOf``) together, as the module docstring says (False past MAX_STEPS)."""
+    return _disjoint(a, b, defs, context, depth, 0, [MAX_STEPS])
 
 
-def _disjoint(a: Any, b: Any, defs: Defs, context: Any, depth: int, splits: int) -> bool:
+def _disjoint(
+    a: Any, b: Any, defs: Defs, context: Any, depth: int, splits: int, budget: list[int]
+) -> bool:
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False  # not proven within the budget
     parts_a, parts_b = conjuncts(a, defs), conjuncts(b, defs)
     parts_c = conjuncts(context, defs)
     if parts_a is None or parts_b is None or parts_c is None:
         return False
     if any(p is False for p in (*parts_a, *parts_b, *parts_c)):
         return True
-    if _parts_disjoint(parts_a, parts_b, parts_c, a, b, defs, depth):
+    if _parts_disjoint(parts_a, parts_b, parts_c, a, b, defs, depth, splits, budget):
         return True
     if splits >= MAX_SPLIT_DEPTH or depth >= MAX_DEPTH:
         return False
     for parts, other in ((parts_a, b), (parts_b, a)):
         cases = _union_cases(parts)
         if cases is not None and all(
-            _disjoint(case, other, defs, context, depth, splits + 1) for case in cases
+            _disjoint(case, other, defs, context, depth, splits + 1, budget) for case in cases
         ):
             return True
     return False
@@ -99,9 +105,11 @@ def _parts_disjoint(
     b: Any,
     defs: Defs,
     depth: int,
+    splits: int,
+    budget: list[int],
 ) -> bool:
     """Whether conjuncts of ``a`` and of ``b`` (``parts_c``: of the context) exclude each other
-    without splitting a union."""
+    without splitting a union here (a property's subschemas may split the splits left)."""
     common: set[str] | None = None
     for part in (*parts_a, *parts_b, *parts_c):
         types = types_of(part, defs)
@@ -127,7 +135,7 @@ def _parts_disjoint(
     for name in sorted(present):
         xs = [s for p in left for s in _applying(p, name, defs)] or [True]
         ys = [s for p in right for s in _applying(p, name, defs)] or [True]
-        if any(_disjoint(x, y, defs, True, depth + 1, 0) for x in xs for y in ys):
+        if any(_disjoint(x, y, defs, True, depth + 1, splits, budget) for x in xs for y in ys):
             return True
     return False
 
