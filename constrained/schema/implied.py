@@ -9,13 +9,17 @@ a complement where ``B`` has none (a shared ``$ref``'d property, the same
 a keyword read with siblings, such as ``items`` with ``prefixItems``, only when those are equal
 too; ``additionalProperties`` only when the names and patterns it depends on are the same), each
 ``properties`` entry equal to ``G``'s (its subschema becomes ``true``: the name stays listed for
-``additionalProperties``), ``required`` names ``G`` requires, a ``type`` covering ``G``'s.
+``additionalProperties``), ``required`` names ``G`` requires, a ``type`` covering ``G``'s. A
+``properties`` entry that ``G`` lists with another subschema loses, the same way, what ``G``'s
+subschemas for that name imply (a present name matches them; up to MAX_NESTING levels), and
+becomes ``false`` where one of those is disjoint from it (every present value violates it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from espalier.constrained.schema.disjoint import disjoint
 from espalier.constrained.schema.logic import Defs, canonical, deref
 
 # keywords whose meaning depends on siblings: implied only when those are equal too
@@ -30,9 +34,10 @@ READ_WITH = {
 }
 NEVER = frozenset({"unevaluatedProperties", "unevaluatedItems"})  # read every sibling
 _ABSENT: Any = object()  # a keyword not present (equal only to itself)
+MAX_NESTING = 4  # property levels looked into
 
 
-def without_implied(schema: Any, givens: list[Any], defs: Defs) -> Any:
+def without_implied(schema: Any, givens: list[Any], defs: Defs, depth: int = 0) -> Any:
     """``schema`` less the keywords ``givens`` (schemas known to hold) imply, as above."""
     schema = deref(schema, defs)
     facts = _flatten(givens, defs)
@@ -41,13 +46,34 @@ def without_implied(schema: Any, givens: list[Any], defs: Defs) -> Any:
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "properties" and isinstance(value, dict):
-            out[key] = {n: True if _same_property(n, s, facts) else s for n, s in value.items()}
+            out[key] = {
+                n: _property_less_implied(n, s, facts, defs, depth) for n, s in value.items()
+            }
         elif key == "required" and isinstance(value, list):
             present = {n for f in facts for n in _list(f.get("required"))}
             out[key] = [n for n in value if n not in present]
         elif not any(_implies(f, key, schema) for f in facts):
             out[key] = value
     return out
+
+
+def _property_less_implied(
+    name: str, sub: Any, facts: list[dict[str, Any]], defs: Defs, depth: int
+) -> Any:
+    """Property ``name``'s subschema less what the facts' own subschemas for ``name`` imply: a
+    present ``name`` matches each of those, so only the rest of ``sub`` can be violated."""
+    if _same_property(name, sub, facts):
+        return True
+    given = [
+        f["properties"][name]
+        for f in facts
+        if isinstance(f.get("properties"), dict) and name in f["properties"]
+    ]
+    if not given or depth >= MAX_NESTING:
+        return sub
+    if any(disjoint(sub, g, defs) for g in given):
+        return False  # every value a fact allows violates ``sub``
+    return without_implied(sub, given, defs, depth + 1)
 
 
 def _implies(fact: dict[str, Any], key: str, schema: dict[str, Any]) -> bool:

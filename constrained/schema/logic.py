@@ -1,8 +1,8 @@
-"""Reasoning about schemas as sets of instances: types, disjointness, complements.
+"""Reasoning about schemas as sets of instances: types, values, complements.
 
 Used by :mod:`rewrite` to express ``not``, ``if/then/else`` and ``oneOf`` with keywords the
-backends enforce (a ``pattern``'s complement and two patterns' disjointness come from
-:mod:`regular`). Every function is exact or gives up (returns None / False): a schema built here
+backends enforce (a ``pattern``'s complement comes from :mod:`regular`; disjointness is
+:mod:`disjoint`). Every function is exact or gives up (returns None / False): a schema built here
 matches exactly the instances its docstring says. ``defs`` is the root ``$defs`` after
 :func:`refs.resolve_refs`, so ``{"$ref": "#/$defs/<name>"}`` can be looked through.
 """
@@ -14,8 +14,7 @@ import re
 from typing import Any
 
 from espalier.constrained.schema.features import VOCABULARY
-from espalier.constrained.schema.regular import complement_pattern, patterns_meet
-from espalier.constrained.schema.string_prefix import strings_disjoint
+from espalier.constrained.schema.regular import complement_pattern
 from espalier.constrained.schema.value_complement import json_type, values_complement
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
@@ -97,99 +96,6 @@ def values_of(branch: Any, defs: Defs) -> set[str] | None:
     if isinstance(branch.get("enum"), list):
         return {canonical(v) for v in branch["enum"]}
     return None
-
-
-def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) -> bool:
-    """True only when no instance can match ``a``, ``b`` and ``context`` (the keywords next to
-    the ``oneOf``) together: no common type or value, or (objects only) a property that one of
-    them requires and that the two allow no common value for, or (strings only) leading
-    characters they cannot share (:mod:`string_prefix`)."""
-    a, b, context = deref(a, defs), deref(b, defs), deref(context, defs)
-    common: set[str] | None = None
-    for side in (a, b, context):
-        types = types_of(side, defs)
-        if types is not None:
-            common = types if common is None else common & types
-    if common is not None and not common:
-        return True
-    va, vb = values_of(a, defs), values_of(b, defs)
-    if va is not None and vb is not None and not va & vb:
-        return True
-    if common == {"string"} and (strings_disjoint(a, b) or _patterns_disjoint(a, b)):
-        return True  # e.g. anchored patterns whose first characters differ
-    if _no_member_matches(a, b, defs) or _no_member_matches(b, a, defs):
-        return True  # e.g. enum ["Door", "Window"] against pattern "(\\+)\\w+"
-    if common is None or common - {"object"} or depth >= MAX_DEPTH:
-        return False  # a non-object instance ignores properties/required: it may match both
-    present = set().union(*(_required(s) for s in (a, b, context)))
-    for name in sorted(present):
-        if any(
-            disjoint(x, y, defs, True, depth + 1)
-            for x in _applying(a, name, defs) or [True]
-            for y in _applying(b, name, defs) or [True]
-        ):
-            return True
-    return False
-
-
-def _patterns_disjoint(a: Any, b: Any) -> bool:
-    """Whether the ``pattern``s of two schema objects match no common string (:mod:`regular`)."""
-    patterns = tuple(
-        s["pattern"] for s in (a, b) if isinstance(s, dict) and isinstance(s.get("pattern"), str)
-    )
-    return len(patterns) == 2 and patterns_meet(patterns) is False
-
-
-def _no_member_matches(finite: Any, other: Any, defs: Defs) -> bool:
-    """Whether ``finite`` allows a few values only (``const`` / ``enum``, up to 64) and the
-    post-validator finds none of them valid under ``other`` (refs against the root ``$defs``)."""
-    if not isinstance(finite, dict) or not (
-        "const" in finite or isinstance(finite.get("enum"), list)
-    ):
-        return False
-    members = [finite["const"]] if "const" in finite else finite["enum"]
-    if len(members) > 64:
-        return False
-    from espalier.constrained.postvalidate import schema_validator
-
-    try:
-        validator = schema_validator({"$defs": defs, "allOf": [other]})
-        return not any(validator.is_valid(m) for m in members)
-    except Exception:  # a pattern Python cannot compile, an unresolvable ref: no verdict
-        return False
-
-
-def _required(schema: Any) -> set[str]:
-    names = schema.get("required") if isinstance(schema, dict) else None
-    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
-
-
-def _applying(schema: Any, name: str, defs: Defs) -> list[Any]:
-    """The subschemas ``schema`` applies to property ``name`` when present ([] if unknown)."""
-    if not isinstance(schema, dict):
-        return [schema]
-    listed = schema.get("properties")
-    out = [listed[name]] if isinstance(listed, dict) and name in listed else []
-    patterns = schema.get("patternProperties", {})
-    if not isinstance(patterns, dict):
-        return out
-    for pattern, sub in patterns.items():
-        try:
-            if re.search(pattern, name):
-                out.append(sub)
-        except re.error:
-            return out  # unknown whether additionalProperties applies
-    if not out and "additionalProperties" in schema:
-        out.append(schema["additionalProperties"])
-    return [deref(sub, defs) for sub in out]
-
-
-def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
-    if not isinstance(branches, list):
-        return False
-    return all(
-        disjoint(a, b, defs, context) for i, a in enumerate(branches) for b in branches[i + 1 :]
-    )
 
 
 def key_set(schema: Any, defs: Defs, depth: int = 0) -> frozenset[str] | None:

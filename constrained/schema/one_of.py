@@ -3,7 +3,8 @@
 Three exact forms, tried in order by :func:`rewrite_one_of`:
 
 1. the branches are pairwise disjoint given the keywords next to the ``oneOf``
-   (:func:`logic.disjoint`): ``anyOf`` of the branches;
+   (:func:`disjoint.disjoint`: conjuncts through ``allOf`` / refs, unions split): ``anyOf``
+   of the branches;
 2. **type by type** (:func:`by_type`): for each JSON type ``T`` every branch matches all of
    ``T`` (no keyword of it reads a ``T`` instance), none of ``T`` (its ``type``, ``enum`` or
    ``const`` excludes ``T``) or some. Two or more branches matching all of ``T``: no ``T``
@@ -25,6 +26,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from espalier.constrained.schema.disjoint import disjoint, pairwise_disjoint
 from espalier.constrained.schema.features import NOT_ASSERTING, TYPE_OF, VOCABULARY
 from espalier.constrained.schema.implied import without_implied
 from espalier.constrained.schema.logic import (
@@ -34,15 +36,15 @@ from espalier.constrained.schema.logic import (
     append_all_of,
     complement,
     deref,
-    disjoint,
     key_set,
     meet,
-    pairwise_disjoint,
     without,
 )
 from espalier.constrained.schema.value_complement import json_type
 
 ALL, NONE, SOME = "all", "none", "some"
+MAX_BRANCHES = 64  # pairwise disjointness checks grow with the square
+MAX_OVERLAPS = 28  # branch pairs that need complements: the rewrite grows with each
 
 
 def rewrite_one_of(node: dict[str, Any], defs: Defs) -> Any:
@@ -60,6 +62,23 @@ def rewrite_one_of(node: dict[str, Any], defs: Defs) -> Any:
     if exclusive is False:
         return False
     return append_all_of(context, exclusive)
+
+
+def rewrite_one_of_in_all_of(node: dict[str, Any], defs: Defs) -> dict[str, Any]:
+    """``node`` with each ``allOf`` member that holds a ``oneOf`` whose branches are pairwise
+    disjoint given everything else ``node`` asserts (its other keywords, the other members,
+    the member's own other keywords) turned into ``anyOf``; real schemas put the discriminator's
+    ``required`` next to ``allOf: [base, {oneOf: [...]}]``, out of the member's sight."""
+    members = node["allOf"]
+    out = list(members)
+    for i, member in enumerate(members):
+        if not isinstance(member, dict) or not isinstance(member.get("oneOf"), list):
+            continue
+        others = [m for j, m in enumerate(out) if j != i]
+        context = {**without(node, "allOf"), "allOf": [without(member, "oneOf"), *others]}
+        if pairwise_disjoint(member["oneOf"], defs, context=context):
+            out[i] = append_all_of(without(member, "oneOf"), {"anyOf": member["oneOf"]})
+    return node if out == members else {**node, "allOf": out}
 
 
 def by_type(branches: list[Any], context: dict[str, Any], defs: Defs) -> Any:
@@ -184,12 +203,20 @@ def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
     """``oneOf`` as ``anyOf`` of "this branch and no other"; None when a complement is missing.
 
     Each other branch is complemented less what this branch and ``context`` imply
-    (:mod:`implied`).
+    (:mod:`implied`); a branch disjoint from this one (:func:`disjoint.disjoint`) needs none.
+    The growth is one complement per overlapping pair (at most MAX_OVERLAPS pairs).
 
     The other branches' complements are taken among the objects ``context`` (the keywords next
     to the ``oneOf``) and this branch allow (:func:`key_set`), which makes closed objects'
     ``additionalProperties`` / ``patternProperties`` complementable."""
-    if len(branches) > 6:
+    if len(branches) > MAX_BRANCHES:
+        return None
+    overlapping = {
+        (i, j)
+        for i, j in itertools.combinations(range(len(branches)), 2)
+        if not disjoint(branches[i], branches[j], defs, context)
+    }
+    if len(overlapping) > MAX_OVERLAPS:
         return None  # quadratic growth: leave it
     around = key_set(context, defs)
     options = []
@@ -199,7 +226,7 @@ def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:
         others = [
             complement(without_implied(b, givens, defs), defs, keys=keys)
             for j, b in enumerate(branches)
-            if j != i
+            if (min(i, j), max(i, j)) in overlapping
         ]
         if any(n is None for n in others):
             return None

@@ -10,7 +10,9 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   applicator but ``allOf`` / ``$ref`` / ``not``) → plain ``additionalProperties`` / ``items``
   (:mod:`unevaluated`), before every other rewrite, which then need not keep annotations;
 - ``oneOf`` whose branches cannot both match (disjoint types or values, a required property
-  with distinct ``const`` values, strings with distinct leading characters) → ``anyOf`` (and
+  with distinct ``const`` values, strings with distinct leading characters; through ``allOf``
+  members, refs and unions, also where the ``oneOf`` is an ``allOf`` member and the rest of
+  its parent holds the discriminator) → ``anyOf`` (and
   ``type: string`` when every branch asserts string keywords only: non-strings match them all);
   ``oneOf`` decided type by type (two branches matching every instance of a type drop it)
   → ``type`` and ``anyOf``; other ``oneOf`` → ``anyOf`` of "this branch and the complement of
@@ -59,7 +61,7 @@ from espalier.constrained.schema.logic import (
     types_of,
     without,
 )
-from espalier.constrained.schema.one_of import rewrite_one_of
+from espalier.constrained.schema.one_of import rewrite_one_of, rewrite_one_of_in_all_of
 from espalier.constrained.schema.pattern_properties import rewrite_pattern_properties
 from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
@@ -130,6 +132,10 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = rewrite_one_of(node, ctx.defs)
         if not isinstance(node, dict):
             return node
+    if isinstance(node.get("allOf"), list) and any(
+        isinstance(m, dict) and "oneOf" in m for m in node["allOf"]
+    ):
+        node = rewrite_one_of_in_all_of(node, ctx.defs)
     if "not" in node:
         node = _negate(node, ctx.defs)
         if not isinstance(node, dict):
