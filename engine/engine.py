@@ -32,7 +32,6 @@ import functools
 import itertools
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -80,11 +79,7 @@ class EngineConfig:
         completes its grammar rather than cut it (``engine/closing/``); ignore_eos requests
         are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
         sampled draws closer than this to a tie are redrawn from canonical logits
-        (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never.
-        gil_switch_interval_s: on CUDA, the interpreter's thread switch interval
-        (``sys.setswitchinterval``, process-wide, set at construction): the engine thread waits
-        up to one interval for the GIL whenever a grammar or mask thread's Python holds it, and
-        the default 5 ms is a third of a speculative step at batch 32; None = left as it is."""
+        (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -94,7 +89,6 @@ class EngineConfig:
     postvalidate: bool = True
     close_within_budget: bool = True
     sampling_margin: float = DEFAULT_MARGIN
-    gil_switch_interval_s: float | None = 0.0005
 
 
 class EngineCore:
@@ -111,8 +105,6 @@ class EngineCore:
         grammar: GrammarService | None = None,
         strategy: StepStrategy | None = None,
     ) -> None:
-        if config.gil_switch_interval_s is not None and runner.device.type == "cuda":
-            sys.setswitchinterval(config.gil_switch_interval_s)
         sched_cfg = replace(config.scheduler, block_size=runner.block_size)
         self.config = replace(config, scheduler=sched_cfg)
         self.runner = runner
