@@ -44,30 +44,34 @@ MAX_PRINTED = 20_000
 SURROGATES = Chars(((0xD800, 0xDFFF),))
 
 
-def complement_pattern(pattern: str) -> str | bool | None:
+def complement_pattern(pattern: str, min_length: int = 0) -> str | bool | None:
     """A pattern matching exactly the strings ``pattern`` does not (``False``: no string;
-    ``True``: every string); None when not expressible within the bounds."""
-    return _combine((pattern,), negate=True)
+    ``True``: every string); None when not expressible within the bounds. ``min_length``: only
+    strings of at least that many code points are in question (a ``minLength`` next to the
+    ``not``): the answer is exact on those, which drops ``""`` (the complement of ``^\\s+$``
+    holds ``""`` but not ``"\\n"``, which no ``^R$`` can say under the post-validator's ``$``)."""
+    return _combine((pattern,), negate=True, min_length=min_length)
 
 
 def intersect_patterns(patterns: tuple[str, ...]) -> str | bool | None:
     """One pattern matching exactly the strings every one of ``patterns`` matches (``False``:
     no string does; ``True``: every string); None when not expressible within the bounds."""
-    return _combine(patterns, negate=False)
+    return _combine(patterns, negate=False, min_length=0)
 
 
 def patterns_meet(patterns: tuple[str, ...], final_newline: bool = True) -> bool | None:
     """Whether some string matches every one of ``patterns``; None when they are not read."""
-    found = _language(patterns, False, final_newline)
+    found = _language(patterns, False, final_newline, 0)
     return None if found is None else not found[0].empty()
 
 
 @functools.lru_cache(maxsize=512)
 def _language(
-    patterns: tuple[str, ...], negate: bool, final_newline: bool
+    patterns: tuple[str, ...], negate: bool, final_newline: bool, min_length: int
 ) -> tuple[Dfa, _Alphabet] | None:
-    """The minimal automaton of the intersection (of the complements, ``negate``) and its
-    alphabet; None when a pattern is not read or a bound is passed."""
+    """The minimal automaton of the intersection (of the complements, ``negate``) with the
+    strings of ``min_length`` code points or more, and its alphabet; None when a pattern is not
+    read or a bound is passed."""
     try:
         trees = [search_language(p, final_newline) for p in patterns]
     except Unsupported:
@@ -76,7 +80,7 @@ def _language(
         return None
     alphabet = _Alphabet([*_classes(trees), SURROGATES, NEWLINE])
     try:
-        result = alphabet.dfa(Repeat(ANY, 0, None))
+        result = alphabet.dfa(Repeat(ANY, min_length, None))
         for tree in trees:
             dfa = alphabet.dfa(tree)
             result = minimal(product(result, dfa.complement() if negate else dfa, True, MAX_BUILT))
@@ -86,8 +90,8 @@ def _language(
 
 
 @functools.lru_cache(maxsize=512)
-def _combine(patterns: tuple[str, ...], negate: bool) -> str | bool | None:
-    found = _language(patterns, negate, True)
+def _combine(patterns: tuple[str, ...], negate: bool, min_length: int) -> str | bool | None:
+    found = _language(patterns, negate, True, min_length)
     if found is None:
         return None
     result, alphabet = found

@@ -280,7 +280,12 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:
     rest = without(node, "not")
-    negated = complement(without_implied(node["not"], [rest], defs), defs, keys=key_set(rest, defs))
+    negated = complement(
+        without_implied(node["not"], [rest], defs),
+        defs,
+        keys=key_set(rest, defs),
+        min_length=_length_floor(rest),
+    )
     if negated is None:
         return node
     if negated is False:
@@ -294,7 +299,12 @@ def _conditional(node: dict[str, Any], defs: Defs) -> Any:
     """``if/then/else`` = ``anyOf[allOf[if, then], allOf[not if, else]]`` when ``not if`` exists."""
     condition = node["if"]
     rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
-    otherwise = complement(without_implied(condition, [rest], defs), defs, keys=key_set(rest, defs))
+    otherwise = complement(
+        without_implied(condition, [rest], defs),
+        defs,
+        keys=key_set(rest, defs),
+        min_length=_length_floor(rest),
+    )
     if otherwise is None:
         return node
     branches = [
@@ -302,6 +312,12 @@ def _conditional(node: dict[str, Any], defs: Defs) -> Any:
         {"allOf": [otherwise, node.get("else", True)]},
     ]
     return append_all_of(rest, {"anyOf": branches})
+
+
+def _length_floor(rest: dict[str, Any]) -> int:
+    """The ``minLength`` ``rest`` puts on every string instance (0 when none)."""
+    value = rest.get("minLength")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _dependents(node: dict[str, Any]) -> dict[str, Any]:

@@ -60,6 +60,13 @@ SCHEMAS = [
     {"type": "string", "oneOf": [{"pattern": "^a|^b"}, {"pattern": "^b"}]},
     {"type": "string", "oneOf": [{"pattern": "a"}, {"pattern": "^b"}]},
     {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]},
+    # complements said only on strings as long as a sibling minLength asks ("" and "\n")
+    {"type": "string", "minLength": 1, "not": {"pattern": r"^[\.\,\*\\\-\s\{\}\(\)]+$"}},
+    {"minLength": 2, "not": {"pattern": r"^\s*$"}},
+    {"minLength": 1, "if": {"pattern": r"^\s+$"}, "then": {"maxLength": 3},
+     "else": {"pattern": "a"}},
+    {"type": "string", "minLength": 1,
+     "not": {"anyOf": [{"pattern": r"^\s+$"}, {"pattern": "^b"}]}},
 ]  # fmt: skip
 
 

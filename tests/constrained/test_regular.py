@@ -146,6 +146,21 @@ def test_a_language_the_post_validator_cannot_read_back_is_refused() -> None:
     assert complement_pattern(r"^\s+$") is None
 
 
+@pytest.mark.parametrize("pattern", [r"^\s+$", r"^[\s.]*$", r"^\s{0,2}$", r"^(?:\n|a)+$"])
+def test_a_complement_cut_to_a_length_floor_is_exact_above_it(pattern: str) -> None:
+    """With ``minLength`` next to the ``not``, the strings shorter than the floor are out
+    anyway: the complement is said on the rest, where ``""`` no longer spoils it."""
+    rng = random.Random(3)
+    for floor in (1, 3):
+        printed = complement_pattern(pattern, floor)
+        assert isinstance(printed, str), (pattern, floor)
+        for _ in range(600):
+            text = random_string(rng, pattern)
+            wanted = len(text) >= floor and not regex.search(pattern, text)
+            assert bool(regex.search(printed, text)) == wanted, (pattern, floor, text)
+            assert not regex.fullmatch(printed[1:-1], text) or wanted, (pattern, floor, text)
+
+
 def test_unicode_classes_follow_the_oracle() -> None:
     tree = search_language(r"^\d$")
     assert tree.options  # parsed
