@@ -30,11 +30,12 @@ from espalier.constrained.schema.pattern_parse import (
     ANY,
     NEWLINE,
     Alt,
+    Anchor,
     Chars,
     Node,
     Repeat,
     Unsupported,
-    search_language,
+    search_constraints,
 )
 
 MAX_POSITIONS = 160  # atoms of the inputs with repetitions unrolled: bounds the automata built
@@ -73,16 +74,20 @@ def _language(
     strings of ``min_length`` code points or more, and its alphabet; None when a pattern is not
     read or a bound is passed."""
     try:
-        trees = [search_language(p, final_newline) for p in patterns]
+        read = [search_constraints(p, final_newline) for p in patterns]
     except Unsupported:
         return None
+    trees = [tree for constraints in read for tree, _ in constraints]
     if sum(_positions(t) for t in trees) > MAX_POSITIONS:
         return None
     alphabet = _Alphabet([*_classes(trees), SURROGATES, NEWLINE])
     try:
         result = alphabet.dfa(Repeat(ANY, min_length, None))
-        for tree in trees:
-            dfa = alphabet.dfa(tree)
+        for constraints in read:
+            dfa = alphabet.dfa(constraints[0][0])
+            for tree, negated in constraints[1:]:  # lookaheads: an intersection
+                look = alphabet.dfa(tree)
+                dfa = product(dfa, look.complement() if negated else look, True, MAX_BUILT)
             result = minimal(product(result, dfa.complement() if negate else dfa, True, MAX_BUILT))
     except TooBig:
         return None
@@ -150,6 +155,8 @@ def _positions(node: Node) -> int:
     """Atoms with repetitions unrolled (an unbounded one counted once more than its minimum)."""
     if isinstance(node, Chars):
         return 1
+    if isinstance(node, Anchor):
+        return 0
     if isinstance(node, Repeat):
         times = max(node.low, 1) if node.high is None else max(node.high, 1)
         return min(_positions(node.item) * times, 10 * MAX_POSITIONS)
@@ -204,7 +211,7 @@ class _Alphabet:
         return Chars(tuple(sorted(kept)))
 
     def dfa(self, node: Node) -> Dfa:
-        return from_tree(node, self.symbols, len(self.blocks), MAX_BUILT)
+        return from_tree(node, self.symbols, len(self.blocks), MAX_BUILT, self.symbol(NEWLINE))
 
     def symbols(self, chars: Chars) -> frozenset[int]:
         """The blocks ``chars`` covers (every class seen at construction is a union of them)."""

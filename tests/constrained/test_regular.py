@@ -126,10 +126,42 @@ def test_disjointness_is_decided(patterns: tuple[str, ...], expected: object) ->
 @pytest.mark.parametrize(
     "pattern",
     [r"(?=a)b", r"(?!a)b", r"(?<=a)b", r"(a)\1", r"\bword\b", "(?i)abc", "a*+", "a{2000}",
-     "[[:alpha:]]", r"a^b", r"(a$)b", r"(^a)*", "\\"],
+     "[[:alpha:]]", "^(?=a)*b", "a(?!b)", "^a(?=b)c", "^(?!(?=a)b)", "\\"],
 )  # fmt: skip
 def test_syntax_not_read_is_refused_not_guessed(pattern: str) -> None:
     assert complement_pattern(pattern) is None
+
+
+INNER_ANCHORS_AND_LOOKAHEADS = [
+    r"a^b", r"(a$)b", r"(^a)*", r"^(\/?((\.{2})|([a-z0-9\-]*))($|\/))*$", r"^$[a-z$_]*$",
+    r"(a|$)b?$", r"^(x$|y)+", r"^(?!a)", r"^(?![aA][bB])[a-z]+$", r"^(?=\d)(?!.*x$)[\d.x]{1,4}$",
+    r"((?:[^/]*/)*)(?=\.(yaml|json))", r"^(?!org\.)([a-z_$][a-z\d_$]*\.)*[a-z_$]+$",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", INNER_ANCHORS_AND_LOOKAHEADS)
+def test_inner_anchors_and_leading_or_final_lookaheads_are_read_exactly(pattern: str) -> None:
+    for printed, negate in (
+        (complement_pattern(pattern), True),
+        (intersect_patterns((pattern,)), False),
+    ):
+        assert printed is not None, pattern
+        assert language_mismatches([pattern], printed, negate=negate, seed=2) == [], pattern
+
+
+def test_random_patterns_with_inner_anchors_and_lookaheads() -> None:
+    rng = random.Random(13)
+    checked = 0
+    for _ in range(60):
+        a, b = random_pattern(rng, 1), random_pattern(rng, 1)
+        pattern = rng.choice([f"^(?!{a}){b}", f"^(?={a}){b}$", f"{a}(?={b})", f"(?:{a}|$){b}",
+                              f"(?:^|{a}){b}$", f"^(?:{a}$|{b})+"])  # fmt: skip
+        printed = intersect_patterns((pattern,))
+        if printed is None:
+            continue
+        checked += 1
+        assert language_mismatches([pattern], printed, negate=False, seed=checked) == [], pattern
+    assert checked >= 40
 
 
 def test_a_pattern_that_cannot_be_printed_within_bounds_is_refused_quickly() -> None:
