@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import referencing
 
     from espalier.constrained.backends.common import BackendOptions
+    from espalier.constrained.schema.number_bounds import NumberBounds
     from espalier.constrained.tokenizer import TokenizerInfo
 
 # Fastest first (bench/masks.py on JSONSchemaBench samples: llguidance compiles lazily in ~ms
@@ -69,22 +70,28 @@ def prepare_schema(
     schema: dict[str, Any] | bool,
     registry: referencing.Registry[Any] | None = None,
     backends: tuple[str, ...] = AUTO_ORDER,
+    number_bounds: NumberBounds | None = None,
     *,
     track_unique: bool = True,
 ) -> PreparedSchema:
     """Resolve refs, rewrite, analyse ``schema`` for each backend; raises InvalidGrammarError.
 
+    ``number_bounds``: the number policy the backends will apply (``BackendOptions``); when on,
+    bounds past ``2**53`` are clamped to its limits first (``clamp_schema_bounds``).
     ``track_unique``: ``uniqueItems`` the key tracker can follow become its marks
     (:func:`~espalier.constrained.schema.unique_places.mark_unique_items`; the matcher is then
     wrapped by :func:`~espalier.constrained.keys.with_unique_keys`), so no backend refuses
     them; False (a structural tag's schemas, whose matchers are not wrapped): left to refuse."""
     from espalier.constrained.schema.empty import unproductive_pointer
     from espalier.constrained.schema.features import backend_issues
+    from espalier.constrained.schema.number_bounds import clamp_schema_bounds
     from espalier.constrained.schema.refs import resolve_refs
     from espalier.constrained.schema.rewrite import normalize_schema
 
     resolved = resolve_refs(schema, registry)
     prepared = normalize_schema(resolved.schema)
+    if number_bounds is not None:
+        prepared = clamp_schema_bounds(prepared, number_bounds)
     if track_unique:
         from espalier.constrained.schema.unique_places import mark_unique_items
 
@@ -119,6 +126,7 @@ def prepare_structural_tag(
     spec: GrammarSpec,
     registry: referencing.Registry[Any] | None = None,
     backends: tuple[str, ...] = AUTO_ORDER,
+    number_bounds: NumberBounds | None = None,
 ) -> tuple[GrammarSpec, PreparedSchema]:
     """Each JSON schema of a structural tag prepared as :func:`prepare_schema` does; the issues
     of all of them, their pointers prefixed by the schema's place in the tag."""
@@ -128,7 +136,9 @@ def prepare_structural_tag(
     notes: list[str] = []
 
     def prepare(node: dict[str, Any], pointer: str) -> dict[str, Any]:
-        prepared = prepare_schema(node["json_schema"], registry, backends, track_unique=False)
+        prepared = prepare_schema(
+            node["json_schema"], registry, backends, number_bounds, track_unique=False
+        )
         for name, found in prepared.issues.items():
             issues[name] += [
                 dataclasses.replace(i, pointer=f"{pointer}/json_schema{i.pointer}") for i in found
@@ -164,12 +174,13 @@ def compile_grammar(
 
         raise UnknownBackendError(backend, ["auto", *BACKENDS])
     order: tuple[str, ...] = AUTO_ORDER if backend == "auto" else (BackendName(backend),)
+    bounds = _number_bounds(options)
     if spec.kind is GrammarKind.STRUCTURAL_TAG:
         if backend != "auto":  # refused for the kind, not for the schemas inside
             order = _taking_kind(spec.kind, order, tokenizer, options)
-        target, prepared = prepare_structural_tag(spec, registry, order)
+        target, prepared = prepare_structural_tag(spec, registry, order, bounds)
     elif spec.kind is GrammarKind.JSON_SCHEMA:
-        prepared = prepare_schema(spec.schema, registry, order)
+        prepared = prepare_schema(spec.schema, registry, order, bounds)
         target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
     else:
         return _compile_first(spec, tokenizer, order, options, (), ())
@@ -180,6 +191,13 @@ def compile_grammar(
         raise SchemaNotEnforceableError(_blocking_issues(prepared, order), backend)
     ranked = tuple(sorted(order, key=lambda b: len(prepared.issues[b])))
     return _compile_first(target, tokenizer, ranked, options, None, prepared.notes, prepared)
+
+
+def _number_bounds(options: BackendOptions | None) -> NumberBounds | None:
+    """The number policy the backends apply under ``options`` (their default when None)."""
+    from espalier.constrained.schema.number_bounds import DEFAULT_BOUNDS
+
+    return DEFAULT_BOUNDS if options is None else options.json_number_bounds
 
 
 def warm_up(

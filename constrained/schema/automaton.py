@@ -2,10 +2,12 @@
 
 A :class:`Dfa` is complete over symbols ``0 .. symbols-1`` (one symbol per block of code points,
 see :mod:`regular`); state 0 is the start. :func:`from_tree` builds one from a
-:mod:`pattern_parse` tree (Thompson automaton, then subsets), :func:`product` intersects or
-unites two, :meth:`Dfa.complement` swaps the final states, :func:`minimal` merges equivalent
-states (Moore). Each raises :class:`TooBig` past ``cap`` states instead of running long: a
-pattern such as ``((ab).{4,8}){6}`` searched anywhere has an automaton far past any cap.
+:mod:`pattern_parse` tree (Thompson automaton, then subsets; an :class:`Anchor` is an ε move
+taken only at the start, ``^``, or after which at most one newline may follow, ``$``),
+:func:`product` intersects or unites two, :meth:`Dfa.complement` swaps the final states,
+:func:`minimal` merges equivalent states (Moore). Each raises :class:`TooBig` past ``cap``
+states instead of running long: a pattern such as ``((ab).{4,8}){6}`` searched anywhere has an
+automaton far past any cap.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from espalier.constrained.schema.pattern_parse import Alt, Chars, Node, Repeat
+from espalier.constrained.schema.pattern_parse import Alt, Anchor, Chars, Node, Repeat
+
+# the phase of an automaton path after anchors (a subset state is ``nfa_state * 3 + phase``)
+FREE, AFTER_END, DONE = 0, 1, 2  # AFTER_END: "$" passed, one "\n" may follow; DONE: nothing
 
 
 class TooBig(Exception):
@@ -38,14 +43,19 @@ class Dfa:
 
 
 def from_tree(
-    tree: Node, symbols_of: Callable[[Chars], frozenset[int]], symbols: int, cap: int
+    tree: Node,
+    symbols_of: Callable[[Chars], frozenset[int]],
+    symbols: int,
+    cap: int,
+    newline: int = -1,
 ) -> Dfa:
-    """The automaton of ``tree``; ``symbols_of`` gives the symbols a class stands for."""
+    """The automaton of ``tree``; ``symbols_of`` gives the symbols a class stands for,
+    ``newline`` the symbol of ``"\\n"`` alone (the one a ``$`` lets follow)."""
     nfa = _Nfa()
     start, end = nfa.build(tree, symbols_of)
     if len(nfa.edges) > 8 * cap:
         raise TooBig("Thompson automaton")
-    first = nfa.closure({start})
+    first = nfa.closure({start * 3 + FREE}, at_start=True)
     index = {first: 0}
     order = [first]
     delta: list[tuple[int, ...]] = []
@@ -53,7 +63,14 @@ def from_tree(
         row = []
         for symbol in range(symbols):
             moved = nfa.closure(
-                {t for s in current for chars, t in nfa.edges[s] if symbol in chars}
+                {
+                    t * 3 + (phase if phase == FREE else DONE)
+                    for code in current
+                    if (phase := code % 3) == FREE or (phase == AFTER_END and symbol == newline)
+                    for chars, t in nfa.edges[code // 3]
+                    if symbol in chars
+                },
+                at_start=False,
             )
             if moved not in index:
                 if len(order) >= cap:
@@ -62,7 +79,8 @@ def from_tree(
                 order.append(moved)
             row.append(index[moved])
         delta.append(tuple(row))
-    return Dfa(tuple(delta), frozenset(i for i, s in enumerate(order) if end in s))
+    finals = {end * 3 + phase for phase in (FREE, AFTER_END, DONE)}
+    return Dfa(tuple(delta), frozenset(i for i, s in enumerate(order) if finals & s))
 
 
 def product(a: Dfa, b: Dfa, both: bool, cap: int) -> Dfa:
@@ -118,30 +136,44 @@ def reachable(dfa: Dfa) -> set[int]:
 
 
 class _Nfa:
-    """A Thompson automaton: ``edges[s]`` = (symbols, target) pairs, ``empty[s]`` = ε moves."""
+    """A Thompson automaton: ``edges[s]`` = (symbols, target) pairs, ``empty[s]`` = ε moves,
+    ``asserted[s]`` = (anchor kind, target) ε moves taken only where the anchor holds."""
 
     def __init__(self) -> None:
         self.edges: list[list[tuple[frozenset[int], int]]] = []
         self.empty: list[list[int]] = []
+        self.asserted: list[list[tuple[str, int]]] = []
 
     def state(self) -> int:
         self.edges.append([])
         self.empty.append([])
+        self.asserted.append([])
         return len(self.edges) - 1
 
-    def closure(self, states: set[int]) -> frozenset[int]:
-        stack, seen = list(states), set(states)
+    def closure(self, codes: set[int], at_start: bool) -> frozenset[int]:
+        """The ε closure of ``codes`` (``state * 3 + phase``); ``at_start``: nothing read yet."""
+        stack, seen = list(codes), set(codes)
         while stack:
-            for t in self.empty[stack.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    stack.append(t)
+            code = stack.pop()
+            state, phase = divmod(code, 3)
+            targets = [t * 3 + phase for t in self.empty[state]]
+            for kind, t in self.asserted[state]:
+                if kind != "^":
+                    targets.append(t * 3 + (DONE if kind == "$z" else max(phase, AFTER_END)))
+                elif at_start:
+                    targets.append(t * 3 + phase)
+            for target in targets:
+                if target not in seen:
+                    seen.add(target)
+                    stack.append(target)
         return frozenset(seen)
 
     def build(self, node: Node, symbols_of: Callable[[Chars], frozenset[int]]) -> tuple[int, int]:
         start, end = self.state(), self.state()
         if isinstance(node, Chars):
             self.edges[start].append((symbols_of(node), end))
+        elif isinstance(node, Anchor):
+            self.asserted[start].append((node.kind, end))
         elif isinstance(node, Alt):
             for option in node.options:
                 at = start

@@ -20,6 +20,7 @@ from espalier.constrained.schema.value_complement import json_type, values_compl
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
 DEFS_PREFIX = "#/$defs/"
 MAX_DEPTH = 8  # how deep complements and type inference follow refs and nesting
+MAX_LENGTH_FLOOR = 3  # the most of a sibling minLength a pattern's complement is cut to
 BOUND_COMPLEMENT = {
     "minimum": ("number", "exclusiveMaximum"),
     "exclusiveMinimum": ("number", "maximum"),
@@ -130,7 +131,13 @@ def meet(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] |
     return b if a is None else a if b is None else a & b
 
 
-def complement(schema: Any, defs: Defs, depth: int = 0, keys: frozenset[str] | None = None) -> Any:
+def complement(
+    schema: Any,
+    defs: Defs,
+    depth: int = 0,
+    keys: frozenset[str] | None = None,
+    min_length: int = 0,
+) -> Any:
     """A schema matching exactly the instances ``schema`` rejects; None when not expressible.
 
     A schema object is the conjunction of its keywords, so its complement is the ``anyOf`` of the
@@ -138,7 +145,9 @@ def complement(schema: Any, defs: Defs, depth: int = 0, keys: frozenset[str] | N
     ``keys``: the instances in question are known to have property names in this finite set
     only (when objects); then ``additionalProperties`` / ``patternProperties`` have a
     complement: one of those names present with a value they reject. Keywords of no JSON Schema
-    vocabulary constrain nothing.
+    vocabulary constrain nothing. ``min_length``: the instances in question are known to be
+    at least that long when strings (a sibling ``minLength``); a ``pattern``'s complement is
+    then exact on those strings only.
     """
     schema = deref(schema, defs)
     if isinstance(schema, bool):
@@ -156,14 +165,14 @@ def complement(schema: Any, defs: Defs, depth: int = 0, keys: frozenset[str] | N
             kept = {name: sub for name, sub in value.items() if name in keys}
             part = _keyword_complement(key, kept, defs, depth + 1)
         elif key in ("allOf", "anyOf") and isinstance(value, list) and value:
-            negated = [complement(sub, defs, depth + 1, keys) for sub in value]
+            negated = [complement(sub, defs, depth + 1, keys, min_length) for sub in value]
             part = (
                 None
                 if any(n is None for n in negated)
                 else {"anyOf" if key == "allOf" else "allOf": negated}
             )
         else:
-            part = _keyword_complement(key, value, defs, depth + 1)
+            part = _keyword_complement(key, value, defs, depth + 1, min_length)
         if part is None:
             return None
         parts.append(part)
@@ -202,7 +211,7 @@ def _open_complement(
     return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
-def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
+def _keyword_complement(key: str, value: Any, defs: Defs, depth: int, min_length: int = 0) -> Any:
     if key == "type":
         names = set(value) if isinstance(value, list) else {value}
         types = types_of({"type": value}, defs)
@@ -235,7 +244,9 @@ def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
                 parts.append({"type": "object", "required": [name], "properties": {name: negated}})
         return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
     if key == "pattern" and isinstance(value, str):
-        negated = complement_pattern(value)
+        # a floor only where the plain complement cannot be said: it adds automaton states
+        floors = range(min(min_length, MAX_LENGTH_FLOOR) + 1)
+        negated = next((n for k in floors if (n := complement_pattern(value, k)) is not None), None)
         if negated is None or negated is False:
             return negated  # not expressible / every string matches
         return {"type": "string"} if negated is True else {"type": "string", "pattern": negated}
@@ -246,7 +257,7 @@ def _keyword_complement(key: str, value: Any, defs: Defs, depth: int) -> Any:
     if key == "enum" and isinstance(value, list):
         return values_complement(value)
     if key in ("allOf", "anyOf") and isinstance(value, list) and value:
-        negated = [complement(sub, defs, depth) for sub in value]
+        negated = [complement(sub, defs, depth, min_length=min_length) for sub in value]
         if any(n is None for n in negated):
             return None
         return {"anyOf" if key == "allOf" else "allOf": negated}

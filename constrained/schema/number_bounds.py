@@ -12,7 +12,10 @@ validates under the caller's schema:
   JavaScript number, an int64);
 - a ``number`` without a bound on a side gets ``exclusiveMinimum: -10**number_integer_digits``
   / ``exclusiveMaximum: 10**number_integer_digits`` there, at most ``number_fraction_digits``
-  digits after the point and no exponent.
+  digits after the point and no exponent;
+- a bound past ``2**53`` in magnitude (read as a float64 by the backends: not enforced
+  exactly) is replaced by the limit on that side (:func:`clamp_schema_bounds`, before the
+  keyword profiles): no emitted number reaches it under the policy anyway.
 
 How each backend is told (all three compile the same narrowed language up to the notes):
 
@@ -111,6 +114,21 @@ def bound_schema_numbers(schema: Any, backend: str, bounds: NumberBounds) -> Any
     return walker.visit(schema)
 
 
+def clamp_schema_bounds(schema: Any, bounds: NumberBounds) -> Any:
+    """``schema`` with each numeric bound past ``2**53`` in magnitude replaced by the policy's
+    limit on that side (``integer_limit``; ``10**number_integer_digits``, exclusive, when the
+    node also takes non-integral numbers), on nodes typed ``integer`` / ``number`` at the
+    positions :func:`bound_schema_numbers` visits. The backends read such a bound as a float64
+    (llguidance: neighbours collapse; xgrammar refuses integers past int64); under the policy
+    no emitted number reaches it, so the clamp narrows nothing the policy keeps. Applied before
+    the keyword profiles (``compile.prepare_schema``) only when the policy is on; a bound whose
+    opposite side already lies past the limit is left alone (the clamp would empty the node)."""
+    if not isinstance(schema, dict):
+        return schema
+    text = json.dumps(schema)
+    return _Walker(bounds, "", not any(k in text for k in _WIDENING), clamp=True).visit(schema)
+
+
 def bound_number_regex(regex: str, integer_rx: str, number_rx: str, bounds: NumberBounds) -> str:
     """outlines-core's ``regex`` with its sub-regexes ``integer_rx`` / ``number_rx`` (its own
     unbounded spellings, ``outlines_core.json_schema.INTEGER`` / ``NUMBER``) bounded."""
@@ -122,10 +140,14 @@ def bound_number_regex(regex: str, integer_rx: str, number_rx: str, bounds: Numb
 
 
 class _Walker:
-    def __init__(self, bounds: NumberBounds, backend: str, defs: bool) -> None:
+    """Visits the positions where narrowing a subschema narrows the whole schema; ``clamp``:
+    :func:`clamp_schema_bounds`' change at each node, else :func:`bound_schema_numbers`'."""
+
+    def __init__(self, bounds: NumberBounds, backend: str, defs: bool, clamp: bool = False) -> None:
         self.bounds = bounds
         self.backend = backend
         self.defs = defs
+        self.clamp = clamp
 
     def visit(self, node: Any) -> Any:
         if not isinstance(node, dict):
@@ -140,7 +162,36 @@ class _Walker:
         for key in _POSITIVE_NAMED + (_DEFS if self.defs else ()):
             if isinstance(out.get(key), dict):
                 out[key] = {name: self.visit(sub) for name, sub in out[key].items()}
-        return self._bound(out)
+        return self._clamp(out) if self.clamp else self._bound(out)
+
+    def _clamp(self, node: dict[str, Any]) -> dict[str, Any]:
+        types = node.get("type")
+        type_list = [types] if isinstance(types, str) else types
+        if not isinstance(type_list, list) or "enum" in node or "const" in node:
+            return node
+        if "number" in type_list:
+            limit, low_key, high_key = (
+                10**self.bounds.number_integer_digits, "exclusiveMinimum", "exclusiveMaximum"
+            )  # fmt: skip
+        elif "integer" in type_list:
+            limit, low_key, high_key = self.bounds.integer_limit, "minimum", "maximum"
+        else:
+            return node
+        if any(not _is_number(node[k]) for k in _NUMERIC if k in node):
+            return node
+        out = dict(node)
+        for sign, keys, opposite, key in (
+            (1, ("maximum", "exclusiveMaximum"), ("minimum", "exclusiveMinimum"), high_key),
+            (-1, ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum"), low_key),
+        ):
+            past = [k for k in keys if k in out and sign * out[k] > MAX_EXACT_INTEGER + 1]
+            if not past or any(sign * out[k] >= limit for k in opposite if k in out):
+                continue
+            for k in past:
+                del out[k]
+            if not any(k in out for k in keys):
+                out[key] = sign * limit
+        return out
 
     def _bound(self, node: dict[str, Any]) -> dict[str, Any]:
         types = node.get("type")

@@ -10,8 +10,12 @@ anchors (``.*`` stands in for an open end).
 Every single-character atom (a literal, an escape such as ``\\d`` / ``\\w`` / ``\\p{L}`` /
 ``\\u00e9``, a ``[...]`` class, ``.``) gets its character set from the oracle itself: the atom is
 run over every code point once, so ``\\w`` is whatever ``regex`` calls a word character, not a
-guess. What is not read here (lookaround, backreferences, ``\\b``, flags, possessive quantifiers,
-anchors anywhere but at the ends of the pattern or of a top-level group's branches) raises
+guess. An anchor away from the ends (``^(/?(a|b)($|/))*$``) stays in the tree as an
+:class:`Anchor` (a zero-width assertion the automaton checks). :func:`search_constraints` also
+reads lookaheads where they say an intersection: ``^(?=X)`` / ``^(?!X)`` right after a leading
+``^`` (the string does / does not start with a match of ``X``) and a trailing ``(?=X)`` (the
+same strings as ``X`` concatenated, under search). What is not read here (other lookaround,
+backreferences, ``\\b``, flags, possessive quantifiers, a repeated lone anchor) raises
 :class:`Unsupported`: the caller then leaves the keyword alone, never approximates.
 """
 
@@ -54,18 +58,38 @@ class Alt:
 
 
 @dataclass(frozen=True)
-class _Anchor:
-    kind: str  # "^" or "$"
+class Anchor:
+    """Zero-width: ``^`` the start, ``$`` the end or before one final ``\\n``, ``$z`` the end."""
+
+    kind: str
 
 
-Node = Chars | Repeat | Alt | _Anchor
+@dataclass(frozen=True)
+class _Look:
+    """A lookahead group as parsed (``negated``: ``(?!...)``); never in a returned tree."""
+
+    group: Alt
+    negated: bool
+
+
+Node = Chars | Repeat | Alt | Anchor | _Look
 ANY = Chars(((0, 0x10FFFF),))
 NEWLINE = Chars(((10, 10),))
 
 
 def search_language(pattern: str, final_newline: bool = True) -> Alt:
-    """The strings ``regex.search(pattern, s)`` accepts, as a node tree without anchors.
-    ``final_newline=False``: ``$`` is the end only, as the backends read it."""
+    """The strings ``regex.search(pattern, s)`` accepts, as a node tree (anchors left only
+    where they are away from the ends). ``final_newline=False``: ``$`` is the end only, as the
+    backends read it. Lookaround raises :class:`Unsupported`."""
+    constraints = search_constraints(pattern, final_newline)
+    if len(constraints) > 1:
+        raise Unsupported("a lookahead (an intersection: see search_constraints)")
+    return constraints[0][0]
+
+
+def search_constraints(pattern: str, final_newline: bool = True) -> tuple[tuple[Alt, bool], ...]:
+    """The strings ``regex.search(pattern, s)`` accepts, as the intersection of the languages
+    of the trees (each complemented where its flag is set); the first is the pattern's body."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise Unsupported(f"pattern longer than {MAX_PATTERN_CHARS} characters")
     try:
@@ -76,35 +100,83 @@ def search_language(pattern: str, final_newline: bool = True) -> Alt:
     group = parser.alternatives()
     if parser.at < len(pattern):
         raise Unsupported(f"unbalanced ')' at {parser.at}")
-    return _anchored(group, False, False, final_newline)
+    looks: list[tuple[Alt, bool]] = []
+    if len(group.options) == 1:
+        items = list(group.options[0])
+        while len(items) > 1 and items[0] == Anchor("^") and isinstance(items[1], _Look):
+            look = items.pop(1)
+            assert isinstance(look, _Look)
+            looks.append((Alt(((Anchor("^"), look.group),)), look.negated))
+        last = items[-1] if items else None
+        if isinstance(last, _Look) and not last.negated:
+            items[-1] = last.group  # R(?=X) finds a match exactly where RX does
+        group = Alt((tuple(items),))
+    trees = [(group, False), *looks]
+    if any(_has(tree, _Look) for tree, _ in trees):
+        raise Unsupported("lookaround other than a leading ^(?=...) / ^(?!...) or a final (?=...)")
+    return tuple((_searched(tree, final_newline), negated) for tree, negated in trees)
+
+
+def has_inner_anchor(pattern: str) -> bool:
+    """Whether the pattern is read with an :class:`Anchor` left inside (False if not read)."""
+    try:
+        return _has(search_language(pattern), Anchor)
+    except Unsupported:
+        return False
+
+
+def _searched(group: Alt, final_newline: bool) -> Alt:
+    """``group`` under search semantics: anchors at the ends become open or closed ends, others
+    stay as :class:`Anchor` assertions between two open ends."""
+    try:
+        return _anchored(group, False, False, final_newline)
+    except _InnerAnchor:
+        body = group if final_newline else _end_only(group)
+        return Alt(((Repeat(ANY, 0, None), body, Repeat(ANY, 0, None)),))
+
+
+def _end_only(node: Node) -> Node:
+    """``node`` with each ``$`` read as the end only (the backends' reading)."""
+    if node == Anchor("$"):
+        return Anchor("$z")
+    if isinstance(node, Repeat):
+        return Repeat(_end_only(node.item), node.low, node.high)
+    if isinstance(node, Alt):
+        return Alt(tuple(tuple(_end_only(i) for i in option) for option in node.options))
+    return node
+
+
+class _InnerAnchor(Unsupported):
+    """An anchor away from the ends: read as an assertion instead (:func:`_searched`)."""
 
 
 def _anchored(group: Alt, start: bool, end: bool, final_newline: bool) -> Alt:
     """``group`` under search semantics; ``start`` / ``end``: already anchored there."""
     options: list[tuple[Node, ...]] = []
     for items in group.options:
-        first = bool(items) and items[0] == _Anchor("^")
-        last = bool(items) and items[-1] == _Anchor("$") and (len(items) > 1 or not first)
+        first = bool(items) and items[0] == Anchor("^")
+        last = bool(items) and items[-1] == Anchor("$") and (len(items) > 1 or not first)
         body = items[first : len(items) - last]
         at_start, at_end = start or first, end or last
-        if len(body) == 1 and isinstance(body[0], Alt) and _has_anchor(body[0]):
+        if len(body) == 1 and isinstance(body[0], Alt) and _has(body[0], Anchor):
             options.extend(_anchored(body[0], at_start, at_end, final_newline).options)
             continue
-        if any(_has_anchor(item) for item in body):
-            raise Unsupported("an anchor inside the pattern (only at its ends is read)")
+        if any(_has(item, Anchor) for item in body):
+            raise _InnerAnchor("an anchor inside the pattern")
         head: tuple[Node, ...] = () if at_start else (Repeat(ANY, 0, None),)
         tail = Repeat(NEWLINE, 0, int(final_newline)) if at_end else Repeat(ANY, 0, None)
         options.append((*head, *body, tail))
     return Alt(tuple(options))
 
 
-def _has_anchor(item: Node) -> bool:
-    if isinstance(item, _Anchor):
+def _has(item: Node, kind: type) -> bool:
+    """Whether ``item`` holds a node of class ``kind`` (not looking inside lookaheads)."""
+    if isinstance(item, kind):
         return True
     if isinstance(item, Repeat):
-        return _has_anchor(item.item)
+        return _has(item.item, kind)
     if isinstance(item, Alt):
-        return any(_has_anchor(i) for option in item.options for i in option)
+        return any(_has(i, kind) for option in item.options for i in option)
     return False
 
 
@@ -138,7 +210,7 @@ class _Parser:
         char = text[at]
         if char in "^$":
             self.at += 1
-            return _Anchor(char)
+            return Anchor(char)
         if char == "(":
             return self.group()
         if char == "[":
@@ -156,9 +228,10 @@ class _Parser:
         self.at += 1
         return oracle_class(char) if char == "." else Chars(((ord(char), ord(char)),))
 
-    def group(self) -> Alt:
+    def group(self) -> Alt | _Look:
         text, at = self.text, self.at
-        if text.startswith("(?:", at):
+        look = text[at + 2 : at + 3] if text.startswith("(?", at) else ""
+        if look in ("=", "!") or text.startswith("(?:", at):
             self.at = at + 3
         elif text.startswith("(?P<", at) or (
             text.startswith("(?<", at) and text[at + 3 : at + 4] not in ("=", "!")
@@ -175,7 +248,7 @@ class _Parser:
         if self.at >= len(text) or text[self.at] != ")":
             raise Unsupported("unterminated group")
         self.at += 1
-        return group
+        return _Look(group, look == "!") if look in ("=", "!") else group
 
     def quantified(self, item: Node) -> Node:
         text = self.text
@@ -197,8 +270,8 @@ class _Parser:
                 self.at = match.end()
             else:
                 return item
-            if isinstance(item, _Anchor):
-                raise Unsupported("a repeated anchor")
+            if isinstance(item, (Anchor, _Look)):
+                raise Unsupported("a repeated anchor or lookahead")
             if text[self.at : self.at + 1] == "+":
                 raise Unsupported("a possessive quantifier")
             if text[self.at : self.at + 1] == "?":

@@ -30,11 +30,12 @@ from espalier.constrained.schema.pattern_parse import (
     ANY,
     NEWLINE,
     Alt,
+    Anchor,
     Chars,
     Node,
     Repeat,
     Unsupported,
-    search_language,
+    search_constraints,
 )
 
 MAX_POSITIONS = 160  # atoms of the inputs with repetitions unrolled: bounds the automata built
@@ -44,41 +45,49 @@ MAX_PRINTED = 20_000
 SURROGATES = Chars(((0xD800, 0xDFFF),))
 
 
-def complement_pattern(pattern: str) -> str | bool | None:
+def complement_pattern(pattern: str, min_length: int = 0) -> str | bool | None:
     """A pattern matching exactly the strings ``pattern`` does not (``False``: no string;
-    ``True``: every string); None when not expressible within the bounds."""
-    return _combine((pattern,), negate=True)
+    ``True``: every string); None when not expressible within the bounds. ``min_length``: only
+    strings of at least that many code points are in question (a ``minLength`` next to the
+    ``not``): the answer is exact on those, which drops ``""`` (the complement of ``^\\s+$``
+    holds ``""`` but not ``"\\n"``, which no ``^R$`` can say under the post-validator's ``$``)."""
+    return _combine((pattern,), negate=True, min_length=min_length)
 
 
 def intersect_patterns(patterns: tuple[str, ...]) -> str | bool | None:
     """One pattern matching exactly the strings every one of ``patterns`` matches (``False``:
     no string does; ``True``: every string); None when not expressible within the bounds."""
-    return _combine(patterns, negate=False)
+    return _combine(patterns, negate=False, min_length=0)
 
 
 def patterns_meet(patterns: tuple[str, ...], final_newline: bool = True) -> bool | None:
     """Whether some string matches every one of ``patterns``; None when they are not read."""
-    found = _language(patterns, False, final_newline)
+    found = _language(patterns, False, final_newline, 0)
     return None if found is None else not found[0].empty()
 
 
 @functools.lru_cache(maxsize=512)
 def _language(
-    patterns: tuple[str, ...], negate: bool, final_newline: bool
+    patterns: tuple[str, ...], negate: bool, final_newline: bool, min_length: int
 ) -> tuple[Dfa, _Alphabet] | None:
-    """The minimal automaton of the intersection (of the complements, ``negate``) and its
-    alphabet; None when a pattern is not read or a bound is passed."""
+    """The minimal automaton of the intersection (of the complements, ``negate``) with the
+    strings of ``min_length`` code points or more, and its alphabet; None when a pattern is not
+    read or a bound is passed."""
     try:
-        trees = [search_language(p, final_newline) for p in patterns]
+        read = [search_constraints(p, final_newline) for p in patterns]
     except Unsupported:
         return None
+    trees = [tree for constraints in read for tree, _ in constraints]
     if sum(_positions(t) for t in trees) > MAX_POSITIONS:
         return None
     alphabet = _Alphabet([*_classes(trees), SURROGATES, NEWLINE])
     try:
-        result = alphabet.dfa(Repeat(ANY, 0, None))
-        for tree in trees:
-            dfa = alphabet.dfa(tree)
+        result = alphabet.dfa(Repeat(ANY, min_length, None))
+        for constraints in read:
+            dfa = alphabet.dfa(constraints[0][0])
+            for tree, negated in constraints[1:]:  # lookaheads: an intersection
+                look = alphabet.dfa(tree)
+                dfa = product(dfa, look.complement() if negated else look, True, MAX_BUILT)
             result = minimal(product(result, dfa.complement() if negate else dfa, True, MAX_BUILT))
     except TooBig:
         return None
@@ -86,8 +95,8 @@ def _language(
 
 
 @functools.lru_cache(maxsize=512)
-def _combine(patterns: tuple[str, ...], negate: bool) -> str | bool | None:
-    found = _language(patterns, negate, True)
+def _combine(patterns: tuple[str, ...], negate: bool, min_length: int) -> str | bool | None:
+    found = _language(patterns, negate, True, min_length)
     if found is None:
         return None
     result, alphabet = found
@@ -146,6 +155,8 @@ def _positions(node: Node) -> int:
     """Atoms with repetitions unrolled (an unbounded one counted once more than its minimum)."""
     if isinstance(node, Chars):
         return 1
+    if isinstance(node, Anchor):
+        return 0
     if isinstance(node, Repeat):
         times = max(node.low, 1) if node.high is None else max(node.high, 1)
         return min(_positions(node.item) * times, 10 * MAX_POSITIONS)
@@ -200,7 +211,7 @@ class _Alphabet:
         return Chars(tuple(sorted(kept)))
 
     def dfa(self, node: Node) -> Dfa:
-        return from_tree(node, self.symbols, len(self.blocks), MAX_BUILT)
+        return from_tree(node, self.symbols, len(self.blocks), MAX_BUILT, self.symbol(NEWLINE))
 
     def symbols(self, chars: Chars) -> frozenset[int]:
         """The blocks ``chars`` covers (every class seen at construction is a union of them)."""

@@ -20,9 +20,13 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``not X`` → the complement of ``X`` (less what its siblings guarantee: :mod:`implied`) when
   it can be written (types, bounds, lengths, counts,
   ``required``, ``properties``, ``allOf``/``anyOf`` of those); ``if/then/else`` likewise;
+- a ``pattern`` / ``patternProperties`` name the backends read otherwise (a lookahead, an
+  anchor inside, ``\\<``) → its language printed back in the syntax they read alike
+  (:mod:`respell`);
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
   ``relative-json-pointer`` / ``hostname`` / ``idn-email`` → exact ``pattern``s (and lengths);
+  ``uri-reference`` → its checker's own expression (:mod:`checker_patterns`);
 - ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
   (:mod:`unique_items`);
 - ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
@@ -50,6 +54,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained.schema.checker_patterns import checker_pattern
 from espalier.constrained.schema.contains import rewrite_contains
 from espalier.constrained.schema.enum_filter import filter_enums
 from espalier.constrained.schema.implied import without_implied
@@ -66,6 +71,7 @@ from espalier.constrained.schema.pattern_properties import rewrite_pattern_prope
 from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
 from espalier.constrained.schema.refs import inline_boolean_refs, prune_unused_defs
+from espalier.constrained.schema.respell import respell_patterns
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
 from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
@@ -116,6 +122,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
     node = _drop_no_ops(node, ctx.annotations_matter)
     if "format" in node:
         node = _format(node)
+    if "pattern" in node or "patternProperties" in node:
+        node = respell_patterns(node)
     if ctx.annotations_matter:
         return node
     if "patternProperties" in node:
@@ -276,7 +284,7 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
     types = types_of({"type": node["type"]}, {}) if "type" in node else None
     if name not in KNOWN_FORMATS or (types is not None and "string" not in types):
         return without(node, "format")
-    pattern = FORMAT_PATTERNS.get(name)
+    pattern = FORMAT_PATTERNS.get(name) or checker_pattern(name)
     if pattern is None:
         return node
     limit = FORMAT_MAX_LENGTH.get(name)
@@ -286,7 +294,12 @@ def _format(node: dict[str, Any]) -> dict[str, Any]:
 
 def _negate(node: dict[str, Any], defs: Defs) -> Any:
     rest = without(node, "not")
-    negated = complement(without_implied(node["not"], [rest], defs), defs, keys=key_set(rest, defs))
+    negated = complement(
+        without_implied(node["not"], [rest], defs),
+        defs,
+        keys=key_set(rest, defs),
+        min_length=_length_floor(rest),
+    )
     if negated is None:
         return node
     if negated is False:
@@ -300,7 +313,12 @@ def _conditional(node: dict[str, Any], defs: Defs) -> Any:
     """``if/then/else`` = ``anyOf[allOf[if, then], allOf[not if, else]]`` when ``not if`` exists."""
     condition = node["if"]
     rest = {k: v for k, v in node.items() if k not in ("if", "then", "else")}
-    otherwise = complement(without_implied(condition, [rest], defs), defs, keys=key_set(rest, defs))
+    otherwise = complement(
+        without_implied(condition, [rest], defs),
+        defs,
+        keys=key_set(rest, defs),
+        min_length=_length_floor(rest),
+    )
     if otherwise is None:
         return node
     branches = [
@@ -308,6 +326,12 @@ def _conditional(node: dict[str, Any], defs: Defs) -> Any:
         {"allOf": [otherwise, node.get("else", True)]},
     ]
     return append_all_of(rest, {"anyOf": branches})
+
+
+def _length_floor(rest: dict[str, Any]) -> int:
+    """The ``minLength`` ``rest`` puts on every string instance (0 when none)."""
+    value = rest.get("minLength")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _dependents(node: dict[str, Any]) -> dict[str, Any]:

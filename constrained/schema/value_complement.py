@@ -76,7 +76,18 @@ def _number_gaps(numbers: list[Any]) -> list[dict[str, Any]]:
 
 def _all_but(members: list[str], depth: int = 0) -> str:
     """A regex (no anchors) for every string except ``members`` (which share a prefix of
-    ``depth`` characters, already matched)."""
+    ``depth`` characters, already matched). A run of characters every member goes on with is
+    spelled flat (stop before its character ``i`` and maybe leave it there, or take it all),
+    one group level per branching: Rust's regex parser (llguidance) has a nesting limit."""
+    chain = _shared_run(members, depth)
+    if len(chain) > 1:
+        options = [
+            "".join(map(_literal, chain[:i])) + f"(?:[^{_class_char(char)}][\\s\\S]*)?"
+            for i, char in enumerate(chain)
+        ]
+        after = _all_but(members, depth + len(chain))
+        options.append("".join(map(_literal, chain)) + f"(?:{after})")
+        return "(?:" + "|".join(options) + ")"
     ends_here = any(len(m) == depth for m in members)
     nexts = sorted({m[depth] for m in members if len(m) > depth})
     other = "".join(_class_char(c) for c in nexts)
@@ -87,6 +98,17 @@ def _all_but(members: list[str], depth: int = 0) -> str:
     body = "|".join(options)
     # the prefix itself is a string outside the set unless it is a member
     return body if ends_here else f"(?:{body})?"
+
+
+def _shared_run(members: list[str], depth: int) -> str:
+    """The characters from ``depth`` on that every member has, none ending within them."""
+    run: list[str] = []
+    while all(len(m) > depth + len(run) for m in members):
+        nexts = {m[depth + len(run)] for m in members}
+        if len(nexts) != 1:
+            break
+        run.append(nexts.pop())
+    return "".join(run)
 
 
 def _literal(char: str) -> str:

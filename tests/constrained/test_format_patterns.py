@@ -1,10 +1,12 @@
 """Calendar formats become exact patterns (``rewrite.FORMAT_PATTERNS``): through every backend
 chosen by name, strict mode, they accept what ``jsonschema``'s format check accepts on a few
-edge cases, and nothing it rejects (xgrammar once took ``12:00:001Z``: a fraction without dot)."""
+edge cases, and nothing it rejects (xgrammar once took ``12:00:001Z``: a fraction without dot).
+``uri-reference`` becomes its checker's own expression (``schema.checker_patterns``)."""
 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.postvalidate import validate_instance
+from espalier.constrained.schema.checker_patterns import checker_pattern
 from espalier.constrained.spec import GrammarSpec
 
 CASES = {
@@ -50,3 +53,33 @@ def test_calendar_formats_agree_with_the_format_checker(
         expected = validate_instance(schema, text).valid
         got = grammar_accepts(compiled, toy_tokenizer, json.dumps(text))
         assert got == expected, (name, text, expected)
+
+
+URI_REFERENCES = ["http://a/b?c#d", "//[::1]:80/x", "../a%20b", "a:b", "%zz", "http://[v1.a]/",
+                  "", "#frag", "a b", "http://1.2.3.4:8/", "//h/[", "ü", "\\x", "?q=/"]  # fmt: skip
+
+
+def test_uri_reference_is_its_checkers_own_expression(toy_tokenizer: Any) -> None:
+    """The pattern is the checker's language (``rfc3986_validator``, jsonschema's checker for
+    ``uri-reference`` without ``rfc3987``) on random strings, and llguidance (``auto``'s pick)
+    accepts exactly the valid ones (a final newline aside)."""
+    import regex
+    from rfc3986_validator import validate_rfc3986
+
+    pattern = checker_pattern("uri-reference")
+    assert pattern is not None
+    rng = random.Random(8)
+    pool = list("ab:/?#[]@!$&'()*+,;=%09AF.-_~ \n\"\\é")
+    texts = URI_REFERENCES + ["".join(rng.choices(pool, k=rng.randrange(10))) for _ in range(3000)]
+    for text in texts:
+        assert bool(regex.search(pattern, text)) == bool(validate_rfc3986(text, "URI_reference"))
+    schema = {"type": "string", "format": "uri-reference"}
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    valid = 0
+    for text in texts[:400]:
+        expected = validate_instance(schema, text).valid
+        got = grammar_accepts(compiled, toy_tokenizer, json.dumps(text, ensure_ascii=False))
+        assert got == expected or (expected and text.endswith("\n")), text
+        valid += got
+    assert valid > 20

@@ -17,12 +17,15 @@ import pytest
 
 from espalier.constrained.backends import BACKENDS, BackendOptions, get_backend
 from espalier.constrained.backends.common import BackendUnavailableError
+from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import grammar_accepts
+from espalier.constrained.errors import GrammarError
 from espalier.constrained.schema.features import backend_issues
 from espalier.constrained.schema.number_bounds import (
     NumberBounds,
     bound_number_regex,
     bound_schema_numbers,
+    clamp_schema_bounds,
 )
 from espalier.constrained.spec import GrammarSpec
 
@@ -162,3 +165,43 @@ def test_bounds_are_checked() -> None:
         NumberBounds(integer_limit=2**63 - 1)
     assert NumberBounds().integer_digits == 15
     assert NumberBounds(integer_limit=999).integer_digits == 3
+
+
+def test_bounds_past_what_backends_read_are_clamped_only_where_narrowing_narrows() -> None:
+    past = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": past,
+            "b": {"not": past},
+            "c": {"type": ["integer", "null"], "minimum": -(10**20)},
+            "d": {"type": "number", "exclusiveMaximum": 3.7e19, "minimum": 1},
+            "e": {"type": "integer", "minimum": 2**60, "maximum": 2**61},
+            "f": {"type": "integer", "maximum": 2**53},
+        },
+    }
+    out = clamp_schema_bounds(schema, NumberBounds())["properties"]
+    assert out["a"] == {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}
+    assert out["b"] == schema["properties"]["b"]  # under "not": narrowing would widen
+    assert out["c"] == {"type": ["integer", "null"], "minimum": -(2**53 - 1)}
+    assert out["d"] == {"type": "number", "exclusiveMaximum": 10**15, "minimum": 1}
+    assert out["e"] == schema["properties"]["e"]  # clamping would empty it: left as it is
+    assert out["f"] == schema["properties"]["f"]  # read exactly: the caller's own bound
+    small = clamp_schema_bounds(past, NumberBounds(integer_limit=1000))
+    assert small == {"type": "integer", "minimum": 0, "maximum": 1000}
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_an_int64_maximum_compiles_under_the_policy_and_stays_refused_without_it(
+    backend: str, toy_tokenizer: Any
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 2**63}}, "required": ["n"]}  # fmt: skip
+    grammar, _ = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    validator = jsonschema.Draft202012Validator(schema)
+    for value, ok in ((0, True), (2**53 - 1, True), (2**53, False), (2**63, False), (-1, False)):
+        text = json.dumps({"n": value})
+        assert grammar_accepts(grammar, toy_tokenizer, text) is ok, (backend, value)
+        assert not ok or validator.is_valid({"n": value})
+    with pytest.raises(GrammarError):
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend, options=UNBOUNDED)

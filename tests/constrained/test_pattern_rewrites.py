@@ -60,6 +60,13 @@ SCHEMAS = [
     {"type": "string", "oneOf": [{"pattern": "^a|^b"}, {"pattern": "^b"}]},
     {"type": "string", "oneOf": [{"pattern": "a"}, {"pattern": "^b"}]},
     {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]},
+    # complements said only on strings as long as a sibling minLength asks ("" and "\n")
+    {"type": "string", "minLength": 1, "not": {"pattern": r"^[\.\,\*\\\-\s\{\}\(\)]+$"}},
+    {"minLength": 2, "not": {"pattern": r"^\s*$"}},
+    {"minLength": 1, "if": {"pattern": r"^\s+$"}, "then": {"maxLength": 3},
+     "else": {"pattern": "a"}},
+    {"type": "string", "minLength": 1,
+     "not": {"anyOf": [{"pattern": r"^\s+$"}, {"pattern": "^b"}]}},
 ]  # fmt: skip
 
 
@@ -101,3 +108,40 @@ def test_overlapping_patterns_whose_complement_cannot_be_spelled_stay_refused() 
     assert "oneOf" in keywords(rewrite(schema))
     schema = {"not": {"pattern": r"(?=a)b"}}  # lookahead: not read, never approximated
     assert "not" in keywords(rewrite(schema))
+
+
+RESPELLED = [
+    {"type": "string", "pattern": r"^(\/?((\.{2})|([a-z0-9\-]*))($|\/))*$"},
+    {"type": "string", "pattern": r"^.+\<.+@.+\..+\>$"},
+    {"type": "string", "pattern": r"^(?!a\.b\.)([a-z_$][a-z\d_$]*\.)*[a-z_$][a-z\d_$]*$"},
+    {"type": "string", "pattern": r"((?:[^/]*/)*)(?=\.(yaml|yml|json))"},
+    {"type": "string", "pattern": r"^(?![ \t\n]*\(default(.*)\))[\s\S]*"},
+    {"pattern": r"^(?![a|A][b|B])"},
+    {"pattern": r"a^b"},  # no string: "not a string"
+    {"type": "object", "patternProperties": {r"^$[a-z$_]*$": {"type": "integer"},
+                                             r"^_[a-z]*$": {"type": "string"}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", RESPELLED, ids=[json.dumps(s)[:60] for s in RESPELLED])
+def test_patterns_the_backends_read_otherwise_are_respelled_exactly(
+    schema: dict[str, Any], toy_tokenizer: Any
+) -> None:
+    rewritten = rewrite(schema)
+    assert rewritten != schema
+    assert backend_issues("llguidance", rewritten) == []
+    compiled = get_backend("llguidance", toy_tokenizer).compile(GrammarSpec.json_schema(rewritten))
+    rng = random.Random(4)
+    extra = json.dumps(schema) + "yaml.json"
+    bad = []
+    for _ in range(400):
+        value = random_instance(rng, extra)
+        if "patternProperties" in schema and isinstance(value, str):
+            value = {value: rng.choice([1, "x"])}
+        valid = validate_instance(schema, value).valid
+        if valid != validate_instance(rewritten, value).valid:
+            bad.append(value)
+        accepted = grammar_accepts(compiled, toy_tokenizer, json.dumps(value, ensure_ascii=False))
+        if accepted and not valid:
+            bad.append(value)
+    assert bad == []

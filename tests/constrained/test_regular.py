@@ -126,10 +126,42 @@ def test_disjointness_is_decided(patterns: tuple[str, ...], expected: object) ->
 @pytest.mark.parametrize(
     "pattern",
     [r"(?=a)b", r"(?!a)b", r"(?<=a)b", r"(a)\1", r"\bword\b", "(?i)abc", "a*+", "a{2000}",
-     "[[:alpha:]]", r"a^b", r"(a$)b", r"(^a)*", "\\"],
+     "[[:alpha:]]", "^(?=a)*b", "a(?!b)", "^a(?=b)c", "^(?!(?=a)b)", "\\"],
 )  # fmt: skip
 def test_syntax_not_read_is_refused_not_guessed(pattern: str) -> None:
     assert complement_pattern(pattern) is None
+
+
+INNER_ANCHORS_AND_LOOKAHEADS = [
+    r"a^b", r"(a$)b", r"(^a)*", r"^(\/?((\.{2})|([a-z0-9\-]*))($|\/))*$", r"^$[a-z$_]*$",
+    r"(a|$)b?$", r"^(x$|y)+", r"^(?!a)", r"^(?![aA][bB])[a-z]+$", r"^(?=\d)(?!.*x$)[\d.x]{1,4}$",
+    r"((?:[^/]*/)*)(?=\.(yaml|json))", r"^(?!org\.)([a-z_$][a-z\d_$]*\.)*[a-z_$]+$",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", INNER_ANCHORS_AND_LOOKAHEADS)
+def test_inner_anchors_and_leading_or_final_lookaheads_are_read_exactly(pattern: str) -> None:
+    for printed, negate in (
+        (complement_pattern(pattern), True),
+        (intersect_patterns((pattern,)), False),
+    ):
+        assert printed is not None, pattern
+        assert language_mismatches([pattern], printed, negate=negate, seed=2) == [], pattern
+
+
+def test_random_patterns_with_inner_anchors_and_lookaheads() -> None:
+    rng = random.Random(13)
+    checked = 0
+    for _ in range(60):
+        a, b = random_pattern(rng, 1), random_pattern(rng, 1)
+        pattern = rng.choice([f"^(?!{a}){b}", f"^(?={a}){b}$", f"{a}(?={b})", f"(?:{a}|$){b}",
+                              f"(?:^|{a}){b}$", f"^(?:{a}$|{b})+"])  # fmt: skip
+        printed = intersect_patterns((pattern,))
+        if printed is None:
+            continue
+        checked += 1
+        assert language_mismatches([pattern], printed, negate=False, seed=checked) == [], pattern
+    assert checked >= 40
 
 
 def test_a_pattern_that_cannot_be_printed_within_bounds_is_refused_quickly() -> None:
@@ -144,6 +176,21 @@ def test_a_language_the_post_validator_cannot_read_back_is_refused() -> None:
     """Strings of whitespace (``\\n`` included) have no complement ``^R$`` can spell: ``""`` is
     in it, ``"\\n"`` is not, and ``$`` takes a final newline."""
     assert complement_pattern(r"^\s+$") is None
+
+
+@pytest.mark.parametrize("pattern", [r"^\s+$", r"^[\s.]*$", r"^\s{0,2}$", r"^(?:\n|a)+$"])
+def test_a_complement_cut_to_a_length_floor_is_exact_above_it(pattern: str) -> None:
+    """With ``minLength`` next to the ``not``, the strings shorter than the floor are out
+    anyway: the complement is said on the rest, where ``""`` no longer spoils it."""
+    rng = random.Random(3)
+    for floor in (1, 3):
+        printed = complement_pattern(pattern, floor)
+        assert isinstance(printed, str), (pattern, floor)
+        for _ in range(600):
+            text = random_string(rng, pattern)
+            wanted = len(text) >= floor and not regex.search(pattern, text)
+            assert bool(regex.search(printed, text)) == wanted, (pattern, floor, text)
+            assert not regex.fullmatch(printed[1:-1], text) or wanted, (pattern, floor, text)
 
 
 def test_unicode_classes_follow_the_oracle() -> None:

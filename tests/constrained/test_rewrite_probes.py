@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 
+from espalier.constrained.backends import get_backend
+from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.postvalidate import validate_instance
 from espalier.constrained.schema.refs import prune_unused_defs, resolve_refs
 from espalier.constrained.schema.rewrite import normalize_schema
 from espalier.constrained.schema.walk import walk
+from espalier.constrained.spec import GrammarSpec
 
 NAMES = ("a", "b", "c", "foo", "bar", "x1", "aa")
 SCALARS = (None, True, False, 0, 1, -2, 2.5, 7, "", "a", "foo", "bar", "xyz", "then")
@@ -199,6 +202,8 @@ VALUE_SETS = [
     ["foo", "fo]o", "^", "-", "a\nb", "é"],
     [1, 7, 2.5, -3, "a", None, True],
     [False, 0],
+    # runs every member goes on with are spelled flat (one group level per branching)
+    ["abab]^-ab", "abab]x", "ab", "b-b-b"],
 ]
 
 
@@ -210,7 +215,9 @@ def test_not_enum_is_the_complement_of_the_members(values: list[Any]) -> None:
     rng = random.Random(2)
     alphabet = "ab]^-\né0"
     texts = ["".join(rng.choices(alphabet, k=rng.randrange(4))) for _ in range(400)]
-    pool = [*values, *texts, 0, 1.0, 7.5, -4, 1e300, [], {}, None, True, False]
+    near = [v[:i] + x for v in values if isinstance(v, str) for i in range(len(v) + 1)
+            for x in ("", "a", "]", "\n")]  # fmt: skip
+    pool = [*values, *texts, *near, 0, 1.0, 7.5, -4, 1e300, [], {}, None, True, False]
     wrong = [
         value
         for value in pool
@@ -218,6 +225,22 @@ def test_not_enum_is_the_complement_of_the_members(values: list[Any]) -> None:
     ]
     assert wrong == []
     assert mismatches(schema, rewritten, 200) == []
+
+
+def test_the_complement_of_long_members_stays_within_the_regex_nesting_limit(
+    toy_tokenizer: Any,
+) -> None:
+    """Github_medium/o74551: llguidance refused the trie of a 56-character member nested one
+    group per character ("regex parse error")."""
+    members = ["megaradrp.products.wavecalibration.WavelengthCalibration",
+               "megaradrp.products.tracemap.TraceMap"]  # fmt: skip
+    schema = {"type": "string", "not": {"enum": members}}
+    rewritten = rewrite(schema)
+    compiled = get_backend("llguidance", toy_tokenizer).compile(GrammarSpec.json_schema(rewritten))
+    near = [m[:i] + x for m in members for i in range(0, len(m) + 1, 5) for x in ("", "a", ".")]
+    for text in [*members, *near]:
+        valid = validate_instance(schema, text).valid
+        assert grammar_accepts(compiled, toy_tokenizer, json.dumps(text)) == valid, text
 
 
 ONE_OF = [
@@ -286,10 +309,11 @@ def test_not_additional_properties_of_open_names_is_left_alone() -> None:
 
 
 def test_overlapping_one_of_without_complements_is_left_alone() -> None:
-    # {} matches both branches, and "not pattern" has no schema for a lookahead (the pattern
-    # algebra does not read it; plain patterns: tests/constrained/test_pattern_rewrites.py)
-    schema = {"type": "object", "oneOf": [{"properties": {"a": {"pattern": "(?=x)"}}},
-                                          {"properties": {"a": {"pattern": "(?=y)"}}}]}  # fmt: skip
+    # {} matches both branches, and "not pattern" has no schema for a lookbehind (the pattern
+    # algebra does not read it; plain patterns and the lookaheads it reads, such as a final
+    # "(?=x)": tests/constrained/test_pattern_rewrites.py)
+    behind = [{"properties": {"a": {"pattern": p}}} for p in ("(?<=x)", "(?<=y)")]
+    schema = {"type": "object", "oneOf": behind}
     assert "oneOf" in keywords(rewrite(schema))
 
 
@@ -455,7 +479,7 @@ def test_contains_that_needs_a_counter_is_left_alone() -> None:
         {"contains": {"minimum": 5}},
         {"contains": {"const": 1}, "minContains": 2},
         {"contains": {"const": 1}, "maxContains": 1},
-        {"contains": {"pattern": "(?=a)", "type": "string"}, "minContains": 0, "maxContains": 0},
+        {"contains": {"pattern": "(?<=a)", "type": "string"}, "minContains": 0, "maxContains": 0},
     ):
         assert "contains" in rewrite(schema), schema
 
@@ -530,7 +554,7 @@ def test_one_of_strings_with_distinct_first_characters_becomes_any_of(schema: An
 @pytest.mark.parametrize(
     "schema",
     [
-        {"type": "string", "oneOf": [{"pattern": "^ab?c(?=x)"}, {"pattern": "^a"}]},
+        {"type": "string", "oneOf": [{"pattern": "^ab?c(?<=c)x"}, {"pattern": "^a"}]},
         {"type": "string", "oneOf": [{"pattern": "^a|^b(?!c)"}, {"pattern": "^b"}]},
         {"type": "string", "oneOf": [{"pattern": "^[^a]"}, {"pattern": "^b"}]},
         {"type": "string", "oneOf": [{"pattern": "a\\b"}, {"pattern": "^b"}]},
@@ -605,7 +629,7 @@ def test_one_of_decided_type_by_type_becomes_any_of(schema: Any) -> None:
 
 NEEDS_A_COMPLEMENT = [
     # every string matches the first branch and some match the second: a complement
-    {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a(?=b)"}]},
+    {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a(?<=a)b"}]},
     # arrays whose first items may overlap
     {"oneOf": [{"type": "array", "items": {"type": "number"}},
                {"type": "array", "items": {"minimum": 2}}]},
