@@ -15,7 +15,15 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.keys.native import KeyTables, KeyTracker, filter_rows
 from espalier.constrained.tree import DraftTree
-from tests.fixtures.keys_twin import START, KeyState, filter_row, filter_tree, parse_export, step
+from tests.fixtures.keys_twin import (
+    START,
+    KeyState,
+    filter_row,
+    filter_tree,
+    parse_export,
+    step,
+    tree_case,
+)
 from tests.fixtures.tree_random import tree_from_paths
 
 # pieces JSON-ish texts are made of: keys that repeat, escapes (\\", \\\\, \\u0061 = "a", a
@@ -224,18 +232,9 @@ def _check_trees(tokenizer: Any, seed: int, trees: int) -> int:
         tree = _random_tree(tokenizer, rng, tokens[done - 1] if done else 0)
         n = tree.num_nodes
         rows = np.stack([_random_row(rng, words, quoted) for _ in range(n)])
-        for node in range(n):  # the path's tokens allowed mostly, as a walk would have it
-            if rng.random() < 0.9:
-                for child in range(n):
-                    if tree.parents[child] == node:
-                        t = int(tree.tokens[child])
-                        rows[node].view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
-        valid = np.array([rng.random() < 0.9 for _ in range(n)])
-        valid[0] = True
-        filled = valid & np.array([rng.random() < 0.9 for _ in range(n)])
-        terminated = filled & np.array([rng.random() < 0.1 for _ in range(n)])
-        mine_rows, mine_flags = rows.copy(), (valid.copy(), filled.copy(), terminated.copy())
-        twin_rows, twin_flags = rows.copy(), (valid.copy(), filled.copy(), terminated.copy())
+        rows, flags = tree_case(rng, tree.parents.tolist(), tree.tokens.tolist(), rows)
+        mine_rows, mine_flags = rows.copy(), tuple(f.copy() for f in flags)
+        twin_rows, twin_flags = rows.copy(), tuple(f.copy() for f in flags)
         before = tracker.export()
         tracker.filter_tree(tree.tokens, tree.first_child, tree.next_sibling, mine_rows, mine_flags)
         assert tracker.export() == before
@@ -243,7 +242,7 @@ def _check_trees(tokenizer: Any, seed: int, trees: int) -> int:
         assert np.array_equal(mine_rows, twin_rows)
         for mine, theirs in zip(mine_flags, twin_flags, strict=True):
             assert np.array_equal(mine, theirs)
-        cut_nodes += int(valid.sum() - mine_flags[0].sum())
+        cut_nodes += int(flags[0].sum() - mine_flags[0].sum())
     return cut_nodes
 
 
