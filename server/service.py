@@ -41,10 +41,19 @@ async def _maybe_await(value: Any) -> None:
         await value
 
 
+# The client's deadline fires before the server's copy of it (the server starts its clock when it
+# reads the headers) and both ends then see the same HTTP/2 cancel: a cancel this close to the
+# server's deadline is the client's deadline passing.
+DEADLINE_SLACK_S = 0.5
+
+
 def _ended_code(context: grpc.aio.ServicerContext) -> str:
-    """The status of an RPC cut short without an error: its deadline passed, or it was cancelled."""
+    """The status of an RPC cut short without an error: DEADLINE_EXCEEDED when it ended within
+    ``DEADLINE_SLACK_S`` of its deadline, else CANCELLED (the client went away)."""
     remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
+        return "DEADLINE_EXCEEDED"
+    return "CANCELLED"
 
 
 @dataclass
@@ -160,8 +169,9 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         finally:
             # No code yet: cancelled, its deadline passed, or the client went away mid-stream.
             code = code or _ended_code(context)
-            await self._release(engine, stream, progress)
+            # Counted before the release: a scrape that sees the server idle sees this RPC counted.
             metrics.requests.labels(method, code).inc()
+            await self._release(engine, stream, progress)
             seconds = time.monotonic() - progress.start
             metrics.latency.observe(seconds)
             log_request(
