@@ -203,6 +203,8 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
         return Support.IGNORED  # left unresolved (dynamic scopes): backends drop such refs
     if keyword == "format" and node.get("format") not in profile.formats:
         return Support.WEAKENED
+    if keyword == "pattern" and read_otherwise_by_backends(node["pattern"]):
+        return Support.WEAKENED
     if profile.rule is not None:
         return profile.rule(keyword, node)
     return Support.EXACT
@@ -218,6 +220,17 @@ def values_with_siblings(node: dict[str, Any]) -> bool:
     if values != 1:
         return values == 2
     return any(k in VOCABULARY and k not in NOT_ASSERTING | {"enum", "const"} for k in node)
+
+
+def read_otherwise_by_backends(pattern: Any) -> bool:
+    """Whether every backend reads ``pattern`` otherwise than the post-validator: a lookaround,
+    an inner anchor or ``\\<`` / ``\\>`` that :mod:`respell` left as it is (the pattern algebra
+    could not read it). xgrammar ignores a lookahead and an inner ``^`` (its own warning; probe
+    ``pattern-lookahead``: ``^(?!a)[a-z]+$`` took ``"abc"``), llguidance and outlines-core refuse
+    a lookaround and read ``\\<`` as a word boundary."""
+    from espalier.constrained.schema.respell import read_otherwise
+
+    return isinstance(pattern, str) and read_otherwise(pattern)
 
 
 def _is_local_ref(ref: Any) -> bool:

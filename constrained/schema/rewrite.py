@@ -26,7 +26,8 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
 - ``format`` names no draft defines, or on a node whose ``type`` excludes strings → dropped
   (they constrain nothing); ``date`` / ``time`` / ``date-time`` / ``json-pointer`` /
   ``relative-json-pointer`` / ``hostname`` / ``idn-email`` → exact ``pattern``s (and lengths);
-  ``uri-reference`` → its checker's own expression (:mod:`checker_patterns`);
+  ``uri-reference`` → its checker's own expression (:mod:`checker_patterns`); ``uri-template``
+  → a ``pattern`` within its checker's language (plain names, operators, prefixes, defaults);
 - ``uniqueItems`` over a finite item domain → an ``enum`` of the allowed arrays
   (:mod:`unique_items`);
 - ``contains`` whose count needs no counter (``minContains: 0``, ``maxContains: 0``, an item
@@ -263,6 +264,18 @@ _POINTER = "(?:/(?:[^~/]|~[01])*)*"
 # letters, digits and inner hyphens, an optional final dot; at most 253 characters (the checker
 # allows 254 when the last is the dot: a false reject there, never a false accept)
 _LABEL = "[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+# RFC 6570 templates as the checker (uri_template.validate) parses them, in part: literals are
+# any characters but braces (the checker asks no more of them); an expression is an optional
+# operator and comma-separated names (ASCII letters, digits, "_", then also "." and "%XX") with
+# a ":n" prefix (1-999) or "*", and a default ("=x" of URI characters but "[],").
+# The checker also takes "/" in names, "[]", trailing joiners and the "," operator: false
+# rejects, never false accepts. "(...|)", not "(...)?": xgrammar misreads an optional group
+# holding a repetition.
+_VARSPEC = (
+    "[A-Za-z0-9_](?:[A-Za-z0-9_.]|%[0-9A-Fa-f]{2})*(?::[1-9][0-9]{0,2}|[*]|)"
+    "(?:=[A-Za-z0-9_.~!$&'()*+;:/?#@%=-]*|)"
+)
+_TEMPLATE = f"(?:[^{{}}]|[{{][+#./;?&]?{_VARSPEC}(?:,{_VARSPEC})*[}}])*"
 FORMAT_MAX_LENGTH = {"hostname": 253}
 FORMAT_PATTERNS = {
     "hostname": f"^(?:{_LABEL}[.])*{_LABEL}[.]?$",
@@ -275,6 +288,7 @@ FORMAT_PATTERNS = {
     # the checker (jsonschema) refuses a digit after any "0" ("100"), and takes non-ASCII digits
     # too: this is its ASCII language (a false reject on the others, never a false accept)
     "relative-json-pointer": f"^(?:0|[1-9]+0?)(?:#|{_POINTER})$",
+    "uri-template": f"^{_TEMPLATE}$",
 }
 
 

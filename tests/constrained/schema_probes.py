@@ -86,6 +86,15 @@ PROBES: tuple[Probe, ...] = (
         ["\n", "b\n"],
     ),
     _p("pattern-any-char", "pattern", {"type": "string", "pattern": "^.+$"}, ["x", "ab"], ["\n"]),
+    # xgrammar ignores a lookahead ("not supported and is ignored"); llguidance and
+    # outlines-core refuse it: not exact anywhere (the rewrites respell the ones they can read)
+    _p(
+        "pattern-lookahead",
+        "pattern",
+        {"type": "string", "pattern": "^(?!a)[a-z]+$"},
+        ["bc"],
+        ["abc"],
+    ),
     _p("maximum", "maximum", {"type": "number", "maximum": 1.5}, [1.5, 1], [1.6, 30]),
     _p(
         "exclusiveMinimum",

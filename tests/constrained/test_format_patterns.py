@@ -83,3 +83,83 @@ def test_uri_reference_is_its_checkers_own_expression(toy_tokenizer: Any) -> Non
         assert got == expected or (expected and text.endswith("\n")), text
         valid += got
     assert valid > 20
+
+
+URI_TEMPLATES = ["http://example.com/{path}{?query,page}", "{+base}/x{#frag}", "/a{/b*}{;c:3}",
+                 "{.dom*}{&x,y:12}", "plain text", "", "{a=1}", "{%20}", "{,a}", "{a,}", "{}",
+                 "{ab", "a}", "{a:0}", "{a:1000}", "{a*:3}", "{=a}", "{!a}", "{|a}",
+                 "{a b}"]  # fmt: skip
+
+
+def _template_like(rng: random.Random) -> str:
+    """A random string near the template syntax: expressions of names, operators, modifiers,
+    with a random character swapped in now and then."""
+    parts = []
+    for _ in range(rng.randrange(4)):
+        if rng.random() < 0.3:
+            parts.append("".join(rng.choices("ab/:%9 .", k=rng.randrange(4))))
+            continue
+        names = ",".join(
+            rng.choice(["a", "b.c", "_9", "x:3", "y*", "z:0", "q=1", "%41", "a/b", "w[]", ""])
+            for _ in range(rng.randrange(1, 3))
+        )
+        parts.append("{" + rng.choice(["", "", "+", "#", ".", "/", ";", "?", "&", ",", "=", "@"])
+                     + names + rng.choice(["", "", ",", ".", "*"]) + "}")  # fmt: skip
+    text = "".join(parts)
+    if text and rng.random() < 0.3:
+        at = rng.randrange(len(text))
+        text = text[:at] + rng.choice("{}:*,.=%a1 \n") + text[at + 1 :]
+    return text
+
+
+def test_uri_template_pattern_is_within_its_checker(toy_tokenizer: Any) -> None:
+    """The ``uri-template`` pattern takes only what the checker (``uri_template.validate``,
+    jsonschema's) takes, on random template-like strings, and most real templates; llguidance
+    (``auto``'s pick) compiles it and accepts exactly the pattern's strings."""
+    import regex
+    import uri_template
+
+    from espalier.constrained.schema.rewrite import FORMAT_PATTERNS
+
+    pattern = FORMAT_PATTERNS["uri-template"]
+    rng = random.Random(35)
+    texts = URI_TEMPLATES + [_template_like(rng) for _ in range(5000)]
+    matched = [text for text in texts if regex.search(pattern, text)]
+    assert all(uri_template.validate(text) for text in matched)
+    assert len(matched) > 1000  # the pattern is not a sliver of the checker's language
+    assert all(regex.search(pattern, text) for text in URI_TEMPLATES[:6])
+    schema = {"type": "string", "format": "uri-template"}
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance" and report.weakened == ()
+    accepted = 0
+    for text in texts[:300]:  # a final newline is a literal character here: no two readings
+        got = grammar_accepts(compiled, toy_tokenizer, json.dumps(text, ensure_ascii=False))
+        assert got == (regex.search(pattern, text) is not None), text
+        accepted += got
+    assert accepted > 50
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_uri_template_never_accepts_what_its_checker_rejects(
+    backend: str, toy_tokenizer: Any
+) -> None:
+    """Through each backend by name, strict mode: no template the checker rejects gets through
+    (outlines-core refuses the pattern: it may match a character JSON escapes)."""
+    try:
+        get_backend(backend, toy_tokenizer)
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    schema = {"type": "string", "format": "uri-template"}
+    try:
+        compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    except GrammarError:
+        assert backend == "outlines_core", f"{backend} refuses format uri-template"
+        return
+    rng = random.Random(6570)
+    texts = URI_TEMPLATES + [_template_like(rng) for _ in range(150)]
+    accepted = 0
+    for text in texts:
+        if grammar_accepts(compiled, toy_tokenizer, json.dumps(text, ensure_ascii=False)):
+            assert validate_instance(schema, text).valid, text
+            accepted += 1
+    assert accepted > 20
