@@ -7,7 +7,8 @@ For a JSON schema (and each JSON schema inside a structural tag): ``$ref``s are 
 (:mod:`schema_features`) lists the keywords it would not enforce.
 Strict mode (the default) compiles only on a backend with no such keyword and otherwise raises
 :class:`SchemaNotEnforceableError` naming each keyword and JSON pointer; ``allow_weakening=True``
-takes the backend with the fewest issues and reports them in ``CompileReport.weakened``.
+takes the backend with the fewest issues, compiles the schema without the uses that backend
+would refuse outright (:mod:`weaken`) and reports them all in ``CompileReport.weakened``.
 ``backend="auto"`` tries backends in :data:`AUTO_ORDER` (fastest first, measured by
 ``bench/masks.py``); other kinds go to the first backend that supports the kind.
 """
@@ -230,7 +231,9 @@ def _compile_first(
     notes: tuple[str, ...],
     prepared: PreparedSchema | None = None,
 ) -> tuple[CompiledGrammar, CompileReport]:
-    """Compile on the first backend of ``order`` that succeeds; re-raise the first failure."""
+    """Compile on the first backend of ``order`` that succeeds; re-raise the first failure.
+    ``weakened`` None: the weakening path (each backend compiles :func:`_weakened` and reports
+    its own issues from ``prepared``)."""
     from espalier.constrained.backends import get_backend
     from espalier.constrained.schema.productive import refuse_empty_language
 
@@ -241,7 +244,7 @@ def _compile_first(
             engine = get_backend(name, tokenizer, options)
             if spec.kind not in engine.kinds:
                 raise UnsupportedGrammarError(name, spec.kind.value)
-            compiled = engine.compile(spec)
+            compiled = engine.compile(spec if weakened is not None else _weakened(spec, name))
             refuse_empty_language(compiled, tokenizer)
         except CompileTimeoutError:  # a cache's deadline passed: no other backend has time left
             raise
@@ -264,6 +267,18 @@ def _compile_first(
         return compiled, report
     assert first_error is not None
     raise first_error
+
+
+def _weakened(spec: GrammarSpec, backend: str) -> GrammarSpec:
+    """A JSON-schema ``spec`` without the keyword uses ``backend`` refuses at compile
+    (:func:`~espalier.constrained.schema.weaken.weakened_schema`; each is in the backend's
+    issues, so the report names it); ``spec`` itself when there are none, or for other kinds."""
+    from espalier.constrained.schema.weaken import weakened_schema
+
+    if spec.kind is not GrammarKind.JSON_SCHEMA:
+        return spec
+    schema = weakened_schema(backend, spec.schema)
+    return spec if schema is spec.schema else GrammarSpec.json_schema(schema, max_bytes=1 << 30)
 
 
 def _taking_kind(

@@ -152,6 +152,13 @@ class BackendProfile:
     rule: Rule | None = None
     false_schema: bool = True  # enforces a ``false`` subschema (matches nothing)
     false_schema_under: frozenset[str] = frozenset()  # keywords whose ``false`` value it enforces
+    # what makes the backend refuse a whole schema at compile, where others drop the keyword:
+    # keywords it does not implement, formats outside ``compiled_formats`` (None: it takes any
+    # name), ``oneOf`` unless it can read it as ``anyOf`` (:mod:`weaken` drops or rewrites them
+    # under ``allow_weakening``; none is in ``exact``, so each is reported as weakened)
+    refused: frozenset[str] = frozenset()
+    compiled_formats: frozenset[str] | None = None
+    one_of_refused: bool = False
 
 
 def backend_issues(backend: str, schema: Any) -> list[KeywordIssue]:
@@ -417,6 +424,45 @@ LLGUIDANCE = BackendProfile(
     # date / time / date-time / hostname: calendar and leap-second rules are not checked
     formats=frozenset({"email", "ipv4", "ipv6", "uri", "uuid", "duration"}),
     rule=_llguidance_rule,
+    # "Unimplemented keys: [...]" (lenient=False), "Unknown format: ...", "oneOf constraints are
+    # not supported" (overlapping branches; coerce_one_of off): probe test_weaken.py
+    refused=frozenset(
+        {
+            "not",
+            "if",
+            "then",
+            "else",
+            "uniqueItems",
+            "contains",
+            "minContains",
+            "maxContains",
+            "propertyNames",
+            "dependentRequired",
+            "dependentSchemas",
+            "dependencies",
+            "unevaluatedProperties",
+            "unevaluatedItems",
+            "$dynamicRef",
+            "$dynamicAnchor",
+            "$recursiveRef",
+            "$recursiveAnchor",
+        }
+    ),
+    compiled_formats=frozenset(
+        {
+            "email",
+            "ipv4",
+            "ipv6",
+            "uri",
+            "uuid",
+            "duration",
+            "date-time",
+            "date",
+            "time",
+            "hostname",
+        }
+    ),
+    one_of_refused=True,
 )
 XGRAMMAR = BackendProfile(
     name="xgrammar",

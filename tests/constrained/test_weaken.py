@@ -1,0 +1,116 @@
+"""``allow_weakening`` on llguidance: what it refuses at compile is dropped and reported.
+
+llguidance refuses a schema holding a keyword it does not implement ("Unimplemented keys"), a
+format it does not know or overlapping ``oneOf`` branches; under ``allow_weakening`` the schema
+it compiles goes without them (``schema/weaken.py``) and ``CompileReport.weakened`` names each,
+as the xgrammar path reports the keywords xgrammar drops. Strict mode still refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from espalier.constrained.backends import get_backend
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.conformance import grammar_accepts
+from espalier.constrained.errors import GrammarError, SchemaNotEnforceableError
+from espalier.constrained.schema.features import LLGUIDANCE
+from espalier.constrained.schema.weaken import weakened_schema
+from espalier.constrained.spec import GrammarSpec
+
+TAGS = {"type": "array", "items": {"type": ["string", "object"]}}
+# (schema, the weakened keyword's (keyword, pointer), an instance only the keyword rejects,
+# an instance the rest of the schema still rejects)
+CASES = {
+    "uniqueItems": (
+        {"type": "object", "properties": {"tags": {**TAGS, "uniqueItems": True}}},
+        ("uniqueItems", "/properties/tags"),
+        {"tags": ["a", "a"]},
+        {"tags": [1]},
+    ),
+    "contains": (
+        {**TAGS, "contains": {"type": "object"}, "minContains": 2},
+        ("contains", ""),
+        ["a"],
+        [2],
+    ),
+    "format-iri": (
+        {"type": "object", "properties": {"home": {"type": "string", "format": "iri"}}},
+        ("format", "/properties/home"),
+        {"home": "no iri"},
+        {"home": 3},
+    ),
+    "not": (
+        {"type": "integer", "not": {"multipleOf": 7}},
+        ("not", ""),
+        14,
+        "a",
+    ),
+    "oneOf-overlapping": (
+        {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 3}]},
+        ("oneOf", ""),
+        5,
+        "a",
+    ),
+}
+
+
+def accepts(compiled: Any, tokenizer: Any, value: Any) -> bool:
+    return grammar_accepts(compiled, tokenizer, json.dumps(value, ensure_ascii=False))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_llguidance_weakens_what_it_refuses_and_reports_it(name: str, toy_tokenizer: Any) -> None:
+    schema, issue, only_keyword_rejects, still_rejected = CASES[name]
+    spec = GrammarSpec.json_schema(schema)
+    with pytest.raises(SchemaNotEnforceableError) as strict:
+        compile_grammar(spec, toy_tokenizer, "llguidance")
+    assert issue in {(i.keyword, i.pointer) for i in strict.value.issues}
+    compiled, report = compile_grammar(spec, toy_tokenizer, "llguidance", allow_weakening=True)
+    assert report.backend == compiled.backend == "llguidance"
+    assert issue in {(i.keyword, i.pointer) for i in report.weakened}
+    assert accepts(compiled, toy_tokenizer, only_keyword_rejects)  # generated without it
+    assert not accepts(compiled, toy_tokenizer, still_rejected)  # the rest still holds
+
+
+def test_auto_weakening_takes_llguidance_with_the_fewest_issues(toy_tokenizer: Any) -> None:
+    schema, issue, _, _ = CASES["format-iri"]
+    spec = GrammarSpec.json_schema(schema)
+    _, report = compile_grammar(spec, toy_tokenizer, allow_weakening=True)
+    assert report.backend == "llguidance"
+    assert [(i.keyword, i.pointer) for i in report.weakened] == [issue]
+
+
+@pytest.mark.parametrize("keyword", sorted(LLGUIDANCE.refused))
+def test_llguidance_refuses_what_its_profile_says(keyword: str, toy_tokenizer: Any) -> None:
+    """The profile's claim: each of these alone makes llguidance refuse the schema, and none
+    is claimed exact (so the weakened report always names it)."""
+    assert keyword not in LLGUIDANCE.exact
+    value: Any = {"$recursiveAnchor": True, "uniqueItems": True}.get(keyword, {})
+    if keyword in ("minContains", "maxContains"):
+        value = 1
+    elif keyword in ("$dynamicRef", "$recursiveRef", "$dynamicAnchor"):
+        value = "#" if keyword.endswith("Ref") else "a"
+    engine = get_backend("llguidance", toy_tokenizer)
+    with pytest.raises(GrammarError):
+        engine.compile(GrammarSpec.json_schema({keyword: value}))
+    assert weakened_schema("llguidance", {"type": "array", keyword: value}) == {"type": "array"}
+
+
+def test_weakened_schema_keeps_what_llguidance_takes() -> None:
+    schema = {"type": "string", "format": "date-time", "pattern": "^2", "$defs": {"x": {"not": {}}}}
+    assert weakened_schema("llguidance", schema) == {**schema, "$defs": {"x": {}}}
+    plain = {"type": "object", "properties": {"a": {"format": "email"}}}
+    assert weakened_schema("llguidance", plain) is plain
+    assert weakened_schema("xgrammar", {"uniqueItems": True, "format": "iri"}) == {
+        "uniqueItems": True,
+        "format": "iri",
+    }
+    both = {"anyOf": [{"type": "integer"}], "oneOf": [{"minimum": 1}, {"maximum": 5}]}
+    assert weakened_schema("llguidance", both) == {
+        "anyOf": [{"type": "integer"}],
+        "allOf": [{"anyOf": [{"minimum": 1}, {"maximum": 5}]}],
+    }
