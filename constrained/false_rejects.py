@@ -51,6 +51,8 @@ def false_reject_cause(
     check = validate_instance(schema, data, registry=registry)
     if check.checked and not check.valid:
         return "format"  # valid without format assertion, invalid with it
+    if _fails_format_patterns(schema, data, registry):
+        return "format"  # outside a format's pattern, which is narrower than its checker
 
     def accepts(value: Any, **dumps: Any) -> bool:
         return accepts_text(json.dumps(value, ensure_ascii=False, **dumps))
@@ -76,6 +78,39 @@ def false_reject_cause(
     if accepts(data, separators=(",", ":")):
         return "whitespace"
     return "other"
+
+
+def _fails_format_patterns(
+    schema: Any, data: Any, registry: referencing.Registry[Any] | None
+) -> bool:
+    """Whether ``data`` fails ``schema`` once each ``format`` the rewrites spell as a pattern
+    (``rewrite.FORMAT_PATTERNS``) is that pattern: some take less than their checker (a
+    254-character ``hostname``, a ``uri-template`` with ``[]``), a narrowing of the format
+    policy."""
+    from espalier.constrained.postvalidate import validate_instance
+    from espalier.constrained.schema.rewrite import FORMAT_MAX_LENGTH, FORMAT_PATTERNS
+    from espalier.constrained.schema.walk import map_subschemas
+
+    if not any(f'"{name}"' in json.dumps(schema) for name in FORMAT_PATTERNS):
+        return False
+
+    def patterned(node: Any, pointer: str) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = map_subschemas(node, pointer, patterned)
+        name = node.get("format")
+        if not isinstance(name, str) or name not in FORMAT_PATTERNS:
+            return node
+        spelled: dict[str, Any] = {"type": "string", "pattern": FORMAT_PATTERNS[name]}
+        if name in FORMAT_MAX_LENGTH:
+            spelled["maxLength"] = FORMAT_MAX_LENGTH[name]
+        rest = {k: v for k, v in node.items() if k != "format"}
+        listed = rest.get("allOf")
+        branches: list[Any] = listed if isinstance(listed, list) else []
+        return {**rest, "allOf": [*branches, {"anyOf": [spelled, {"not": {"type": "string"}}]}]}
+
+    check = validate_instance(patterned(schema, ""), data, registry=registry)
+    return check.checked and not check.valid
 
 
 def _key_positions(schema: Any) -> dict[str, int]:

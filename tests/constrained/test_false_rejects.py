@@ -72,3 +72,18 @@ def test_a_backend_may_write_the_branches_properties_first() -> None:
     data = {"allow": {"value": 1, "path": "/a", "next": True}}
     declared = json.dumps({"allow": {"path": "/a", "next": True, "value": 1}})
     assert false_reject_cause(lambda text: text == declared, schema, data) == "property_order"
+
+
+def test_a_value_outside_a_narrower_format_pattern_is_the_format_policy() -> None:
+    """``uri-template`` and ``hostname`` are spelled as patterns that take less than their
+    checkers (``rewrite.FORMAT_PATTERNS``): a valid value outside them is the format policy;
+    a value inside them rejected for another reason is not."""
+    schema = {
+        "$defs": {"template": {"type": "string", "format": "uri-template"}},
+        "type": "object",
+        "properties": {"href": {"$ref": "#/$defs/template"}, "host": {"format": "hostname"}},
+    }
+    long_host = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61]) + "."  # 254 characters
+    for data in ({"href": "/a{,b}"}, {"href": "{x[]}"}, {"host": long_host}):
+        assert false_reject_cause(lambda text: False, schema, data) == "format", data
+    assert false_reject_cause(lambda text: False, schema, {"href": "/a{b}", "host": "h"}) == "other"
