@@ -93,7 +93,10 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     """The equivalent Draft 2020-12 schema with the rewrites above applied everywhere."""
     legacy = dialect_of(schema) != DRAFT_2020_12
     if legacy:
-        schema = _map_tree(schema, _from_legacy)
+        unknown = _not_in_draft(schema)
+        schema = _map_tree(
+            schema, lambda node: _from_legacy({k: v for k, v in node.items() if k not in unknown})
+        )
     elif '"dependencies"' in json.dumps(schema):
         schema = _map_tree(schema, _split_dependencies)
     defs = schema.get("$defs") if isinstance(schema, dict) else None
@@ -161,6 +164,22 @@ def _map_tree(node: Any, fn: Any, pointer: str = "") -> Any:
     if not isinstance(node, dict):
         return node
     return map_subschemas(fn(node), pointer, lambda sub, at: _map_tree(sub, fn, at))
+
+
+# Keywords of later drafts: in a schema that declares one of these drafts they are unknown
+# words, which constrain nothing (the post-validation, jsonschema's validator for the declared
+# draft, ignores them).
+NOT_IN_DRAFT = {
+    "draft-04": frozenset({"const", "contains", "propertyNames", "if", "then", "else"}),
+    "draft-06": frozenset({"if", "then", "else"}),
+}
+
+
+def _not_in_draft(schema: Any) -> frozenset[str]:
+    """The keywords :data:`NOT_IN_DRAFT` for the draft ``schema`` declares at its root."""
+    uri = schema.get("$schema") if isinstance(schema, dict) else None
+    found = [words for draft, words in NOT_IN_DRAFT.items() if draft in str(uri)]
+    return found[0] if found else frozenset()
 
 
 def _from_legacy(node: dict[str, Any]) -> dict[str, Any]:

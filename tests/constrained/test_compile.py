@@ -157,6 +157,32 @@ def test_an_id_with_an_empty_fragment_names_its_own_document(draft: str) -> None
         assert not validate_instance(resolved, bad).valid, (resolved, bad)
 
 
+@pytest.mark.parametrize("draft", ["04", "06", "07"])
+def test_keywords_of_later_drafts_constrain_nothing_in_an_older_one(
+    draft: str, toy_tokenizer: Any
+) -> None:
+    """Draft 4 has no ``const`` / ``contains`` / ``propertyNames`` / ``if``, draft 6 no ``if``:
+    a schema declaring it means nothing by them, as its validator (the post-validation) says,
+    and the grammar agrees on every instance (Github_medium/o3385: an ``if``/``then`` under
+    draft-04 rejected valid instances)."""
+    schema = {
+        "$schema": f"http://json-schema.org/draft-{draft}/schema#",
+        "type": "object",
+        "properties": {"kind": {"const": "a"}, "tags": {"type": "array", "contains": {}}},
+        "if": {"properties": {"kind": {"const": "a"}}},
+        "then": {"required": ["tags"]},
+        "propertyNames": {"maxLength": 4},
+    }
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    cases = [{"kind": "a"}, {"kind": "b"}, {"kind": "a", "tags": [1]}, {"kind": "a", "tags": []},
+             {"kind": "a", "tags": [1], "longer": 1}]  # fmt: skip
+    verdicts = [validate_instance(schema, value).valid for value in cases]
+    assert [accepts(compiled, toy_tokenizer, value) for value in cases] == verdicts
+    assert verdicts == {"04": [True] * 5, "06": [True, False, True, False, False]}.get(
+        draft, [False, False, True, False, False]
+    )
+
+
 def test_issue_pointers_inside_refs_name_the_original_location() -> None:
     schema = {
         "$defs": {"t": {"type": "array", "uniqueItems": True}},
