@@ -147,6 +147,15 @@ def test_allow_weakening_reports_the_weakened_keywords(client: Client) -> None:
     assert weakened == [("uniqueItems", "/properties/when")]
 
 
+def test_allow_weakening_on_llguidance_reports_the_keyword_it_drops(client: Client) -> None:
+    with pytest.raises(InvalidArgumentError):
+        client.compile_grammar(schema=WHEN, backend="llguidance")
+    result = client.compile_grammar(schema=WHEN, backend="llguidance", allow_weakening=True)
+    assert result.backend == "llguidance"  # llguidance refused uniqueItems outright before
+    weakened = [(w.keyword, w.pointer) for w in result.weakened]
+    assert weakened == [("uniqueItems", "/properties/when")]
+
+
 def test_unknown_backend(client: Client) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         client.compile_grammar(regex="a", backend="nope")
