@@ -8,6 +8,7 @@ bit t%32 of word t//32).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import importlib.machinery
 import threading
@@ -221,8 +222,9 @@ class KeyTracker:
         """Accept in order up to the first token that completes a duplicate; how many were."""
         if not tokens:
             return 0
-        ids = np.asarray(tokens, dtype=np.int32)
-        done = int(self._lib.espalier_keys_accept_tokens(self._h, ids.ctypes.data, len(ids)))
+        ids = array.array("i", tokens)  # C int32; ~5x cheaper to make than a numpy array
+        address = ids.buffer_info()[0]
+        done = int(self._lib.espalier_keys_accept_tokens(self._h, address, len(ids)))
         if done < 0:
             raise MemoryError("key tracker")
         return done
