@@ -36,13 +36,13 @@ import argparse
 import functools
 import hashlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
+from anchor import run_anchor  # bench/anchor.py
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -318,14 +318,7 @@ def main() -> None:
     anchor = None
     if args.anchor:
         root = Path(args.anchor).resolve()
-        out = subprocess.run(
-            [str(root / ".venv" / "bin" / "python"), __file__, *sizes, "--json-only"],
-            cwd=root,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        anchor = json.loads(out.stdout.strip().splitlines()[-1])
+        anchor = run_anchor(root, __file__, sizes)
         emit({"part": "closing_replay", "side": "anchor", "tree": str(root)} | anchor)
     ours = replay(args.schemas, args.instances, args.streams, args.reps, args.lockstep)
     if args.json_only:

@@ -301,9 +301,13 @@ class EngineCore:
         return self._finish(request, FinishReason.ERROR, error=error)
 
     def _stops(self, request: Request) -> set[int]:
-        stops = set(request.sampling.stop_token_ids)
-        if not request.sampling.ignore_eos:
-            stops.update(self.tokenizer.stop_token_ids)
+        """The request's stop token ids (made once: every step asks, per request)."""
+        stops = request.stop_ids
+        if stops is None:
+            stops = set(request.sampling.stop_token_ids)
+            if not request.sampling.ignore_eos:
+                stops.update(self.tokenizer.stop_token_ids)
+            request.stop_ids = stops
         return stops
 
     def _append(

@@ -109,6 +109,7 @@ class Request:
     generator: Any = None
     # output
     stop_watch: StopStringWatch | None = None  # set when the request has stop strings
+    stop_ids: set[int] | None = None  # its stop token ids, made on first use (never changed)
     finish_reason: FinishReason | None = None
     closed_by_budget: bool = False  # the closing policy ended the output (engine/closing/)
     error: str | None = None

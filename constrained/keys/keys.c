@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 2
+#define ESP_KEYS_ABI 3
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
@@ -974,6 +974,14 @@ int64_t espalier_keys_accept_tokens(EspKeys *k, const int32_t *tokens, int64_t n
 }
 
 void espalier_keys_rollback(EspKeys *k, int64_t n) { rollback(k, n); }
+
+/* How many of tokens espalier_keys_accept_tokens would accept, the state left as it was (-1: out
+ * of memory): a closing check's tracker part in one call. */
+int64_t espalier_keys_clean_prefix(EspKeys *k, const int32_t *tokens, int64_t n) {
+    int64_t done = espalier_keys_accept_tokens(k, tokens, n);
+    if (done > 0) rollback(k, done);
+    return done;
+}
 
 int32_t espalier_keys_filter_row(EspKeys *k, uint32_t *row, int64_t words) {
     return filter_row(k, row, words);

@@ -169,8 +169,7 @@ class UniqueKeysMatcher:
     def completes(self, tokens: Sequence[int]) -> bool:
         if not self.inner.completes(tokens):  # the tracker only refuses more (most tries end here)
             return False
-        clean = self.keys.accept_tokens(tokens)
-        self.keys.rollback(clean)
+        clean = self.keys.clean_prefix(tokens)
         if clean < len(tokens):  # a duplicate completion: the dead-end rule decides
             probe = self.fork()
             return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
@@ -179,18 +178,14 @@ class UniqueKeysMatcher:
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
         # the grammar first (most probes end there), then the tracker on what it takes
         taken = self.inner.accepted_prefix(tokens)
-        head = tokens[:taken]
-        clean = int(self.keys.accept(head[0])) if taken == 1 else self.keys.accept_tokens(head)
-        self.keys.rollback(clean)
+        clean = self.keys.clean_prefix(tokens[:taken])
         if clean < taken:  # a duplicate completion: the dead-end rule decides, on a fork
             return self.fork().accept_tokens(tokens)
         return taken
 
     def forced_tokens(self, limit: int) -> list[int]:
         forced = self.inner.forced_tokens(limit)
-        clean = self.keys.accept_tokens(forced)
-        self.keys.rollback(clean)
-        return forced[:clean]
+        return forced[: self.keys.clean_prefix(forced)]
 
     def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
         """``inner``'s native search under this tracker's rules (``keys`` is this one's)."""

@@ -8,6 +8,7 @@ bit t%32 of word t//32).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import importlib.machinery
 import threading
@@ -20,7 +21,7 @@ import numpy as np
 if TYPE_CHECKING:
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 2
+ABI = 3
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
@@ -69,20 +70,22 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_accept": (i32, [vp, i64, i32]),
         "espalier_keys_accept_tokens": (i64, [vp, vp, i64]),
         "espalier_keys_rollback": (None, [vp, i64]),
+        "espalier_keys_clean_prefix": (i64, [vp, vp, i64]),
         "espalier_keys_filter_row": (i32, [vp, vp, i64]),
         "espalier_keys_filter_rows": (None, [vp, vp, i64, i64, i64, vp]),
         "espalier_keys_filter_tree": (i32, [vp, i64, vp, vp, vp, vp, i64, vp, vp, vp]),
         "espalier_keys_export": (i64, [vp, vp, i64]),
     }
-    for name, (restype, argtypes) in sig.items():
-        fn = getattr(so, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    built = int(so.espalier_keys_abi())
+    so.espalier_keys_abi.restype, so.espalier_keys_abi.argtypes = i64, []
+    built = int(so.espalier_keys_abi())  # first: another build may lack a symbol below
     if built != ABI:
         raise KeysBuildError(
             f"espalier's key tracker was built from keys.c ABI {built}, this binding expects "
             f"{ABI}: reinstall espalier (pip install -e .)"
         )
+    for name, (restype, argtypes) in sig.items():
+        fn = getattr(so, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return so
 
 
@@ -221,8 +224,21 @@ class KeyTracker:
         """Accept in order up to the first token that completes a duplicate; how many were."""
         if not tokens:
             return 0
-        ids = np.asarray(tokens, dtype=np.int32)
-        done = int(self._lib.espalier_keys_accept_tokens(self._h, ids.ctypes.data, len(ids)))
+        ids = array.array("i", tokens)  # C int32; ~5x cheaper to make than a numpy array
+        address = ids.buffer_info()[0]
+        done = int(self._lib.espalier_keys_accept_tokens(self._h, address, len(ids)))
+        if done < 0:
+            raise MemoryError("key tracker")
+        return done
+
+    def clean_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` :meth:`accept_tokens` would accept; the state is unchanged
+        (one native call where ``accept_tokens`` and ``rollback`` are two)."""
+        if not tokens:
+            return 0
+        ids = array.array("i", tokens)
+        address = ids.buffer_info()[0]
+        done = int(self._lib.espalier_keys_clean_prefix(self._h, address, len(ids)))
         if done < 0:
             raise MemoryError("key tracker")
         return done

@@ -96,7 +96,8 @@ def _tracker(tokenizer: Any) -> KeyTracker:
 
 def _check_states(tokenizer: Any, seed: int, walks: int) -> int:
     """Accept (strict), compare with the twin after every token, then roll back and fork;
-    returns how many duplicates were met."""
+    ``clean_prefix`` counts what ``accept_tokens`` would take and leaves the state; returns how
+    many duplicates were met."""
     rng = random.Random(seed)
     tb = tokenizer.token_bytes
     met = 0
@@ -104,6 +105,9 @@ def _check_states(tokenizer: Any, seed: int, walks: int) -> int:
         tokens = _tokens(tokenizer, rng)
         expected = _twin_walk(tb, tokens)
         tracker = _tracker(tokenizer)
+        clean = next((i for i, state in enumerate(expected[1:]) if state is None), len(tokens))
+        assert tracker.clean_prefix(tokens) == clean
+        assert tracker.accepted == 0 and parse_export(tracker.export()) == expected[0]
         accepted = 0
         for i, token in enumerate(tokens):
             ok = tracker.accept(token)
@@ -120,6 +124,8 @@ def _check_states(tokenizer: Any, seed: int, walks: int) -> int:
         tracker.rollback(back)
         assert parse_export(tracker.export()) == expected[accepted - back]
         assert parse_export(fork.export()) == expected[accepted]  # forks are independent
+        assert tracker.clean_prefix(tokens[accepted - back :]) == back
+        assert parse_export(tracker.export()) == expected[accepted - back]
         again = tracker.accept_tokens(tokens[accepted - back :])
         assert again == back
         assert parse_export(tracker.export()) == expected[accepted]
