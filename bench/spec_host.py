@@ -30,6 +30,13 @@ Per side (constrained / unconstrained), one JSON line:
   every draft-tree node) wall and thread CPU time, summed over jobs; ``lookahead_nodes_per_step``
   the tree nodes they were given; ``lookahead_wait_ms_per_step``: the engine thread's wall time
   in ``Lookahead._find`` (taking a decision: waiting for the job that makes it, or running it);
+- ``closing_batch_ms_per_step`` / ``closing_batch_cpu_ms_per_step``: the engine thread's wall and
+  CPU time in ``BudgetCloser.prepare`` (the step's first inline decisions: a speculative step's
+  bonus tokens), ``accept_run_ms_per_step`` / ``accept_run_cpu_ms_per_step`` in
+  ``Engine._accept_runs`` (the batch accept of the accepted runs, and the lookahead decisions
+  they take): ``bench/gpu_timeline.py``'s ``closing_batch`` and ``accept_run``;
+  ``append_ms_per_step`` / ``append_cpu_ms_per_step`` in ``Engine._append`` (every request's
+  append and its inline closing decisions, waits for ``prepare``'s searches included);
 
 then the ratio line (``constrained_over_unconstrained_host``) and, with ``--profile``, the top
 host functions of the constrained run (cProfile of the main thread, paused during device work;
@@ -76,6 +83,11 @@ class Probe:
         self.lookahead_s = self.lookahead_cpu_s = 0.0  # closing lookahead jobs, any thread
         self.lookahead_nodes = 0
         self.lookahead_wait_s = 0.0  # the engine thread taking lookahead decisions
+        # the engine thread in BudgetCloser.prepare / Engine._accept_runs (gpu_timeline's
+        # closing_batch / accept_run): wall and thread CPU
+        self.closing_batch_s = self.closing_batch_cpu_s = 0.0
+        self.accept_run_s = self.accept_run_cpu_s = 0.0
+        self.append_s = self.append_cpu_s = 0.0  # Engine._append: every request's append
         self.profiler: cProfile.Profile | None = None  # paused during device work
         self.ahead_profiler: cProfile.Profile | None = None  # the lookahead jobs (--profile)
 
@@ -84,7 +96,8 @@ class Probe:
         """Wrap the runner's forward, the verify kernel, the tree fill and the matcher calls."""
         from espalier.constrained.backends import common
         from espalier.constrained.backends import llguidance as llg
-        from espalier.engine.closing import ahead
+        from espalier.engine import engine as engine_mod
+        from espalier.engine.closing import BudgetCloser, ahead
         from espalier.engine.spec import masks
         from espalier.kernels import verify
 
@@ -104,6 +117,9 @@ class Probe:
         patch(ahead.Lookahead, "together", lambda f: staticmethod(self._timed_ahead(f)))
         patch(ahead.Lookahead, "run", self._timed_ahead)
         patch(ahead.Lookahead, "_find", self._timed_wait)
+        patch(BudgetCloser, "prepare", lambda f: self._timed_part("closing_batch", f))
+        patch(engine_mod.Engine, "_accept_runs", lambda f: self._timed_part("accept_run", f))
+        patch(engine_mod.Engine, "_append", lambda f: self._timed_part("append", f))
         patch(common.MatcherBase, "accept", lambda f: self._counted("accept", f))
         patch(llg.Matcher, "fork", lambda f: self._counted("fork", f))
         patch(llg.Matcher, "forced_tokens", lambda f: self._counted("forced_tokens", f))
@@ -123,6 +139,21 @@ class Probe:
         self.lookahead_s = self.lookahead_cpu_s = 0.0
         self.lookahead_nodes = 0
         self.lookahead_wait_s = 0.0
+        self.closing_batch_s = self.closing_batch_cpu_s = 0.0
+        self.accept_run_s = self.accept_run_cpu_s = 0.0
+        self.append_s = self.append_cpu_s = 0.0
+
+    def _timed_part(self, part: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, f"{part}_s", getattr(self, f"{part}_s") + time.perf_counter() - start)
+                cpu = getattr(self, f"{part}_cpu_s") + time.thread_time() - start_cpu
+                setattr(self, f"{part}_cpu_s", cpu)
+
+        return wrapper
 
     def _timed_wait(self, function: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -259,6 +290,12 @@ def measure(
         "lookahead_cpu_ms_per_step": round(1e3 * probe.lookahead_cpu_s / engine_steps, 3),
         "lookahead_nodes_per_step": round(probe.lookahead_nodes / engine_steps, 3),
         "lookahead_wait_ms_per_step": round(1e3 * probe.lookahead_wait_s / engine_steps, 3),
+        "closing_batch_ms_per_step": round(1e3 * probe.closing_batch_s / engine_steps, 3),
+        "closing_batch_cpu_ms_per_step": round(1e3 * probe.closing_batch_cpu_s / engine_steps, 3),
+        "accept_run_ms_per_step": round(1e3 * probe.accept_run_s / engine_steps, 3),
+        "accept_run_cpu_ms_per_step": round(1e3 * probe.accept_run_cpu_s / engine_steps, 3),
+        "append_ms_per_step": round(1e3 * probe.append_s / engine_steps, 3),
+        "append_cpu_ms_per_step": round(1e3 * probe.append_cpu_s / engine_steps, 3),
     }
     if profiler is not None:
         result["profile"] = _top(profiler)
