@@ -25,6 +25,12 @@ tokens; a change to the fallback alone keeps ``greedy_decisions_equal``).
     .venv/bin/python bench/closing.py [--schemas 8] [--instances 40] [--streams FILE]
         [--reps 3] [--anchor /work/main]
 
+``--trees N`` replays them as a speculative step decides: each step a chain of the next N
+tokens drafted from the last one (oracle drafts), the lookahead job for it
+(``BudgetCloser.lookaheads``, run on this thread: ``lookahead_ms_total``), then ``instead`` for
+the N tokens (taken from the lookahead) and the step's bonus token (decided inline);
+``--branches`` adds a random side node at each chain node (mostly tokens the grammar rejects).
+
 ``--batch-threads N`` instead times a step's searches (one state per output of the streams
 file) one by one against one native batch call on 1 and on N threads (``closing_batch``).
     .venv/bin/python bench/closing.py --batch-threads 2 [--streams FILE] [--reps 3]
@@ -35,7 +41,9 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import inspect
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -61,14 +69,19 @@ def _pool(tokenizer: Any, schemas: int, instances: int, streams: str) -> list[tu
 
 
 def replay(
-    schemas: int, instances: int, streams: str, reps: int, lockstep: int = 0
+    schemas: int,
+    instances: int,
+    streams: str,
+    reps: int,
+    lockstep: int = 0,
+    trees: int = 0,
+    branches: bool = False,
 ) -> dict[str, Any]:
     """The replay on this process's ``espalier`` (the best of ``reps`` timed passes after one
-    untimed pass); ``lockstep``: as :func:`lockstep_pass` on that many native threads."""
-    from espalier.constrained.keys import with_unique_keys
+    untimed pass); ``lockstep``: as :func:`lockstep_pass` on that many native threads;
+    ``trees``: as :func:`trees_pass` with chains of that many drafted tokens (``branches``:
+    and a side node at each)."""
     from espalier.engine import closing
-    from espalier.engine.api import SamplingParams
-    from espalier.engine.request import Request
     from espalier.server.default_model import default_tokenizer
 
     tokenizer = default_tokenizer()
@@ -144,9 +157,7 @@ def replay(
         seconds = 0.0
         tokens_seen = 0
         for k, (compiled, tokens, max_tokens) in enumerate(pool):
-            request = Request(f"r{k}", [1], SamplingParams(max_tokens=max_tokens), 0)
-            request.compiled = compiled
-            request.matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+            request = _request(k, compiled, max_tokens, tokenizer)
             failed[0] = start_failed.get(id(compiled), False)
             for token in tokens:
                 started = time.thread_time()
@@ -164,18 +175,24 @@ def replay(
             closer.forget(request.request_id)
         return seconds, tokens_seen, digest.hexdigest()[:16], greedy.hexdigest()[:16]
 
-    run_pass = functools.partial(lockstep_pass, closer, pool, tokenizer) if lockstep else one_pass
+    ahead_s = [0.0]  # --trees: CPU time in the lookahead jobs
+    run_pass = one_pass
+    if lockstep:
+        run_pass = functools.partial(lockstep_pass, closer, pool, tokenizer)
+    elif trees:
+        run_pass = functools.partial(trees_pass, closer, pool, tokenizer, trees, ahead_s, branches)
     run_pass()  # first-use work (lexers, start paths) out of the timing
     best: tuple[float, int, int, float, str, str] | None = None
     for _ in range(reps):
-        searched[0], searched[1], in_python[0], fallback_s[0] = 0, 0.0, 0, 0.0
+        searched[0], searched[1], in_python[0], fallback_s[0], ahead_s[0] = 0, 0.0, 0, 0.0, 0.0
         seconds, count, digest, greedy_digest = run_pass()
-        if best is None or seconds - fallback_s[0] < best[0] - best[-1]:
+        if best is None or seconds - fallback_s[0] < best[0] - best[-2]:
             best = (seconds, count, searched[0], searched[1], digest, greedy_digest, in_python[0])
-            best += (fallback_s[0],)
+            best += (fallback_s[0], ahead_s[0])
     assert best is not None
-    seconds, count, searches, search_s, digest, greedy_digest, python_searches, fallback = best
+    seconds, count, searches, search_s, digest, greedy_digest, python_searches, fallback = best[:8]
     return {
+        "lookahead_ms_total": round(1e3 * best[8], 2),
         "instances": len(pool),
         "tokens": count,
         "searches": searches,
@@ -193,22 +210,100 @@ def replay(
     }
 
 
+def trees_pass(
+    closer: Any, pool: Any, tokenizer: Any, drafted: int, ahead_s: list[float], branches: bool
+) -> tuple[float, int, str, str]:
+    """The pool's outputs decided as a speculative step decides them, request by request: per
+    step the lookahead job for a chain of the next ``drafted`` tokens from the last one
+    (``BudgetCloser.lookaheads``: its CPU time, searches included, also in ``ahead_s``), then
+    ``instead`` for the chain's tokens and the bonus token after them. The digest covers each
+    decision and memo, as :func:`replay`'s (equal to it: the lookahead decides as inline).
+
+    ``branches``: each chain node also gets a sibling, a token of the same output drawn at
+    random (seeded; the grammar rejects most there: a drafter's wrong guesses); where the job
+    takes the step masks' ``filled`` flags, it is given them (computed here, untimed: a node
+    is filled when the grammar accepts its path)."""
+
+    stops = set(tokenizer.stop_token_ids)
+    digest = hashlib.sha256()
+    seconds = 0.0
+    tokens_seen = 0
+    for k, (compiled, tokens, max_tokens) in enumerate(pool):
+        request = _request(k, compiled, max_tokens, tokenizer)
+        position, closed = 0, False
+        rng = random.Random(k)
+        while position < len(tokens) and not closed:
+            root = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
+            chain = tokens[position : position + drafted]
+            tree, parents = [root, *chain], list(range(-1, len(chain)))
+            if branches:
+                for node in range(len(chain)):
+                    tree.append(rng.choice(tokens))
+                    parents.append(node)
+            filled = _filled(request.matcher, tree, parents) if branches else None
+            started = time.thread_time()
+            job = closer.lookaheads([(request, tree, parents)], 1 << 20)
+            if job is not None:
+                if filled is not None and "filled" in inspect.signature(job).parameters:
+                    job(filled)
+                else:
+                    job()
+            ahead_s[0] += time.thread_time() - started
+            seconds += time.thread_time() - started
+            for token in tokens[position : position + drafted + 1]:  # the chain, the bonus
+                started = time.thread_time()
+                path = closer.instead(request, token, stops, 1 << 20)
+                seconds += time.thread_time() - started
+                tokens_seen += 1
+                digest.update(repr((path, closer._memo.get(request.request_id))).encode())
+                if path is not None:
+                    closed = True
+                    break
+                request.output_ids.append(token)
+                assert request.matcher.accept(token)
+            position += drafted + 1
+        closer.forget(request.request_id)
+    return seconds, tokens_seen, digest.hexdigest()[:16], digest.hexdigest()[:16]
+
+
+def _request(k: int, compiled: Any, max_tokens: int, tokenizer: Any) -> Any:
+    """Request ``r{k}`` with a fresh matcher of ``compiled``, wrapped as the engine wraps it."""
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.engine.api import SamplingParams
+    from espalier.engine.request import Request
+
+    request = Request(f"r{k}", [1], SamplingParams(max_tokens=max_tokens), 0)
+    request.compiled = compiled
+    request.matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+    return request
+
+
+def _filled(matcher: Any, tree: list[int], parents: list[int]) -> Any:
+    """bool ``[n]``: the grammar accepts the path root -> node (the root: always)."""
+    import numpy as np
+
+    filled = np.ones(len(tree), dtype=bool)
+    for node in range(1, len(tree)):
+        path = []
+        at = node
+        while at > 0:
+            path.append(tree[at])
+            at = parents[at]
+        filled[node] = matcher.accepted_prefix(path[::-1]) == len(path)
+    return filled
+
+
 def lockstep_pass(closer: Any, pool: Any, tokenizer: Any) -> tuple[float, int, str, str]:
     """The pool's outputs decided as plain decoding's engine step decides them: all requests
     one token per step, ``BudgetCloser.prepare`` for the step (its searches, and where the tree
     has them there, its stitch checks, in one native call per wave), then ``instead`` for each
     token; the engine thread's CPU time of both. The digest covers each request's decisions
     (``greedy_digest``: not tracked here, empty)."""
-    from espalier.constrained.keys import with_unique_keys
-    from espalier.engine.api import SamplingParams
-    from espalier.engine.request import Request
 
     stops = set(tokenizer.stop_token_ids)
     live = []
     for k, (compiled, tokens, max_tokens) in enumerate(pool):
-        request = Request(f"r{k}", [1], SamplingParams(max_tokens=max_tokens), 0)
-        request.compiled = compiled
-        request.matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
+        request = _request(k, compiled, max_tokens, tokenizer)
         live.append((request, tokens, hashlib.sha256()))
     digests = [digest for _, _, digest in live]
     seconds = 0.0
@@ -301,6 +396,17 @@ def main() -> None:
         help="decide as the engine step does (prepare, then instead) on N native threads",
     )
     parser.add_argument(
+        "--trees",
+        type=int,
+        default=0,
+        help="decide as a speculative step does: a lookahead over chains of N drafted tokens",
+    )
+    parser.add_argument(
+        "--branches",
+        action="store_true",
+        help="with --trees: a random side node at each chain node",
+    )
+    parser.add_argument(
         "--batch-threads",
         type=int,
         default=0,
@@ -313,6 +419,7 @@ def main() -> None:
         return
     sizes = ["--schemas", str(args.schemas), "--instances", str(args.instances)]
     sizes += ["--reps", str(args.reps), "--lockstep", str(args.lockstep)]
+    sizes += ["--trees", str(args.trees)] + (["--branches"] if args.branches else [])
     if args.streams:  # the anchor runs in its own folder
         sizes += ["--streams", str(Path(args.streams).resolve())]
     anchor = None
@@ -320,7 +427,15 @@ def main() -> None:
         root = Path(args.anchor).resolve()
         anchor = run_anchor(root, __file__, sizes)
         emit({"part": "closing_replay", "side": "anchor", "tree": str(root)} | anchor)
-    ours = replay(args.schemas, args.instances, args.streams, args.reps, args.lockstep)
+    ours = replay(
+        args.schemas,
+        args.instances,
+        args.streams,
+        args.reps,
+        args.lockstep,
+        args.trees,
+        args.branches,
+    )
     if args.json_only:
         print(json.dumps(ours))
         return
@@ -338,6 +453,9 @@ def main() -> None:
                     (ours["decide_ms_total"] - ours["fallback_ms_total"])
                     / max(anchor["decide_ms_total"] - anchor["fallback_ms_total"], 1e-9),
                     3,
+                ),
+                "lookahead_this_over_anchor": round(
+                    ours["lookahead_ms_total"] / max(anchor["lookahead_ms_total"], 1e-9), 3
                 ),
                 "search_this_over_anchor": round(
                     ours["search_ms_total"] / max(anchor["search_ms_total"], 1e-9), 3

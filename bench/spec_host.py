@@ -25,9 +25,22 @@ Per side (constrained / unconstrained), one JSON line:
   on the mask threads: tree fills, closing decisions made ahead); ``forks_per_token``,
   ``forced_calls_per_token`` likewise; ``tree_nodes_per_token``: nodes walked by tree fills
   (each one native consume + one mask);
+- ``lookahead_ms_per_step`` / ``lookahead_cpu_ms_per_step``: the closing lookahead jobs
+  (``Lookahead.together`` / ``Lookahead.run``, on whichever thread runs them: the decisions for
+  every draft-tree node) wall and thread CPU time, summed over jobs; ``lookahead_nodes_per_step``
+  the tree nodes they were given; ``lookahead_wait_ms_per_step``: the engine thread's wall time
+  in ``Lookahead._find`` (taking a decision: waiting for the job that makes it, or running it);
+- ``closing_batch_ms_per_step`` / ``closing_batch_cpu_ms_per_step``: the engine thread's wall and
+  CPU time in ``BudgetCloser.prepare`` (the step's first inline decisions: a speculative step's
+  bonus tokens), ``accept_run_ms_per_step`` / ``accept_run_cpu_ms_per_step`` in
+  ``Engine._accept_runs`` (the batch accept of the accepted runs, and the lookahead decisions
+  they take): ``bench/gpu_timeline.py``'s ``closing_batch`` and ``accept_run``;
+  ``append_ms_per_step`` / ``append_cpu_ms_per_step`` in ``Engine._append`` (every request's
+  append and its inline closing decisions, waits for ``prepare``'s searches included);
 
 then the ratio line (``constrained_over_unconstrained_host``) and, with ``--profile``, the top
-host functions of the constrained run (cProfile of the main thread, paused during device work).
+host functions of the constrained run (cProfile of the main thread, paused during device work;
+``lookahead_profile``: of the lookahead jobs, on whichever thread runs them).
 
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
         [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--close-workers N]
@@ -67,13 +80,24 @@ class Probe:
         self.mask_fill_s = 0.0  # tree fills, summed over trees
         self.mask_jobs_s = 0.0  # fill jobs' wall time, summed over jobs
         self.tree_nodes = 0
+        self.lookahead_s = self.lookahead_cpu_s = 0.0  # closing lookahead jobs, any thread
+        self.lookahead_nodes = 0
+        self.lookahead_wait_s = 0.0  # the engine thread taking lookahead decisions
+        # the engine thread in BudgetCloser.prepare / Engine._accept_runs (gpu_timeline's
+        # closing_batch / accept_run): wall and thread CPU
+        self.closing_batch_s = self.closing_batch_cpu_s = 0.0
+        self.accept_run_s = self.accept_run_cpu_s = 0.0
+        self.append_s = self.append_cpu_s = 0.0  # Engine._append: every request's append
         self.profiler: cProfile.Profile | None = None  # paused during device work
+        self.ahead_profiler: cProfile.Profile | None = None  # the lookahead jobs (--profile)
 
     @contextmanager
     def installed(self, runner: Any) -> Iterator[Probe]:
         """Wrap the runner's forward, the verify kernel, the tree fill and the matcher calls."""
         from espalier.constrained.backends import common
         from espalier.constrained.backends import llguidance as llg
+        from espalier.engine import engine as engine_mod
+        from espalier.engine.closing import BudgetCloser, ahead
         from espalier.engine.spec import masks
         from espalier.kernels import verify
 
@@ -81,7 +105,8 @@ class Probe:
 
         def patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
             original = getattr(owner, name)
-            patches.append((owner, name, original))
+            # restore the class's own attribute (a staticmethod stays one)
+            patches.append((owner, name, vars(owner).get(name, original)))
             setattr(owner, name, wrap(original))
 
         patch(runner, "forward", self._timed_device)
@@ -89,6 +114,12 @@ class Probe:
         patch(masks.MaskBuilder, "_fill_one", self._timed_job)
         patch(masks.MaskBuilder, "_fill_batch", self._timed_job)
         patch(masks.PendingMasks, "result", self._counted_fills)
+        patch(ahead.Lookahead, "together", lambda f: staticmethod(self._timed_ahead(f)))
+        patch(ahead.Lookahead, "run", self._timed_ahead)
+        patch(ahead.Lookahead, "_find", self._timed_wait)
+        patch(BudgetCloser, "prepare", lambda f: self._timed_part("closing_batch", f))
+        patch(engine_mod.Engine, "_accept_runs", lambda f: self._timed_part("accept_run", f))
+        patch(engine_mod.Engine, "_append", lambda f: self._timed_part("append", f))
         patch(common.MatcherBase, "accept", lambda f: self._counted("accept", f))
         patch(llg.Matcher, "fork", lambda f: self._counted("fork", f))
         patch(llg.Matcher, "forced_tokens", lambda f: self._counted("forced_tokens", f))
@@ -105,6 +136,58 @@ class Probe:
         self.calls.clear()
         self.device_s = self.device_cpu_s = self.mask_fill_s = self.mask_jobs_s = 0.0
         self.tree_nodes = 0
+        self.lookahead_s = self.lookahead_cpu_s = 0.0
+        self.lookahead_nodes = 0
+        self.lookahead_wait_s = 0.0
+        self.closing_batch_s = self.closing_batch_cpu_s = 0.0
+        self.accept_run_s = self.accept_run_cpu_s = 0.0
+        self.append_s = self.append_cpu_s = 0.0
+
+    def _timed_part(self, part: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, f"{part}_s", getattr(self, f"{part}_s") + time.perf_counter() - start)
+                cpu = getattr(self, f"{part}_cpu_s") + time.thread_time() - start_cpu
+                setattr(self, f"{part}_cpu_s", cpu)
+
+        return wrapper
+
+    def _timed_wait(self, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            profiler = self.profiler  # the job it may run is timed as a job, not profiled here
+            if profiler is not None:
+                profiler.disable()
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.lookahead_wait_s += time.perf_counter() - start
+                if profiler is not None:
+                    profiler.enable()
+
+        return wrapper
+
+    def _timed_ahead(self, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            together = isinstance(args[0], list)  # Lookahead.together's aheads, else one's run
+            nodes = sum(len(a._tokens) for a in args[0]) if together else 0
+            profiler = self.ahead_profiler
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            if profiler is not None:
+                profiler.enable()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if profiler is not None:
+                    profiler.disable()
+                self.lookahead_s += time.perf_counter() - start
+                self.lookahead_cpu_s += time.thread_time() - start_cpu
+                self.lookahead_nodes += nodes
+
+        return wrapper
 
     def _timed_device(self, function: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -167,6 +250,7 @@ def measure(
     engine = factory()
     probe.reset()
     profiler = probe.profiler = cProfile.Profile() if profile else None
+    probe.ahead_profiler = cProfile.Profile() if profile else None
     tokens = steps = 0
     wall = cpu = 0.0
     for request in requests:
@@ -202,9 +286,22 @@ def measure(
         "forks_per_token": round(probe.calls["fork"] / tokens, 3),
         "forced_calls_per_token": round(probe.calls["forced_tokens"] / tokens, 3),
         "tree_nodes_per_token": round(probe.tree_nodes / tokens, 3),
+        "lookahead_ms_per_step": round(1e3 * probe.lookahead_s / engine_steps, 3),
+        "lookahead_cpu_ms_per_step": round(1e3 * probe.lookahead_cpu_s / engine_steps, 3),
+        "lookahead_nodes_per_step": round(probe.lookahead_nodes / engine_steps, 3),
+        "lookahead_wait_ms_per_step": round(1e3 * probe.lookahead_wait_s / engine_steps, 3),
+        "closing_batch_ms_per_step": round(1e3 * probe.closing_batch_s / engine_steps, 3),
+        "closing_batch_cpu_ms_per_step": round(1e3 * probe.closing_batch_cpu_s / engine_steps, 3),
+        "accept_run_ms_per_step": round(1e3 * probe.accept_run_s / engine_steps, 3),
+        "accept_run_cpu_ms_per_step": round(1e3 * probe.accept_run_cpu_s / engine_steps, 3),
+        "append_ms_per_step": round(1e3 * probe.append_s / engine_steps, 3),
+        "append_cpu_ms_per_step": round(1e3 * probe.append_cpu_s / engine_steps, 3),
     }
     if profiler is not None:
         result["profile"] = _top(profiler)
+    if probe.ahead_profiler is not None:
+        result["lookahead_profile"] = _top(probe.ahead_profiler)
+        probe.ahead_profiler = None
     return result
 
 
@@ -308,6 +405,7 @@ def run(args: argparse.Namespace) -> None:
             if args.profile and constrained:
                 profiled = measure(factory, reqs, probe, True, False)
                 results[constrained]["profile"] = profiled["profile"]
+                results[constrained]["lookahead_profile"] = profiled["lookahead_profile"]
             emit(
                 {
                     "part": "spec_host",

@@ -566,18 +566,22 @@ class BudgetCloser:
         self,
         trees: Sequence[tuple[Request, Sequence[int], Sequence[int]]],
         max_model_len: int,
-    ) -> Callable[[], None] | None:
+    ) -> Callable[..., None] | None:
         """One job deciding ahead for the draft trees of a step (``(request, tokens,
-        parents)`` each, as :meth:`lookahead`), their searches in one native call per wave
-        across the trees (``Lookahead.together``, on :attr:`threads` native threads); a tree
-        whose lookahead cannot be made (its grammar raised) is decided inline."""
+        parents)`` each, as :meth:`lookahead`, in the step's order: their nodes laid out one
+        tree after the other), their searches in one native call per wave across the trees
+        (``Lookahead.together``, on :attr:`threads` native threads); a tree whose lookahead
+        cannot be made (its grammar raised) is decided inline. The job takes the step masks'
+        ``filled`` flags (bool ``[N]`` over those nodes; none: every node is decided)."""
         aheads = []
+        first = 0
         for request, tokens, parents in trees:
             try:
-                ahead = self._lookahead(request, tokens, parents, max_model_len)
+                ahead = self._lookahead(request, tokens, parents, max_model_len, first)
             except Exception:  # its grammar: decided inline, where the fault ends the request
                 log.debug("closing lookahead not made", exc_info=True)
-                continue
+                ahead = None
+            first += len(tokens)
             if ahead is not None:
                 aheads.append(ahead)
         if not aheads:
@@ -586,7 +590,12 @@ class BudgetCloser:
         return functools.partial(Lookahead.together, aheads, self.paths, self.threads)
 
     def _lookahead(
-        self, request: Request, tokens: Sequence[int], parents: Sequence[int], max_model_len: int
+        self,
+        request: Request,
+        tokens: Sequence[int],
+        parents: Sequence[int],
+        max_model_len: int,
+        first: int = 0,
     ) -> Lookahead | None:
         matcher = request.matcher
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
@@ -609,7 +618,7 @@ class BudgetCloser:
         steps = functools.partial(
             tree_decisions, self, memo, matcher.fork(), tree, links, here, limits, stops
         )
-        ahead = Lookahead(tree, links, here, steps, self.paths.answer)
+        ahead = Lookahead(tree, links, here, steps, self.paths.answer, first)
         self._ahead[request.request_id] = ahead
         return ahead
 

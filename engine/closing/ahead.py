@@ -11,7 +11,9 @@ taken when the step starts, along each root-to-node path) on a mask-thread-pool 
 target's forward runs. When the step's tokens are appended, ``BudgetCloser.instead`` takes the
 decision of the tree node each token reaches; a token off the tree (the bonus token, or a
 rejected branch) and everything after it is decided inline as before. So outputs are exactly
-those of deciding inline.
+those of deciding inline. A node the step's masks left unfilled (a token the grammar rejects
+there, or past the fill's budget) is never decided ahead: verification accepts only filled
+nodes, so its token can never be taken (and were it taken, it would be decided inline).
 
 Hand-off: the job runs once, on whichever thread starts it; ``take`` on the main thread waits
 for a running job and runs one not yet started itself (as ``PendingMasks.result`` does with the
@@ -23,9 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from espalier.constrained.base import GrammarMatcher
     from espalier.engine.closing import BudgetCloser, ClosingPaths, Memo, SearchCall
 
@@ -37,6 +41,9 @@ after it."""
 
 TreeSteps = Generator["SearchCall", tuple[bool, "list[int] | None"], "list[Outcome | None]"]
 """A tree's decisions as steps (:func:`tree_decisions`): yields searches, returns outcomes."""
+
+Filled: TypeAlias = "Sequence[bool] | np.ndarray"
+"""The nodes of a tree to decide: bool ``[n]`` (the step masks' ``filled`` flags)."""
 
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 
@@ -58,11 +65,13 @@ class Lookahead:
     """One request's decisions along its draft tree (see the module docstring).
 
     tokens, parents: the tree (node 0 = root). here: output length when the step started (the
-    first appended token's check sees it). steps: makes the decisions as steps, one per node
-    (None for the root and for nodes below a closing or a stop): :func:`tree_decisions` on a
-    matcher fork, its searches made by ``answer`` (``ClosingPaths.answer``: one by one) or, for
-    a step's trees together, by :meth:`together`; when it raises, every token is decided
-    inline.
+    first appended token's check sees it). steps: makes the decisions as steps given the nodes
+    to decide (None: all; else :data:`Filled`, this tree's), one outcome per node (None for
+    the root, for nodes not to decide and for nodes below a closing or a stop):
+    :func:`tree_decisions` on a matcher fork, its searches made by ``answer``
+    (``ClosingPaths.answer``: one by one) or, for a step's trees together, by
+    :meth:`together`; when it raises, every token is decided inline. first: the tree's root's
+    index among the step's nodes (where its flags start in :meth:`together`'s ``filled``).
     """
 
     def __init__(
@@ -70,10 +79,12 @@ class Lookahead:
         tokens: list[int],
         parents: list[int],
         here: int,
-        steps: Callable[[], TreeSteps],
+        steps: Callable[[Filled | None], TreeSteps],
         answer: Callable[[TreeSteps], list[Outcome | None]],
+        first: int = 0,
     ) -> None:
-        self._steps: Callable[[], TreeSteps] | None = steps
+        self._steps: Callable[[Filled | None], TreeSteps] | None = steps
+        self._first = first
         self._answer = answer
         self._tokens = tokens
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
@@ -96,22 +107,39 @@ class Lookahead:
         self.finish(outcomes)
 
     @staticmethod
-    def together(aheads: Sequence[Lookahead], paths: ClosingPaths, threads: int) -> None:
+    def together(
+        aheads: Sequence[Lookahead],
+        paths: ClosingPaths,
+        threads: int,
+        filled: np.ndarray | None = None,
+    ) -> None:
         """Run the lookaheads not started yet side by side (``batch.answer_all``): each wave's
-        searches, across the trees, in one native call on up to ``threads`` native threads."""
+        searches, across the trees, in one native call on up to ``threads`` native threads.
+        Each tree's decisions are handed over as soon as they are made (its consumer, waiting
+        in :meth:`take`, goes on while the trees left still search). filled: bool ``[N]`` over
+        every node of the step (``MaskBuilder.submit``'s ``after``; None: decide every node)."""
         from espalier.engine.closing.batch import answer_all
 
-        claimed = {k: steps for k, a in enumerate(aheads) if (steps := a.claim()) is not None}
-        try:
-            results = answer_all(paths, claimed, threads)
-        except Exception as exc:  # not expected (answer_all keeps each tree's faults apart)
-            results = dict.fromkeys(claimed, exc)
-        for k in claimed:
-            aheads[k].finish(results[k])
+        claimed = {
+            k: steps
+            for k, a in enumerate(aheads)
+            if (steps := a.claim(None if filled is None else a._mine(filled))) is not None
+        }
+        finished: set[int] = set()
 
-    def claim(self) -> TreeSteps | None:
-        """The decisions' steps, for the caller to run and :meth:`finish`; None when the job
-        started elsewhere or was cancelled."""
+        def done(k: int, outcomes: list[Outcome | None] | BaseException) -> None:
+            finished.add(k)
+            aheads[k].finish(outcomes)
+
+        try:
+            answer_all(paths, claimed, threads, done)
+        except Exception as exc:  # not expected (answer_all keeps each tree's faults apart)
+            for k in claimed.keys() - finished:
+                aheads[k].finish(exc)
+
+    def claim(self, filled: Filled | None = None) -> TreeSteps | None:
+        """The decisions' steps (for the nodes ``filled``: None, all), for the caller to run
+        and :meth:`finish`; None when the job started elsewhere or was cancelled."""
         with self._lock:
             if self._state != _PENDING:
                 return None
@@ -119,10 +147,14 @@ class Lookahead:
         assert self._steps is not None
         steps, self._steps = self._steps, None
         try:
-            return steps()
+            return steps(filled)
         except Exception as exc:
             self.finish(exc)
             return None
+
+    def _mine(self, filled: np.ndarray) -> np.ndarray:
+        """This tree's slice of the step's ``filled`` flags."""
+        return filled[self._first : self._first + len(self._tokens)]
 
     def finish(self, outcomes: list[Outcome | None] | BaseException) -> None:
         """The claimed job's outcomes (an exception: none, decide inline)."""
@@ -182,6 +214,7 @@ def tree_decisions(
     here: int,
     limits: tuple[int, int],
     stops: frozenset[int] | set[int],
+    filled: Filled | None = None,
 ) -> TreeSteps:
     """``closer.decide`` for every node of a draft tree, depth first from the root, as steps
     (``BudgetCloser.decision``'s: each search is yielded).
@@ -191,8 +224,10 @@ def tree_decisions(
     (node 0 = root). here: output length when the step starts (the first appended token's
     check sees it). limits: ``(max_tokens, room)``: a check at output length ``h`` has budget
     ``min(max_tokens - h, room - h)``. stops: the request's stop tokens (never checked).
-    A node is descended below only when the engine would go on after it (no closing, not a
-    stop, the grammar accepts it and is not terminated); the nodes not reached get None."""
+    filled: the nodes to decide (:data:`Filled`: verification accepts no other; None: all).
+    A node is decided and descended below only when the engine would go on after it (no
+    closing, not a stop, the grammar accepts it and is not terminated) and it is to be decided;
+    the nodes not reached get None."""
     outcomes: list[Outcome | None] = [None] * len(tokens)
     children: list[list[int]] = [[] for _ in tokens]
     for i in range(1, len(tokens)):
@@ -206,6 +241,8 @@ def tree_decisions(
         budget = min(max_tokens - check, room - check)
         kids = children[node]
         for k, child in enumerate(kids):
+            if filled is not None and not filled[child]:
+                continue  # verification never accepts it (nor a node below it)
             token = tokens[child]
             exempt = token in stops
             path, after = yield from decision(memo_at, at, token, check, budget, exempt)

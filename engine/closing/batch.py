@@ -5,13 +5,14 @@
 unfinished decision waits for, makes all of those the backends can run natively in one call per
 kind (``GrammarMatcher.native_closing``: llguidance's C search, on up to ``threads`` native
 threads, the GIL released), the rest one by one in Python (``ClosingPaths.search_after``), and
-sends each decision its outcome. The outcomes are those of making each decision alone.
+sends each decision its outcome. The outcomes are those of making each decision alone; each
+one is handed over (``done``) as soon as its decision ends, not after the last wave.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from espalier.constrained.base import FALLBACK
@@ -33,42 +34,48 @@ def as_answer(outcome: object) -> tuple[bool, list[int] | None]:
 
 
 def answer_all(
-    paths: ClosingPaths, decisions: Mapping[K, Generator[SearchCall, Answer, R]], threads: int
+    paths: ClosingPaths,
+    decisions: Mapping[K, Generator[SearchCall, Answer, R]],
+    threads: int,
+    done: Callable[[K, R | BaseException], None] | None = None,
 ) -> dict[K, R | BaseException]:
     """Each decision's outcome by its key (``BudgetCloser.decision``s, or
-    ``ahead.tree_decisions``), or the exception it raised (its grammar's: the others go on)."""
+    ``ahead.tree_decisions``), or the exception it raised (its grammar's: the others go on).
+    ``done(key, outcome)``: called on this thread as each decision ends, before the next one
+    is advanced (a lookahead's consumer takes a tree's decisions while others still search)."""
     results: dict[K, R | BaseException] = {}
     waiting: dict[K, tuple[Generator[SearchCall, Answer, R], SearchCall]] = {}
+
+    def advance(
+        key: K, decision: Generator[SearchCall, Answer, R], answer: Answer | BaseException | None
+    ) -> None:
+        outcome: R | BaseException
+        try:
+            if isinstance(answer, BaseException):
+                decision.close()
+                outcome = answer
+            else:
+                waiting[key] = (
+                    decision,
+                    next(decision) if answer is None else decision.send(answer),
+                )
+                return
+        except StopIteration as finished:
+            outcome = finished.value
+        except Exception as exc:  # its grammar's fault alone
+            outcome = exc
+        results[key] = outcome
+        if done is not None:
+            done(key, outcome)
+
     for key, decision in decisions.items():
-        _advance(key, decision, None, waiting, results)
+        advance(key, decision, None)
     while waiting:
         answers = _search_all(paths, {key: call for key, (_, call) in waiting.items()}, threads)
         current, waiting = waiting, {}
         for key, (decision, _) in current.items():
-            answer = answers[key]
-            if isinstance(answer, BaseException):
-                decision.close()
-                results[key] = answer
-            else:
-                _advance(key, decision, answer, waiting, results)
+            advance(key, decision, answers[key])
     return results
-
-
-def _advance(
-    key: K,
-    decision: Generator[SearchCall, Answer, R],
-    answer: Answer | None,
-    waiting: dict[K, tuple[Generator[SearchCall, Answer, R], SearchCall]],
-    results: dict[K, R | BaseException],
-) -> None:
-    try:
-        call = next(decision) if answer is None else decision.send(answer)
-    except StopIteration as done:
-        results[key] = done.value
-    except Exception as exc:  # its grammar's fault alone
-        results[key] = exc
-    else:
-        waiting[key] = (decision, call)
 
 
 def _search_all(

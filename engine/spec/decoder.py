@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from espalier.engine.api import TokenLogprob
@@ -93,7 +94,7 @@ class SpecSeq:
         return self.context_len == len(self.tokens) - 1
 
 
-Lookahead = Callable[[Sequence["SpecSeq"], Sequence[Draft]], list[Callable[[], None]]]
+Lookahead = Callable[[Sequence["SpecSeq"], Sequence[Draft]], list[Callable[[np.ndarray], None]]]
 """Host jobs for a step's drafts, run on the mask threads after the fills (``step``)."""
 
 

@@ -169,7 +169,7 @@ class MaskBuilder:
         self,
         matchers: Sequence[GrammarMatcher | None],
         drafts: Sequence[Draft],
-        after: Sequence[Callable[[], None]] = (),
+        after: Sequence[Callable[[np.ndarray], None]] = (),
         *,
         hidden_s: float = 0.0,
     ) -> PendingMasks:
@@ -178,7 +178,9 @@ class MaskBuilder:
         its own (``fill_tree``); start at most ``threads`` workers on them; the caller's
         ``result()`` takes what is left (on CUDA, where it waits at once, often the batch).
         ``after``: other jobs, run one after the other on a pool thread from when the last
-        fill ends (``result()`` does not wait for them; they must not touch the matchers: they
+        fill ends, each given the step's ``filled`` flags (bool ``[N]`` over every node of
+        ``drafts``, in order: a node verification may accept; a faulted tree's may read as
+        filled) (``result()`` does not wait for them; they must not touch the matchers: they
         own what they use; one that raises is logged, the rest still run). Not before: run
         alongside the fills, their Python competed with the fills' for the GIL
         (``docs/decisions/closing-ahead-after-fills.md``).
@@ -233,13 +235,14 @@ class MaskBuilder:
             if array is not None
         ] + singles
         after_jobs = list(after)
+        filled = flags[1].view(bool)
         fills = FillJobs(
-            jobs, [None] * len(drafts), flags, functools.partial(self._start, after_jobs)
+            jobs, [None] * len(drafts), flags, functools.partial(self._start, after_jobs, filled)
         )
         mask_rows_t = torch.tensor(mask_rows, dtype=torch.int64)  # before the workers hold the GIL
         workers = [self._pool.submit(fills.work) for _ in range(min(self.threads, len(jobs)))]
         if not jobs:
-            self._start(after_jobs)
+            self._start(after_jobs, filled)
         return PendingMasks(bitmask, mask_rows_t, fills, workers, trees)
 
     def _batch_of(
@@ -287,7 +290,7 @@ class MaskBuilder:
                 fills.flags[1, item.node : item.node + n].view(bool),
             )
 
-    def _start(self, jobs: list[Callable[[], None]]) -> None:
+    def _start(self, jobs: list[Callable[[np.ndarray], None]], filled: np.ndarray) -> None:
         """Run ``jobs`` one after the other on one pool thread: they are Python (the closing
         decisions ahead), so more threads would only take turns at the GIL, and each turn the
         engine thread waits for is a switch interval (5 ms) long. Their consumer runs a job not
@@ -296,7 +299,7 @@ class MaskBuilder:
         if not jobs:
             return
         try:
-            self._pool.submit(_run_all, jobs)
+            self._pool.submit(_run_all, jobs, filled)
         except RuntimeError:  # the pool was shut down meanwhile: jobs not run are taken inline
             return
 
@@ -337,9 +340,9 @@ class MaskBuilder:
         fills.results[index] = (result.valid, result.filled)
 
 
-def _run_all(jobs: list[Callable[[], None]]) -> None:
+def _run_all(jobs: list[Callable[[np.ndarray], None]], filled: np.ndarray) -> None:
     for job in jobs:
         try:
-            job()
+            job(filled)
         except Exception:  # one job's failure is its own: the others still run
             log.exception("a mask-thread job failed")

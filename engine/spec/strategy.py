@@ -36,6 +36,8 @@ from espalier.engine.spec.tree_builder import Draft
 from espalier.engine.step import SeqOutcome, StepResult, StepStrategy
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from espalier.engine.closing import BudgetCloser
     from espalier.engine.engine import Engine
     from espalier.engine.kv_cache import BlockAllocator
@@ -207,9 +209,10 @@ class SpeculativeDecoding:
         requests: Mapping[int, Request],
         specs: Sequence[SpecSeq],
         drafts: Sequence[Draft],
-    ) -> list[Callable[[], None]]:
+    ) -> list[Callable[[np.ndarray], None]]:
         """The closer's decisions ahead for the draft trees (``requests``: by ``id(spec)``):
-        one job, their searches in one native call per wave (``BudgetCloser.lookaheads``)."""
+        one job, their searches in one native call per wave (``BudgetCloser.lookaheads``),
+        given the step's ``filled`` flags (``MaskBuilder.submit``'s ``after``)."""
         trees = [
             (requests[id(spec)], draft.tokens, draft.parents) for spec, draft in zip(specs, drafts)
         ]

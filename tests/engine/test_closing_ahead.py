@@ -241,3 +241,70 @@ def test_no_lookahead_when_no_node_of_the_tree_needs_a_check() -> None:
     assert closer.lookahead(request, *chain, 10_000) is None
     closer._memo["r"] = Memo(None, next_check=6)
     assert closer.lookahead(request, *chain, 10_000) is not None
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_lookahead_decides_only_filled_nodes(backend: str) -> None:
+    # A step's job is given the masks' ``filled`` flags over all its trees' nodes: a node left
+    # unfilled (verification never accepts it) gets no decision ahead, a filled one does; a
+    # token at an unfilled node is decided inline, with the same answer and memo.
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    stops = set(tokenizer.stop_token_ids)
+    stream = _stream(tokenizer, compiled, random.Random(3), 12)
+    closer, inline = BudgetCloser(tokenizer), BudgetCloser(tokenizer)
+    requests = {}
+    for rid in ("a", "b", "c"):
+        requests[rid] = Request(rid, [1], SamplingParams(max_tokens=30), 0)
+        requests[rid].matcher = compiled.matcher()
+    chain = ([1, *stream[:3]], [-1, 0, 1, 2])
+    job = closer.lookaheads([(requests[rid], *chain) for rid in ("a", "b")], 10_000)
+    assert job is not None
+    filled = np.ones(8, dtype=bool)
+    filled[4 + 2] = False  # tree b's second drafted node (and so its third, below it)
+    job(filled)
+    ahead_a, ahead_b = closer._ahead["a"], closer._ahead["b"]
+    for i, token in enumerate(stream[:3]):
+        assert ahead_a.decides(i, token)
+        assert ahead_b.decides(i, token) == (i == 0)
+        answers = set()
+        for rid, by in (("a", closer), ("b", closer), ("c", inline)):
+            answers.add(repr((by.instead(requests[rid], token, stops, 10_000), by._memo[rid])))
+            requests[rid].output_ids.append(token)
+            assert requests[rid].matcher is not None and requests[rid].matcher.accept(token)
+        assert len(answers) == 1  # decided ahead, inline after an unfilled node, inline: equal
+
+
+def test_answer_all_hands_each_outcome_over_as_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a decision that needs no search is handed over before the first wave of searches
+    from espalier.engine.closing import SearchCall
+    from espalier.engine.closing import batch as closing_batch
+
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    assert closer.paths is not None
+    events: list[str] = []
+    search_all = closing_batch._search_all
+
+    def watched(*args: Any) -> Any:
+        events.append("search")
+        return search_all(*args)
+
+    monkeypatch.setattr(closing_batch, "_search_all", watched)
+
+    def quick() -> Any:
+        return "quick"
+        yield  # a generator that yields nothing
+
+    def searching() -> Any:
+        accepted, path = yield SearchCall(compiled.matcher(), None, 20)
+        return accepted and path is not None
+
+    def done(key: str, outcome: object) -> None:
+        events.append(f"{key}={outcome}")
+
+    decisions = {"s": searching(), "q": quick()}
+    results = closing_batch.answer_all(closer.paths, decisions, 1, done)
+    assert results == {"q": "quick", "s": True}
+    assert events == ["q=quick", "search", "s=True"]

@@ -332,7 +332,8 @@ def _chains(tokenizer: Any, n: int) -> tuple[list[Any], list[Draft]]:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: int) -> None:
     # MaskBuilder.submit's `after` jobs (the closing decisions made ahead) must not compete
-    # with the fills for the GIL: each one sees every fill of its step finished.
+    # with the fills for the GIL: each one sees every fill of its step finished, and is given
+    # the step's `filled` flags (every node of every draft, in order).
     import threading
 
     from espalier.engine.spec.masks import MaskBuilder
@@ -340,12 +341,14 @@ def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: i
     matchers, drafts = _chains(toy_tokenizer, 4)
     masks = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
     seen: list[list[bool]] = []
+    given: list[list[bool]] = []
     submitted = threading.Event()
     pending: list[Any] = []
 
-    def after() -> None:
+    def after(filled: Any) -> None:
         assert submitted.wait(10.0)
         seen.append([part is not None for part in pending[0].fills.results])
+        given.append(filled.tolist())
 
     try:
         pending.append(masks.submit(matchers, drafts, [after, after]))
@@ -354,11 +357,13 @@ def test_after_jobs_start_when_the_last_fill_ends(toy_tokenizer: Any, threads: i
         masks.close()  # waits for the pool, so both after jobs have run
         assert seen == [[True] * 4, [True] * 4]
         assert result.valid.all()
-        # no fills at all (unconstrained requests only): they start at once
+        assert given == [result.filled.tolist()] * 2
+        assert len(given[0]) == sum(d.num_nodes for d in drafts)
+        # no fills at all (unconstrained requests only): they start at once, every node filled
         idle = MaskBuilder(toy_tokenizer.vocab_size, threads=threads)
-        idle.submit([None], [drafts[0]], [lambda: seen.append([])])
+        idle.submit([None], [drafts[0]], [lambda filled: given.append(filled.tolist())])
         idle.close()
-        assert len(seen) == 3
+        assert given[2] == [True] * drafts[0].num_nodes
     finally:
         masks.close()
 
