@@ -9,11 +9,11 @@
 # Layout, in a copy of the tree (e.g. .gpu/, git-ignored, carried with the root's .whl/ from
 # ../shared/gpu/wheels.sh): .data/whl/ (the extra wheels the suite needs), .data/gemma_tok/
 # (tokenizer.json.gz), .data/jsonschemabench.tar.xz, .data/fi/fi.tar.xz.* (flashinfer's JIT cache,
-# bench/gpu_suite_job.sh writes it). Examples:
-# The root's .whl/: `../shared/gpu/wheels.sh grpcio regex jsonschema-rs fqdn idna isoduration arrow
-# jsonpointer rfc3339-validator rfc3986-validator rfc3987-syntax lark uri-template webcolors
-# python-dateutil` (the generated gRPC code needs grpcio >= 1.85.1, the machine has 1.84; the
-# server's post-validation needs the rest: without them SERVE's constrained phase fails).
+# bench/gpu_suite_job.sh writes it). The root's .whl/ for SERVE: `../shared/gpu/wheels.sh grpcio
+# regex jsonschema-rs fqdn idna isoduration arrow jsonpointer rfc3339-validator rfc3986-validator
+# rfc3987-syntax lark uri-template webcolors python-dateutil` (the generated gRPC code needs
+# grpcio >= 1.85.1, the machine has 1.84; the server's post-validation needs the rest: without
+# them SERVE's constrained phase fails). Examples:
 #   cd .gpu && RUNS="new:32 base:32 new:1" LIMIT=200 bash bench/gpu_ratio_job.sh
 #   cd .gpu && BENCH=gpu_timeline RUNS="new:32 base:32" EXTRA=--no-closing bash bench/gpu_ratio_job.sh
 set -u
