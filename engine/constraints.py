@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from espalier.constrained.cache import CompileCache
     from espalier.constrained.disk_cache import GrammarDiskCache
     from espalier.constrained.tokenizer import TokenizerInfo
+
+SPARES_PER_GRAMMAR = 4  # new matchers kept ready for a grammar requested more than once
+SPARE_GRAMMARS = 32  # grammars whose spares are kept (least recently requested dropped)
 
 CompileOutcome = tuple["CompiledGrammar", "CompileReport"]
 RequestGrammar = tuple["CompiledGrammar", "CompileReport", "GrammarMatcher"]
@@ -64,6 +68,9 @@ class GrammarService:
         self.matcher_threads = matcher_threads or min(8, os.cpu_count() or 2)
         self._matchers: ThreadPoolExecutor | None = None  # made on first use, again after close
         self._matchers_lock = threading.Lock()
+        # id(compiled) -> (compiled, its spare matchers): new, never used, made ahead
+        self._spares: OrderedDict[int, tuple[CompiledGrammar, list[GrammarMatcher]]] = OrderedDict()
+        self._spares_lock = threading.Lock()
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
         """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
@@ -113,12 +120,10 @@ class GrammarService:
         out: Future[Any] = Future()
 
         def make(compiled: CompiledGrammar, report: CompileReport) -> None:
-            from espalier.constrained.keys import with_unique_keys
-
             if not out.set_running_or_notify_cancel():
                 return
             try:
-                matcher = with_unique_keys(compiled.spec, compiled.matcher(), self.tokenizer)
+                matcher = self._new_matcher(compiled)
                 out.set_result((compiled, report, matcher))
             except Exception as exc:  # the request's own failure, reported through its Future
                 out.set_exception(exc)
@@ -132,7 +137,14 @@ class GrammarService:
                 return
             if on_compiled is not None:
                 on_compiled()
+            spare, again = self._take_spare(compiled)
             try:
+                if again:
+                    self._matcher_pool().submit(self._add_spare, compiled)
+                if spare is not None:
+                    if out.set_running_or_notify_cancel():
+                        out.set_result((compiled, report, spare))
+                    return
                 self._matcher_pool().submit(make, compiled, report)
             except RuntimeError as exc:  # shut down while submitting: the engine is closing
                 if out.set_running_or_notify_cancel():
@@ -140,6 +152,38 @@ class GrammarService:
 
         compiled_future.add_done_callback(compiled_done)
         return out
+
+    def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        from espalier.constrained.keys import with_unique_keys
+
+        return with_unique_keys(compiled.spec, compiled.matcher(), self.tokenizer)
+
+    def _take_spare(self, compiled: CompiledGrammar) -> tuple[GrammarMatcher | None, bool]:
+        """A spare matcher of ``compiled`` (None: none ready), and whether to make one more:
+        a grammar's first request only marks it (a grammar requested once costs no spare),
+        each later one refills its spares up to :data:`SPARES_PER_GRAMMAR`."""
+        with self._spares_lock:
+            entry = self._spares.get(id(compiled))
+            if entry is None or entry[0] is not compiled:
+                self._spares[id(compiled)] = (compiled, [])
+                while len(self._spares) > SPARE_GRAMMARS:
+                    self._spares.popitem(last=False)
+                return None, False
+            self._spares.move_to_end(id(compiled))
+            spares = entry[1]
+            return (spares.pop() if spares else None), len(spares) < SPARES_PER_GRAMMAR
+
+    def _add_spare(self, compiled: CompiledGrammar) -> None:
+        """Make one spare matcher of ``compiled`` (on a matcher thread); dropped when the
+        grammar left the spares meanwhile or has enough."""
+        try:
+            matcher = self._new_matcher(compiled)
+        except Exception:  # the request that takes none makes its own and meets the error
+            return
+        with self._spares_lock:
+            entry = self._spares.get(id(compiled))
+            if entry is not None and entry[0] is compiled and len(entry[1]) < SPARES_PER_GRAMMAR:
+                entry[1].append(matcher)
 
     def _matcher_pool(self) -> ThreadPoolExecutor:
         with self._matchers_lock:
