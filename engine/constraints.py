@@ -26,11 +26,20 @@ if TYPE_CHECKING:
     from espalier.constrained.disk_cache import GrammarDiskCache
     from espalier.constrained.tokenizer import TokenizerInfo
 
-SPARES_PER_GRAMMAR = 4  # new matchers kept ready for a grammar requested more than once
-SPARE_GRAMMARS = 32  # grammars whose spares are kept (least recently requested dropped)
+SPARE_GRAMMARS = 16  # grammars whose spares are kept (least recently requested dropped)
+SPARE_THREADS = 2  # threads that refill spares, apart from the requests' own matchers
 
 CompileOutcome = tuple["CompiledGrammar", "CompileReport"]
 RequestGrammar = tuple["CompiledGrammar", "CompileReport", "GrammarMatcher"]
+
+
+class _Spares:
+    """A grammar's spare matchers: ``ready`` (new, never used) and ``making`` (on the way)."""
+
+    def __init__(self, compiled: CompiledGrammar) -> None:
+        self.compiled = compiled  # held: its id is not reused while the entry lives
+        self.ready: list[GrammarMatcher] = []
+        self.making = 0
 
 
 class GrammarService:
@@ -43,7 +52,11 @@ class GrammarService:
     backends' defaults when None. ``matcher_threads``: threads that make requests' matchers
     (``min(8, cpu count)`` when None): a burst of requests waits for its matchers, and
     llguidance releases the GIL while it builds one (0.7-19 ms each on JSONSchemaBench schemas
-    with the Gemma vocabulary), so they are made in parallel.
+    with the Gemma vocabulary), so they are made in parallel. ``spares_per_grammar``: new
+    matchers kept ready for each grammar requested more than once (of the
+    :data:`SPARE_GRAMMARS` requested last), refilled on the matcher threads as requests take
+    them: a repeated schema's request starts without waiting for its matcher. Each is made
+    fresh from the compiled grammar, never shared, exactly as one made on request (0: none).
     """
 
     def __init__(
@@ -55,18 +68,23 @@ class GrammarService:
         disk_cache: GrammarDiskCache | None = None,
         backend_options: BackendOptions | None = None,
         matcher_threads: int | None = None,
+        spares_per_grammar: int = 8,
     ) -> None:
         from espalier.constrained.cache import CompileCache
 
         if matcher_threads is not None and matcher_threads < 1:
             raise ValueError(f"matcher_threads must be at least 1, got {matcher_threads}")
+        if spares_per_grammar < 0:
+            raise ValueError(f"spares_per_grammar must be >= 0, got {spares_per_grammar}")
         self.tokenizer = tokenizer
         self._own_cache = cache is None
         self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
         self.disk_cache = disk_cache
         self.backend_options = backend_options
         self.matcher_threads = matcher_threads or min(8, os.cpu_count() or 2)
+        self.spares_per_grammar = spares_per_grammar
         self._matchers: ThreadPoolExecutor | None = None  # made on first use, again after close
+        self._spare_makers: ThreadPoolExecutor | None = None  # likewise
         self._matchers_lock = threading.Lock()
         # id(compiled) -> (compiled, its spare matchers): new, never used, made ahead
         self._spares: OrderedDict[int, tuple[CompiledGrammar, list[GrammarMatcher]]] = OrderedDict()
@@ -139,13 +157,12 @@ class GrammarService:
                 on_compiled()
             spare, again = self._take_spare(compiled)
             try:
-                if again:
-                    self._matcher_pool().submit(self._add_spare, compiled)
-                if spare is not None:
-                    if out.set_running_or_notify_cancel():
-                        out.set_result((compiled, report, spare))
-                    return
-                self._matcher_pool().submit(make, compiled, report)
+                if spare is None:
+                    self._matcher_pool().submit(make, compiled, report)
+                elif out.set_running_or_notify_cancel():
+                    out.set_result((compiled, report, spare))
+                if again:  # on threads of their own: a refill never delays a request's matcher
+                    self._matcher_pool(spare=True).submit(self._add_spare, compiled)
             except RuntimeError as exc:  # shut down while submitting: the engine is closing
                 if out.set_running_or_notify_cancel():
                     out.set_exception(exc)
@@ -159,34 +176,44 @@ class GrammarService:
         return with_unique_keys(compiled.spec, compiled.matcher(), self.tokenizer)
 
     def _take_spare(self, compiled: CompiledGrammar) -> tuple[GrammarMatcher | None, bool]:
-        """A spare matcher of ``compiled`` (None: none ready), and whether to make one more:
-        a grammar's first request only marks it (a grammar requested once costs no spare),
-        each later one refills its spares up to :data:`SPARES_PER_GRAMMAR`."""
+        """A spare matcher of ``compiled`` (None: none ready), and whether to make one more
+        (counted as being made): a grammar's first request only marks it (a grammar requested
+        once costs no spare); each later one refills its spares up to ``spares_per_grammar``."""
         with self._spares_lock:
             entry = self._spares.get(id(compiled))
-            if entry is None or entry[0] is not compiled:
-                self._spares[id(compiled)] = (compiled, [])
+            if entry is None or entry.compiled is not compiled:
+                self._spares[id(compiled)] = _Spares(compiled)
                 while len(self._spares) > SPARE_GRAMMARS:
                     self._spares.popitem(last=False)
                 return None, False
             self._spares.move_to_end(id(compiled))
-            spares = entry[1]
-            return (spares.pop() if spares else None), len(spares) < SPARES_PER_GRAMMAR
+            spare = entry.ready.pop() if entry.ready else None
+            again = len(entry.ready) + entry.making < self.spares_per_grammar
+            entry.making += again
+            return spare, again
 
     def _add_spare(self, compiled: CompiledGrammar) -> None:
         """Make one spare matcher of ``compiled`` (on a matcher thread); dropped when the
-        grammar left the spares meanwhile or has enough."""
+        grammar left the spares meanwhile."""
         try:
-            matcher = self._new_matcher(compiled)
+            matcher: GrammarMatcher | None = self._new_matcher(compiled)
         except Exception:  # the request that takes none makes its own and meets the error
-            return
+            matcher = None
         with self._spares_lock:
             entry = self._spares.get(id(compiled))
-            if entry is not None and entry[0] is compiled and len(entry[1]) < SPARES_PER_GRAMMAR:
-                entry[1].append(matcher)
+            if entry is not None and entry.compiled is compiled:
+                entry.making = max(0, entry.making - 1)
+                if matcher is not None:
+                    entry.ready.append(matcher)
 
-    def _matcher_pool(self) -> ThreadPoolExecutor:
+    def _matcher_pool(self, spare: bool = False) -> ThreadPoolExecutor:
         with self._matchers_lock:
+            if spare:
+                if self._spare_makers is None:
+                    self._spare_makers = ThreadPoolExecutor(
+                        SPARE_THREADS, thread_name_prefix="espalier-spare"
+                    )
+                return self._spare_makers
             if self._matchers is None:
                 self._matchers = ThreadPoolExecutor(
                     self.matcher_threads, thread_name_prefix="espalier-matcher"
@@ -196,8 +223,11 @@ class GrammarService:
     def close(self) -> None:
         with self._matchers_lock:
             pool, self._matchers = self._matchers, None
+            spares, self._spare_makers = self._spare_makers, None
         if pool is not None:  # a service shared by several engines stays usable after one closes
             pool.shutdown(wait=False)  # queued matchers are still made: their requests wait on them
+        if spares is not None:
+            spares.shutdown(wait=False, cancel_futures=True)
         if self._own_cache:
             self.cache.close()
         if self.disk_cache is not None:
