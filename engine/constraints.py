@@ -54,7 +54,7 @@ class GrammarService:
     llguidance releases the GIL while it builds one (0.7-19 ms each on JSONSchemaBench schemas
     with the Gemma vocabulary), so they are made in parallel. ``spares_per_grammar``: new
     matchers kept ready for each grammar requested more than once (of the
-    :data:`SPARE_GRAMMARS` requested last), refilled on the matcher threads as requests take
+    :data:`SPARE_GRAMMARS` requested last), refilled on threads of their own as requests take
     them: a repeated schema's request starts without waiting for its matcher. Each is made
     fresh from the compiled grammar, never shared, exactly as one made on request (0: none).
     """
