@@ -86,8 +86,7 @@ class GrammarService:
         self._matchers: ThreadPoolExecutor | None = None  # made on first use, again after close
         self._spare_makers: ThreadPoolExecutor | None = None  # likewise
         self._matchers_lock = threading.Lock()
-        # id(compiled) -> (compiled, its spare matchers): new, never used, made ahead
-        self._spares: OrderedDict[int, tuple[CompiledGrammar, list[GrammarMatcher]]] = OrderedDict()
+        self._spares: OrderedDict[int, _Spares] = OrderedDict()  # by id(compiled), LRU
         self._spares_lock = threading.Lock()
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
