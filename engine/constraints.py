@@ -20,6 +20,8 @@ from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions
 
 if TYPE_CHECKING:
+    import torch
+
     from espalier.constrained.backends.common import BackendOptions
     from espalier.constrained.base import CompiledGrammar, CompileReport, GrammarMatcher
     from espalier.constrained.cache import CompileCache
@@ -57,6 +59,8 @@ class GrammarService:
     :data:`SPARE_GRAMMARS` requested last), refilled on threads of their own as requests take
     them: a repeated schema's request starts without waiting for its matcher. Each is made
     fresh from the compiled grammar, never shared, exactly as one made on request (0: none).
+    Every matcher leaves the service with its start state's mask computed (the first mask a
+    request computes anyway: its lexer builds that state off the engine's step).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class GrammarService:
         self._matchers_lock = threading.Lock()
         self._spares: OrderedDict[int, _Spares] = OrderedDict()  # by id(compiled), LRU
         self._spares_lock = threading.Lock()
+        self._rows = threading.local()  # a scratch bitmask row per matcher thread
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
         """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
@@ -170,9 +175,18 @@ class GrammarService:
         return out
 
     def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        """A request's new matcher with its start state's mask computed once (into a scratch
+        row): the mask its first step computes anyway, so a fresh lexer builds that state here,
+        off the engine's step, and nothing else changes."""
+        from espalier.constrained import bitmask as bm
         from espalier.constrained.keys import with_unique_keys
 
-        return with_unique_keys(compiled.spec, compiled.matcher(), self.tokenizer)
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), self.tokenizer)
+        row: torch.Tensor | None = getattr(self._rows, "row", None)
+        if row is None:
+            row = self._rows.row = bm.allocate(1, self.tokenizer.vocab_size, fill=0)
+        matcher.fill_bitmask(row, 0)
+        return matcher
 
     def _take_spare(self, compiled: CompiledGrammar) -> tuple[GrammarMatcher | None, bool]:
         """A spare matcher of ``compiled`` (None: none ready), and whether to make one more
