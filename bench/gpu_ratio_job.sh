@@ -55,7 +55,8 @@ for line in open(sys.argv[1]):
         print("TL c=%s s=%s tok/s=%s" % (d["constrained"], d["speculative"], d["tok_per_s"]),
               {k: round(v, 2) for k, v in ms.items() if isinstance(v, (int, float)) and v >= 0.05})
         counts = d.get("per_step_counts", {})
-        print("   first steps ms", d["per_step_ms"]["step"][:4], "eager", sum(counts.get("eager", [])),
+        print("   steps ms", d["per_step_ms"]["step"][:10], "rows", counts.get("rows", [])[:10],
+              "eager", sum(counts.get("eager", [])),
               "compiled", d.get("compiled"))
     elif "tok_per_s" in d:
         print("RUN c=%s s=%s tok/s=%.1f reps=%s" % (d["constrained"], d["speculative"],

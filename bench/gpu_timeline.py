@@ -27,7 +27,8 @@ step ``fill_span`` (from the end of ``MaskBuilder.submit`` to the end of the ste
 and ``fill_max`` (its slowest fill job); per step, in ms after the verify forward's call starts:
 ``gpu_forward_end`` (CUDA events), ``masks_ready`` and ``verified`` (``_gpu_clock``);
 ``gc``: garbage collections (any thread, ``gc.callbacks``; ``calls["gc_genN"]``).
-Per step also ``per_step_counts``: ``eager`` forwards (no CUDA graph fit) and ``compiles`` (new
+Per step also ``per_step_counts``: ``rows`` (sequences in the step's forwards: admission waves
+show as steps with fewer), ``eager`` forwards (no CUDA graph fit) and ``compiles`` (new
 variants in the Triton caches of ``espalier.kernels``: anything compiled at run time), and
 ``compiled`` per kernel over the run (issue 28: nothing should be).
 
@@ -152,6 +153,7 @@ class Timeline:
         self._variants = variants
         self.per_step_counts["compiles"].append(sum(new.values()))
         self.per_step_counts["eager"].append(self.step_counts.pop("eager", 0))
+        self.per_step_counts["rows"].append(self.step_counts.pop("rows", 0))
 
     def gc_callback(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
@@ -297,6 +299,7 @@ def _count_replays(line: Timeline) -> None:
         if line.on:
             sizes = {len(s.token_ids) for s in batch}
             key = "replayed" if out is not None else "eager"
+            line.step_counts["rows"] += len(batch)
             line.calls[f"forward_{key}"] += 1
             line.calls[f"forward_{key}_tree_sizes_{len(sizes)}"] += 1
             if out is None:

@@ -8,6 +8,7 @@ speculative step at batch 32). These tests pin where it is made and what the Fut
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -43,8 +44,10 @@ def test_each_request_gets_its_own_matcher_made_off_the_calling_thread(
         service.close()
     assert second[0] is compiled  # the compile is shared (cache hit)
     assert second[2] is not first[2]  # the matcher is not
-    assert made_on and made_on[0] != threading.current_thread().name
-    assert made_on[0].startswith("espalier-matcher")
+    # the request's own matcher on a matcher thread (its grammar's spare, if one is made
+    # already, on a spare thread): none on the calling thread
+    assert "espalier-matcher" in {name.rsplit("_", 1)[0] for name in made_on}
+    assert all(name.startswith(("espalier-matcher", "espalier-spare")) for name in made_on)
     text = b'{"a": 1}'
     ids = toy_tokenizer.hf.encode(text.decode(), add_special_tokens=False)
     assert second[2].accept_tokens(ids) == len(ids)
@@ -74,3 +77,77 @@ def test_a_service_shared_by_engines_still_makes_matchers_after_one_closes(
     finally:
         service.close()
     assert again[0] is first[0] and again[2] is not first[2]
+
+
+def _text_ids(tokenizer: Any) -> list[int]:
+    ids: list[int] = tokenizer.hf.encode('{"a": 1}', add_special_tokens=False)
+    return ids
+
+
+def test_a_repeated_grammar_takes_spares_each_new_and_its_own(toy_tokenizer: Any) -> None:
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0, spares_per_grammar=2)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    options = ConstraintOptions(backend="llguidance")
+    ids = _text_ids(toy_tokenizer)
+    try:
+        first = service.submit_request(spec, options).result(timeout=120)  # marks the grammar
+        second = service.submit_request(spec, options).result(timeout=120)  # a spare is made
+        assert second[2].accept_tokens(ids[:3]) == 3  # used: must not leak into a spare
+        spare = None
+        deadline = time.monotonic() + 60
+        while spare is None and time.monotonic() < deadline:
+            future = service.submit_request(spec, options)
+            if future.done():  # a spare is handed over at once, on the calling thread
+                spare = future.result()
+            else:
+                future.result(timeout=120)
+                time.sleep(0.05)
+    finally:
+        service.close()
+    assert spare is not None, "no spare was ever ready"
+    assert spare[0] is first[0]
+    assert spare[2] is not first[2] and spare[2] is not second[2]
+    assert spare[2].accept_tokens(ids) == len(ids) and spare[2].can_terminate()  # at the start
+
+
+def test_a_grammar_requested_once_makes_no_spare(toy_tokenizer: Any) -> None:
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    try:
+        compiled = service.submit_request(spec, ConstraintOptions()).result(timeout=120)[0]
+        made: list[int] = []
+        original = compiled.matcher
+
+        def counting() -> Any:
+            made.append(1)
+            return original()
+
+        compiled.matcher = counting  # type: ignore[method-assign]
+        other = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}})
+        service.submit_request(other, ConstraintOptions()).result(timeout=120)
+        time.sleep(0.2)
+    finally:
+        service.close()
+    assert made == []
+
+
+def test_no_spares_when_turned_off(toy_tokenizer: Any) -> None:
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0, spares_per_grammar=0)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    try:
+        first = service.submit_request(spec, ConstraintOptions()).result(timeout=120)
+        made_on: list[str] = []
+        original = first[0].matcher
+
+        def recording() -> Any:
+            made_on.append(threading.current_thread().name)
+            return original()
+
+        first[0].matcher = recording  # type: ignore[method-assign]
+        for _ in range(3):
+            service.submit_request(spec, ConstraintOptions()).result(timeout=120)
+        time.sleep(0.2)
+    finally:
+        service.close()
+    assert len(made_on) == 3  # one per request, none ahead
+    assert all(name.startswith("espalier-matcher") for name in made_on)
