@@ -160,24 +160,35 @@ def test_a_grammar_keeps_as_many_spares_as_its_bursts_need_up_to_the_cap(
     spec = GrammarSpec.json_schema(SCHEMA)
     options = ConstraintOptions(backend="llguidance")
     ids = _text_ids(toy_tokenizer)
+    gate = threading.Event()  # holds the spare threads until the burst is in
     try:
         compiled = service.submit_request(spec, options).result(timeout=120)[0]  # marks it
-        burst = [service.submit_request(spec, options) for _ in range(5)]  # none ready yet
+        original = compiled.matcher
+
+        def gated() -> Any:
+            if threading.current_thread().name.startswith("espalier-spare"):
+                assert gate.wait(60)
+            return original()
+
+        compiled.matcher = gated  # type: ignore[method-assign]
+        burst = [service.submit_request(spec, options) for _ in range(5)]  # each finds none
         for future in burst:
             future.result(timeout=120)
+        gate.set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the refills run on the spare threads
             with service._spares_lock:
-                ready = len(service._spares[id(compiled)].ready)
-            if ready >= 3:
-                break
+                entry = service._spares[id(compiled)]
+                if not entry.making:
+                    break
             time.sleep(0.02)
         with service._spares_lock:
-            assert len(service._spares[id(compiled)].ready) == 3  # the cap, not the burst's 5
+            assert len(entry.ready) == 3  # the cap, not the burst's 5
         again = [service.submit_request(spec, options) for _ in range(3)]
         assert all(f.done() for f in again)  # handed over at once: the burst was learned
         matchers = [f.result()[2] for f in again]
     finally:
+        gate.set()
         service.close()
     assert len({id(m) for m in matchers}) == 3
     for matcher in matchers:
