@@ -26,7 +26,7 @@ import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 CONFIGS = (
     {"matcher_threads": 2, "spares_per_grammar": 0},  # the anchor: main before this bench
     {"matcher_threads": None, "spares_per_grammar": 0},
-    {"matcher_threads": None, "spares_per_grammar": 8},
+    {"matcher_threads": None, "spares_per_grammar": 16},
 )
 
 

@@ -36,12 +36,14 @@ RequestGrammar = tuple["CompiledGrammar", "CompileReport", "GrammarMatcher"]
 
 
 class _Spares:
-    """A grammar's spare matchers: ``ready`` (new, never used) and ``making`` (on the way)."""
+    """A grammar's spare matchers: ``ready`` (new, never used), ``making`` (on the way) and
+    ``target`` (how many to keep: one more each time a request found none ready)."""
 
     def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled  # held: its id is not reused while the entry lives
         self.ready: list[GrammarMatcher] = []
         self.making = 0
+        self.target = 0
 
 
 class GrammarService:
@@ -54,11 +56,13 @@ class GrammarService:
     backends' defaults when None. ``matcher_threads``: threads that make requests' matchers
     (``min(8, cpu count)`` when None): a burst of requests waits for its matchers, and
     llguidance releases the GIL while it builds one (0.7-19 ms each on JSONSchemaBench schemas
-    with the Gemma vocabulary), so they are made in parallel. ``spares_per_grammar``: new
-    matchers kept ready for each grammar requested more than once (of the
-    :data:`SPARE_GRAMMARS` requested last), refilled on threads of their own as requests take
-    them: a repeated schema's request starts without waiting for its matcher. Each is made
-    fresh from the compiled grammar, never shared, exactly as one made on request (0: none).
+    with the Gemma vocabulary), so they are made in parallel. Spares: for a grammar requested
+    more than once (of the :data:`SPARE_GRAMMARS` requested last), new matchers are kept ready,
+    refilled on threads of their own as requests take them, so a repeated schema's request
+    starts without waiting for its matcher. Each is made fresh from the compiled grammar, never
+    shared, exactly as one made on request. How many a grammar keeps follows its bursts: one
+    more each time one of its requests finds none ready, up to ``spares_per_grammar`` (0: no
+    spares).
     Every matcher leaves the service with its start state's mask computed (the first mask a
     request computes anyway: its lexer builds that state off the engine's step).
     """
@@ -72,7 +76,7 @@ class GrammarService:
         disk_cache: GrammarDiskCache | None = None,
         backend_options: BackendOptions | None = None,
         matcher_threads: int | None = None,
-        spares_per_grammar: int = 8,
+        spares_per_grammar: int = 16,
     ) -> None:
         from espalier.constrained.cache import CompileCache
 
@@ -191,7 +195,8 @@ class GrammarService:
     def _take_spare(self, compiled: CompiledGrammar) -> tuple[GrammarMatcher | None, bool]:
         """A spare matcher of ``compiled`` (None: none ready), and whether to make one more
         (counted as being made): a grammar's first request only marks it (a grammar requested
-        once costs no spare); each later one refills its spares up to ``spares_per_grammar``."""
+        once costs no spare); each later one that finds none ready raises the grammar's target
+        by one (up to ``spares_per_grammar``), and each refills its spares up to the target."""
         with self._spares_lock:
             entry = self._spares.get(id(compiled))
             if entry is None or entry.compiled is not compiled:
@@ -201,7 +206,9 @@ class GrammarService:
                 return None, False
             self._spares.move_to_end(id(compiled))
             spare = entry.ready.pop() if entry.ready else None
-            again = len(entry.ready) + entry.making < self.spares_per_grammar
+            if spare is None:
+                entry.target = min(entry.target + 1, self.spares_per_grammar)
+            again = len(entry.ready) + entry.making < entry.target
             entry.making += again
             return spare, again
 

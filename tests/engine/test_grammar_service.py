@@ -151,3 +151,45 @@ def test_no_spares_when_turned_off(toy_tokenizer: Any) -> None:
         service.close()
     assert len(made_on) == 3  # one per request, none ahead
     assert all(name.startswith("espalier-matcher") for name in made_on)
+
+
+def test_a_grammar_keeps_as_many_spares_as_its_bursts_need_up_to_the_cap(
+    toy_tokenizer: Any,
+) -> None:
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0, spares_per_grammar=3)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    options = ConstraintOptions(backend="llguidance")
+    ids = _text_ids(toy_tokenizer)
+    gate = threading.Event()  # holds the spare threads until the burst is in
+    try:
+        compiled = service.submit_request(spec, options).result(timeout=120)[0]  # marks it
+        original = compiled.matcher
+
+        def gated() -> Any:
+            if threading.current_thread().name.startswith("espalier-spare"):
+                assert gate.wait(60)
+            return original()
+
+        compiled.matcher = gated  # type: ignore[method-assign]
+        burst = [service.submit_request(spec, options) for _ in range(5)]  # each finds none
+        for future in burst:
+            future.result(timeout=120)
+        gate.set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the refills run on the spare threads
+            with service._spares_lock:
+                entry = service._spares[id(compiled)]
+                if not entry.making:
+                    break
+            time.sleep(0.02)
+        with service._spares_lock:
+            assert len(entry.ready) == 3  # the cap, not the burst's 5
+        again = [service.submit_request(spec, options) for _ in range(3)]
+        assert all(f.done() for f in again)  # handed over at once: the burst was learned
+        matchers = [f.result()[2] for f in again]
+    finally:
+        gate.set()
+        service.close()
+    assert len({id(m) for m in matchers}) == 3
+    for matcher in matchers:
+        assert matcher.accept_tokens(ids) == len(ids) and matcher.can_terminate()
