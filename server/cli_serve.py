@@ -95,6 +95,13 @@ def register(sub: Any) -> None:
         help="compiles of one grammar backend that run at once (xgrammar and outlines-core "
         "child processes, llguidance threads); more wait, each within its own time limit",
     )
+    p.add_argument(
+        "--matcher-spares",
+        type=int,
+        default=16,
+        help="new grammar matchers kept ready per repeated grammar (the most; each grammar keeps "
+        "as many as its bursts need), so its requests do not wait for one; 0: none",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds")
     p.add_argument("--no-reflection", action="store_true")
     p.set_defaults(func=run)
@@ -152,6 +159,7 @@ def model_options_from_args(args: argparse.Namespace, config: ServerConfig) -> M
         grammar_cache_dir=args.grammar_cache_dir,
         grammar_cache_max_bytes=int(args.grammar_cache_max_mb * MIB),
         compile_slots=args.compile_slots,
+        matcher_spares=args.matcher_spares,
         tensor_parallel=args.tensor_parallel,
     )
 
@@ -168,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     problems = config.validate()
     if args.compile_slots < 1:
         problems.append("--compile-slots must be at least 1")
+    if args.matcher_spares < 0:
+        problems.append("--matcher-spares must be at least 0")
     if args.tensor_parallel < 1:
         problems.append("--tensor-parallel must be at least 1")
     if problems:

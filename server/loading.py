@@ -44,6 +44,7 @@ class ModelOptions:
     grammar_cache_dir: str | None = None  # on-disk xgrammar compile cache (None: none)
     grammar_cache_max_bytes: int = 512 << 20
     compile_slots: int = 2  # compiles of one grammar backend at once (BackendOptions)
+    matcher_spares: int = 16  # GrammarService(spares_per_grammar=)
     seed: int = 0  # weights of tiny-random
     tensor_parallel: int = 1  # ranks the model is sharded over (engine/model/parallel/)
 
@@ -76,6 +77,7 @@ def grammar_service(options: ModelOptions, tokenizer: TokenizerInfo) -> GrammarS
         compile_timeout_s=options.compile_timeout_s,
         disk_cache=disk,
         backend_options=backend_options,
+        spares_per_grammar=options.matcher_spares,
     )
 
 

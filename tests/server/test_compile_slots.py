@@ -1,5 +1,6 @@
 """``--compile-slots`` reaches every backend's compile bound, and a compile's wait for a place to
-run is reported apart from its run: in CompileGrammarResponse and in a request's Timings."""
+run is reported apart from its run: in CompileGrammarResponse and in a request's Timings.
+``--matcher-spares`` reaches the grammar service's spare matchers."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def test_compile_slots_flag_reaches_the_backend_options(toy_tokenizer: Any, tmp_
     service = grammar_service(flagged, toy_tokenizer)
     assert service.backend_options == BackendOptions(compile_slots=3)
     assert service.disk_cache is not None and service.disk_cache.options == service.backend_options
+
+
+def test_matcher_spares_flag_reaches_the_grammar_service(toy_tokenizer: Any) -> None:
+    assert grammar_service(options(), toy_tokenizer).spares_per_grammar == 16
+    assert grammar_service(options("--matcher-spares", "0"), toy_tokenizer).spares_per_grammar == 0
+    args = build_parser().parse_args(["serve", "--matcher-spares", "-1"])
+    with pytest.raises(SystemExit, match="--matcher-spares must be at least 0"):
+        run(args)
 
 
 def test_compile_slots_below_one_is_refused_before_serving() -> None:
