@@ -197,6 +197,8 @@ class GrammarService:
         (counted as being made): a grammar's first request only marks it (a grammar requested
         once costs no spare); each later one that finds none ready raises the grammar's target
         by one (up to ``spares_per_grammar``), and each refills its spares up to the target."""
+        if not self.spares_per_grammar:
+            return None, False
         with self._spares_lock:
             entry = self._spares.get(id(compiled))
             if entry is None or entry.compiled is not compiled:
@@ -213,8 +215,8 @@ class GrammarService:
             return spare, again
 
     def _add_spare(self, compiled: CompiledGrammar) -> None:
-        """Make one spare matcher of ``compiled`` (on a matcher thread); dropped when the
-        grammar left the spares meanwhile."""
+        """Make one spare matcher of ``compiled`` (on a spare thread); dropped when the grammar
+        left the spares meanwhile."""
         try:
             matcher: GrammarMatcher | None = self._new_matcher(compiled)
         except Exception:  # the request that takes none makes its own and meets the error
@@ -246,8 +248,8 @@ class GrammarService:
             spares, self._spare_makers = self._spare_makers, None
         if pool is not None:  # a service shared by several engines stays usable after one closes
             pool.shutdown(wait=False)  # queued matchers are still made: their requests wait on them
-        if spares is not None:
-            spares.shutdown(wait=False, cancel_futures=True)
+        if spares is not None:  # queued refills still run: each one's count is given back
+            spares.shutdown(wait=False)
         if self._own_cache:
             self.cache.close()
         if self.disk_cache is not None:

@@ -193,3 +193,39 @@ def test_a_grammar_keeps_as_many_spares_as_its_bursts_need_up_to_the_cap(
     assert len({id(m) for m in matchers}) == 3
     for matcher in matchers:
         assert matcher.accept_tokens(ids) == len(ids) and matcher.can_terminate()
+
+
+def test_refills_queued_when_the_service_closes_still_run(toy_tokenizer: Any) -> None:
+    # benchmarks and the server hand one service to successive engines; Engine.close closes it
+    # while refills may be queued: dropped, their counts would stay "being made" for good, and
+    # the grammar would keep fewer spares after every close
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0, spares_per_grammar=4)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    options = ConstraintOptions(backend="llguidance")
+    gate = threading.Event()  # holds the spare threads: two refills run, two wait in the queue
+    try:
+        compiled = service.submit_request(spec, options).result(timeout=120)[0]  # marks it
+        original = compiled.matcher
+
+        def gated() -> Any:
+            if threading.current_thread().name.startswith("espalier-spare"):
+                assert gate.wait(60)
+            return original()
+
+        compiled.matcher = gated  # type: ignore[method-assign]
+        for future in [service.submit_request(spec, options) for _ in range(5)]:
+            future.result(timeout=120)
+        service.close()
+        gate.set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with service._spares_lock:
+                entry = service._spares[id(compiled)]
+                if not entry.making:
+                    break
+            time.sleep(0.02)
+        with service._spares_lock:
+            assert entry.making == 0 and len(entry.ready) == 4
+    finally:
+        gate.set()
+        service.close()
