@@ -24,7 +24,7 @@ from typing import Any
 import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 
 CONFIGS = (
-    {"matcher_threads": 2, "spares_per_grammar": 0},  # the anchor: main before this bench
+    {"matcher_threads": 2, "spares_per_grammar": 0},  # the anchor: main's settings before spares
     {"matcher_threads": None, "spares_per_grammar": 0},
     {"matcher_threads": None, "spares_per_grammar": 16},
 )

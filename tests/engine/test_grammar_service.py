@@ -153,6 +153,29 @@ def test_no_spares_when_turned_off(toy_tokenizer: Any) -> None:
     assert all(name.startswith("espalier-matcher") for name in made_on)
 
 
+def _hold_spare_threads(compiled: Any, gate: threading.Event) -> None:
+    """Make ``compiled``'s matchers on spare threads wait for ``gate`` (a request's own do not)."""
+    original = compiled.matcher
+
+    def gated() -> Any:
+        if threading.current_thread().name.startswith("espalier-spare"):
+            assert gate.wait(60)
+        return original()
+
+    compiled.matcher = gated
+
+
+def _settled_spares(service: GrammarService, compiled: Any) -> Any:
+    """``compiled``'s spares entry once no refill is being made (or after 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        with service._spares_lock:
+            entry = service._spares[id(compiled)]
+            if not entry.making or time.monotonic() >= deadline:
+                return entry
+        time.sleep(0.02)
+
+
 def test_a_grammar_keeps_as_many_spares_as_its_bursts_need_up_to_the_cap(
     toy_tokenizer: Any,
 ) -> None:
@@ -163,25 +186,12 @@ def test_a_grammar_keeps_as_many_spares_as_its_bursts_need_up_to_the_cap(
     gate = threading.Event()  # holds the spare threads until the burst is in
     try:
         compiled = service.submit_request(spec, options).result(timeout=120)[0]  # marks it
-        original = compiled.matcher
-
-        def gated() -> Any:
-            if threading.current_thread().name.startswith("espalier-spare"):
-                assert gate.wait(60)
-            return original()
-
-        compiled.matcher = gated  # type: ignore[method-assign]
+        _hold_spare_threads(compiled, gate)
         burst = [service.submit_request(spec, options) for _ in range(5)]  # each finds none
         for future in burst:
             future.result(timeout=120)
         gate.set()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the refills run on the spare threads
-            with service._spares_lock:
-                entry = service._spares[id(compiled)]
-                if not entry.making:
-                    break
-            time.sleep(0.02)
+        entry = _settled_spares(service, compiled)  # the refills run on the spare threads
         with service._spares_lock:
             assert len(entry.ready) == 3  # the cap, not the burst's 5
         again = [service.submit_request(spec, options) for _ in range(3)]
@@ -205,25 +215,12 @@ def test_refills_queued_when_the_service_closes_still_run(toy_tokenizer: Any) ->
     gate = threading.Event()  # holds the spare threads: two refills run, two wait in the queue
     try:
         compiled = service.submit_request(spec, options).result(timeout=120)[0]  # marks it
-        original = compiled.matcher
-
-        def gated() -> Any:
-            if threading.current_thread().name.startswith("espalier-spare"):
-                assert gate.wait(60)
-            return original()
-
-        compiled.matcher = gated  # type: ignore[method-assign]
+        _hold_spare_threads(compiled, gate)
         for future in [service.submit_request(spec, options) for _ in range(5)]:
             future.result(timeout=120)
         service.close()
         gate.set()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with service._spares_lock:
-                entry = service._spares[id(compiled)]
-                if not entry.making:
-                    break
-            time.sleep(0.02)
+        entry = _settled_spares(service, compiled)
         with service._spares_lock:
             assert entry.making == 0 and len(entry.ready) == 4
     finally:
