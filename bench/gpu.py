@@ -340,12 +340,16 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     if len(names) != len(threads):
         raise SystemExit("--close-ahead and --mask-threads: one value, or as many as each other")
     pools = _per_pass(args.torch_threads, len(names), "--torch-threads")
+    switches = _per_pass(args.switch_interval, len(names), "--switch-interval")
     aheads = [values[name] for name in names]
-    passes = zip(names, aheads, threads, pools)
+    passes = zip(names, aheads, threads, pools, switches)
     default_pool = torch.get_num_threads()
-    for i, (name, ahead, mask_threads, pool) in enumerate(passes):
+    default_switch = sys.getswitchinterval()
+    for i, (name, ahead, mask_threads, pool, switch) in enumerate(passes):
         # torch's CPU thread pool of the engine process (the closing workers are processes)
         torch.set_num_threads(default_pool if pool == "default" else int(pool))
+        # how long a thread holds the GIL before one waiting for it may take it
+        sys.setswitchinterval(default_switch if switch == "default" else float(switch) / 1e3)
         ratios = equal_work(
             runner,
             tokenizer,
@@ -366,6 +370,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             if len(aheads) == 1
             else f"run{i}_ahead_{name}_t{mask_threads}_"
             + ("" if pool == "default" else f"torch_threads_{pool}_")
+            + ("" if switch == "default" else f"switch_{switch}ms_")
         )
         out.update({f"{prefix}{k}": v for k, v in ratios.items()})
     if runner.graphs is not None:
@@ -425,6 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="torch.set_num_threads of the engine process per equal-work pass (default: torch's, "
         "one per core), one value or as many as --close-ahead: e.g. --close-ahead "
         "default,default --torch-threads default,4",
+    )
+    parser.add_argument(
+        "--switch-interval",
+        default="default",
+        help="sys.setswitchinterval in ms per equal-work pass (default: Python's, 5 ms), one "
+        "value or as many as --close-ahead: e.g. --close-ahead default,default "
+        "--switch-interval default,0.5",
     )
     parser.add_argument(
         "--dump-streams",

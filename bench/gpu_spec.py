@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -345,6 +346,7 @@ def equal_work(
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
                     "torch_threads": torch.get_num_threads(),
+                    "switch_interval_ms": sys.getswitchinterval() * 1e3,
                     **{k: v for k, v in r.items() if k != "outputs"},
                 }
             )
@@ -366,6 +368,7 @@ def equal_work(
                 "close_ahead": close_ahead,
                 "tight_budget": tight_budget,
                 "torch_threads": torch.get_num_threads(),
+                "switch_interval_ms": sys.getswitchinterval() * 1e3,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),
                 "constrained_over_unconstrained_plain": round(plain_ratio, 3),
                 "speedup_unconstrained": round(tps(False, True) / tps(False, False), 3),

@@ -60,6 +60,7 @@ EVERY_TOKEN = SEARCH_LIMIT + 2
 # are exempt: each one ends a container, and a deep nest needs one per level
 REPEAT_LIMIT = 16
 START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
+FIRST_DECISIONS = 4096  # first-token decisions kept (then cleared): see BudgetCloser._first_key
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
 CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
@@ -320,6 +321,9 @@ class Memo:
 
 NO_MEMO = Memo()
 
+FirstKey = tuple[int, int, int, bool]
+"""``BudgetCloser._first_key``: (id of the compiled grammar, token, budget, exempt)."""
+
 Decision = Generator[SearchCall, tuple[bool, "list[int] | None"], tuple["list[int] | None", Memo]]
 """``BudgetCloser.decision``: yields searches, is sent their outcomes, returns the decision."""
 
@@ -342,6 +346,8 @@ class BudgetCloser:
         # decisions made by ``prepare``: (here, token, exempt, memo they start from, outcome)
         self._ready: dict[str, tuple[int, int, bool, Memo, tuple[list[int] | None, Memo]]] = {}
         self._start_paths: dict[int, tuple[object, list[int] | None]] = {}
+        # first-token decisions by _first_key: (the compiled grammar, held, and the outcome)
+        self._first: dict[FirstKey, tuple[object, tuple[list[int] | None, Memo]]] = {}
 
     def _memo_of(self, request: Request, max_model_len: int) -> Memo:
         """The request's memo; before its first token, the closing path of its grammar's start
@@ -374,6 +380,36 @@ class BudgetCloser:
             self._start_paths.clear()
         self._start_paths[key] = (compiled, path)  # holds it: its id is not reused meanwhile
         return path
+
+    def _first_key(
+        self, request: Request, here: int, token: int, budget: int, exempt: bool
+    ) -> FirstKey | None:
+        """The key of a request's first decision (nothing output yet; ignore_eos excluded: its
+        memo is not the start path's), else None. Its matcher is then at its grammar's start
+        state and its memo is that state's path (:meth:`_memo_of`), so the decision is a
+        function of the compiled grammar, ``token``, ``budget`` and ``exempt`` alone: it is
+        made once per key and shared by every request of the grammar that starts with
+        ``token`` (a burst of one schema's requests searches once per distinct first token
+        where each searched on its own new lexer)."""
+        compiled = request.compiled
+        if here or request.output_ids or compiled is None or request.sampling.ignore_eos:
+            return None
+        return id(compiled), token, budget, exempt
+
+    def _first_decision(
+        self, key: FirstKey | None, request: Request
+    ) -> tuple[list[int] | None, Memo] | None:
+        kept = self._first.get(key) if key is not None else None
+        return kept[1] if kept is not None and kept[0] is request.compiled else None
+
+    def _keep_first(
+        self, key: FirstKey | None, request: Request, outcome: tuple[list[int] | None, Memo]
+    ) -> None:
+        if key is None:
+            return
+        if len(self._first) >= FIRST_DECISIONS:
+            self._first.clear()
+        self._first[key] = (request.compiled, outcome)  # holds it: its id is not reused
 
     def known(self, request_id: str) -> tuple[int, list[int]] | None:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
@@ -443,7 +479,12 @@ class BudgetCloser:
         if ready is not None and ready[:3] == (here, token, exempt) and ready[3] is memo:
             path, after = ready[4]  # the same decision, made in ``prepare``'s batch
         else:
-            path, after = self.decide(memo, matcher, token, here, budget, exempt)
+            key = self._first_key(request, here, token, budget, exempt)
+            first = self._first_decision(key, request)
+            if first is None:
+                first = self.decide(memo, matcher, token, here, budget, exempt)
+                self._keep_first(key, request, first)
+            path, after = first
         if after is not memo:
             self._memo[request_id] = after
         return path
@@ -462,6 +503,7 @@ class BudgetCloser:
             return
         decisions: dict[str, Decision] = {}
         keys: dict[str, tuple[int, int, bool, Memo]] = {}
+        firsts: dict[str, tuple[FirstKey | None, Request]] = {}
         for request, token, here, stops in items:
             matcher = request.matcher
             request_id = request.request_id
@@ -478,13 +520,20 @@ class BudgetCloser:
             exempt = request.sampling.ignore_eos or token in stops
             if _without_check(memo, token, here, budget, exempt) is not None:
                 continue  # no grammar work
+            first_key = self._first_key(request, here, token, budget, exempt)
+            first = self._first_decision(first_key, request)
+            if first is not None:
+                self._ready[request_id] = (here, token, exempt, memo, first)
+                continue
             decisions[request_id] = self.decision(memo, matcher, token, here, budget, exempt)
             keys[request_id] = (here, token, exempt, memo)
+            firsts[request_id] = (first_key, request)
         if len(decisions) < 2:
             return  # nothing to batch: ``instead`` decides as before
         for request_id, outcome in answer_all(self.paths, decisions, self.threads).items():
             if not isinstance(outcome, BaseException):
                 self._ready[request_id] = (*keys[request_id], outcome)
+                self._keep_first(*firsts[request_id], outcome)
 
     def decide(
         self,

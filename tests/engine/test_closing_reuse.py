@@ -101,3 +101,49 @@ def test_a_first_token_on_the_start_states_path_is_let_through_at_once(backend: 
         assert probe.accept_tokens(known[1]) == len(known[1]) and probe.can_terminate()
         kept.append(known[1])
     assert kept[0] == kept[1]
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_first_token_is_decided_once_per_grammar_token_and_budget(backend: str) -> None:
+    """A request's first decision is a function of its grammar, first token, budget and
+    exempt: requests sharing them take the first one's decision (one search per key, not one
+    per request), and it equals the decision a closer that never met the grammar makes."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    stops = set(tokenizer.stop_token_ids)
+    row = bm.allocate(1, tokenizer.vocab_size, fill=0)
+    start = compiled.matcher()
+    start.fill_bitmask(row, 0)
+    allowed = np.flatnonzero(bm.unpack_allowed(row[0], tokenizer.vocab_size)).tolist()
+    firsts = [t for t in allowed if t not in stops][:6]
+    assert len(firsts) >= 2
+    closer = BudgetCloser(tokenizer)
+    made: list[int] = []
+    decide = closer.decide
+
+    def counted(*args: Any) -> Any:
+        made.append(args[2])  # the token
+        return decide(*args)
+
+    closer.decide = counted  # type: ignore[method-assign]
+
+    def first(
+        on: BudgetCloser, name: str, token: int, max_tokens: int, ignore_eos: bool = False
+    ) -> tuple[Any, Any]:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        request = Request(name, [1], params, 0)
+        request.compiled, request.matcher = compiled, compiled.matcher()
+        return on.instead(request, token, stops, 10_000), on.known(name)
+
+    for max_tokens in (6, 40):
+        for token in firsts:
+            fresh = first(BudgetCloser(tokenizer), "f", token, max_tokens)
+            before = len(made)
+            for name in ("a", "b", "c"):
+                assert first(closer, f"{name}{token}-{max_tokens}", token, max_tokens) == fresh
+            assert len(made) - before <= 1  # the first request's decision, then the kept one
+    # ignore_eos requests (no start path in their memo) decide each time
+    before = len(made)
+    for name in ("x", "y"):
+        first(closer, name, firsts[0], 40, ignore_eos=True)
+    assert len(made) - before == 2
