@@ -33,7 +33,12 @@ variants in the Triton caches of ``espalier.kernels``: anything compiled at run 
 ``compiled`` per kernel over the run (issue 28: nothing should be).
 
 Step by step, in order: ``per_step_ms`` (the :data:`PER_STEP` phases) and
-``clock_per_step_ms`` (the clock above), to tell a uniformly slower step from a few slow ones.
+``clock_per_step_ms`` (the clock above, and ``verify_cpu``: the engine thread's CPU time in
+verification), to tell a uniformly slower step from a few slow ones. Per step also the engine
+thread's context switches during verification (``getrusage(RUSAGE_THREAD)``):
+``verify_preempted`` (involuntary: the thread was runnable and a core was taken from it) and
+``verify_blocked`` (voluntary: it waited, for the GPU, the GIL or a lock), to tell a
+verification that waits for cores from one that waits for the interpreter lock.
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import gc
 import json
+import resource
 import sys
 import threading
 import time
@@ -154,6 +160,8 @@ class Timeline:
         self.per_step_counts["compiles"].append(sum(new.values()))
         self.per_step_counts["eager"].append(self.step_counts.pop("eager", 0))
         self.per_step_counts["rows"].append(self.step_counts.pop("rows", 0))
+        for key in ("verify_preempted", "verify_blocked"):
+            self.per_step_counts[key].append(self.step_counts.pop(key, 0))
 
     def gc_callback(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
@@ -341,7 +349,9 @@ def _gpu_clock(line: Timeline) -> None:
         return out
 
     def timed_verify(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = resource.getrusage(resource.RUSAGE_THREAD)
         out = verify(self, *args, **kwargs)
+        after = resource.getrusage(resource.RUSAGE_THREAD)
         events = state.pop("events", None)
         if line.on and events is not None:
             begin, end = events
@@ -349,6 +359,10 @@ def _gpu_clock(line: Timeline) -> None:
             line.clock["gpu_forward_end"].append(begin.elapsed_time(end) / 1e3)
             line.clock["masks_ready"].append(state.get("masks", 0.0))
             line.clock["verified"].append(time.perf_counter() - state["t0"])
+            cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            line.clock["verify_cpu"].append(cpu)
+            line.step_counts["verify_preempted"] += after.ru_nivcsw - before.ru_nivcsw
+            line.step_counts["verify_blocked"] += after.ru_nvcsw - before.ru_nvcsw
         return out
 
     runner_mod.ModelRunner.forward = timed_forward  # type: ignore[method-assign]
