@@ -150,11 +150,10 @@ class CompileCache:
         max_bytes: int = 1 << 30,
         workers: int = 32,
         timeout_s: float = 10.0,
-        max_negative: int = 10_000,
     ) -> None:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
-        self.max_negative = max_negative
+        self.max_negative = 10_000  # failures remembered (an LRU)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._entries: OrderedDict[CacheKey, CompileResult] = OrderedDict()

@@ -103,7 +103,6 @@ class EngineCore:
         tokenizer: TokenizerInfo,
         *,
         grammar: GrammarService | None = None,
-        strategy: StepStrategy | None = None,
     ) -> None:
         sched_cfg = replace(config.scheduler, block_size=runner.block_size)
         self.config = replace(config, scheduler=sched_cfg)
@@ -114,7 +113,7 @@ class EngineCore:
         self.grammar = grammar or GrammarService(
             tokenizer, compile_timeout_s=config.compile_timeout_s
         )
-        self.strategy: StepStrategy = strategy or PlainDecoding(
+        self.strategy: StepStrategy = PlainDecoding(
             runner,
             mask_vocab_size=tokenizer.vocab_size,
             max_rows=sched_cfg.max_num_seqs,

@@ -199,16 +199,14 @@ def processed_probs(logits: torch.Tensor, params: Sequence[RowParams]) -> torch.
     return torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def keep_mask(
-    scaled: torch.Tensor, params: Sequence[RowParams], slack: float = 0.0
-) -> torch.Tensor:
+def keep_mask(scaled: torch.Tensor, params: Sequence[RowParams]) -> torch.Tensor:
     """bool ``[B, V]``: the tokens top-k, top-p and min-p keep (``_keep_sorted``) from ``scaled``
     (fp32 ``[B, V]``, grammar-masked logits / temperature)."""
     if not any(_filtered(p) for p in params):
         return scaled > float("-inf")
     values, order = scaled.sort(dim=-1, descending=True)
     return torch.zeros_like(values, dtype=torch.bool).scatter_(
-        1, order, _keep_sorted(values, params, [slack])[0]
+        1, order, _keep_sorted(values, params, [0.0])[0]
     )
 
 

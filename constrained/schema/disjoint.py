@@ -34,10 +34,10 @@ def pairwise_disjoint(branches: Any, defs: Defs, context: Any = True) -> bool:
     )
 
 
-def disjoint(a: Any, b: Any, defs: Defs, context: Any = True, depth: int = 0) -> bool:
+def disjoint(a: Any, b: Any, defs: Defs, context: Any = True) -> bool:
     """True only when no instance can match ``a``, ``b`` and ``context`` (the keywords next to
     the ``oneOf``) together, as the module docstring says (False past MAX_STEPS)."""
-    return _disjoint(a, b, defs, context, depth, 0, [MAX_STEPS])
+    return _disjoint(a, b, defs, context, 0, 0, [MAX_STEPS])
 
 
 def _disjoint(

@@ -24,7 +24,6 @@ from typing import Any
 from espalier.constrained.schema.walk import escape_pointer_token, walk
 
 SCALARS = frozenset({"string", "number", "integer", "boolean", "null"})
-ALL_TYPES = SCALARS | {"object", "array"}
 
 
 def unproductive_pointer(schema: dict[str, Any] | bool) -> str | None:

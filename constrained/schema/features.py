@@ -1,13 +1,13 @@
 """Which JSON Schema keywords each backend enforces exactly, weakens or ignores.
 
-:func:`keyword_uses` lists every keyword a schema uses with its JSON pointer;
-:func:`backend_issues` returns, for one backend, each use it does not enforce exactly. The claims
-in :data:`PROFILES` are verified one by one in ``tests/constrained/test_schema_features.py``
-(each "exact" claim: a violating instance is rejected and a valid one accepted through the real
-backend; each "weakened"/"ignored" claim: the backend refuses or accepts a violating instance).
-What is not claimed exact is not exact: an unknown context counts as weakened. "Exact" is about
-false accepts: an exact keyword never lets an invalid instance through, though the grammar may
-still reject some valid ones (it fixes property order and bounds whitespace).
+:func:`backend_issues` returns, for one backend, each keyword of a schema (with its JSON pointer)
+that it does not enforce exactly. The claims in :data:`PROFILES` are verified one by one in
+``tests/constrained/test_schema_features.py`` (each "exact" claim: a violating instance is
+rejected and a valid one accepted through the real backend; each "weakened"/"ignored" claim: the
+backend refuses or accepts a violating instance). What is not claimed exact is not exact: an
+unknown context counts as weakened. "Exact" is about false accepts: an exact keyword never lets an
+invalid instance through, though the grammar may still reject some valid ones (it fixes property
+order and bounds whitespace).
 
 Support is judged per schema object (context matters: xgrammar enforces ``minLength`` only on a
 node typed ``"string"`` and only when no ``pattern``/``format`` is next to it). Pure annotations
@@ -121,22 +121,6 @@ class Support(enum.Enum):
     EXACT = "exact"
     WEAKENED = "weakened"  # enforced in part: some invalid instances get through
     IGNORED = "ignored"  # not enforced at all, or the backend refuses the schema
-
-
-@dataclass(frozen=True)
-class KeywordUse:
-    keyword: str
-    pointer: str  # of the schema object holding the keyword
-
-
-def keyword_uses(schema: Any) -> list[KeywordUse]:
-    """Every keyword of every schema object (``$defs`` included), parents first."""
-    return [
-        KeywordUse(key, node.pointer)
-        for node in walk(schema)
-        if isinstance(node.schema, dict)
-        for key in node.schema
-    ]
 
 
 Rule = Callable[[str, dict[str, Any]], Support]

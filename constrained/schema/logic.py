@@ -42,8 +42,9 @@ NO_CONSTRAINT = frozenset(
 Defs = dict[str, Any]
 
 
-def deref(schema: Any, defs: Defs, depth: int = 0) -> Any:
+def deref(schema: Any, defs: Defs) -> Any:
     """Follow a lone ``{"$ref": "#/$defs/x"}`` to its target (up to MAX_DEPTH hops)."""
+    depth = 0
     while (
         isinstance(schema, dict)
         and set(schema) == {"$ref"}

@@ -77,11 +77,10 @@ ANY = Chars(((0, 0x10FFFF),))
 NEWLINE = Chars(((10, 10),))
 
 
-def search_language(pattern: str, final_newline: bool = True) -> Alt:
+def search_language(pattern: str) -> Alt:
     """The strings ``regex.search(pattern, s)`` accepts, as a node tree (anchors left only
-    where they are away from the ends). ``final_newline=False``: ``$`` is the end only, as the
-    backends read it. Lookaround raises :class:`Unsupported`."""
-    constraints = search_constraints(pattern, final_newline)
+    where they are away from the ends). Lookaround raises :class:`Unsupported`."""
+    constraints = search_constraints(pattern)
     if len(constraints) > 1:
         raise Unsupported("a lookahead (an intersection: see search_constraints)")
     return constraints[0][0]

@@ -28,9 +28,6 @@ SINGLE = frozenset(
 )
 LISTED = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
 NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-# "items" is a schema (2020-12) or a list of schemas (older drafts); "dependencies" maps a name to
-# a schema or to a list of property names.
-MIXED = frozenset({"items", "dependencies"})
 
 DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 DRAFT_2019_09 = "https://json-schema.org/draft/2019-09/schema"

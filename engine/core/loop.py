@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,11 +34,8 @@ from espalier.engine.engine import EngineCore
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoopConfig:
-    """idle_wait_s: how long an idle loop blocks on the channel before looking at compiles."""
-
-    idle_wait_s: float = 0.02
+IDLE_WAIT_S = 0.02
+"""How long an idle loop blocks on the channel before looking at compiles."""
 
 
 class FailureSignal:
@@ -61,12 +58,10 @@ class EngineLoop:
         self,
         engine: EngineCore,
         channel: Connection,
-        config: LoopConfig | None = None,
         failure: FailureSignal | None = None,
     ):
         self.engine = engine
         self.channel = channel
-        self.config = config or LoopConfig()
         self.failure = failure or FailureSignal()
         self._live: set[str] = set()  # requests added and not yet finished
         self._adds = 0
@@ -94,7 +89,7 @@ class EngineLoop:
     def _run(self) -> None:
         while self.failure.reason is None:
             busy = self.engine.has_unfinished()
-            outputs = self._take_commands(0.0 if busy else self.config.idle_wait_s)
+            outputs = self._take_commands(0.0 if busy else IDLE_WAIT_S)
             if self._stopping and not self._drain:
                 for request_id in self._live:
                     self.engine.abort(request_id)

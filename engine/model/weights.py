@@ -36,25 +36,23 @@ _SKIP_PREFIXES = (
 )
 
 
-def resolve_model_dir(path: str | os.PathLike[str], *, progress: bool = True) -> Path:
+def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     """The HF directory to load for ``path``: itself, or the converted cache of a GGUF file."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return converted_gguf_dir(p, progress=progress)
+        return converted_gguf_dir(p)
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if not (p / "config.json").exists() and len(ggufs) == 1:
-            return converted_gguf_dir(ggufs[0], progress=progress)
+            return converted_gguf_dir(ggufs[0])
         if (p / "config.json").exists():
             return p
     raise FileNotFoundError(f"{path}: neither an HF model directory nor a .gguf file")
 
 
-def load_weights(
-    path: str | os.PathLike[str], *, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, state dict with HF parameter names, CPU tensors in the checkpoint dtype)."""
-    model_dir = resolve_model_dir(path, progress=progress)
+    model_dir = resolve_model_dir(path)
     config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     return config, load_safetensors_dir(model_dir)
 

@@ -215,18 +215,15 @@ class EagleHead(nn.Module):
         return ids
 
 
-def load_eagle(
-    path: str | os.PathLike[str], target_embed: torch.Tensor, *, kind: str | None = None
-) -> EagleHead:
+def load_eagle(path: str | os.PathLike[str], target_embed: torch.Tensor) -> EagleHead:
     """Load a head from a local directory (``config.json`` + ``model.safetensors`` or
-    ``pytorch_model.bin``). ``kind`` defaults from the keys (``midlayer.*`` = eagle3).
+    ``pytorch_model.bin``); its kind comes from the keys (``midlayer.*`` = eagle3, else eagle1).
     ``target_embed``: the target's ``embed_tokens`` weight, used when the checkpoint has none."""
     directory = Path(path)
     cfg = json.loads((directory / "config.json").read_text())
     state = _read_state(directory)
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    if kind is None:
-        kind = "eagle3" if any(k.startswith("midlayer.") for k in state) else "eagle1"
+    kind = "eagle3" if any(k.startswith("midlayer.") for k in state) else "eagle1"
     config = EagleConfig.from_hf(cfg, kind)
     if kind == "eagle1" and "fc.bias" not in state:
         config = EagleConfig(**{**config.__dict__, "fc_bias": False})

@@ -4,7 +4,6 @@ an engine to the speculative strategy (the composition root calls this; nothing 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from espalier.engine.spec.base import Drafter
@@ -82,20 +81,11 @@ def enable_speculation(
     methods: tuple[str, ...],
     *,
     num_draft_tokens: int = 8,
-    drafters: Mapping[str, Drafter] | None = None,
     **build: object,
 ) -> Engine:
     """Make ``engine`` speculate with ``methods`` by default (requests may still opt out)."""
     if not methods:
         return engine
-    found = (
-        dict(drafters)
-        if drafters is not None
-        else build_drafters(
-            methods,
-            engine.runner,
-            **build,  # type: ignore[arg-type]
-        )
-    )
+    found = build_drafters(methods, engine.runner, **build)  # type: ignore[arg-type]
     config = SpecConfig(methods=methods, num_draft_tokens=num_draft_tokens)
     return install(engine, config, found)

@@ -21,7 +21,6 @@ from espalier.constrained.schema.features import (
     Support,
     backend_issues,
     keyword_support,
-    keyword_uses,
 )
 from espalier.constrained.spec import GrammarSpec
 from tests.constrained.schema_probes import OBJ_A, PROBES, Probe
@@ -90,20 +89,6 @@ def test_every_exact_keyword_has_a_probe(backend: str) -> None:
 
 def test_profiles_cover_the_registered_backends() -> None:
     assert set(PROFILES) == set(BACKENDS)
-
-
-def test_keyword_uses_lists_every_keyword_with_its_pointer() -> None:
-    schema = {
-        "type": "object",
-        "properties": {"a/b": {"type": "string", "pattern": "x"}},
-        "$defs": {"n": {"not": {"type": "null"}}},
-        "enum": [{"$ref": "not a ref: data"}],
-    }
-    uses = {(u.keyword, u.pointer) for u in keyword_uses(schema)}
-    assert ("pattern", "/properties/a~1b") in uses
-    assert ("not", "/$defs/n") in uses
-    assert ("type", "/$defs/n/not") in uses
-    assert not any(k == "$ref" for k, _ in uses)
 
 
 def test_issues_name_keyword_pointer_and_support() -> None:

@@ -12,7 +12,6 @@ the twin is dropped and a new one consumes the whole history at the next walk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from espalier.constrained.backends.llguidance.native.capi import NativeMatcher
@@ -32,10 +31,6 @@ class Twin:
     native: NativeMatcher
     length: int = 0
     rows_filled: int = 0
-
-    def catch_up(self, history: Sequence[int]) -> list[int]:
-        """The tokens to consume to stand at the end of ``history``."""
-        return list(history[self.length :])
 
     def ended(self, history_len: int, helper_filled: int) -> None:
         """A walk caught it up to ``history_len`` tokens; its second thread filled
