@@ -58,6 +58,16 @@ for line in open(sys.argv[1]):
         print("   steps ms", d["per_step_ms"]["step"][:10], "rows", counts.get("rows", [])[:10],
               "eager", sum(counts.get("eager", [])),
               "compiled", d.get("compiled"))
+        # the start (first 4 steps) apart from the rest: a constrained burst's gap is mostly
+        # there (docs/decisions/start-of-burst.md); lag: verification's end after both the GPU
+        # forward and the masks, summed; blocked: its voluntary context switches, summed
+        steps, clock = d["per_step_ms"]["step"], d.get("clock_per_step_ms", {})
+        lag = [v - max(g, m) for g, m, v in zip(clock.get("gpu_forward_end", []),
+               clock.get("masks_ready", []), clock.get("verified", []))]
+        blocked = counts.get("verify_blocked", [])
+        print("   start4 %.1f ms rest %.1f ms | lag start4 %.1f rest %.1f | blocked %d / %d" % (
+              sum(steps[:4]), sum(steps[4:]), sum(lag[:4]), sum(lag[4:]),
+              sum(blocked[:4]), sum(blocked[4:])))
     elif "tok_per_s" in d:
         print("RUN c=%s s=%s tok/s=%.1f reps=%s" % (d["constrained"], d["speculative"],
               d["tok_per_s"], [round(x, 1) for x in d.get("tok_per_s_reps", [])]))
