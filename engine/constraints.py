@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 SPARE_GRAMMARS = 16  # grammars whose spares are kept (least recently requested dropped)
 SPARE_THREADS = 2  # threads that refill spares, apart from the requests' own matchers
 
-CompileOutcome = tuple["CompiledGrammar", "CompileReport"]
 RequestGrammar = tuple["CompiledGrammar", "CompileReport", "GrammarMatcher"]
 
 

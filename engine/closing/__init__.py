@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from espalier.engine.request import Request
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
 R = TypeVar("R")
 
 CLOSING_WINDOW = 64  # the unit of SEARCH_LIMIT
@@ -321,8 +322,37 @@ class Memo:
 
 NO_MEMO = Memo()
 
-FirstKey = tuple[int, int, int, bool]
-"""``BudgetCloser._first_key``: (id of the compiled grammar, token, budget, exempt)."""
+FirstKey = tuple[int, int, bool]
+"""``BudgetCloser._first_key``: (token, budget, exempt), per compiled grammar."""
+
+
+class PerGrammar(Generic[K, R]):
+    """Values that are a function of a compiled grammar and a key (start paths, first-token
+    decisions), made once: at most ``limit`` kept, then all cleared. Each entry holds its
+    grammar, so the grammar's id (in the dict key) is not reused while the entry lives."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: dict[tuple[int, K], tuple[object, R]] = {}
+
+    def find(self, compiled: object, key: K) -> R | None:
+        """The kept value (None: none; for values that are never None themselves)."""
+        kept = self._items.get((id(compiled), key))
+        return kept[1] if kept is not None and kept[0] is compiled else None
+
+    def put(self, compiled: object, key: K, value: R) -> None:
+        if len(self._items) >= self.limit:
+            self._items.clear()
+        self._items[(id(compiled), key)] = (compiled, value)
+
+    def get_or_make(self, compiled: object, key: K, make: Callable[[], R]) -> R:
+        kept = self._items.get((id(compiled), key))
+        if kept is not None and kept[0] is compiled:
+            return kept[1]
+        value = make()
+        self.put(compiled, key, value)
+        return value
+
 
 Decision = Generator[SearchCall, tuple[bool, "list[int] | None"], tuple["list[int] | None", Memo]]
 """``BudgetCloser.decision``: yields searches, is sent their outcomes, returns the decision."""
@@ -345,9 +375,10 @@ class BudgetCloser:
         self.threads = max(1, threads)  # native threads of a batch of searches (prepare)
         # decisions made by ``prepare``: (here, token, exempt, memo they start from, outcome)
         self._ready: dict[str, tuple[int, int, bool, Memo, tuple[list[int] | None, Memo]]] = {}
-        self._start_paths: dict[int, tuple[object, list[int] | None]] = {}
-        # first-token decisions by _first_key: (the compiled grammar, held, and the outcome)
-        self._first: dict[FirstKey, tuple[object, tuple[list[int] | None, Memo]]] = {}
+        self._start_paths: PerGrammar[tuple[()], list[int] | None] = PerGrammar(START_PATHS)
+        self._first: PerGrammar[FirstKey, tuple[list[int] | None, Memo]] = PerGrammar(
+            FIRST_DECISIONS
+        )
 
     def _memo_of(self, request: Request, max_model_len: int) -> Memo:
         """The request's memo; before its first token, the closing path of its grammar's start
@@ -370,46 +401,25 @@ class BudgetCloser:
 
     def _start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
         """The closing path from the start state of ``compiled`` (``matcher``: at that state)."""
-        assert self.paths is not None
-        key = id(compiled)
-        kept = self._start_paths.get(key)
-        if kept is not None and kept[0] is compiled:
-            return kept[1]
-        path = self.paths.find(matcher, SEARCH_LIMIT)
-        if len(self._start_paths) >= START_PATHS:
-            self._start_paths.clear()
-        self._start_paths[key] = (compiled, path)  # holds it: its id is not reused meanwhile
-        return path
+        paths = self.paths
+        assert paths is not None
+        return self._start_paths.get_or_make(
+            compiled, (), lambda: paths.find(matcher, SEARCH_LIMIT)
+        )
 
     def _first_key(
         self, request: Request, here: int, token: int, budget: int, exempt: bool
     ) -> FirstKey | None:
-        """The key of a request's first decision (nothing output yet; ignore_eos excluded: its
-        memo is not the start path's), else None. Its matcher is then at its grammar's start
-        state and its memo is that state's path (:meth:`_memo_of`), so the decision is a
-        function of the compiled grammar, ``token``, ``budget`` and ``exempt`` alone: it is
-        made once per key and shared by every request of the grammar that starts with
-        ``token`` (a burst of one schema's requests searches once per distinct first token
-        where each searched on its own new lexer)."""
-        compiled = request.compiled
-        if here or request.output_ids or compiled is None or request.sampling.ignore_eos:
+        """The key, under its compiled grammar, of a request's first decision (nothing output
+        yet; ignore_eos excluded: its memo is not the start path's), else None. Its matcher is
+        then at its grammar's start state and its memo is that state's path (:meth:`_memo_of`),
+        so the decision is a function of the compiled grammar, ``token``, ``budget`` and
+        ``exempt`` alone: it is made once per key and shared by every request of the grammar
+        that starts with ``token`` (a burst of one schema's requests searches once per distinct
+        first token where each searched on its own new lexer)."""
+        if here or request.compiled is None or request.sampling.ignore_eos:
             return None
-        return id(compiled), token, budget, exempt
-
-    def _first_decision(
-        self, key: FirstKey | None, request: Request
-    ) -> tuple[list[int] | None, Memo] | None:
-        kept = self._first.get(key) if key is not None else None
-        return kept[1] if kept is not None and kept[0] is request.compiled else None
-
-    def _keep_first(
-        self, key: FirstKey | None, request: Request, outcome: tuple[list[int] | None, Memo]
-    ) -> None:
-        if key is None:
-            return
-        if len(self._first) >= FIRST_DECISIONS:
-            self._first.clear()
-        self._first[key] = (request.compiled, outcome)  # holds it: its id is not reused
+        return token, budget, exempt
 
     def known(self, request_id: str) -> tuple[int, list[int]] | None:
         """The closing path kept for ``request_id`` and the output length it belongs to."""
@@ -480,11 +490,14 @@ class BudgetCloser:
             path, after = ready[4]  # the same decision, made in ``prepare``'s batch
         else:
             key = self._first_key(request, here, token, budget, exempt)
-            first = self._first_decision(key, request)
-            if first is None:
-                first = self.decide(memo, matcher, token, here, budget, exempt)
-                self._keep_first(key, request, first)
-            path, after = first
+            if key is None:
+                path, after = self.decide(memo, matcher, token, here, budget, exempt)
+            else:
+                path, after = self._first.get_or_make(
+                    request.compiled,
+                    key,
+                    lambda: self.decide(memo, matcher, token, here, budget, exempt),
+                )
         if after is not memo:
             self._memo[request_id] = after
         return path
@@ -503,7 +516,7 @@ class BudgetCloser:
             return
         decisions: dict[str, Decision] = {}
         keys: dict[str, tuple[int, int, bool, Memo]] = {}
-        firsts: dict[str, tuple[FirstKey | None, Request]] = {}
+        firsts: dict[str, tuple[object, FirstKey]] = {}
         for request, token, here, stops in items:
             matcher = request.matcher
             request_id = request.request_id
@@ -521,19 +534,21 @@ class BudgetCloser:
             if _without_check(memo, token, here, budget, exempt) is not None:
                 continue  # no grammar work
             first_key = self._first_key(request, here, token, budget, exempt)
-            first = self._first_decision(first_key, request)
-            if first is not None:
-                self._ready[request_id] = (here, token, exempt, memo, first)
-                continue
+            if first_key is not None:
+                first = self._first.find(request.compiled, first_key)
+                if first is not None:
+                    self._ready[request_id] = (here, token, exempt, memo, first)
+                    continue
+                firsts[request_id] = (request.compiled, first_key)
             decisions[request_id] = self.decision(memo, matcher, token, here, budget, exempt)
             keys[request_id] = (here, token, exempt, memo)
-            firsts[request_id] = (first_key, request)
         if len(decisions) < 2:
             return  # nothing to batch: ``instead`` decides as before
         for request_id, outcome in answer_all(self.paths, decisions, self.threads).items():
             if not isinstance(outcome, BaseException):
                 self._ready[request_id] = (*keys[request_id], outcome)
-                self._keep_first(*firsts[request_id], outcome)
+                if request_id in firsts:
+                    self._first.put(*firsts[request_id], outcome)
 
     def decide(
         self,
