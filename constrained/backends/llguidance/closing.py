@@ -20,7 +20,7 @@ from espalier.constrained.backends.llguidance.native import close as native_clos
 
 if TYPE_CHECKING:
     from espalier.constrained.backends.llguidance.native.capi import NativeTokenizerSlot
-    from espalier.constrained.base import ClosingRules, NativeClosing
+    from espalier.constrained.base import ClosingRules, ClosingTree, NativeClosing, NodeDecision
 
 _tables: dict[tuple[int, int], tuple[object, object, native_close.CloseTables]] = {}
 _tables_lock = threading.Lock()
@@ -36,6 +36,10 @@ class LlgClosing:
     @property
     def kind(self) -> Any:
         return run_closing
+
+    @property
+    def trees(self) -> Any:
+        return run_trees
 
 
 def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClosing | None:
@@ -80,6 +84,30 @@ def run_closing(
             outcomes[i] = outcome
             if base is not None:
                 _install(search, base)
+    return outcomes
+
+
+def run_trees(
+    rules: ClosingRules, items: Sequence[tuple[NativeClosing, ClosingTree]], threads: int
+) -> list[list[NodeDecision | None] | object]:
+    """``NativeClosing.trees`` of :class:`LlgClosing`: one native call per tokenizer."""
+    outcomes: list[list[NodeDecision | None] | object] = [None] * len(items)
+    groups: dict[int, list[int]] = {}
+    for i, (search, _) in enumerate(items):
+        assert isinstance(search, LlgClosing)
+        groups.setdefault(id(search.matcher.compiled.native_slot), []).append(i)
+    for members in groups.values():
+        jobs = []
+        for i in members:
+            search, tree = items[i]
+            assert isinstance(search, LlgClosing)
+            jobs.append((search.job, search.matcher._eos, tree))
+        first = items[members[0]][0]
+        assert isinstance(first, LlgClosing)
+        tables = _tables_for(rules, first.matcher)
+        found = native_close.run_tree_jobs(tables, rules.policy, jobs, threads)
+        for i, outcome in zip(members, found):
+            outcomes[i] = outcome
     return outcomes
 
 
