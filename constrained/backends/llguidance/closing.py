@@ -105,17 +105,26 @@ def run_trees(
         first = items[members[0]][0]
         assert isinstance(first, LlgClosing)
         tables = _tables_for(rules, first.matcher)
-        found = native_close.run_tree_jobs(tables, rules.policy, jobs, threads)
-        for i, outcome in zip(members, found):
+        found, bases = native_close.run_tree_jobs(tables, rules.policy, jobs, threads)
+        for i, outcome, base in zip(members, found, bases):
             outcomes[i] = outcome
+            if base is not None:
+                _install(items[i][0], base)
     return outcomes
 
 
 def _install(search: Any, base: Any) -> None:
-    """A new base at the job's history end, unless the matcher moved on differently."""
+    """A new base at the job's history end, on its matcher unless that moved on (searches run
+    on the matcher's thread), and on the matcher it was forked from where that one's history
+    is exactly the job's (a draft tree's job runs on a fork of the request's matcher, on
+    another thread, while the request's matcher waits for the step's decisions)."""
     matcher, job = search.matcher, search.job
-    if len(matcher.history) == job.length:  # searches run on the matcher's thread
-        matcher.closing_base = (base, job.length)
+    if len(matcher.history) != job.length:
+        return
+    matcher.closing_base = (base, job.length)
+    origin = matcher.origin
+    if origin is not None and origin.history == matcher.history:
+        origin.closing_base = (base, job.length)
 
 
 def _tables_for(rules: ClosingRules, matcher: Any) -> native_close.CloseTables:

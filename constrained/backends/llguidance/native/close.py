@@ -133,10 +133,12 @@ class _TreeJob(ctypes.Structure):
         ("known_len", ctypes.c_int64),
         ("next_check", ctypes.c_int64),
         ("unclosable", ctypes.c_int64),
+        ("rebase", ctypes.c_int64),
         ("out", ctypes.c_void_p),
         ("buf", ctypes.c_void_p),
         ("buf_cap", ctypes.c_int64),
         ("status", ctypes.c_int64),
+        ("new_base", ctypes.c_void_p),
     ]
 
 
@@ -311,11 +313,12 @@ def run_tree_jobs(
     policy: ClosingPolicy,
     jobs: Sequence[tuple[CloseJob, int, ClosingTree]],
     threads: int,
-) -> list[list[NodeDecision | None] | object]:
+) -> tuple[list[list[NodeDecision | None] | object], list[capi.NativeMatcher | None]]:
     """Each tree's decisions (``engine/closing/ahead.tree_decisions``'s, node for node) in one
     ``espalier_llg_close_trees`` call on up to ``threads`` threads, or ``base.FALLBACK`` for a
-    tree that must be decided in Python. A job: its root's search (``job.token`` and
-    ``job.limit`` unused), the EOS id ``Matcher.completes`` validates after a try, the tree."""
+    tree that must be decided in Python, and where ``job.rebase`` asked, a new base at the
+    root. A job: its root's search (``job.token`` and ``job.limit`` unused), the EOS id
+    ``Matcher.completes`` validates after a try, the tree."""
     lib = close_lib()
     n = len(jobs)
     structs = (_TreeJob * max(n, 1))()
@@ -365,6 +368,7 @@ def run_tree_jobs(
         s.known_len = len(known)
         s.next_check = tree.next_check
         s.unclosable = int(tree.unclosable)
+        s.rebase = int(job.rebase)
         s.out = out.ctypes.data
         s.buf = buf.ctypes.data
         s.buf_cap = cap
@@ -382,12 +386,15 @@ def run_tree_jobs(
         max(1, threads),
     )
     results: list[list[NodeDecision | None] | object] = []
-    for j in range(n):
+    bases: list[capi.NativeMatcher | None] = []
+    for j, (job, _, _) in enumerate(jobs):
+        new = int(structs[j].new_base or 0)
+        bases.append(capi.NativeMatcher(job.base.tokenizer, new) if new else None)
         if int(structs[j].status) != TREE_DONE:
             results.append(FALLBACK)
             continue
         results.append(_decisions(outs[j].reshape(-1, TREE_FIELDS).tolist(), bufs[j]))
-    return results
+    return results, bases
 
 
 def _decisions(rows: list[list[int]], buf: np.ndarray) -> list[NodeDecision | None]:

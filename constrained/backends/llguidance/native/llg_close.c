@@ -529,53 +529,6 @@ static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCl
     probe_free(&p);
 }
 
-typedef struct CloseShared {
-    const EspLlgCloseApi *llg;
-    const EspKeysApi *ka;
-    const EspCloseTables *t;
-    EspCloseJob *jobs;
-    int64_t n;
-    int64_t next; /* the next job to take (atomic) */
-} CloseShared;
-
-static void *close_worker(void *arg) {
-    CloseShared *s = arg;
-    uint32_t *row = malloc(sizeof(uint32_t) * (size_t)s->t->words);
-    for (;;) {
-        const int64_t j = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
-        if (j >= s->n) break;
-        if (row == NULL) {
-            s->jobs[j].status = CLOSE_NO_MEMORY;
-            continue;
-        }
-        run_job(s->llg, s->ka, s->t, &s->jobs[j], row);
-    }
-    free(row);
-    return NULL;
-}
-
-/* Run jobs[0..n) on up to `threads` threads (the caller's among them), each job whole on one.
- * ka may be NULL when no job has a tracker. Never touches Python (except through llguidance's
- * tokenize callback on a cache miss); returns how many jobs failed (status < 0). */
-int64_t espalier_llg_close_batch(const EspLlgCloseApi *llg, const EspKeysApi *ka,
-                                 const EspCloseTables *t, EspCloseJob *jobs, int64_t n,
-                                 int64_t threads) {
-    CloseShared shared = {llg, ka, t, jobs, n, 0};
-    int64_t count = threads < n ? threads : n;
-    if (count > MAX_CLOSE_THREADS) count = MAX_CLOSE_THREADS;
-    pthread_t ids[MAX_CLOSE_THREADS];
-    int64_t started = 0;
-    for (int64_t i = 1; i < count; i++) {
-        if (pthread_create(&ids[started], NULL, close_worker, &shared) != 0) break;
-        started++;
-    }
-    close_worker(&shared);
-    for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
-    int64_t failed = 0;
-    for (int64_t j = 0; j < n; j++) failed += jobs[j].status < 0;
-    return failed;
-}
-
 /* -- whole draft trees: BudgetCloser.decision at every node (engine/closing/ahead.py) -------- */
 
 /* The decision's constants (engine/closing: SEARCH_LIMIT, MARGIN, GROWTH_PER_TOKEN,
@@ -589,6 +542,7 @@ typedef struct EspTreePolicy {
  * validates after a try); the tree (tokens, parents[i] < i, filled: NULL or one flag a node);
  * stops (the request's stop ids: never checked); here, max_tokens, room (a check at output
  * length h has budget min(max_tokens - h, room - h)); the memo (known_here -1: none).
+ * rebase: hand back a matcher at the root (new_base; the caller owns it).
  * Out: status (TREE_DONE, TREE_FALLBACK: a decision needs the Python fallback search, < 0: a
  * failure); out[n][TREE_FIELDS] (a node not decided has decided = 0); buf: every path the
  * outputs name (offsets into it), the memo's known path first. */
@@ -607,10 +561,12 @@ typedef struct EspTreeJob {
     int64_t known_here;
     const int64_t *known;
     int64_t known_len, next_check, unclosable;
+    int64_t rebase;
     int64_t *out;
     int64_t *buf;
     int64_t buf_cap;
     int64_t status;
+    void *new_base;
 } EspTreeJob;
 
 enum { TREE_DONE = 0, TREE_FALLBACK = 1 };
@@ -904,6 +860,16 @@ static void run_tree(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspC
         tree_fail(&r, CLOSE_NO_MEMORY);
     for (int64_t i = 0; r.status == TREE_DONE && i < job->n_sync; i++)
         if (llg->consume(root->probe.m, job->sync[i]) != 0) tree_fail(&r, CLOSE_ERROR);
+    job->new_base = NULL;
+    if (r.status == TREE_DONE && job->rebase) {
+        void *copy = llg->clone(root->probe.m);
+        if (copy == NULL) {
+            tree_fail(&r, CLOSE_NO_MEMORY);
+        } else {
+            job->new_base = root->probe.m;
+            root->probe.m = copy;
+        }
+    }
     depth_of_stack = 1;
     while (depth_of_stack > 0 && r.status == TREE_DONE) {
         Frame f = stack[--depth_of_stack];
@@ -957,49 +923,72 @@ static void run_tree(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspC
     free(stack);
 }
 
-typedef struct TreeShared {
+/* -- the thread pool of both entry points ---------------------------------------------------- */
+
+typedef struct Pool {
     const EspLlgCloseApi *llg;
     const EspKeysApi *ka;
     const EspCloseTables *t;
     const EspTreePolicy *pol;
-    EspTreeJob *jobs;
+    EspCloseJob *jobs; /* searches, or */
+    EspTreeJob *trees; /* trees (the other NULL) */
     int64_t n;
-    int64_t next;
-} TreeShared;
+    int64_t next; /* the next job to take (atomic) */
+} Pool;
 
-static void *tree_worker(void *arg) {
-    TreeShared *s = arg;
+static void *pool_worker(void *arg) {
+    Pool *s = arg;
     uint32_t *row = malloc(sizeof(uint32_t) * (size_t)s->t->words);
     for (;;) {
         const int64_t j = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
         if (j >= s->n) break;
         if (row == NULL) {
-            s->jobs[j].status = CLOSE_NO_MEMORY;
-            continue;
+            if (s->trees != NULL) s->trees[j].status = CLOSE_NO_MEMORY;
+            else s->jobs[j].status = CLOSE_NO_MEMORY;
+        } else if (s->trees != NULL) {
+            run_tree(s->llg, s->ka, s->t, s->pol, &s->trees[j], row);
+        } else {
+            run_job(s->llg, s->ka, s->t, &s->jobs[j], row);
         }
-        run_tree(s->llg, s->ka, s->t, s->pol, &s->jobs[j], row);
     }
     free(row);
     return NULL;
 }
 
-/* Decide trees jobs[0..n) on up to `threads` threads (the caller's among them), each tree
- * whole on one, as espalier_llg_close_batch runs searches; returns how many did not finish
- * (status != TREE_DONE). */
-int64_t espalier_llg_close_trees(const EspLlgCloseApi *llg, const EspKeysApi *ka,
-                                 const EspCloseTables *t, const EspTreePolicy *pol,
-                                 EspTreeJob *jobs, int64_t n, int64_t threads) {
-    TreeShared shared = {llg, ka, t, pol, jobs, n, 0};
-    int64_t count = threads < n ? threads : n;
+/* The pool's jobs on up to `threads` threads (the caller's among them), each job whole on one. */
+static void run_pool(Pool *pool, int64_t threads) {
+    int64_t count = threads < pool->n ? threads : pool->n;
     if (count > MAX_CLOSE_THREADS) count = MAX_CLOSE_THREADS;
     pthread_t ids[MAX_CLOSE_THREADS];
     int64_t started = 0;
     for (int64_t i = 1; i < count; i++) {
-        if (pthread_create(&ids[started], NULL, tree_worker, &shared) != 0) break;
+        if (pthread_create(&ids[started], NULL, pool_worker, pool) != 0) break;
         started++;
     }
-    tree_worker(&shared);
+    pool_worker(pool);
     for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+/* Run searches jobs[0..n) on up to `threads` threads. ka may be NULL when no job has a
+ * tracker. Never touches Python (except through llguidance's tokenize callback on a cache
+ * miss); returns how many jobs failed (status < 0). */
+int64_t espalier_llg_close_batch(const EspLlgCloseApi *llg, const EspKeysApi *ka,
+                                 const EspCloseTables *t, EspCloseJob *jobs, int64_t n,
+                                 int64_t threads) {
+    Pool pool = {llg, ka, t, NULL, jobs, NULL, n, 0};
+    run_pool(&pool, threads);
+    int64_t failed = 0;
+    for (int64_t j = 0; j < n; j++) failed += jobs[j].status < 0;
+    return failed;
+}
+
+/* Decide trees jobs[0..n) on up to `threads` threads, as espalier_llg_close_batch runs
+ * searches; returns how many did not finish (status != TREE_DONE). */
+int64_t espalier_llg_close_trees(const EspLlgCloseApi *llg, const EspKeysApi *ka,
+                                 const EspCloseTables *t, const EspTreePolicy *pol,
+                                 EspTreeJob *jobs, int64_t n, int64_t threads) {
+    Pool pool = {llg, ka, t, pol, NULL, jobs, n, 0};
+    run_pool(&pool, threads);
     int64_t unfinished = 0;
     for (int64_t j = 0; j < n; j++) unfinished += jobs[j].status != TREE_DONE;
     return unfinished;
