@@ -156,6 +156,45 @@ class ClosingRules:
     blank: frozenset[int]
     repeat_limit: int
     lowest: int
+    policy: ClosingPolicy
+
+
+@dataclass(frozen=True)
+class ClosingPolicy:
+    """The constants of ``engine/closing``'s decisions, for backends that decide whole draft
+    trees natively (``NativeClosing.trees``): SEARCH_LIMIT, MARGIN, GROWTH_PER_TOKEN and
+    EVERY_TOKEN there."""
+
+    search_limit: int
+    margin: int
+    growth_per_token: int
+    every_token: int
+
+
+@dataclass(frozen=True)
+class ClosingTree:
+    """One draft tree's closing decisions to make natively (``ahead.tree_decisions``'s inputs).
+
+    tokens, parents: the tree (node 0 = the root, ``parents[i] < i``); filled: bool ``[n]``, the
+    nodes to decide (None: all); stops: the request's stop ids (never checked); here: output
+    length when the step starts; max_tokens, room: a check at output length ``h`` has budget
+    ``min(max_tokens - h, room - h)``; known, next_check, unclosable: the request's memo."""
+
+    tokens: Sequence[int]
+    parents: Sequence[int]
+    filled: Sequence[bool] | np.ndarray | None
+    stops: frozenset[int]
+    here: int
+    max_tokens: int
+    room: int
+    known: tuple[int, list[int]] | None
+    next_check: int
+    unclosable: bool
+
+
+NodeDecision = tuple["list[int] | None", "tuple[int, list[int]] | None", int, bool]
+"""A node's decision made natively: the closing path to emit instead of its token (None: none)
+and the memo after it as ``(known, next_check, unclosable)``."""
 
 
 FALLBACK = object()
@@ -170,6 +209,19 @@ class NativeClosing(Protocol):
         """``kind(rules, searches, threads)``: the outcomes of ``searches`` (all of this kind),
         each a path, None (none within its limit), False (its token is rejected) or
         :data:`FALLBACK`, in one native call on up to ``threads`` threads."""
+        ...
+
+    @property
+    def trees(
+        self,
+    ) -> Callable[
+        [ClosingRules, Sequence[tuple[NativeClosing, ClosingTree]], int],
+        list[list[NodeDecision | None] | object],
+    ]:
+        """``trees(rules, items, threads)``: each tree's decisions (one a node, None where a
+        node is not decided) made from the state this search starts at (its token unused), or
+        :data:`FALLBACK` (decide that tree in Python), in one native call on up to ``threads``
+        threads."""
         ...
 
 

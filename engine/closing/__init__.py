@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import numpy as np
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.base import FALLBACK, ClosingRules
-from espalier.engine.closing.ahead import Lookahead, max_depth, tree_decisions
+from espalier.constrained.base import FALLBACK, ClosingPolicy, ClosingRules
+from espalier.engine.closing.ahead import Lookahead, max_depth, native_tree, tree_decisions
 from espalier.engine.closing.batch import answer_all, as_answer
 
 if TYPE_CHECKING:
@@ -108,6 +108,7 @@ class ClosingPaths:
             self.blank,
             REPEAT_LIMIT,
             LOWEST_ALLOWED,
+            ClosingPolicy(SEARCH_LIMIT, MARGIN, GROWTH_PER_TOKEN, EVERY_TOKEN),
         )
         from espalier.engine.closing.backtrack import Backtracking  # it imports this module
 
@@ -679,10 +680,11 @@ class BudgetCloser:
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)
         limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
-        steps = functools.partial(
-            tree_decisions, self, memo, matcher.fork(), tree, links, here, limits, stops
-        )
-        ahead = Lookahead(tree, links, here, steps, self.paths.answer, first)
+        fork = matcher.fork()
+        inputs = (memo, fork, tree, links, here, limits, stops)
+        steps = functools.partial(tree_decisions, self, *inputs)
+        native = functools.partial(native_tree, *inputs)
+        ahead = Lookahead(tree, links, here, steps, self.paths, first, native)
         self._ahead[request.request_id] = ahead
         return ahead
 

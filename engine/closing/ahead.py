@@ -25,12 +25,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from espalier.constrained.base import GrammarMatcher
+    from espalier.constrained.base import ClosingTree, GrammarMatcher, NativeClosing, NodeDecision
     from espalier.engine.closing import BudgetCloser, ClosingPaths, Memo, SearchCall
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ TreeSteps = Generator["SearchCall", tuple[bool, "list[int] | None"], "list[Outco
 
 Filled: TypeAlias = "Sequence[bool] | np.ndarray"
 """The nodes of a tree to decide: bool ``[n]`` (the step masks' ``filled`` flags)."""
+
+NativeTree: TypeAlias = "tuple[NativeClosing, ClosingTree]"
+"""A tree's decisions as one native job (``NativeClosing.trees``)."""
 
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 
@@ -68,10 +71,12 @@ class Lookahead:
     first appended token's check sees it). steps: makes the decisions as steps given the nodes
     to decide (None: all; else :data:`Filled`, this tree's), one outcome per node (None for
     the root, for nodes not to decide and for nodes below a closing or a stop):
-    :func:`tree_decisions` on a matcher fork, its searches made by ``answer``
-    (``ClosingPaths.answer``: one by one) or, for a step's trees together, by
-    :meth:`together`; when it raises, every token is decided inline. first: the tree's root's
-    index among the step's nodes (where its flags start in :meth:`together`'s ``filled``).
+    :func:`tree_decisions` on a matcher fork, its searches made in waves across a step's trees
+    by :meth:`together` (``paths``'); when it raises, every token is decided inline. first: the
+    tree's root's index among the step's nodes (where its flags start in :meth:`together`'s
+    ``filled``). native: the same decisions as one native job (:func:`native_tree`; None, or
+    a job that comes back ``FALLBACK``: ``steps`` makes them), so a backend that decides
+    whole trees natively (llguidance: ``llg_close.c``) holds no GIL for them.
     """
 
     def __init__(
@@ -80,12 +85,14 @@ class Lookahead:
         parents: list[int],
         here: int,
         steps: Callable[[Filled | None], TreeSteps],
-        answer: Callable[[TreeSteps], list[Outcome | None]],
+        paths: ClosingPaths,
         first: int = 0,
+        native: Callable[[Filled | None], NativeTree | None] | None = None,
     ) -> None:
         self._steps: Callable[[Filled | None], TreeSteps] | None = steps
+        self._native = native
         self._first = first
-        self._answer = answer
+        self._paths = paths
         self._tokens = tokens
         self._outcomes: list[Outcome | None] = [None] * len(tokens)
         self._child = child_index(tokens, parents)
@@ -97,14 +104,7 @@ class Lookahead:
 
     def run(self) -> None:
         """Decide for every node (the job; a no-op once started elsewhere or cancelled)."""
-        steps = self.claim()
-        if steps is None:
-            return
-        try:
-            outcomes: list[Outcome | None] | BaseException = self._answer(steps)
-        except Exception as exc:  # a grammar error: decide inline (where it will surface again)
-            outcomes = exc
-        self.finish(outcomes)
+        Lookahead.together([self], self._paths, 1)
 
     @staticmethod
     def together(
@@ -120,11 +120,27 @@ class Lookahead:
         every node of the step (``MaskBuilder.submit``'s ``after``; None: decide every node)."""
         from espalier.engine.closing.batch import answer_all
 
-        claimed = {
-            k: steps
-            for k, a in enumerate(aheads)
-            if (steps := a.claim(None if filled is None else a._mine(filled))) is not None
-        }
+        claimed: dict[int, TreeSteps] = {}
+        natives: dict[Any, list[tuple[int, NativeTree]]] = {}
+        for k, ahead in enumerate(aheads):
+            mine = None if filled is None else ahead._mine(filled)
+            steps = ahead.claim(mine)
+            if steps is None:
+                continue
+            claimed[k] = steps
+            native = ahead._native_tree(mine)
+            if native is not None:
+                natives.setdefault(native[0].trees, []).append((k, native))
+        for trees, members in natives.items():
+            try:
+                outcomes = trees(paths.rules, [native for _, native in members], threads)
+            except Exception:  # not expected (a tree's own faults come back as FALLBACK)
+                log.debug("native closing trees failed; deciding in Python", exc_info=True)
+                continue
+            for (k, _), outcome in zip(members, outcomes):
+                if isinstance(outcome, list):
+                    claimed.pop(k).close()
+                    aheads[k].finish(_outcomes(outcome))
         finished: set[int] = set()
 
         def done(k: int, outcomes: list[Outcome | None] | BaseException) -> None:
@@ -136,6 +152,17 @@ class Lookahead:
         except Exception as exc:  # not expected (answer_all keeps each tree's faults apart)
             for k in claimed.keys() - finished:
                 aheads[k].finish(exc)
+
+    def _native_tree(self, filled: Filled | None) -> NativeTree | None:
+        """The tree's decisions as a native job (its matcher's backend decides whole trees),
+        or None: they are made in Python."""
+        if self._native is None:
+            return None
+        try:
+            return self._native(filled)
+        except Exception:  # its grammar: the Python decisions raise it again, then inline
+            log.debug("native closing tree not made", exc_info=True)
+            return None
 
     def claim(self, filled: Filled | None = None) -> TreeSteps | None:
         """The decisions' steps (for the nodes ``filled``: None, all), for the caller to run
@@ -254,3 +281,42 @@ def tree_decisions(
             if below.accept(token) and not below.is_terminated():
                 stack.append((child, depth + 1, below, after))
     return outcomes
+
+
+def native_tree(
+    memo: Memo,
+    matcher: GrammarMatcher,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    here: int,
+    limits: tuple[int, int],
+    stops: frozenset[int] | set[int],
+    filled: Filled | None = None,
+) -> NativeTree | None:
+    """:func:`tree_decisions`'s inputs as a native job from ``matcher`` (at the root; not
+    changed), or None where its backend decides no trees natively."""
+    search = matcher.native_closing(None, 0)
+    if search is None:
+        return None
+    from espalier.constrained.base import ClosingTree
+
+    tree = ClosingTree(
+        tokens,
+        parents,
+        filled,
+        frozenset(stops),
+        here,
+        limits[0],
+        limits[1],
+        memo.known,
+        memo.next_check,
+        memo.unclosable,
+    )
+    return search, tree
+
+
+def _outcomes(decisions: list[NodeDecision | None]) -> list[Outcome | None]:
+    """Native decisions (``NativeClosing.trees``) as :func:`tree_decisions`' outcomes."""
+    from espalier.engine.closing import Memo
+
+    return [None if d is None else (d[0], Memo(d[1], d[2], d[3])) for d in decisions]

@@ -26,7 +26,9 @@ from espalier.constrained.errors import GrammarError
 from espalier.constrained.keys import with_unique_keys
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import SamplingParams
-from espalier.engine.closing import SEARCH_LIMIT, BudgetCloser, ClosingPaths
+from espalier.engine.closing import SEARCH_LIMIT, BudgetCloser, ClosingPaths, Memo
+from espalier.engine.closing.ahead import _outcomes as ahead_outcomes
+from espalier.engine.closing.ahead import native_tree, tree_decisions
 from espalier.engine.request import Request
 from tests.fixtures.jsonschemabench import schema_cases
 
@@ -196,3 +198,132 @@ def test_prepared_decisions_equal_inline_ones(toy_tokenizer: Any) -> None:
                 left.append((ours, theirs))
         pairs = left
     assert decided > 40 and prepared > 10
+
+
+def _random_tree(
+    matcher: Any, row: Any, vocab: int, stops: set[int], rng: random.Random
+) -> tuple[list[int], list[int]]:
+    """A draft tree below ``matcher``'s state: chains of allowed tokens (each node's children
+    drawn from its own state), a few random ids (mostly rejected) and now and then a stop."""
+    tokens, parents = [0], [-1]
+    frontier = [(0, matcher.fork())]
+    while frontier and len(tokens) < 12:
+        node, at = frontier.pop(0)
+        allowed = [t for t in _allowed(at, row, vocab) if t not in stops]
+        kids = rng.sample(allowed, min(len(allowed), rng.choice((1, 1, 2, 3))))
+        kids += [rng.randrange(vocab)] if rng.random() < 0.3 else []
+        kids += [next(iter(stops))] if rng.random() < 0.1 else []
+        for token in kids:
+            tokens.append(token)
+            parents.append(node)
+            below = at.fork()
+            if token not in stops and below.accept(token) and not below.is_terminated():
+                frontier.append((len(tokens) - 1, below))
+    return tokens, parents
+
+
+def _memo(paths: ClosingPaths, matcher: Any, here: int, rng: random.Random) -> Memo:
+    """A memo as a request may hold one: none yet, the state's own path, a stale one (kept from
+    an earlier state), spaced checks, unclosable."""
+    kind = rng.randrange(5)
+    path = paths.find(matcher, 40) if kind in (1, 2) else None
+    if kind == 1 and path is not None:
+        return Memo((here, path), here)
+    if kind == 2 and path is not None:
+        return Memo((max(0, here - 2), [*path[1:], *path[:1]]), here - rng.randrange(3))
+    if kind == 3:
+        return Memo(None, here + rng.randrange(-2, 3))
+    return Memo(None, 0, kind == 4 and rng.random() < 0.3)
+
+
+def _compare_trees(
+    closer: BudgetCloser,
+    matcher: Any,
+    tokenizer: Any,
+    rng: random.Random,
+    problems: list[str],
+) -> tuple[int, int]:
+    """One random tree at ``matcher``'s state, decided by ``tree_decisions`` in Python and as
+    one native job: (nodes compared, 1 when the native job fell back)."""
+    assert closer.paths is not None
+    vocab = tokenizer.vocab_size
+    stops = set(tokenizer.stop_token_ids)
+    row = bm.allocate(1, vocab, fill=0)
+    tokens, parents = _random_tree(matcher, row, vocab, stops, rng)
+    here = rng.randrange(0, 50)
+    limits = (here + rng.randrange(1, 45), here + rng.choice((3, 30, 10_000)))
+    memo = _memo(closer.paths, matcher, here, rng)
+    filled = None if rng.random() < 0.5 else [rng.random() < 0.8 for _ in tokens]
+    inputs = (memo, matcher.fork(), tokens, parents, here, limits, frozenset(stops), filled)
+    native = native_tree(*inputs)
+    assert native is not None, "llguidance matchers decide trees natively"
+    outcome = native[0].trees(closer.paths.rules, [native], 1)[0]
+    try:
+        expected = closer.paths.answer(tree_decisions(closer, *inputs))
+    except GrammarError:
+        return 0, 0
+    if outcome is FALLBACK:
+        return 0, 1
+    assert isinstance(outcome, list)
+    got = ahead_outcomes(outcome)
+    if got != expected:
+        problems.append(f"tree {tokens} {parents} memo {memo} limits {limits}: {got} != {expected}")
+    return sum(o is not None for o in expected), 0
+
+
+@pytest.mark.parametrize("kind", ["schemas", "regexes"])
+def test_native_trees_equal_python_trees_on_random_walks(kind: str, toy_tokenizer: Any) -> None:
+    """Every node's decision and memo of a draft tree decided as one native job
+    (``NativeClosing.trees``, ``llg_close.c``) equal ``ahead.tree_decisions``' in Python, with
+    and without the duplicate-key tracker, on random trees, memos and budgets."""
+    closer = BudgetCloser(toy_tokenizer)
+    vocab = toy_tokenizer.vocab_size
+    stops = set(toy_tokenizer.stop_token_ids)
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(17)
+    problems: list[str] = []
+    nodes = fallbacks = trees = 0
+    specs = (
+        [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]
+        if kind == "schemas"
+        else [GrammarSpec.regex(pattern) for pattern in REGEXES]
+    )
+    for spec in specs:
+        for _ in range(12 if SLOW else 4):
+            _, matcher = _matcher(spec, toy_tokenizer)
+            for _ in range(rng.randrange(1, 30)):
+                compared, fell = _compare_trees(closer, matcher, toy_tokenizer, rng, problems)
+                nodes, fallbacks, trees = nodes + compared, fallbacks + fell, trees + 1
+                allowed = [t for t in _allowed(matcher, row, vocab) if t not in stops]
+                if not allowed:
+                    break
+                assert matcher.accept(rng.choice(allowed))
+    assert problems == []
+    # a tree falls back where a node's state has no greedy path (Python's backtracking search)
+    assert nodes > 300 and fallbacks < trees // 3
+
+
+@pytest.mark.model
+def test_native_trees_equal_python_trees_on_jsonschemabench(gemma_tokenizer: Any) -> None:
+    """As above along valid JSONSchemaBench instances (Gemma tokenizer)."""
+    closer = BudgetCloser(gemma_tokenizer)
+    rng = random.Random(19)
+    problems: list[str] = []
+    nodes = fallbacks = trees = schemas = 0
+    for name, schema, data in schema_cases(6 if SLOW else 2):
+        spec = GrammarSpec.json_schema(schema)
+        try:
+            _, matcher = _matcher(spec, gemma_tokenizer)
+        except GrammarError:
+            continue
+        found: list[str] = []
+        for token in gemma_tokenizer.encode(json.dumps(data)):
+            if rng.random() < 0.3:
+                compared, fell = _compare_trees(closer, matcher, gemma_tokenizer, rng, found)
+                nodes, fallbacks, trees = nodes + compared, fallbacks + fell, trees + 1
+            if not matcher.accept(token):
+                break
+        problems += [f"{name}: {p}" for p in found]
+        schemas += 1
+    assert problems == []
+    assert schemas >= 5 and nodes > 100 and fallbacks < trees // 3

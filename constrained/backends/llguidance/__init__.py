@@ -383,6 +383,9 @@ class Matcher(MatcherBase):
         # the C-API matcher closing searches clone, at the first n tokens of history
         # (``closing.py``): never advanced, shared with forks
         self.closing_base: tuple[llg_native.NativeMatcher, int] | None = None
+        # the matcher this one was forked from (None: a request's own): a base a search on
+        # this fork hands back at their common history also serves it (``closing._install``)
+        self.origin: Matcher | None = None
         self._eos = compiled.tokenizer.stop_token_ids[0]  # llguidance's EOS (_TokenizerSource)
 
     def refresh_mask_memo(self) -> None:
@@ -522,6 +525,7 @@ class Matcher(MatcherBase):
         other.mask_memo_stale = self.mask_memo_stale  # deep_copy copies the memo too
         other.history = list(self.history)  # its twin, if it is ever walked, replays them
         other.closing_base = self.closing_base
+        other.origin = self
         return other
 
     def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:

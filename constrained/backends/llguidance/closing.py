@@ -20,7 +20,7 @@ from espalier.constrained.backends.llguidance.native import close as native_clos
 
 if TYPE_CHECKING:
     from espalier.constrained.backends.llguidance.native.capi import NativeTokenizerSlot
-    from espalier.constrained.base import ClosingRules, NativeClosing
+    from espalier.constrained.base import ClosingRules, ClosingTree, NativeClosing, NodeDecision
 
 _tables: dict[tuple[int, int], tuple[object, object, native_close.CloseTables]] = {}
 _tables_lock = threading.Lock()
@@ -36,6 +36,10 @@ class LlgClosing:
     @property
     def kind(self) -> Any:
         return run_closing
+
+    @property
+    def trees(self) -> Any:
+        return run_trees
 
 
 def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClosing | None:
@@ -83,11 +87,44 @@ def run_closing(
     return outcomes
 
 
+def run_trees(
+    rules: ClosingRules, items: Sequence[tuple[NativeClosing, ClosingTree]], threads: int
+) -> list[list[NodeDecision | None] | object]:
+    """``NativeClosing.trees`` of :class:`LlgClosing`: one native call per tokenizer."""
+    outcomes: list[list[NodeDecision | None] | object] = [None] * len(items)
+    groups: dict[int, list[int]] = {}
+    for i, (search, _) in enumerate(items):
+        assert isinstance(search, LlgClosing)
+        groups.setdefault(id(search.matcher.compiled.native_slot), []).append(i)
+    for members in groups.values():
+        jobs = []
+        for i in members:
+            search, tree = items[i]
+            assert isinstance(search, LlgClosing)
+            jobs.append((search.job, search.matcher._eos, tree))
+        first = items[members[0]][0]
+        assert isinstance(first, LlgClosing)
+        tables = _tables_for(rules, first.matcher)
+        found, bases = native_close.run_tree_jobs(tables, rules.policy, jobs, threads)
+        for i, outcome, base in zip(members, found, bases):
+            outcomes[i] = outcome
+            if base is not None:
+                _install(items[i][0], base)
+    return outcomes
+
+
 def _install(search: Any, base: Any) -> None:
-    """A new base at the job's history end, unless the matcher moved on differently."""
+    """A new base at the job's history end, on its matcher unless that moved on (searches run
+    on the matcher's thread), and on the matcher it was forked from where that one's history
+    is exactly the job's (a draft tree's job runs on a fork of the request's matcher, on
+    another thread, while the request's matcher waits for the step's decisions)."""
     matcher, job = search.matcher, search.job
-    if len(matcher.history) == job.length:  # searches run on the matcher's thread
-        matcher.closing_base = (base, job.length)
+    if len(matcher.history) != job.length:
+        return
+    matcher.closing_base = (base, job.length)
+    origin = matcher.origin
+    if origin is not None and origin.history == matcher.history:
+        origin.closing_base = (base, job.length)
 
 
 def _tables_for(rules: ClosingRules, matcher: Any) -> native_close.CloseTables:

@@ -23,12 +23,14 @@ from espalier.constrained.backends.llguidance.native import capi
 from espalier.constrained.base import FALLBACK
 
 if TYPE_CHECKING:
-    from espalier.constrained.base import ClosingRules
+    from espalier.constrained.base import ClosingPolicy, ClosingRules, ClosingTree, NodeDecision
 
-CLOSE_ABI = 1
+CLOSE_ABI = 2
 """``espalier_llg_close_abi()`` of the ``llg_close.c`` this binding was written for."""
 
 CLOSE_FOUND, CLOSE_NONE, CLOSE_REJECTED = 0, 1, 2
+TREE_DONE = 0
+TREE_FIELDS = 8
 REBASE_AFTER = 8
 """History tokens past the closing base after which a search hands back a new base."""
 PATH_CAP = 4096
@@ -102,6 +104,44 @@ class _Job(ctypes.Structure):
     ]
 
 
+class _TreePolicy(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("search_limit", "margin", "growth_per_token", "every_token")
+    ]
+
+
+class _TreeJob(ctypes.Structure):
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("sync", ctypes.c_void_p),
+        ("n_sync", ctypes.c_int64),
+        ("stop_depth", ctypes.c_int64),
+        ("keys", ctypes.c_void_p),
+        ("eos", ctypes.c_int64),
+        ("tokens", ctypes.c_void_p),
+        ("parents", ctypes.c_void_p),
+        ("filled", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("stops", ctypes.c_void_p),
+        ("n_stops", ctypes.c_int64),
+        ("here", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int64),
+        ("room", ctypes.c_int64),
+        ("known_here", ctypes.c_int64),
+        ("known", ctypes.c_void_p),
+        ("known_len", ctypes.c_int64),
+        ("next_check", ctypes.c_int64),
+        ("unclosable", ctypes.c_int64),
+        ("rebase", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("buf", ctypes.c_void_p),
+        ("buf_cap", ctypes.c_int64),
+        ("status", ctypes.c_int64),
+        ("new_base", ctypes.c_void_p),
+    ]
+
+
 class CloseLib:
     """The search function and the tables of the functions it calls."""
 
@@ -120,6 +160,9 @@ class CloseLib:
         self.batch = walk.espalier_llg_close_batch
         self.batch.restype = ctypes.c_int64
         self.batch.argtypes = [vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64]
+        self.trees = walk.espalier_llg_close_trees
+        self.trees.restype = ctypes.c_int64
+        self.trees.argtypes = [vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64]
         names = (
             "llg_matcher_consume_token",
             "llg_matcher_validate_tokens",
@@ -263,3 +306,114 @@ def run_jobs(
         new = int(s.new_base or 0)
         bases.append(capi.NativeMatcher(job.base.tokenizer, new) if new else None)
     return outcomes, bases
+
+
+def run_tree_jobs(
+    tables: CloseTables,
+    policy: ClosingPolicy,
+    jobs: Sequence[tuple[CloseJob, int, ClosingTree]],
+    threads: int,
+) -> tuple[list[list[NodeDecision | None] | object], list[capi.NativeMatcher | None]]:
+    """Each tree's decisions (``engine/closing/ahead.tree_decisions``'s, node for node) in one
+    ``espalier_llg_close_trees`` call on up to ``threads`` threads, or ``base.FALLBACK`` for a
+    tree that must be decided in Python, and where ``job.rebase`` asked, a new base at the
+    root. A job: its root's search (``job.token`` and ``job.limit`` unused), the EOS id
+    ``Matcher.completes`` validates after a try, the tree."""
+    lib = close_lib()
+    n = len(jobs)
+    structs = (_TreeJob * max(n, 1))()
+    keep: list[Any] = []
+    outs: list[np.ndarray] = []
+    bufs: list[np.ndarray] = []
+    keyed = False
+    for j, (job, eos, tree) in enumerate(jobs):
+        size = len(tree.tokens)
+        known = tree.known[1] if tree.known is not None else []
+        budget = max(0, min(tree.max_tokens - tree.here, tree.room - tree.here))
+        # every node adds at most two paths no longer than the budget plus its closer
+        cap = len(known) + size * 2 * (min(budget, PATH_CAP) + 2)
+        arrays = (
+            np.asarray(job.sync, dtype=np.uint32),
+            np.asarray(tree.tokens, dtype=np.int64),
+            np.asarray(tree.parents, dtype=np.int64),
+            None if tree.filled is None else np.ascontiguousarray(tree.filled, dtype=np.uint8),
+            np.array(sorted(tree.stops) or [0], dtype=np.int64),
+            np.array(known or [0], dtype=np.int64),
+        )
+        out = np.zeros(size * TREE_FIELDS, dtype=np.int64)
+        buf = np.zeros(max(cap, 1), dtype=np.int64)
+        keep.append(arrays)
+        outs.append(out)
+        bufs.append(buf)
+        keyed = keyed or bool(job.keys)
+        sync, tokens, parents, filled, stops, known_ids = arrays
+        s = structs[j]
+        s.base = job.base.pointer
+        s.sync = sync.ctypes.data
+        s.n_sync = sync.shape[0]
+        s.stop_depth = job.stop_depth
+        s.keys = job.keys or None
+        s.eos = eos
+        s.tokens = tokens.ctypes.data
+        s.parents = parents.ctypes.data
+        s.filled = None if filled is None else filled.ctypes.data
+        s.n = size
+        s.stops = stops.ctypes.data
+        s.n_stops = len(tree.stops)
+        s.here = tree.here
+        s.max_tokens = tree.max_tokens
+        s.room = tree.room
+        s.known_here = -1 if tree.known is None else tree.known[0]
+        s.known = known_ids.ctypes.data
+        s.known_len = len(known)
+        s.next_check = tree.next_check
+        s.unclosable = int(tree.unclosable)
+        s.rebase = int(job.rebase)
+        s.out = out.ctypes.data
+        s.buf = buf.ctypes.data
+        s.buf_cap = cap
+    rules = _TreePolicy(
+        policy.search_limit, policy.margin, policy.growth_per_token, policy.every_token
+    )
+    keys_api = ctypes.addressof(lib.keys_api()) if keyed else None
+    lib.trees(
+        ctypes.addressof(lib.llg_fns),
+        keys_api,
+        ctypes.addressof(tables.struct),
+        ctypes.addressof(rules),
+        ctypes.addressof(structs),
+        n,
+        max(1, threads),
+    )
+    results: list[list[NodeDecision | None] | object] = []
+    bases: list[capi.NativeMatcher | None] = []
+    for j, (job, _, _) in enumerate(jobs):
+        new = int(structs[j].new_base or 0)
+        bases.append(capi.NativeMatcher(job.base.tokenizer, new) if new else None)
+        if int(structs[j].status) != TREE_DONE:
+            results.append(FALLBACK)
+            continue
+        results.append(_decisions(outs[j].reshape(-1, TREE_FIELDS).tolist(), bufs[j]))
+    return results, bases
+
+
+def _decisions(rows: list[list[int]], buf: np.ndarray) -> list[NodeDecision | None]:
+    """The out rows of one tree as :data:`NodeDecision`s (paths sliced from ``buf``, one list
+    for each distinct span)."""
+    spans: dict[tuple[int, int], list[int]] = {}
+
+    def span(at: int, length: int) -> list[int]:
+        found = spans.get((at, length))
+        if found is None:
+            found = spans[(at, length)] = buf[at : at + length].tolist()
+        return found
+
+    decisions: list[NodeDecision | None] = []
+    for decided, close_at, close_len, known_here, known_at, known_len, check, unclosable in rows:
+        if not decided:
+            decisions.append(None)
+            continue
+        close = span(close_at, close_len) if close_len >= 0 else None
+        known = (known_here, span(known_at, known_len)) if known_here >= 0 else None
+        decisions.append((close, known, check, bool(unclosable)))
+    return decisions

@@ -86,8 +86,9 @@ enum {
     CLOSE_OVERFLOW = -3, /* the path outgrew path_cap */
 };
 
-/* The layout of EspCloseJob / EspCloseTables and the function: capi.py checks it at load. */
-#define ESP_CLOSE_ABI 1
+/* The layout of EspCloseJob / EspCloseTables / EspTreeJob / EspTreePolicy and the functions:
+ * close.py checks it at load. */
+#define ESP_CLOSE_ABI 2
 
 int64_t espalier_llg_close_abi(void) { return ESP_CLOSE_ABI; }
 
@@ -528,49 +529,467 @@ static void run_job(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCl
     probe_free(&p);
 }
 
-typedef struct CloseShared {
+/* -- whole draft trees: BudgetCloser.decision at every node (engine/closing/ahead.py) -------- */
+
+/* The decision's constants (engine/closing: SEARCH_LIMIT, MARGIN, GROWTH_PER_TOKEN,
+ * EVERY_TOKEN). */
+typedef struct EspTreePolicy {
+    int64_t search_limit, margin, growth_per_token, every_token;
+} EspTreePolicy;
+
+/* One draft tree's decisions (ahead.tree_decisions). In: base, sync, stop_depth, keys as in
+ * EspCloseJob (the probe they make is the tree's root); eos (the id Matcher.completes
+ * validates after a try); the tree (tokens, parents[i] < i, filled: NULL or one flag a node);
+ * stops (the request's stop ids: never checked); here, max_tokens, room (a check at output
+ * length h has budget min(max_tokens - h, room - h)); the memo (known_here -1: none).
+ * rebase: hand back a matcher at the root (new_base; the caller owns it).
+ * Out: status (TREE_DONE, TREE_FALLBACK: a decision needs the Python fallback search, < 0: a
+ * failure); out[n][TREE_FIELDS] (a node not decided has decided = 0); buf: every path the
+ * outputs name (offsets into it), the memo's known path first. */
+typedef struct EspTreeJob {
+    void *base;
+    const uint32_t *sync;
+    int64_t n_sync, stop_depth;
+    void *keys;
+    int64_t eos;
+    const int64_t *tokens, *parents;
+    const uint8_t *filled;
+    int64_t n;
+    const int64_t *stops;
+    int64_t n_stops;
+    int64_t here, max_tokens, room;
+    int64_t known_here;
+    const int64_t *known;
+    int64_t known_len, next_check, unclosable;
+    int64_t rebase;
+    int64_t *out;
+    int64_t *buf;
+    int64_t buf_cap;
+    int64_t status;
+    void *new_base;
+} EspTreeJob;
+
+enum { TREE_DONE = 0, TREE_FALLBACK = 1 };
+/* out fields: decided, close_at, close_len (-1: none), known_here (-1: none), known_at,
+ * known_len, next_check, unclosable */
+enum { TREE_FIELDS = 8 };
+
+typedef struct Memo {
+    int64_t known_here, known_at, known_len, next_check, unclosable;
+} Memo;
+
+typedef struct TreeRun {
+    const EspTreePolicy *pol;
+    EspTreeJob *job;
+    int64_t used; /* of job->buf */
+    int64_t status;
+} TreeRun;
+
+static void tree_fail(TreeRun *r, int64_t status) {
+    if (r->status == TREE_DONE) r->status = status;
+}
+
+/* _next_check */
+static int64_t next_check(const EspTreePolicy *pol, int64_t here, int64_t budget, int64_t slack) {
+    const int64_t spaced = here + 1 + (slack > 0 ? slack / (pol->growth_per_token + 1) : 0);
+    const int64_t every = here + budget - pol->every_token;
+    const int64_t low = every > here + 1 ? every : here + 1;
+    return spaced < low ? spaced : low;
+}
+
+/* Matcher.completes: validate_tokens of the run and the EOS for text tokens, else a fork's
+ * accept_tokens then can_terminate. */
+static int inner_completes(Probe *p, const int64_t *tokens, int64_t n, int64_t eos) {
+    int all_text = n > 0 && !p->stop_depth;
+    for (int64_t i = 0; all_text && i < n; i++) all_text = text_token(p, tokens[i]);
+    if (all_text) {
+        uint32_t small[128];
+        uint32_t *ids = n + 1 <= 128 ? small : malloc(sizeof(uint32_t) * (size_t)(n + 1));
+        if (ids == NULL) {
+            fail(p, CLOSE_NO_MEMORY);
+            return 0;
+        }
+        for (int64_t i = 0; i < n; i++) ids[i] = (uint32_t)tokens[i];
+        ids[n] = (uint32_t)eos;
+        const int32_t valid = p->llg->validate(p->m, ids, (size_t)(n + 1));
+        if (ids != small) free(ids);
+        if (valid < 0 || p->llg->is_error(p->m)) {
+            fail(p, CLOSE_ERROR);
+            return 0;
+        }
+        return valid == n + 1;
+    }
+    Probe fork = *p;
+    fork.failed = 0;
+    fork.keys = NULL;
+    fork.m = p->llg->clone(p->m);
+    if (fork.m == NULL) {
+        fail(p, CLOSE_NO_MEMORY);
+        return 0;
+    }
+    const int ok = inner_accept_tokens(&fork, tokens, n) == n && !fork.failed &&
+                   inner_can_terminate(&fork);
+    if (fork.failed) fail(p, fork.failed);
+    p->llg->free_matcher(fork.m);
+    return ok && !p->failed;
+}
+
+/* UniqueKeysMatcher.completes (or Matcher.completes, unwrapped) */
+static int completes(Probe *p, const int64_t *tokens, int64_t n, int64_t eos) {
+    if (!inner_completes(p, tokens, n, eos) || p->failed) return 0;
+    if (p->keys == NULL) return 1;
+    const int64_t clean = keys_accept_tokens(p, tokens, n);
+    if (p->failed) return 0;
+    if (clean > 0) p->ka->rollback(p->keys, clean);
+    if (clean < n) { /* a duplicate completion: the dead-end rule decides, on a fork */
+        Probe fork;
+        if (!probe_fork(p, &fork)) return 0;
+        const int ok = accept_tokens(&fork, tokens, n) == n && !fork.failed && can_terminate(&fork);
+        if (fork.failed) fail(p, fork.failed);
+        probe_free(&fork);
+        return ok && !p->failed;
+    }
+    return 1;
+}
+
+/* Room for len ids in the job's buffer (NULL: it is full, the tree falls back). */
+static int64_t *take_buf(TreeRun *r, int64_t len) {
+    if (r->used + len > r->job->buf_cap) {
+        tree_fail(r, CLOSE_OVERFLOW);
+        return NULL;
+    }
+    int64_t *at = r->job->buf + r->used;
+    r->used += len;
+    return at;
+}
+
+/* ClosingPaths.stitch from the path buf[at..at+len): 1 with *out_at / *out_len set, 0 none
+ * (or a failure: p->failed / r->status). */
+static int stitch(TreeRun *r, Probe *p, int64_t token, int64_t at, int64_t len, int64_t limit,
+                  int64_t *out_at, int64_t *out_len) {
+    const EspCloseTables *t = p->t;
+    int64_t *tries = malloc(sizeof(int64_t) * (size_t)(len + 2));
+    if (tries == NULL) {
+        fail(p, CLOSE_NO_MEMORY);
+        return 0;
+    }
+    const int64_t *path = r->job->buf + at;
+    int found = 0;
+    const int64_t suffixes = len < 3 ? len : 3;
+    for (int64_t k = 0; k <= suffixes && !found && !p->failed; k++) {
+        if (len - k > limit) continue;
+        tries[0] = token;
+        memcpy(tries + 1, path + k, sizeof(int64_t) * (size_t)(len - k));
+        if (completes(p, tries, len - k + 1, r->job->eos)) {
+            *out_at = at + k;
+            *out_len = len - k;
+            found = 1;
+        }
+    }
+    if (!found && !p->failed && len > 0 && len < limit) {
+        const int64_t closers = t->n_candidates < 3 ? t->n_candidates : 3;
+        for (int64_t c = 0; c < closers && !found && !p->failed; c++) {
+            tries[0] = token;
+            tries[1] = t->candidates[c];
+            memcpy(tries + 2, path, sizeof(int64_t) * (size_t)len);
+            if (completes(p, tries, len + 2, r->job->eos)) {
+                int64_t *dst = take_buf(r, len + 1);
+                if (dst == NULL) break;
+                memcpy(dst, tries + 1, sizeof(int64_t) * (size_t)(len + 1));
+                *out_at = dst - r->job->buf;
+                *out_len = len + 1;
+                found = 1;
+            }
+        }
+    }
+    free(tries);
+    return found && !p->failed && r->status == TREE_DONE;
+}
+
+/* A greedy search on a fork of p (after token, or from p's state when token < 0), its path
+ * into the job's buffer: CLOSE_FOUND (*out_at, *out_len), CLOSE_NONE, CLOSE_REJECTED or a
+ * failure. */
+static int64_t search_from(TreeRun *r, Probe *p, int64_t token, int64_t limit, int64_t *out_at,
+                           int64_t *out_len) {
+    Probe probe;
+    if (!probe_fork(p, &probe)) return p->failed;
+    int64_t status;
+    if (token >= 0 && !accept(&probe, token)) {
+        status = probe.failed ? probe.failed : CLOSE_REJECTED;
+    } else if (probe.failed) {
+        status = probe.failed;
+    } else {
+        EspCloseJob job;
+        memset(&job, 0, sizeof job);
+        job.limit = limit;
+        job.path = r->job->buf + r->used;
+        job.path_cap = r->job->buf_cap - r->used;
+        status = search(&probe, &job);
+        if (status == CLOSE_FOUND) {
+            *out_at = r->used;
+            *out_len = job.path_len;
+            r->used += job.path_len;
+        }
+    }
+    probe_free(&probe);
+    return status;
+}
+
+/* BudgetCloser.decision for `token` appended at output length `here` with `budget` left, from
+ * memo m and probe p (the state before token; not changed): the memo after into *out and the
+ * closing path to emit instead (*close_len -1: none). 0, or -1 with r->status set. */
+static int decide(TreeRun *r, Probe *p, const Memo *m, int64_t token, int64_t here,
+                  int64_t budget, int exempt, Memo *out, int64_t *close_at, int64_t *close_len) {
+    const EspTreePolicy *pol = r->pol;
+    *out = *m;
+    *close_at = 0;
+    *close_len = -1;
+    if (exempt || m->unclosable) return 0; /* _without_check */
+    const int has_path = m->known_here == here;
+    if (has_path && m->known_len > 0 && r->job->buf[m->known_at] == token) {
+        out->known_here = here + 1;
+        out->known_at = m->known_at + 1;
+        out->known_len = m->known_len - 1;
+        return 0;
+    }
+    if (here < m->next_check) return 0;
+    const int64_t limit = budget - 2;
+    int64_t after_at = 0, after_len = -1;
+    if (m->known_here >= 0) {
+        int64_t at, len;
+        if (stitch(r, p, token, m->known_at, m->known_len, limit, &at, &len)) {
+            after_at = at;
+            after_len = len;
+        }
+        if (p->failed) tree_fail(r, p->failed);
+        if (r->status != TREE_DONE) return -1;
+    }
+    if (after_len < 0) {
+        int64_t at, len;
+        const int64_t lim = limit < pol->search_limit ? limit : pol->search_limit;
+        const int64_t status = search_from(r, p, token, lim, &at, &len);
+        if (status == CLOSE_REJECTED) return 0; /* not for this policy to decide */
+        if (status == CLOSE_FOUND) {
+            after_at = at;
+            after_len = len;
+        } else if (status != CLOSE_NONE) {
+            tree_fail(r, status);
+            return -1;
+        }
+    }
+    if (after_len < 0 && limit > pol->search_limit) { /* not found that short: look again later */
+        out->next_check = next_check(pol, here, budget, limit - pol->search_limit);
+        return 0;
+    }
+    if (after_len >= 0) {
+        out->known_here = here + 1;
+        out->known_at = after_at;
+        out->known_len = after_len;
+        out->next_check = next_check(pol, here, budget, limit - after_len - pol->margin);
+        out->unclosable = 0;
+        return 0;
+    }
+    int64_t path_at = m->known_at, path_len = has_path ? m->known_len : -1;
+    if (path_len < 0 && budget - 1 >= 0) { /* ``find``: the current state's own path */
+        const int64_t status = search_from(r, p, -1, budget - 1, &path_at, &path_len);
+        if (status == CLOSE_NONE) { /* ClosingPaths.or_fallback: Python's backtracking search */
+            tree_fail(r, TREE_FALLBACK);
+            return -1;
+        }
+        if (status != CLOSE_FOUND) {
+            tree_fail(r, status < 0 ? status : CLOSE_ERROR);
+            return -1;
+        }
+    }
+    if (path_len < 0) {
+        out->unclosable = 1;
+        return 0;
+    }
+    *close_at = path_at;
+    *close_len = path_len;
+    return 0;
+}
+
+typedef struct Frame {
+    int64_t node, depth;
+    Probe probe;
+    Memo memo;
+} Frame;
+
+static int is_stop(const EspTreeJob *job, int64_t token) {
+    for (int64_t i = 0; i < job->n_stops; i++)
+        if (job->stops[i] == token) return 1;
+    return 0;
+}
+
+/* ahead.tree_decisions, depth first from the root. */
+static void run_tree(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspCloseTables *t,
+                     const EspTreePolicy *pol, EspTreeJob *job, uint32_t *row) {
+    const int64_t n = job->n;
+    TreeRun r = {pol, job, 0, TREE_DONE};
+    memset(job->out, 0, sizeof(int64_t) * (size_t)(n * TREE_FIELDS));
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n));
+    Frame *stack = malloc(sizeof(Frame) * (size_t)n);
+    int64_t depth_of_stack = 0;
+    if (first == NULL || stack == NULL || n < 1) {
+        job->status = n < 1 ? TREE_DONE : CLOSE_NO_MEMORY;
+        free(first);
+        free(stack);
+        return;
+    }
+    int64_t *next = first + n; /* children in order: first[i], then next[child] */
+    for (int64_t i = 0; i < n; i++) first[i] = next[i] = -1;
+    for (int64_t i = n - 1; i >= 1; i--) {
+        next[i] = first[job->parents[i]];
+        first[job->parents[i]] = i;
+    }
+    Memo memo = {job->known_here, 0, job->known_len, job->next_check, job->unclosable};
+    int64_t *known = take_buf(&r, job->known_len);
+    if (known != NULL && job->known_len) memcpy(known, job->known, sizeof(int64_t) * (size_t)job->known_len);
+    Frame *root = &stack[0];
+    memset(root, 0, sizeof *root);
+    root->probe.llg = llg;
+    root->probe.ka = ka;
+    root->probe.t = t;
+    root->probe.row = row;
+    root->probe.stop_depth = job->stop_depth;
+    root->memo = memo;
+    root->probe.m = known != NULL ? llg->clone(job->base) : NULL;
+    if (job->keys != NULL && root->probe.m != NULL) root->probe.keys = ka->fork(job->keys);
+    if (known != NULL && (root->probe.m == NULL || (job->keys != NULL && root->probe.keys == NULL)))
+        tree_fail(&r, CLOSE_NO_MEMORY);
+    for (int64_t i = 0; r.status == TREE_DONE && i < job->n_sync; i++)
+        if (llg->consume(root->probe.m, job->sync[i]) != 0) tree_fail(&r, CLOSE_ERROR);
+    job->new_base = NULL;
+    if (r.status == TREE_DONE && job->rebase) {
+        void *copy = llg->clone(root->probe.m);
+        if (copy == NULL) {
+            tree_fail(&r, CLOSE_NO_MEMORY);
+        } else {
+            job->new_base = root->probe.m;
+            root->probe.m = copy;
+        }
+    }
+    depth_of_stack = 1;
+    while (depth_of_stack > 0 && r.status == TREE_DONE) {
+        Frame f = stack[--depth_of_stack];
+        const int64_t check = job->here + f.depth; /* the children's tokens are checked here */
+        const int64_t a = job->max_tokens - check, b = job->room - check;
+        const int64_t budget = a < b ? a : b;
+        for (int64_t child = first[f.node]; child >= 0 && r.status == TREE_DONE; child = next[child]) {
+            if (job->filled != NULL && !job->filled[child]) continue;
+            const int64_t token = job->tokens[child];
+            const int exempt = is_stop(job, token);
+            Memo after;
+            int64_t close_at, close_len;
+            if (decide(&r, &f.probe, &f.memo, token, check, budget, exempt, &after, &close_at,
+                       &close_len) != 0)
+                break;
+            int64_t *o = job->out + child * TREE_FIELDS;
+            o[0] = 1;
+            o[1] = close_at;
+            o[2] = close_len;
+            o[3] = after.known_here;
+            o[4] = after.known_at;
+            o[5] = after.known_len;
+            o[6] = after.next_check;
+            o[7] = after.unclosable;
+            if (close_len >= 0 || exempt || first[child] < 0 || budget <= 1) continue;
+            /* the last child advances the node's own probe (no one needs it after) */
+            Frame below;
+            below.node = child;
+            below.depth = f.depth + 1;
+            below.memo = after;
+            if (next[child] < 0) {
+                below.probe = f.probe;
+                f.probe.m = NULL;
+                f.probe.keys = NULL;
+            } else if (!probe_fork(&f.probe, &below.probe)) {
+                tree_fail(&r, f.probe.failed ? f.probe.failed : CLOSE_NO_MEMORY);
+                break;
+            }
+            if (accept(&below.probe, token) && !below.probe.stop_depth && !below.probe.failed) {
+                stack[depth_of_stack++] = below;
+            } else {
+                if (below.probe.failed) tree_fail(&r, below.probe.failed);
+                probe_free(&below.probe);
+            }
+        }
+        probe_free(&f.probe);
+    }
+    while (depth_of_stack > 0) probe_free(&stack[--depth_of_stack].probe);
+    job->status = r.status;
+    free(first);
+    free(stack);
+}
+
+/* -- the thread pool of both entry points ---------------------------------------------------- */
+
+typedef struct Pool {
     const EspLlgCloseApi *llg;
     const EspKeysApi *ka;
     const EspCloseTables *t;
-    EspCloseJob *jobs;
+    const EspTreePolicy *pol;
+    EspCloseJob *jobs; /* searches, or */
+    EspTreeJob *trees; /* trees (the other NULL) */
     int64_t n;
     int64_t next; /* the next job to take (atomic) */
-} CloseShared;
+} Pool;
 
-static void *close_worker(void *arg) {
-    CloseShared *s = arg;
+static void *pool_worker(void *arg) {
+    Pool *s = arg;
     uint32_t *row = malloc(sizeof(uint32_t) * (size_t)s->t->words);
     for (;;) {
         const int64_t j = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
         if (j >= s->n) break;
         if (row == NULL) {
-            s->jobs[j].status = CLOSE_NO_MEMORY;
-            continue;
+            if (s->trees != NULL) s->trees[j].status = CLOSE_NO_MEMORY;
+            else s->jobs[j].status = CLOSE_NO_MEMORY;
+        } else if (s->trees != NULL) {
+            run_tree(s->llg, s->ka, s->t, s->pol, &s->trees[j], row);
+        } else {
+            run_job(s->llg, s->ka, s->t, &s->jobs[j], row);
         }
-        run_job(s->llg, s->ka, s->t, &s->jobs[j], row);
     }
     free(row);
     return NULL;
 }
 
-/* Run jobs[0..n) on up to `threads` threads (the caller's among them), each job whole on one.
- * ka may be NULL when no job has a tracker. Never touches Python (except through llguidance's
- * tokenize callback on a cache miss); returns how many jobs failed (status < 0). */
-int64_t espalier_llg_close_batch(const EspLlgCloseApi *llg, const EspKeysApi *ka,
-                                 const EspCloseTables *t, EspCloseJob *jobs, int64_t n,
-                                 int64_t threads) {
-    CloseShared shared = {llg, ka, t, jobs, n, 0};
-    int64_t count = threads < n ? threads : n;
+/* The pool's jobs on up to `threads` threads (the caller's among them), each job whole on one. */
+static void run_pool(Pool *pool, int64_t threads) {
+    int64_t count = threads < pool->n ? threads : pool->n;
     if (count > MAX_CLOSE_THREADS) count = MAX_CLOSE_THREADS;
     pthread_t ids[MAX_CLOSE_THREADS];
     int64_t started = 0;
     for (int64_t i = 1; i < count; i++) {
-        if (pthread_create(&ids[started], NULL, close_worker, &shared) != 0) break;
+        if (pthread_create(&ids[started], NULL, pool_worker, pool) != 0) break;
         started++;
     }
-    close_worker(&shared);
+    pool_worker(pool);
     for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+/* Run searches jobs[0..n) on up to `threads` threads. ka may be NULL when no job has a
+ * tracker. Never touches Python (except through llguidance's tokenize callback on a cache
+ * miss); returns how many jobs failed (status < 0). */
+int64_t espalier_llg_close_batch(const EspLlgCloseApi *llg, const EspKeysApi *ka,
+                                 const EspCloseTables *t, EspCloseJob *jobs, int64_t n,
+                                 int64_t threads) {
+    Pool pool = {llg, ka, t, NULL, jobs, NULL, n, 0};
+    run_pool(&pool, threads);
     int64_t failed = 0;
     for (int64_t j = 0; j < n; j++) failed += jobs[j].status < 0;
     return failed;
+}
+
+/* Decide trees jobs[0..n) on up to `threads` threads, as espalier_llg_close_batch runs
+ * searches; returns how many did not finish (status != TREE_DONE). */
+int64_t espalier_llg_close_trees(const EspLlgCloseApi *llg, const EspKeysApi *ka,
+                                 const EspCloseTables *t, const EspTreePolicy *pol,
+                                 EspTreeJob *jobs, int64_t n, int64_t threads) {
+    Pool pool = {llg, ka, t, pol, NULL, jobs, n, 0};
+    run_pool(&pool, threads);
+    int64_t unfinished = 0;
+    for (int64_t j = 0; j < n; j++) unfinished += jobs[j].status != TREE_DONE;
+    return unfinished;
 }
