@@ -27,20 +27,13 @@ import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import FALLBACK, ClosingPolicy, ClosingRules
-from espalier.engine.closing.ahead import (
-    Lookahead,
-    Outcome,
-    decide_natively,
-    max_depth,
-    native_tree,
-    tree_decisions,
-)
+from espalier.engine.closing.ahead import Lookahead, max_depth, native_tree, tree_decisions
 from espalier.engine.closing.batch import answer_all, as_answer
 
 if TYPE_CHECKING:
@@ -524,7 +517,6 @@ class BudgetCloser:
             return
         decisions: dict[str, Decision] = {}
         keys: dict[str, tuple[int, int, bool, Memo]] = {}
-        trees: dict[str, tuple[Any, ...]] = {}
         firsts: dict[str, tuple[object, FirstKey]] = {}
         for request, token, here, stops in items:
             matcher = request.matcher
@@ -551,28 +543,9 @@ class BudgetCloser:
                 firsts[request_id] = (request.compiled, first_key)
             decisions[request_id] = self.decision(memo, matcher, token, here, budget, exempt)
             keys[request_id] = (here, token, exempt, memo)
-            # the same decision as a tree of one node below the current state
-            room = max_model_len - request.num_tokens + here
-            limits = (request.sampling.max_tokens, room)
-            trees[request_id] = (memo, matcher, [token, token], [-1, 0], here, limits, stops)
         if len(decisions) < 2:
             return  # nothing to batch: ``instead`` decides as before
-        outcomes: dict[str, Outcome | BaseException] = {}
-        natives = {}
-        for request_id, inputs in trees.items():
-            try:
-                native = native_tree(*inputs)
-            except Exception:  # its grammar: the Python decision meets it again
-                continue
-            if native is not None:
-                natives[request_id] = native
-        for request_id, nodes in decide_natively(self.paths, natives, self.threads).items():
-            decisions.pop(request_id).close()
-            node = nodes[1]
-            assert node is not None, "a tree's only node below the root is decided"
-            outcomes[request_id] = node
-        outcomes.update(answer_all(self.paths, decisions, self.threads))
-        for request_id, outcome in outcomes.items():
+        for request_id, outcome in answer_all(self.paths, decisions, self.threads).items():
             if not isinstance(outcome, BaseException):
                 self._ready[request_id] = (*keys[request_id], outcome)
                 if request_id in firsts:
