@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from espalier.engine.closing import BudgetCloser, ClosingPaths, Memo, SearchCall
 
 log = logging.getLogger(__name__)
+K = TypeVar("K", bound=Hashable)
 
 Outcome = tuple["list[int] | None", "Memo"]
 """A node's decision: the closing path to emit instead of its token (None: none) and the memo
@@ -121,7 +122,7 @@ class Lookahead:
         from espalier.engine.closing.batch import answer_all
 
         claimed: dict[int, TreeSteps] = {}
-        natives: dict[Any, list[tuple[int, NativeTree]]] = {}
+        natives: dict[int, NativeTree] = {}
         for k, ahead in enumerate(aheads):
             mine = None if filled is None else ahead._mine(filled)
             steps = ahead.claim(mine)
@@ -130,17 +131,10 @@ class Lookahead:
             claimed[k] = steps
             native = ahead._native_tree(mine)
             if native is not None:
-                natives.setdefault(native[0].trees, []).append((k, native))
-        for trees, members in natives.items():
-            try:
-                outcomes = trees(paths.rules, [native for _, native in members], threads)
-            except Exception:  # not expected (a tree's own faults come back as FALLBACK)
-                log.debug("native closing trees failed; deciding in Python", exc_info=True)
-                continue
-            for (k, _), outcome in zip(members, outcomes):
-                if isinstance(outcome, list):
-                    claimed.pop(k).close()
-                    aheads[k].finish(_outcomes(outcome))
+                natives[k] = native
+        for k, outcomes in decide_natively(paths, natives, threads).items():
+            claimed.pop(k).close()
+            aheads[k].finish(outcomes)
         finished: set[int] = set()
 
         def done(k: int, outcomes: list[Outcome | None] | BaseException) -> None:
@@ -313,6 +307,28 @@ def native_tree(
         memo.unclosable,
     )
     return search, tree
+
+
+def decide_natively(
+    paths: ClosingPaths, trees: Mapping[K, NativeTree], threads: int
+) -> dict[K, list[Outcome | None]]:
+    """The trees' decisions made natively (``NativeClosing.trees``: one call per kind, on up to
+    ``threads`` native threads, the GIL released), by key; a tree that came back ``FALLBACK``
+    (or whose call failed) is left out: the caller decides it in Python."""
+    kinds: dict[Any, list[tuple[K, NativeTree]]] = {}
+    for key, native in trees.items():
+        kinds.setdefault(native[0].trees, []).append((key, native))
+    decided: dict[K, list[Outcome | None]] = {}
+    for kind, members in kinds.items():
+        try:
+            outcomes = kind(paths.rules, [native for _, native in members], threads)
+        except Exception:  # not expected (a tree's own faults come back as FALLBACK)
+            log.debug("native closing trees failed; deciding in Python", exc_info=True)
+            continue
+        for (key, _), outcome in zip(members, outcomes):
+            if isinstance(outcome, list):
+                decided[key] = _outcomes(outcome)
+    return decided
 
 
 def _outcomes(decisions: list[NodeDecision | None]) -> list[Outcome | None]:

@@ -111,35 +111,41 @@ class _TreePolicy(ctypes.Structure):
     ]
 
 
-class _TreeJob(ctypes.Structure):
-    _fields_ = [
-        ("base", ctypes.c_void_p),
-        ("sync", ctypes.c_void_p),
-        ("n_sync", ctypes.c_int64),
-        ("stop_depth", ctypes.c_int64),
-        ("keys", ctypes.c_void_p),
-        ("eos", ctypes.c_int64),
-        ("tokens", ctypes.c_void_p),
-        ("parents", ctypes.c_void_p),
-        ("filled", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("stops", ctypes.c_void_p),
-        ("n_stops", ctypes.c_int64),
-        ("here", ctypes.c_int64),
-        ("max_tokens", ctypes.c_int64),
-        ("room", ctypes.c_int64),
-        ("known_here", ctypes.c_int64),
-        ("known", ctypes.c_void_p),
-        ("known_len", ctypes.c_int64),
-        ("next_check", ctypes.c_int64),
-        ("unclosable", ctypes.c_int64),
-        ("rebase", ctypes.c_int64),
-        ("out", ctypes.c_void_p),
-        ("buf", ctypes.c_void_p),
-        ("buf_cap", ctypes.c_int64),
-        ("status", ctypes.c_int64),
-        ("new_base", ctypes.c_void_p),
+_TREE_JOB = np.dtype(
+    [
+        (name, np.int64)
+        for name in (
+            "base",
+            "sync",
+            "n_sync",
+            "stop_depth",
+            "keys",
+            "eos",
+            "tokens",
+            "parents",
+            "filled",
+            "n",
+            "stops",
+            "n_stops",
+            "here",
+            "max_tokens",
+            "room",
+            "known_here",
+            "known",
+            "known_len",
+            "next_check",
+            "unclosable",
+            "rebase",
+            "out",
+            "buf",
+            "buf_cap",
+            "status",
+            "new_base",
+        )
     ]
+)
+"""``EspTreeJob`` (``llg_close.c``: every field 8 bytes, pointers as addresses), one row a
+tree: the jobs of a call are filled column by column."""
 
 
 class CloseLib:
@@ -318,82 +324,124 @@ def run_tree_jobs(
     ``espalier_llg_close_trees`` call on up to ``threads`` threads, or ``base.FALLBACK`` for a
     tree that must be decided in Python, and where ``job.rebase`` asked, a new base at the
     root. A job: its root's search (``job.token`` and ``job.limit`` unused), the EOS id
-    ``Matcher.completes`` validates after a try, the tree."""
+    ``Matcher.completes`` validates after a try, the tree. The inputs of all trees go in a few
+    concatenated arrays (a call's Python work is mostly per tree, so it is kept small)."""
     lib = close_lib()
     n = len(jobs)
-    structs = (_TreeJob * max(n, 1))()
-    keep: list[Any] = []
-    outs: list[np.ndarray] = []
-    bufs: list[np.ndarray] = []
-    keyed = False
-    for j, (job, eos, tree) in enumerate(jobs):
-        size = len(tree.tokens)
-        known = tree.known[1] if tree.known is not None else []
-        budget = max(0, min(tree.max_tokens - tree.here, tree.room - tree.here))
-        # every node adds at most two paths no longer than the budget plus its closer
-        cap = len(known) + size * 2 * (min(budget, PATH_CAP) + 2)
-        arrays = (
-            np.asarray(job.sync, dtype=np.uint32),
-            np.asarray(tree.tokens, dtype=np.int64),
-            np.asarray(tree.parents, dtype=np.int64),
-            None if tree.filled is None else np.ascontiguousarray(tree.filled, dtype=np.uint8),
-            np.array(sorted(tree.stops) or [0], dtype=np.int64),
-            np.array(known or [0], dtype=np.int64),
+    table = np.zeros(max(n, 1), dtype=_TREE_JOB)
+    sizes = [len(tree.tokens) for _, _, tree in jobs]
+    knowns = [tree.known[1] if tree.known is not None else [] for _, _, tree in jobs]
+    stops = [sorted(tree.stops) for _, _, tree in jobs]
+    syncs = [job.sync for job, _, _ in jobs]
+    # every node adds at most two paths no longer than its budget plus a closer
+    budgets = [
+        max(0, min(tree.max_tokens - tree.here, tree.room - tree.here)) for _, _, tree in jobs
+    ]
+    caps = [
+        len(k) + size * 2 * (min(b, PATH_CAP) + 2) for k, size, b in zip(knowns, sizes, budgets)
+    ]
+    ints = np.array(
+        [
+            x
+            for (_, _, tree), known, stop in zip(jobs, knowns, stops)
+            for part in (tree.tokens, tree.parents, stop, known)
+            for x in part
+        ]
+        or [0],
+        dtype=np.int64,
+    )
+    sync = np.array([t for part in syncs for t in part] or [0], dtype=np.uint32)
+    filled = np.concatenate(
+        [
+            np.ones(size, np.uint8) if tree.filled is None else np.asarray(tree.filled, np.uint8)
+            for size, (_, _, tree) in zip(sizes, jobs)
+        ]
+        or [np.zeros(1, np.uint8)]
+    )
+    out = np.zeros(max(sum(sizes), 1) * TREE_FIELDS, dtype=np.int64)
+    buf = np.zeros(max(sum(caps), 1), dtype=np.int64)
+    lengths = np.array([[s, s, len(st), len(k)] for s, st, k in zip(sizes, stops, knowns)])
+    if n:
+        starts = np.cumsum(lengths.ravel()) - lengths.ravel()  # each part's first int
+        at = ints.ctypes.data + 8 * starts.reshape(n, 4)
+        nodes = np.cumsum(sizes) - sizes
+        table["tokens"][:n], table["parents"][:n] = at[:, 0], at[:, 1]
+        table["stops"][:n], table["known"][:n] = at[:, 2], at[:, 3]
+        table["n"][:n], table["n_stops"][:n], table["known_len"][:n] = (
+            lengths[:, 0],
+            lengths[:, 2],
+            lengths[:, 3],
         )
-        out = np.zeros(size * TREE_FIELDS, dtype=np.int64)
-        buf = np.zeros(max(cap, 1), dtype=np.int64)
-        keep.append(arrays)
-        outs.append(out)
-        bufs.append(buf)
-        keyed = keyed or bool(job.keys)
-        sync, tokens, parents, filled, stops, known_ids = arrays
-        s = structs[j]
-        s.base = job.base.pointer
-        s.sync = sync.ctypes.data
-        s.n_sync = sync.shape[0]
-        s.stop_depth = job.stop_depth
-        s.keys = job.keys or None
-        s.eos = eos
-        s.tokens = tokens.ctypes.data
-        s.parents = parents.ctypes.data
-        s.filled = None if filled is None else filled.ctypes.data
-        s.n = size
-        s.stops = stops.ctypes.data
-        s.n_stops = len(tree.stops)
-        s.here = tree.here
-        s.max_tokens = tree.max_tokens
-        s.room = tree.room
-        s.known_here = -1 if tree.known is None else tree.known[0]
-        s.known = known_ids.ctypes.data
-        s.known_len = len(known)
-        s.next_check = tree.next_check
-        s.unclosable = int(tree.unclosable)
-        s.rebase = int(job.rebase)
-        s.out = out.ctypes.data
-        s.buf = buf.ctypes.data
-        s.buf_cap = cap
+        table["filled"][:n] = filled.ctypes.data + nodes
+        table["out"][:n] = out.ctypes.data + 8 * TREE_FIELDS * nodes
+        table["buf"][:n] = buf.ctypes.data + 8 * (np.cumsum(caps) - caps)
+        table["buf_cap"][:n] = caps
+        sync_lengths = [len(part) for part in syncs]
+        table["sync"][:n] = sync.ctypes.data + 4 * (np.cumsum(sync_lengths) - sync_lengths)
+        table["n_sync"][:n] = sync_lengths
+        columns = zip(
+            *(
+                (
+                    job.base.pointer,
+                    job.stop_depth,
+                    job.keys,
+                    eos,
+                    tree.here,
+                    tree.max_tokens,
+                    tree.room,
+                    -1 if tree.known is None else tree.known[0],
+                    tree.next_check,
+                    int(tree.unclosable),
+                    int(job.rebase),
+                )
+                for job, eos, tree in jobs
+            )
+        )
+        for name, column in zip(
+            (
+                "base",
+                "stop_depth",
+                "keys",
+                "eos",
+                "here",
+                "max_tokens",
+                "room",
+                "known_here",
+                "next_check",
+                "unclosable",
+                "rebase",
+            ),
+            columns,
+        ):
+            table[name][:n] = column
     rules = _TreePolicy(
         policy.search_limit, policy.margin, policy.growth_per_token, policy.every_token
     )
+    keyed = any(job.keys for job, _, _ in jobs)
     keys_api = ctypes.addressof(lib.keys_api()) if keyed else None
     lib.trees(
         ctypes.addressof(lib.llg_fns),
         keys_api,
         ctypes.addressof(tables.struct),
         ctypes.addressof(rules),
-        ctypes.addressof(structs),
+        table.ctypes.data,
         n,
         max(1, threads),
     )
+    rows = out.reshape(-1, TREE_FIELDS).tolist()
     results: list[list[NodeDecision | None] | object] = []
     bases: list[capi.NativeMatcher | None] = []
+    first = buf_at = 0
     for j, (job, _, _) in enumerate(jobs):
-        new = int(structs[j].new_base or 0)
+        mine = buf[buf_at : buf_at + caps[j]]  # a job's offsets are into its own part
+        buf_at += caps[j]
+        new = int(table["new_base"][j])
         bases.append(capi.NativeMatcher(job.base.tokenizer, new) if new else None)
-        if int(structs[j].status) != TREE_DONE:
+        if int(table["status"][j]) != TREE_DONE:
             results.append(FALLBACK)
-            continue
-        results.append(_decisions(outs[j].reshape(-1, TREE_FIELDS).tolist(), bufs[j]))
+        else:
+            results.append(_decisions(rows[first : first + sizes[j]], mine))
+        first += sizes[j]
     return results, bases
 
 

@@ -706,11 +706,26 @@ static int stitch(TreeRun *r, Probe *p, int64_t token, int64_t at, int64_t len, 
     return found && !p->failed && r->status == TREE_DONE;
 }
 
+/* Whether accept(p, token) may take it: 0 only where it surely rejects it (a text token the
+ * library refuses, checked with one validate where accept would clone), so a caller skips a
+ * clone it would throw away. */
+static int takes(Probe *p, int64_t token) {
+    if (p->stop_depth || !text_token(p, token)) return 1;
+    const uint32_t id = (uint32_t)token;
+    const int32_t valid = p->llg->validate(p->m, &id, 1);
+    if (valid < 0 || p->llg->is_error(p->m)) {
+        fail(p, CLOSE_ERROR);
+        return 0;
+    }
+    return valid == 1;
+}
+
 /* A greedy search on a fork of p (after token, or from p's state when token < 0), its path
  * into the job's buffer: CLOSE_FOUND (*out_at, *out_len), CLOSE_NONE, CLOSE_REJECTED or a
  * failure. */
 static int64_t search_from(TreeRun *r, Probe *p, int64_t token, int64_t limit, int64_t *out_at,
                            int64_t *out_len) {
+    if (token >= 0 && !takes(p, token)) return p->failed ? p->failed : CLOSE_REJECTED;
     Probe probe;
     if (!probe_fork(p, &probe)) return p->failed;
     int64_t status;
@@ -895,6 +910,10 @@ static void run_tree(const EspLlgCloseApi *llg, const EspKeysApi *ka, const EspC
             o[6] = after.next_check;
             o[7] = after.unclosable;
             if (close_len >= 0 || exempt || first[child] < 0 || budget <= 1) continue;
+            if (!takes(&f.probe, token)) {
+                if (f.probe.failed) tree_fail(&r, f.probe.failed);
+                continue;
+            }
             /* the last child advances the node's own probe (no one needs it after) */
             Frame below;
             below.node = child;
