@@ -47,13 +47,22 @@ def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClo
     C-API base (the native tokenizer not built yet, or the grammar refused there)."""
     if matcher.native.is_error():
         return None
+    length = len(matcher.history)
+    walked = matcher.origin if matcher.origin is not None else matcher
+    twin = walked.twin
+    if twin is not None and twin.length == length and walked.history == matcher.history:
+        # the tree walk's twin is at this very state (the step's walk caught it up, and
+        # nothing walks it until the next step): clone it, nothing to replay or rebase
+        job = native_close.CloseJob(
+            twin.native, (), length, token, limit, matcher._stop_depth, keys, False
+        )
+        return LlgClosing(matcher, job)
     base = matcher.closing_base
     if base is None:
         start = matcher.compiled.native_start()
         if start is None:
             return None
         base = matcher.closing_base = (start, 0)
-    length = len(matcher.history)
     job = native_close.CloseJob(
         base=base[0],
         sync=matcher.history[base[1] :],
