@@ -6,7 +6,9 @@ rest of the history and the decided token, and runs ``engine/closing``'s greedy 
 (``native/llg_close.c``, ``native/close.py``); when the history has run
 :data:`~espalier.constrained.backends.llguidance.native.close.REBASE_AFTER` tokens past the
 base, the search hands back a new base at the history's end. A rollback below the base drops
-it (as the tree walk's twin is dropped).
+it (as the tree walk's twin is dropped). Where the tree walk's twin is at the very state searched
+from (a speculative step's lookahead, after the step's walk; the twin is not walked again before
+the next step), the job clones the twin instead: nothing to replay, no base to hand back.
 """
 
 from __future__ import annotations
