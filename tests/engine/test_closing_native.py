@@ -93,6 +93,13 @@ def _matcher(spec: GrammarSpec, tokenizer: Any) -> tuple[Any, Any]:
 REGEXES = ["[ \x7f]*\x7f", "( |\t)*[a-c]{2}", "x( y)*;", "(ab|a)*c"]
 
 
+def _specs(kind: str) -> list[GrammarSpec]:
+    """The random walks' grammars: free-key schemas (the tracker's rules) or regexes."""
+    if kind == "schemas":
+        return [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]
+    return [GrammarSpec.regex(pattern) for pattern in REGEXES]
+
+
 @pytest.mark.parametrize("kind", ["schemas", "regexes"])
 def test_native_search_equals_python_on_random_walks(kind: str, toy_tokenizer: Any) -> None:
     paths = ClosingPaths(toy_tokenizer)
@@ -102,12 +109,7 @@ def test_native_search_equals_python_on_random_walks(kind: str, toy_tokenizer: A
     rng = random.Random(7)
     problems: list[str] = []
     checked = 0
-    specs = (
-        [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]
-        if kind == "schemas"
-        else [GrammarSpec.regex(pattern) for pattern in REGEXES]
-    )
-    for spec in specs:
+    for spec in _specs(kind):
         for _ in range(40 if SLOW else 12):
             _, matcher = _matcher(spec, toy_tokenizer)
             for _ in range(rng.randrange(1, 40)):
@@ -283,12 +285,7 @@ def test_native_trees_equal_python_trees_on_random_walks(kind: str, toy_tokenize
     rng = random.Random(17)
     problems: list[str] = []
     nodes = fallbacks = trees = 0
-    specs = (
-        [GrammarSpec.json_schema(schema) for schema in FREE_KEYS]
-        if kind == "schemas"
-        else [GrammarSpec.regex(pattern) for pattern in REGEXES]
-    )
-    for spec in specs:
+    for spec in _specs(kind):
         for _ in range(12 if SLOW else 4):
             _, matcher = _matcher(spec, toy_tokenizer)
             for _ in range(rng.randrange(1, 30)):
