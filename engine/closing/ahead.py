@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from espalier.engine.closing import BudgetCloser, ClosingPaths, Memo, SearchCall
 
 log = logging.getLogger(__name__)
-K = TypeVar("K", bound=Hashable)
 
 Outcome = tuple["list[int] | None", "Memo"]
 """A node's decision: the closing path to emit instead of its token (None: none) and the memo
@@ -310,15 +309,15 @@ def native_tree(
 
 
 def decide_natively(
-    paths: ClosingPaths, trees: Mapping[K, NativeTree], threads: int
-) -> dict[K, list[Outcome | None]]:
+    paths: ClosingPaths, trees: dict[int, NativeTree], threads: int
+) -> dict[int, list[Outcome | None]]:
     """The trees' decisions made natively (``NativeClosing.trees``: one call per kind, on up to
     ``threads`` native threads, the GIL released), by key; a tree that came back ``FALLBACK``
     (or whose call failed) is left out: the caller decides it in Python."""
-    kinds: dict[Any, list[tuple[K, NativeTree]]] = {}
+    kinds: dict[Any, list[tuple[int, NativeTree]]] = {}
     for key, native in trees.items():
         kinds.setdefault(native[0].trees, []).append((key, native))
-    decided: dict[K, list[Outcome | None]] = {}
+    decided: dict[int, list[Outcome | None]] = {}
     for kind, members in kinds.items():
         try:
             outcomes = kind(paths.rules, [native for _, native in members], threads)

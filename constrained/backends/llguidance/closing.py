@@ -50,9 +50,13 @@ def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClo
     if matcher.native.is_error():
         return None
     length = len(matcher.history)
-    walked = matcher.origin if matcher.origin is not None else matcher
-    twin = walked.twin
-    if twin is not None and twin.length == length and walked.history == matcher.history:
+    origin = matcher.origin
+    twin = matcher.twin if origin is None else origin.twin
+    if (
+        twin is not None
+        and twin.length == length
+        and (origin is None or origin.history == matcher.history)
+    ):
         # the tree walk's twin is at this very state (the step's walk caught it up, and
         # nothing walks it until the next step): clone it, nothing to replay or rebase
         job = native_close.CloseJob(

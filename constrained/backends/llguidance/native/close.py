@@ -146,6 +146,20 @@ _TREE_JOB = np.dtype(
 )
 """``EspTreeJob`` (``llg_close.c``: every field 8 bytes, pointers as addresses), one row a
 tree: the jobs of a call are filled column by column."""
+_TREE_SCALARS = (
+    "base",
+    "stop_depth",
+    "keys",
+    "eos",
+    "here",
+    "max_tokens",
+    "room",
+    "known_here",
+    "next_check",
+    "unclosable",
+    "rebase",
+)
+"""The :data:`_TREE_JOB` fields filled from each job's own values (the rest point into arrays)."""
 
 
 class CloseLib:
@@ -379,41 +393,22 @@ def run_tree_jobs(
         sync_lengths = [len(part) for part in syncs]
         table["sync"][:n] = sync.ctypes.data + 4 * (np.cumsum(sync_lengths) - sync_lengths)
         table["n_sync"][:n] = sync_lengths
-        columns = zip(
-            *(
-                (
-                    job.base.pointer,
-                    job.stop_depth,
-                    job.keys,
-                    eos,
-                    tree.here,
-                    tree.max_tokens,
-                    tree.room,
-                    -1 if tree.known is None else tree.known[0],
-                    tree.next_check,
-                    int(tree.unclosable),
-                    int(job.rebase),
-                )
-                for job, eos, tree in jobs
-            )
-        )
-        for name, column in zip(
+        table[list(_TREE_SCALARS)][:n] = [
             (
-                "base",
-                "stop_depth",
-                "keys",
-                "eos",
-                "here",
-                "max_tokens",
-                "room",
-                "known_here",
-                "next_check",
-                "unclosable",
-                "rebase",
-            ),
-            columns,
-        ):
-            table[name][:n] = column
+                job.base.pointer,
+                job.stop_depth,
+                job.keys,
+                eos,
+                tree.here,
+                tree.max_tokens,
+                tree.room,
+                -1 if tree.known is None else tree.known[0],
+                tree.next_check,
+                int(tree.unclosable),
+                int(job.rebase),
+            )
+            for job, eos, tree in jobs
+        ]
     rules = _TreePolicy(
         policy.search_limit, policy.margin, policy.growth_per_token, policy.every_token
     )

@@ -170,6 +170,20 @@ static int probe_fork(Probe *p, Probe *out);
 static void probe_free(Probe *p);
 static int64_t accept_tokens(Probe *p, const int64_t *tokens, int64_t n);
 
+/* A clone of p's matcher alone (no tracker: the inner Matcher's fork), into out; 0 when out of
+ * memory (p failed). */
+static int inner_fork(Probe *p, Probe *out) {
+    *out = *p;
+    out->failed = 0;
+    out->keys = NULL;
+    out->m = p->llg->clone(p->m);
+    if (out->m == NULL) {
+        fail(p, CLOSE_NO_MEMORY);
+        return 0;
+    }
+    return 1;
+}
+
 /* Matcher.accepted_prefix: validate_tokens for text tokens, else a fork's accept_tokens. */
 static int64_t inner_accepted_prefix(Probe *p, const int64_t *tokens, int64_t n) {
     int all_text = n > 0 && !p->stop_depth;
@@ -186,17 +200,7 @@ static int64_t inner_accepted_prefix(Probe *p, const int64_t *tokens, int64_t n)
         return valid;
     }
     Probe fork;
-    memset(&fork, 0, sizeof fork);
-    fork.llg = p->llg;
-    fork.ka = p->ka;
-    fork.t = p->t;
-    fork.row = p->row;
-    fork.m = p->llg->clone(p->m);
-    if (fork.m == NULL) {
-        fail(p, CLOSE_NO_MEMORY);
-        return 0;
-    }
-    fork.stop_depth = p->stop_depth;
+    if (!inner_fork(p, &fork)) return 0;
     const int64_t taken = inner_accept_tokens(&fork, tokens, n);
     if (fork.failed) fail(p, fork.failed);
     p->llg->free_matcher(fork.m);
@@ -619,14 +623,8 @@ static int inner_completes(Probe *p, const int64_t *tokens, int64_t n, int64_t e
         }
         return valid == n + 1;
     }
-    Probe fork = *p;
-    fork.failed = 0;
-    fork.keys = NULL;
-    fork.m = p->llg->clone(p->m);
-    if (fork.m == NULL) {
-        fail(p, CLOSE_NO_MEMORY);
-        return 0;
-    }
+    Probe fork;
+    if (!inner_fork(p, &fork)) return 0;
     const int ok = inner_accept_tokens(&fork, tokens, n) == n && !fork.failed &&
                    inner_can_terminate(&fork);
     if (fork.failed) fail(p, fork.failed);
