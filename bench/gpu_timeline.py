@@ -38,7 +38,12 @@ verification), to tell a uniformly slower step from a few slow ones. Per step al
 thread's context switches during verification (``getrusage(RUSAGE_THREAD)``):
 ``verify_preempted`` (involuntary: the thread was runnable and a core was taken from it) and
 ``verify_blocked`` (voluntary: it waited, for the GPU, the GIL or a lock), to tell a
-verification that waits for cores from one that waits for the interpreter lock.
+verification that waits for cores from one that waits for the interpreter lock. Per step,
+``per_step_cpu_ms``: CPU time of each :data:`THREAD_GROUPS` group of threads (the engine thread,
+the mask threads, the grammar service's spare and request matcher threads, other Python threads,
+native threads), to tell which background work runs alongside a step; and among the phases
+``poll`` (requests' matchers handed over), ``lookahead_make`` (the closing lookahead's jobs made
+on the engine thread) and ``submit`` (``MaskBuilder.submit``).
 
     python3 bench/gpu_timeline.py --tokenizer .data/gpu/gemma_tok --skip-decode \\
         --spec-reps 3 --spec-batches 32 --profile-batch 0
@@ -74,10 +79,13 @@ import espalier.engine.step as step_mod
 
 MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("step", engine_mod.Engine, "step"),
+    ("poll", engine_mod.Engine, "_poll_grammars"),
     ("schedule", scheduler_mod.Scheduler, "schedule"),
     ("execute", strategy_mod.SpeculativeDecoding, "execute"),
     ("execute", step_mod.PlainDecoding, "execute"),
     ("draft", decoder_mod.SpeculativeDecoder, "_propose"),
+    ("lookahead_make", closing.BudgetCloser, "lookaheads"),
+    ("submit", masks.MaskBuilder, "submit"),
     ("forward", runner_mod.ModelRunner, "forward"),
     ("mask_wait", masks.PendingMasks, "result"),
     ("verify", decoder_mod.SpeculativeDecoder, "_verify"),
@@ -96,7 +104,12 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
 
 PER_STEP = (
     "step",
+    "poll",
+    "schedule",
+    "execute",
     "draft",
+    "lookahead_make",
+    "submit",
     "forward",
     "mask_wait",
     "verify",
@@ -141,6 +154,8 @@ class Timeline:
         self._gc_start = 0.0
         self.step_counts: dict[str, int] = defaultdict(int)  # this step's eager forwards
         self.per_step_counts: dict[str, list[int]] = defaultdict(list)
+        self.per_step_cpu: dict[str, list[float]] = defaultdict(list)  # THREAD_GROUPS, ms
+        self._cpu_base: dict[str, int] = _thread_cpu()
         self.compiled: dict[str, int] = defaultdict(int)  # kernel -> variants built in the run
         self._variants = _variants()
 
@@ -162,6 +177,11 @@ class Timeline:
         self.per_step_counts["rows"].append(self.step_counts.pop("rows", 0))
         for key in ("verify_preempted", "verify_blocked"):
             self.per_step_counts[key].append(self.step_counts.pop(key, 0))
+        cpu = _thread_cpu()
+        for group in THREAD_GROUPS:
+            used = cpu.get(group, 0) - self._cpu_base.get(group, 0)
+            self.per_step_cpu[group].append(round(used / 1e6, 2))
+        self._cpu_base = cpu
 
     def gc_callback(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks``: collection time, any thread (``gc`` in the sums)."""
@@ -256,11 +276,44 @@ class Timeline:
             },
             "per_step_ms": dict(self.per_step),
             "per_step_counts": dict(self.per_step_counts),
+            "per_step_cpu_ms": dict(self.per_step_cpu),
             "compiled": dict(self.compiled),
             "clock_per_step_ms": {
                 k: [round(v * 1e3, 2) for v in vs] for k, vs in sorted(self.clock.items())
             },
         }
+
+
+THREAD_GROUPS = ("engine", "tree-mask", "espalier-spare", "espalier-matcher", "python", "native")
+"""``per_step_cpu_ms``: CPU time per step of the engine thread, the mask threads (fills and the
+closing lookahead), the spare-matcher and matcher threads, other Python threads, and threads
+Python did not start (torch's, llguidance's, the native walks' and searches')."""
+
+
+def _thread_cpu() -> dict[str, int]:
+    """CPU nanoseconds so far of this process's threads, by :data:`THREAD_GROUPS` group
+    (``/proc/self/task/*/schedstat``; threads that ended are no longer counted)."""
+    import os
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: dict[str, int] = defaultdict(int)
+    for entry in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{entry}/schedstat") as f:
+                used = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        tid = int(entry)
+        name = names.get(tid)
+        if tid == main:
+            group = "engine"
+        elif name is None:
+            group = "native"
+        else:
+            group = next((g for g in THREAD_GROUPS[1:4] if name.startswith(g)), "python")
+        out[group] += used
+    return dict(out)
 
 
 def _triton_kernels() -> dict[str, Any]:
