@@ -225,9 +225,12 @@ class SpeculativeDecoder:
             return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
 
         batch = [*inputs, *(i for _, i in passthrough)]
-        # an eager forward's call lasts as long as its launch from Python: the fills go first
-        launch_first = self._launch_first and self.runner.replays(
-            batch, hidden_layers=self._hidden_layers
+        # an eager forward's call lasts as long as its launch from Python: the fills go first,
+        # unless every tree is its root alone (a prefill's last chunk, a plain step): one row
+        # each, filled in far less time than the launch, whose Python they would only slow
+        launch_first = self._launch_first and (
+            all(d.num_nodes == 1 for d in drafts)
+            or self.runner.replays(batch, hidden_layers=self._hidden_layers)
         )
         pending = None if launch_first else submit_fills()
         out = self.runner.forward(batch, hidden_layers=self._hidden_layers)
