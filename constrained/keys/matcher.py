@@ -249,7 +249,15 @@ def may_repeat_keys(spec: GrammarSpec) -> bool:
         return True
     if spec.kind is not GrammarKind.JSON_SCHEMA:
         return False
-    return _free_keys(spec.schema)
+    return _schema_has_free_keys(spec.source)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_has_free_keys(source: str) -> bool:
+    """:func:`_free_keys` of a JSON schema's text, per schema: every request's matcher asks,
+    and parsing and walking a large schema again costs up to half a millisecond, all of it
+    holding the GIL on the grammar service's matcher threads."""
+    return _free_keys(GrammarSpec(GrammarKind.JSON_SCHEMA, source).schema)
 
 
 def _free_keys(schema: Any) -> bool:
