@@ -178,9 +178,9 @@ class GrammarService:
         return out
 
     def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
-        """A request's new matcher with its start state's mask computed once (into a scratch
-        row): the mask its first step computes anyway, so a fresh lexer builds that state here,
-        off the engine's step, and nothing else changes."""
+        """A request's new matcher, prepared (``GrammarMatcher.prepare``: its start state's
+        mask computed once into a scratch row, and llguidance's walk twin made): what its first
+        step makes anyway, made here, off the engine's step; nothing else changes."""
         from espalier.constrained import bitmask as bm
         from espalier.constrained.keys import with_unique_keys
 
@@ -188,7 +188,7 @@ class GrammarService:
         row: torch.Tensor | None = getattr(self._rows, "row", None)
         if row is None:
             row = self._rows.row = bm.allocate(1, self.tokenizer.vocab_size, fill=0)
-        matcher.fill_bitmask(row, 0)
+        matcher.prepare(row)
         return matcher
 
     def _take_spare(self, compiled: CompiledGrammar) -> tuple[GrammarMatcher | None, bool]:

@@ -273,6 +273,10 @@ class MatcherBase:
     def fork(self) -> MatcherBase:
         raise NotImplementedError
 
+    def prepare(self, scratch: torch.Tensor) -> None:
+        """See ``GrammarMatcher.prepare``: the row (the library builds its start state)."""
+        self.fill_bitmask(scratch, 0)
+
     def native_closing(self, token: int | None, limit: int, keys: int = 0) -> NativeClosing | None:
         """See ``GrammarMatcher.native_closing``: None, the caller searches in Python."""
         return None

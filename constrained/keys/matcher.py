@@ -160,6 +160,9 @@ class UniqueKeysMatcher:
         self.inner.fill_bitmask(bitmask, index)
         self.keys.filter_row(bitmask[index].numpy())
 
+    def prepare(self, scratch: torch.Tensor) -> None:
+        self.inner.prepare(scratch)  # the tracker keeps nothing a step would make
+
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()
 

@@ -226,3 +226,26 @@ def test_refills_queued_when_the_service_closes_still_run(toy_tokenizer: Any) ->
     finally:
         gate.set()
         service.close()
+
+
+def test_a_request_matcher_comes_prepared_with_its_walk_twin(toy_tokenizer: Any) -> None:
+    """``GrammarMatcher.prepare`` on the service's thread: llguidance's native-walk twin exists
+    before the request's first step (which otherwise made one per request on the engine
+    thread), at the start state; the matcher's own state is unchanged."""
+    from espalier.constrained.backends import get_backend
+
+    assert get_backend("llguidance", toy_tokenizer).tree_walk(timeout=120) == "native"
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
+    try:
+        spec = GrammarSpec.json_schema(SCHEMA)
+        _, _, matcher = service.submit_request(
+            spec, ConstraintOptions(backend="llguidance")
+        ).result(timeout=120)
+    finally:
+        service.close()
+    inner = getattr(matcher, "inner", matcher)  # a duplicate-key tracker may wrap it
+    assert inner.twin is not None and inner.twin.length == 0
+    text = '{"a": 12}'
+    ids = toy_tokenizer.hf.encode(text, add_special_tokens=False)
+    assert matcher.accept_tokens(ids) == len(ids)
+    assert matcher.can_terminate()

@@ -57,6 +57,7 @@ from espalier.constrained.backends.llguidance.tree_batch import NativeTreeBatch
 from espalier.constrained.backends.llguidance.tree_walk import (
     native_takes,
     native_walk_ready,
+    twin_of,
     walk_llguidance,
     walk_llguidance_py,
 )
@@ -518,6 +519,13 @@ class Matcher(MatcherBase):
 
     def native_closing(self, token: int | None, limit: int, keys: int = 0) -> LlgClosing | None:
         return closing_of(self, token, limit, keys)
+
+    def prepare(self, scratch: torch.Tensor) -> None:
+        """See ``GrammarMatcher.prepare``: the row, and the native walk's twin (a clone of the
+        grammar's C-API template: ~0.1-0.2 ms each, which a burst's first speculative step
+        otherwise made for every request on the engine thread, ``tree_batch.takes``)."""
+        super().prepare(scratch)
+        twin_of(self)  # None while the grammar has no C-API template: the first walk makes it
 
     def fork(self) -> Matcher:
         other = Matcher(self.compiled, self.native.deep_copy())
