@@ -530,7 +530,9 @@ class BudgetCloser:
                 memo = self._memo_of(request, max_model_len)  # may search (a new grammar)
             except Exception:  # its grammar: ``instead`` meets it again and ends it alone
                 continue
-            budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+            # as ``instead`` will count it: ``here`` includes a run not appended yet
+            room = max_model_len - len(request.prompt_ids) - here
+            budget = min(request.sampling.max_tokens - here, room)
             exempt = request.sampling.ignore_eos or token in stops
             if _without_check(memo, token, here, budget, exempt) is not None:
                 continue  # no grammar work

@@ -202,6 +202,53 @@ def test_prepared_decisions_equal_inline_ones(toy_tokenizer: Any) -> None:
     assert decided > 40 and prepared > 10
 
 
+def test_prepared_decisions_count_a_pending_run_in_the_context_budget(toy_tokenizer: Any) -> None:
+    """A speculative step prepares its first decision past the accepted run before the run is
+    appended (``Engine._prepare_closing``: ``here`` counts the run). Where the context limit
+    binds the budget, the prepared decision must be the one ``instead`` makes once the run is
+    in the output: the budget counts the run's tokens too."""
+    stops = set(toy_tokenizer.stop_token_ids)
+    vocab = toy_tokenizer.vocab_size
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(5)
+    taken = closed = 0
+    for _ in range(24 if SLOW else 10):
+        batched, inline = BudgetCloser(toy_tokenizer, threads=2), BudgetCloser(toy_tokenizer)
+        cases = []
+        for k in range(6):
+            spec = GrammarSpec.json_schema(FREE_KEYS[k % len(FREE_KEYS)])
+            compiled, matcher = _matcher(spec, toy_tokenizer)
+            prefix: list[int] = []
+            for _ in range(rng.randrange(2, 12)):
+                allowed = [t for t in _allowed(matcher, row, vocab) if t not in stops]
+                if not allowed:
+                    break
+                prefix.append(rng.choice(allowed))
+                assert matcher.accept(prefix[-1])
+            allowed = [t for t in _allowed(matcher, row, vocab) if t not in stops]
+            if len(prefix) < 2 or not allowed:
+                continue
+            run = rng.randrange(1, len(prefix))  # accepted, not yet in the output
+            params = SamplingParams(max_tokens=1000)
+            ours = Request(f"r{k}", [1], params, 0)
+            theirs = Request(f"r{k}", [1], params, 0)
+            ours.output_ids, theirs.output_ids = list(prefix[:-run]), list(prefix)
+            ours.matcher, theirs.matcher = matcher, matcher.fork()
+            ours.compiled = theirs.compiled = compiled
+            cases.append((ours, theirs, prefix, rng.choice(allowed)))
+        # the context binds every budget: a few tokens of room past the longest prefix
+        limit = 1 + max(len(prefix) for _, _, prefix, _ in cases) + rng.randrange(2, 8)
+        batched.prepare([(ours, t, len(prefix), stops) for ours, _, prefix, t in cases], limit)
+        taken += len(batched._ready)
+        for ours, theirs, prefix, token in cases:
+            ours.output_ids = list(prefix)  # the run appended, as ``_take_run`` does
+            got = batched.instead(ours, token, stops, limit)
+            assert got == inline.instead(theirs, token, stops, limit)
+            assert batched.known(ours.request_id) == inline.known(theirs.request_id)
+            closed += got is not None
+    assert taken > 10 and closed > 0
+
+
 def _random_tree(
     matcher: Any, row: Any, vocab: int, stops: set[int], rng: random.Random
 ) -> tuple[list[int], list[int]]:
