@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import resource
 import sys
 import threading
@@ -293,8 +294,6 @@ Python did not start (torch's, llguidance's, the native walks' and searches').""
 def _thread_cpu() -> dict[str, int]:
     """CPU nanoseconds so far of this process's threads, by :data:`THREAD_GROUPS` group
     (``/proc/self/task/*/schedstat``; threads that ended are no longer counted)."""
-    import os
-
     names = {t.native_id: t.name for t in threading.enumerate()}
     main = threading.main_thread().native_id
     out: dict[str, int] = defaultdict(int)

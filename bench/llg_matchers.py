@@ -12,11 +12,12 @@ anchor in the same run:
   through ctypes on clones of the C-API template (ctypes releases the GIL for the call);
   ``*_speedup`` is 1 thread over ``--threads``, ``c_over_python`` the C-API time over the
   Python one at ``--threads``;
-- ``make``: a request's new matcher, ``compiled.matcher()`` (a compile) against a clone of the
-  grammar's warmed C-API template;
+- ``make``: a request's new matcher, ``compiled.matcher()`` (a compile, the anchor) against a
+  clone of the grammar's warmed C-API template;
 - ``fork``: a copy of a matcher that has consumed a whole instance, ``LLMatcher.deep_copy`` (it
-  shares the lexer) against ``llg_clone_matcher`` (it copies it).
+  shares the lexer; the anchor) against ``llg_clone_matcher`` (it copies it).
 
+``make`` and ``fork`` give µs per matcher and ``ratio``, the other's time over the anchor's.
 Times are the best of ``--reps`` (wall, this process).
 
     .venv/bin/python bench/llg_matchers.py [--schemas 6] [--instances 3] [--threads 2] [--run 8]
@@ -134,29 +135,42 @@ def run(args: argparse.Namespace) -> None:
         }
     )
 
-    compile_s = best(args.reps, lambda: None, lambda _: [c.matcher() for c, _ in items])
-    clone_s = best(args.reps, lambda: None, lambda _: [c.native_start() for c, _ in items])
-    emit(
-        {
-            "measure": "make",
-            "compile_us": round(1e6 * compile_s / len(items), 1),
-            "template_clone_us": round(1e6 * clone_s / len(items), 1),
-            "clone_over_compile": round(clone_s / compile_s, 4),
-        }
+    per_item(
+        "make",
+        args.reps,
+        len(items),
+        ("compile", lambda: [c.matcher() for c, _ in items]),
+        ("template_clone", lambda: [c.native_start() for c, _ in items]),
     )
-
     used_python = python_pairs()
     python_consume(used_python, args.run)
     used_c = c_pairs()
     c_consume(used_c, args.run)
-    deep_copy_s = best(args.reps, lambda: None, lambda _: [m.deep_copy() for m, _ in used_python])
-    c_clone_s = best(args.reps, lambda: None, lambda _: [m.clone() for m, _ in used_c])
+    per_item(
+        "fork",
+        args.reps,
+        len(items),
+        ("python_deep_copy", lambda: [m.deep_copy() for m, _ in used_python]),
+        ("c_clone", lambda: [m.clone() for m, _ in used_c]),
+    )
+
+
+def per_item(
+    measure: str,
+    reps: int,
+    count: int,
+    anchor: tuple[str, Callable[[], object]],
+    other: tuple[str, Callable[[], object]],
+) -> None:
+    """One JSON line: µs per item of ``anchor`` and ``other`` (each doing ``count`` items, best
+    of ``reps``) and ``other``'s time over the anchor's."""
+    seconds = [best(reps, lambda: None, lambda _, work=work: work()) for _, work in (anchor, other)]
     emit(
         {
-            "measure": "fork",
-            "python_deep_copy_us": round(1e6 * deep_copy_s / len(items), 1),
-            "c_clone_us": round(1e6 * c_clone_s / len(items), 1),
-            "c_over_python": round(c_clone_s / deep_copy_s, 2),
+            "measure": measure,
+            f"{anchor[0]}_us": round(1e6 * seconds[0] / count, 1),
+            f"{other[0]}_us": round(1e6 * seconds[1] / count, 1),
+            "ratio": round(seconds[1] / seconds[0], 4),
         }
     )
 

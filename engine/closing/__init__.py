@@ -394,7 +394,7 @@ class BudgetCloser:
         fresh = not request.output_ids and not request.sampling.ignore_eos
         if fresh and self.paths is not None and compiled is not None and matcher is not None:
             path = self._start_path(compiled, matcher)
-            budget = min(request.sampling.max_tokens, max_model_len - request.num_tokens)
+            budget = _budget(request, 0, max_model_len)
             if path is not None and len(path) <= budget - 1:
                 memo = Memo((0, path), 0, False)
         self._memo[request.request_id] = memo
@@ -449,7 +449,7 @@ class BudgetCloser:
             if memo is not start:
                 self._memo[request_id] = memo
             return passed
-        budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+        budget = _budget(request, here, max_model_len)
         exempt = request.sampling.ignore_eos
         passed = 0
         for i, token in enumerate(tokens):
@@ -483,7 +483,7 @@ class BudgetCloser:
                 self._memo[request_id] = outcome[1]
                 return outcome[0]
             del self._ahead[request_id]  # off the precomputed tree: decide inline from here
-        budget = min(request.sampling.max_tokens - here, max_model_len - request.num_tokens)
+        budget = _budget(request, here, max_model_len)
         memo = self._memo_of(request, max_model_len)
         exempt = request.sampling.ignore_eos or token in stops
         ready = self._ready.pop(request_id, None)
@@ -530,9 +530,7 @@ class BudgetCloser:
                 memo = self._memo_of(request, max_model_len)  # may search (a new grammar)
             except Exception:  # its grammar: ``instead`` meets it again and ends it alone
                 continue
-            # as ``instead`` will count it: ``here`` includes a run not appended yet
-            room = max_model_len - len(request.prompt_ids) - here
-            budget = min(request.sampling.max_tokens - here, room)
+            budget = _budget(request, here, max_model_len)  # ``here`` counts the pending run
             exempt = request.sampling.ignore_eos or token in stops
             if _without_check(memo, token, here, budget, exempt) is not None:
                 continue  # no grammar work
@@ -671,17 +669,14 @@ class BudgetCloser:
         memo = self._memo_of(request, max_model_len)
         here = len(request.output_ids)
         last = here + max_depth(parents) - 1  # output length at the deepest node's check
-        budget = min(
-            request.sampling.max_tokens - last,
-            max_model_len - request.num_tokens - (last - here),
-        )
+        budget = _budget(request, last, max_model_len)
         if len(tokens) < 2 or memo.unclosable or budget > EVERY_TOKEN:
             return None
         if last < memo.next_check:  # no check is needed: ``pass_through`` lets all by
             return None
         stops = self._tokenizer_stops | set(request.sampling.stop_token_ids)
         tree, links = list(tokens), list(parents)
-        limits = (request.sampling.max_tokens, max_model_len - request.num_tokens + here)
+        limits = (request.sampling.max_tokens, max_model_len - len(request.prompt_ids))
         fork = matcher.fork()
         inputs = (memo, fork, tree, links, here, limits, stops)
         steps = functools.partial(tree_decisions, self, *inputs)
@@ -715,6 +710,13 @@ class BudgetCloser:
         ahead = self._ahead.pop(request_id, None)
         if ahead is not None:
             ahead.cancel()
+
+
+def _budget(request: Request, here: int, max_model_len: int) -> int:
+    """Tokens left to a check at output length ``here``: within max_tokens and within the
+    context after the prompt and ``here`` output tokens. A function of ``here``, not of the
+    output appended so far: a speculative step decides past a run not appended yet."""
+    return min(request.sampling.max_tokens - here, max_model_len - len(request.prompt_ids) - here)
 
 
 def _without_check(memo: Memo, token: int, here: int, budget: int, exempt: bool) -> Memo | None:

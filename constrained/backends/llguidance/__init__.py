@@ -522,8 +522,8 @@ class Matcher(MatcherBase):
 
     def prepare(self, scratch: torch.Tensor) -> None:
         """See ``GrammarMatcher.prepare``: the row, and the native walk's twin (a clone of the
-        grammar's C-API template: ~0.1-0.2 ms each, which a burst's first speculative step
-        otherwise made for every request on the engine thread, ``tree_batch.takes``)."""
+        grammar's C-API template), which the first speculative step otherwise made on the
+        engine thread (``tree_batch.takes``)."""
         super().prepare(scratch)
         twin_of(self)  # None while the grammar has no C-API template: the first walk makes it
 
