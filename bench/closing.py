@@ -135,7 +135,7 @@ def replay(
         closing.ClosingPaths.or_fallback = watched  # type: ignore[method-assign]
     # a grammar's start path is searched once and kept: whether the greedy search failed then
     start_failed: dict[int, bool] = {}
-    start_path = closing.BudgetCloser._start_path
+    start_path = closing.ClosingPaths.start_path
 
     def tracked_start_path(self: Any, compiled: Any, matcher: Any) -> Any:
         before, failed[0] = failed[0], False
@@ -145,7 +145,7 @@ def replay(
             start_failed[id(compiled)] = start_failed.get(id(compiled), False) or failed[0]
             failed[0] = before or failed[0]
 
-    closing.BudgetCloser._start_path = tracked_start_path  # type: ignore[method-assign]
+    closing.ClosingPaths.start_path = tracked_start_path  # type: ignore[method-assign]
     closer = closing.BudgetCloser(tokenizer, threads=max(lockstep, 1))
     for compiled, _, _ in pool[:1]:  # the C-API tokenizer (native walk and search) built first
         slot = getattr(compiled, "native_slot", None)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from espalier.constrained.cache import CompileCache
     from espalier.constrained.disk_cache import GrammarDiskCache
     from espalier.constrained.tokenizer import TokenizerInfo
+    from espalier.engine.closing import ClosingPaths
 
 SPARE_GRAMMARS = 16  # grammars whose spares are kept (least recently requested dropped)
 SPARE_THREADS = 2  # threads that refill spares, apart from the requests' own matchers
@@ -63,7 +64,9 @@ class GrammarService:
     more each time one of its requests finds none ready, up to ``spares_per_grammar`` (0: no
     spares).
     Every matcher leaves the service with its start state's mask computed (the first mask a
-    request computes anyway: its lexer builds that state off the engine's step).
+    request computes anyway: its lexer builds that state off the engine's step). Once an engine
+    has taken :meth:`closing_paths`, every matcher also leaves with its grammar's start-state
+    closing path searched (``ClosingPaths.start_path``: once per grammar, kept there).
     """
 
     def __init__(
@@ -96,6 +99,20 @@ class GrammarService:
         self._spares: OrderedDict[int, _Spares] = OrderedDict()  # by id(compiled), LRU
         self._spares_lock = threading.Lock()
         self._rows = threading.local()  # a scratch bitmask row per matcher thread
+        self._closing: ClosingPaths | None = None  # closing_paths(): made on first call
+
+    def closing_paths(self) -> ClosingPaths:
+        """The budget-closing searches for this tokenizer, shared by the engines that close
+        (``BudgetCloser(paths=)``), made on first call. From then on :meth:`_new_matcher`
+        searches each grammar's start path with them, so that search (up to ~100 ms where the
+        greedy walk fails: ``engine/closing/backtrack.py``) holds up the first request of its
+        grammar, on a matcher thread, never an engine step and every request in it."""
+        from espalier.engine.closing import ClosingPaths
+
+        with self._matchers_lock:
+            if self._closing is None:
+                self._closing = ClosingPaths(self.tokenizer)
+            return self._closing
 
     def submit(self, spec: GrammarSpec, options: ConstraintOptions) -> Future[Any]:
         """Start compiling (or hit the cache); the Future resolves to ``(CompiledGrammar,
@@ -179,8 +196,10 @@ class GrammarService:
 
     def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A request's new matcher, prepared (``GrammarMatcher.prepare``: its start state's
-        mask computed once into a scratch row, and llguidance's walk twin made): what its first
-        step makes anyway, made here, off the engine's step; nothing else changes."""
+        mask computed once into a scratch row, and llguidance's walk twin made), and its
+        grammar's start-state closing path searched (once per grammar, after
+        :meth:`closing_paths`): what its first step makes anyway, made here, off the engine's
+        step; nothing else changes."""
         from espalier.constrained import bitmask as bm
         from espalier.constrained.keys import with_unique_keys
 
@@ -189,6 +208,9 @@ class GrammarService:
         if row is None:
             row = self._rows.row = bm.allocate(1, self.tokenizer.vocab_size, fill=0)
         matcher.prepare(row)
+        closing = self._closing
+        if closing is not None:
+            closing.start_path(compiled, matcher)  # kept for the engine's first decision
         return matcher
 
     def _take_spare(self, compiled: CompiledGrammar) -> tuple[GrammarMatcher | None, bool]:

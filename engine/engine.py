@@ -132,8 +132,12 @@ class EngineCore:
         self._skip_ids = tokenizer.special_token_ids
         # CUDA: a step's closing searches spread over native threads; CPU: one (the forward's)
         closing_threads = 8 if runner.device.type == "cuda" else 1
+        enabled = config.close_within_budget
         self.closer = BudgetCloser(
-            tokenizer, enabled=config.close_within_budget, threads=closing_threads
+            tokenizer,
+            enabled=enabled,
+            threads=closing_threads,
+            paths=self.grammar.closing_paths() if enabled else None,
         )
         # the step's accepts, one call per grammar library (the engine thread's own entry points)
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)

@@ -26,6 +26,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -113,6 +114,43 @@ class ClosingPaths:
         from espalier.engine.closing.backtrack import Backtracking  # it imports this module
 
         self.fallback = Backtracking(self, tokenizer)  # where the greedy search finds none
+        # start paths by id(compiled): (compiled, its search); at most START_PATHS, then cleared
+        self._start: dict[int, tuple[object, Future[list[int] | None]]] = {}
+        self._start_lock = threading.Lock()
+
+    def start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
+        """The closing path from the start state of ``compiled`` (``matcher``: a matcher of it
+        at that state, not changed), at most :data:`SEARCH_LIMIT` tokens; None: none found.
+
+        Searched once per compiled grammar and kept (a function of the grammar alone);
+        thread-safe: a caller that finds the search running waits for it rather than searching
+        again. The grammar service searches it where it makes a request's matcher (a matcher
+        thread, ``GrammarService.closing_paths``), so a new grammar's search (up to ~100 ms
+        where the greedy walk fails and the fallback backtracks) never runs in an engine step.
+        A search that raises is not kept: the next caller searches again."""
+        with self._start_lock:
+            kept = self._start.get(id(compiled))
+            mine = kept is None or kept[0] is not compiled
+            if mine:
+                if len(self._start) >= START_PATHS:
+                    self._start.clear()
+                search: Future[list[int] | None] = Future()
+                self._start[id(compiled)] = (compiled, search)
+            else:
+                assert kept is not None
+                search = kept[1]
+        if mine:
+            try:
+                search.set_result(self._search_start(matcher))
+            except BaseException as exc:
+                with self._start_lock:
+                    if self._start.get(id(compiled), (None, None))[1] is search:
+                        del self._start[id(compiled)]
+                search.set_exception(exc)
+        return search.result()
+
+    def _search_start(self, matcher: GrammarMatcher) -> list[int] | None:
+        return self.find(matcher, SEARCH_LIMIT)
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -365,10 +403,19 @@ class BudgetCloser:
     ``enabled=False``: never closes (``EngineConfig.close_within_budget``). The decisions for a
     speculative step's draft tree can be computed ahead on a mask thread (:meth:`lookahead`,
     ``engine/closing/ahead.py``); :meth:`instead` then takes them instead of recomputing.
+    ``paths``: the :class:`ClosingPaths` to search with (the grammar service's, which searches
+    each grammar's start path where it makes the matchers); None: one of its own.
     """
 
-    def __init__(self, tokenizer: TokenizerInfo, *, enabled: bool = True, threads: int = 1) -> None:
-        self.paths = ClosingPaths(tokenizer) if enabled else None
+    def __init__(
+        self,
+        tokenizer: TokenizerInfo,
+        *,
+        enabled: bool = True,
+        threads: int = 1,
+        paths: ClosingPaths | None = None,
+    ) -> None:
+        self.paths = (paths or ClosingPaths(tokenizer)) if enabled else None
         self.stop_token = tokenizer.stop_token_ids[0]
         self._tokenizer_stops = frozenset(tokenizer.stop_token_ids)
         self._memo: dict[str, Memo] = {}
@@ -376,7 +423,6 @@ class BudgetCloser:
         self.threads = max(1, threads)  # native threads of a batch of searches (prepare)
         # decisions made by ``prepare``: (here, token, exempt, memo they start from, outcome)
         self._ready: dict[str, tuple[int, int, bool, Memo, tuple[list[int] | None, Memo]]] = {}
-        self._start_paths: PerGrammar[tuple[()], list[int] | None] = PerGrammar(START_PATHS)
         self._first: PerGrammar[FirstKey, tuple[list[int] | None, Memo]] = PerGrammar(
             FIRST_DECISIONS
         )
@@ -393,20 +439,12 @@ class BudgetCloser:
         compiled, matcher = request.compiled, request.matcher
         fresh = not request.output_ids and not request.sampling.ignore_eos
         if fresh and self.paths is not None and compiled is not None and matcher is not None:
-            path = self._start_path(compiled, matcher)
+            path = self.paths.start_path(compiled, matcher)
             budget = _budget(request, 0, max_model_len)
             if path is not None and len(path) <= budget - 1:
                 memo = Memo((0, path), 0, False)
         self._memo[request.request_id] = memo
         return memo
-
-    def _start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
-        """The closing path from the start state of ``compiled`` (``matcher``: at that state)."""
-        paths = self.paths
-        assert paths is not None
-        return self._start_paths.get_or_make(
-            compiled, (), lambda: paths.find(matcher, SEARCH_LIMIT)
-        )
 
     def _first_key(
         self, request: Request, here: int, token: int, budget: int, exempt: bool

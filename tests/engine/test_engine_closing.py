@@ -17,7 +17,7 @@ from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
-from espalier.engine.closing import ClosingPaths
+from espalier.engine.closing import SEARCH_LIMIT, ClosingPaths
 from tests.fixtures.engine_fixtures import (
     CLOSING_SCHEMA,
     make_engine,
@@ -147,3 +147,73 @@ def test_closing_paths_end_an_empty_container_with_its_closer(
     path = ClosingPaths(tokenizer).find(matcher, 20)
     assert path is not None
     assert b"".join(tokenizer.token_bytes[t] for t in path).decode() == closing
+
+
+def test_start_paths_are_searched_on_matcher_threads_never_in_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A grammar's start-state closing path (its first decision's kept path) is searched where
+    the grammar service makes the request's matcher, once per grammar: the search (up to
+    ~100 ms where the greedy walk fails) holds no engine step. The outputs are those of an
+    engine that searches them itself (a BudgetCloser with paths of its own)."""
+    import threading
+
+    searches: list[str] = []
+    search_start = ClosingPaths._search_start
+
+    def recorded(self: ClosingPaths, matcher: Any) -> Any:
+        searches.append(threading.current_thread().name)
+        return search_start(self, matcher)
+
+    monkeypatch.setattr(ClosingPaths, "_search_start", recorded)
+    engine = make_engine()
+    shared = run_all(engine, requests(24))
+    assert engine.closer.paths is engine.grammar.closing_paths()
+    assert searches
+    assert all(name.startswith(("espalier-matcher", "espalier-spare")) for name in searches)
+    assert len(searches) == len(BACKENDS)  # one grammar per backend, each searched once
+    searches.clear()
+    engine = make_engine()
+    engine.closer.paths = ClosingPaths(engine.tokenizer)  # not the service's: searched in a step
+    own = run_all(engine, requests(24))
+    assert searches and threading.main_thread().name in searches
+    assert {k: tokens_of(v) for k, v in shared.items()} == {k: tokens_of(v) for k, v in own.items()}
+
+
+def test_a_start_path_is_searched_once_and_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Callers that meet a start-path search of their grammar running wait for it (one search
+    per grammar); a search that raises is not kept, and the next caller searches again."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, "llguidance")
+    paths = ClosingPaths(tokenizer)
+    release, calls = threading.Event(), []
+    search_start = ClosingPaths._search_start
+
+    def slow(self: ClosingPaths, matcher: Any) -> Any:
+        calls.append(1)
+        release.wait(timeout=30)
+        return search_start(self, matcher)
+
+    monkeypatch.setattr(ClosingPaths, "_search_start", slow)
+    with ThreadPoolExecutor(4) as pool:
+        results = [pool.submit(paths.start_path, compiled, compiled.matcher()) for _ in range(4)]
+        release.set()
+        found = [r.result(timeout=60) for r in results]
+    assert len(calls) == 1
+    assert found[0] is not None and all(f == found[0] for f in found)
+    assert found[0] == ClosingPaths(tokenizer).find(compiled.matcher(), SEARCH_LIMIT)
+
+    other, _ = compile_grammar(GrammarSpec.regex("[ab]{2,5}"), tokenizer, "llguidance")
+
+    def failing(self: ClosingPaths, matcher: Any) -> Any:
+        raise RuntimeError("the search failed")
+
+    monkeypatch.setattr(ClosingPaths, "_search_start", failing)
+    with pytest.raises(RuntimeError, match="the search failed"):
+        paths.start_path(other, other.matcher())
+    monkeypatch.setattr(ClosingPaths, "_search_start", search_start)
+    path = paths.start_path(other, other.matcher())
+    assert path is not None and len(path) >= 2
