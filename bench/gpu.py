@@ -364,6 +364,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             close_ahead=ahead,
             reps=args.spec_reps,
             tight_budget=args.tight_budget,
+            matcher_spares=args.matcher_spares,
         )
         prefix = (
             ""
@@ -448,6 +449,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--mask-threads",
         default="8",
         help="tree-mask threads; a list (2,8,8,2) runs one pass each (zipped with --close-ahead)",
+    )
+    parser.add_argument(
+        "--matcher-spares",
+        type=int,
+        default=16,
+        help="the grammar service's spare matchers per grammar (espalier serve's "
+        "--matcher-spares; 0: every request's matcher made when it arrives)",
     )
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
     parser.add_argument(

@@ -294,9 +294,11 @@ def equal_work(
     close_ahead: bool | None = None,
     reps: int = 1,
     tight_budget: bool = False,
+    matcher_spares: int = 16,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
-    with ``reps`` > 1, the median of the run-by-run ratios."""
+    with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
+    service's spare matchers per grammar."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
@@ -307,7 +309,7 @@ def equal_work(
         if spec_bench.compile_schema(s[1], tokenizer) is not None
     ]
     service = spec_bench.shared_grammars(
-        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas]
+        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas], matcher_spares
     )
     from espalier.server.gc_freeze import freeze_startup_heap
 

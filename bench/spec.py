@@ -188,13 +188,18 @@ def run_engine(engine: Any, requests: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def shared_grammars(tokenizer: Any, specs: Sequence[Any]) -> Any:
-    """One GrammarService for every engine of a part, its grammars compiled before any timing."""
+def shared_grammars(tokenizer: Any, specs: Sequence[Any], spares_per_grammar: int = 16) -> Any:
+    """One GrammarService for every engine of a part, its grammars compiled before any timing
+    (``spares_per_grammar``: the service's, as ``espalier serve --matcher-spares``)."""
     from espalier.constrained.cache import CompileCache
     from espalier.engine.api import ConstraintOptions
     from espalier.engine.constraints import GrammarService
 
-    service = GrammarService(tokenizer, cache=CompileCache(timeout_s=600.0))
+    service = GrammarService(
+        tokenizer,
+        cache=CompileCache(timeout_s=600.0),
+        spares_per_grammar=spares_per_grammar,
+    )
     options = ConstraintOptions(backend=BACKEND, allow_weakening=True)
     for spec in specs:
         service.submit(spec, options).result()
