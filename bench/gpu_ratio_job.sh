@@ -6,7 +6,8 @@
 # EXTRA=--no-closing, REPS ABBA reps); BENCH=gpu_timeline is bench/gpu_timeline.py, the same runs
 # with per-phase timers. Then, optionally, bench/serve.py on this tree (SERVE="flags",
 # tiny-random over the Gemma tokenizer folder).
-# Layout, in a copy of the tree (e.g. .gpu/, git-ignored, carried with the root's .whl/ from
+# Layout (bench/gpu_data.sh builds all of it), in a copy of the tree (e.g. .gpu/, git-ignored,
+# carried with the root's .whl/ from
 # ../shared/gpu/wheels.sh): .data/whl/ (the extra wheels the suite needs), .data/gemma_tok/
 # (tokenizer.json.gz), .data/jsonschemabench.tar.xz, .data/fi/fi.tar.xz.* (flashinfer's JIT cache,
 # bench/gpu_suite_job.sh writes it). The root's .whl/ for SERVE: `../shared/gpu/wheels.sh grpcio
