@@ -366,9 +366,9 @@ FirstKey = tuple[int, int, bool]
 
 
 class PerGrammar(Generic[K, R]):
-    """Values that are a function of a compiled grammar and a key (start paths, first-token
-    decisions), made once: at most ``limit`` kept, then all cleared. Each entry holds its
-    grammar, so the grammar's id (in the dict key) is not reused while the entry lives."""
+    """Values that are a function of a compiled grammar and a key (first-token decisions),
+    made once: at most ``limit`` kept, then all cleared. Each entry holds its grammar, so the
+    grammar's id (in the dict key) is not reused while the entry lives."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
