@@ -38,7 +38,9 @@ verification), to tell a uniformly slower step from a few slow ones. Per step al
 thread's context switches during verification (``getrusage(RUSAGE_THREAD)``):
 ``verify_preempted`` (involuntary: the thread was runnable and a core was taken from it) and
 ``verify_blocked`` (voluntary: it waited, for the GPU, the GIL or a lock), to tell a
-verification that waits for cores from one that waits for the interpreter lock. Per step,
+verification that waits for cores from one that waits for the interpreter lock; likewise
+``accept_run_blocked``, ``closing_batch_blocked`` and ``append_blocked``, with those phases'
+engine-thread CPU time in ``per_step_ms`` (``accept_run_cpu``, ...: :data:`WAIT_PHASES`). Per step,
 ``per_step_cpu_ms``: CPU time of each :data:`THREAD_GROUPS` group of threads (the engine thread,
 the mask threads, the grammar service's spare and request matcher threads, other Python threads,
 native threads), to tell which background work runs alongside a step; and among the phases
@@ -126,8 +128,16 @@ PER_STEP = (
     "decide",
     "search",
     "plain_fill",
+    "accept_run_cpu",
+    "closing_batch_cpu",
+    "append_cpu",
 )
 """Phases also reported step by step (``per_step_ms``: ms per engine step, in order)."""
+
+WAIT_PHASES = ("accept_run", "closing_batch", "append")
+"""Engine-thread phases also timed in thread CPU (``{phase}_cpu``) and counted in voluntary
+context switches (``per_step_counts["{phase}_blocked"]``): wall time over CPU time with switches
+is the thread waiting (for the GIL, or for native threads it handed work to)."""
 
 
 class Timeline:
@@ -176,7 +186,7 @@ class Timeline:
         self.per_step_counts["compiles"].append(sum(new.values()))
         self.per_step_counts["eager"].append(self.step_counts.pop("eager", 0))
         self.per_step_counts["rows"].append(self.step_counts.pop("rows", 0))
-        for key in ("verify_preempted", "verify_blocked"):
+        for key in ("verify_preempted", "verify_blocked", *(f"{p}_blocked" for p in WAIT_PHASES)):
             self.per_step_counts[key].append(self.step_counts.pop(key, 0))
         cpu = _thread_cpu()
         for group in THREAD_GROUPS:
@@ -197,11 +207,17 @@ class Timeline:
             if not self.on or threading.current_thread() is not self.main:
                 return function(*args, **kwargs)
             start = time.perf_counter()
+            usage = resource.getrusage(resource.RUSAGE_THREAD) if name in WAIT_PHASES else None
             try:
                 return function(*args, **kwargs)
             finally:
                 self.sums[name] += time.perf_counter() - start
                 self.calls[name] += 1
+                if usage is not None:
+                    after = resource.getrusage(resource.RUSAGE_THREAD)
+                    cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+                    self.sums[f"{name}_cpu"] += cpu
+                    self.step_counts[f"{name}_blocked"] += after.ru_nvcsw - usage.ru_nvcsw
                 if name == "step":
                     self.steps += 1
                     self._close_step()
