@@ -13,6 +13,9 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   for a running job, or runs it inline), ``decide`` and ``search`` (the closer's decisions and
   closing-path searches made on the engine thread itself), ``finish`` (``Engine._finish``: a
   finished request's last chunk);
+- ``closing_batch`` (``BudgetCloser.prepare``: the step's first inline decisions), and inside it
+  ``memo_of`` and ``answer_all`` (the decisions advanced: their ``stitch`` tries, and
+  ``search_all``, each wave's native searches);
 - ``text`` (``OutputProcessor.process``: detokenization and finished requests'
   post-validation; in-process here, in the server process when served);
 - ``other``: ``Engine.step`` minus schedule, execute, append and text;
@@ -71,6 +74,7 @@ import spec as spec_bench  # bench/spec.py
 import espalier.constrained.backends.llguidance.native.capi as native_llguidance
 import espalier.engine.closing as closing
 import espalier.engine.closing.ahead as closing_ahead
+import espalier.engine.closing.batch as closing_batch
 import espalier.engine.engine as engine_mod
 import espalier.engine.model.runner as runner_mod
 import espalier.engine.output as output_mod
@@ -98,6 +102,10 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("accept_run", engine_mod.Engine, "_accept_runs"),
     ("closing", closing.BudgetCloser, "instead"),
     ("closing_batch", closing.BudgetCloser, "prepare"),
+    ("memo_of", closing.BudgetCloser, "_memo_of"),
+    ("answer_all", closing, "answer_all"),
+    ("stitch", closing.ClosingPaths, "stitch"),
+    ("search_all", closing_batch, "_search_all"),
     ("take", closing_ahead.Lookahead, "take"),
     ("decide", closing.BudgetCloser, "decide"),
     ("search", closing.ClosingPaths, "search_after"),
@@ -128,6 +136,10 @@ PER_STEP = (
     "decide",
     "search",
     "plain_fill",
+    "memo_of",
+    "answer_all",
+    "stitch",
+    "search_all",
     "accept_run_cpu",
     "closing_batch_cpu",
     "append_cpu",
