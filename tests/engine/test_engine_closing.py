@@ -8,6 +8,7 @@ token and post-validates, and agrees token for token with the uncut run up to wh
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import jsonschema
@@ -199,9 +200,14 @@ def test_a_start_path_is_searched_once_and_waited_for(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(ClosingPaths, "_search_start", slow)
     with ThreadPoolExecutor(4) as pool:
-        results = [pool.submit(paths.start_path, compiled, compiled.matcher()) for _ in range(4)]
+        first = pool.submit(paths.start_path, compiled, compiled.matcher())
+        while not calls:  # the first caller's search is running (held until released)
+            time.sleep(0.01)
+        later = [pool.submit(paths.start_path, compiled, compiled.matcher()) for _ in range(3)]
+        time.sleep(0.2)  # the later callers meet the running search (none is done before it)
+        assert not any(r.done() for r in later)
         release.set()
-        found = [r.result(timeout=60) for r in results]
+        found = [r.result(timeout=60) for r in [first, *later]]
     assert len(calls) == 1
     assert found[0] is not None and all(f == found[0] for f in found)
     assert found[0] == ClosingPaths(tokenizer).find(compiled.matcher(), SEARCH_LIMIT)
