@@ -365,6 +365,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             reps=args.spec_reps,
             tight_budget=args.tight_budget,
             matcher_spares=args.matcher_spares,
+            backend=args.backend,
         )
         prefix = (
             ""
@@ -456,6 +457,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=16,
         help="the grammar service's spare matchers per grammar (espalier serve's "
         "--matcher-spares; 0: every request's matcher made when it arrives)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="llguidance",
+        help="the constrained requests' grammar backend (ConstraintOptions.backend)",
     )
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")
     parser.add_argument(

@@ -45,6 +45,7 @@ def _requests(
     lengths: Sequence[int],
     speculative: bool,
     prefix: str,
+    backend: str = spec_bench.BACKEND,
 ) -> list[Any]:
     from espalier.engine.api import (
         ConstraintOptions,
@@ -59,7 +60,7 @@ def _requests(
             prompt_token_ids=tuple(p),
             sampling=SamplingParams(max_tokens=n),
             grammar=g,
-            constraint=ConstraintOptions(backend=spec_bench.BACKEND, allow_weakening=True),
+            constraint=ConstraintOptions(backend=backend, allow_weakening=True),
             speculative=SpeculativeOptions(enabled=speculative),
         )
         for i, (p, g, n) in enumerate(zip(prompts, grammars, lengths))
@@ -135,6 +136,17 @@ class _Setup:
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
+    backend: str = "llguidance"  # the constrained requests' ConstraintOptions.backend
+
+    def requests(
+        self,
+        prompts: Sequence[list[int]],
+        grammars: Sequence[Any],
+        lengths: Sequence[int],
+        speculative: bool,
+        prefix: str,
+    ) -> list[Any]:
+        return _requests(prompts, grammars, lengths, speculative, prefix, self.backend)
 
     def groups(self, requests: list[Any]) -> list[list[Any]]:
         """Batch 1: each request alone, one after another; else all at once."""
@@ -198,15 +210,15 @@ def _one_batch(
     results: dict[tuple[bool, bool], dict[str, Any]] = {}
     full = [max_tokens] * count
     c_plain = _run(
-        setup.plain, setup.groups(_requests(prompts, grammars, full, False, "c")), profile
+        setup.plain, setup.groups(setup.requests(prompts, grammars, full, False, "c")), profile
     )
     lengths = [max(1, len(c_plain["outputs"][f"c{i}"])) for i in range(count)]
     c_plain["at_budget"] = sum(n >= max_tokens for n in lengths)
     free = [None] * count
-    u_plain = _run(setup.plain, setup.groups(_requests(prompts, free, lengths, False, "u")))
+    u_plain = _run(setup.plain, setup.groups(setup.requests(prompts, free, lengths, False, "u")))
     plain_jobs = {
-        True: setup.groups(_requests(prompts, grammars, full, False, "c")),
-        False: setup.groups(_requests(prompts, free, lengths, False, "u")),
+        True: setup.groups(setup.requests(prompts, grammars, full, False, "c")),
+        False: setup.groups(setup.requests(prompts, free, lengths, False, "u")),
     }
     plain_runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     for rep in range(reps if reps > 1 else 0):  # the pair above was the uncounted one
@@ -231,7 +243,7 @@ def _one_batch(
             f"{prefix}{i}": (len(p), base["outputs"][f"{prefix}{i}"]) for i, p in enumerate(prompts)
         }
         budgets = full if constrained and not setup.tight_budget else lengths
-        reqs = _requests(prompts, grammars if constrained else free, budgets, True, prefix)
+        reqs = setup.requests(prompts, grammars if constrained else free, budgets, True, prefix)
         jobs[constrained] = (setup.oracle(continuations), setup.groups(reqs))
     runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     if reps > 1:  # a pair not counted: the first runs of a process meet cold caches (grammar
@@ -295,10 +307,11 @@ def equal_work(
     reps: int = 1,
     tight_budget: bool = False,
     matcher_spares: int = 16,
+    backend: str = "llguidance",
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
-    service's spare matchers per grammar."""
+    service's spare matchers per grammar; ``backend``: the constrained requests' grammar backend."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
@@ -306,10 +319,10 @@ def equal_work(
     schemas = [
         s
         for s in spec_bench.sample_schemas(n_schemas, with_instances=False)
-        if spec_bench.compile_schema(s[1], tokenizer) is not None
+        if spec_bench.compile_schema(s[1], tokenizer, backend) is not None
     ]
     service = spec_bench.shared_grammars(
-        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas], matcher_spares
+        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas], matcher_spares, backend
     )
     from espalier.server.gc_freeze import freeze_startup_heap
 
@@ -330,6 +343,7 @@ def equal_work(
             launch_first,
             close_ahead,
             tight_budget,
+            backend,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         if DUMP_STREAMS:
@@ -347,6 +361,7 @@ def equal_work(
                     "launch_first": launch_first,
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
+                    "backend": backend,
                     "torch_threads": torch.get_num_threads(),
                     "switch_interval_ms": sys.getswitchinterval() * 1e3,
                     **{k: v for k, v in r.items() if k != "outputs"},
@@ -369,6 +384,7 @@ def equal_work(
                 "closing": closing,
                 "close_ahead": close_ahead,
                 "tight_budget": tight_budget,
+                "backend": backend,
                 "torch_threads": torch.get_num_threads(),
                 "switch_interval_ms": sys.getswitchinterval() * 1e3,
                 "constrained_over_unconstrained_speculative": round(ratio, 3),

@@ -188,9 +188,12 @@ def run_engine(engine: Any, requests: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def shared_grammars(tokenizer: Any, specs: Sequence[Any], spares_per_grammar: int = 16) -> Any:
-    """One GrammarService for every engine of a part, its grammars compiled before any timing
-    (``spares_per_grammar``: the service's, as ``espalier serve --matcher-spares``)."""
+def shared_grammars(
+    tokenizer: Any, specs: Sequence[Any], spares_per_grammar: int = 16, backend: str = BACKEND
+) -> Any:
+    """One GrammarService for every engine of a part, its grammars compiled on ``backend``
+    before any timing (``spares_per_grammar``: the service's, as ``espalier serve
+    --matcher-spares``)."""
     from espalier.constrained.cache import CompileCache
     from espalier.engine.api import ConstraintOptions
     from espalier.engine.constraints import GrammarService
@@ -200,7 +203,7 @@ def shared_grammars(tokenizer: Any, specs: Sequence[Any], spares_per_grammar: in
         cache=CompileCache(timeout_s=600.0),
         spares_per_grammar=spares_per_grammar,
     )
-    options = ConstraintOptions(backend=BACKEND, allow_weakening=True)
+    options = ConstraintOptions(backend=backend, allow_weakening=True)
     for spec in specs:
         service.submit(spec, options).result()
     return service
