@@ -19,28 +19,53 @@ with a handicapped anchor.
 
 ``--kv-blocks`` gives both sides the same KV cache; on CUDA set it (the default sizes the cache
 from free device memory, and the side loaded first would take most of it).
+
+``--requests-per-stream K``: each stream sends K requests one after another (a closed loop, as a
+client that keeps its connection busy); the offline engine likewise keeps ``--streams`` requests
+in flight, adding a stream's next request when its last one finishes. With K = 1 a round is one
+burst, and its start (the first step holds only the requests that arrived) and its end (the last
+stragglers) weigh as much as the decoding in between: a constrained round of the one-schema
+requests ends after ~16 tokens, a quarter of an unconstrained one, so those fixed costs weigh four
+times more there. ``K`` > 1 measures throughput with the streams kept busy.
+
+The offline side runs under the process conditions ``espalier serve`` gives its engine
+(``server/cpu_runtime.py``: passive OpenMP waiting, set before torch loads): on a CPU, torch's
+default spinning would make the anchor several times slower than the server's engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from espalier_client import AsyncClient
-from load import SCHEMA, start_server  # bench/load.py (this folder is on sys.path)
+from espalier.server.cpu_runtime import apply_runtime_env
+
+apply_runtime_env(os.environ)  # before torch loads, as ``espalier serve`` does for its engine
+
+from espalier_client import AsyncClient  # noqa: E402
+from load import SCHEMA, start_server  # noqa: E402  # bench/load.py (this folder is on sys.path)
 
 
 def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def prompts(streams: int) -> list[str]:
-    return [f"Item {i}: describe item number {i} as JSON." for i in range(streams)]
+def prompts(count: int) -> list[str]:
+    return [f"Item {i}: describe item number {i} as JSON." for i in range(count)]
+
+
+def stream_requests(args: argparse.Namespace) -> list[list[int]]:
+    """Per stream, the indices of its requests in the order it sends them (request ``i + j *
+    streams`` is stream ``i``'s ``j``-th)."""
+    n, k = args.streams, args.requests_per_stream
+    return [[i + j * n for j in range(k)] for i in range(n)]
 
 
 def offline_engine(args: argparse.Namespace) -> Any:
@@ -63,25 +88,36 @@ def run_offline(engine: Any, args: argparse.Namespace, constrained: bool) -> dic
     from espalier.constrained.spec import GrammarSpec
     from espalier.engine.api import ConstraintOptions, GenerationRequest, SamplingParams
 
+    streams = stream_requests(args)
+    texts_in = prompts(args.streams * args.requests_per_stream)
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
+    next_of: dict[int, int] = {}  # request index -> the next one of its stream
+    for order in streams:
+        next_of.update(itertools.pairwise(order))
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts(args.streams)):
+
+    def add(i: int) -> None:
         engine.add_request(
             GenerationRequest(
                 f"offline-{i}-{start}",
-                prompt=prompt,
+                prompt=texts_in[i],
                 sampling=SamplingParams(max_tokens=args.max_tokens),
                 grammar=GrammarSpec.json_schema(SCHEMA) if constrained else None,
                 constraint=ConstraintOptions(backend=args.backend if constrained else None),
             )
         )
         tokens[i], texts[i] = [], ""
+
+    for order in streams:
+        add(order[0])
     while engine.has_unfinished():
         for out in engine.step():
             i = int(out.request_id.split("-")[1])
             tokens[i].extend(out.token_ids)
             texts[i] += out.text_delta
+            if out.finished and i in next_of:
+                add(next_of[i])
     seconds = time.perf_counter() - start
     return _rate(tokens, texts, seconds)
 
@@ -91,17 +127,20 @@ async def run_served(address: str, args: argparse.Namespace, constrained: bool) 
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
 
-    async def one(client: AsyncClient, i: int, prompt: str) -> None:
-        got: list[int] = []
-        text = ""
-        async for chunk in client.stream(prompt, max_tokens=args.max_tokens, **extra):
-            got.extend(chunk.token_ids)
-            text += chunk.text
-        tokens[i], texts[i] = got, text
+    texts_in = prompts(args.streams * args.requests_per_stream)
+
+    async def one(client: AsyncClient, order: list[int]) -> None:
+        for i in order:
+            got: list[int] = []
+            text = ""
+            async for chunk in client.stream(texts_in[i], max_tokens=args.max_tokens, **extra):
+                got.extend(chunk.token_ids)
+                text += chunk.text
+            tokens[i], texts[i] = got, text
 
     async with AsyncClient(address) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts(args.streams))))
+        await asyncio.gather(*(one(client, order) for order in stream_requests(args)))
         seconds = time.perf_counter() - start
     return _rate(tokens, texts, seconds)
 
@@ -122,6 +161,12 @@ def main() -> int:
     parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=1,
+        help="requests each stream sends one after another (offline: kept in flight alike)",
+    )
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--backend", default="llguidance")
     parser.add_argument("--speculative", default="", help="drafters, as espalier serve's")
@@ -184,6 +229,7 @@ def compare(
             "constrained": constrained,
             "backend": args.backend if constrained else None,
             "streams": args.streams,
+            "requests_per_stream": args.requests_per_stream,
             "max_tokens": args.max_tokens,
             "speculative": args.speculative or None,
             "kv_blocks": args.kv_blocks,
