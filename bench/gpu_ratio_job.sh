@@ -17,6 +17,8 @@
 # them SERVE's constrained phase fails). Examples:
 #   cd .gpu && RUNS="new:32 base:32 new:1" LIMIT=200 bash bench/gpu_ratio_job.sh
 #   cd .gpu && BENCH=gpu_timeline RUNS="new:32 base:32" EXTRA=--no-closing bash bench/gpu_ratio_job.sh
+#   cd .gpu && RUNS= SERVE="--streams 64 --max-tokens 64 --reps 3 --kv-blocks 4096 --requests-per-stream 4" bash bench/gpu_ratio_job.sh
+#     (issue 28's served/offline: docs/decisions/serve-closed-loop.md)
 set -u
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site ../.whl/*.whl .data/whl/*.whl 2>/dev/null
