@@ -114,8 +114,8 @@ class ClosingPaths:
         from espalier.engine.closing.backtrack import Backtracking  # it imports this module
 
         self.fallback = Backtracking(self, tokenizer)  # where the greedy search finds none
-        # start paths by id(compiled): (compiled, its search); at most START_PATHS, then cleared
-        self._start: dict[int, tuple[object, Future[list[int] | None]]] = {}
+        # each compiled grammar's start-path search (at most START_PATHS, then cleared)
+        self._start: PerGrammar[tuple[()], Future[list[int] | None]] = PerGrammar(START_PATHS)
         self._start_lock = threading.Lock()
 
     def start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
@@ -129,23 +129,16 @@ class ClosingPaths:
         where the greedy walk fails and the fallback backtracks) never runs in an engine step.
         A search that raises is not kept: the next caller searches again."""
         with self._start_lock:
-            kept = self._start.get(id(compiled))
-            mine = kept is None or kept[0] is not compiled
-            if mine:
-                if len(self._start) >= START_PATHS:
-                    self._start.clear()
-                search: Future[list[int] | None] = Future()
-                self._start[id(compiled)] = (compiled, search)
-            else:
-                assert kept is not None
-                search = kept[1]
-        if mine:
+            kept = self._start.find(compiled, ())
+            search = kept if kept is not None else Future()
+            if kept is None:
+                self._start.put(compiled, (), search)
+        if kept is None:
             try:
                 search.set_result(self._search_start(matcher))
             except BaseException as exc:
                 with self._start_lock:
-                    if self._start.get(id(compiled), (None, None))[1] is search:
-                        del self._start[id(compiled)]
+                    self._start.discard(compiled, (), search)
                 search.set_exception(exc)
         return search.result()
 
@@ -366,9 +359,10 @@ FirstKey = tuple[int, int, bool]
 
 
 class PerGrammar(Generic[K, R]):
-    """Values that are a function of a compiled grammar and a key (first-token decisions),
-    made once: at most ``limit`` kept, then all cleared. Each entry holds its grammar, so the
-    grammar's id (in the dict key) is not reused while the entry lives."""
+    """Values that are a function of a compiled grammar and a key (first-token decisions,
+    start-path searches), made once: at most ``limit`` kept, then all cleared. Each entry holds
+    its grammar, so the grammar's id (in the dict key) is not reused while the entry lives. Not
+    locked: callers on several threads hold a lock of their own around it."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -383,6 +377,12 @@ class PerGrammar(Generic[K, R]):
         if len(self._items) >= self.limit:
             self._items.clear()
         self._items[(id(compiled), key)] = (compiled, value)
+
+    def discard(self, compiled: object, key: K, value: R) -> None:
+        """Drop the entry when it is still ``value`` (not one put since)."""
+        kept = self._items.get((id(compiled), key))
+        if kept is not None and kept[0] is compiled and kept[1] is value:
+            del self._items[(id(compiled), key)]
 
     def get_or_make(self, compiled: object, key: K, make: Callable[[], R]) -> R:
         kept = self._items.get((id(compiled), key))
