@@ -408,6 +408,8 @@ def llama_8b_config(vocab_size: int) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from spec import BACKEND
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default=None, help="converted tokenizer folder")
     parser.add_argument("--batches", default="1,8,64")
@@ -460,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--backend",
-        default="llguidance",
+        default=BACKEND,
         help="the constrained requests' grammar backend (ConstraintOptions.backend)",
     )
     parser.add_argument("--profile-batch", type=int, default=32, help="cProfile this batch")

@@ -136,7 +136,7 @@ class _Setup:
     launch_first: bool | None = None  # SpecConfig.launch_first (None: forward first on CUDA)
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
-    backend: str = "llguidance"  # the constrained requests' ConstraintOptions.backend
+    backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
 
     def requests(
         self,
@@ -307,7 +307,7 @@ def equal_work(
     reps: int = 1,
     tight_budget: bool = False,
     matcher_spares: int = 16,
-    backend: str = "llguidance",
+    backend: str = spec_bench.BACKEND,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
