@@ -142,10 +142,27 @@ def python_matchers(part: list[tuple[Any, list[int]]]) -> list[Any]:
     return matchers
 
 
+def pyo3_matchers(part: list[tuple[Any, list[int]]]) -> list[Any]:
+    """llguidance's Python ``LLMatcher`` at each state of ``part``'s schemas (its Python API,
+    beside the C API that espalier's matchers use), made from each grammar's text."""
+    import llguidance
+
+    from espalier.constrained.backends import get_backend
+
+    matchers = []
+    for compiled, body in part:
+        lltokenizer = get_backend("llguidance", compiled.tokenizer).lltokenizer  # type: ignore[attr-defined]
+        for k in range(len(body)):
+            matcher = llguidance.LLMatcher(lltokenizer, compiled.grammar, log_level=0)
+            assert matcher.try_consume_tokens(body[:k]) == k
+            matchers.append(matcher)
+    return matchers
+
+
 def llguidance_python(loaded: list[tuple[Any, list[int]]], words: int) -> list[Work]:
     halves: list[Work] = []
     for part in split(loaded):
-        natives = [m.native for m in python_matchers(part)]
+        natives = pyo3_matchers(part)
         row = np.zeros(words, dtype=np.int32)
 
         def work(rounds: int, natives: list[Any] = natives, row: np.ndarray = row) -> None:
@@ -233,7 +250,7 @@ def executor_seconds(
     """Best seconds of ``rounds`` LLExecutor calls over every state, and the masks per call."""
     import llguidance
 
-    natives = [m.native for m in python_matchers(loaded)]
+    natives = pyo3_matchers(loaded)
     rows = np.zeros((len(natives), words), dtype=np.int32)
     pairs = [(native, i) for i, native in enumerate(natives)]
     executor = llguidance.LLExecutor(threads)
@@ -248,8 +265,7 @@ def executor_seconds(
 
 def gil_convoy(loaded: list[tuple[Any, list[int]]], words: int, calls: int) -> dict[str, Any]:
     """Per ``LLMatcher`` call: µs alone, and with a pure-Python thread spinning alongside."""
-    matcher = python_matchers(loaded[:1])[-1]
-    native = matcher.native
+    native = pyo3_matchers(loaded[:1])[-1]
     token = loaded[0][1][-1]
     row = np.zeros(words, dtype=np.int32)
     ops: dict[str, Callable[[], Any]] = {

@@ -39,7 +39,7 @@ def direct_fill(matcher: Any, backend: str) -> Any:
     """A closure calling the library's own mask function on ``matcher``'s native state."""
     native = matcher.native
     if backend == "llguidance":
-        return lambda mask: native.unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
+        return lambda mask: native.mask_at(mask.data_ptr(), mask.shape[1] * 4)
     if backend == "xgrammar":
         return lambda mask: native.fill_next_token_bitmask(mask, 0)
     words = matcher._words  # outlines-core: same call the adapter makes, without the fix-ups

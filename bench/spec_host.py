@@ -353,8 +353,7 @@ def run(args: argparse.Namespace) -> None:
 
     tokenizer = default_tokenizer()
     runner = tiny_runner(tokenizer)
-    # llguidance's native walk serves grammars compiled after its tokenizer is ready (as on the
-    # GPU, bench/gpu.py): else every tree took the Python walk here
+    # llguidance's C-API tokenizer built before the timing (its first compile waits for it)
     walk = get_backend("llguidance", tokenizer).tree_walk()  # type: ignore[attr-defined]
     emit({"part": "spec_host", "llguidance_walk": walk})
     schemas = [

@@ -58,10 +58,9 @@ class GrammarMatcher(Protocol):
     def prepare(self, scratch: torch.Tensor) -> None:
         """Make now what this matcher's first engine step would otherwise make on the engine
         thread: its current state's row (written into ``scratch[0]``, an int32 CPU row of
-        ``ceil(V/32)`` words; its content is then undefined) and, for a backend whose native
-        tree walk follows the matcher with a copy of its own, that copy (llguidance's twin).
-        The state does not change. Called where the matcher is made (the grammar service's
-        threads), so a burst's first step does not make them for every request."""
+        ``ceil(V/32)`` words; its content is then undefined). The state does not change.
+        Called where the matcher is made (the grammar service's threads), so a burst's first
+        step does not compute that row for every request."""
         ...
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:

@@ -54,9 +54,10 @@ class GrammarService:
     restarts (``constrained/disk_cache.py``), consulted on an in-memory miss. ``backend_options``:
     the options every backend compiles with (compile slots, whitespace, number bounds); the
     backends' defaults when None. ``matcher_threads``: threads that make requests' matchers
-    (``min(8, cpu count)`` when None): a burst of requests waits for its matchers, and
-    llguidance releases the GIL while it builds one (0.7-19 ms each on JSONSchemaBench schemas
-    with the Gemma vocabulary), so they are made in parallel. Spares: for a grammar requested
+    (``min(8, cpu count)`` when None): a burst of requests waits for its matchers (an
+    llguidance one is a clone of its grammar's template, whose first mask builds its own lexer's
+    start state: a few ms on the Gemma vocabulary, the GIL released), so they are made in
+    parallel. Spares: for a grammar requested
     more than once (of the :data:`SPARE_GRAMMARS` requested last), new matchers are kept ready,
     refilled on threads of their own as requests take them, so a repeated schema's request
     starts without waiting for its matcher. Each is made fresh from the compiled grammar, never
@@ -196,7 +197,7 @@ class GrammarService:
 
     def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A request's new matcher, prepared (``GrammarMatcher.prepare``: its start state's
-        mask computed once into a scratch row, and llguidance's walk twin made), and its
+        mask computed once into a scratch row), and its
         grammar's start-state closing path searched (once per grammar, after
         :meth:`closing_paths`): what its first step makes anyway, made here, off the engine's
         step; nothing else changes."""

@@ -68,16 +68,6 @@ class BackendOptions:
             Only the grammar is narrowed (outputs still validate under the caller's schema), so
             a greedy model cannot write digits until max_tokens. ``None``: the libraries' own
             unbounded number grammars.
-        llguidance_native_walk: fill the llguidance masks of chain-like trees with the native
-            walk (``constrained/backends/llguidance/native/``: GIL-free, so a batch of trees fills
-            on all cores); making the backend raises ``NativeBuildError`` if that walk cannot
-            load. False: the Python walk always.
-        llguidance_native_max_branches: trees with more branches than this (children beyond
-            the first, summed over the nodes) take the Python walk even with the native one on:
-            each branch costs the native walk a clone (a few times a ``deep_copy``, and a
-            colder lexer cache), so branchy trees are faster in Python
-            (``docs/decisions/llguidance-native-walk.md``). Chains (oracle, forced and n-gram
-            drafts) take one clone and no ``deep_copy``.
         outlines_memory_limit: address-space cap in bytes of the child process that builds each
             outlines-core Index (``backends/outlines_core/index.py``): a build past it fails with
             ``CompileMemoryError``, and under a compile cache the child is killed at the
@@ -95,8 +85,6 @@ class BackendOptions:
     json_max_whitespace: int = 4
     max_threads: int = 2
     json_number_bounds: NumberBounds | None = DEFAULT_BOUNDS
-    llguidance_native_walk: bool = True
-    llguidance_native_max_branches: int = 3
     outlines_memory_limit: int = 4 << 30
     xgrammar_memory_limit: int = 8 << 30
     compile_slots: int = 2

@@ -100,10 +100,14 @@ def accepted_by_forks(matcher: GrammarMatcher) -> np.ndarray:
     return np.array([matcher.fork().accept(t) for t in range(matcher.vocab_size)], dtype=bool)
 
 
-def forced_bytes_pending(matcher: GrammarMatcher) -> bool:
-    """llguidance narrows its mask to a canonical token when bytes are forced."""
-    native = matcher.native
-    return hasattr(native, "compute_ff_bytes") and bool(native.compute_ff_bytes())
+def forced_bytes_pending(matcher: Any) -> bool:
+    """llguidance narrows its mask to a canonical token when bytes are forced (asked of its
+    Python API, which has ``compute_ff_bytes``, at the matcher's state)."""
+    if matcher.compiled.backend != "llguidance":
+        return False
+    probe = matcher.compiled.native.deep_copy()
+    assert probe.try_consume_tokens(matcher.history) == len(matcher.history)
+    return bool(probe.compute_ff_bytes())
 
 
 def feed(matcher: GrammarMatcher, tokens: list[int]) -> None:

@@ -1,7 +1,7 @@
-"""llguidance's native tree walk (``constrained/backends/llguidance/native/``): the twin matcher
-keeps up with the
-request through accepts, rollbacks, resets and forks; the budget holds inline; with the native
-walk off the Python walk takes over; an llguidance of another series is a clear error."""
+"""llguidance's C-API matchers and native tree walk (``constrained/backends/llguidance/native/``):
+walks from the request's own matcher stay exact through accepts, rollbacks, resets and forks,
+and never move it; the budget holds inline; lazy forks; an llguidance of another series is a
+clear error."""
 
 from __future__ import annotations
 
@@ -25,9 +25,7 @@ from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.fixtures.tree_oracle import compare, replay_tree
 from tests.fixtures.tree_random import grow_tree, sample_instance
 
-NATIVE = BackendOptions(llguidance_native_walk=True, llguidance_native_max_branches=1 << 30)
-"""The native walk, on (whatever the default), for every tree: none is too branchy for it here
-(its default policy sends those to Python)."""
+NATIVE = BackendOptions()
 
 
 SCHEMA = GrammarSpec.json_schema(
@@ -63,22 +61,20 @@ def check_walk(
     tree = grow_tree(grammar.matcher, prefix, body, size, rng)
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=-1)
     masks = fill_tree_bitmask(matcher, tree, out, budget=None, threads=threads)
-    assert matcher.twin is not None  # the native walk ran
-    assert matcher.twin.length == len(prefix)  # it follows the request, never the walk
+    assert matcher.history == prefix  # the walk ran on clones, never on the request's matcher
     return compare(masks, out, tree, replay_tree(grammar.matcher, prefix, tree))
 
 
 def helper_rows(matcher: Any) -> int:
-    return matcher.twin.rows_filled if matcher.twin is not None else 0
+    return int(matcher.helper_rows)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_twin_follows_accepts_rollbacks_resets_and_forks(
+def test_walks_follow_accepts_rollbacks_resets_and_forks(
     toy_tokenizer_padded: Any, threads: int
 ) -> None:
-    """The twin keeps up with the request (a rollback below it makes a new one), on one thread
-    and on two (the second walks part of each tree): every row is exact across accepts,
-    rollbacks, resets and forks."""
+    """Walks from the request's own matcher, on one thread and on two (the second walks part
+    of each tree): every row is exact across accepts, rollbacks, resets and forks."""
     grammar = native_grammar(toy_tokenizer_padded)
     rng = np.random.default_rng(5)
     stops = set(toy_tokenizer_padded.stop_token_ids)
@@ -95,9 +91,9 @@ def test_twin_follows_accepts_rollbacks_resets_and_forks(
                 if token in stops:
                     break
                 assert matcher.accept(token)
-        elif action == 2 and matcher.history:  # roll back, maybe below the twin's last sync
+        elif action == 2 and matcher.history:  # roll back, maybe below the closing base
             matcher.rollback(int(rng.integers(1, len(matcher.history) + 1)))
-        elif action == 3:  # a fork walks from its own twin; the original is untouched
+        elif action == 3:  # a fork walks from its own matcher; the original is untouched
             fork = matcher.fork()
             for token in sample_instance(fork.fork(), rng, max_tokens=3):
                 if token in stops or not fork.accept(token):
@@ -105,12 +101,12 @@ def test_twin_follows_accepts_rollbacks_resets_and_forks(
             problems += check_walk(grammar, fork, rng, 16, threads)
         elif step % 10 == 4:
             matcher.reset()
-            assert matcher.twin is None
+            assert matcher.history == []
     assert problems == []
     assert (helped > 0) == (threads > 1)  # the second thread did fill rows, and only then
 
 
-def test_budget_prunes_inline_and_the_twin_survives(toy_tokenizer: Any) -> None:
+def test_budget_prunes_inline_and_the_matcher_is_unchanged(toy_tokenizer: Any) -> None:
     grammar = native_grammar(toy_tokenizer)
     rng = np.random.default_rng(9)
     matcher = grammar.matcher()
@@ -125,7 +121,7 @@ def test_budget_prunes_inline_and_the_twin_survives(toy_tokenizer: Any) -> None:
     # a budget that stops the walk part way: every kept row exact, the rest pruned
     masks = fill_tree_bitmask(matcher, tree, out, budget=1e-4)
     assert compare(masks, out, tree, oracle) == []
-    # and the twin is back at the root: a full walk afterwards is exact
+    # and the matcher is still at the root: a full walk afterwards is exact
     masks = fill_tree_bitmask(matcher, tree, out, budget=None)
     assert not masks.budget_hit and masks.filled.sum() > 1
     assert compare(masks, out, tree, oracle) == []
@@ -163,10 +159,10 @@ def chain_tree(root: int, chain: list[int]) -> DraftTree:
     return DraftTree(np.array([root, *chain], dtype=np.int64), links, np.full(n, -1))
 
 
-def test_twin_only_follows_the_request(toy_tokenizer: Any) -> None:
-    """A walk runs on clones: the twin stays at the request's state (it never rolls back, see
-    ``test_llguidance_stale_rollback``), and the next walk only consumes what the request
-    accepted since. Chains accepted in full, in part, and not at all all give exact masks."""
+def test_walks_never_move_the_request(toy_tokenizer: Any) -> None:
+    """A walk runs on clones: the request's matcher stays at its state (nothing is rolled back,
+    see ``test_llguidance_stale_rollback``). Chains accepted in full, in part, and not at all
+    all give exact masks."""
     grammar = native_grammar(toy_tokenizer)
     rng = np.random.default_rng(11)
     stops = set(toy_tokenizer.stop_token_ids)
@@ -182,8 +178,7 @@ def test_twin_only_follows_the_request(toy_tokenizer: Any) -> None:
         masks = fill_tree_bitmask(matcher, tree, out, budget=None)
         history = list(matcher.history)
         problems += compare(masks, out, tree, replay_tree(grammar.matcher, history, tree))
-        assert matcher.twin is not None
-        assert matcher.twin.length == len(history)  # the walk left it where the request is
+        assert matcher.history == history  # the walk left it where the request is
         keep = [len(body), 0, len(body) // 2][step % 3]
         assert matcher.accept_tokens(body[:keep]) == keep
         if keep < len(body) and step % 2:  # diverge from the chain after the kept part
@@ -283,15 +278,33 @@ def test_the_installed_llguidance_passes_the_load_checks() -> None:
     lib.check_layout()
 
 
-def test_python_walk_takes_over_without_the_native_one(toy_tokenizer: Any) -> None:
-    backend = get_backend("llguidance", toy_tokenizer, BackendOptions(llguidance_native_walk=False))
-    assert backend.tree_walk().startswith("python")  # type: ignore[attr-defined]
+def test_forks_are_lazy_and_exact(toy_tokenizer: Any) -> None:
+    """A fork has no C-API matcher until it is used (a clone copies the lexer: most forks are
+    only read natively or dropped); used, it is exactly its source's state, and its own."""
+    backend = get_backend("llguidance", toy_tokenizer)
+    assert backend.tree_walk(60) == "native"  # type: ignore[attr-defined]
     grammar = backend.compile(SCHEMA)
     rng = np.random.default_rng(2)
     matcher = grammar.matcher()
-    tree = grow_tree(grammar.matcher, [], sample_instance(matcher.fork(), rng, 16), 32, rng)
+    body = [
+        t for t in sample_instance(matcher.fork(), rng, 16) if t not in toy_tokenizer.stop_token_ids
+    ]
+    for token in body[: len(body) // 2]:
+        assert matcher.accept(token)
+    fork = matcher.fork()
+    assert not fork.materialized and fork.history == matcher.history
+    search = fork.native_closing(None, 0)  # a native search from the base, nothing made
+    assert search is not None and not fork.materialized
+    row_fork = bm.allocate(1, matcher.vocab_size, fill=0)
+    row_matcher = bm.allocate(1, matcher.vocab_size, fill=0)
+    fork.fill_bitmask(row_fork, 0)
+    matcher.fill_bitmask(row_matcher, 0)
+    assert fork.materialized and fork.native.pointer != matcher.native.pointer
+    assert np.array_equal(row_fork.numpy(), row_matcher.numpy())
+    rest = body[len(body) // 2 :]
+    assert fork.accept_tokens(rest) == len(rest)
+    assert matcher.history == body[: len(body) // 2]  # the source did not move
+    tree = grow_tree(grammar.matcher, fork.history, [], 8, rng)
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=0)
-    masks = fill_tree_bitmask(matcher, tree, out, budget=None)
-    assert matcher.twin is None
-    assert compare(masks, out, tree, replay_tree(grammar.matcher, [], tree)) == []
-    assert get_backend("llguidance", toy_tokenizer).tree_walk(60) == "native"  # the default  # type: ignore[attr-defined]
+    masks = fill_tree_bitmask(fork, tree, out, budget=None)
+    assert compare(masks, out, tree, replay_tree(grammar.matcher, fork.history, tree)) == []

@@ -4,7 +4,7 @@ call, the duplicate-key filter applied inside it.
 Oracles: each request's rows and flags equal its own ``fill_tree`` (the native walk of one tree,
 then the key tracker's filter called from Python), bit for bit, and the filled rows equal
 replaying every path from scratch; requests at different states, on several native threads,
-over several steps (the twins catch up between them). A malformed tree or a budget spent is
+over several steps (the requests advance between them). A malformed tree or a budget spent is
 that tree's alone.
 """
 
@@ -40,17 +40,13 @@ CLOSED = GrammarSpec.json_schema(
     }
 )
 """Declared keys only: its matchers are llguidance's own."""
-EVERY_TREE = BackendOptions(llguidance_native_max_branches=1 << 30)
-"""The native walk for every tree (by default the branchiest go to the Python walk)."""
 
 
 class Request:
     """Two matchers kept at the same state: one filled by the batch, one by ``fill_tree``."""
 
-    def __init__(
-        self, tokenizer: Any, spec: GrammarSpec, options: BackendOptions = EVERY_TREE
-    ) -> None:
-        backend = get_backend("llguidance", tokenizer, options)
+    def __init__(self, tokenizer: Any, spec: GrammarSpec) -> None:
+        backend = get_backend("llguidance", tokenizer, BackendOptions())
         self.compiled = backend.compile(spec)
         assert self.compiled.native_slot.wait(60) is not None, self.compiled.native_slot.error
         self.tokenizer = tokenizer
@@ -92,7 +88,7 @@ def test_a_batch_equals_each_tree_filled_alone(toy_tokenizer_padded: Any, thread
     assert not isinstance(requests[1].batched, UniqueKeysMatcher)
     batch = NativeTreeBatch(threads)
     words = bm.words_per_row(tokenizer.vocab_size)
-    for _ in range(6):  # steps: the twins catch up with what each request accepted meanwhile
+    for _ in range(6):  # steps: each request accepts a few tokens between them
         for request in requests:
             request.advance(rng)
         trees = [r.tree(rng, int(rng.choice([1, 5, 12, 30]))) for r in requests]
@@ -115,7 +111,7 @@ def test_a_batch_equals_each_tree_filled_alone(toy_tokenizer_padded: Any, thread
             assert np.array_equal(got, alone)
             for plane, expected in enumerate((masks.valid, masks.filled, masks.terminated)):
                 assert np.array_equal(flags[plane, item.node : item.node + n], expected)
-            assert item.matcher.twin.length == len(request.history)
+            assert item.matcher.history == request.history  # the walk never moves it
             oracle = replay_tree(request.fresh, request.history, tree)
             assert compare(masks, got, tree, oracle) == []
 
@@ -143,13 +139,11 @@ def test_a_bad_tree_or_a_spent_budget_is_that_trees_alone(toy_tokenizer_padded: 
     alone = good.alone.fill_tree(tree, np.zeros((n, words), dtype=np.int32), budget=None)
     assert compare(alone, rows[3:], tree, oracle) == []
     assert np.array_equal(flags[:, 3:], np.array((alone.valid, alone.filled, alone.terminated)))
-    # the failed twin is dropped (its state is unknown): the next step makes a new one
-    assert bad.batched.twin is None
+    # the failed walk left the request's matcher where it was: the next step takes it again,
+    # and every tree, however branchy
+    assert bad.batched.history == [] and not bad.batched.native.is_error()
     assert batch.takes(bad.batched, [-1, 0])
-    # by default a tree with more than 3 branches is not taken (its own fill_tree walks it)
-    default = Request(tokenizer, CLOSED, BackendOptions())
-    assert batch.takes(default.batched, [-1, 0, 0, 0, 0])
-    assert not batch.takes(default.batched, [-1, 0, 0, 0, 0, 0])
+    assert batch.takes(bad.batched, [-1, 0, 0, 0, 0, 0, 0, 0])
     # no budget left: every root row is still exact, nothing below it is filled, no row is empty
     good.advance(rng)
     tree = good.tree(rng, 20)

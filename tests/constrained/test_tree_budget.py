@@ -3,9 +3,9 @@ slow native call is abandoned at the deadline, and what comes back is still exac
 
 A "slow native call" is simulated by a proxy around the fork's native matcher that blocks on an
 event at its k-th mask computation; the event is released only after ``fill_tree_bitmask`` has
-returned, so the abandoned walk finishes late, as a real slow fill would. llguidance goes to a
-helper only with its Python walk (its native walk checks the budget in C, inline:
-``test_llguidance_native.py``), so its grammars here have the native walk turned off.
+returned, so the abandoned walk finishes late, as a real slow fill would. Only xgrammar's walks
+go to a helper: llguidance's native walk checks the budget in C, inline
+(``test_llguidance_native.py``).
 """
 
 from __future__ import annotations
@@ -24,21 +24,20 @@ from tests.constrained.test_tree_masks import REGEX, drawn_tree, state_snapshot
 from tests.constrained.test_tree_masks import compiled as compiled_any
 from tests.fixtures.tree_oracle import compare, replay_tree
 
-SLOW_CALLS = {"xgrammar": "fill_next_token_bitmask", "llguidance": "unsafe_compute_mask_ptr"}
+SLOW_CALLS = {"xgrammar": "fill_next_token_bitmask"}
+HELPED = list(SLOW_CALLS)
+"""The backends whose budgeted walks run on a helper thread."""
 
 
 def compiled(name: str, tokenizer: Any, spec: GrammarSpec) -> Any:
-    """``spec`` compiled by ``name``; llguidance with its Python walk (the one using helpers)."""
-    grammar = compiled_any(name, tokenizer, spec)
-    if name == "llguidance":
-        grammar.native_slot = None
-    return grammar
+    """``spec`` compiled by ``name``."""
+    return compiled_any(name, tokenizer, spec)
 
 
 class SlowNative:
     """Delegates to ``inner``; once ``armed``, its ``stall_at``-th call of ``method`` waits for
-    ``release``. Copies (``deep_copy``, as the llguidance walk makes for siblings) are proxies
-    too and count their calls on the original, so the k-th call is the k-th of the whole walk."""
+    ``release``. Copies (``deep_copy``) are proxies too and count their calls on the original,
+    so the k-th call is the k-th of the whole walk."""
 
     def __init__(self, inner: Any, method: str, stall_at: int, release: threading.Event) -> None:
         self._inner, self._method, self._stall_at = inner, method, stall_at
@@ -83,7 +82,7 @@ def stalling_matcher(grammar: Any, method: str, stall_at: int) -> tuple[Any, Any
 @pytest.mark.parametrize(
     ("backend", "stall_at"),
     # the k-th fill of the walk (1 = the root)
-    [(b, k) for b in ("xgrammar", "llguidance") for k in (1, 2, 4)],
+    [(b, k) for b in HELPED for k in (1, 2, 4)],
 )
 def test_slow_fill_is_abandoned_at_the_deadline_and_stays_exact(
     backend: str, stall_at: int, toy_tokenizer: Any
@@ -117,7 +116,7 @@ def test_slow_fill_is_abandoned_at_the_deadline_and_stays_exact(
     assert state_snapshot(matcher) == before
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", HELPED)
 def test_budgeted_walk_on_a_helper_is_exact_and_complete(backend: str, toy_tokenizer: Any) -> None:
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex(REGEX))
     tree, expected = drawn_tree(toy_tokenizer)
@@ -133,7 +132,7 @@ def test_budgeted_walk_on_a_helper_is_exact_and_complete(backend: str, toy_token
     del expected
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", HELPED)
 def test_root_row_given_and_abandoned_keeps_it(backend: str, toy_tokenizer: Any) -> None:
     """With step reuse the root row comes in; an abandoned walk must keep it, not recompute it."""
     grammar = compiled(backend, toy_tokenizer, GrammarSpec.regex(REGEX))
@@ -155,9 +154,9 @@ def test_root_row_given_and_abandoned_keeps_it(backend: str, toy_tokenizer: Any)
 
 
 def test_zero_budget_never_starts_a_helper(toy_tokenizer: Any) -> None:
-    grammar = compiled("llguidance", toy_tokenizer, GrammarSpec.regex(REGEX))
+    grammar = compiled("xgrammar", toy_tokenizer, GrammarSpec.regex(REGEX))
     tree, _ = drawn_tree(toy_tokenizer)
-    matcher, proxy, release = stalling_matcher(grammar, SLOW_CALLS["llguidance"], 2)
+    matcher, proxy, release = stalling_matcher(grammar, SLOW_CALLS["xgrammar"], 2)
     out = bm.allocate(tree.num_nodes, toy_tokenizer.vocab_size, fill=0)
     proxy.armed = True
     masks = fill_tree_bitmask(matcher, tree, out, budget=0.0)

@@ -2,11 +2,9 @@
 
 Random EAGLE-like trees (``tests/fixtures/tree_random.py``: 1-256 nodes, depth <= 16, grammar-valid,
 invalid and random ids, stop tokens, terminated paths) over regexes, GBNF grammars and JSON
-schemas, on all three backends; llguidance three times: its default (native walk for chain-like
-trees, Python walk for branchy ones), the native walk on every tree (``llguidance-native``,
-``constrained/backends/llguidance/native/``; a second thread shares big trees every other tree) and
-the Python walk
-on every tree (``llguidance-python``). Toy vocabularies always; the Gemma tokenizer with
+schemas, on all three backends (llguidance's native walk, ``constrained/backends/llguidance/
+native/``: a second thread shares big trees every other tree). Toy vocabularies always; the Gemma
+tokenizer with
 JSONSchemaBench schemas and the shared GBNF grammars under ``model`` (a representative part) and
 all of it under ``slow`` / ``ESPALIER_SLOW=1``.
 """
@@ -23,7 +21,6 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS, get_backend
 from espalier.constrained.backends.common import BackendOptions
-from espalier.constrained.backends.llguidance import tree_walk as traverse_llguidance
 from espalier.constrained.errors import GrammarError
 from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.constrained.tree.masks import fill_tree_bitmask
@@ -48,31 +45,16 @@ TOY_GRAMMARS = [
 ]
 
 
-WALKS = [*BACKENDS, "llguidance-native", "llguidance-python"]
-"""Backends (llguidance: its default policy), plus llguidance's native walk on every tree and its
-Python walk on every tree."""
+WALKS = list(BACKENDS)
+"""Backends, each with its own tree walk (llguidance's native one on every tree)."""
 
 
 def compile_for(walk: str, tokenizer: Any, spec: GrammarSpec) -> Any:
-    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`); with the native walk ready
-    (``llguidance``, ``llguidance-native``) or off (``llguidance-python``)."""
-    native = walk in ("llguidance", "llguidance-native")
-    options = BackendOptions(
-        llguidance_native_walk=walk != "llguidance-python",
-        # llguidance-native: no tree is too branchy for the native walk
-        llguidance_native_max_branches=(
-            1 << 30
-            if walk == "llguidance-native"
-            else BackendOptions.llguidance_native_max_branches
-        ),
-    )
-    name = walk.removesuffix("-native").removesuffix("-python")
-    grammar = get_backend(name, tokenizer, options).compile(spec)
-    if native:
+    """``spec`` compiled for ``walk`` (a name of :data:`WALKS`; llguidance with its C-API
+    tokenizer ready)."""
+    grammar = get_backend(walk, tokenizer, BackendOptions()).compile(spec)
+    if walk == "llguidance":
         assert grammar.native_slot.wait(120) is not None, grammar.native_slot.error
-        assert grammar.native_template() is not None
-    elif walk == "llguidance-python":
-        assert grammar.native_slot is None
     return grammar
 
 
@@ -95,9 +77,8 @@ def check_trees(
         threads = 1 + k % 2  # the native llguidance walk shares big trees with a second thread
         masks = fill_tree_bitmask(start, tree, out, budget=None, threads=threads)
         found = compare(masks, out, tree, oracle)
-        native = getattr(grammar, "native_slot", None) is not None and not start.is_terminated()
-        if native and traverse_llguidance.native_takes(start, tree):
-            assert start.twin is not None  # the native walk took this tree
+        if grammar.backend == "llguidance":
+            assert start.history == prefix  # the walk ran on clones: the matcher did not move
         # a budget that is never hit: the walk runs on a fork on a helper thread (traverse_bounded)
         masks = fill_tree_bitmask(start, tree, out, budget=60.0)
         found += compare(masks, out, tree, oracle) + ["budget hit"] * masks.budget_hit

@@ -228,23 +228,25 @@ def test_refills_queued_when_the_service_closes_still_run(toy_tokenizer: Any) ->
         service.close()
 
 
-def test_a_request_matcher_comes_prepared_with_its_walk_twin(toy_tokenizer: Any) -> None:
-    """``GrammarMatcher.prepare`` on the service's thread: llguidance's native-walk twin exists
-    before the request's first step (which otherwise made one per request on the engine
-    thread), at the start state; the matcher's own state is unchanged."""
+def test_a_request_matcher_comes_with_its_own_native_matcher(toy_tokenizer: Any) -> None:
+    """Made on the service's thread: each llguidance request's matcher has its own C-API
+    matcher (a clone of the grammar's template) at the start state, prepared (its start row
+    computed there, not in the request's first step)."""
     from espalier.constrained.backends import get_backend
 
     assert get_backend("llguidance", toy_tokenizer).tree_walk(timeout=120) == "native"
     service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
     try:
         spec = GrammarSpec.json_schema(SCHEMA)
-        _, _, matcher = service.submit_request(
-            spec, ConstraintOptions(backend="llguidance")
-        ).result(timeout=120)
+        options = ConstraintOptions(backend="llguidance")
+        _, _, matcher = service.submit_request(spec, options).result(timeout=120)
+        _, _, other = service.submit_request(spec, options).result(timeout=120)
     finally:
         service.close()
     inner = getattr(matcher, "inner", matcher)  # a duplicate-key tracker may wrap it
-    assert inner.twin is not None and inner.twin.length == 0
+    other_inner = getattr(other, "inner", other)
+    assert inner.materialized and inner.history == []
+    assert inner.native.pointer != other_inner.native.pointer
     text = '{"a": 12}'
     ids = toy_tokenizer.hf.encode(text, add_special_tokens=False)
     assert matcher.accept_tokens(ids) == len(ids)

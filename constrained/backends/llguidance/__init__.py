@@ -1,4 +1,5 @@
-"""The llguidance adapter: every grammar kind, compiled into an ``llguidance.LLMatcher``.
+"""The llguidance adapter: every grammar kind, checked by an ``llguidance.LLMatcher`` at compile
+time and run by llguidance's C API (``native/capi.py``): one C-API matcher per request.
 
 - JSON_SCHEMA / ANY_JSON (any JSON value, schema ``{}``): ``grammar_from_json_schema`` with
   ``lenient=False`` (unimplemented keywords are errors, never silently dropped) and whitespace
@@ -8,8 +9,9 @@
   ``gbnf_to_lark`` converter; CHOICE: a Lark alternation of string literals;
   STRUCTURAL_TAG: Lark where it is exact (``backends/llguidance/tags.py``), else refused.
 
-An ``LLMatcher`` goes into a sticky error state when it consumes a bad token, so :meth:`accept`
-goes through ``try_consume_tokens``, which consumes a token only when it is allowed.
+A matcher goes into a sticky error state when it consumes a bad token, so :meth:`accept`
+validates each token before consuming it (``capi.accept_batch``), as the Python API's
+``try_consume_tokens`` does.
 
 llguidance (1.9.1) keeps a memo of the masks it computed (keyed, as its behaviour shows, by
 lexer state and Earley row index) that ``rollback`` does not clear: after a rollback, tokens that
@@ -20,8 +22,8 @@ state, into a scratch row, before the next consume unless a fill comes first
 (:meth:`Matcher.refresh_mask_memo`): that repairs the case above, **but not every case**
 (``tests/constrained/test_llguidance_stale_rollback.py``: a mask two tokens down, a rollback, a
 mask at the rolled-back state, and a sibling still gets the branch's mask). So nothing that
-needs exact masks rolls an llguidance matcher back after computing masks below: the tree walks
-start siblings from ``deep_copy`` snapshots or clones (``tree_walk.py``), and probes that
+needs exact masks rolls an llguidance matcher back after computing masks below: the tree walk
+starts siblings from clones (``tree_walk.py``), and probes that
 roll back check tokens by consuming them, not by masks (closing paths), or probe on a fork
 (forced chains below draft leaves: ``Matcher.exact_rollback`` is False).
 """
@@ -31,7 +33,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -54,13 +55,7 @@ from espalier.constrained.backends.llguidance.closing import LlgClosing, closing
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as llg_native
 from espalier.constrained.backends.llguidance.tree_batch import NativeTreeBatch
-from espalier.constrained.backends.llguidance.tree_walk import (
-    native_takes,
-    native_walk_ready,
-    twin_of,
-    walk_llguidance,
-    walk_llguidance_py,
-)
+from espalier.constrained.backends.llguidance.tree_walk import walk_llguidance
 from espalier.constrained.compile_pool import InProcessLane
 from espalier.constrained.errors import EmptyLanguageError, InvalidGrammarError
 from espalier.constrained.schema.refs import inline_boolean_refs
@@ -69,7 +64,6 @@ from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
 
 if TYPE_CHECKING:
-    from espalier.constrained.backends.llguidance.native.twin import Twin
     from espalier.constrained.base import GrammarMatcher
     from espalier.constrained.tokenizer import TokenizerInfo
 
@@ -82,6 +76,9 @@ _UNSATISFIABLE = "Unsatisfiable schema"
 _WHILE_PROCESSING = re.compile(r"while processing (\S*)")
 _DEF_URI = re.compile(r"json-schema:///#/\$defs/([^/]+)")
 MAX_EMPTY_DEFS = 16  # $defs entries set to false before a schema is refused
+ACCEPTS_PER_THREAD = 8
+"""Matchers per native thread of a batch accept (a run costs a few µs a token, a thread's start
+tens: fewer matchers than this stay on the calling thread)."""
 
 
 class Backend:
@@ -97,43 +94,38 @@ class Backend:
         self.lane = InProcessLane(options.compile_slots)
         facts = self.facts  # backend_view holds the tokenizer's lock: build without re-entering
         self.lltokenizer = tokenizer.backend_view(NAME, lambda tok: _build_lltokenizer(tok, facts))
-        # the same tokenizer through llguidance's C API, for the native tree walk (built on a
-        # background thread; walks use the Python path until it is ready)
-        self.native_slot: llg_native.NativeTokenizerSlot | None = None
-        if options.llguidance_native_walk:
-            llg_native.api()  # raises NativeBuildError now, not a silent slow path later
-            self.native_slot = tokenizer.backend_view(
-                "llguidance.native", lambda tok: _native_slot(tok, facts)
-            )
+        # the same tokenizer through llguidance's C API, which every request's matcher uses
+        # (built on a background thread; the first compile waits for it)
+        llg_native.api()  # raises NativeBuildError now, not at the first request
+        self.native_slot: llg_native.NativeTokenizerSlot = tokenizer.backend_view(
+            "llguidance.native", lambda tok: _native_slot(tok, facts)
+        )
 
     def tree_walk(self, timeout: float | None = None) -> str:
-        """Which tree walk this backend's matchers get: "native", or "python (why)"; waits up
-        to ``timeout`` for the native tokenizer to be built."""
-        if self.native_slot is None:
-            return "python (BackendOptions.llguidance_native_walk is off)"
+        """ "native" once the C-API tokenizer is built (waits up to ``timeout``), else why not
+        ("not ready (...)"): the tree walk, the matchers and the closing searches all use it."""
         if self.native_slot.wait(timeout) is not None:
             return "native"
-        return f"python ({self.native_slot.error or 'native tokenizer not built yet'})"
+        return f"not ready ({self.native_slot.error or 'native tokenizer not built yet'})"
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         with self.lane.slot():  # in-process: llguidance bounds its own compile work
             return self._compile(spec)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        grammar, template = self._template(spec)
-        compiled = CompiledGrammar(
-            spec,
-            self.tokenizer,
-            self.facts,
-            template,
-            grammar,
-            self.lltokenizer,
-            self.native_slot,
-            self.options.llguidance_native_max_branches,
+        grammar, checked = self._template(spec)
+        tokenizer = self.native_slot.wait()
+        if tokenizer is None:
+            raise RuntimeError(f"llguidance's C-API tokenizer: {self.native_slot.error}")
+        try:
+            template = tokenizer.matcher(grammar)
+        except RuntimeError as exc:  # the Python API took it: not expected
+            raise _invalid(spec.kind, str(exc)) from exc
+        # never used, not even for a mask: a clone inherits the lexer budget its source spent,
+        # so a warmed template would change what every request accepts (issue 39)
+        return CompiledGrammar(
+            spec, self.tokenizer, self.facts, checked, grammar, template, self.native_slot
         )
-        if self.native_slot is not None and self.native_slot.built() is not None:
-            compiled.native_template()  # its own lexer warms here too, not in a first walk
-        return compiled
 
     def _template(self, spec: GrammarSpec) -> tuple[str, llguidance.LLMatcher]:
         """The grammar text and its compiled matcher. llguidance compiles each ``$defs`` entry
@@ -219,19 +211,13 @@ class Backend:
 class CompiledGrammar(CompiledBase):
     """A validated llguidance grammar.
 
-    ``native`` is the ``LLMatcher`` the compile checked the grammar with; ``grammar`` is the
-    llguidance grammar text and ``lltokenizer`` the ``LLTokenizer``. Each :meth:`matcher` is a new
-    ``LLMatcher`` made from ``grammar``, never a ``deep_copy`` of a shared one: copies share one
-    lexer, with its lazily built states and its fuel ("too many expressions constructed" once
-    spent, for every copy), so one request could spend another's budget or, once the lexer is in
-    its error state, make every later request on the grammar fail. :meth:`native_template` is
-    the same grammar through the C API (``constrained/backends/llguidance/native/capi.py``), for
-    the native
-    tree walk; C-API clones are deep (each has its own lexer).
-
-    Making an ``LLMatcher`` compiles the grammar again (hundreds of times a ``deep_copy``): the
-    engine makes each request's matcher off its step thread (``GrammarService.submit_request``).
-    A new matcher is not warmed: a mask spends the lexer fuel that later consumes draw on.
+    ``native`` is the Python ``LLMatcher`` the compile checked the grammar with (its errors
+    name what is wrong); ``grammar`` is the llguidance grammar text. ``template`` is the same
+    grammar through the C API (``native/capi.py``) at its start state, never used: every
+    request's matcher is a clone of it (:meth:`matcher`, tens of µs on Gemma, against a
+    compile's milliseconds). A C-API clone is deep: its lexer and lexer budget are its own
+    (issue 39: one request never spends another's budget), and a clone of an unused template
+    accepts exactly what a fresh compile does.
     """
 
     def __init__(
@@ -239,49 +225,23 @@ class CompiledGrammar(CompiledBase):
         spec: GrammarSpec,
         tokenizer: TokenizerInfo,
         facts: VocabFacts,
-        template: llguidance.LLMatcher,
+        checked: llguidance.LLMatcher,
         grammar: str,
-        lltokenizer: llguidance.LLTokenizer,
-        native_slot: llg_native.NativeTokenizerSlot | None = None,
-        native_max_branches: int = BackendOptions.llguidance_native_max_branches,
+        template: llg_native.NativeMatcher,
+        native_slot: llg_native.NativeTokenizerSlot,
     ) -> None:
         super().__init__(NAME, spec, tokenizer)
-        self.native_max_branches = native_max_branches  # BackendOptions
-        self.native = template
+        self.native = checked
         self.grammar = grammar
-        self.lltokenizer = lltokenizer
         self._facts = facts
         self.native_slot = native_slot
-        self._native_lock = threading.Lock()
-        self._native_template: llg_native.NativeMatcher | None = None
-        self._native_failed = False
+        self._template = template
+        self._template_lock = threading.Lock()  # one clone at a time: a matcher is one thread's
 
-    def native_template(self) -> llg_native.NativeMatcher | None:
-        """The C-API matcher at the start state (made and warmed on first call), or None while
-        the native tokenizer is not ready or if llguidance refused the grammar there."""
-        tokenizer = self.native_slot.get() if self.native_slot is not None else None
-        if tokenizer is None:
-            return None
-        with self._native_lock:
-            if self._native_template is None and not self._native_failed:
-                try:
-                    template = tokenizer.matcher(self.grammar)
-                    scratch = np.zeros(bm.words_per_row(self.tokenizer.vocab_size), np.int32)
-                    # C-API clones are deep (the lexer included): warm the template itself, so
-                    # every twin starts with the start state's lexer built
-                    template.mask_into(scratch)
-                    self._native_template = template
-                except RuntimeError:
-                    self._native_failed = True
-            return self._native_template
-
-    def native_start(self) -> llg_native.NativeMatcher | None:
-        """A new C-API matcher at the start state, or None (see :meth:`native_template`)."""
-        template = self.native_template()
-        if template is None:
-            return None
-        with self._native_lock:
-            return template.clone()
+    def native_start(self) -> llg_native.NativeMatcher:
+        """A new C-API matcher at the start state (a clone of the warmed template)."""
+        with self._template_lock:
+            return self._template.clone()
 
     @property
     def memory_bytes(self) -> int:
@@ -290,20 +250,16 @@ class CompiledGrammar(CompiledBase):
         return len(self.grammar) * 4 + 64 * 1024
 
     def matcher(self) -> Matcher:
-        native = llguidance.LLMatcher(self.lltokenizer, self.grammar, log_level=0)
-        if native.is_error():
-            # the compile made one from the same text and limits, so this is not expected; the
-            # compile's own matcher, used by no request, keeps matcher() from ever raising
-            native = self.native.deep_copy()
-        return Matcher(self, native)
+        return Matcher(self, self.native_start())
 
 
-class ExecutorBatch:
-    """llguidance's batch entry point (``GrammarMatcher.batch_kind``): ``LLExecutor``, whose
-    Rust threads fill the rows with the GIL released."""
+class NativeBatch:
+    """The plain step's batch fill and accept (``GrammarMatcher.batch_kind``): the rows in one
+    call of the native tree walk (``native/llg_walk.c``), each matcher a one-node tree, on up
+    to ``threads`` native threads with the GIL released."""
 
     def __init__(self, threads: int) -> None:
-        self.executor = llguidance.LLExecutor(threads)
+        self.threads = max(1, threads)
 
     def fill_next_rows(
         self,
@@ -315,30 +271,52 @@ class ExecutorBatch:
         """See ``BatchStep.fill_next_rows``."""
         mine = [m for m in matchers if isinstance(m, Matcher)]
         assert len(mine) == len(matchers)
-        row_bytes = bitmask.shape[1] * 4
         if not (bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda):
             raise ValueError("bitmask must be a contiguous int32 CPU tensor")
-        if any(m._row_bytes != row_bytes for m in mine):
+        if any(m._row_bytes != bitmask.shape[1] * 4 for m in mine):
             raise ValueError("bitmask row does not cover the vocabulary")
         ready: list[int] = []
         for j, matcher in enumerate(mine):
             try:
+                if matcher._stop_depth or matcher.native.is_error():
+                    matcher.fill_bitmask(bitmask, rows[j])  # stop row, or its error
+                    continue
                 if matcher.mask_memo_stale:
                     matcher.refresh_mask_memo()
                 ready.append(j)
             except Exception as exc:
                 faults[j] = exc
-        pairs = [(mine[j].native, rows[j]) for j in ready]
-        self.executor.unsafe_compute_mask_ptr(
-            pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+        if not ready:
+            return
+        n = len(ready)
+        nodes = np.arange(n + 1, dtype=np.int64)
+        trees = llg_native.BatchTrees(
+            roots=np.array([mine[j].native.pointer for j in ready], dtype=np.uint64),
+            sync=np.zeros(0, dtype=np.uint32),
+            sync_at=np.zeros(n + 1, dtype=np.int64),
+            tokens=np.zeros(n, dtype=np.int64),
+            parents=np.full(n, -1, dtype=np.int64),
+            node_at=nodes,
+            row_at=np.array([rows[j] for j in ready], dtype=np.int64),
+            flag_at=nodes[:-1],
+            filter_states=np.zeros(n, dtype=np.uint64),
         )
-        for j in ready:
-            matcher = mine[j]
-            matcher.mask_memo_stale = False
-            if matcher.native.is_error():
-                faults[j] = MatcherStateError(f"llguidance: {matcher.native.get_error()}")
-            else:
-                matcher.clear_tail(bitmask, rows[j])
+        compiled = mine[ready[0]].compiled
+        end = llg_native.walk_batch(
+            llg_native.api(),
+            trees,
+            bitmask.numpy(),
+            np.zeros((3, n), dtype=np.uint8),
+            compiled.native_slot.tables,
+            compiled.tokenizer.vocab_size,
+            -1.0,
+            self.threads,
+        )
+        for b, j in enumerate(ready):
+            mine[j].mask_memo_stale = False
+            message = end.errors.get(b)
+            if message is not None:
+                faults[j] = MatcherStateError(f"llguidance: {message}")
 
     def accept_runs(
         self,
@@ -347,47 +325,120 @@ class ExecutorBatch:
         accepted: list[int],
         faults: dict[int, BaseException],
     ) -> None:
-        """See ``BatchStep.accept_runs``: one ``accept_tokens`` per matcher (one native
-        ``try_consume_tokens`` for a run of text tokens); the Python API has no batch consume."""
+        """See ``BatchStep.accept_runs``: the runs of text tokens in one native call on up to
+        ``threads`` threads (``capi.accept_batch``, the GIL released), others one by one."""
+        native: list[int] = []
         for j, (matcher, run) in enumerate(zip(matchers, runs)):
             try:
-                accepted[j] = matcher.accept_tokens(run)
+                if isinstance(matcher, Matcher) and run and matcher.takes_all_natively(run):
+                    if matcher.mask_memo_stale:
+                        matcher.refresh_mask_memo()
+                    native.append(j)
+                else:
+                    accepted[j] = matcher.accept_tokens(run)
             except Exception as exc:
                 faults[j] = exc
+        if not native:
+            return
+        mine = [matchers[j] for j in native]
+        assert all(isinstance(m, Matcher) for m in mine)
+        counts = llg_native.accept_batch(
+            llg_native.api(),
+            [m.native for m in mine],  # type: ignore[attr-defined]
+            [runs[j] for j in native],
+            min(self.threads, len(mine) // ACCEPTS_PER_THREAD),
+        )
+        for j, matcher, count in zip(native, mine, counts):
+            if count < 0:
+                faults[j] = MatcherStateError(f"llguidance: {matcher.native.error()}")  # type: ignore[attr-defined]
+                continue
+            matcher.history.extend(runs[j][:count])  # type: ignore[attr-defined]
+            accepted[j] = count
 
 
 class Matcher(MatcherBase):
-    """Per-request state; ``native`` is the ``llguidance.LLMatcher``."""
+    """Per-request state; ``native`` is a C-API matcher (``native/capi.py``), this request's
+    alone: a clone of the grammar's template, advanced only by this request's own accepts.
+
+    The native tree walk runs from it (``tree_walk.py``: it computes the root row on it and
+    walks clones), and closing searches clone it. A fork (:meth:`fork`) is lazy: until it is
+    advanced or asked for a mask it is only its source's history and closing base, and its C-API
+    matcher is made then (``_materialize``). A clone copies the lexer (68-109 µs once it has
+    grown), and the closing lookahead forks every request near its budget at every step, for
+    searches that run natively from the base on the mask threads.
+    """
 
     exact_rollback = False  # a stale mask can survive a rollback (module docstring)
-    batch_kind = ExecutorBatch
+    batch_kind = NativeBatch
     tree_batch_kind = NativeTreeBatch
 
-    def __init__(self, compiled: CompiledGrammar, native: llguidance.LLMatcher) -> None:
+    def __init__(
+        self,
+        compiled: CompiledGrammar,
+        native: llg_native.NativeMatcher | None,
+        history: list[int] | None = None,
+        base: tuple[llg_native.NativeMatcher, int] | None = None,
+    ) -> None:
         super().__init__(compiled.tokenizer, compiled._facts)
         self.compiled = compiled
-        self.native = native
+        self._native = native
         self._row_bytes = 4 * ((compiled.tokenizer.vocab_size + 31) // 32)
-        # The last bitmask checked and its base address: the per-call checks cost about as much
-        # as llguidance's own mask computation, so a tensor is checked once, not every step.
-        self._checked_mask: weakref.ref[torch.Tensor] | None = None
-        self._checked_ptr = 0
-        self._checked_rows = 0
         # True after a rollback until a mask is computed: llguidance's mask memo may describe a
         # rolled-back branch (module docstring), so the next consume must refresh it first.
         self.mask_memo_stale = False
         self._scratch: np.ndarray | None = None
-        # Tokens consumed natively, and the C-API twin the native tree walk runs from
-        # (``tree_walk.py``, ``native/twin.py``): each walk catches it up first.
-        self.history: list[int] = []
-        self.twin: Twin | None = None
-        # the C-API matcher closing searches clone, at the first n tokens of history
-        # (``closing.py``): never advanced, shared with forks
-        self.closing_base: tuple[llg_native.NativeMatcher, int] | None = None
+        # the text tokens consumed, in order (a lazy fork's state; the closing bases' replay)
+        self.history: list[int] = history if history is not None else []
+        # a C-API matcher at the first n tokens of history that is never advanced (any thread
+        # may clone it; forks share it): closing searches and lazy forks start from it
+        self.closing_base: tuple[llg_native.NativeMatcher, int] | None = base
         # the matcher this one was forked from (None: a request's own): a base a search on
         # this fork hands back at their common history also serves it (``closing._install``)
         self.origin: Matcher | None = None
+        self._forked_on = 0  # the thread that made this fork (``_materialize``)
+        self.helper_rows = 0  # tree rows a walk's second thread filled (all walks; a statistic)
+        # a fork was made since the last walk: the next walk hands back a snapshot of this
+        # matcher, its new closing base (``took_snapshot``)
+        self.snapshot_wanted = False
         self._eos = compiled.tokenizer.stop_token_ids[0]  # llguidance's EOS (_TokenizerSource)
+
+    @property
+    def native(self) -> llg_native.NativeMatcher:
+        """This matcher's C-API matcher (a lazy fork's is made here: module docstring)."""
+        native = self._native
+        if native is None:
+            native = self._native = self._materialize()
+        return native
+
+    @property
+    def materialized(self) -> bool:
+        """Whether :attr:`native` exists (False: a fork not used yet)."""
+        return self._native is not None
+
+    def _materialize(self) -> llg_native.NativeMatcher:
+        """A lazy fork's C-API matcher: a clone of its source where that is safe (the thread
+        that forked it, which owns the source, and the source still at the fork's state), else
+        a clone of the closing base that consumes the rest of the history."""
+        origin = self.origin
+        if (
+            origin is not None
+            and origin._native is not None
+            and self._forked_on == threading.get_ident()
+            and origin.history == self.history
+        ):
+            if origin.mask_memo_stale:
+                origin.refresh_mask_memo()  # a clone carries the memo along
+            origin.snapshot_wanted = False  # this fork needs no snapshot: it has its own
+            return origin._native.clone()
+        base = self.closing_base
+        if base is None:
+            native, length = self.compiled.native_start(), 0
+        else:
+            native, length = base[0].clone(), base[1]
+        rest = self.history[length:]
+        if rest and native.try_consume(rest) != len(rest):
+            raise MatcherStateError(f"llguidance: a fork could not replay: {native.error()}")
+        return native
 
     def refresh_mask_memo(self) -> None:
         """Compute the mask into a scratch row, so llguidance's memo describes this state.
@@ -396,24 +447,27 @@ class Matcher(MatcherBase):
         """
         if self._scratch is None:
             self._scratch = np.zeros(self._row_bytes // 4, dtype=np.int32)
-        self.native.unsafe_compute_mask_ptr(self._scratch.ctypes.data, self._row_bytes)
+        self.native.mask_into(self._scratch)
         self.mask_memo_stale = False
 
-    def _native_accept(self, token: int) -> bool:
-        # try_consume_tokens consumes nothing on a disallowed token, so the matcher never enters
-        # its sticky error state (one native call: ~16 % cheaper than validate + consume)
+    def _consume(self, tokens: Sequence[int]) -> int:
+        """Consume the allowed prefix of text tokens ``tokens``; its length."""
         if self.mask_memo_stale:
             self.refresh_mask_memo()
-        if self.native.try_consume_tokens([token]) == 1:
-            self.history.append(token)
-            return True
-        if self.native.is_error():
-            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
-        return False
+        native = self.native
+        accepted = native.try_consume(tokens)
+        if accepted < 0:
+            raise MatcherStateError(f"llguidance: {native.error()}")
+        if accepted:
+            self.history.extend(tokens[:accepted])
+        return accepted
+
+    def _native_accept(self, token: int) -> bool:
+        return self._consume((token,)) == 1
 
     def accept_tokens(self, tokens: Sequence[int]) -> int:
         # One native call for the run of plain text tokens at the front (closing-path checks
-        # accept whole paths, ~5 us a call each otherwise); the rest token by token.
+        # accept whole paths); the rest token by token.
         if self._stop_depth or not tokens:
             return super().accept_tokens(tokens)
         facts, vocab = self._facts, self._tokenizer_vocab
@@ -422,75 +476,60 @@ class Matcher(MatcherBase):
             if not 0 <= token < vocab or token in facts.excluded or token in facts.stops:
                 break
             run += 1
-        if self.mask_memo_stale:
-            self.refresh_mask_memo()
-        head = list(tokens[:run])
-        accepted: int = self.native.try_consume_tokens(head) if head else 0
-        if accepted:
-            self.history.extend(head[:accepted])
+        accepted = self._consume(list(tokens[:run])) if run else 0
         if accepted < run:
-            if self.native.is_error():
-                raise MatcherStateError(f"llguidance: {self.native.get_error()}")
             return accepted
         return accepted + super().accept_tokens(tokens[run:])
 
     def _native_rollback(self, n: int) -> None:
-        if not self.native.rollback(n):
-            raise ValueError(f"llguidance cannot roll back {n} tokens: {self.native.get_error()}")
-        self.mask_memo_stale = True
+        if n > len(self.history):
+            raise ValueError(f"llguidance cannot roll back {n} tokens: {len(self.history)} known")
+        if self._native is not None and not self._native.rollback(n):
+            raise ValueError(f"llguidance cannot roll back {n} tokens: {self._native.error()}")
+        self.mask_memo_stale = self._native is not None
         del self.history[len(self.history) - n :]
-        if self.twin is not None and self.twin.length > len(self.history):
-            self.twin = None  # it never rolls back (native/twin.py): the next walk makes one
         if self.closing_base is not None and self.closing_base[1] > len(self.history):
             self.closing_base = None
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
-        # Flattened override of MatcherBase.fill_bitmask: this is the per-step hot path, and
-        # llguidance's own mask takes ~5 us, so each Python-level call here shows.
+        # Flattened override of MatcherBase.fill_bitmask: the per-step hot path.
         if self._stop_depth or self._tail is not None:
             super().fill_bitmask(bitmask, index)
             return
         self._native_fill(bitmask, index)
 
     def _native_fill(self, bitmask: torch.Tensor, index: int) -> None:
-        checked = self._checked_mask() if self._checked_mask is not None else None
-        if checked is not bitmask:
-            if not (
-                bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
-            ):
-                raise ValueError("bitmask must be a contiguous int32 CPU tensor")
-            if bitmask.shape[-1] * 4 != self._row_bytes:
-                raise ValueError("bitmask row does not cover the vocabulary")
-            self._checked_mask = weakref.ref(bitmask)
-            self._checked_ptr = bitmask.data_ptr()
-            self._checked_rows = bitmask.shape[0]
-        if not 0 <= index < self._checked_rows:
+        if not (bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda):
+            raise ValueError("bitmask must be a contiguous int32 CPU tensor")
+        if bitmask.shape[-1] * 4 != self._row_bytes:
+            raise ValueError("bitmask row does not cover the vocabulary")
+        rows = bitmask.shape[0] if bitmask.dim() == 2 else 1
+        if not 0 <= index < rows:
             raise IndexError(f"bitmask row {index} out of range")
-        # A tensor resized in place (resize_) after its first fill would keep a stale address:
-        # bitmask buffers are allocated once and never resized.
-        self.native.unsafe_compute_mask_ptr(
-            self._checked_ptr + index * self._row_bytes, self._row_bytes
-        )
-        self.mask_memo_stale = False
+        native = self.native
         # accept() never consumes a bad token, but a mask can hit a runtime limit (the lexer's
         # fuel, the parser's row limit): llguidance then writes an EOS-only row, which would end
         # the request early as if it were done. It is this request's error instead.
-        if self.native.is_error():
-            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
+        try:
+            native.mask_at(bitmask.data_ptr() + index * self._row_bytes, self._row_bytes)
+        except RuntimeError as exc:
+            raise MatcherStateError(f"llguidance: {native.error()}") from exc
+        self.mask_memo_stale = False
+        if native.is_error():
+            raise MatcherStateError(f"llguidance: {native.error()}")
 
     def _native_can_terminate(self) -> bool:
-        return bool(self.native.is_accepting())
+        return self.native.is_accepting()
 
     def completes(self, tokens: Sequence[int]) -> bool:
-        # llguidance validates a run without consuming it (a few us, where consuming it on a
-        # fork costs ~20x that); a stop token after it is allowed exactly when it can end there
+        # llguidance validates a run without consuming it; a stop token after it is allowed
+        # exactly when it can end there
         if not tokens or not self.takes_all_natively(tokens):
             return super().completes(tokens)
         return self._validate([*tokens, self._eos]) == len(tokens) + 1
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
-        # ``validate_tokens`` counts what ``try_consume_tokens`` would take, consuming nothing
-        # (where a fork costs a ``deep_copy`` and a new wrapper)
+        # ``validate_tokens`` counts what a consume would take, consuming nothing
         if not tokens or not self.takes_all_natively(tokens):
             return super().accepted_prefix(tokens)
         return self._validate(list(tokens))
@@ -499,50 +538,50 @@ class Matcher(MatcherBase):
         """How many of ``tokens`` llguidance would consume (``validate_tokens``: none is)."""
         if self.mask_memo_stale:
             self.refresh_mask_memo()
-        valid: int = self.native.validate_tokens(tokens)
-        if self.native.is_error():
-            raise MatcherStateError(f"llguidance: {self.native.get_error()}")
+        native = self.native
+        valid = native.validate(tokens)
+        if valid < 0 or native.is_error():
+            raise MatcherStateError(f"llguidance: {native.error()}")
         return valid
 
     def _native_reset(self) -> None:
-        self.native.reset()
+        self._native = self.compiled.native_start()
         self.mask_memo_stale = False
         self.history.clear()
-        self.twin = None
         self.closing_base = None
 
     def forced_tokens(self, limit: int) -> list[int]:
         if limit <= 0 or self.is_terminated():
             return []
-        tokens: list[int] = self.native.compute_ff_tokens()
-        return tokens[:limit]
+        return self.native.forced_tokens(limit)
 
     def native_closing(self, token: int | None, limit: int, keys: int = 0) -> LlgClosing | None:
         return closing_of(self, token, limit, keys)
 
-    def prepare(self, scratch: torch.Tensor) -> None:
-        """See ``GrammarMatcher.prepare``: the row, and the native walk's twin (a clone of the
-        grammar's C-API template), which the first speculative step otherwise made on the
-        engine thread (``tree_batch.takes``)."""
-        super().prepare(scratch)
-        twin_of(self)  # None while the grammar has no C-API template: the first walk makes it
+    def took_snapshot(self, snapshot: llg_native.NativeMatcher | None) -> None:
+        """A walk's snapshot of this matcher (None: none taken) becomes its closing base: the
+        lookahead's forks, made before the walk, search from it (``closing.closing_of``) with
+        nothing to replay and a lexer as warm as this matcher's."""
+        if snapshot is not None:
+            self.closing_base = (snapshot, len(self.history))
+            self.snapshot_wanted = False
 
     def fork(self) -> Matcher:
-        other = Matcher(self.compiled, self.native.deep_copy())
+        self.snapshot_wanted = True
+        base = self.closing_base
+        if base is None:
+            base = self.closing_base = (self.compiled.native_start(), 0)
+        other = Matcher(self.compiled, None, list(self.history), base)
         self._copy_state_to(other)
-        other.mask_memo_stale = self.mask_memo_stale  # deep_copy copies the memo too
-        other.history = list(self.history)  # its twin, if it is ever walked, replays them
-        other.closing_base = self.closing_base
         other.origin = self
+        other._forked_on = threading.get_ident()
         return other
 
     def _tree_walks(self, tree: DraftTree, threads: int) -> tuple[Walker, Walker | None]:
-        """The native walk, inline (it checks the budget between nodes, in C), on the trees it
-        takes; else the Python walk, on a helper thread under a budget (``tree_walk.py``).
-        ``threads`` > 1 lets the native walk share a big tree with a second thread."""
+        """The native walk, inline (it checks the budget between nodes, in C); ``threads`` > 1
+        lets it share a branchy tree with a second thread."""
         walk = partial(walk_llguidance, threads=threads) if threads > 1 else walk_llguidance
-        inline = native_walk_ready(self) and native_takes(self, tree)
-        return walk, None if inline else walk_llguidance_py
+        return walk, None
 
 
 class _TokenizerSource:

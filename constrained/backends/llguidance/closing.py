@@ -1,14 +1,14 @@
 """llguidance's native closing-path search (``GrammarMatcher.native_closing``).
 
-A request's matcher keeps a *closing base*: a C-API matcher at a prefix of its history that is
-never advanced (any thread may clone it; forks share it). Each search clones it, consumes the
-rest of the history and the decided token, and runs ``engine/closing``'s greedy search in C
-(``native/llg_close.c``, ``native/close.py``); when the history has run
-:data:`~espalier.constrained.backends.llguidance.native.close.REBASE_AFTER` tokens past the
-base, the search hands back a new base at the history's end. A rollback below the base drops
-it (as the tree walk's twin is dropped). Where the tree walk's twin is at the very state searched
-from (a speculative step's lookahead, after the step's walk; the twin is not walked again before
-the next step), the job clones the twin instead: nothing to replay, no base to hand back.
+Each search clones a C-API matcher, consumes the decided token and runs ``engine/closing``'s
+greedy search in C (``native/llg_close.c``, ``native/close.py``). A matcher's search clones the
+matcher itself. A lazy fork (``Matcher.fork``: the closing lookahead's, which runs on the mask
+threads) has no C-API matcher of its own: its search clones the *closing base* it shares with
+its source (a C-API matcher at a prefix of the history that is never advanced, so any thread may
+clone it; the step's tree walk snapshots the source for it, ``Matcher.took_snapshot``) and
+consumes the rest of the history first; when that rest has reached
+:data:`~espalier.constrained.backends.llguidance.native.close.REBASE_AFTER` tokens, the search
+hands back a new base at the history's end.
 """
 
 from __future__ import annotations
@@ -45,30 +45,27 @@ class LlgClosing:
 
 
 def closing_of(matcher: Any, token: int | None, limit: int, keys: int) -> LlgClosing | None:
-    """``Matcher.native_closing``: a search from ``matcher``'s state, or None while it has no
-    C-API base (the native tokenizer not built yet, or the grammar refused there)."""
-    if matcher.native.is_error():
-        return None
+    """``Matcher.native_closing``: a search from ``matcher``'s state. A matcher with its own
+    C-API matcher is cloned in the search (the caller waits for it, so nothing advances it
+    meanwhile); a lazy fork's search starts from its closing base and replays the rest of its
+    history, and hands back a new base once that is long."""
     length = len(matcher.history)
-    origin = matcher.origin
-    twin = matcher.twin if origin is None else origin.twin
-    if (
-        twin is not None
-        and twin.length == length
-        and (origin is None or origin.history == matcher.history)
-    ):
-        # the tree walk's twin is at this very state (the step's walk caught it up, and
-        # nothing walks it until the next step): clone it, nothing to replay or rebase
+    if matcher.materialized:
+        if matcher.mask_memo_stale:
+            matcher.refresh_mask_memo()  # a clone carries the memo along
+        native = matcher.native
+        if native.is_error():
+            return None
         job = native_close.CloseJob(
-            twin.native, (), length, token, limit, matcher._stop_depth, keys, False
+            native, (), length, token, limit, matcher._stop_depth, keys, False
         )
         return LlgClosing(matcher, job)
     base = matcher.closing_base
-    if base is None:
-        start = matcher.compiled.native_start()
-        if start is None:
-            return None
-        base = matcher.closing_base = (start, 0)
+    origin = matcher.origin
+    fresh = origin.closing_base if origin is not None else None
+    if fresh is not None and fresh[1] == length and origin.history == matcher.history:
+        base = fresh  # a walk's snapshot of the source at this very state, taken since the fork
+    assert base is not None  # a lazy fork always has one
     job = native_close.CloseJob(
         base=base[0],
         sync=matcher.history[base[1] :],

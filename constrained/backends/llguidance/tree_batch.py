@@ -2,17 +2,16 @@
 
 :meth:`NativeTreeBatch.fill_trees` hands every tree it takes to one call of
 ``native/llg_walk.c`` (``espalier_llg_walk_batch``), which releases the GIL for its whole length
-and runs the trees in parallel on native threads: per tree, the request's twin catches up with
-the request, the tree is walked on clones of it (``tree_walk.py``), its unfilled rows get the
-stop bits and the bits past V are cleared, and its row filter (the duplicate-key tracker,
-``constrained/keys/``) filters the rows node by node, in C. The Python around the call only lays
-the trees out (a few array builds for the whole step) and books each twin's progress.
+and runs the trees in parallel on native threads: per tree, the root row is computed on the
+request's own C-API matcher and the tree is walked on clones of it (``tree_walk.py``), its
+unfilled rows get the stop bits and the bits past V are cleared, and its row filter (the
+duplicate-key tracker, ``constrained/keys/``) filters the rows node by node, in C. The Python
+around the call only lays the trees out (a few array builds for the whole step).
 
 Rows and flags are exactly those of ``Matcher.fill_tree`` followed by the filter's own
 ``fill_tree`` (``tests/constrained/test_llguidance_tree_batch.py``). A tree it does not take
-(:meth:`NativeTreeBatch.takes`: a terminated or failed matcher, a grammar with no C-API
-template yet, more branches than ``BackendOptions.llguidance_native_max_branches``) is filled by
-the caller with ``fill_tree``.
+(:meth:`NativeTreeBatch.takes`: a terminated or failed matcher) is filled by the caller with
+``fill_tree``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import numpy as np
 
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as native
-from espalier.constrained.backends.llguidance.tree_walk import WRAP_UP_S, twin_of
+from espalier.constrained.backends.llguidance.tree_walk import NO_SYNC, WRAP_UP_S
 from espalier.constrained.base import BatchTree
 
 
@@ -37,14 +36,8 @@ class NativeTreeBatch:
         self.threads = max(1, threads)
 
     def takes(self, matcher: Any, parents: Sequence[int]) -> bool:
-        """See ``TreeBatch.takes``: the native walk serves ``matcher`` now and the tree has at
-        most ``llguidance_native_max_branches`` branches (children beyond the first)."""
-        if matcher.is_terminated() or matcher.native.is_error():
-            return False
-        if len(parents) - 1 - len(set(parents[1:])) > matcher.compiled.native_max_branches:
-            return False
-        # a twin exists only once the grammar's C-API template did (made on the first walk)
-        return matcher.twin is not None or twin_of(matcher) is not None
+        """See ``TreeBatch.takes``: a matcher neither terminated nor failed."""
+        return not matcher.is_terminated() and not matcher.native.is_error()
 
     def fill_trees(
         self,
@@ -60,9 +53,12 @@ class NativeTreeBatch:
         for tree in trees:
             fn, state = _native_filter(tree)
             matcher: Any = tree.matcher
-            if twin_of(matcher) is None:  # not one that ``takes`` accepted
-                faults[tree.index] = MatcherStateError("llguidance: no native walk for this tree")
-                continue
+            if matcher.mask_memo_stale:
+                try:
+                    matcher.refresh_mask_memo()  # clones carry the memo along
+                except Exception as exc:
+                    faults[tree.index] = exc
+                    continue
             groups.setdefault((id(matcher.compiled.native_slot), fn), []).append((tree, state))
         budget_s = -1.0 if budget is None else max(budget - WRAP_UP_S, 0.0)
         seconds = 0.0
@@ -82,15 +78,12 @@ class NativeTreeBatch:
     ) -> float:
         trees = [tree for tree, _ in group]
         matchers: list[Any] = [t.matcher for t in trees]
-        twins = [m.twin for m in matchers]
-        lengths = [len(m.history) for m in matchers]
-        syncs = [m.history[twin.length :] for m, twin in zip(matchers, twins)]
         sizes = [len(t.tokens) for t in trees]
         total = sum(sizes)
         laid_out = native.BatchTrees(
-            roots=np.array([twin.native.pointer for twin in twins], dtype=np.uint64),
-            sync=np.fromiter(_chain(syncs), np.uint32),
-            sync_at=_offsets(len(s) for s in syncs),
+            roots=np.array([m.native.pointer for m in matchers], dtype=np.uint64),
+            sync=NO_SYNC,
+            sync_at=np.zeros(len(trees) + 1, dtype=np.int64),
             tokens=np.fromiter(_chain(t.tokens for t in trees), np.int64, total),
             parents=np.fromiter(_chain(t.parents for t in trees), np.int64, total),
             node_at=_offsets(sizes),
@@ -98,6 +91,7 @@ class NativeTreeBatch:
             flag_at=np.array([t.node for t in trees], dtype=np.int64),
             filter_states=np.array([state for _, state in group], dtype=np.uint64),
             filter=filter_fn,
+            want_snapshot=np.array([m.snapshot_wanted for m in matchers], dtype=np.uint8),
         )
         compiled = matchers[0].compiled
         end = native.walk_batch(
@@ -110,15 +104,12 @@ class NativeTreeBatch:
             budget_s,
             self.threads,
             tree_threads,
+            tokenizer=matchers[0].native.tokenizer,
         )
-        helper = end.helper_filled.tolist()
-        for b, (matcher, twin, length) in enumerate(zip(matchers, twins, lengths)):
-            message = end.errors.get(b)
-            if message is None:
-                twin.ended(length, helper[b])
-                continue
-            if matcher.twin is twin:
-                matcher.twin = None  # its state is unknown now: the next walk starts a new one
+        for b, filled in enumerate(end.helper_filled.tolist()):
+            matchers[b].helper_rows += filled
+            matchers[b].took_snapshot(end.snapshots[b])
+        for b, message in end.errors.items():
             faults[trees[b].index] = MatcherStateError(f"llguidance tree walk: {message}")
         return float(end.seconds.sum())
 

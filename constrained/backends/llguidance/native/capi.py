@@ -1,9 +1,10 @@
 """llguidance's C API through ctypes, and the native draft-tree walk (``llg_walk.c``).
 
 The llguidance wheel's library exports the C API (``llg_new_tokenizer_v2``, ``llg_new_matcher``,
-``llg_clone_matcher``, ``llg_matcher_compute_mask_into``, ...). A matcher made through it is a
-different object from the Python ``LLMatcher`` but, built from the same token bytes, special ids,
-stop ids and grammar text, it computes the same masks (checked by the tree oracle tests). The
+``llg_clone_matcher``, ``llg_matcher_compute_mask_into``, ...). Every request's llguidance
+matcher is one (``backends/llguidance/__init__.py``); the Python ``LLMatcher`` only checks
+grammars at compile time. Built from the same token bytes, special ids, stop ids and grammar
+text, the two compute the same masks (checked by the tree oracle tests). The
 walk in ``llg_walk.c`` drives such matchers for a whole tree in one ctypes call, which drops the
 GIL for its whole length: trees of a batch fill in parallel on as many threads as there are
 cores, with no per-node Python.
@@ -91,10 +92,12 @@ class _TreeBatchArgs(ctypes.Structure):
         ("seconds", ctypes.c_void_p),
         ("errors", ctypes.c_void_p),
         ("err_len", ctypes.c_int64),
+        ("want_snapshot", ctypes.c_void_p),
+        ("snapshots", ctypes.c_void_p),
     ]
 
 
-WALK_ABI = 2
+WALK_ABI = 4
 """``espalier_llg_walk_abi()`` of the ``llg_walk.c`` this binding was written for."""
 
 TOKENIZE_CACHE_ENTRIES = 8192
@@ -130,8 +133,13 @@ class Api:
             "llg_clone_matcher": (vp, [vp]),
             "llg_free_matcher": (None, [vp]),
             "llg_matcher_consume_tokens": (i32, [vp, vp, sz]),
+            "llg_matcher_consume_token": (i32, [vp, u32]),
             "llg_matcher_rollback": (i32, [vp, sz]),
             "llg_matcher_compute_mask_into": (i32, [vp, vp, sz]),
+            "llg_matcher_validate_tokens": (i32, [vp, vp, sz]),
+            "llg_matcher_compute_ff_tokens": (i32, [vp, vp, sz]),
+            "llg_matcher_is_accepting": (ctypes.c_bool, [vp]),
+            "llg_matcher_reset": (i32, [vp]),
         }
         for name, (restype, argtypes) in sig.items():
             fn = getattr(llg, name)
@@ -153,6 +161,10 @@ class Api:
         )
         walk_sig: dict[str, tuple[Any, list[Any]]] = {
             "espalier_llg_walk_batch": (ctypes.c_int64, [vp, vp]),
+            "espalier_llg_accept_batch": (
+                ctypes.c_int64,
+                [vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64, vp],
+            ),
             "espalier_tokenize_cache_new": (vp, [vp, vp, sz]),
             "espalier_llg_series": (ctypes.c_char_p, []),
             "espalier_llg_constraint_init_size": (sz, []),
@@ -164,6 +176,8 @@ class Api:
             fn = getattr(walk, name)
             fn.restype, fn.argtypes = restype, argtypes
         self.walk_batch_fn = walk.espalier_llg_walk_batch
+        self.accept_batch_fn = walk.espalier_llg_accept_batch
+        self.validate_address = _address(llg, "llg_matcher_validate_tokens")
         self.tokenize_cache_new = walk.espalier_tokenize_cache_new
         self.tokenize_cached: int = _address(walk, "espalier_tokenize_cached")
         self.fns_address = ctypes.addressof(self.fns)
@@ -358,27 +372,111 @@ class NativeTokenizer:
 
 
 class NativeMatcher:
-    """One C-API matcher (freed when collected)."""
+    """One C-API matcher (freed when collected). Every call goes through ctypes, which releases
+    the GIL for its length. Not thread-safe: one thread at a time may use a matcher (a clone is
+    independent of its source, its lexer included)."""
 
     def __init__(self, tokenizer: NativeTokenizer, pointer: int) -> None:
         if not pointer:
             raise MemoryError("llguidance returned no matcher")
         self.tokenizer = tokenizer
         self.pointer = pointer
-        weakref.finalize(self, tokenizer.api.llg.llg_free_matcher, pointer)
+        self.llg = tokenizer.api.llg
+        self._one = ctypes.c_uint32()  # try_consume's argument buffer
+        weakref.finalize(self, self.llg.llg_free_matcher, pointer)
 
     def clone(self) -> NativeMatcher:
-        return NativeMatcher(self.tokenizer, self.tokenizer.api.llg.llg_clone_matcher(self.pointer))
+        return NativeMatcher(self.tokenizer, self.llg.llg_clone_matcher(self.pointer))
 
     def error(self) -> str:
-        message = self.tokenizer.api.llg.llg_matcher_get_error(self.pointer)
+        message = self.llg.llg_matcher_get_error(self.pointer)
         return message.decode(errors="replace") if message else ""
+
+    def is_error(self) -> bool:
+        return bool(self.llg.llg_matcher_is_error(self.pointer))
 
     def mask_into(self, row: np.ndarray) -> None:
         """Compute the mask into int32 ``row`` (``[words]``, C-contiguous)."""
-        llg = self.tokenizer.api.llg
-        if llg.llg_matcher_compute_mask_into(self.pointer, row.ctypes.data, row.nbytes) != 0:
+        self.mask_at(row.ctypes.data, row.nbytes)
+
+    def mask_at(self, address: int, nbytes: int) -> None:
+        """Compute the mask into the ``nbytes`` bytes at ``address`` (a whole bitmask row)."""
+        if self.llg.llg_matcher_compute_mask_into(self.pointer, address, nbytes) != 0:
             raise RuntimeError(f"llguidance mask: {self.error()}")
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (text token ids) the matcher would consume, consuming none;
+        -1: the matcher is in its error state."""
+        if not tokens:
+            return 0
+        array = (ctypes.c_uint32 * len(tokens))(*tokens)
+        return int(self.llg.llg_matcher_validate_tokens(self.pointer, array, len(tokens)))
+
+    def try_consume(self, tokens: Sequence[int]) -> int:
+        """Consume the longest allowed prefix of ``tokens`` (text token ids); returns its
+        length, or -1 when the matcher is in its error state. A disallowed token is never
+        consumed, so a rejection leaves the matcher usable. Token by token, each validated
+        first, as :func:`accept_batch` does; two ctypes calls a token (a few µs), where one
+        :func:`accept_batch` call costs tens of µs to lay out: that is for a batch's runs."""
+        llg, pointer, one = self.llg, self.pointer, self._one
+        taken = 0
+        for token in tokens:
+            one.value = token
+            valid = llg.llg_matcher_validate_tokens(pointer, ctypes.byref(one), 1)
+            if valid < 0:
+                return -1
+            if valid == 0:
+                break
+            if llg.llg_matcher_consume_token(pointer, token) != 0:
+                return -1
+            taken += 1
+        return taken
+
+    def rollback(self, n: int) -> bool:
+        return bool(self.llg.llg_matcher_rollback(self.pointer, n) == 0)
+
+    def reset(self) -> bool:
+        return bool(self.llg.llg_matcher_reset(self.pointer) == 0)
+
+    def is_accepting(self) -> bool:
+        return bool(self.llg.llg_matcher_is_accepting(self.pointer))
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next (at most ``limit``); [] on an error."""
+        if limit <= 0:
+            return []
+        out = (ctypes.c_uint32 * limit)()
+        n = int(self.llg.llg_matcher_compute_ff_tokens(self.pointer, out, limit))
+        return list(out[: max(n, 0)])
+
+
+def accept_batch(
+    lib: Api, matchers: Sequence[NativeMatcher], runs: Sequence[Sequence[int]], threads: int
+) -> list[int]:
+    """Matcher ``j`` consumes the longest allowed prefix of ``runs[j]`` (text token ids), token
+    by token, each validated first (``llg_walk.c``'s ``espalier_llg_accept_batch``, on up to
+    ``threads`` native threads, the GIL released): as the Python API's ``try_consume_tokens``
+    does (one ``consume_tokens`` call for a whole run draws on one step's lexer fuel, and fails
+    where token-by-token consumes do not). Per matcher: how many, or -1 when it is in its error
+    state. The matchers must be distinct."""
+    n = len(matchers)
+    lengths = np.fromiter((len(r) for r in runs), dtype=np.int64, count=n)
+    at = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=at[1:])
+    tokens = np.fromiter((t for r in runs for t in r), dtype=np.uint32, count=int(at[-1]))
+    pointers = np.fromiter((m.pointer for m in matchers), dtype=np.uint64, count=n)
+    out = np.empty(n, dtype=np.int64)
+    lib.accept_batch_fn(
+        lib.fns_address,
+        lib.validate_address,
+        pointers.ctypes.data,
+        tokens.ctypes.data,
+        at.ctypes.data,
+        n,
+        max(1, threads),
+        out.ctypes.data,
+    )
+    return [int(x) for x in out.tolist()]
 
 
 @dataclass(frozen=True)
@@ -399,8 +497,8 @@ class BatchTrees:
     """A step's trees for :func:`walk_batch`, laid out back to back (``B`` trees, ``N`` nodes).
 
     Attributes:
-        roots: uint64 ``[B]``: each tree's twin (a ``NativeMatcher``'s pointer), which first
-            consumes its catch-up tokens ``sync[sync_at[b]:sync_at[b + 1]]`` (uint32; int64
+        roots: uint64 ``[B]``: each tree's root matcher (a ``NativeMatcher``'s pointer), which
+            first consumes its catch-up tokens ``sync[sync_at[b]:sync_at[b + 1]]`` (uint32; int64
             ``sync_at [B + 1]``).
         tokens, parents: int64 ``[N]``: tree ``b``'s nodes are ``node_at[b]:node_at[b + 1]``
             (int64 ``[B + 1]``), ``parents`` local to the tree (root -1, siblings in index
@@ -409,6 +507,8 @@ class BatchTrees:
             first node in the flag planes.
         filter_states: uint64 ``[B]``: per tree the state ``filter`` is called with after its
             walk (0: none); filter: address of an ``EspTreeFilterFn`` (``llg_walk.c``), 0: none.
+        want_snapshot: uint8 ``[B]``, 1 where the tree's root is to be snapshot after its walk
+            (``BatchEnd.snapshots``); None: none is.
     """
 
     roots: np.ndarray
@@ -421,6 +521,7 @@ class BatchTrees:
     flag_at: np.ndarray
     filter_states: np.ndarray
     filter: int = 0
+    want_snapshot: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -430,14 +531,17 @@ class BatchTrees:
 @dataclass
 class BatchEnd:
     """How each tree of a :func:`walk_batch` ended, numpy ``[B]`` each: ``status`` (WALK_DONE,
-    WALK_BUDGET_HIT, or negative: failed, then ``errors[b]`` says why and that twin's state is
-    unknown), rows filled (``helper_filled`` of them by a second thread), seconds."""
+    WALK_BUDGET_HIT, or negative: failed, then ``errors[b]`` says why and that root's state is
+    unknown), rows filled (``helper_filled`` of them by a second thread), seconds; ``snapshots``:
+    per tree the :class:`NativeMatcher` its ``want_snapshot`` asked for (a clone of the root
+    once its row was computed), or None."""
 
     status: np.ndarray
     filled: np.ndarray
     helper_filled: np.ndarray
     seconds: np.ndarray
     errors: dict[int, str]
+    snapshots: list[NativeMatcher | None]
 
 
 def walk_batch(
@@ -451,23 +555,28 @@ def walk_batch(
     threads: int,
     tree_threads: int = 1,
     root_mode: int = ROOT_COMPUTE,
+    tokenizer: NativeTokenizer | None = None,
 ) -> BatchEnd:
     """Fill every tree of ``trees`` in one call of ``llg_walk.c``'s ``espalier_llg_walk_batch``
     (the GIL released throughout): on up to ``threads`` native threads, a tree whole on one of
     them (``tree_threads`` 2: a branchy tree of 8 nodes or more shares its walk with a second),
-    each tree's twin caught up, walked on clones (``budget_s`` from the tree's start, < 0 none),
+    each tree's root caught up, walked on clones (``budget_s`` from the tree's start, < 0 none),
     its unfilled rows given the stop bits and the bits past ``vocab_size`` cleared, then its
     filter. ``root_mode`` ROOT_READY: every tree's row 0 is given (not computed). rows: int32
     ``[R, W]`` C-contiguous; flags: uint8 ``[3, M]`` C-contiguous, zero
-    where trees go (valid, filled, terminated planes), written in place."""
+    where trees go (valid, filled, terminated planes), written in place. ``tokenizer``: the
+    roots' tokenizer, needed with ``trees.want_snapshot``."""
     n = trees.count
     assert rows.dtype == np.int32 and rows.flags.c_contiguous and rows.shape[1] == tables.words
+    assert trees.want_snapshot is None or tokenizer is not None  # it frees the snapshots
     assert flags.dtype == np.uint8 and flags.flags.c_contiguous and flags.shape[0] == 3
     status = np.zeros(n, dtype=np.int64)
     filled = np.zeros(n, dtype=np.int64)
     helper = np.zeros(n, dtype=np.int64)
     seconds = np.zeros(n, dtype=np.float64)
     errors = ctypes.create_string_buffer(ERROR_BYTES * max(n, 1))
+    want = trees.want_snapshot
+    snapshots = np.zeros(n, dtype=np.uint64)
     args = _TreeBatchArgs(
         n,
         trees.roots.ctypes.data,
@@ -498,6 +607,8 @@ def walk_batch(
         seconds.ctypes.data,
         ctypes.addressof(errors),
         ERROR_BYTES,
+        want.ctypes.data if want is not None else None,
+        snapshots.ctypes.data,
     )
     failed = int(lib.walk_batch_fn(lib.fns_address, ctypes.addressof(args)))
     messages: dict[int, str] = {}
@@ -505,7 +616,11 @@ def walk_batch(
         for b in np.flatnonzero(status < 0).tolist():
             text = errors.raw[b * ERROR_BYTES : (b + 1) * ERROR_BYTES].split(b"\0", 1)[0]
             messages[b] = text.decode(errors="replace") or f"status {int(status[b])}"
-    return BatchEnd(status, filled, helper, seconds, messages)
+    made = [
+        NativeMatcher(tokenizer, pointer) if pointer and tokenizer is not None else None
+        for pointer in snapshots.tolist()
+    ]
+    return BatchEnd(status, filled, helper, seconds, messages, made)
 
 
 class NativeTokenizerSlot:

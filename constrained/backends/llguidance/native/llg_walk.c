@@ -41,7 +41,7 @@ typedef struct EspLlgApi {
 } EspLlgApi;
 
 /* The layout of EspTreeBatch and the exported functions: capi.py checks it at load. */
-#define ESP_WALK_ABI 2
+#define ESP_WALK_ABI 4
 
 int64_t espalier_llg_walk_abi(void) { return ESP_WALK_ABI; }
 
@@ -455,7 +455,10 @@ typedef int32_t (*EspTreeFilterFn)(void *state, int64_t n, const int64_t *tokens
  * zeroed by the caller); root_mode: ROOT_COMPUTE (row 0 from the twin) or ROOT_READY (row 0
  * given, flags set by the walk); filter_states[b]: the state `filter` is called with, NULL for none. Out
  * per tree: status (WALK_*, or WALK_FILTER_ERROR / WALK_BAD_TREE), filled rows (helper: by a
- * second thread), seconds, and the error text (err_len bytes each). */
+ * second thread), seconds, the error text (err_len bytes each), and where want_snapshot[b] is
+ * set, snapshots[b]: a clone of the root once its row is computed (its lexer warm with the
+ * request's states; NULL when the walk failed or no clone could be made), which the caller owns
+ * and frees. */
 typedef struct EspTreeBatch {
     int64_t n_trees;
     void *const *roots;
@@ -474,6 +477,8 @@ typedef struct EspTreeBatch {
     double *seconds;
     char *errors;
     int64_t err_len;
+    const uint8_t *want_snapshot; /* NULL: none; else per tree, 1: snapshot its root */
+    void **snapshots;             /* per tree: a clone of the root after the walk, or NULL */
 } EspTreeBatch;
 
 enum { WALK_FILTER_ERROR = -5, WALK_BAD_TREE = -6 };
@@ -571,6 +576,9 @@ static void fill_one_tree(const EspLlgApi *api, EspTreeBatch *b, int64_t t) {
         status = walk_tree(api, &a);
         b->n_filled[t] = a.n_filled;
         b->helper_filled[t] = a.helper_filled;
+        if (status >= 0 && b->want_snapshot != NULL && b->want_snapshot[t]) {
+            b->snapshots[t] = api->clone(b->roots[t]);
+        }
         if (status >= 0) {
             wrap_up(b, rows, n, filled, a.n_filled);
             void *state = b->filter_states != NULL ? b->filter_states[t] : NULL;
@@ -747,4 +755,71 @@ size_t espalier_tokenize_cached(const void *user, const uint8_t *bytes, size_t l
     insert(c, h, bytes, len, ids, n_ids);
     free(ids);
     return n_ids;
+}
+
+/* ---- a step's accepts for a batch of request matchers ------------------------------------- */
+
+typedef int32_t (*EspValidateFn)(void *matcher, const uint32_t *tokens, size_t n);
+
+typedef struct AcceptBatch {
+    const EspLlgApi *api;
+    EspValidateFn validate;
+    void *const *matchers;
+    const uint32_t *tokens;
+    const int64_t *at;
+    int64_t n;
+    int64_t *out;
+    int64_t next; /* the next matcher to take (under lock) */
+    pthread_mutex_t lock;
+} AcceptBatch;
+
+/* Matcher b consumes the longest allowed prefix of its run, token by token, each one validated
+ * first: what llguidance's Python try_consume_tokens does. (One consume_tokens call for a whole
+ * run draws on one step's lexer fuel and can fail where token-by-token consumes do not, and a
+ * disallowed token consumed would put the matcher in its sticky error state.) */
+static int64_t accept_one(const AcceptBatch *a, int64_t b) {
+    void *m = a->matchers[b];
+    int64_t taken = 0;
+    for (int64_t i = a->at[b]; i < a->at[b + 1]; i++) {
+        const int32_t valid = a->validate(m, &a->tokens[i], 1);
+        if (valid < 0) return -1;
+        if (valid == 0) break;
+        if (a->api->consume(m, a->tokens[i]) != 0) return -1;
+        taken++;
+    }
+    return taken;
+}
+
+static void *accept_worker(void *arg) {
+    AcceptBatch *a = (AcceptBatch *)arg;
+    for (;;) {
+        pthread_mutex_lock(&a->lock);
+        const int64_t b = a->next++;
+        pthread_mutex_unlock(&a->lock);
+        if (b >= a->n) return NULL;
+        a->out[b] = accept_one(a, b);
+    }
+}
+
+/* Matcher b (of n) consumes what it allows of tokens[at[b] .. at[b + 1]) (accept_one); out[b]:
+ * how many, or -1 when it failed (its error state then says why). Up to `threads` threads over
+ * the matchers (each matcher on one thread; distinct matchers only), the calling one among
+ * them. Returns 0. */
+int64_t espalier_llg_accept_batch(const EspLlgApi *api, EspValidateFn validate,
+                                  void *const *matchers, const uint32_t *tokens,
+                                  const int64_t *at, int64_t n, int64_t threads, int64_t *out) {
+    AcceptBatch a = {api, validate, matchers, tokens, at, n, out, 0, PTHREAD_MUTEX_INITIALIZER};
+    for (int64_t b = 0; b < n; b++) out[b] = -2;
+    int64_t helpers = threads - 1;
+    if (helpers > n - 1) helpers = n - 1;
+    pthread_t ids[16];
+    if (helpers > 16) helpers = 16;
+    int64_t started = 0;
+    for (; started < helpers; started++) {
+        if (pthread_create(&ids[started], NULL, accept_worker, &a) != 0) break;
+    }
+    accept_worker(&a);
+    for (int64_t t = 0; t < started; t++) pthread_join(ids[t], NULL);
+    pthread_mutex_destroy(&a.lock);
+    return 0;
 }
