@@ -239,7 +239,7 @@ class CompiledGrammar(CompiledBase):
         self._template_lock = threading.Lock()  # one clone at a time: a matcher is one thread's
 
     def native_start(self) -> llg_native.NativeMatcher:
-        """A new C-API matcher at the start state (a clone of the warmed template)."""
+        """A new C-API matcher at the start state (a clone of the unused template)."""
         with self._template_lock:
             return self._template.clone()
 
@@ -404,7 +404,7 @@ class Matcher(MatcherBase):
 
     @property
     def native(self) -> llg_native.NativeMatcher:
-        """This matcher's C-API matcher (a lazy fork's is made here: module docstring)."""
+        """This matcher's C-API matcher (a lazy fork's is made here: the class docstring)."""
         native = self._native
         if native is None:
             native = self._native = self._materialize()
