@@ -55,9 +55,8 @@ class GrammarService:
     the options every backend compiles with (compile slots, whitespace, number bounds); the
     backends' defaults when None. ``matcher_threads``: threads that make requests' matchers
     (``min(8, cpu count)`` when None): a burst of requests waits for its matchers (an
-    llguidance one is a clone of its grammar's template, whose first mask builds its own lexer's
-    start state: a few ms on the Gemma vocabulary, the GIL released), so they are made in
-    parallel. Spares: for a grammar requested
+    llguidance one is a clone of its grammar's template with its start row computed, the GIL
+    released), so they are made in parallel. Spares: for a grammar requested
     more than once (of the :data:`SPARE_GRAMMARS` requested last), new matchers are kept ready,
     refilled on threads of their own as requests take them, so a repeated schema's request
     starts without waiting for its matcher. Each is made fresh from the compiled grammar, never

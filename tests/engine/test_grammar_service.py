@@ -230,8 +230,7 @@ def test_refills_queued_when_the_service_closes_still_run(toy_tokenizer: Any) ->
 
 def test_a_request_matcher_comes_with_its_own_native_matcher(toy_tokenizer: Any) -> None:
     """Made on the service's thread: each llguidance request's matcher has its own C-API
-    matcher (a clone of the grammar's template) at the start state, prepared (its start row
-    computed there, not in the request's first step)."""
+    matcher (a clone of the grammar's template), at the start state."""
     from espalier.constrained.backends import get_backend
 
     assert get_backend("llguidance", toy_tokenizer).tree_walk(timeout=120) == "native"

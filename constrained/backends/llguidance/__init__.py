@@ -292,8 +292,6 @@ class NativeBatch:
         nodes = np.arange(n + 1, dtype=np.int64)
         trees = llg_native.BatchTrees(
             roots=np.array([mine[j].native.pointer for j in ready], dtype=np.uint64),
-            sync=np.zeros(0, dtype=np.uint32),
-            sync_at=np.zeros(n + 1, dtype=np.int64),
             tokens=np.zeros(n, dtype=np.int64),
             parents=np.full(n, -1, dtype=np.int64),
             node_at=nodes,
@@ -328,31 +326,31 @@ class NativeBatch:
         """See ``BatchStep.accept_runs``: the runs of text tokens in one native call on up to
         ``threads`` threads (``capi.accept_batch``, the GIL released), others one by one."""
         native: list[int] = []
+        mine: list[Matcher] = []
         for j, (matcher, run) in enumerate(zip(matchers, runs)):
             try:
                 if isinstance(matcher, Matcher) and run and matcher.takes_all_natively(run):
                     if matcher.mask_memo_stale:
                         matcher.refresh_mask_memo()
                     native.append(j)
+                    mine.append(matcher)
                 else:
                     accepted[j] = matcher.accept_tokens(run)
             except Exception as exc:
                 faults[j] = exc
         if not native:
             return
-        mine = [matchers[j] for j in native]
-        assert all(isinstance(m, Matcher) for m in mine)
         counts = llg_native.accept_batch(
             llg_native.api(),
-            [m.native for m in mine],  # type: ignore[attr-defined]
+            [m.native for m in mine],
             [runs[j] for j in native],
             min(self.threads, len(mine) // ACCEPTS_PER_THREAD),
         )
         for j, matcher, count in zip(native, mine, counts):
             if count < 0:
-                faults[j] = MatcherStateError(f"llguidance: {matcher.native.error()}")  # type: ignore[attr-defined]
+                faults[j] = MatcherStateError(f"llguidance: {matcher.native.error()}")
                 continue
-            matcher.history.extend(runs[j][:count])  # type: ignore[attr-defined]
+            matcher.history.extend(runs[j][:count])
             accepted[j] = count
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
 from espalier.constrained.backends.llguidance.native import capi as native
-from espalier.constrained.backends.llguidance.tree_walk import NO_SYNC, WRAP_UP_S
+from espalier.constrained.backends.llguidance.tree_walk import WRAP_UP_S
 from espalier.constrained.base import BatchTree
 
 
@@ -82,8 +82,6 @@ class NativeTreeBatch:
         total = sum(sizes)
         laid_out = native.BatchTrees(
             roots=np.array([m.native.pointer for m in matchers], dtype=np.uint64),
-            sync=NO_SYNC,
-            sync_at=np.zeros(len(trees) + 1, dtype=np.int64),
             tokens=np.fromiter(_chain(t.tokens for t in trees), np.int64, total),
             parents=np.fromiter(_chain(t.parents for t in trees), np.int64, total),
             node_at=_offsets(sizes),

@@ -38,9 +38,6 @@ WRAP_UP_S = 300e-6
 last mask (the smallest margin that kept every budgeted fill within its budget:
 ``docs/decisions/llguidance-native-walk.md``)."""
 
-NO_SYNC = np.zeros(0, dtype=np.uint32)
-"""The walks' catch-up tokens: none (the root is the request's own matcher)."""
-
 
 def walk_llguidance(
     matcher: Any,
@@ -67,8 +64,6 @@ def walk_llguidance(
         budget = max(deadline - time.perf_counter() - WRAP_UP_S, 0.0)
     one = native.BatchTrees(
         roots=np.array([matcher.native.pointer], dtype=np.uint64),
-        sync=NO_SYNC,
-        sync_at=np.zeros(2, dtype=np.int64),
         tokens=tree.tokens,
         parents=tree.parents,
         node_at=np.array([0, n], dtype=np.int64),

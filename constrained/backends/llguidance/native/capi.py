@@ -67,8 +67,6 @@ class _TreeBatchArgs(ctypes.Structure):
         ("roots", ctypes.c_void_p),
         ("filter_states", ctypes.c_void_p),
         ("filter", ctypes.c_void_p),
-        ("sync", ctypes.c_void_p),
-        ("sync_at", ctypes.c_void_p),
         ("node_at", ctypes.c_void_p),
         ("row_at", ctypes.c_void_p),
         ("flag_at", ctypes.c_void_p),
@@ -97,7 +95,7 @@ class _TreeBatchArgs(ctypes.Structure):
     ]
 
 
-WALK_ABI = 4
+WALK_ABI = 5
 """``espalier_llg_walk_abi()`` of the ``llg_walk.c`` this binding was written for."""
 
 TOKENIZE_CACHE_ENTRIES = 8192
@@ -139,7 +137,6 @@ class Api:
             "llg_matcher_validate_tokens": (i32, [vp, vp, sz]),
             "llg_matcher_compute_ff_tokens": (i32, [vp, vp, sz]),
             "llg_matcher_is_accepting": (ctypes.c_bool, [vp]),
-            "llg_matcher_reset": (i32, [vp]),
         }
         for name, (restype, argtypes) in sig.items():
             fn = getattr(llg, name)
@@ -435,9 +432,6 @@ class NativeMatcher:
     def rollback(self, n: int) -> bool:
         return bool(self.llg.llg_matcher_rollback(self.pointer, n) == 0)
 
-    def reset(self) -> bool:
-        return bool(self.llg.llg_matcher_reset(self.pointer) == 0)
-
     def is_accepting(self) -> bool:
         return bool(self.llg.llg_matcher_is_accepting(self.pointer))
 
@@ -456,9 +450,9 @@ def accept_batch(
     """Matcher ``j`` consumes the longest allowed prefix of ``runs[j]`` (text token ids), token
     by token, each validated first (``llg_walk.c``'s ``espalier_llg_accept_batch``, on up to
     ``threads`` native threads, the GIL released): as the Python API's ``try_consume_tokens``
-    does (one ``consume_tokens`` call for a whole run draws on one step's lexer fuel, and fails
-    where token-by-token consumes do not). Per matcher: how many, or -1 when it is in its error
-    state. The matchers must be distinct."""
+    does (a whole run validated, then consumed, can fail where token-by-token consumes do not:
+    ``tests/constrained/test_llguidance_isolation.py``'s schema). Per matcher: how many, or -1
+    when it is in its error state. The matchers must be distinct."""
     n = len(matchers)
     lengths = np.fromiter((len(r) for r in runs), dtype=np.int64, count=n)
     at = np.zeros(n + 1, dtype=np.int64)
@@ -497,9 +491,8 @@ class BatchTrees:
     """A step's trees for :func:`walk_batch`, laid out back to back (``B`` trees, ``N`` nodes).
 
     Attributes:
-        roots: uint64 ``[B]``: each tree's root matcher (a ``NativeMatcher``'s pointer), which
-            first consumes its catch-up tokens ``sync[sync_at[b]:sync_at[b + 1]]`` (uint32; int64
-            ``sync_at [B + 1]``).
+        roots: uint64 ``[B]``: each tree's root matcher (a ``NativeMatcher``'s pointer: the
+            request's own, which the walk never advances).
         tokens, parents: int64 ``[N]``: tree ``b``'s nodes are ``node_at[b]:node_at[b + 1]``
             (int64 ``[B + 1]``), ``parents`` local to the tree (root -1, siblings in index
             order).
@@ -512,8 +505,6 @@ class BatchTrees:
     """
 
     roots: np.ndarray
-    sync: np.ndarray
-    sync_at: np.ndarray
     tokens: np.ndarray
     parents: np.ndarray
     node_at: np.ndarray
@@ -531,10 +522,10 @@ class BatchTrees:
 @dataclass
 class BatchEnd:
     """How each tree of a :func:`walk_batch` ended, numpy ``[B]`` each: ``status`` (WALK_DONE,
-    WALK_BUDGET_HIT, or negative: failed, then ``errors[b]`` says why and that root's state is
-    unknown), rows filled (``helper_filled`` of them by a second thread), seconds; ``snapshots``:
-    per tree the :class:`NativeMatcher` its ``want_snapshot`` asked for (a clone of the root
-    once its row was computed), or None."""
+    WALK_BUDGET_HIT, or negative: failed, then ``errors[b]`` says why), rows filled
+    (``helper_filled`` of them by a second thread), seconds; ``snapshots``: per tree the
+    :class:`NativeMatcher` its ``want_snapshot`` asked for (a clone of the root once its row
+    was computed), or None."""
 
     status: np.ndarray
     filled: np.ndarray
@@ -560,10 +551,10 @@ def walk_batch(
     """Fill every tree of ``trees`` in one call of ``llg_walk.c``'s ``espalier_llg_walk_batch``
     (the GIL released throughout): on up to ``threads`` native threads, a tree whole on one of
     them (``tree_threads`` 2: a branchy tree of 8 nodes or more shares its walk with a second),
-    each tree's root caught up, walked on clones (``budget_s`` from the tree's start, < 0 none),
-    its unfilled rows given the stop bits and the bits past ``vocab_size`` cleared, then its
-    filter. ``root_mode`` ROOT_READY: every tree's row 0 is given (not computed). rows: int32
-    ``[R, W]`` C-contiguous; flags: uint8 ``[3, M]`` C-contiguous, zero
+    each tree's root row computed and the tree walked on clones (``budget_s`` from the tree's
+    start, < 0 none), its unfilled rows given the stop bits and the bits past ``vocab_size``
+    cleared, then its filter. ``root_mode`` ROOT_READY: every tree's row 0 is given (not
+    computed). rows: int32 ``[R, W]`` C-contiguous; flags: uint8 ``[3, M]`` C-contiguous, zero
     where trees go (valid, filled, terminated planes), written in place. ``tokenizer``: the
     roots' tokenizer, needed with ``trees.want_snapshot``."""
     n = trees.count
@@ -582,8 +573,6 @@ def walk_batch(
         trees.roots.ctypes.data,
         trees.filter_states.ctypes.data,
         trees.filter,
-        trees.sync.ctypes.data,
-        trees.sync_at.ctypes.data,
         trees.node_at.ctypes.data,
         trees.row_at.ctypes.data,
         trees.flag_at.ctypes.data,

@@ -3,17 +3,16 @@
  * threads, each tree's walk, wrap-up and duplicate-key filter (a function pointer into
  * constrained/keys/keys.c) on one of them, the GIL released for the whole call.
  *
- * Semantics mirror backends/llguidance/tree_walk.py (the Python walk): an iterative DFS, first
- * child first, where a node is tried only when its parent's row allows its token. Stop tokens are
- * never consumed: their row is the stop row, and below them only stop tokens are valid.
+ * The walk is an iterative DFS, first child first, where a node is tried only when its parent's
+ * row allows its token (backends/llguidance/tree_walk.py). Stop tokens are never consumed: their
+ * row is the stop row, and below them only stop tokens are valid.
  *
  * Nothing is ever rolled back: llguidance (1.9.1) can answer a mask of a rolled-back branch
  * after a rollback, even after a fresh mask at the rolled-back state
- * (tests/constrained/test_llguidance_stale_rollback.py). The request's twin only moves forward
- * with the request (computing the root rows, as plain decoding would); a walk goes down a path
- * on a clone of it, and a node off that path gets a fresh clone that consumes the path to its
- * parent
- * (llg_clone_matcher of such a twin: ~25 us on Gemma, and ~4 us a token to consume). Chains
+ * (tests/constrained/test_llguidance_stale_rollback.py). The walk computes the root row on the
+ * request's own matcher, which it never advances; it goes down a path on a clone of it, and a
+ * node off that path gets a fresh clone that consumes the path to its parent (a clone: ~25 us
+ * on Gemma for a young matcher, up to ~100 us for a grown one; ~4 us a token to consume). Chains
  * (oracle, forced, n-gram drafts) take one clone; each further branch one more. With two
  * threads, each takes entries from its own deque and steals from the other's bottom.
  *
@@ -41,12 +40,12 @@ typedef struct EspLlgApi {
 } EspLlgApi;
 
 /* The layout of EspTreeBatch and the exported functions: capi.py checks it at load. */
-#define ESP_WALK_ABI 4
+#define ESP_WALK_ABI 5
 
 int64_t espalier_llg_walk_abi(void) { return ESP_WALK_ABI; }
 
 enum { ROOT_COMPUTE = 0, ROOT_READY = 1 };
-enum { WALK_DONE = 0, WALK_BUDGET_HIT = 1, WALK_SYNC_ERROR = -1, WALK_MASK_ERROR = -2,
+enum { WALK_DONE = 0, WALK_BUDGET_HIT = 1, WALK_MASK_ERROR = -2,
        WALK_NO_MEMORY = -3, WALK_ROLLBACK_ERROR = -4 };
 
 static double now_s(void) {
@@ -77,9 +76,8 @@ typedef struct Entry {
 /* Everything one walk reads and writes (one struct: a ctypes call with two pointer arguments
  * costs a few microseconds, one with 24 typed arguments tens).
  *
- * `root` is the request's twin. It is never walked: it only catches up with the request
- * (consumes `sync`; it never rolls back) and computes row 0 (root_mode ROOT_COMPUTE;
- * ROOT_READY trusts it); the walk runs on clones of it. budget_s < 0: no limit; else a node
+ * `root` is the request's own matcher. It is never advanced: it only computes row 0 (root_mode
+ * ROOT_COMPUTE; ROOT_READY trusts it); the walk runs on clones of it. budget_s < 0: no limit; else a node
  * starts only if it would end by now + budget_s were it as long as the longest node so far (one
  * node's mask can take milliseconds inside a long string: this keeps the overrun to the rare
  * node slower than all before it). threads: 1, or 2 (a second thread shares the tree).
@@ -87,8 +85,7 @@ typedef struct Entry {
  * Out: n_filled the number of filled rows (both threads), helper_filled the second thread's. */
 typedef struct EspWalkArgs {
     void *root;
-    const uint32_t *sync;
-    int64_t n_sync, n;
+    int64_t n;
     const int64_t *tokens, *first_child, *next_sibling;
     uint32_t *rows;
     int64_t words, limit;
@@ -342,8 +339,7 @@ static void free_worker(Worker *w) {
     free(w->stack);
 }
 
-/* Returns WALK_DONE, WALK_BUDGET_HIT, or a negative error (message in `err`); after a
- * WALK_SYNC_ERROR the root's state is unknown (it is otherwise at the request's state). */
+/* Returns WALK_DONE, WALK_BUDGET_HIT, or a negative error (message in `err`). */
 static int64_t walk_tree(const EspLlgApi *api, EspWalkArgs *a) {
     const int64_t n = a->n;
     Pool pool;
@@ -371,11 +367,6 @@ static int64_t walk_tree(const EspLlgApi *api, EspWalkArgs *a) {
     p->status = WALK_DONE;
     a->n_filled = 0;
     a->helper_filled = 0;
-    /* the twin catches up with the request first */
-    if (a->n_sync > 0 && api->consume_many(a->root, a->sync, (size_t)a->n_sync) != 0) {
-        copy_error(api, a->root, a->err, (size_t)a->err_len);
-        return WALK_SYNC_ERROR;
-    }
     const int split = a->threads > 1 && n > 2 && a->first_child[0] >= 0;
     p->workers = split ? 2 : 1;
     p->parent = malloc(sizeof(int64_t) * (size_t)n);
@@ -411,8 +402,9 @@ static int64_t walk_tree(const EspLlgApi *api, EspWalkArgs *a) {
         started = pthread_create(&thread, NULL, helper_main, &p->w[1]) == 0;
         if (!started) p->workers = 1;
     }
-    /* the root row on the twin itself (a mask at its current state, as in plain decoding): its
-     * lexer's lazily built automaton then grows with the request, and the clones start warm */
+    /* the root row on the request's matcher itself (a mask at its current state, as in plain
+     * decoding): its lexer's lazily built automaton then grows with the request, and the clones
+     * start warm */
     if (a->root_mode == ROOT_COMPUTE && api->mask_into(a->root, a->rows, p->row_bytes) != 0) {
         fail(w0, a->root, WALK_MASK_ERROR);
     } else {
@@ -447,12 +439,12 @@ typedef int32_t (*EspTreeFilterFn)(void *state, int64_t n, const int64_t *tokens
                                    uint32_t *rows, int64_t words, uint8_t *valid, uint8_t *filled,
                                    uint8_t *terminated);
 
-/* Every llguidance tree of a step (see espalier_llg_walk_batch). Tree b: its twin roots[b],
- * which first consumes sync[sync_at[b] .. sync_at[b + 1]); its nodes node_at[b] ..
+/* Every llguidance tree of a step (see espalier_llg_walk_batch). Tree b: its root matcher
+ * roots[b] (the request's own); its nodes node_at[b] ..
  * node_at[b + 1] of tokens / parents (parents[0] = -1, each other one a node index of the same
  * tree; siblings in index order); its rows from rows + row_at[b] * words; its flags from offset
  * flag_at[b] of the three planes of `flags` (valid, filled, terminated; `plane` bytes apart,
- * zeroed by the caller); root_mode: ROOT_COMPUTE (row 0 from the twin) or ROOT_READY (row 0
+ * zeroed by the caller); root_mode: ROOT_COMPUTE (row 0 from the root matcher) or ROOT_READY (row 0
  * given, flags set by the walk); filter_states[b]: the state `filter` is called with, NULL for none. Out
  * per tree: status (WALK_*, or WALK_FILTER_ERROR / WALK_BAD_TREE), filled rows (helper: by a
  * second thread), seconds, the error text (err_len bytes each), and where want_snapshot[b] is
@@ -464,8 +456,7 @@ typedef struct EspTreeBatch {
     void *const *roots;
     void *const *filter_states;
     EspTreeFilterFn filter;
-    const uint32_t *sync;
-    const int64_t *sync_at, *node_at, *row_at, *flag_at;
+    const int64_t *node_at, *row_at, *flag_at;
     const int64_t *tokens, *parents;
     uint32_t *rows;
     uint8_t *flags;
@@ -552,8 +543,6 @@ static void fill_one_tree(const EspLlgApi *api, EspTreeBatch *b, int64_t t) {
         EspWalkArgs a;
         memset(&a, 0, sizeof a);
         a.root = b->roots[t];
-        a.sync = b->sync + b->sync_at[t];
-        a.n_sync = b->sync_at[t + 1] - b->sync_at[t];
         a.n = n;
         a.tokens = tokens;
         a.first_child = first_child;
@@ -606,7 +595,7 @@ static void *batch_worker(void *arg) {
 }
 
 /* Fill every tree of `b` on up to b->threads threads (the caller's among them), each tree
- * taken whole by one of them, in index order. Per tree: the twin catches up (sync), the walk
+ * taken whole by one of them, in index order. Per tree: the walk
  * (walk_tree: budget_s from the tree's own start, < 0 none), the wrap-up (unfilled rows get
  * the stop bits; bits past vocab_size cleared), then b->filter. Never touches Python; returns
  * how many trees failed (their status < 0, message in errors). */
@@ -774,9 +763,9 @@ typedef struct AcceptBatch {
 } AcceptBatch;
 
 /* Matcher b consumes the longest allowed prefix of its run, token by token, each one validated
- * first: what llguidance's Python try_consume_tokens does. (One consume_tokens call for a whole
- * run draws on one step's lexer fuel and can fail where token-by-token consumes do not, and a
- * disallowed token consumed would put the matcher in its sticky error state.) */
+ * first: what llguidance's Python try_consume_tokens does. (A whole run validated, then
+ * consumed, can fail where token-by-token consumes do not, and a disallowed token consumed would
+ * put the matcher in its sticky error state.) */
 static int64_t accept_one(const AcceptBatch *a, int64_t b) {
     void *m = a->matchers[b];
     int64_t taken = 0;
