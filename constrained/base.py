@@ -249,6 +249,20 @@ class RowFilter(Protocol):
         two the same) in one native call on up to ``threads`` threads; raises when it fails."""
         ...
 
+    def take_clean(self, tokens: Sequence[int]) -> int:
+        """Advance the filter by the longest prefix of ``tokens`` it lets through (up to the
+        first it refuses); how many. A batch accept (``constrained/batch.py``) then advances
+        :attr:`source` by those in its library's batch call and ends with :meth:`settle`, so
+        the two make ``accept_tokens(tokens)``."""
+        ...
+
+    def settle(self, tokens: Sequence[int], clean: int, taken: int) -> int:
+        """After :meth:`take_clean` gave ``clean`` and :attr:`source` took ``taken`` of those
+        (``taken <= clean``): the filter rolled back to the source's state, then the rest of
+        ``tokens`` accepted as ``accept_tokens`` would; the total count ``accept_tokens(tokens)``
+        returns."""
+        ...
+
     @property
     def native_tree_filter(self) -> tuple[int, int] | None:
         """``(function, state)`` for native callers that filter a draft tree's rows in their

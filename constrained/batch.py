@@ -83,19 +83,37 @@ class BatchFiller:
     ) -> tuple[list[int], dict[int, BaseException]]:
         """Advance ``matchers[j]`` by ``runs[j]`` exactly as ``matchers[j].accept_tokens(runs[j])``
         would, for a whole step's runs at once: one call per library whose batch entry point
-        accepts (``BatchStep.accept_runs``), the rest one by one (wrapped matchers such as the
-        duplicate-key tracker, outlines-core, terminated ones). Returns each run's accepted
+        accepts (``BatchStep.accept_runs``), the rest one by one (outlines-core, terminated
+        ones). A row filter's matcher (the duplicate-key tracker) is its source's batch accept
+        of the filter's clean prefix, then the filter's :meth:`RowFilter.settle`: one native
+        call for the batch's tracked requests too. Returns each run's accepted
         count and ``{j: exception}`` for the matchers that raised (their state is undefined:
         the caller ends those requests)."""
         accepted = [0] * len(matchers)
         faults: dict[int, BaseException] = {}
-        groups = _by_kind(matchers, [j for j, run in enumerate(runs) if run], faults)
+        # a row filter (the duplicate-key tracker) takes its clean prefix first; its source
+        # accepts that in its library's batch call, then the filter settles (RowFilter)
+        filters: dict[int, tuple[RowFilter, int]] = {}
+        sources, heads = list(matchers), list(runs)
+        for j, matcher in enumerate(matchers):
+            kept = matcher.row_filter if runs[j] else None
+            if kept is None:
+                continue
+            try:
+                clean = kept.take_clean(runs[j])
+            except Exception as exc:
+                faults[j] = exc
+                continue
+            filters[j] = (kept, clean)
+            sources[j], heads[j] = kept.source, runs[j][:clean]
+        members = [j for j, run in enumerate(heads) if run and j not in faults]
+        groups = _by_kind(sources, members, faults)
         with self._lock:
             for kind, members in groups.items():
                 if kind is None or len(members) < MIN_NATIVE_BATCH:
                     for j in members:
                         try:
-                            accepted[j] = matchers[j].accept_tokens(runs[j])
+                            accepted[j] = sources[j].accept_tokens(heads[j])
                         except Exception as exc:
                             faults[j] = exc
                     continue
@@ -103,13 +121,20 @@ class BatchFiller:
                 failed: dict[int, BaseException] = {}
                 try:
                     self._step(kind).accept_runs(
-                        [matchers[j] for j in members], [runs[j] for j in members], counts, failed
+                        [sources[j] for j in members], [heads[j] for j in members], counts, failed
                     )
                 except Exception as exc:  # against its contract: their states are unknown
                     failed = dict.fromkeys(range(len(members)), exc)
                 for k, j in enumerate(members):
                     accepted[j] = counts[k]
                 faults.update({members[k]: exc for k, exc in failed.items()})
+        for j, (kept, clean) in filters.items():
+            if j in faults:
+                continue
+            try:
+                accepted[j] = kept.settle(runs[j], clean, accepted[j])
+            except Exception as exc:
+                faults[j] = exc
         return accepted, faults
 
     def _step(self, kind: Callable[[int], BatchStep]) -> BatchStep:

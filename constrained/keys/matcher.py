@@ -135,20 +135,27 @@ class UniqueKeysMatcher:
         return False
 
     def accept_tokens(self, tokens: Sequence[int]) -> int:
-        done = 0
-        while done < len(tokens):
-            clean = self.keys.accept_tokens(tokens[done:])  # up to a duplicate completion
-            try:
-                taken = self.inner.accept_tokens(tokens[done : done + clean]) if clean else 0
-            except BaseException:
-                self.keys.rollback(clean)
-                raise
-            self.keys.rollback(clean - taken)
-            done += taken
-            if taken < clean or done == len(tokens) or not self.accept(tokens[done]):
-                break  # rejected by the grammar, or a duplicate the dead-end rule refuses
-            done += 1
-        return done
+        if not tokens:
+            return 0
+        clean = self.take_clean(tokens)
+        try:
+            taken = self.inner.accept_tokens(tokens[:clean]) if clean else 0
+        except BaseException:
+            self.keys.rollback(clean)
+            raise
+        return self.settle(tokens, clean, taken)
+
+    def take_clean(self, tokens: Sequence[int]) -> int:
+        """The tracker advanced up to the first duplicate completion (``RowFilter``)."""
+        return self.keys.accept_tokens(tokens)
+
+    def settle(self, tokens: Sequence[int], clean: int, taken: int) -> int:
+        """``RowFilter.settle``: the tracker back to ``inner``'s ``taken``; past a duplicate
+        completion the dead-end rule decides (:meth:`accept`), and the rest goes on."""
+        self.keys.rollback(clean - taken)
+        if taken < clean or taken == len(tokens) or not self.accept(tokens[taken]):
+            return taken  # rejected by the grammar, or a duplicate the dead-end rule refuses
+        return taken + 1 + self.accept_tokens(tokens[taken + 1 :])
 
     def rollback(self, n: int) -> None:
         if n <= 0:

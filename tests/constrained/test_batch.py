@@ -128,3 +128,50 @@ def test_a_batch_accept_that_raises_is_its_matchers_fault(gemma_tokenizer: Any) 
     counts, faults = BatchFiller(2).accept_runs([good[0], bad, good[1], good[2]], runs)
     assert list(faults) == [1] and isinstance(faults[1], MatcherStateError)
     assert [counts[0], counts[2], counts[3]] == [2, 1, 2]
+
+
+FREE = {"type": "object", "additionalProperties": {"type": "integer"}}
+
+
+def test_tracked_batch_accepts_equal_one_by_one_accepts(gemma_tokenizer: Any) -> None:
+    """Matchers wrapped by the duplicate-key tracker (``constrained/keys/``) accept a batch's
+    runs through their source's batch call, then the tracker settles: counts and states equal
+    each matcher's own ``accept_tokens``, with runs that stop at a repeated key, that the
+    grammar rejects midway, that are whole, empty, or start at a repeated key."""
+    from espalier.constrained.keys import UniqueKeysMatcher, with_unique_keys
+
+    spec = GrammarSpec.json_schema(FREE)
+    compiled = get_backend("llguidance", gemma_tokenizer).compile(spec)
+    encode = gemma_tokenizer.encode
+    texts = [
+        ('{"a": 1, ', '"b": 2, "a": 3}'),  # the repeated key "a" ends the run
+        ("{", '"a": 1, "b": 2}'),  # whole
+        ('{"a": 1, ', '"c": x'),  # rejected by the grammar at "x"
+        ('{"a": 1, "b', '": 2, "c": 3}'),
+        ('{"a": 1, ', ""),  # nothing to accept
+        ('{"a": 1, ', '"a'),  # a repeated key at once
+        ('{"b": 4, ', '"c": 5, "d": 6, "e'),
+    ]
+    matchers: list[Any] = []
+    runs: list[list[int]] = []
+    for before, after in texts:
+        matcher = with_unique_keys(spec, compiled.matcher(), gemma_tokenizer)
+        assert isinstance(matcher, UniqueKeysMatcher)
+        head = encode(before)
+        assert matcher.accept_tokens(head) == len(head)
+        matchers.append(matcher)
+        runs.append(encode(after) if after else [])
+    forks = [m.fork() for m in matchers]
+    expected = [f.accept_tokens(run) for f, run in zip(forks, runs)]
+    counts, faults = BatchFiller(2).accept_runs(matchers, runs)
+    assert faults == {}
+    assert counts == expected
+    assert 0 < sum(c < len(r) for c, r in zip(counts, runs)) < len(runs)  # some stop early
+    n = len(matchers)
+    got = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    want = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    for j, (matcher, fork) in enumerate(zip(matchers, forks)):
+        assert matcher.keys.export() == fork.keys.export()
+        matcher.fill_bitmask(got, j)
+        fork.fill_bitmask(want, j)
+    assert torch.equal(got, want)
