@@ -8,7 +8,8 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   ``forward`` (launching the verify forward: asynchronous on CUDA), ``mask_wait``
   (``PendingMasks.result``: helping with fills, then waiting), ``verify`` (masked verification:
   it waits for the GPU), ``logprobs``, ``copy_slots``;
-- ``append`` (``Engine._append``, all requests), and inside it ``accept_run``, ``closing``
+- ``append`` (``Engine._begin_append``, ``_accept_firsts`` and ``_end_append``: all requests'
+  appends, the batch accept of their tokens past the run included), ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
   for a running job, or runs it inline), ``decide`` and ``search`` (the closer's decisions and
   closing-path searches made on the engine thread itself), ``finish`` (``Engine._finish``: a
@@ -98,7 +99,9 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("verify", decoder_mod.SpeculativeDecoder, "_verify"),
     ("logprobs", decoder_mod.SpeculativeDecoder, "_logprobs"),
     ("copy_slots", runner_mod.ModelRunner, "copy_slots"),
-    ("append", engine_mod.Engine, "_append"),
+    ("append", engine_mod.Engine, "_begin_append"),
+    ("append", engine_mod.Engine, "_accept_firsts"),
+    ("append", engine_mod.Engine, "_end_append"),
     ("accept_run", engine_mod.Engine, "_accept_runs"),
     ("closing", closing.BudgetCloser, "instead"),
     ("closing_batch", closing.BudgetCloser, "prepare"),

@@ -21,9 +21,10 @@ on a shared machine) in ms per engine step:
 - ``phases_cpu_ms``: the engine thread's CPU time in ``prepare`` (``BudgetCloser.prepare``,
   the GPU timeline's ``closing_batch``), of it ``stitch`` (``ClosingPaths.stitch``) and
   ``searches`` (closing-path searches of a batch of decisions, native and fallback), ``append``
-  (``EngineCore._append``, all requests), ``execute`` (the strategy) and ``post`` (``step``
-  less ``execute``: schedule, accepts, closing, appends, finishing). ``execute``'s host part
-  (outside the forward and the sampler) jumps to ~4 ms in some runs of either side here:
+  (``EngineCore._begin_append``, ``_accept_firsts``, ``_end_append``: all requests; an anchor
+  tree's ``_append``), ``execute`` (the strategy) and ``post`` (``step`` less ``execute``:
+  schedule, accepts, closing, appends, finishing). ``execute``'s host part (outside the forward
+  and the sampler) jumps to ~4 ms in some runs of either side here:
   ``post`` is the steadier figure of the constrained-only work;
 - ``gc_ms`` and ``gc_per_step``: garbage collections (any thread: wall ms, and how many of each
   generation) per step: a constrained step's garbage is collected inside whatever allocates
@@ -67,7 +68,10 @@ PHASES = (  # (phase, module, class or None, attribute): engine-thread CPU time 
     ("prepare", "espalier.engine.closing", "BudgetCloser", "prepare"),
     ("stitch", "espalier.engine.closing", "ClosingPaths", "stitch"),
     ("searches", "espalier.engine.closing.batch", None, "_search_all"),
-    ("append", "espalier.engine.engine", "EngineCore", "_append"),
+    ("append", "espalier.engine.engine", "EngineCore", "_begin_append"),
+    ("append", "espalier.engine.engine", "EngineCore", "_accept_firsts"),
+    ("append", "espalier.engine.engine", "EngineCore", "_end_append"),
+    ("append", "espalier.engine.engine", "EngineCore", "_append"),  # an anchor tree's
     ("execute", "espalier.engine.step", "PlainDecoding", "execute"),
 )
 

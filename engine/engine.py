@@ -268,6 +268,7 @@ class EngineCore:
         }
         runs = self._accept_runs(appending)
         self._prepare_closing(appending, runs)
+        started: dict[int, _Appending] = {}
         for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes)):
             request = seq.request
             timeline = request.timeline
@@ -285,9 +286,17 @@ class EngineCore:
             if outcome is None or request.is_finished:
                 continue
             try:
-                outputs.append(self._append(request, outcome, run))
+                started[i] = self._begin_append(request, outcome, run)
             except Exception as exc:  # this request's grammar: its fault alone
                 outputs.append(self._fail(request, exc))
+        faults = self._accept_firsts(started)
+        for i, appending_one in started.items():
+            try:
+                if i in faults:
+                    raise faults[i]
+                outputs.append(self._end_append(appending_one))
+            except Exception as exc:  # this request's grammar: its fault alone
+                outputs.append(self._fail(appending_one.request, exc))
         return outputs
 
     def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
@@ -317,25 +326,66 @@ class EngineCore:
         self, request: Request, outcome: SeqOutcome, run: _Run | None = None
     ) -> RequestOutput:
         """Append ``outcome``'s tokens to ``request``; ``run``: its leading tokens already
-        accepted by the step's batch accept (:meth:`_accept_runs`)."""
+        accepted by the step's batch accept (:meth:`_accept_runs`). One request's form of
+        what :meth:`step` does for a batch (begin, accept the next tokens together, end)."""
+        appending = self._begin_append(request, outcome, run)
+        faults = self._accept_firsts({0: appending})
+        if faults:
+            raise faults[0]
+        return self._end_append(appending)
+
+    def _begin_append(self, request: Request, outcome: SeqOutcome, run: _Run | None) -> _Appending:
+        """The first part of :meth:`_append`: the run taken, and for a constrained request the
+        closing decision on its next token made (``_Appending.first``), which
+        :meth:`_accept_firsts` then accepts with the batch's others."""
         if outcome.num_computed_tokens is not None:
             request.num_computed_tokens = outcome.num_computed_tokens
         if request.timeline.first_token is None:
             request.timeline.first_token = _now()
-        params = request.sampling
         stops = run.stops if run is not None else self._stops(request)
-        new_ids: list[int] = []
-        text_ids: list[int] = []
-        reason: FinishReason | None = None
-        error = None
+        appending = _Appending(request, outcome, stops)
+        if run is not None:
+            appending.start, appending.reason, appending.error = self._take_run(
+                request, run, appending.new_ids, appending.text_ids
+            )
+        start, tokens = appending.start, outcome.token_ids
+        if appending.reason is None and start < len(tokens) and request.matcher is not None:
+            closing = self.closer.instead(request, tokens[start], stops, self.max_model_len)
+            appending.first = (closing,)
+        return appending
+
+    def _accept_firsts(self, started: dict[int, _Appending]) -> dict[int, BaseException]:
+        """The token each constrained request of ``started`` goes on with (its decision kept
+        it), accepted for the whole batch in one call per grammar library
+        (``BatchFiller.accept_runs``): sets ``_Appending.accepted``; returns the faults by key."""
+        keys = [
+            i
+            for i, a in started.items()
+            if a.first is not None and a.first[0] is None and a.request.matcher is not None
+        ]
+        if not keys:
+            return {}
+        matchers = [started[i].request.matcher for i in keys]
+        firsts = [[started[i].outcome.token_ids[started[i].start]] for i in keys]
+        counts, faults = self._batch.accept_runs(matchers, firsts)  # type: ignore[arg-type]
+        for k, i in enumerate(keys):
+            started[i].accepted = counts[k] == 1
+        return {keys[k]: exc for k, exc in faults.items()}
+
+    def _end_append(self, appending: _Appending) -> RequestOutput:
+        """The rest of :meth:`_append`, from the token past the run."""
+        request, outcome, stops = appending.request, appending.outcome, appending.stops
+        params = request.sampling
+        new_ids, text_ids = appending.new_ids, appending.text_ids
+        reason, error, start = appending.reason, appending.error, appending.start
         tokens = outcome.token_ids
         kept = len(tokens)  # model tokens emitted (logprobs align with these)
-        start = 0
-        if run is not None:
-            start, reason, error = self._take_run(request, run, new_ids, text_ids)
         for i in range(start, len(tokens) if reason is None else start):
             token = tokens[i]
-            closing = self.closer.instead(request, token, stops, self.max_model_len)
+            if i == start and appending.first is not None:
+                closing = appending.first[0]  # decided in _begin_append
+            else:
+                closing = self.closer.instead(request, token, stops, self.max_model_len)
             if closing is not None:
                 kept = i
                 self.closer.emit(request, closing, new_ids, text_ids)
@@ -345,7 +395,11 @@ class EngineCore:
             request.output_ids.append(token)
             new_ids.append(token)
             matcher = request.matcher
-            if matcher is not None and not matcher.accept(token):
+            if i == start and appending.accepted is not None:
+                accepted = appending.accepted  # accepted in _accept_firsts
+            else:
+                accepted = matcher is None or matcher.accept(token)
+            if not accepted:
                 reason, error = FinishReason.ERROR, f"the grammar rejected sampled token {token}"
                 break
             if token in stops:
@@ -567,6 +621,26 @@ class EngineCore:
     def close(self) -> None:
         self.strategy.close()
         self.grammar.close()
+
+
+@dataclass
+class _Appending:
+    """A request's append between :meth:`EngineCore._begin_append` and ``_end_append``: the
+    tokens taken so far (``new_ids``; of them ``text_ids``), where the rest starts, a finish
+    reason already met; ``first``: the closing decision on ``token_ids[start]`` when made
+    (a 1-tuple: None = keep the token); ``accepted``: whether the batch accept took it (None:
+    not accepted there)."""
+
+    request: Request
+    outcome: SeqOutcome
+    stops: set[int]
+    new_ids: list[int] = field(default_factory=list)
+    text_ids: list[int] = field(default_factory=list)
+    start: int = 0
+    reason: FinishReason | None = None
+    error: str | None = None
+    first: tuple[list[int] | None] | None = None
+    accepted: bool | None = None
 
 
 @dataclass(frozen=True)
