@@ -308,3 +308,46 @@ def test_forks_are_lazy_and_exact(toy_tokenizer: Any) -> None:
     out = bm.allocate(tree.num_nodes, matcher.vocab_size, fill=0)
     masks = fill_tree_bitmask(fork, tree, out, budget=None)
     assert compare(masks, out, tree, replay_tree(grammar.matcher, fork.history, tree)) == []
+
+
+def test_a_dropped_matcher_is_freed_on_the_releaser_thread(
+    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collected :class:`NativeMatcher` is freed by its library's free, on the releaser's
+    thread, not on the one that dropped it; a forked child starts a releaser thread of its own
+    (the parent's is not there)."""
+    import gc
+    import threading
+
+    compiled = get_backend("llguidance", toy_tokenizer).compile(GrammarSpec.regex("[ab]{1,8}"))
+    source = compiled.matcher().native
+    freed: list[tuple[int, str]] = []
+    done = threading.Event()
+    release = native.RELEASER.free
+
+    def recording(function: Any, pointer: int) -> None:
+        def free(p: int) -> None:
+            function(p)
+            freed.append((p, threading.current_thread().name))
+            done.set()
+
+        release(free, pointer)
+
+    monkeypatch.setattr(native.RELEASER, "free", recording)
+    clone = source.clone()  # its finalizer takes the recording free
+    pointer = clone.pointer
+    del clone
+    gc.collect()
+    assert done.wait(10)
+    assert freed == [(pointer, "espalier-llg-free")]
+    assert threading.current_thread().name != "espalier-llg-free"
+    assert source.validate(toy_tokenizer.encode("a")) == 1  # its source lives on
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        child = threading.Event()
+        release(lambda _p: child.set(), 0)
+        os.write(write, b"1" if child.wait(10) else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"

@@ -10,7 +10,8 @@ GIL for its whole length: trees of a batch fill in parallel on as many threads a
 cores, with no per-node Python.
 
 Lifetimes: a :class:`NativeMatcher` keeps its :class:`NativeTokenizer` alive and frees its C
-matcher when collected; the tokenizer keeps its token buffers and tokenize callback alive.
+matcher when collected, on :data:`RELEASER`'s thread; the tokenizer keeps its token buffers and
+tokenize callback alive.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.metadata
+import os
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -368,10 +371,50 @@ class NativeTokenizer:
         return matcher
 
 
+class Releaser:
+    """Frees C-API matchers on a daemon thread of its own (one per process), in the order they
+    were dropped. llguidance's free takes tens of µs (the matcher's lexer and parser state), and
+    a matcher is dropped by whichever thread held it last: mostly the engine thread, mid-step
+    (closing forks, replaced closing bases, finished requests)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[int], None], int]] | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def free(self, function: Callable[[int], None], pointer: int) -> None:
+        """Call ``function(pointer)`` on the releaser's thread (started on first use, and again
+        in a forked child, where the parent's thread does not exist)."""
+        pending = self._queue
+        if pending is None or self._pid != os.getpid():
+            pending = self._start()
+        pending.put((function, pointer))
+
+    def _start(self) -> queue.SimpleQueue[tuple[Callable[[int], None], int]]:
+        with self._lock:
+            if self._queue is None or self._pid != os.getpid():
+                self._queue = queue.SimpleQueue()
+                self._pid = os.getpid()
+                threading.Thread(
+                    target=_release, args=(self._queue,), name="espalier-llg-free", daemon=True
+                ).start()
+            return self._queue
+
+
+def _release(pending: queue.SimpleQueue[tuple[Callable[[int], None], int]]) -> None:
+    while True:
+        function, pointer = pending.get()
+        function(pointer)
+
+
+RELEASER = Releaser()
+"""The process's :class:`Releaser` (every :class:`NativeMatcher` frees through it)."""
+
+
 class NativeMatcher:
-    """One C-API matcher (freed when collected). Every call goes through ctypes, which releases
-    the GIL for its length. Not thread-safe: one thread at a time may use a matcher (a clone is
-    independent of its source, its lexer included)."""
+    """One C-API matcher (freed when collected, on :data:`RELEASER`'s thread). Every call goes
+    through ctypes, which releases the GIL for its length. Not thread-safe: one thread at a time
+    may use a matcher (a clone is independent of its source, its lexer included)."""
 
     def __init__(self, tokenizer: NativeTokenizer, pointer: int) -> None:
         if not pointer:
@@ -380,7 +423,7 @@ class NativeMatcher:
         self.pointer = pointer
         self.llg = tokenizer.api.llg
         self._one = ctypes.c_uint32()  # try_consume's argument buffer
-        weakref.finalize(self, self.llg.llg_free_matcher, pointer)
+        weakref.finalize(self, RELEASER.free, self.llg.llg_free_matcher, pointer)
 
     def clone(self) -> NativeMatcher:
         return NativeMatcher(self.tokenizer, self.llg.llg_clone_matcher(self.pointer))
