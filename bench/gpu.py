@@ -366,6 +366,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             tight_budget=args.tight_budget,
             matcher_spares=args.matcher_spares,
             backend=args.backend,
+            grammar_after_launch=args.grammar_after_launch,
         )
         prefix = (
             ""
@@ -485,6 +486,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--masks-first",
         action="store_true",
         help="start the tree-mask fills before launching the verify forward (the old order)",
+    )
+    parser.add_argument(
+        "--grammar-after-launch",
+        action="store_true",
+        help="EngineConfig(grammar_after_launch=True): plain steps launch the next forward "
+        "before their grammar work",
     )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")

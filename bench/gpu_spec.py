@@ -137,6 +137,7 @@ class _Setup:
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
     backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
+    grammar_after_launch: bool = False  # EngineConfig.grammar_after_launch (plain steps)
 
     def requests(
         self,
@@ -190,6 +191,8 @@ class _Setup:
         )
         if not self.closing and hasattr(config, "close_within_budget"):
             config = replace(config, close_within_budget=False)
+        if self.grammar_after_launch:
+            config = replace(config, grammar_after_launch=True)
         return config
 
 
@@ -308,10 +311,12 @@ def equal_work(
     tight_budget: bool = False,
     matcher_spares: int = 16,
     backend: str = spec_bench.BACKEND,
+    grammar_after_launch: bool = False,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
-    service's spare matchers per grammar; ``backend``: the constrained requests' grammar backend."""
+    service's spare matchers per grammar; ``backend``: the constrained requests' grammar backend;
+    ``grammar_after_launch``: ``EngineConfig.grammar_after_launch`` (the plain runs)."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
@@ -344,6 +349,7 @@ def equal_work(
             close_ahead,
             tight_budget,
             backend,
+            grammar_after_launch,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         if DUMP_STREAMS:
@@ -362,6 +368,7 @@ def equal_work(
                     "close_ahead": close_ahead,
                     "tight_budget": tight_budget,
                     "backend": backend,
+                    "grammar_after_launch": grammar_after_launch,
                     "torch_threads": torch.get_num_threads(),
                     "switch_interval_ms": sys.getswitchinterval() * 1e3,
                     **{k: v for k, v in r.items() if k != "outputs"},

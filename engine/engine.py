@@ -53,7 +53,13 @@ from espalier.engine.output import OutputProcessor
 from espalier.engine.request import Request, RequestStatus
 from espalier.engine.sampler import DEFAULT_MARGIN, Sampler, make_generator
 from espalier.engine.scheduler import Scheduler, SchedulerConfig
-from espalier.engine.step import PlainDecoding, SeqOutcome, StepStrategy, closing_logprob
+from espalier.engine.step import (
+    PlainDecoding,
+    PlainLaunch,
+    SeqOutcome,
+    StepStrategy,
+    closing_logprob,
+)
 
 if TYPE_CHECKING:
     from typing import Self
@@ -62,6 +68,7 @@ if TYPE_CHECKING:
     from espalier.constrained.spec import GrammarSpec
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.model.runner import ModelRunner, RunnerConfig
+    from espalier.engine.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +86,12 @@ class EngineConfig:
         completes its grammar rather than cut it (``engine/closing/``); ignore_eos requests
         are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
         sampled draws closer than this to a tie are redrawn from canonical logits
-        (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never."""
+        (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never.
+        grammar_after_launch: in plain decoding, launch the next forward before the grammar
+        work on this step's tokens (closing decisions, accepts, termination) and do that work
+        while it runs (on CUDA: the launch only enqueues). Outputs are the same either way. An
+        experiment (issue 28), off until the GPU measures it: ``bench/gpu.py
+        --grammar-after-launch``."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -89,6 +101,7 @@ class EngineConfig:
     postvalidate: bool = True
     close_within_budget: bool = True
     sampling_margin: float = DEFAULT_MARGIN
+    grammar_after_launch: bool = False
 
 
 class EngineCore:
@@ -142,6 +155,8 @@ class EngineCore:
         # the step's accepts, one call per grammar library (the engine thread's own entry points)
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
         self._token_bytes = tokenizer.token_bytes
+        self._after_launch = config.grammar_after_launch
+        self._inflight: PlainLaunch | None = None  # the plain step launched, not yet finished
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_preemptions = 0
@@ -235,55 +250,134 @@ class EngineCore:
         return pending
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns a chunk for every request that produced tokens or finished."""
+        """Run one step; returns a chunk for every request that produced tokens or finished.
+
+        In plain decoding with ``grammar_after_launch``, a step finishes the forward launched
+        by the step before (if any), appends the tokens that cannot need the grammar to end
+        their request, launches the next forward with the rest appended tentatively, then
+        makes the grammar's verdicts on those (:meth:`_deferrable`) while it runs: a request
+        the grammar ends there (a closing path, a rejected token, termination) has its row of
+        the launched step dropped."""
         outputs, self._pending = self._pending, []
         self._poll_grammars(outputs)
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            self._wait_for_grammars()
-            return outputs
-        self.num_steps += 1
-        self.num_preemptions += len(plan.preempted)
-        t0 = _now()
-        try:
-            result = self.strategy.execute(plan)
-        except Exception as exc:  # a failed forward or sampler fails its batch, not the engine
-            log.exception("step failed")
-            for seq in plan.seqs:
-                if not seq.request.is_finished:
-                    out = self._finish(seq.request, FinishReason.ERROR, error=repr(exc))
-                    outputs.append(out)
-            return outputs
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            plan, t0 = launched.plan, launched.started
+            try:
+                result = self.strategy.finish(launched)  # type: ignore[attr-defined]
+            except Exception as exc:  # a failed forward or sampler fails its batch
+                return self._fail_batch(plan, exc, outputs)
+        else:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                self._wait_for_grammars()
+                return outputs
+            self.num_steps += 1
+            self.num_preemptions += len(plan.preempted)
+            t0 = _now()
+            try:
+                result = self.strategy.execute(plan)
+            except Exception as exc:  # a failed forward or sampler fails its batch, not the engine
+                return self._fail_batch(plan, exc, outputs)
         elapsed = _now() - t0
         self.scheduler.cache_computed(plan)  # the K/V it wrote is valid: share full prompt blocks
-        appending = {
-            i: (seq.request, outcome)
-            for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes))
-            if i not in result.faults and outcome is not None and not seq.request.is_finished
-        }
-        runs = self._accept_runs(appending)
-        self._prepare_closing(appending, runs)
-        started: dict[int, _Appending] = {}
+        appending: dict[int, tuple[Request, SeqOutcome]] = {}
         for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes)):
             request = seq.request
+            if request.is_finished:
+                continue  # ended since the launch (aborted, or by the grammar): row dropped
             timeline = request.timeline
             if seq.is_prefill:
                 timeline.prefill_s += elapsed
             else:
                 timeline.decode_s += elapsed
             fault = result.faults.get(i)
-            run = runs.get(i)
-            if isinstance(run, BaseException):  # its grammar raised in the batch accept
-                fault, run = run, None
             if fault is not None:
                 outputs.append(self._fail(request, fault))
-                continue
-            if outcome is None or request.is_finished:
+            elif outcome is not None:
+                appending[i] = (request, outcome)
+        deferred = self._deferrable(appending)
+        self._append_all({i: a for i, a in appending.items() if i not in deferred}, outputs)
+        if deferred:
+            self._launch_next(deferred)
+            live = {i: a for i, a in deferred.items() if not a[0].is_finished}
+            self._append_all(live, outputs)
+            if self._inflight is not None:
+                self.strategy.fill(self._inflight)  # type: ignore[attr-defined]
+        return outputs
+
+    def _fail_batch(
+        self, plan: StepPlan, exc: BaseException, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        log.error("step failed", exc_info=exc)
+        for seq in plan.seqs:
+            if not seq.request.is_finished:
+                out = self._finish(seq.request, FinishReason.ERROR, error=repr(exc))
+                outputs.append(out)
+        return outputs
+
+    def _deferrable(
+        self, appending: dict[int, tuple[Request, SeqOutcome]]
+    ) -> dict[int, tuple[Request, SeqOutcome]]:
+        """The appends whose grammar work can wait behind the next launch: in plain decoding
+        with ``grammar_after_launch``, constrained requests whose one token cannot end them
+        but through the grammar (no stop token, stop string, max_tokens or context end)."""
+        if not self._after_launch or not isinstance(self.strategy, PlainDecoding):
+            return {}
+        deferred: dict[int, tuple[Request, SeqOutcome]] = {}
+        for i, (request, outcome) in appending.items():
+            tokens = outcome.token_ids
+            if (
+                request.matcher is not None
+                and request.stop_watch is None
+                and len(tokens) == 1
+                and outcome.num_computed_tokens is None
+                and tokens[0] not in self._stops(request)
+                and len(request.output_ids) + 1 < request.sampling.max_tokens
+                and request.num_tokens + 1 < self.max_model_len
+            ):
+                deferred[i] = (request, outcome)
+        return deferred
+
+    def _launch_next(self, deferred: dict[int, tuple[Request, SeqOutcome]]) -> None:
+        """Plan and launch the next plain step with ``deferred``'s tokens appended for the
+        plan (taken back after it: their appends come next, and put them back unless their
+        request ends); a launch that fails leaves the next step to plan again."""
+        for request, outcome in deferred.values():
+            request.output_ids.append(outcome.token_ids[0])
+        try:
+            plan = self.scheduler.schedule()
+            if not plan.is_empty:
+                self.num_steps += 1
+                self.num_preemptions += len(plan.preempted)
+                strategy: PlainDecoding = self.strategy  # type: ignore[assignment]
+                try:
+                    self._inflight = strategy.launch(plan, fill_first=False)
+                except Exception as exc:  # as a failed step: its batch fails
+                    self._fail_batch(plan, exc, self._pending)
+        finally:
+            for request, _outcome in deferred.values():
+                request.output_ids.pop()
+
+    def _append_all(
+        self, appending: dict[int, tuple[Request, SeqOutcome]], outputs: list[RequestOutput]
+    ) -> None:
+        """Append each request's outcome (by plan index): the runs accepted in one batch call,
+        the closing decisions prepared together, the next tokens accepted together."""
+        if not appending:
+            return
+        runs = self._accept_runs(appending)
+        self._prepare_closing(appending, runs)
+        started: dict[int, _Appending] = {}
+        for i, (request, outcome) in appending.items():
+            run = runs.get(i)
+            if isinstance(run, BaseException):  # its grammar raised in the batch accept
+                outputs.append(self._fail(request, run))
                 continue
             try:
                 started[i] = self._begin_append(request, outcome, run)
@@ -297,7 +391,6 @@ class EngineCore:
                 outputs.append(self._end_append(appending_one))
             except Exception as exc:  # this request's grammar: its fault alone
                 outputs.append(self._fail(appending_one.request, exc))
-        return outputs
 
     def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
         """End ``request`` alone for an exception its own grammar or sampler raised: a

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,7 +42,7 @@ from espalier.engine.sampler import RowParams, Sampler, SamplerOutput, apply_tok
 
 if TYPE_CHECKING:
     from espalier.engine.kv_cache import BlockAllocator
-    from espalier.engine.model.runner import LogitsSelect, ModelRunner
+    from espalier.engine.model.runner import ForwardOutput, LogitsSelect, ModelRunner
     from espalier.engine.request import Request
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
@@ -75,6 +75,26 @@ class StepResult:
     forward_s: float = 0.0
     mask_s: float = 0.0
     faults: dict[int, BaseException] = field(default_factory=dict)
+
+
+@dataclass
+class PlainLaunch:
+    """A plain step between :meth:`PlainDecoding.launch` and ``finish``: its plan, its sampling
+    rows (``sampling[row]`` indexes ``plan.seqs``), the constrained ones among them, their
+    parameters; ``out`` the forward's output (on CUDA still being computed), ``masked`` the
+    rows :meth:`PlainDecoding.fill` fills (None: not started), ``pending`` that fill's job."""
+
+    plan: StepPlan
+    sampling: list[int]
+    constrained_rows: list[int]
+    params: list[RowParams]
+    greedy_rows: set[int]
+    use_hidden: bool
+    out: ForwardOutput | None = None
+    forward_s: float = 0.0
+    masked: list[int] | None = None
+    pending: Future[tuple[float, dict[int, BaseException]]] | None = None
+    started: float = field(default_factory=time.perf_counter)
 
 
 def closing_logprob(token: int) -> TokenLogprob:
@@ -138,24 +158,30 @@ class PlainDecoding:
             ThreadPoolExecutor(1, thread_name_prefix="espalier-grammar") if overlap else None
         )
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run ``plan`` to its tokens: the masks filled while the forward runs."""
+        return self.finish(self.launch(plan, fill_first=True))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, *, fill_first: bool) -> PlainLaunch:
+        """Start ``plan``'s forward (asynchronous on CUDA). ``fill_first``: start the mask fill
+        before it (:meth:`fill`); else the caller starts it when the matchers are where this
+        step samples from (their tokens of the step before accepted)."""
         from espalier.engine.model.runner import SeqInput
 
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
         constrained_rows = [
             row for row, i in enumerate(sampling) if plan.seqs[i].request.matcher is not None
         ]
-        requests = [plan.seqs[sampling[row]].request for row in constrained_rows]
-        pending = None
-        if requests and self._pool is not None:
-            pending = self._pool.submit(self._fill_masks, requests, constrained_rows)
         # Constrained rows may skip most of the LM head, greedy rows too once the screen is
         # ready (engine/logits.py): ask for the final hidden states instead of logits then.
         params = [_row_params(plan.seqs[i]) for i in sampling]
         greedy_rows = {r for r, p in enumerate(params) if p.greedy and not p.logprobs}
         screening = self.screen is not None and self.screen.ready and bool(greedy_rows)
         use_hidden = self.sparse_head and (bool(constrained_rows) or screening)
+        launched = PlainLaunch(plan, sampling, constrained_rows, params, greedy_rows, use_hidden)
+        if fill_first:
+            self.fill(launched)
         logits_mode: LogitsSelect = "none" if use_hidden else "last"
         inputs = [
             SeqInput(
@@ -168,19 +194,52 @@ class PlainDecoding:
         ]
         final_layer = self.runner.model_config.num_layers
         t0 = time.perf_counter()
-        out = self.runner.forward(inputs, hidden_layers=(final_layer,) if use_hidden else ())
-        forward_s = time.perf_counter() - t0
-        if pending is not None:
-            mask_s, faulty = pending.result()
+        launched.out = self.runner.forward(
+            inputs, hidden_layers=(final_layer,) if use_hidden else ()
+        )
+        launched.forward_s = time.perf_counter() - t0
+        return launched
+
+    def fill(self, launched: PlainLaunch) -> None:
+        """Start filling the launch's constrained rows from their matchers (on the grammar
+        worker when ``overlap``, else at :meth:`finish`); a request that ended since the launch
+        is left out (its row allows every token, and its draw is never used)."""
+        plan, sampling = launched.plan, launched.sampling
+        launched.masked = [
+            row
+            for row in launched.constrained_rows
+            if not plan.seqs[sampling[row]].request.is_finished
+        ]
+        requests = [plan.seqs[sampling[row]].request for row in launched.masked]
+        if requests and self._pool is not None:
+            launched.pending = self._pool.submit(self._fill_masks, requests, launched.masked)
+
+    @torch.inference_mode()
+    def finish(self, launched: PlainLaunch) -> StepResult:
+        """Wait for the launch's forward and masks; sample its rows."""
+        plan, sampling, params = launched.plan, launched.sampling, launched.params
+        masked = launched.masked
+        if masked is None:
+            self.fill(launched)
+            masked = launched.masked
+            assert masked is not None
+        if launched.pending is not None:
+            mask_s, faulty = launched.pending.result()
         else:
-            mask_s, faulty = self._fill_masks(requests, constrained_rows)
+            requests = [plan.seqs[sampling[row]].request for row in masked]
+            mask_s, faulty = self._fill_masks(requests, masked)
+        out, forward_s = launched.out, launched.forward_s
+        assert out is not None
         outcomes: list[SeqOutcome | None] = [None] * len(plan.seqs)
-        faults = {sampling[constrained_rows[j]]: exc for j, exc in faulty.items()}
+        faults = {sampling[masked[j]]: exc for j, exc in faulty.items()}
         if not sampling:
             return StepResult(outcomes, forward_s, mask_s, faults)
         rows = self._bitmask[: len(sampling)]
-        logits, masked_rows = out.logits, constrained_rows
-        if use_hidden:
+        for row in set(launched.constrained_rows).difference(masked):
+            rows[row].fill_(-1)  # its request ended: any draw will do
+        logits, masked_rows = out.logits, masked
+        if launched.use_hidden:
+            final_layer = self.runner.model_config.num_layers
             ends = list(itertools.accumulate(s.num_new_tokens for s in plan.seqs))
             last = torch.tensor([ends[i] - 1 for i in sampling], device=self.runner.device)
             hidden = out.hidden_states[final_layer].index_select(0, last)
@@ -188,10 +247,10 @@ class PlainDecoding:
                 self.runner.model,
                 hidden,
                 rows,
-                constrained_rows,
+                masked,
                 vocab_size=self.mask_vocab_size,
                 screen=self.screen,
-                greedy_rows=greedy_rows,
+                greedy_rows=launched.greedy_rows,
             )
             logits, masked_rows = step_logits.logits, step_logits.masked_rows
         try:
@@ -201,6 +260,8 @@ class PlainDecoding:
             faults.update({sampling[row]: exc for row, exc in bad.items()})
         for row, noise in sampled.uncertain.items():
             seq = plan.seqs[sampling[row]]
+            if seq.request.is_finished:
+                continue
             constrained = seq.request.matcher is not None  # sparse-head rows too: mask them
             token = self._canonical_redraw(seq, params[row], noise, rows[row], constrained)
             if token is not None:

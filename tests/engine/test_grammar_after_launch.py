@@ -1,0 +1,130 @@
+"""Plain decoding's grammar work behind the next launch (``EngineConfig.grammar_after_launch``).
+
+A step launches the next forward before its constrained tokens' closing decisions, accepts and
+termination checks, and drops the launched row of a request that work ends. Outputs, finish
+reasons, text and logprobs are those of the step that does the grammar work first, for a mix
+that ends in many ways (closed by the budget, cut unclosed, stop tokens, a stop string,
+max_tokens), with seeded sampling, logprobs, unconstrained requests and requests arriving
+mid-run, on every backend; and a request aborted while its next step is in flight ends ABORT
+without harming the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from espalier.constrained.backends import BACKENDS
+from espalier.constrained.spec import GrammarSpec
+from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
+from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, drain, make_engine, tokens_of
+
+PROMPTS = ["abc", "hello world", '{"id": 1', "0123", "zz top"]
+
+
+def _mix(backend: str) -> list[GenerationRequest]:
+    grammars: list[GrammarSpec | None] = [
+        GrammarSpec.json_schema(CLOSING_SCHEMA),
+        GrammarSpec.regex("[a-c]{2,6}"),  # the grammar ends most of these early
+        GrammarSpec.choice(["alpha", "beta", "gamma delta"]),
+        GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}}),
+        None,
+    ]
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        for j, grammar in enumerate(grammars):
+            sampling = SamplingParams(
+                max_tokens=(12, 24, 40)[(i + j) % 3],
+                temperature=0.0 if (i + j) % 2 else 0.8,
+                seed=i * 7 + j,
+                logprobs=2 if j == 1 else 0,
+                stop=[","] if (i, j) == (1, 0) else [],
+            )
+            out.append(
+                GenerationRequest(
+                    f"r{i}-{j}",
+                    prompt=prompt,
+                    sampling=sampling,
+                    grammar=grammar,
+                    constraint=ConstraintOptions(backend=backend),
+                )
+            )
+    return out
+
+
+def _run(after: bool, backend: str) -> tuple[dict[str, list[Any]], int]:
+    """Chunks by request (half the requests arrive after three steps) and how many steps left
+    a launched step in flight."""
+    engine = make_engine(grammar_after_launch=after, max_num_batched_tokens=256)
+    requests = _mix(backend)
+    for request in requests[::2]:
+        engine.add_request(request)
+    chunks: dict[str, list[Any]] = {}
+    in_flight = 0
+    for step in range(2000):
+        if step == 3:
+            for request in requests[1::2]:
+                engine.add_request(request)
+        if step > 3 and not engine.has_unfinished():
+            break
+        for out in engine.step():
+            chunks.setdefault(out.request_id, []).append(out)
+        in_flight += engine._inflight is not None
+    assert not engine.has_unfinished()
+    return chunks, in_flight
+
+
+def _summary(chunks: list[Any]) -> tuple[Any, ...]:
+    last = chunks[-1]
+    logprobs = [(lp.token_id, round(lp.logprob, 4)) for c in chunks for lp in c.logprobs]
+    text = "".join(c.text_delta for c in chunks)
+    valid = last.validation.valid if last.validation is not None else None
+    return tokens_of(chunks), last.finish_reason, last.closed_by_budget, text, logprobs, valid
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outputs_equal_those_of_grammar_work_first(backend: str) -> None:
+    first, none_in_flight = _run(False, backend)
+    after, in_flight = _run(True, backend)
+    assert none_in_flight == 0 and in_flight > 10  # the path under test did run
+    assert sorted(after) == sorted(first)
+    for request_id in first:
+        assert _summary(after[request_id]) == _summary(first[request_id]), request_id
+    reasons = {first[r][-1].finish_reason for r in first}
+    assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
+    assert any(first[r][-1].closed_by_budget for r in first)
+
+
+def test_a_request_aborted_in_flight_ends_alone() -> None:
+    engine = make_engine(grammar_after_launch=True)
+    requests = _mix("llguidance")[:8]
+    for request in requests:
+        engine.add_request(request)
+    chunks: dict[str, list[Any]] = {}
+    victim = None
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            chunks.setdefault(out.request_id, []).append(out)
+        launched = engine._inflight
+        if victim is None and launched is not None:
+            live = [s.request for s in launched.plan.seqs if s.request.matcher is not None]
+            if live:
+                victim = live[0].request_id
+                assert engine.abort(victim)
+    assert victim is not None
+    assert chunks[victim][-1].finish_reason is FinishReason.ABORT
+    assert sum(c.finished for c in chunks[victim]) == 1
+    alone, _ = _run_alone(requests)
+    for request_id, got in chunks.items():
+        if request_id != victim:
+            assert tokens_of(got) == tokens_of(alone[request_id]), request_id
+
+
+def _run_alone(requests: list[GenerationRequest]) -> tuple[dict[str, list[Any]], None]:
+    engine = make_engine(grammar_after_launch=False)
+    for request in requests:
+        engine.add_request(request)
+    return drain(engine), None
