@@ -448,21 +448,28 @@ class EngineCore:
         return appending
 
     def _accept_firsts(self, started: dict[int, _Appending]) -> dict[int, BaseException]:
-        """The token each constrained request of ``started`` goes on with (its decision kept
-        it), accepted for the whole batch in one call per grammar library
-        (``BatchFiller.accept_runs``): sets ``_Appending.accepted``; returns the faults by key."""
+        """What each constrained request of ``started`` goes on with after its run, accepted for
+        the whole batch in one call per grammar library (``BatchFiller.accept_runs``): its next
+        token when its decision kept it (sets ``_Appending.accepted``), else the closing path
+        it emits instead (``_Appending.taken``; the stop token after it is accepted with the
+        emit). Returns the faults by key."""
         keys = [
-            i
-            for i, a in started.items()
-            if a.first is not None and a.first[0] is None and a.request.matcher is not None
+            i for i, a in started.items() if a.first is not None and a.request.matcher is not None
         ]
         if not keys:
             return {}
         matchers = [started[i].request.matcher for i in keys]
-        firsts = [[started[i].outcome.token_ids[started[i].start]] for i in keys]
-        counts, faults = self._batch.accept_runs(matchers, firsts)  # type: ignore[arg-type]
+        runs: list[list[int]] = []
+        for i in keys:
+            a = started[i]
+            path = a.first[0] if a.first is not None else None
+            runs.append([a.outcome.token_ids[a.start]] if path is None else list(path))
+        counts, faults = self._batch.accept_runs(matchers, runs)  # type: ignore[arg-type]
         for k, i in enumerate(keys):
-            started[i].accepted = counts[k] == 1
+            if started[i].first == (None,):
+                started[i].accepted = counts[k] == 1
+            else:
+                started[i].taken = counts[k]
         return {keys[k]: exc for k, exc in faults.items()}
 
     def _end_append(self, appending: _Appending) -> RequestOutput:
@@ -475,13 +482,15 @@ class EngineCore:
         kept = len(tokens)  # model tokens emitted (logprobs align with these)
         for i in range(start, len(tokens) if reason is None else start):
             token = tokens[i]
+            taken = 0
             if i == start and appending.first is not None:
                 closing = appending.first[0]  # decided in _begin_append
+                taken = appending.taken  # of it, accepted in _accept_firsts
             else:
                 closing = self.closer.instead(request, token, stops, self.max_model_len)
             if closing is not None:
                 kept = i
-                self.closer.emit(request, closing, new_ids, text_ids)
+                self.closer.emit(request, closing, new_ids, text_ids, taken)
                 request.closed_by_budget = True
                 reason = FinishReason.STOP
                 break
@@ -722,7 +731,8 @@ class _Appending:
     tokens taken so far (``new_ids``; of them ``text_ids``), where the rest starts, a finish
     reason already met; ``first``: the closing decision on ``token_ids[start]`` when made
     (a 1-tuple: None = keep the token); ``accepted``: whether the batch accept took it (None:
-    not accepted there)."""
+    not accepted there); ``taken``: how much of the closing path emitted instead the batch
+    accept took."""
 
     request: Request
     outcome: SeqOutcome
@@ -734,6 +744,7 @@ class _Appending:
     error: str | None = None
     first: tuple[list[int] | None] | None = None
     accepted: bool | None = None
+    taken: int = 0
 
 
 @dataclass(frozen=True)

@@ -724,14 +724,20 @@ class BudgetCloser:
         return ahead
 
     def emit(
-        self, request: Request, path: list[int], new_ids: list[int], text_ids: list[int]
+        self,
+        request: Request,
+        path: list[int],
+        new_ids: list[int],
+        text_ids: list[int],
+        taken: int = 0,
     ) -> None:
         """Append ``path`` and a stop token to the request (the grammar accepts both: the path
-        was found on a fork of its matcher); text tokens also go to ``text_ids``."""
+        was found on a fork of its matcher); text tokens also go to ``text_ids``. ``taken``:
+        how many of ``path`` the matcher has accepted already (a step's batch accept)."""
         matcher = request.matcher
         assert matcher is not None
-        for token in [*path, self.stop_token]:
-            accepted = matcher.accept(token)
+        for k, token in enumerate([*path, self.stop_token]):
+            accepted = k < taken or matcher.accept(token)
             assert accepted, "a closing path is checked on a fork of this matcher"
             request.output_ids.append(token)
             new_ids.append(token)

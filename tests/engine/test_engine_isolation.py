@@ -112,7 +112,8 @@ def _break_after(engine: Engine, request_id: str, method: str, calls: int) -> Ca
     ("speculative", "method", "backend"),
     [
         (False, "fill_bitmask", "outlines_core"),
-        (False, "accept", "llguidance"),
+        # its accepts: all in the step's batch call, which asks this of each run first
+        (False, "takes_all_natively", "llguidance"),
         (True, "completes", "llguidance"),  # its closing checks (the searches fork no more)
         (True, "accept", "xgrammar"),
     ],
