@@ -556,6 +556,10 @@ class BudgetCloser:
         decisions: dict[str, Decision] = {}
         keys: dict[str, tuple[int, int, bool, Memo]] = {}
         firsts: dict[str, tuple[object, FirstKey]] = {}
+        # a first decision another request of the batch makes under the same key is shared
+        # (a burst of one schema's requests: one search per distinct first token)
+        owners: dict[tuple[int, FirstKey], str] = {}
+        sharers: dict[str, str] = {}
         for request, token, here, stops in items:
             matcher = request.matcher
             request_id = request.request_id
@@ -578,16 +582,26 @@ class BudgetCloser:
                 if first is not None:
                     self._ready[request_id] = (here, token, exempt, memo, first)
                     continue
+                owner = owners.setdefault((id(request.compiled), first_key), request_id)
+                if owner != request_id:
+                    sharers[request_id] = owner
+                    keys[request_id] = (here, token, exempt, memo)
+                    continue
                 firsts[request_id] = (request.compiled, first_key)
             decisions[request_id] = self.decision(memo, matcher, token, here, budget, exempt)
             keys[request_id] = (here, token, exempt, memo)
-        if len(decisions) < 2:
+        if len(decisions) < 2 and not sharers:
             return  # nothing to batch: ``instead`` decides as before
-        for request_id, outcome in answer_all(self.paths, decisions, self.threads).items():
+        outcomes = answer_all(self.paths, decisions, self.threads)
+        for request_id, outcome in outcomes.items():
             if not isinstance(outcome, BaseException):
                 self._ready[request_id] = (*keys[request_id], outcome)
                 if request_id in firsts:
                     self._first.put(*firsts[request_id], outcome)
+        for request_id, owner in sharers.items():
+            shared = outcomes.get(owner)
+            if shared is not None and not isinstance(shared, BaseException):
+                self._ready[request_id] = (*keys[request_id], shared)
 
     def decide(
         self,

@@ -147,3 +147,51 @@ def test_a_first_token_is_decided_once_per_grammar_token_and_budget(backend: str
     for name in ("x", "y"):
         first(closer, name, firsts[0], 40, ignore_eos=True)
     assert len(made) - before == 2
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_batch_makes_each_first_decision_once(backend: str) -> None:
+    """``prepare`` for a burst's first tokens makes one decision per (grammar, token, budget,
+    exempt) and hands it to every request of the batch that shares the key; each request's
+    ``instead`` then equals a fresh closer's, with no decision of its own."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    stops = set(tokenizer.stop_token_ids)
+    row = bm.allocate(1, tokenizer.vocab_size, fill=0)
+    compiled.matcher().fill_bitmask(row, 0)
+    allowed = np.flatnonzero(bm.unpack_allowed(row[0], tokenizer.vocab_size)).tolist()
+    firsts = [t for t in allowed if t not in stops][:3]
+    assert len(firsts) >= 2
+
+    def request(name: str, max_tokens: int) -> Request:
+        made = Request(name, [1], SamplingParams(max_tokens=max_tokens), 0)
+        made.compiled, made.matcher = compiled, compiled.matcher()
+        return made
+
+    closer = BudgetCloser(tokenizer)
+    made: list[tuple[int, int]] = []
+    decision = closer.decision
+
+    def counted(*args: Any) -> Any:
+        made.append((args[2], args[4]))  # the token, the budget
+        return decision(*args)
+
+    closer.decision = counted  # type: ignore[method-assign]
+    batch = [
+        (request(f"r{k}-{token}-{budget}", budget), token, 0, stops)
+        for budget in (6, 40)
+        for token in firsts
+        for k in range(3)
+    ]
+    closer.prepare(batch, 10_000)
+    # one decision per key that needs one (three requests share each), not one per request
+    assert made and len(made) == len(set(made))
+    prepared = list(made)
+    for item, token, _here, _stops in batch:
+        fresh = BudgetCloser(tokenizer)
+        twin = request(item.request_id, item.sampling.max_tokens)
+        expected = fresh.instead(twin, token, stops, 10_000), fresh.known(twin.request_id)
+        got = closer.instead(item, token, stops, 10_000), closer.known(item.request_id)
+        assert got == expected, item.request_id
+    # only the keys ``prepare`` left alone (no grammar work: the kept path's own first token)
+    assert not set(made[len(prepared) :]) & set(prepared)
