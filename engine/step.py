@@ -9,7 +9,9 @@ handles them the same way.
 :class:`PlainDecoding`: one forward, one token per sampling sequence. Grammar masks depend only on
 the tokens accepted so far, so the whole batch's rows are filled by one grammar call
 (``constrained.batch``) on a worker thread while the forward runs (``overlap=True``), and applied
-to the logits when both are done.
+to the logits when both are done. The step is three calls (``launch``, ``fill``, ``finish``),
+so that an engine can launch the next forward before its matchers have taken the tokens it
+samples after (``EngineConfig.grammar_after_launch``).
 
 A sampled draw the sampler cannot certify against last-bit logit differences (``engine/sampler.py``,
 step 5: ~1 in 1,000) is redrawn, with the same noise, from canonical logits: the sequence's known
