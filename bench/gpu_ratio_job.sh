@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 28's GPU measurements in one device call, per RUNS entry "TREE:BATCHES" (TREE: new = this
+# Issue 28's GPU measurements in one device call, per RUNS entry "TREE:BATCHES[:FLAG]" (FLAG: one
+# more flag of that run, e.g. new:32:--grammar-after-launch against new:32; TREE: new = this
 # tree, or a folder beside bench/ holding another tree: base = `git archive b2525ec`, the issue's
 # anchor; alt = an experiment), run in turn: BENCH=gpu (default) is bench/gpu.py's equal-work
 # constrained / unconstrained ratios (plain and speculative, oracle drafts, closing on unless
@@ -38,12 +39,13 @@ done
 nproc; cat /proc/loadavg
 n=0
 for run in ${RUNS-new:32}; do
-  n=$((n + 1)); tree=${run%%:*}; batches=${run#*:}
+  n=$((n + 1)); tree=${run%%:*}; rest=${run#*:}; batches=${rest%%:*}
+  flags=""; [ "$rest" != "$batches" ] && flags=${rest#*:}  # TREE:BATCHES:FLAG (one, no spaces)
   dir=$here; [ "$tree" != new ] && dir=$here/$tree
   tag="${tree}_b${batches//,/_}_$n"; start=$(date +%s)
   (cd "$dir" && PYTHONPATH=/tmp/site:/tmp/pk/$tree timeout ${LIMIT:-280} python3 bench/${BENCH:-gpu}.py \
      --tokenizer $here/.data/gemma_tok --skip-decode --spec-batches $batches --spec-reps ${REPS:-3} \
-     --profile-batch 0 ${EXTRA:-} > $OUT/$tag.jsonl 2> $OUT/$tag.err)
+     --profile-batch 0 ${EXTRA:-} $flags > $OUT/$tag.jsonl 2> $OUT/$tag.err)
   echo "$tag rc $? in $(( $(date +%s) - start )) s"; tail -n 2 $OUT/$tag.err | cut -c1-300
   python3 - $OUT/$tag.jsonl <<'PY'
 import json, sys
