@@ -151,11 +151,22 @@ class UniqueKeysMatcher:
 
     def settle(self, tokens: Sequence[int], clean: int, taken: int) -> int:
         """``RowFilter.settle``: the tracker back to ``inner``'s ``taken``; past a duplicate
-        completion the dead-end rule decides (:meth:`accept`), and the rest goes on."""
+        completion the dead-end rule decides (:meth:`accept`), and the rest goes on the same
+        way, round by round."""
         self.keys.rollback(clean - taken)
-        if taken < clean or taken == len(tokens) or not self.accept(tokens[taken]):
-            return taken  # rejected by the grammar, or a duplicate the dead-end rule refuses
-        return taken + 1 + self.accept_tokens(tokens[taken + 1 :])
+        done = taken
+        # stop where the grammar rejected, at the end, or at a duplicate the rule refuses
+        while taken == clean and done < len(tokens) and self.accept(tokens[done]):
+            done += 1
+            clean = self.keys.accept_tokens(tokens[done:])  # up to a duplicate completion
+            try:
+                taken = self.inner.accept_tokens(tokens[done : done + clean]) if clean else 0
+            except BaseException:
+                self.keys.rollback(clean)
+                raise
+            self.keys.rollback(clean - taken)
+            done += taken
+        return done
 
     def rollback(self, n: int) -> None:
         if n <= 0:

@@ -175,3 +175,44 @@ def test_tracked_batch_accepts_equal_one_by_one_accepts(gemma_tokenizer: Any) ->
         matcher.fill_bitmask(got, j)
         fork.fill_bitmask(want, j)
     assert torch.equal(got, want)
+
+
+ONLY_A = {
+    "type": "object",
+    "patternProperties": {"^a$": {"type": "integer"}},
+    "additionalProperties": False,
+}
+
+
+def test_tracked_batch_accepts_go_on_past_a_duplicate_the_dead_end_rule_lets_through(
+    gemma_tokenizer: Any,
+) -> None:
+    """Only key "a" exists: after ``{"a": 1,`` every way on repeats it, so the tracker lets the
+    duplicate through (its row is never emptied) and the run goes on past it. The batch accept
+    takes as many tokens as accepting them one at a time does, and leaves the same states."""
+    from espalier.constrained.keys import with_unique_keys
+
+    spec = GrammarSpec.json_schema(ONLY_A)
+    compiled = get_backend("llguidance", gemma_tokenizer).compile(spec)
+    head = gemma_tokenizer.encode('{"a": 1, ')
+    runs = [gemma_tokenizer.encode(text) for text in ('"a": 2}', '"a": 2, "a": 3}', '"a": x')]
+    batched, single = [], []
+    for _ in runs:
+        for group in (batched, single):
+            matcher = with_unique_keys(spec, compiled.matcher(), gemma_tokenizer)
+            assert matcher.accept_tokens(head) == len(head)
+            group.append(matcher)
+    expected = []
+    for matcher, run in zip(single, runs):
+        count = 0
+        while count < len(run) and matcher.accept(run[count]):
+            count += 1
+        expected.append(count)
+    counts, faults = BatchFiller(2).accept_runs(batched, runs)
+    assert faults == {}
+    assert counts == expected
+    assert expected[:2] == [len(runs[0]), len(runs[1])]  # through the duplicates, to the end
+    assert expected[2] < len(runs[2])
+    for a, b in zip(batched, single):
+        assert a.keys.export() == b.keys.export()
+        assert a.is_terminated() == b.is_terminated()
