@@ -96,16 +96,16 @@ class BatchFiller:
         filters: dict[int, tuple[RowFilter, int]] = {}
         sources, heads = list(matchers), list(runs)
         for j, matcher in enumerate(matchers):
-            kept = matcher.row_filter if runs[j] else None
-            if kept is None:
+            row_filter = matcher.row_filter if runs[j] else None
+            if row_filter is None:
                 continue
             try:
-                clean = kept.take_clean(runs[j])
+                clean = row_filter.take_clean(runs[j])
             except Exception as exc:
                 faults[j] = exc
                 continue
-            filters[j] = (kept, clean)
-            sources[j], heads[j] = kept.source, runs[j][:clean]
+            filters[j] = (row_filter, clean)
+            sources[j], heads[j] = row_filter.source, runs[j][:clean]
         members = [j for j, run in enumerate(heads) if run and j not in faults]
         groups = _by_kind(sources, members, faults)
         with self._lock:
@@ -128,11 +128,11 @@ class BatchFiller:
                 for k, j in enumerate(members):
                     accepted[j] = counts[k]
                 faults.update({members[k]: exc for k, exc in failed.items()})
-        for j, (kept, clean) in filters.items():
+        for j, (row_filter, clean) in filters.items():
             if j in faults:
                 continue
             try:
-                accepted[j] = kept.settle(runs[j], clean, accepted[j])
+                accepted[j] = row_filter.settle(runs[j], clean, accepted[j])
             except Exception as exc:
                 faults[j] = exc
         return accepted, faults

@@ -155,7 +155,6 @@ class EngineCore:
         # the step's accepts, one call per grammar library (the engine thread's own entry points)
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
         self._token_bytes = tokenizer.token_bytes
-        self._after_launch = config.grammar_after_launch
         self._inflight: PlainLaunch | None = None  # the plain step launched, not yet finished
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -327,7 +326,7 @@ class EngineCore:
         """The appends whose grammar work can wait behind the next launch: in plain decoding
         with ``grammar_after_launch``, constrained requests whose one token cannot end them
         but through the grammar (no stop token, stop string, max_tokens or context end)."""
-        if not self._after_launch or not isinstance(self.strategy, PlainDecoding):
+        if not self.config.grammar_after_launch or not isinstance(self.strategy, PlainDecoding):
             return {}
         deferred: dict[int, tuple[Request, SeqOutcome]] = {}
         for i, (request, outcome) in appending.items():
@@ -415,22 +414,12 @@ class EngineCore:
             request.stop_ids = stops
         return stops
 
-    def _append(
-        self, request: Request, outcome: SeqOutcome, run: _Run | None = None
-    ) -> RequestOutput:
-        """Append ``outcome``'s tokens to ``request``; ``run``: its leading tokens already
-        accepted by the step's batch accept (:meth:`_accept_runs`). One request's form of
-        what :meth:`step` does for a batch (begin, accept the next tokens together, end)."""
-        appending = self._begin_append(request, outcome, run)
-        faults = self._accept_firsts({0: appending})
-        if faults:
-            raise faults[0]
-        return self._end_append(appending)
-
     def _begin_append(self, request: Request, outcome: SeqOutcome, run: _Run | None) -> _Appending:
-        """The first part of :meth:`_append`: the run taken, and for a constrained request the
-        closing decision on its next token made (``_Appending.first``), which
-        :meth:`_accept_firsts` then accepts with the batch's others."""
+        """The first part of a request's append (:meth:`_append_all`): its run taken (``run``:
+        its leading tokens the step's batch accept took, :meth:`_accept_runs`), and for a
+        constrained request the closing decision on its next token made
+        (``_Appending.decided``), which :meth:`_accept_firsts` then accepts with the batch's
+        others."""
         if outcome.num_computed_tokens is not None:
             request.num_computed_tokens = outcome.num_computed_tokens
         if request.timeline.first_token is None:
@@ -443,37 +432,33 @@ class EngineCore:
             )
         start, tokens = appending.start, outcome.token_ids
         if appending.reason is None and start < len(tokens) and request.matcher is not None:
-            closing = self.closer.instead(request, tokens[start], stops, self.max_model_len)
-            appending.first = (closing,)
+            appending.closing = self.closer.instead(
+                request, tokens[start], stops, self.max_model_len
+            )
+            appending.decided = True
         return appending
 
     def _accept_firsts(self, started: dict[int, _Appending]) -> dict[int, BaseException]:
         """What each constrained request of ``started`` goes on with after its run, accepted for
         the whole batch in one call per grammar library (``BatchFiller.accept_runs``): its next
-        token when its decision kept it (sets ``_Appending.accepted``), else the closing path
-        it emits instead (``_Appending.taken``; the stop token after it is accepted with the
-        emit). Returns the faults by key."""
-        keys = [
-            i for i, a in started.items() if a.first is not None and a.request.matcher is not None
-        ]
+        token when its decision kept it, else the closing path it emits instead (the stop token
+        after it is accepted with the emit); sets ``_Appending.taken``. Returns the faults by
+        key."""
+        keys = [i for i, a in started.items() if a.decided]
         if not keys:
             return {}
         matchers = [started[i].request.matcher for i in keys]
-        runs: list[list[int]] = []
-        for i in keys:
-            a = started[i]
-            path = a.first[0] if a.first is not None else None
-            runs.append([a.outcome.token_ids[a.start]] if path is None else list(path))
+        runs = [
+            [a.outcome.token_ids[a.start]] if a.closing is None else a.closing
+            for a in (started[i] for i in keys)
+        ]
         counts, faults = self._batch.accept_runs(matchers, runs)  # type: ignore[arg-type]
         for k, i in enumerate(keys):
-            if started[i].first == (None,):
-                started[i].accepted = counts[k] == 1
-            else:
-                started[i].taken = counts[k]
+            started[i].taken = counts[k]
         return {keys[k]: exc for k, exc in faults.items()}
 
     def _end_append(self, appending: _Appending) -> RequestOutput:
-        """The rest of :meth:`_append`, from the token past the run."""
+        """The rest of a request's append, from the token past the run."""
         request, outcome, stops = appending.request, appending.outcome, appending.stops
         params = request.sampling
         new_ids, text_ids = appending.new_ids, appending.text_ids
@@ -482,14 +467,14 @@ class EngineCore:
         kept = len(tokens)  # model tokens emitted (logprobs align with these)
         for i in range(start, len(tokens) if reason is None else start):
             token = tokens[i]
-            taken = 0
-            if i == start and appending.first is not None:
-                closing = appending.first[0]  # decided in _begin_append
-                taken = appending.taken  # of it, accepted in _accept_firsts
+            first = i == start and appending.decided  # decided and accepted in the batch
+            if first:
+                closing = appending.closing
             else:
                 closing = self.closer.instead(request, token, stops, self.max_model_len)
             if closing is not None:
                 kept = i
+                taken = (appending.taken or 0) if first else 0
                 self.closer.emit(request, closing, new_ids, text_ids, taken)
                 request.closed_by_budget = True
                 reason = FinishReason.STOP
@@ -497,8 +482,8 @@ class EngineCore:
             request.output_ids.append(token)
             new_ids.append(token)
             matcher = request.matcher
-            if i == start and appending.accepted is not None:
-                accepted = appending.accepted  # accepted in _accept_firsts
+            if first and appending.taken is not None:
+                accepted = appending.taken == 1
             else:
                 accepted = matcher is None or matcher.accept(token)
             if not accepted:
@@ -566,7 +551,7 @@ class EngineCore:
         appending: dict[int, tuple[Request, SeqOutcome]],
         runs: dict[int, _Run | BaseException],
     ) -> None:
-        """The closing decisions ``_append`` will make first, for all constrained requests at
+        """The closing decisions the appends will make first, for all constrained requests at
         once (``BudgetCloser.prepare``: their searches in one native call): each one's first
         token past its accepted run."""
         items: list[tuple[Request, int, int, set[int]]] = []
@@ -729,10 +714,9 @@ class EngineCore:
 class _Appending:
     """A request's append between :meth:`EngineCore._begin_append` and ``_end_append``: the
     tokens taken so far (``new_ids``; of them ``text_ids``), where the rest starts, a finish
-    reason already met; ``first``: the closing decision on ``token_ids[start]`` when made
-    (a 1-tuple: None = keep the token); ``accepted``: whether the batch accept took it (None:
-    not accepted there); ``taken``: how much of the closing path emitted instead the batch
-    accept took."""
+    reason already met; ``decided``: the closing decision on ``token_ids[start]`` is made,
+    ``closing`` (None: keep the token); ``taken``: how much of that token or closing path the
+    step's batch accept took (None: it was not accepted there)."""
 
     request: Request
     outcome: SeqOutcome
@@ -742,9 +726,9 @@ class _Appending:
     start: int = 0
     reason: FinishReason | None = None
     error: str | None = None
-    first: tuple[list[int] | None] | None = None
-    accepted: bool | None = None
-    taken: int = 0
+    decided: bool = False
+    closing: list[int] | None = None
+    taken: int | None = None
 
 
 @dataclass(frozen=True)

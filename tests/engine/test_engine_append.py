@@ -1,4 +1,4 @@
-"""Appending a step's tokens: the one-call run (``Engine._accept_run``) gives what appending them
+"""Appending a step's tokens: the one-call run (``Engine._accept_runs``) gives what appending them
 one by one gives: the same output ids, text tokens, finish reason and matcher state.
 
 Each case appends the same token list to two identical requests of one engine: once as the engine
@@ -47,7 +47,9 @@ def append_both(engine: Any, compiled: Any, steps: list[list[int]], max_tokens: 
         seen = []
         try:
             for tokens in steps:
-                out = engine._append(request, SeqOutcome(list(tokens)))
+                chunks: list[Any] = []  # the step's path: runs, closing, batch accepts
+                engine._append_all({0: (request, SeqOutcome(list(tokens)))}, chunks)
+                (out,) = chunks
                 row = bm.allocate(1, request.matcher.vocab_size, fill=0)
                 request.matcher.fill_bitmask(row, 0)
                 memo = engine.closer._memo.get(request.request_id)

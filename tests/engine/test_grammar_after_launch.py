@@ -117,14 +117,10 @@ def test_a_request_aborted_in_flight_ends_alone() -> None:
     assert victim is not None
     assert chunks[victim][-1].finish_reason is FinishReason.ABORT
     assert sum(c.finished for c in chunks[victim]) == 1
-    alone, _ = _run_alone(requests)
+    reference = make_engine(grammar_after_launch=False)  # the same requests, none aborted
+    for request in requests:
+        reference.add_request(request)
+    alone = drain(reference)
     for request_id, got in chunks.items():
         if request_id != victim:
             assert tokens_of(got) == tokens_of(alone[request_id]), request_id
-
-
-def _run_alone(requests: list[GenerationRequest]) -> tuple[dict[str, list[Any]], None]:
-    engine = make_engine(grammar_after_launch=False)
-    for request in requests:
-        engine.add_request(request)
-    return drain(engine), None
