@@ -490,8 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--grammar-after-launch",
         action="store_true",
-        help="EngineConfig(grammar_after_launch=True): plain steps launch the next forward "
-        "before their grammar work",
+        help="EngineConfig(grammar_after_launch=True): plain and speculative steps launch the "
+        "next forward before their grammar work",
     )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")

@@ -137,7 +137,7 @@ class _Setup:
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
     backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
-    grammar_after_launch: bool = False  # EngineConfig.grammar_after_launch (plain steps)
+    grammar_after_launch: bool = False  # EngineConfig.grammar_after_launch (every engine)
 
     def requests(
         self,
@@ -316,7 +316,8 @@ def equal_work(
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
     service's spare matchers per grammar; ``backend``: the constrained requests' grammar backend;
-    ``grammar_after_launch``: ``EngineConfig.grammar_after_launch`` (the plain runs)."""
+    ``grammar_after_launch``: ``EngineConfig.grammar_after_launch`` (plain and speculative
+    runs)."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec

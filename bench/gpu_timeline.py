@@ -4,7 +4,8 @@
 It splits the engine step, on the engine thread, into its phases (ms per engine step, means
 over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not counted):
 
-- ``schedule``, ``execute`` (the strategy, plain or speculative), and inside it ``draft``,
+- ``schedule``, ``execute`` (the strategy, plain or speculative: with ``grammar_after_launch``
+  its ``launch``, ``fill`` and ``finish`` apart, summed), and inside it ``draft``,
   ``forward`` (launching the verify forward: asynchronous on CUDA), ``mask_wait``
   (``PendingMasks.result``: helping with fills, then waiting), ``verify`` (masked verification:
   it waits for the GPU), ``logprobs``, ``copy_slots``;
@@ -89,8 +90,11 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("step", engine_mod.Engine, "step"),
     ("poll", engine_mod.Engine, "_poll_grammars"),
     ("schedule", scheduler_mod.Scheduler, "schedule"),
-    ("execute", strategy_mod.SpeculativeDecoding, "execute"),
-    ("execute", step_mod.PlainDecoding, "execute"),
+    *(  # execute, or apart (``grammar_after_launch``) launch, fill and finish
+        ("execute", owner, attribute)
+        for owner in (strategy_mod.SpeculativeDecoding, step_mod.PlainDecoding)
+        for attribute in ("execute", "launch", "fill", "finish")
+    ),
     ("draft", decoder_mod.SpeculativeDecoder, "_propose"),
     ("lookahead_make", closing.BudgetCloser, "lookaheads"),
     ("submit", masks.MaskBuilder, "submit"),
@@ -162,6 +166,7 @@ class Timeline:
         self.lock = threading.Lock()
         self.main = threading.main_thread()
         self.on = False
+        self._open: set[str] = set()  # phases the main thread is inside (nested calls: once)
         self.reset()
 
     def reset(self) -> None:
@@ -219,13 +224,15 @@ class Timeline:
 
     def phase(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not self.on or threading.current_thread() is not self.main:
+            if not self.on or threading.current_thread() is not self.main or name in self._open:
                 return function(*args, **kwargs)
             start = time.perf_counter()
             usage = resource.getrusage(resource.RUSAGE_THREAD) if name in WAIT_PHASES else None
+            self._open.add(name)
             try:
                 return function(*args, **kwargs)
             finally:
+                self._open.discard(name)
                 self.sums[name] += time.perf_counter() - start
                 self.calls[name] += 1
                 if usage is not None:

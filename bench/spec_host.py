@@ -46,7 +46,7 @@ host functions of the constrained run (cProfile of the main thread, paused durin
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
         [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--close-workers N]
         [--profile] [--warmup]
-        [--tight-budget]
+        [--tight-budget] [--grammar-after-launch]
 """
 
 from __future__ import annotations
@@ -382,6 +382,7 @@ def run(args: argparse.Namespace) -> None:
         args.mask_threads,
         closing=not args.no_closing,
         close_ahead=ahead,
+        grammar_after_launch=args.grammar_after_launch,
     )
     # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
     full = [args.max_tokens] * batch
@@ -416,6 +417,7 @@ def run(args: argparse.Namespace) -> None:
                     "closing": not args.no_closing,
                     "close_ahead": args.close_ahead,
                     "tight_budget": args.tight_budget,
+                    "grammar_after_launch": args.grammar_after_launch,
                     **results[constrained],
                 }
             )
@@ -454,6 +456,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.close_ahead (default: the engine's, on)",
     )
     parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
+    parser.add_argument(
+        "--grammar-after-launch",
+        action="store_true",
+        help="EngineConfig.grammar_after_launch: the next forward is launched before the "
+        "step's grammar work (its fills start after that work)",
+    )
     run(parser.parse_args(argv))
     return 0
 

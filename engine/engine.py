@@ -54,8 +54,8 @@ from espalier.engine.request import Request, RequestStatus
 from espalier.engine.sampler import DEFAULT_MARGIN, Sampler, make_generator
 from espalier.engine.scheduler import Scheduler, SchedulerConfig
 from espalier.engine.step import (
+    Launched,
     PlainDecoding,
-    PlainLaunch,
     SeqOutcome,
     StepStrategy,
     closing_logprob,
@@ -87,11 +87,11 @@ class EngineConfig:
         are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
         sampled draws closer than this to a tie are redrawn from canonical logits
         (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never.
-        grammar_after_launch: in plain decoding, launch the next forward before the grammar
-        work on this step's tokens (closing decisions, accepts, termination) and do that work
-        while it runs (on CUDA: the launch only enqueues). Outputs are the same either way. An
-        experiment (issue 28), off until the GPU measures it: ``bench/gpu.py
-        --grammar-after-launch``."""
+        grammar_after_launch: launch the next forward (plain or speculative) before the grammar
+        work on this step's tokens (closing decisions, accepts, termination), do that work
+        while it runs (on CUDA: the launch only enqueues), then start its mask fills. Outputs
+        are the same either way. An experiment (issue 28), off until the GPU measures it:
+        ``bench/gpu.py --grammar-after-launch``."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -126,7 +126,7 @@ class EngineCore:
         self.grammar = grammar or GrammarService(
             tokenizer, compile_timeout_s=config.compile_timeout_s
         )
-        self.strategy: StepStrategy = PlainDecoding(
+        self.strategy: StepStrategy[Any] = PlainDecoding(
             runner,
             mask_vocab_size=tokenizer.vocab_size,
             max_rows=sched_cfg.max_num_seqs,
@@ -155,7 +155,7 @@ class EngineCore:
         # the step's accepts, one call per grammar library (the engine thread's own entry points)
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
         self._token_bytes = tokenizer.token_bytes
-        self._inflight: PlainLaunch | None = None  # the plain step launched, not yet finished
+        self._inflight: Launched | None = None  # the step launched, not yet finished
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_preemptions = 0
@@ -256,19 +256,19 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns a chunk for every request that produced tokens or finished.
 
-        In plain decoding with ``grammar_after_launch``, a step finishes the forward launched
-        by the step before (if any), appends the tokens that cannot need the grammar to end
-        their request, launches the next forward with the rest appended tentatively, then
-        makes the grammar's verdicts on those (:meth:`_deferrable`) while it runs: a request
-        the grammar ends there (a closing path, a rejected token, termination) has its row of
-        the launched step dropped."""
+        With ``grammar_after_launch``, a step finishes the forward launched by the step before
+        (if any), appends the tokens that cannot need the grammar to end their request,
+        launches the next forward with the rest appended tentatively, then makes the grammar's
+        verdicts on those (:meth:`_deferrable`) while it runs, and starts the launch's mask
+        fills: a request the grammar ends there (a closing path, a rejected token,
+        termination) has its rows of the launched step dropped."""
         outputs, self._pending = self._pending, []
         self._poll_grammars(outputs)
         launched, self._inflight = self._inflight, None
         if launched is not None:
             plan, t0 = launched.plan, launched.started
             try:
-                result = self.strategy.finish(launched)  # type: ignore[attr-defined]
+                result = self.strategy.finish(launched)
             except Exception as exc:  # a failed forward or sampler fails its batch
                 return self._fail_batch(plan, exc, outputs)
         else:
@@ -306,8 +306,13 @@ class EngineCore:
             self._launch_next(deferred)
             live = {i: a for i, a in deferred.items() if not a[0].is_finished}
             self._append_all(live, outputs)
-            if self._inflight is not None:
-                self.strategy.fill(self._inflight)  # type: ignore[attr-defined]
+            launched = self._inflight
+            if launched is not None:
+                try:
+                    self.strategy.fill(launched)
+                except Exception as exc:  # as a failed step: its batch fails
+                    self._inflight = None
+                    return self._fail_batch(launched.plan, exc, outputs)
         return outputs
 
     def _fail_batch(
@@ -323,45 +328,47 @@ class EngineCore:
     def _deferrable(
         self, appending: dict[int, tuple[Request, SeqOutcome]]
     ) -> dict[int, tuple[Request, SeqOutcome]]:
-        """The appends whose grammar work can wait behind the next launch: in plain decoding
-        with ``grammar_after_launch``, constrained requests whose one token cannot end them
-        but through the grammar (no stop token, stop string, max_tokens or context end)."""
-        if not self.config.grammar_after_launch or not isinstance(self.strategy, PlainDecoding):
+        """The appends whose grammar work can wait behind the next launch (with
+        ``grammar_after_launch``): constrained requests whose step tokens cannot end them but
+        through the grammar (no stop token, stop string, max_tokens or context end)."""
+        if not self.config.grammar_after_launch:
             return {}
         deferred: dict[int, tuple[Request, SeqOutcome]] = {}
         for i, (request, outcome) in appending.items():
             tokens = outcome.token_ids
             if (
-                request.matcher is not None
+                tokens
+                and request.matcher is not None
                 and request.stop_watch is None
-                and len(tokens) == 1
                 and outcome.num_computed_tokens is None
-                and tokens[0] not in self._stops(request)
-                and len(request.output_ids) + 1 < request.sampling.max_tokens
-                and request.num_tokens + 1 < self.max_model_len
+                and self._stops(request).isdisjoint(tokens)
+                and len(request.output_ids) + len(tokens) < request.sampling.max_tokens
+                and request.num_tokens + len(tokens) < self.max_model_len
             ):
                 deferred[i] = (request, outcome)
         return deferred
 
     def _launch_next(self, deferred: dict[int, tuple[Request, SeqOutcome]]) -> None:
-        """Plan and launch the next plain step with ``deferred``'s tokens appended for the
-        plan (taken back after it: their appends come next, and put them back unless their
-        request ends); a launch that fails leaves the next step to plan again."""
+        """Plan and launch the next step with ``deferred``'s tokens appended for the plan
+        (taken back after it: their appends come next, and put them back unless their request
+        ends); the launch is told its matchers are behind by them. A launch that fails leaves
+        the next step to plan again."""
+        behind: dict[str, Sequence[int]] = {}
         for request, outcome in deferred.values():
-            request.output_ids.append(outcome.token_ids[0])
+            request.output_ids.extend(outcome.token_ids)
+            behind[request.request_id] = outcome.token_ids
         try:
             plan = self.scheduler.schedule()
             if not plan.is_empty:
                 self.num_steps += 1
                 self.num_preemptions += len(plan.preempted)
-                strategy: PlainDecoding = self.strategy  # type: ignore[assignment]
                 try:
-                    self._inflight = strategy.launch(plan, fill_first=False)
+                    self._inflight = self.strategy.launch(plan, behind=behind)
                 except Exception as exc:  # as a failed step: its batch fails
                     self._fail_batch(plan, exc, self._pending)
         finally:
-            for request, _outcome in deferred.values():
-                request.output_ids.pop()
+            for request, outcome in deferred.values():
+                del request.output_ids[-len(outcome.token_ids) :]
 
     def _append_all(
         self, appending: dict[int, tuple[Request, SeqOutcome]], outputs: list[RequestOutput]

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -48,6 +48,18 @@ if TYPE_CHECKING:
     from espalier.engine.request import Request
     from espalier.engine.scheduler import ScheduledSeq, StepPlan
 
+
+class Launched(Protocol):
+    """What every strategy's launch carries: its plan, and when it started."""
+
+    @property
+    def plan(self) -> StepPlan: ...
+
+    @property
+    def started(self) -> float: ...
+
+
+LaunchT = TypeVar("LaunchT", bound=Launched)
 
 CANONICAL_CHUNK = 512
 """Tokens per forward of a canonical redraw: fixed, so its logits depend on the tokens only."""
@@ -106,10 +118,23 @@ def closing_logprob(token: int) -> TokenLogprob:
     return TokenLogprob(token, 0.0, ((token, 0.0),))
 
 
-class StepStrategy(Protocol):
-    """How a planned step runs (plain, speculative)."""
+class StepStrategy(Protocol[LaunchT]):
+    """How a planned step runs (plain, speculative). ``execute`` is ``finish(launch(plan))``;
+    apart, ``launch(plan, behind=...)`` starts the forward while the matchers are still
+    ``behind`` the plan's tokens (request id -> the tokens they have not accepted; each
+    request's last ones), the caller catches them up (or ends requests), then ``fill`` starts
+    the masks of the requests not ended, and ``finish`` waits for both and samples (its
+    outcome for a request ended since the launch is unused)."""
 
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def launch(
+        self, plan: StepPlan, *, behind: Mapping[str, Sequence[int]] | None = None
+    ) -> LaunchT: ...
+
+    def fill(self, launched: LaunchT) -> None: ...
+
+    def finish(self, launched: LaunchT) -> StepResult: ...
 
     def close(self) -> None: ...
 
@@ -162,13 +187,15 @@ class PlainDecoding:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run ``plan`` to its tokens: the masks filled while the forward runs."""
-        return self.finish(self.launch(plan, fill_first=True))
+        return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, *, fill_first: bool) -> PlainLaunch:
-        """Start ``plan``'s forward (asynchronous on CUDA). ``fill_first``: start the mask fill
-        before it (:meth:`fill`); else the caller starts it when the matchers are where this
-        step samples from (their tokens of the step before accepted)."""
+    def launch(
+        self, plan: StepPlan, *, behind: Mapping[str, Sequence[int]] | None = None
+    ) -> PlainLaunch:
+        """Start ``plan``'s forward (asynchronous on CUDA). ``behind`` None: the mask fill
+        starts before it (:meth:`fill`); else the caller starts it when the matchers are where
+        this step samples from (their tokens of the step before accepted)."""
         from espalier.engine.model.runner import SeqInput
 
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
@@ -182,7 +209,7 @@ class PlainDecoding:
         screening = self.screen is not None and self.screen.ready and bool(greedy_rows)
         use_hidden = self.sparse_head and (bool(constrained_rows) or screening)
         launched = PlainLaunch(plan, sampling, constrained_rows, params, greedy_rows, use_hidden)
-        if fill_first:
+        if behind is None:
             self.fill(launched)
         logits_mode: LogitsSelect = "none" if use_hidden else "last"
         inputs = [

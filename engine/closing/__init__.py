@@ -688,11 +688,15 @@ class BudgetCloser:
         parents)`` each, as :meth:`lookahead`, in the step's order: their nodes laid out one
         tree after the other), their searches in one native call per wave across the trees
         (``Lookahead.together``, on :attr:`threads` native threads); a tree whose lookahead
-        cannot be made (its grammar raised) is decided inline. The job takes the step masks'
-        ``filled`` flags (bool ``[N]`` over those nodes; none: every node is decided)."""
+        cannot be made (its grammar raised) is decided inline; a finished request's tree gets
+        none. The job takes the step masks' ``filled`` flags (bool ``[N]`` over those nodes;
+        none: every node is decided)."""
         aheads = []
         first = 0
         for request, tokens, parents in trees:
+            if request.is_finished:  # ended since its tree was launched: none
+                first += len(tokens)
+                continue
             try:
                 ahead = self._lookahead(request, tokens, parents, max_model_len, first)
             except Exception:  # its grammar: decided inline, where the fault ends the request

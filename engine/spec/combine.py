@@ -39,7 +39,9 @@ class ProposalItem:
     context: every verified token (last = root). matcher: the request's grammar at the root
     (it has accepted the root), None when unconstrained. methods: drafter names, may include
     ``"forced"``. budget: most draft nodes. max_drafted: most nodes the drafters may add
-    (grammar-forced chains do not count against it); None = the whole budget.
+    (grammar-forced chains do not count against it); None = the whole budget. behind: the
+    tokens at the end of ``context`` the matcher has not accepted yet (the engine's
+    ``grammar_after_launch``: they are accepted while the step's forward runs).
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class ProposalItem:
     methods: tuple[str, ...]
     budget: int
     max_drafted: int | None = None
+    behind: Sequence[int] = ()
 
 
 @dataclass
@@ -69,7 +72,8 @@ class Proposer:
             if FORCED in item.methods and item.budget > 0:
                 limit = min(item.budget, self.forced.max_chain)
                 none: list[int] = []
-                chains[i] = _guarded(functools.partial(root_chain, item.matcher, limit), none)
+                chain = functools.partial(root_chain, item.matcher, limit, item.behind)
+                chains[i] = _guarded(chain, none)
                 if chains[i]:
                     nodes = builders[i].add_path(0, chains[i], None, NodeSource.FORCED)
                     anchors[i] = nodes[-1]
@@ -87,8 +91,10 @@ class Proposer:
         for item, builder in zip(items, builders):
             draft = builder.build(max(item.budget, 0))
             if FORCED in item.methods and item.matcher is not None:
-                extend = functools.partial(extend_leaves, draft, item.matcher, item.budget)
-                draft = _guarded(functools.partial(extend, self.forced), draft)
+                extend = functools.partial(
+                    extend_leaves, draft, item.matcher, item.budget, self.forced, item.behind
+                )
+                draft = _guarded(extend, draft)
             drafts.append(draft)
         return drafts
 

@@ -3,8 +3,8 @@
 The caller (the engine's :class:`~espalier.engine.spec.strategy.SpeculativeDecoding`, or
 :mod:`tests.fixtures.spec_loop`) owns the requests and their KV blocks. Per step and request
 that samples, it passes a :class:`SpecSeq`: every known token, how many of them the cache holds
-(``context_len``), the block table, the grammar matcher (it has accepted every known token), the
-speculation settings and the sampling parameters (None = greedy).
+(``context_len``), the block table, the grammar matcher (it has accepted every known token but
+``behind``), the speculation settings and the sampling parameters (None = greedy).
 
 - Decoding (``context_len == len(tokens) - 1``): the last token is the tree's root; drafted
   nodes go below it. ``num_draft_tokens=0`` gives a root-only tree: exactly a plain decode step,
@@ -20,6 +20,11 @@ Order inside :meth:`SpeculativeDecoder.step`:
 4. greedy rows: fused masked greedy verification; sampled rows: lossless tree speculative
    sampling (``kernels.sampling``); → accepted path + bonus per request;
 5. accepted nodes' K/V compacted into place (one ``copy_slots`` for the batch).
+
+:meth:`SpeculativeDecoder.step` is :meth:`~SpeculativeDecoder.launch` (1-3 up to the fills),
+:meth:`~SpeculativeDecoder.fill` and :meth:`~SpeculativeDecoder.finish` (the rest): a caller
+whose matchers are still behind the tokens (``SpecSeq.behind``) launches, catches them up while
+the forward runs, then fills.
 
 The caller then appends the emitted tokens one by one (advancing the matcher, checking stops);
 afterwards the cache holds every known token but the last.
@@ -52,7 +57,7 @@ from espalier.engine.spec.verify import (
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
-    from espalier.engine.model.runner import ModelRunner
+    from espalier.engine.model.runner import ForwardOutput, ModelRunner
 
 
 TARGET_SMOOTHING = 0.5
@@ -84,6 +89,7 @@ class SpecSeq:
     context_len: int = -1  # -1 = len(tokens) - 1 (decoding)
     logprobs: int = 0  # top-n logprobs per emitted token (0 = none)
     max_drafted: int | None = None  # nodes the drafters may add (forced chains aside); None: all
+    behind: Sequence[int] = ()  # the last tokens the matcher has not accepted yet (launch)
 
     def __post_init__(self) -> None:
         if self.context_len < 0:
@@ -117,6 +123,24 @@ class SeqOutcome:
     acceptance: Acceptance
     logprobs: list[TokenLogprob] = field(default_factory=list)
     fault: BaseException | None = None
+
+
+@dataclass
+class SpecLaunch:
+    """A step between :meth:`SpeculativeDecoder.launch` and ``finish``: its sequences, drafts
+    and forward inputs; ``out`` the forward's output (on CUDA still being computed),
+    ``pending`` the fills (None: not started), ``draft_s`` / ``launch_s`` the seconds drafting
+    and launching took."""
+
+    seqs: Sequence[SpecSeq]
+    drafts: list[Draft]
+    inputs: list[SeqInput]
+    passthrough: Sequence[tuple[str, SeqInput]]
+    lookahead: Lookahead | None
+    draft_s: float
+    out: ForwardOutput | None = None
+    launch_s: float = 0.0
+    pending: PendingMasks | None = None
 
 
 class SpeculativeDecoder:
@@ -206,6 +230,21 @@ class SpeculativeDecoder:
         given the drafts, host jobs to run on the mask threads after the fills (called before
         any fill starts; e.g. the engine's closing decisions, ``engine/closing/ahead.py``).
         A request whose grammar raises in its fill gets an outcome with ``fault`` set."""
+        return self.finish(self.launch(seqs, ensure_blocks, passthrough, lookahead))
+
+    def launch(
+        self,
+        seqs: Sequence[SpecSeq],
+        ensure_blocks: Callable[[SpecSeq, int], None],
+        passthrough: Sequence[tuple[str, SeqInput]] = (),
+        lookahead: Lookahead | None = None,
+        *,
+        fill_first: bool = True,
+    ) -> SpecLaunch:
+        """Draft and launch the verify forward (as :meth:`step`). ``fill_first``: the fills
+        start here (before the forward or after it, as ``launch_first`` says); else the
+        caller starts them with :meth:`fill` once the matchers have accepted every token of
+        ``seq.tokens`` (``SpecSeq.behind`` says which they have not yet)."""
         start = time.perf_counter()
         drafts = self._propose(seqs)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
@@ -216,14 +255,9 @@ class SpeculativeDecoder:
 
                 drafts[i] = select_top(draft, max(room - 1, 0))
         drafted = time.perf_counter()
-        matchers = [s.matcher for s in seqs]
         # the inputs before the fills start: they would compete with them for the GIL
         inputs = [_seq_input(s, d) for s, d in zip(seqs, drafts)]
-
-        def submit_fills() -> PendingMasks:
-            after = lookahead(seqs, drafts) if lookahead is not None else []
-            return self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
-
+        launched = SpecLaunch(seqs, drafts, inputs, passthrough, lookahead, drafted - start)
         batch = [*inputs, *(i for _, i in passthrough)]
         # an eager forward's call lasts as long as its launch from Python: the fills go first,
         # unless every tree is its root alone (a prefill's last chunk, a plain step): one row
@@ -232,17 +266,37 @@ class SpeculativeDecoder:
             all(d.num_nodes == 1 for d in drafts)
             or self.runner.replays(batch, hidden_layers=self._hidden_layers)
         )
-        pending = None if launch_first else submit_fills()
-        out = self.runner.forward(batch, hidden_layers=self._hidden_layers)
-        if pending is None:
-            pending = submit_fills()
-        forwarded = time.perf_counter()
+        if fill_first and not launch_first:
+            self.fill(launched)
+        launched.out = self.runner.forward(batch, hidden_layers=self._hidden_layers)
+        if fill_first and launch_first:
+            self.fill(launched)
+        launched.launch_s = time.perf_counter() - drafted
+        return launched
+
+    def fill(self, launched: SpecLaunch, live: Sequence[bool] | None = None) -> None:
+        """Start the launch's mask fills and its lookahead jobs; ``live[i]`` False: seq ``i``
+        ended since the launch, its tree is left unmasked (its outcome is never used)."""
+        seqs, drafts = launched.seqs, launched.drafts
+        matchers = [s.matcher if live is None or live[i] else None for i, s in enumerate(seqs)]
+        lookahead = launched.lookahead
+        after = lookahead(seqs, drafts) if lookahead is not None else []
+        launched.pending = self.masks.submit(matchers, drafts, after, hidden_s=self.target_s)
+
+    def finish(self, launched: SpecLaunch) -> tuple[list[SeqOutcome], StepTimes]:
+        """Wait for the launch's forward and masks; verify, and compact the accepted K/V."""
+        if launched.pending is None:
+            self.fill(launched)
+        pending, out = launched.pending, launched.out
+        assert pending is not None and out is not None
+        seqs, drafts, inputs = launched.seqs, launched.drafts, launched.inputs
+        waiting = time.perf_counter()
         masks = self._upload(pending.result())
         masked = time.perf_counter()
         accepted = self._verify(out.logits, seqs, drafts, masks)
         logprobs = self._logprobs(out.logits, seqs, drafts, masks, accepted)
         if self._observers:
-            self._observe(out.hidden_states, seqs, inputs, accepted, passthrough)
+            self._observe(out.hidden_states, seqs, inputs, accepted, launched.passthrough)
         src: list[int] = []
         dst: list[int] = []
         for seq, acc in zip(seqs, accepted):
@@ -255,9 +309,9 @@ class SpeculativeDecoder:
         self.runner.copy_slots(src, dst)
         done = time.perf_counter()
         times = StepTimes(
-            draft_s=drafted - start,
-            mask_s=masked - forwarded,
-            verify_s=(forwarded - drafted) + (done - masked),
+            draft_s=launched.draft_s,
+            mask_s=masked - waiting,
+            verify_s=launched.launch_s + (done - masked),
         )
         self.target_s = TARGET_SMOOTHING * self.target_s + (1 - TARGET_SMOOTHING) * times.verify_s
         faults = pending.faults()
@@ -297,6 +351,7 @@ class SpeculativeDecoder:
                     seqs[i].methods,
                     seqs[i].num_draft_tokens,
                     seqs[i].max_drafted,
+                    seqs[i].behind,
                 )
                 for i in wanted
             ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,12 +29,18 @@ from espalier.engine.kv_cache import blocks_needed
 from espalier.engine.model.runner import SeqInput
 from espalier.engine.spec.base import Drafter
 from espalier.engine.spec.combine import FORCED, Proposer
-from espalier.engine.spec.decoder import SamplingSpec, SpecSeq, SpeculativeDecoder, StepTimes
+from espalier.engine.spec.decoder import (
+    SamplingSpec,
+    SpecLaunch,
+    SpecSeq,
+    SpeculativeDecoder,
+    StepTimes,
+)
 from espalier.engine.spec.decoder import SeqOutcome as DecoderOutcome
 from espalier.engine.spec.forced import ForcedConfig
 from espalier.engine.spec.masks import MaskBuilder
 from espalier.engine.spec.tree_builder import Draft
-from espalier.engine.step import SeqOutcome, StepResult, StepStrategy
+from espalier.engine.step import PlainLaunch, SeqOutcome, StepResult, StepStrategy
 
 if TYPE_CHECKING:
     import numpy as np
@@ -77,6 +84,19 @@ class SpecConfig:
     adaptive_drafts: bool = True
 
 
+@dataclass
+class SpecStepLaunch:
+    """A speculative step between :meth:`SpeculativeDecoding.launch` and ``finish``: its plan,
+    its sampling sequences, their requests by ``id(SpecSeq)``, and the decoder's launch (None:
+    a step of prefill chunks alone, already run)."""
+
+    plan: StepPlan
+    sampling: list[ScheduledSeq]
+    by_seq: dict[int, Request]
+    decoding: SpecLaunch | None
+    started: float = field(default_factory=time.perf_counter)
+
+
 ACCEPT_SMOOTHING = 0.5
 """Weight of the past in a request's accepted-drafts rate (per step, exponential)."""
 
@@ -100,7 +120,7 @@ class SpeculativeDecoding:
         mask_vocab_size: int,
         closer: BudgetCloser | None = None,
         max_model_len: int = 0,
-        plain: StepStrategy | None = None,
+        plain: StepStrategy[PlainLaunch] | None = None,
     ) -> None:
         """closer, max_model_len: the engine's budget closer, whose decisions for the draft
         trees are made ahead on the mask threads (``engine/closing/ahead.py``); None: none.
@@ -157,13 +177,21 @@ class SpeculativeDecoding:
         _, budget = self.settings(request)
         return max(0, min(budget, request.sampling.max_tokens - len(request.output_ids) - 1))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(
+        self, plan: StepPlan, *, behind: Mapping[str, Sequence[int]] | None = None
+    ) -> PlainLaunch | SpecStepLaunch:
+        """Draft and launch ``plan``'s forward (``StepStrategy.launch``); a step none of whose
+        requests may speculate launches on ``plain``."""
         self._release_finished()
         if self.plain is not None and all(self.settings(s.request)[1] == 0 for s in plan.seqs):
-            return self.plain.execute(plan)
+            return self.plain.launch(plan, behind=behind)
         sampling = [s for s in plan.seqs if s.samples]
-        seqs = [self._spec_seq(s) for s in sampling]
+        lag = behind or {}
+        seqs = [self._spec_seq(s, lag.get(s.request.request_id, ())) for s in sampling]
         passthrough = [
             (
                 s.request.request_id,
@@ -184,12 +212,41 @@ class SpeculativeDecoding:
         lookahead = None
         if self.closer is not None:
             lookahead = functools.partial(self._closing_jobs, self.closer, by_seq)
+        decoding = None
+        if seqs:
+            decoding = self.decoder.launch(
+                seqs, ensure, passthrough, lookahead, fill_first=behind is None
+            )
+        elif passthrough:
+            self.decoder.prefill(passthrough)
+        return SpecStepLaunch(plan, sampling, by_seq, decoding)
+
+    def fill(self, launched: PlainLaunch | SpecStepLaunch) -> None:
+        """Start the launch's fills (``StepStrategy.fill``): not for requests ended since."""
+        if isinstance(launched, PlainLaunch):
+            assert self.plain is not None, "plain launches come from it"
+            self.plain.fill(launched)
+        elif launched.decoding is not None:
+            seqs, by_seq = launched.decoding.seqs, launched.by_seq
+            live = [not by_seq[id(seq)].is_finished for seq in seqs]
+            self.decoder.fill(launched.decoding, live)
+
+    @torch.inference_mode()
+    def finish(self, launched: PlainLaunch | SpecStepLaunch) -> StepResult:
+        """Verify the launch (``StepStrategy.finish``); requests ended since it are skipped."""
+        if isinstance(launched, PlainLaunch):
+            assert self.plain is not None, "plain launches come from it"
+            return self.plain.finish(launched)
+        plan, sampling = launched.plan, launched.sampling
         outcomes_by_id: dict[int, SeqOutcome] = {}
         faults_by_id: dict[int, BaseException] = {}
         times = StepTimes(0.0, 0.0, 0.0)
-        if seqs:
-            results, times = self.decoder.step(seqs, ensure, passthrough, lookahead)
-            for sched, spec, result in zip(sampling, seqs, results):
+        decoding = launched.decoding
+        if decoding is not None:
+            results, times = self.decoder.finish(decoding)
+            for sched, spec, result in zip(sampling, decoding.seqs, results):
+                if sched.request.is_finished:
+                    continue  # its blocks are freed, its outcome unused
                 if result.fault is not None:
                     faults_by_id[id(sched)] = result.fault
                     continue
@@ -197,8 +254,6 @@ class SpeculativeDecoding:
                 outcomes_by_id[id(sched)] = SeqOutcome(
                     list(result.acceptance.tokens), list(result.logprobs)
                 )
-        elif passthrough:
-            self.decoder.prefill(passthrough)
         outcomes = [outcomes_by_id.get(id(s)) for s in plan.seqs]
         faults = {i: faults_by_id[id(s)] for i, s in enumerate(plan.seqs) if id(s) in faults_by_id}
         return StepResult(outcomes, forward_s=times.verify_s, mask_s=times.mask_s, faults=faults)
@@ -219,7 +274,7 @@ class SpeculativeDecoding:
         job = closer.lookaheads(trees, self.max_model_len)
         return [job] if job is not None else []
 
-    def _spec_seq(self, sched: ScheduledSeq) -> SpecSeq:
+    def _spec_seq(self, sched: ScheduledSeq, behind: Sequence[int]) -> SpecSeq:
         request = sched.request
         methods, budget = self.settings(request) if not sched.is_prefill else ((), 0)
         params = request.sampling
@@ -240,6 +295,7 @@ class SpeculativeDecoding:
             context_len=sched.context_len,
             logprobs=params.logprobs,
             max_drafted=self._max_drafted(request.request_id, budget),
+            behind=behind,
         )
 
     def _max_drafted(self, request_id: str, budget: int) -> int | None:

@@ -1,12 +1,15 @@
-"""Plain decoding's grammar work behind the next launch (``EngineConfig.grammar_after_launch``).
+"""A step's grammar work behind the next launch (``EngineConfig.grammar_after_launch``).
 
 A step launches the next forward before its constrained tokens' closing decisions, accepts and
-termination checks, and drops the launched row of a request that work ends. Outputs, finish
-reasons, text and logprobs are those of the step that does the grammar work first, for a mix
-that ends in many ways (closed by the budget, cut unclosed, stop tokens, a stop string,
-max_tokens), with seeded sampling, logprobs, unconstrained requests and requests arriving
-mid-run, on every backend; and a request aborted while its next step is in flight ends ABORT
-without harming the others.
+termination checks, and drops the launched row (or draft tree) of a request that work ends.
+Outputs, finish reasons, text and logprobs are those of the step that does the grammar work
+first, for a mix that ends in many ways (closed by the budget, cut unclosed, stop tokens, a
+stop string, max_tokens), with seeded sampling, logprobs, unconstrained requests and requests
+arriving mid-run, on every backend, in plain and in speculative decoding. Speculative runs
+draft n-gram trees and grammar-forced chains (from matchers still behind the step's tokens),
+and compare greedy requests: the tree sampler's draws depend on the batch, and the batches
+differ by the requests ended behind a launch. A request aborted while its next step is in
+flight ends ABORT without harming the others.
 """
 
 from __future__ import annotations
@@ -17,10 +20,26 @@ import pytest
 
 from espalier.constrained.backends import BACKENDS
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
+from espalier.engine.api import (
+    ConstraintOptions,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeOptions,
+)
+from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
+from espalier.engine.spec.strategy import SpecConfig, SpecStepLaunch, install
 from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, drain, make_engine, tokens_of
 
 PROMPTS = ["abc", "hello world", '{"id": 1', "0123", "zz top"]
+
+
+SPECULATE = [
+    SpeculativeOptions(methods=("ngram", "forced")),
+    SpeculativeOptions(methods=("forced",), num_draft_tokens=4),
+    SpeculativeOptions(methods=("ngram",), num_draft_tokens=3),
+    SpeculativeOptions(enabled=False),
+]
 
 
 def _mix(backend: str) -> list[GenerationRequest]:
@@ -48,15 +67,24 @@ def _mix(backend: str) -> list[GenerationRequest]:
                     sampling=sampling,
                     grammar=grammar,
                     constraint=ConstraintOptions(backend=backend),
+                    speculative=SPECULATE[(i + 2 * j) % len(SPECULATE)],
                 )
             )
     return out
 
 
-def _run(after: bool, backend: str) -> tuple[dict[str, list[Any]], int]:
+def _engine(after: bool, speculative: bool, **kwargs: Any) -> Any:
+    engine = make_engine(grammar_after_launch=after, **kwargs)
+    if speculative:  # no mask budget: the filled nodes must not depend on the machine's load
+        config = SpecConfig(num_draft_tokens=6, mask_budget_s=None)
+        install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))})
+    return engine
+
+
+def _run(after: bool, backend: str, speculative: bool = False) -> tuple[dict[str, list[Any]], int]:
     """Chunks by request (half the requests arrive after three steps) and how many steps left
-    a launched step in flight."""
-    engine = make_engine(grammar_after_launch=after, max_num_batched_tokens=256)
+    a launched step in flight (of the speculative strategy's own, when ``speculative``)."""
+    engine = _engine(after, speculative, max_num_batched_tokens=256)
     requests = _mix(backend)
     for request in requests[::2]:
         engine.add_request(request)
@@ -70,8 +98,13 @@ def _run(after: bool, backend: str) -> tuple[dict[str, list[Any]], int]:
             break
         for out in engine.step():
             chunks.setdefault(out.request_id, []).append(out)
-        in_flight += engine._inflight is not None
+        launched = engine._inflight
+        in_flight += launched is not None and (
+            not speculative or isinstance(launched, SpecStepLaunch)
+        )
     assert not engine.has_unfinished()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks  # none leaked, none freed twice
+    engine.close()
     return chunks, in_flight
 
 
@@ -83,21 +116,45 @@ def _summary(chunks: list[Any]) -> tuple[Any, ...]:
     return tokens_of(chunks), last.finish_reason, last.closed_by_budget, text, logprobs, valid
 
 
+def _drafted(chunks: list[Any]) -> tuple[int, ...] | None:
+    stats = chunks[-1].speculative
+    if stats is None:
+        return None
+    return stats.steps, stats.draft_tokens, stats.accepted_tokens, stats.forced_tokens
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_outputs_equal_those_of_grammar_work_first(backend: str) -> None:
-    first, none_in_flight = _run(False, backend)
-    after, in_flight = _run(True, backend)
+def test_outputs_equal_those_of_grammar_work_first(backend: str, speculative: bool) -> None:
+    first, none_in_flight = _run(False, backend, speculative)
+    after, in_flight = _run(True, backend, speculative)
     assert none_in_flight == 0 and in_flight > 10  # the path under test did run
     assert sorted(after) == sorted(first)
+    sampled = {r.request_id for r in _mix(backend) if r.sampling.temperature > 0}
     for request_id in first:
+        if speculative and request_id in sampled:
+            # the tree sampler's draws follow the batch's last logit bits (the plain sampler
+            # certifies its own), and a request the grammar ends stays in the launched batch
+            last = after[request_id][-1]
+            assert last.finished and last.finish_reason is not FinishReason.ERROR, request_id
+            if last.validation is not None and last.finish_reason is FinishReason.STOP:
+                assert last.validation.valid, request_id
+            continue
         assert _summary(after[request_id]) == _summary(first[request_id]), request_id
+        if speculative:  # the same trees: forced chains drafted after the tokens behind
+            assert _drafted(after[request_id]) == _drafted(first[request_id]), request_id
     reasons = {first[r][-1].finish_reason for r in first}
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
     assert any(first[r][-1].closed_by_budget for r in first)
+    if speculative:
+        stats = [after[r][-1].speculative for r in after]
+        assert sum(s.forced_tokens for s in stats if s is not None) > 0
+        assert sum(s.accepted_tokens for s in stats if s is not None) > 0
 
 
-def test_a_request_aborted_in_flight_ends_alone() -> None:
-    engine = make_engine(grammar_after_launch=True)
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_a_request_aborted_in_flight_ends_alone(speculative: bool) -> None:
+    engine = _engine(True, speculative)
     requests = _mix("llguidance")[:8]
     for request in requests:
         engine.add_request(request)
@@ -117,10 +174,14 @@ def test_a_request_aborted_in_flight_ends_alone() -> None:
     assert victim is not None
     assert chunks[victim][-1].finish_reason is FinishReason.ABORT
     assert sum(c.finished for c in chunks[victim]) == 1
-    reference = make_engine(grammar_after_launch=False)  # the same requests, none aborted
+    reference = _engine(False, speculative)  # the same requests, none aborted
     for request in requests:
         reference.add_request(request)
     alone = drain(reference)
+    greedy = {r.request_id for r in requests if r.sampling.temperature == 0}
+    compared = 0
     for request_id, got in chunks.items():
-        if request_id != victim:
+        if request_id != victim and (not speculative or request_id in greedy):
             assert tokens_of(got) == tokens_of(alone[request_id]), request_id
+            compared += 1
+    assert compared >= 3
