@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from espalier.engine.spec.base import Drafter, DraftInput
-from espalier.engine.spec.forced import ForcedConfig, extend_leaves, root_chain
+from espalier.engine.spec.forced import ForcedConfig, caught_up, extend_leaves, root_chain
 from espalier.engine.spec.tree_builder import Draft, NodeSource, TreeBuilder
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,12 @@ class Proposer:
         builders = [TreeBuilder(item.context[-1]) for item in items]
         anchors = [0] * len(items)
         chains: list[list[int]] = [[] for _ in items]
+        grammars = [_forced_grammar(item) for item in items]
         for i, item in enumerate(items):
             if FORCED in item.methods and item.budget > 0:
                 limit = min(item.budget, self.forced.max_chain)
                 none: list[int] = []
-                chain = functools.partial(root_chain, item.matcher, limit, item.behind)
-                chains[i] = _guarded(chain, none)
+                chains[i] = _guarded(functools.partial(root_chain, grammars[i], limit), none)
                 if chains[i]:
                     nodes = builders[i].add_path(0, chains[i], None, NodeSource.FORCED)
                     anchors[i] = nodes[-1]
@@ -88,15 +88,21 @@ class Proposer:
             for i, draft in zip(users, drafter.propose(inputs)):
                 builders[i].graft(anchors[i], draft)
         drafts = []
-        for item, builder in zip(items, builders):
+        for item, builder, grammar in zip(items, builders, grammars):
             draft = builder.build(max(item.budget, 0))
-            if FORCED in item.methods and item.matcher is not None:
-                extend = functools.partial(
-                    extend_leaves, draft, item.matcher, item.budget, self.forced, item.behind
-                )
-                draft = _guarded(extend, draft)
+            if FORCED in item.methods and grammar is not None:
+                extend = functools.partial(extend_leaves, draft, grammar, item.budget)
+                draft = _guarded(functools.partial(extend, self.forced), draft)
             drafts.append(draft)
         return drafts
+
+
+def _forced_grammar(item: ProposalItem) -> GrammarMatcher | None:
+    """The matcher ``item``'s forced chains are drafted from: the request's, or a fork of it
+    caught up with ``behind`` (None: unconstrained, or a catch-up that failed)."""
+    if FORCED not in item.methods or item.matcher is None or not item.behind:
+        return item.matcher
+    return _guarded(functools.partial(caught_up, item.matcher, item.behind), None)
 
 
 def _guarded(make: Callable[[], T], fallback: T) -> T:

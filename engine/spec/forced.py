@@ -33,32 +33,32 @@ class ForcedConfig:
     max_leaf_extensions: int = 4
 
 
-def root_chain(matcher: GrammarMatcher | None, limit: int, behind: Sequence[int] = ()) -> list[int]:
-    """The chain forced at the root (``[]`` without a grammar). ``behind``: verified tokens
-    the matcher has not accepted yet (the engine's ``grammar_after_launch``): the chain is
-    the one forced after them, found as a leaf's is (:func:`extend_leaves`)."""
-    if matcher is None or limit <= 0:
-        return []
-    if behind:
-        return _forced_after(matcher, list(behind), limit)
-    if matcher.is_terminated():
+def root_chain(matcher: GrammarMatcher | None, limit: int) -> list[int]:
+    """The chain forced from the matcher's current state (``[]`` without a grammar)."""
+    if matcher is None or limit <= 0 or matcher.is_terminated():
         return []
     return list(matcher.forced_tokens(limit))
 
 
+def caught_up(matcher: GrammarMatcher, behind: Sequence[int]) -> GrammarMatcher | None:
+    """A fork of ``matcher`` that has accepted ``behind``: verified tokens the request's matcher
+    has not accepted yet (the engine's ``grammar_after_launch`` drafts before its accepts).
+    Forced chains are then drafted from it as from the matcher itself. None when it rejects
+    one of them (no forced chains: the request's own accept meets the same rejection)."""
+    probe = matcher.fork()
+    if probe.accept_tokens(list(behind)) < len(behind):
+        return None
+    return probe
+
+
 def extend_leaves(
-    draft: Draft,
-    matcher: GrammarMatcher,
-    budget: int,
-    config: ForcedConfig,
-    behind: Sequence[int] = (),
+    draft: Draft, matcher: GrammarMatcher, budget: int, config: ForcedConfig
 ) -> Draft:
     """Graft forced chains below the best leaves of ``draft`` while node budget remains.
 
-    Each probed leaf's path (after ``behind``, as :func:`root_chain`) is accepted on
-    ``matcher`` and rolled back (state unchanged on return), or on a fork where the backend's
-    rollback is not exact (``exact_rollback``). A path the grammar rejects gets no chain (the
-    target will reject it anyway).
+    Each probed leaf's path is accepted on ``matcher`` and rolled back (state unchanged on return),
+    or on a fork where the backend's rollback is not exact (``exact_rollback``).
+    A path the grammar rejects gets no chain (the target will reject it anyway).
     """
     room = budget - draft.num_draft_tokens
     if room <= 0 or matcher.is_terminated():
@@ -68,7 +68,7 @@ def extend_leaves(
     for leaf in leaves[: config.max_leaf_extensions]:
         if room <= 0:
             break
-        path = [*behind, *draft.path_tokens(leaf)]
+        path = draft.path_tokens(leaf)
         chain = _forced_after(matcher, path, min(room, config.max_chain))
         if not chain:
             continue
