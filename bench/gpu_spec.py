@@ -86,6 +86,7 @@ def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) ->
         # (bench/spec_host.py, a gc.callbacks probe)
         gc.collect()
         outputs: dict[str, list[int]] = {r.request_id: [] for r in group}
+        steps, dropped = engine.num_steps, engine.num_dropped_rows
         start = time.perf_counter()
         if profiler is not None:
             profiler.enable()
@@ -104,6 +105,9 @@ def _run(engine_factory: Any, groups: list[list[Any]], profile: bool = False) ->
         if profiler is not None:
             profiler.disable()
         total["seconds"] += time.perf_counter() - start
+        total["engine_steps"] = total.get("engine_steps", 0) + engine.num_steps - steps
+        # rows a launch ran for requests the grammar ended behind it (grammar_after_launch)
+        total["dropped_rows"] = total.get("dropped_rows", 0) + engine.num_dropped_rows - dropped
         total["tokens"] += sum(len(v) for v in outputs.values())
         total["outputs"].update(outputs)
     engine.close()

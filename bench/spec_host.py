@@ -12,6 +12,8 @@ subtracted; what remains is host time.
 Per side (constrained / unconstrained), one JSON line:
 
 - ``host_ms_per_step``: (step wall time - forward - verify kernel) / speculative steps;
+  ``dropped_rows``: rows a launch ran for requests the grammar ended behind it
+  (``--grammar-after-launch``);
 - ``host_cpu_ms_per_step``: the engine thread's CPU time (``time.thread_time``) per step, less
   its CPU time inside the target's work: the host work itself, far less sensitive than wall
   time to other processes sharing the cores;
@@ -271,12 +273,13 @@ def measure(
             if out.finished and out.speculative is not None:
                 steps = max(steps, out.speculative.steps)
     probe.profiler = None
-    engine_steps = engine.num_steps
+    engine_steps, dropped_rows = engine.num_steps, engine.num_dropped_rows
     engine.close()
     host = wall - probe.device_s
     result: dict[str, Any] = {
         "tokens": tokens,
         "engine_steps": engine_steps,
+        "dropped_rows": dropped_rows,
         "wall_s": round(wall, 4),
         "device_s": round(probe.device_s, 4),
         "host_ms_per_step": round(1e3 * host / engine_steps, 3),

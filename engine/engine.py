@@ -157,6 +157,7 @@ class EngineCore:
         self._token_bytes = tokenizer.token_bytes
         self._inflight: Launched | None = None  # the step launched, not yet finished
         self.num_steps = 0
+        self.num_dropped_rows = 0  # rows of a launched step whose request ended behind it
         self.num_generated_tokens = 0
         self.num_preemptions = 0
 
@@ -288,8 +289,9 @@ class EngineCore:
         appending: dict[int, tuple[Request, SeqOutcome]] = {}
         for i, (seq, outcome) in enumerate(zip(plan.seqs, result.outcomes)):
             request = seq.request
-            if request.is_finished:
-                continue  # ended since the launch (aborted, or by the grammar): row dropped
+            if request.is_finished:  # ended since the launch (aborted, or by the grammar)
+                self.num_dropped_rows += launched is not None
+                continue
             timeline = request.timeline
             if seq.is_prefill:
                 timeline.prefill_s += elapsed
@@ -306,13 +308,13 @@ class EngineCore:
             self._launch_next(deferred)
             live = {i: a for i, a in deferred.items() if not a[0].is_finished}
             self._append_all(live, outputs)
-            launched = self._inflight
-            if launched is not None:
+            inflight = self._inflight
+            if inflight is not None:
                 try:
-                    self.strategy.fill(launched)
+                    self.strategy.fill(inflight)
                 except Exception as exc:  # as a failed step: its batch fails
                     self._inflight = None
-                    return self._fail_batch(launched.plan, exc, outputs)
+                    return self._fail_batch(inflight.plan, exc, outputs)
         return outputs
 
     def _fail_batch(
@@ -704,6 +706,7 @@ class EngineCore:
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
             "steps": self.num_steps,
+            "dropped_rows": self.num_dropped_rows,
             "generated_tokens": self.num_generated_tokens,
             "preemptions": self.num_preemptions,
             "prefix_queried_tokens": self.scheduler.prefix_queried_tokens,

@@ -81,9 +81,12 @@ def _engine(after: bool, speculative: bool, **kwargs: Any) -> Any:
     return engine
 
 
-def _run(after: bool, backend: str, speculative: bool = False) -> tuple[dict[str, list[Any]], int]:
-    """Chunks by request (half the requests arrive after three steps) and how many steps left
-    a launched step in flight (of the speculative strategy's own, when ``speculative``)."""
+def _run(
+    after: bool, backend: str, speculative: bool = False
+) -> tuple[dict[str, list[Any]], int, int]:
+    """Chunks by request (half the requests arrive after three steps), how many steps left
+    a launched step in flight (of the speculative strategy's own, when ``speculative``) and
+    how many launched rows the grammar's verdicts dropped."""
     engine = _engine(after, speculative, max_num_batched_tokens=256)
     requests = _mix(backend)
     for request in requests[::2]:
@@ -105,7 +108,7 @@ def _run(after: bool, backend: str, speculative: bool = False) -> tuple[dict[str
     assert not engine.has_unfinished()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks  # none leaked, none freed twice
     engine.close()
-    return chunks, in_flight
+    return chunks, in_flight, engine.stats()["dropped_rows"]
 
 
 def _summary(chunks: list[Any]) -> tuple[Any, ...]:
@@ -126,9 +129,10 @@ def _drafted(chunks: list[Any]) -> tuple[int, ...] | None:
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_outputs_equal_those_of_grammar_work_first(backend: str, speculative: bool) -> None:
-    first, none_in_flight = _run(False, backend, speculative)
-    after, in_flight = _run(True, backend, speculative)
+    first, none_in_flight, none_dropped = _run(False, backend, speculative)
+    after, in_flight, dropped = _run(True, backend, speculative)
     assert none_in_flight == 0 and in_flight > 10  # the path under test did run
+    assert none_dropped == 0 and dropped > 0  # and requests ended behind a launch
     assert sorted(after) == sorted(first)
     sampled = {r.request_id for r in _mix(backend) if r.sampling.temperature > 0}
     for request_id in first:
