@@ -74,8 +74,10 @@ for line in open(sys.argv[1]):
               sum(steps[:4]), sum(steps[4:]), sum(lag[:4]), sum(lag[4:]),
               sum(blocked[:4]), sum(blocked[4:])))
     elif "tok_per_s" in d:
-        print("RUN c=%s s=%s tok/s=%.1f reps=%s" % (d["constrained"], d["speculative"],
-              d["tok_per_s"], [round(x, 1) for x in d.get("tok_per_s_reps", [])]))
+        print("RUN c=%s s=%s tok/s=%.1f reps=%s steps=%s dropped=%s" % (
+              d["constrained"], d["speculative"], d["tok_per_s"],
+              [round(x, 1) for x in d.get("tok_per_s_reps", [])],
+              d.get("engine_steps"), d.get("dropped_rows")))
     elif "constrained_over_unconstrained_speculative" in d or d.get("part") == "summary":
         print("RATIO", json.dumps(flat)[:700])
 PY
