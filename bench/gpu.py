@@ -487,11 +487,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="start the tree-mask fills before launching the verify forward (the old order)",
     )
+    from espalier.engine.engine import AFTER_LAUNCH_MIN
+
     parser.add_argument(
         "--grammar-after-launch",
-        action="store_true",
-        help="EngineConfig(grammar_after_launch=True): plain and speculative steps launch the "
-        "next forward before their grammar work",
+        type=int,
+        nargs="?",
+        const=AFTER_LAUNCH_MIN,
+        default=0,
+        metavar="N",
+        help="EngineConfig(grammar_after_launch=N, alone: the engine's AFTER_LAUNCH_MIN): "
+        "plain and speculative steps launch the next forward before their grammar work when "
+        "N or more requests' work can wait",
     )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")

@@ -141,7 +141,7 @@ class _Setup:
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
     backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
-    grammar_after_launch: bool = False  # EngineConfig.grammar_after_launch (every engine)
+    grammar_after_launch: int = 0  # EngineConfig.grammar_after_launch (every engine)
 
     def requests(
         self,
@@ -196,7 +196,7 @@ class _Setup:
         if not self.closing and hasattr(config, "close_within_budget"):
             config = replace(config, close_within_budget=False)
         if self.grammar_after_launch:
-            config = replace(config, grammar_after_launch=True)
+            config = replace(config, grammar_after_launch=self.grammar_after_launch)
         return config
 
 
@@ -315,7 +315,7 @@ def equal_work(
     tight_budget: bool = False,
     matcher_spares: int = 16,
     backend: str = spec_bench.BACKEND,
-    grammar_after_launch: bool = False,
+    grammar_after_launch: int = 0,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar

@@ -48,7 +48,7 @@ host functions of the constrained run (cProfile of the main thread, paused durin
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
         [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--close-workers N]
         [--profile] [--warmup]
-        [--tight-budget] [--grammar-after-launch]
+        [--tight-budget] [--grammar-after-launch [N]]
 """
 
 from __future__ import annotations
@@ -459,11 +459,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.close_ahead (default: the engine's, on)",
     )
     parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
+    from espalier.engine.engine import AFTER_LAUNCH_MIN
+
     parser.add_argument(
         "--grammar-after-launch",
-        action="store_true",
-        help="EngineConfig.grammar_after_launch: the next forward is launched before the "
-        "step's grammar work (its fills start after that work)",
+        type=int,
+        nargs="?",
+        const=AFTER_LAUNCH_MIN,
+        default=0,
+        metavar="N",
+        help="EngineConfig.grammar_after_launch (alone: the engine's AFTER_LAUNCH_MIN): the "
+        "next forward is launched before the step's grammar work (its fills start after that "
+        "work) when N or more requests' work can wait",
     )
     run(parser.parse_args(argv))
     return 0

@@ -72,6 +72,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+AFTER_LAUNCH_MIN = 8
+"""The ``EngineConfig.grammar_after_launch`` the benches measure: the fewest requests whose
+grammar work can wait for which a step launches ahead. The work it hides grows with the
+requests (about 0.15 ms each on the engine thread at batch 32); what it risks does not: a
+launch whose every row the grammar's verdicts end is a forward for nothing, likely when few
+requests are left (at batch 1, the last step of every request)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -87,11 +94,12 @@ class EngineConfig:
         are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
         sampled draws closer than this to a tie are redrawn from canonical logits
         (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never.
-        grammar_after_launch: launch the next forward (plain or speculative) before the grammar
-        work on this step's tokens (closing decisions, accepts, termination), do that work
-        while it runs (on CUDA: the launch only enqueues), then start its mask fills. Outputs
-        are the same either way. An experiment (issue 28), off until the GPU measures it:
-        ``bench/gpu.py --grammar-after-launch``."""
+        grammar_after_launch: when at least this many requests' grammar work on a step's
+        tokens (closing decisions, accepts, termination) can wait, launch the next forward
+        (plain or speculative) before it, do it while the forward runs (on CUDA: the launch
+        only enqueues), then start the forward's mask fills; 0: never. Outputs are the same
+        either way. An experiment (issue 28), off until the GPU measures it: ``bench/gpu.py
+        --grammar-after-launch`` (:data:`AFTER_LAUNCH_MIN`)."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -101,7 +109,7 @@ class EngineConfig:
     postvalidate: bool = True
     close_within_budget: bool = True
     sampling_margin: float = DEFAULT_MARGIN
-    grammar_after_launch: bool = False
+    grammar_after_launch: int = 0
 
 
 class EngineCore:
@@ -332,8 +340,10 @@ class EngineCore:
     ) -> dict[int, tuple[Request, SeqOutcome]]:
         """The appends whose grammar work can wait behind the next launch (with
         ``grammar_after_launch``): constrained requests whose step tokens cannot end them but
-        through the grammar (no stop token, stop string, max_tokens or context end)."""
-        if not self.config.grammar_after_launch:
+        through the grammar (no stop token, stop string, max_tokens or context end), when
+        there are at least ``grammar_after_launch`` of them (else none)."""
+        least = self.config.grammar_after_launch
+        if least <= 0:
             return {}
         deferred: dict[int, tuple[Request, SeqOutcome]] = {}
         for i, (request, outcome) in appending.items():
@@ -348,7 +358,7 @@ class EngineCore:
                 and request.num_tokens + len(tokens) < self.max_model_len
             ):
                 deferred[i] = (request, outcome)
-        return deferred
+        return deferred if len(deferred) >= least else {}
 
     def _launch_next(self, deferred: dict[int, tuple[Request, SeqOutcome]]) -> None:
         """Plan and launch the next step with ``deferred``'s tokens appended for the plan

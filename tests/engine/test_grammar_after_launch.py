@@ -27,6 +27,7 @@ from espalier.engine.api import (
     SamplingParams,
     SpeculativeOptions,
 )
+from espalier.engine.engine import AFTER_LAUNCH_MIN
 from espalier.engine.spec.ngram import NgramConfig, NgramDrafter
 from espalier.engine.spec.strategy import SpecConfig, SpecStepLaunch, install
 from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, drain, make_engine, tokens_of
@@ -73,8 +74,10 @@ def _mix(backend: str) -> list[GenerationRequest]:
     return out
 
 
-def _engine(after: bool, speculative: bool, **kwargs: Any) -> Any:
-    engine = make_engine(grammar_after_launch=after, **kwargs)
+def _engine(after: bool, speculative: bool, least: int = 1, **kwargs: Any) -> Any:
+    """An engine over the tiny model; ``after``: launching ahead when ``least`` requests'
+    grammar work can wait (1: whenever one can, so every path is taken)."""
+    engine = make_engine(grammar_after_launch=least if after else 0, **kwargs)
     if speculative:  # no mask budget: the filled nodes must not depend on the machine's load
         config = SpecConfig(num_draft_tokens=6, mask_budget_s=None)
         install(engine, config, {"ngram": NgramDrafter(NgramConfig(1, 3))})
@@ -189,3 +192,28 @@ def test_a_request_aborted_in_flight_ends_alone(speculative: bool) -> None:
             assert tokens_of(got) == tokens_of(alone[request_id]), request_id
             compared += 1
     assert compared >= 3
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_few_deferrable_requests_do_not_launch_ahead(speculative: bool) -> None:
+    """Below ``AFTER_LAUNCH_MIN`` requests whose grammar work could wait, the step does that
+    work first: a lone request would otherwise run its last step twice (the launch its
+    grammar ends is a forward for nothing). At or above it, the step launches ahead."""
+    lone = [r for r in _mix("llguidance") if r.grammar is not None][:1]
+    many = [r for r in _mix("llguidance") if r.grammar is not None][: 2 * AFTER_LAUNCH_MIN]
+    for requests, ahead in ((lone, False), (many, True)):
+        engine = _engine(True, speculative, least=AFTER_LAUNCH_MIN, max_num_batched_tokens=256)
+        for request in requests:
+            engine.add_request(request)
+        launched = 0
+        for _ in range(2000):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+            launched += engine._inflight is not None
+        assert not engine.has_unfinished()
+        dropped = engine.stats()["dropped_rows"]
+        engine.close()
+        assert (launched > 0) is ahead, (len(requests), launched)
+        if not ahead:
+            assert dropped == 0
