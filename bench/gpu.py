@@ -487,19 +487,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="start the tree-mask fills before launching the verify forward (the old order)",
     )
-    from espalier.engine.engine import AFTER_LAUNCH_MIN
+    import gpu_spec
 
-    parser.add_argument(
-        "--grammar-after-launch",
-        type=int,
-        nargs="?",
-        const=AFTER_LAUNCH_MIN,
-        default=0,
-        metavar="N",
-        help="EngineConfig(grammar_after_launch=N, alone: the engine's AFTER_LAUNCH_MIN): "
-        "plain and speculative steps launch the next forward before their grammar work when "
-        "N or more requests' work can wait",
-    )
+    gpu_spec.add_after_launch_flag(parser)
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument(

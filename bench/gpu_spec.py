@@ -39,6 +39,23 @@ from typing import Any
 import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 
 
+def add_after_launch_flag(parser: Any) -> None:
+    """``--grammar-after-launch [N]`` on an argparse parser: ``EngineConfig.grammar_after_launch``
+    for every engine of the run (alone: the engine's ``AFTER_LAUNCH_MIN``; absent: 0, off)."""
+    from espalier.engine.engine import AFTER_LAUNCH_MIN
+
+    parser.add_argument(
+        "--grammar-after-launch",
+        type=int,
+        nargs="?",
+        const=AFTER_LAUNCH_MIN,
+        default=0,
+        metavar="N",
+        help="plain and speculative steps launch the next forward before their grammar work "
+        "when N or more requests' work can wait (alone: the engine's AFTER_LAUNCH_MIN)",
+    )
+
+
 def _requests(
     prompts: Sequence[list[int]],
     grammars: Sequence[Any],

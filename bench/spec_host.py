@@ -459,19 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SpecConfig.close_ahead (default: the engine's, on)",
     )
     parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
-    from espalier.engine.engine import AFTER_LAUNCH_MIN
-
-    parser.add_argument(
-        "--grammar-after-launch",
-        type=int,
-        nargs="?",
-        const=AFTER_LAUNCH_MIN,
-        default=0,
-        metavar="N",
-        help="EngineConfig.grammar_after_launch (alone: the engine's AFTER_LAUNCH_MIN): the "
-        "next forward is launched before the step's grammar work (its fills start after that "
-        "work) when N or more requests' work can wait",
-    )
+    gpu_spec.add_after_launch_flag(parser)
     run(parser.parse_args(argv))
     return 0
 
