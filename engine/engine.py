@@ -75,9 +75,9 @@ log = logging.getLogger(__name__)
 AFTER_LAUNCH_MIN = 8
 """The ``EngineConfig.grammar_after_launch`` the benches measure: the fewest requests whose
 grammar work can wait for which a step launches ahead. The work it hides grows with the
-requests (about 0.15 ms each on the engine thread at batch 32); what it risks does not: a
-launch whose every row the grammar's verdicts end is a forward for nothing, likely when few
-requests are left (at batch 1, the last step of every request)."""
+requests; what it risks does not: a launch whose every row the grammar's verdicts end is a
+forward for nothing, likely when few requests are left (at batch 1, the last step of every
+request)."""
 
 
 @dataclass(frozen=True)
