@@ -41,7 +41,8 @@ import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 
 def add_after_launch_flag(parser: Any) -> None:
     """``--grammar-after-launch [N]`` on an argparse parser: ``EngineConfig.grammar_after_launch``
-    for every engine of the run (alone: the engine's ``AFTER_LAUNCH_MIN``; absent: 0, off)."""
+    for every engine of the run (alone: the engine's ``AFTER_LAUNCH_MIN``; 0: off; absent:
+    the engine's default, on for CUDA)."""
     from espalier.engine.engine import AFTER_LAUNCH_MIN
 
     parser.add_argument(
@@ -49,10 +50,11 @@ def add_after_launch_flag(parser: Any) -> None:
         type=int,
         nargs="?",
         const=AFTER_LAUNCH_MIN,
-        default=0,
+        default=None,
         metavar="N",
-        help="plain and speculative steps launch the next forward before their grammar work "
-        "when N or more requests' work can wait (alone: the engine's AFTER_LAUNCH_MIN)",
+        help="plain and speculative steps launch the next forward before their appends when N "
+        "or more requests' appends can wait (alone: the engine's AFTER_LAUNCH_MIN; 0: off; "
+        "absent: the engine's default, on for CUDA)",
     )
 
 
@@ -158,7 +160,7 @@ class _Setup:
     close_ahead: bool | None = None  # SpecConfig.close_ahead (None: its default)
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
     backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
-    grammar_after_launch: int = 0  # EngineConfig.grammar_after_launch (every engine)
+    grammar_after_launch: int | None = None  # EngineConfig.grammar_after_launch (None: default)
 
     def requests(
         self,
@@ -212,8 +214,7 @@ class _Setup:
         )
         if not self.closing and hasattr(config, "close_within_budget"):
             config = replace(config, close_within_budget=False)
-        if self.grammar_after_launch:
-            config = replace(config, grammar_after_launch=self.grammar_after_launch)
+        config = replace(config, grammar_after_launch=self.grammar_after_launch)
         return config
 
 
@@ -332,7 +333,7 @@ def equal_work(
     tight_budget: bool = False,
     matcher_spares: int = 16,
     backend: str = spec_bench.BACKEND,
-    grammar_after_launch: int = 0,
+    grammar_after_launch: int | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar

@@ -73,8 +73,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AFTER_LAUNCH_MIN = 8
-"""The ``EngineConfig.grammar_after_launch`` the benches measure: the fewest requests whose
-grammar work can wait for which a step launches ahead. The work it hides grows with the
+"""``EngineConfig.grammar_after_launch``'s value on CUDA: the fewest requests whose appends can
+wait for which a step launches ahead. The work it hides grows with the
 requests; what it risks does not: a launch whose every row the grammar's verdicts end is a
 forward for nothing, likely when few requests are left (at batch 1, the last step of every
 request)."""
@@ -94,12 +94,13 @@ class EngineConfig:
         are never closed. sampling_margin: the sampler's certification lead (``Sampler.margin``):
         sampled draws closer than this to a tie are redrawn from canonical logits
         (``engine/step.py``), so seeded outputs do not depend on the batch; 0 = never.
-        grammar_after_launch: when at least this many requests' grammar work on a step's
-        tokens (closing decisions, accepts, termination) can wait, launch the next forward
-        (plain or speculative) before it, do it while the forward runs (on CUDA: the launch
-        only enqueues), then start the forward's mask fills; 0: never. Outputs are the same
-        either way. An experiment (issue 28), off until the GPU measures it: ``bench/gpu.py
-        --grammar-after-launch`` (:data:`AFTER_LAUNCH_MIN`)."""
+        grammar_after_launch: when at least this many requests' appends can wait (their
+        tokens can end them only through the grammar: unconstrained ones never), launch the
+        next forward (plain or speculative) before them, make them (closing decisions,
+        accepts, termination, bookkeeping) while the forward runs, then start its mask
+        fills; 0: never; None: :data:`AFTER_LAUNCH_MIN` on CUDA (where the launch only
+        enqueues), 0 elsewhere (a CPU forward runs to its end inside the launch). Outputs are
+        the same either way (``bench/gpu.py --grammar-after-launch=0`` turns it off)."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
@@ -109,7 +110,7 @@ class EngineConfig:
     postvalidate: bool = True
     close_within_budget: bool = True
     sampling_margin: float = DEFAULT_MARGIN
-    grammar_after_launch: int = 0
+    grammar_after_launch: int | None = None
 
 
 class EngineCore:
@@ -164,6 +165,10 @@ class EngineCore:
         self._batch = BatchFiller(4 if runner.device.type == "cuda" else 1)
         self._token_bytes = tokenizer.token_bytes
         self._inflight: Launched | None = None  # the step launched, not yet finished
+        after = config.grammar_after_launch
+        if after is None:
+            after = AFTER_LAUNCH_MIN if runner.device.type == "cuda" else 0
+        self.after_launch = after  # EngineConfig.grammar_after_launch, resolved
         self.num_steps = 0
         self.num_dropped_rows = 0  # rows of a launched step whose request ended behind it
         self.num_generated_tokens = 0
@@ -338,11 +343,11 @@ class EngineCore:
     def _deferrable(
         self, appending: dict[int, tuple[Request, SeqOutcome]]
     ) -> dict[int, tuple[Request, SeqOutcome]]:
-        """The appends whose grammar work can wait behind the next launch (with
-        ``grammar_after_launch``): constrained requests whose step tokens cannot end them but
-        through the grammar (no stop token, stop string, max_tokens or context end), when
-        there are at least ``grammar_after_launch`` of them (else none)."""
-        least = self.config.grammar_after_launch
+        """The appends that can wait behind the next launch (``grammar_after_launch``): those
+        whose step tokens cannot end their request but through the grammar (no stop token,
+        stop string, max_tokens or context end; unconstrained requests then go on for sure),
+        when there are at least ``grammar_after_launch`` of them (else none)."""
+        least = self.after_launch
         if least <= 0:
             return {}
         deferred: dict[int, tuple[Request, SeqOutcome]] = {}
@@ -350,7 +355,6 @@ class EngineCore:
             tokens = outcome.token_ids
             if (
                 tokens
-                and request.matcher is not None
                 and request.stop_watch is None
                 and outcome.num_computed_tokens is None
                 and self._stops(request).isdisjoint(tokens)

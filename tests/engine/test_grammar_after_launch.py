@@ -217,3 +217,11 @@ def test_few_deferrable_requests_do_not_launch_ahead(speculative: bool) -> None:
         assert (launched > 0) is ahead, (len(requests), launched)
         if not ahead:
             assert dropped == 0
+
+
+def test_the_default_is_off_on_the_cpu() -> None:
+    """``grammar_after_launch=None`` resolves to ``AFTER_LAUNCH_MIN`` on CUDA only: a CPU
+    forward runs to its end inside the launch, so nothing would run beside it."""
+    engine = make_engine()
+    assert engine.config.grammar_after_launch is None and engine.after_launch == 0
+    engine.close()
