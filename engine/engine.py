@@ -286,13 +286,11 @@ class EngineCore:
             except Exception as exc:  # a failed forward or sampler fails its batch
                 return self._fail_batch(plan, exc, outputs)
         else:
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
+            planned = self._plan()
+            if planned is None:
                 self._wait_for_grammars()
                 return outputs
-            self.num_steps += 1
-            self.num_preemptions += len(plan.preempted)
-            t0 = _now()
+            plan, t0 = planned, _now()
             try:
                 result = self.strategy.execute(plan)
             except Exception as exc:  # a failed forward or sampler fails its batch, not the engine
@@ -329,6 +327,15 @@ class EngineCore:
                     self._inflight = None
                     return self._fail_batch(inflight.plan, exc, outputs)
         return outputs
+
+    def _plan(self) -> StepPlan | None:
+        """The next step's plan, counted (None: nothing to run)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return None
+        self.num_steps += 1
+        self.num_preemptions += len(plan.preempted)
+        return plan
 
     def _fail_batch(
         self, plan: StepPlan, exc: BaseException, outputs: list[RequestOutput]
@@ -374,10 +381,8 @@ class EngineCore:
             request.output_ids.extend(outcome.token_ids)
             behind[request.request_id] = outcome.token_ids
         try:
-            plan = self.scheduler.schedule()
-            if not plan.is_empty:
-                self.num_steps += 1
-                self.num_preemptions += len(plan.preempted)
+            plan = self._plan()
+            if plan is not None:
                 try:
                     self._inflight = self.strategy.launch(plan, behind=behind)
                 except Exception as exc:  # as a failed step: its batch fails

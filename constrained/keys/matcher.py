@@ -137,13 +137,19 @@ class UniqueKeysMatcher:
     def accept_tokens(self, tokens: Sequence[int]) -> int:
         if not tokens:
             return 0
+        return self.settle(tokens, *self._round(tokens))
+
+    def _round(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """The tracker advanced up to the first duplicate completion, and ``inner`` by as many
+        of ``tokens`` as it takes of those: ``(clean, taken)`` (the tracker rolled back when
+        ``inner`` raises)."""
         clean = self.take_clean(tokens)
         try:
             taken = self.inner.accept_tokens(tokens[:clean]) if clean else 0
         except BaseException:
             self.keys.rollback(clean)
             raise
-        return self.settle(tokens, clean, taken)
+        return clean, taken
 
     def take_clean(self, tokens: Sequence[int]) -> int:
         """The tracker advanced up to the first duplicate completion (``RowFilter``)."""
@@ -158,12 +164,7 @@ class UniqueKeysMatcher:
         # stop where the grammar rejected, at the end, or at a duplicate the rule refuses
         while taken == clean and done < len(tokens) and self.accept(tokens[done]):
             done += 1
-            clean = self.keys.accept_tokens(tokens[done:])  # up to a duplicate completion
-            try:
-                taken = self.inner.accept_tokens(tokens[done : done + clean]) if clean else 0
-            except BaseException:
-                self.keys.rollback(clean)
-                raise
+            clean, taken = self._round(tokens[done:])
             self.keys.rollback(clean - taken)
             done += taken
         return done

@@ -11,7 +11,7 @@ that samples, it passes a :class:`SpecSeq`: every known token, how many of them 
   so requests that do not speculate share the batch with ones that do.
 - The last chunk of a prefill (``context_len < len(tokens) - 1``): fed causally, root-only tree.
 
-Order inside :meth:`SpeculativeDecoder.step`:
+Order of a step (:meth:`SpeculativeDecoder.launch`, then ``finish``):
 
 1. drafting (CPU and/or draft model);
 2. the caller grows each block table to cover the tree (``ensure_blocks``);
@@ -21,10 +21,10 @@ Order inside :meth:`SpeculativeDecoder.step`:
    sampling (``kernels.sampling``); → accepted path + bonus per request;
 5. accepted nodes' K/V compacted into place (one ``copy_slots`` for the batch).
 
-:meth:`SpeculativeDecoder.step` is :meth:`~SpeculativeDecoder.launch` (1-3 up to the fills),
-:meth:`~SpeculativeDecoder.fill` and :meth:`~SpeculativeDecoder.finish` (the rest): a caller
-whose matchers are still behind the tokens (``SpecSeq.behind``) launches, catches them up while
-the forward runs, then fills.
+:meth:`~SpeculativeDecoder.launch` runs 1-3 up to the fills, :meth:`~SpeculativeDecoder.fill`
+starts them and :meth:`~SpeculativeDecoder.finish` does the rest: a caller whose matchers are
+still behind the tokens (``SpecSeq.behind``) launches, catches them up while the forward runs,
+then fills.
 
 The caller then appends the emitted tokens one by one (advancing the matcher, checking stops);
 afterwards the cache holds every known token but the last.
@@ -216,22 +216,6 @@ class SpeculativeDecoder:
             for drafter in self._observers:
                 drafter.observe(request_id, start, captured)  # type: ignore[attr-defined]
 
-    def step(
-        self,
-        seqs: Sequence[SpecSeq],
-        ensure_blocks: Callable[[SpecSeq, int], None],
-        passthrough: Sequence[tuple[str, SeqInput]] = (),
-        lookahead: Lookahead | None = None,
-    ) -> tuple[list[SeqOutcome], StepTimes]:
-        """One step for ``seqs``; ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover
-        ``n`` cache entries (the caller allocates; when it cannot, the draft is cut to what the
-        table covers). ``passthrough``: ``(request_id, input)`` of other sequences of the same
-        forward that want no logits (prefill chunks); they go after ``seqs``. ``lookahead``:
-        given the drafts, host jobs to run on the mask threads after the fills (called before
-        any fill starts; e.g. the engine's closing decisions, ``engine/closing/ahead.py``).
-        A request whose grammar raises in its fill gets an outcome with ``fault`` set."""
-        return self.finish(self.launch(seqs, ensure_blocks, passthrough, lookahead))
-
     def launch(
         self,
         seqs: Sequence[SpecSeq],
@@ -241,10 +225,18 @@ class SpeculativeDecoder:
         *,
         fill_first: bool = True,
     ) -> SpecLaunch:
-        """Draft and launch the verify forward (as :meth:`step`). ``fill_first``: the fills
-        start here (before the forward or after it, as ``launch_first`` says); else the
-        caller starts them with :meth:`fill` once the matchers have accepted every token of
-        ``seq.tokens`` (``SpecSeq.behind`` says which they have not yet)."""
+        """Draft ``seqs``' trees and launch their verify forward; ``finish`` completes the step.
+        ``ensure_blocks(seq, n)`` must make ``seq.block_table`` cover ``n`` cache entries (the
+        caller allocates; when it cannot, the draft is cut to what the table covers).
+        ``passthrough``: ``(request_id, input)`` of other sequences of the same forward that
+        want no logits (prefill chunks); they go after ``seqs``. ``lookahead``: given the
+        drafts, host jobs to run on the mask threads after the fills (called before any fill
+        starts; e.g. the engine's closing decisions, ``engine/closing/ahead.py``).
+        ``fill_first``: the fills start here (before the forward or after it, as
+        ``launch_first`` says); else the caller starts them with :meth:`fill` once the matchers
+        have accepted every token of ``seq.tokens`` (``SpecSeq.behind`` says which they have
+        not yet). A request whose grammar raises in its fill gets an outcome with ``fault``
+        set."""
         start = time.perf_counter()
         drafts = self._propose(seqs)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
