@@ -722,11 +722,13 @@ class BudgetCloser:
         if self.paths is None or matcher is None or request.sampling.ignore_eos:
             return None
         self._drop_ahead(request.request_id)
+        if len(tokens) < 2:  # a root alone: nothing to decide ahead (its memo waits for use)
+            return None
         memo = self._memo_of(request, max_model_len)
         here = len(request.output_ids)
         last = here + max_depth(parents) - 1  # output length at the deepest node's check
         budget = _budget(request, last, max_model_len)
-        if len(tokens) < 2 or memo.unclosable or budget > EVERY_TOKEN:
+        if memo.unclosable or budget > EVERY_TOKEN:
             return None
         if last < memo.next_check:  # no check is needed: ``pass_through`` lets all by
             return None
