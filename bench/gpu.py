@@ -40,7 +40,7 @@ The last line is a summary. Usage (on the GPU machine)::
     python3 bench/gpu.py --tokenizer .data/gpu/gemma_tok [--batches 1,8,64] [--steps 64]
         [--decode-reps 5] [--skip-profile] [--paths a,b]
         [--spec-batches 1,32] [--spec-max-tokens 96] [--mask-threads 8] [--skip-spec]
-        [--tight-budget]
+        [--tight-budget] [--grammar-after-launch [N]] [--forced]
 """
 
 from __future__ import annotations
@@ -367,6 +367,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             matcher_spares=args.matcher_spares,
             backend=args.backend,
             grammar_after_launch=args.grammar_after_launch,
+            forced=args.forced,
         )
         prefix = (
             ""
@@ -490,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import gpu_spec
 
     gpu_spec.add_after_launch_flag(parser)
+    gpu_spec.add_forced_flag(parser)
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument(

@@ -39,6 +39,18 @@ from typing import Any
 import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 
 
+def add_forced_flag(parser: Any) -> None:
+    """``--forced`` on an argparse parser: the speculative runs draft grammar-forced chains too
+    (``SpecConfig.methods`` = oracle + forced), so their host work includes the server's
+    default forced drafting (root chains, leaf probes, the catch-up fork of
+    ``grammar_after_launch``), which the oracle alone never runs."""
+    parser.add_argument(
+        "--forced",
+        action="store_true",
+        help="the oracle's trees also get grammar-forced chains (the server's default drafting)",
+    )
+
+
 def add_after_launch_flag(parser: Any) -> None:
     """``--grammar-after-launch [N]`` on an argparse parser: ``EngineConfig.grammar_after_launch``
     for every engine of the run (alone: the engine's ``AFTER_LAUNCH_MIN``; 0: off; absent:
@@ -161,6 +173,7 @@ class _Setup:
     tight_budget: bool = False  # constrained speculative max_tokens = L_i (else the user's)
     backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
     grammar_after_launch: int | None = None  # EngineConfig.grammar_after_launch (None: default)
+    forced: bool = False  # the oracle's trees also get grammar-forced chains (the server default)
 
     def requests(
         self,
@@ -183,6 +196,7 @@ class _Setup:
 
     def oracle(self, continuations: dict[str, tuple[int, list[int]]]) -> Any:
         """A factory of speculative engines proposing ``continuations`` (the oracle drafter)."""
+        from espalier.engine.spec.combine import FORCED
         from espalier.engine.spec.strategy import SpecConfig, install
 
         ahead = SpecConfig.close_ahead if self.close_ahead is None else self.close_ahead
@@ -190,7 +204,7 @@ class _Setup:
         def make() -> Any:
             engine = self.plain()
             config = SpecConfig(
-                methods=("oracle",),
+                methods=("oracle", FORCED) if self.forced else ("oracle",),
                 num_draft_tokens=8,
                 mask_budget_s=None,
                 mask_threads=self.mask_threads,
@@ -334,12 +348,13 @@ def equal_work(
     matcher_spares: int = 16,
     backend: str = spec_bench.BACKEND,
     grammar_after_launch: int | None = None,
+    forced: bool = False,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
     service's spare matchers per grammar; ``backend``: the constrained requests' grammar backend;
     ``grammar_after_launch``: ``EngineConfig.grammar_after_launch`` (plain and speculative
-    runs)."""
+    runs); ``forced``: grammar-forced chains in the oracle's trees (``add_forced_flag``)."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
@@ -373,6 +388,7 @@ def equal_work(
             tight_budget,
             backend,
             grammar_after_launch,
+            forced,
         )
         results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
         if DUMP_STREAMS:
@@ -392,6 +408,7 @@ def equal_work(
                     "tight_budget": tight_budget,
                     "backend": backend,
                     "grammar_after_launch": grammar_after_launch,
+                    "forced": forced,
                     "torch_threads": torch.get_num_threads(),
                     "switch_interval_ms": sys.getswitchinterval() * 1e3,
                     **{k: v for k, v in r.items() if k != "outputs"},
