@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from espalier.constrained.batch import BatchFiller
 from espalier.engine.spec.base import Drafter, DraftInput
 from espalier.engine.spec.forced import ForcedConfig, caught_up, extend_leaves, root_chain
 from espalier.engine.spec.tree_builder import Draft, NodeSource, TreeBuilder
@@ -59,6 +60,27 @@ class Proposer:
 
     drafters: Mapping[str, Drafter]
     forced: ForcedConfig = field(default_factory=ForcedConfig)
+    # the forced chains' catch-up accepts (engine thread only); threads: the mask threads'
+    accepts: BatchFiller = field(default_factory=lambda: BatchFiller(1))
+
+    def _forced_grammars(self, items: Sequence[ProposalItem]) -> list[GrammarMatcher | None]:
+        """Per item, the matcher its forced chains are drafted from: the request's, or a fork
+        of it caught up with ``behind`` (None: unconstrained, or a catch-up that failed); the
+        step's forks are caught up together (``forced.caught_up``)."""
+        grammars = [item.matcher for item in items]
+        late: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        for i, item in enumerate(items):
+            if FORCED in item.methods and item.matcher is not None and item.behind:
+                late.append(i)
+                matchers.append(item.matcher)
+        if late:
+            behind = [items[i].behind for i in late]
+            none: list[GrammarMatcher | None] = [None] * len(late)
+            forks = _guarded(functools.partial(caught_up, self.accepts, matchers, behind), none)
+            for i, fork in zip(late, forks):
+                grammars[i] = fork
+        return grammars
 
     def release(self, request_id: str) -> None:
         for drafter in self.drafters.values():
@@ -68,7 +90,7 @@ class Proposer:
         builders = [TreeBuilder(item.context[-1]) for item in items]
         anchors = [0] * len(items)
         chains: list[list[int]] = [[] for _ in items]
-        grammars = [_forced_grammar(item) for item in items]
+        grammars = self._forced_grammars(items)
         for i, item in enumerate(items):
             if FORCED in item.methods and item.budget > 0:
                 limit = min(item.budget, self.forced.max_chain)
@@ -95,14 +117,6 @@ class Proposer:
                 draft = _guarded(functools.partial(extend, self.forced), draft)
             drafts.append(draft)
         return drafts
-
-
-def _forced_grammar(item: ProposalItem) -> GrammarMatcher | None:
-    """The matcher ``item``'s forced chains are drafted from: the request's, or a fork of it
-    caught up with ``behind`` (None: unconstrained, or a catch-up that failed)."""
-    if FORCED not in item.methods or item.matcher is None or not item.behind:
-        return item.matcher
-    return _guarded(functools.partial(caught_up, item.matcher, item.behind), None)
 
 
 def _guarded(make: Callable[[], T], fallback: T) -> T:

@@ -14,6 +14,7 @@ on the chain.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,9 @@ from espalier.engine.spec.tree_builder import Draft, NodeSource, TreeBuilder
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
+    from espalier.constrained.batch import BatchFiller
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,15 +44,32 @@ def root_chain(matcher: GrammarMatcher | None, limit: int) -> list[int]:
     return list(matcher.forced_tokens(limit))
 
 
-def caught_up(matcher: GrammarMatcher, behind: Sequence[int]) -> GrammarMatcher | None:
-    """A fork of ``matcher`` that has accepted ``behind``: verified tokens the request's matcher
-    has not accepted yet (the engine's ``grammar_after_launch`` drafts before its accepts).
-    Forced chains are then drafted from it as from the matcher itself. None when it rejects
-    one of them (no forced chains: the request's own accept meets the same rejection)."""
-    probe = matcher.fork()
-    if probe.accept_tokens(list(behind)) < len(behind):
-        return None
-    return probe
+def caught_up(
+    batch: BatchFiller, matchers: Sequence[GrammarMatcher], behind: Sequence[Sequence[int]]
+) -> list[GrammarMatcher | None]:
+    """Per request, a fork of ``matchers[j]`` that has accepted ``behind[j]``: verified tokens
+    the request's matcher has not accepted yet (the engine's ``grammar_after_launch`` drafts
+    before its accepts). Forced chains are then drafted from it as from the matcher itself.
+    None where the fork rejects one of them or its grammar raises (no forced chains: the
+    request's own accept meets the same fault). The forks accept in one batch call
+    (``BatchFiller.accept_runs``; llguidance makes its forks' clones in it too): a step's
+    catch-up costs one native call, not a clone and a replay per request."""
+    result: list[GrammarMatcher | None] = [None] * len(matchers)
+    live: list[int] = []
+    forks: list[GrammarMatcher] = []
+    for j, matcher in enumerate(matchers):
+        try:
+            forks.append(matcher.fork())
+        except Exception:
+            log.debug("forced drafting: fork failed; drafting without the grammar", exc_info=True)
+            continue
+        live.append(j)
+    runs = [list(behind[j]) for j in live]
+    counts, faults = batch.accept_runs(forks, runs)
+    for k, j in enumerate(live):
+        if k not in faults and counts[k] == len(runs[k]):
+            result[j] = forks[k]
+    return result
 
 
 def extend_leaves(

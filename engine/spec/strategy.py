@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from espalier.constrained.batch import BatchFiller
 from espalier.engine.api import SpeculativeStats
 from espalier.engine.kv_cache import blocks_needed
 from espalier.engine.model.runner import SeqInput
@@ -139,7 +140,10 @@ class SpeculativeDecoding:
             budget_s=config.mask_budget_s,
         )
         self.decoder = SpeculativeDecoder(
-            runner, Proposer(drafters, config.forced), masks, launch_first=config.launch_first
+            runner,
+            Proposer(drafters, config.forced, BatchFiller(config.mask_threads)),
+            masks,
+            launch_first=config.launch_first,
         )
         # every variant of the verification kernels a step can take, before the first step
         from espalier.constrained.bitmask import words_per_row

@@ -118,6 +118,53 @@ def test_batch_accepts_equal_one_by_one_accepts(gemma_tokenizer: Any, backend: s
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_forks_caught_up_in_a_batch_equal_forks_caught_up_one_by_one(
+    gemma_tokenizer: Any, backend: str
+) -> None:
+    """Fresh forks accept a batch's runs (the forced chains' catch-up, ``forced.caught_up``;
+    llguidance makes their clones in the same native call) as forks accepting one by one do:
+    counts and next rows, with runs rejected midway and two forks of one matcher in the batch;
+    their matchers keep their state and advance apart from them afterwards."""
+    matchers = _matchers(gemma_tokenizer, backend)[:-1]
+    tokens = gemma_tokenizer.encode(INSTANCE)
+    bad = gemma_tokenizer.encode("}")[0]
+    runs = []
+    for j in range(len(matchers)):
+        rest = tokens[2 * j : 2 * j + 5]
+        runs.append([*rest[:2], bad, *rest[2:]] if j % 3 == 1 and rest else rest)
+    runs.append(tokens[:3])  # a second fork of the first matcher
+    sources = [*matchers, matchers[0]]
+    n = len(sources)
+    before = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    for j, matcher in enumerate(sources):
+        matcher.fill_bitmask(before, j)
+    alone = [m.fork() for m in sources]
+    expected = [f.accept_tokens(run) for f, run in zip(alone, runs)]
+    forks = [m.fork() for m in sources]
+    counts, faults = BatchFiller(4).accept_runs(forks, runs)
+    assert faults == {}
+    assert counts == expected
+    assert 0 < sum(c < len(r) for c, r in zip(counts, runs)) < n  # some rejected
+    if backend == "llguidance":
+        assert all(f.materialized for f, run in zip(forks, runs) if run)
+    got = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    want = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    after = bm.allocate(n, gemma_tokenizer.vocab_size, fill=0)
+    for j, (fork, one, matcher) in enumerate(zip(forks, alone, sources)):
+        fork.fill_bitmask(got, j)
+        one.fill_bitmask(want, j)
+        matcher.fill_bitmask(after, j)
+    assert torch.equal(got, want)
+    assert torch.equal(after, before)  # the matchers did not move
+    assert not torch.equal(got, before)
+    first = matchers[0]
+    assert first.accept_tokens(tokens[:1]) == 1  # the matcher goes on; its forks stay
+    check = bm.allocate(1, gemma_tokenizer.vocab_size, fill=0)
+    forks[-1].fill_bitmask(check, 0)
+    assert torch.equal(check[0], want[n - 1])
+
+
 def test_a_batch_accept_that_raises_is_its_matchers_fault(gemma_tokenizer: Any) -> None:
     good = _matchers(gemma_tokenizer, "llguidance")[:3]
     many = [f"option-{i:04d}" for i in range(2001)]

@@ -80,6 +80,10 @@ ACCEPTS_PER_THREAD = 8
 """Matchers per native thread of a batch accept (a run costs a few µs a token, a thread's start
 tens: fewer matchers than this stay on the calling thread)."""
 
+FORKS_PER_THREAD = 2
+"""Forks per native thread of a batch that makes them (``capi.fork_batch``): each one's clone
+copies the lexer, tens of µs, as long as a thread's start."""
+
 
 class Backend:
     """llguidance bound to one tokenizer; ``compile`` is thread-safe."""
@@ -324,13 +328,19 @@ class NativeBatch:
         faults: dict[int, BaseException],
     ) -> None:
         """See ``BatchStep.accept_runs``: the runs of text tokens in one native call on up to
-        ``threads`` threads (``capi.accept_batch``, the GIL released), others one by one."""
+        ``threads`` threads (``capi.accept_batch``, the GIL released), others one by one. Lazy
+        forks (``Matcher.clone_source``) are made in a call of their own
+        (``capi.fork_batch``): their clones on the native threads too."""
         native: list[int] = []
         mine: list[Matcher] = []
+        forks: dict[int, llg_native.NativeMatcher] = {}  # index in mine -> its clone's source
         for j, (matcher, run) in enumerate(zip(matchers, runs)):
             try:
                 if isinstance(matcher, Matcher) and run and matcher.takes_all_natively(run):
-                    if matcher.mask_memo_stale:
+                    source = matcher.clone_source()
+                    if source is not None and all(s is not source for s in forks.values()):
+                        forks[len(mine)] = source
+                    elif matcher.mask_memo_stale:
                         matcher.refresh_mask_memo()
                     native.append(j)
                     mine.append(matcher)
@@ -340,18 +350,39 @@ class NativeBatch:
                 faults[j] = exc
         if not native:
             return
-        counts = llg_native.accept_batch(
-            llg_native.api(),
-            [m.native for m in mine],
-            [runs[j] for j in native],
-            min(self.threads, len(mine) // ACCEPTS_PER_THREAD),
-        )
-        for j, matcher, count in zip(native, mine, counts):
-            if count < 0:
+        lib = llg_native.api()
+        counts = [0] * len(mine)
+        if forks:
+            made = llg_native.fork_batch(
+                lib,
+                list(forks.values()),
+                [runs[native[k]] for k in forks],
+                min(self.threads, max(1, len(forks) // FORKS_PER_THREAD)),
+            )
+            for k, (clone, count) in zip(forks, made):
+                if clone is None:
+                    faults[native[k]] = MemoryError("llguidance returned no matcher")
+                    continue
+                mine[k]._native = clone
+                counts[k] = count
+        rest = [k for k in range(len(mine)) if k not in forks]
+        if rest:
+            taken = llg_native.accept_batch(
+                lib,
+                [mine[k].native for k in rest],
+                [runs[native[k]] for k in rest],
+                min(self.threads, len(rest) // ACCEPTS_PER_THREAD),
+            )
+            for k, count in zip(rest, taken):
+                counts[k] = count
+        for k, (j, matcher) in enumerate(zip(native, mine)):
+            if j in faults:
+                continue
+            if counts[k] < 0:
                 faults[j] = MatcherStateError(f"llguidance: {matcher.native.error()}")
                 continue
-            matcher.history.extend(runs[j][:count])
-            accepted[j] = count
+            matcher.history.extend(runs[j][: counts[k]])
+            accepted[j] = counts[k]
 
 
 class Matcher(MatcherBase):
@@ -417,17 +448,9 @@ class Matcher(MatcherBase):
         """A lazy fork's C-API matcher: a clone of its source where that is safe (the thread
         that forked it, which owns the source, and the source still at the fork's state), else
         a clone of the closing base that consumes the rest of the history."""
-        origin = self.origin
-        if (
-            origin is not None
-            and origin._native is not None
-            and self._forked_on == threading.get_ident()
-            and origin.history == self.history
-        ):
-            if origin.mask_memo_stale:
-                origin.refresh_mask_memo()  # a clone carries the memo along
-            origin.snapshot_wanted = False  # this fork needs no snapshot: it has its own
-            return origin._native.clone()
+        source = self.clone_source()
+        if source is not None:
+            return source.clone()
         base = self.closing_base
         if base is None:
             native, length = self.compiled.native_start(), 0
@@ -437,6 +460,25 @@ class Matcher(MatcherBase):
         if rest and native.try_consume(rest) != len(rest):
             raise MatcherStateError(f"llguidance: a fork could not replay: {native.error()}")
         return native
+
+    def clone_source(self) -> llg_native.NativeMatcher | None:
+        """For a lazy fork: the C-API matcher to clone as its own, its origin's, where that is
+        safe (this thread made the fork and owns the origin, and the origin is still at the
+        fork's state), its mask memo refreshed first (a clone carries it along); else None
+        (``_materialize`` then replays from the closing base)."""
+        origin = self.origin
+        if (
+            self._native is not None
+            or origin is None
+            or origin._native is None
+            or self._forked_on != threading.get_ident()
+            or origin.history != self.history
+        ):
+            return None
+        if origin.mask_memo_stale:
+            origin.refresh_mask_memo()
+        origin.snapshot_wanted = False  # this fork needs no snapshot: it has its own
+        return origin._native
 
     def refresh_mask_memo(self) -> None:
         """Compute the mask into a scratch row, so llguidance's memo describes this state.

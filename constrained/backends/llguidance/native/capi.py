@@ -98,7 +98,7 @@ class _TreeBatchArgs(ctypes.Structure):
     ]
 
 
-WALK_ABI = 5
+WALK_ABI = 6
 """``espalier_llg_walk_abi()`` of the ``llg_walk.c`` this binding was written for."""
 
 TOKENIZE_CACHE_ENTRIES = 8192
@@ -163,7 +163,7 @@ class Api:
             "espalier_llg_walk_batch": (ctypes.c_int64, [vp, vp]),
             "espalier_llg_accept_batch": (
                 ctypes.c_int64,
-                [vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64, vp],
+                [vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64, vp],
             ),
             "espalier_tokenize_cache_new": (vp, [vp, vp, sz]),
             "espalier_llg_series": (ctypes.c_char_p, []),
@@ -496,17 +496,49 @@ def accept_batch(
     does (a whole run validated, then consumed, can fail where token-by-token consumes do not:
     ``tests/constrained/test_llguidance_isolation.py``'s schema). Per matcher: how many, or -1
     when it is in its error state. The matchers must be distinct."""
-    n = len(matchers)
+    pointers = np.fromiter((m.pointer for m in matchers), dtype=np.uint64, count=len(matchers))
+    return _accept_batch(lib, pointers, None, runs, threads)
+
+
+def fork_batch(
+    lib: Api, sources: Sequence[NativeMatcher], runs: Sequence[Sequence[int]], threads: int
+) -> list[tuple[NativeMatcher | None, int]]:
+    """A clone of each of ``sources`` that has consumed what it allows of ``runs[j]``, as
+    :func:`accept_batch` consumes, clones made in the same native call (a clone copies the
+    lexer: tens of µs each, on the native threads rather than one by one); the sources do not
+    change. Per source: its clone (None when the clone failed) and the count, -1 when the clone
+    is in its error state. The sources must be distinct and not in use on another thread."""
+    n = len(sources)
+    pointers = np.zeros(n, dtype=np.uint64)
+    froms = np.fromiter((m.pointer for m in sources), dtype=np.uint64, count=n)
+    counts = _accept_batch(lib, pointers, froms, runs, threads)
+    out: list[tuple[NativeMatcher | None, int]] = []
+    for source, pointer, count in zip(sources, pointers.tolist(), counts):
+        clone = NativeMatcher(source.tokenizer, int(pointer)) if pointer else None
+        out.append((clone, count if clone is not None else -1))
+    return out
+
+
+def _accept_batch(
+    lib: Api,
+    pointers: np.ndarray,
+    sources: np.ndarray | None,
+    runs: Sequence[Sequence[int]],
+    threads: int,
+) -> list[int]:
+    """``espalier_llg_accept_batch`` over uint64 ``pointers`` ``[n]`` (written by the call,
+    clones of uint64 ``sources`` ``[n]``, when those are given)."""
+    n = len(pointers)
     lengths = np.fromiter((len(r) for r in runs), dtype=np.int64, count=n)
     at = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=at[1:])
     tokens = np.fromiter((t for r in runs for t in r), dtype=np.uint32, count=int(at[-1]))
-    pointers = np.fromiter((m.pointer for m in matchers), dtype=np.uint64, count=n)
     out = np.empty(n, dtype=np.int64)
     lib.accept_batch_fn(
         lib.fns_address,
         lib.validate_address,
         pointers.ctypes.data,
+        None if sources is None else sources.ctypes.data,
         tokens.ctypes.data,
         at.ctypes.data,
         n,

@@ -40,7 +40,7 @@ typedef struct EspLlgApi {
 } EspLlgApi;
 
 /* The layout of EspTreeBatch and the exported functions: capi.py checks it at load. */
-#define ESP_WALK_ABI 5
+#define ESP_WALK_ABI 6
 
 int64_t espalier_llg_walk_abi(void) { return ESP_WALK_ABI; }
 
@@ -753,7 +753,8 @@ typedef int32_t (*EspValidateFn)(void *matcher, const uint32_t *tokens, size_t n
 typedef struct AcceptBatch {
     const EspLlgApi *api;
     EspValidateFn validate;
-    void *const *matchers;
+    void **matchers;
+    void *const *sources; /* NULL, or: matchers[b] = a clone of sources[b], made by the job */
     const uint32_t *tokens;
     const int64_t *at;
     int64_t n;
@@ -767,6 +768,10 @@ typedef struct AcceptBatch {
  * consumed, can fail where token-by-token consumes do not, and a disallowed token consumed would
  * put the matcher in its sticky error state.) */
 static int64_t accept_one(const AcceptBatch *a, int64_t b) {
+    if (a->sources != NULL) {
+        a->matchers[b] = a->api->clone(a->sources[b]);
+        if (a->matchers[b] == NULL) return -1;
+    }
     void *m = a->matchers[b];
     int64_t taken = 0;
     for (int64_t i = a->at[b]; i < a->at[b + 1]; i++) {
@@ -791,13 +796,16 @@ static void *accept_worker(void *arg) {
 }
 
 /* Matcher b (of n) consumes what it allows of tokens[at[b] .. at[b + 1]) (accept_one); out[b]:
- * how many, or -1 when it failed (its error state then says why). Up to `threads` threads over
- * the matchers (each matcher on one thread; distinct matchers only), the calling one among
- * them. Returns 0. */
-int64_t espalier_llg_accept_batch(const EspLlgApi *api, EspValidateFn validate,
-                                  void *const *matchers, const uint32_t *tokens,
-                                  const int64_t *at, int64_t n, int64_t threads, int64_t *out) {
-    AcceptBatch a = {api, validate, matchers, tokens, at, n, out, 0, PTHREAD_MUTEX_INITIALIZER};
+ * how many, or -1 when it failed (its error state then says why; a failed clone leaves
+ * matchers[b] NULL). sources NULL: the matchers are advanced in place; else matchers[b] is
+ * written first, a clone of sources[b] (its caller owns it), so a batch of forks is made and
+ * caught up in one call. Up to `threads` threads over the matchers (each matcher, and each
+ * source, on one thread; distinct ones only), the calling one among them. Returns 0. */
+int64_t espalier_llg_accept_batch(const EspLlgApi *api, EspValidateFn validate, void **matchers,
+                                  void *const *sources, const uint32_t *tokens, const int64_t *at,
+                                  int64_t n, int64_t threads, int64_t *out) {
+    AcceptBatch a = {api, validate, matchers, sources, tokens, at,
+                     n,   out,      0,        PTHREAD_MUTEX_INITIALIZER};
     for (int64_t b = 0; b < n; b++) out[b] = -2;
     int64_t helpers = threads - 1;
     if (helpers > n - 1) helpers = n - 1;
