@@ -40,7 +40,7 @@ The last line is a summary. Usage (on the GPU machine)::
     python3 bench/gpu.py --tokenizer .data/gpu/gemma_tok [--batches 1,8,64] [--steps 64]
         [--decode-reps 5] [--skip-profile] [--paths a,b]
         [--spec-batches 1,32] [--spec-max-tokens 96] [--mask-threads 8] [--skip-spec]
-        [--tight-budget] [--grammar-after-launch [N]] [--forced]
+        [--tight-budget] [--grammar-after-launch [N]] [--forced] [--unconstrained-lengths F]
 """
 
 from __future__ import annotations
@@ -368,6 +368,11 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             backend=args.backend,
             grammar_after_launch=args.grammar_after_launch,
             forced=args.forced,
+            anchor_lengths=(
+                gpu_spec.read_anchor_lengths(args.unconstrained_lengths)
+                if args.unconstrained_lengths
+                else None
+            ),
         )
         prefix = (
             ""
@@ -492,6 +497,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gpu_spec.add_after_launch_flag(parser)
     gpu_spec.add_forced_flag(parser)
+    parser.add_argument(
+        "--unconstrained-lengths",
+        default=None,
+        metavar="STREAMS",
+        help="unconstrained requests take the lengths of this --dump-streams file (another "
+        "tree's constrained outputs: bench/inputs/h200_b32_streams.jsonl is b2525ec's at b32), "
+        "so unconstrained tok/s compare with that tree's in equal work",
+    )
     parser.add_argument("--lead-spec", action="store_true", help="also bench/spec.py's GPU part")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument(

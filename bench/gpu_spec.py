@@ -39,6 +39,24 @@ from typing import Any
 import spec as spec_bench  # bench/spec.py (this folder is on sys.path)
 
 
+def read_anchor_lengths(path: str) -> dict[int, list[int]]:
+    """Per batch size, the output lengths in a ``--dump-streams`` file (JSON lines with
+    ``batch`` and ``tokens``, in request order): another tree's constrained outputs, e.g.
+    ``bench/inputs/h200_b32_streams.jsonl``, b2525ec's at b32. Given to ``equal_work``, this
+    tree's unconstrained requests take those lengths, so its unconstrained runs do the anchor
+    tree's unconstrained work (same prompts, same lengths) and their tok/s compare across
+    trees; that run's constrained / unconstrained ratios are then not equal work."""
+    import json
+
+    lengths: dict[int, list[int]] = {}
+    with open(path) as lines:
+        for line in lines:
+            if line.strip():
+                record = json.loads(line)
+                lengths.setdefault(int(record["batch"]), []).append(max(1, len(record["tokens"])))
+    return lengths
+
+
 def add_forced_flag(parser: Any) -> None:
     """``--forced`` on an argparse parser: the speculative runs draft grammar-forced chains too
     (``SpecConfig.methods`` = oracle + forced), so their host work includes the server's
@@ -239,12 +257,14 @@ def _one_batch(
     max_tokens: int,
     profile: bool,
     reps: int = 1,
+    anchor_lengths: Sequence[int] | None = None,
 ) -> dict[tuple[bool, bool], dict[str, Any]]:
     """The four runs of one batch size, keyed by (constrained, speculative). The speculative
     pair runs ``reps`` times after an uncounted pair, interleaved (ABBA); each side reports its
     median run, with every run's tok/s (``tok_per_s_reps``), and the constrained side the
     run-by-run ratios (``ratio_reps``, pairs run back to back) and the host profile of its
-    first counted run when ``profile``."""
+    first counted run when ``profile``. ``anchor_lengths``: the unconstrained requests'
+    lengths instead of the constrained outputs' (``read_anchor_lengths``)."""
     count = len(prompts)
     results: dict[tuple[bool, bool], dict[str, Any]] = {}
     full = [max_tokens] * count
@@ -253,6 +273,10 @@ def _one_batch(
     )
     lengths = [max(1, len(c_plain["outputs"][f"c{i}"])) for i in range(count)]
     c_plain["at_budget"] = sum(n >= max_tokens for n in lengths)
+    if anchor_lengths is not None:
+        if len(anchor_lengths) != count:
+            raise SystemExit(f"{len(anchor_lengths)} anchor lengths for {count} requests")
+        lengths = list(anchor_lengths)
     free = [None] * count
     u_plain = _run(setup.plain, setup.groups(setup.requests(prompts, free, lengths, False, "u")))
     plain_jobs = {
@@ -349,12 +373,15 @@ def equal_work(
     backend: str = spec_bench.BACKEND,
     grammar_after_launch: int | None = None,
     forced: bool = False,
+    anchor_lengths: dict[int, list[int]] | None = None,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
     service's spare matchers per grammar; ``backend``: the constrained requests' grammar backend;
     ``grammar_after_launch``: ``EngineConfig.grammar_after_launch`` (plain and speculative
-    runs); ``forced``: grammar-forced chains in the oracle's trees (``add_forced_flag``)."""
+    runs); ``forced``: grammar-forced chains in the oracle's trees (``add_forced_flag``);
+    ``anchor_lengths``: per batch size, the unconstrained requests' lengths
+    (``read_anchor_lengths``)."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
@@ -390,7 +417,10 @@ def equal_work(
             grammar_after_launch,
             forced,
         )
-        results = _one_batch(setup, prompts, grammars, max_tokens, batch == profile_batch, reps)
+        anchor = None if anchor_lengths is None else anchor_lengths.get(batch)
+        results = _one_batch(
+            setup, prompts, grammars, max_tokens, batch == profile_batch, reps, anchor
+        )
         if DUMP_STREAMS:
             _dump_streams(DUMP_STREAMS, batch, schemas, results[(True, False)], max_tokens)
         for (constrained, speculative), r in results.items():
@@ -409,6 +439,7 @@ def equal_work(
                     "backend": backend,
                     "grammar_after_launch": grammar_after_launch,
                     "forced": forced,
+                    "anchor_lengths": anchor_lengths is not None and batch in anchor_lengths,
                     "torch_threads": torch.get_num_threads(),
                     "switch_interval_ms": sys.getswitchinterval() * 1e3,
                     **{k: v for k, v in r.items() if k != "outputs"},
