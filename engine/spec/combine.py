@@ -109,13 +109,13 @@ class Proposer:
             ]
             for i, draft in zip(users, drafter.propose(inputs)):
                 builders[i].graft(anchors[i], draft)
-        drafts = []
-        for item, builder, grammar in zip(items, builders, grammars):
-            draft = builder.build(max(item.budget, 0))
-            if FORCED in item.methods and grammar is not None:
-                extend = functools.partial(extend_leaves, draft, grammar, item.budget)
-                draft = _guarded(functools.partial(extend, self.forced), draft)
-            drafts.append(draft)
+        drafts = [builder.build(max(item.budget, 0)) for item, builder in zip(items, builders)]
+        forced = [FORCED in item.methods for item in items]
+        if any(g is not None and f for g, f in zip(grammars, forced)):
+            probed = [g if f else None for g, f in zip(grammars, forced)]
+            budgets = [item.budget for item in items]
+            extend = functools.partial(extend_leaves, self.accepts, drafts, probed, budgets)
+            drafts = _guarded(functools.partial(extend, self.forced), drafts)
         return drafts
 
 

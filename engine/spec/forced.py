@@ -15,7 +15,7 @@ on the chain.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ForcedConfig:
-    """max_chain: tokens per forced chain; max_leaf_extensions: leaves probed for a chain per step
-    (each probe replays the leaf's path on the matcher and rolls it back)."""
+    """max_chain: tokens per forced chain; max_leaf_extensions: leaves probed for a chain per
+    tree and step (each probe replays the leaf's path: :func:`extend_leaves`)."""
 
     max_chain: int = 16
     max_leaf_extensions: int = 4
@@ -72,41 +72,118 @@ def caught_up(
     return result
 
 
+@dataclass
+class _Extension:
+    """One draft's leaf probes across the rounds of :func:`extend_leaves`."""
+
+    leaves: list[int]  # best first, at most max_leaf_extensions
+    room: int  # node budget left
+    builder: TreeBuilder | None = None  # made at the first chain
+    failed: bool = False  # its grammar raised: the draft keeps no chain
+
+
 def extend_leaves(
-    draft: Draft, matcher: GrammarMatcher, budget: int, config: ForcedConfig
-) -> Draft:
-    """Graft forced chains below the best leaves of ``draft`` while node budget remains.
+    batch: BatchFiller,
+    drafts: Sequence[Draft],
+    matchers: Sequence[GrammarMatcher | None],
+    budgets: Sequence[int],
+    config: ForcedConfig,
+) -> list[Draft]:
+    """Per request, ``drafts[j]`` with forced chains grafted below its best leaves while its
+    node budget ``budgets[j]`` remains (``matchers[j]``: its grammar at the root; None: no
+    chains). The matchers' states are unchanged on return.
 
-    Each probed leaf's path is accepted on ``matcher`` and rolled back (state unchanged on return),
-    or on a fork where the backend's rollback is not exact (``exact_rollback``).
-    A path the grammar rejects gets no chain (the target will reject it anyway).
-    """
-    room = budget - draft.num_draft_tokens
-    if room <= 0 or matcher.is_terminated():
-        return draft
-    leaves = sorted((i for i in draft.leaves() if i > 0), key=lambda i: -draft.scores[i])
-    builder: TreeBuilder | None = None
-    for leaf in leaves[: config.max_leaf_extensions]:
-        if room <= 0:
-            break
-        path = draft.path_tokens(leaf)
-        chain = _forced_after(matcher, path, min(room, config.max_chain))
-        if not chain:
+    Up to ``config.max_leaf_extensions`` leaves a draft are probed, best first, in rounds:
+    round k probes every draft's k-th leaf with the room its earlier chains left, so each
+    draft gets the chains a leaf-by-leaf loop would give it. A probe replays the leaf's path
+    on a fork where the backend's rollback is not exact (``exact_rollback``; a round's forks
+    are made and advanced in one ``BatchFiller.accept_runs``, natively on llguidance), else on
+    the matcher itself, rolled back. A path the grammar rejects gets no chain (the target will
+    reject it anyway); a draft whose grammar raises keeps none (drafts are only a guess)."""
+    state: dict[int, _Extension] = {}
+    for j, (draft, matcher, budget) in enumerate(zip(drafts, matchers, budgets)):
+        room = budget - draft.num_draft_tokens
+        try:
+            if matcher is None or room <= 0 or matcher.is_terminated():
+                continue
+        except Exception:
+            log.debug("forced drafting failed; drafting without the grammar", exc_info=True)
             continue
-        if builder is None:
-            builder = _builder_from(draft)
-        builder.add_path(leaf, chain, None, NodeSource.FORCED)
-        room -= len(chain)
-    return draft if builder is None else builder.build()
+        leaves = sorted((i for i in draft.leaves() if i > 0), key=lambda i: -draft.scores[i])
+        if leaves:
+            state[j] = _Extension(leaves[: config.max_leaf_extensions], room)
+    for k in range(config.max_leaf_extensions):
+        probes = {
+            j: (drafts[j].path_tokens(e.leaves[k]), min(e.room, config.max_chain))
+            for j, e in state.items()
+            if not e.failed and e.room > 0 and k < len(e.leaves)
+        }
+        if not probes:
+            break
+        chains = _forced_after(batch, {j: matchers[j] for j in probes}, probes)
+        for j, chain in chains.items():
+            extension = state[j]
+            if isinstance(chain, BaseException):
+                log.debug("forced drafting failed; drafting without the grammar", exc_info=chain)
+                extension.failed = True
+                continue
+            if not chain:
+                continue
+            if extension.builder is None:
+                extension.builder = _builder_from(drafts[j])
+            extension.builder.add_path(extension.leaves[k], chain, None, NodeSource.FORCED)
+            extension.room -= len(chain)
+    out = list(drafts)
+    for j, extension in state.items():
+        if extension.builder is not None and not extension.failed:
+            out[j] = extension.builder.build()
+    return out
 
 
-def _forced_after(matcher: GrammarMatcher, path: list[int], limit: int) -> list[int]:
-    if not matcher.exact_rollback:  # probing would roll the request back: probe a copy
-        probe = matcher.fork()  # dropped after: the path in one call (native on llguidance)
-        if probe.accept_tokens(path) < len(path) or probe.is_terminated():
-            return []
-        return list(probe.forced_tokens(limit))
-    accepted = 0  # in place, rolled back token by token even when an accept raises
+def _forced_after(
+    batch: BatchFiller,
+    matchers: Mapping[int, GrammarMatcher | None],
+    probes: Mapping[int, tuple[list[int], int]],
+) -> dict[int, list[int] | BaseException]:
+    """Per key, the chain forced after ``probes[key]``'s path (at most its limit) from
+    ``matchers[key]`` ([] when the grammar rejects the path or ends on it), or what its
+    grammar raised; the matchers' states are unchanged."""
+    chains: dict[int, list[int] | BaseException] = {}
+    keys: list[int] = []
+    forks: list[GrammarMatcher] = []
+    for key, matcher in matchers.items():
+        assert matcher is not None
+        path, limit = probes[key]
+        try:
+            if matcher.exact_rollback:
+                chains[key] = _forced_in_place(matcher, path, limit)
+            else:  # probing would roll the request back: probe a fork, dropped after
+                forks.append(matcher.fork())
+                keys.append(key)
+        except Exception as exc:
+            chains[key] = exc
+    if not forks:
+        return chains
+    runs = [probes[key][0] for key in keys]
+    counts, faults = batch.accept_runs(forks, runs)
+    for k, (key, probe) in enumerate(zip(keys, forks)):
+        if k in faults:
+            chains[key] = faults[k]
+            continue
+        try:
+            if counts[k] < len(runs[k]) or probe.is_terminated():
+                chains[key] = []
+            else:
+                chains[key] = list(probe.forced_tokens(probes[key][1]))
+        except Exception as exc:
+            chains[key] = exc
+    return chains
+
+
+def _forced_in_place(matcher: GrammarMatcher, path: list[int], limit: int) -> list[int]:
+    """The chain forced after ``path`` on ``matcher`` itself, rolled back token by token even
+    when an accept raises (backends whose rollback is exact)."""
+    accepted = 0
     try:
         for token in path:
             if not matcher.accept(token):

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from espalier.constrained.batch import BatchFiller
 from espalier.constrained.tree import DraftTree
 from espalier.engine.spec.base import DraftInput
 from espalier.engine.spec.combine import ProposalItem, Proposer
@@ -133,6 +134,12 @@ def test_ngram_drafts_after_a_forced_chain() -> None:
     assert draft.tokens[0] == 2 and draft.path_tokens(draft.num_nodes - 1) == [3, 4]
 
 
+def _extended(draft: Draft, matcher: Any, budget: int) -> Draft:
+    """One draft through :func:`extend_leaves` (the batch call of one request)."""
+    [out] = extend_leaves(BatchFiller(1), [draft], [matcher], [budget], ForcedConfig())
+    return out
+
+
 def test_forced_chains_from_a_real_grammar(toy_tokenizer: Any) -> None:
     matcher = compile_matcher(toy_tokenizer, "llguidance")
     chain = root_chain(matcher, 16)
@@ -143,11 +150,53 @@ def test_forced_chains_from_a_real_grammar(toy_tokenizer: Any) -> None:
     # inside the forced prefix gets the rest of the chain grafted below it
     builder = TreeBuilder(0)
     builder.add_path(0, chain[:1], [-0.1], NodeSource.MODEL)
-    draft = extend_leaves(builder.build(), matcher, 32, ForcedConfig())
+    draft = _extended(builder.build(), matcher, 32)
     draft.validate()
     assert draft.path_tokens(draft.num_nodes - 1) == chain
     assert draft.sources[2:] == [NodeSource.FORCED] * (len(chain) - 1)
     assert root_chain(matcher, 16) == chain  # the matcher state is unchanged
+
+
+def test_leaf_probes_of_a_batch_equal_each_drafts_own(toy_tokenizer: Any) -> None:
+    """``extend_leaves`` probes a batch's drafts in rounds (one batch accept of forks a round)
+    and gives each draft the chains it gets alone: leaves inside the forced prefix get the
+    rest of the chain, a rejected branch none, a tight budget a cut chain (and no room for
+    the next leaf), no grammar none; llguidance (forks) and xgrammar (in place) mixed. The
+    matchers do not move."""
+    llg = [compile_matcher(toy_tokenizer, "llguidance") for _ in range(3)]
+    xgr = compile_matcher(toy_tokenizer, "xgrammar")
+    chain = root_chain(llg[0], 16)
+    assert len(chain) >= 4
+    bad = next(t for t in range(toy_tokenizer.vocab_size) if t not in chain)
+
+    def draft(*paths: list[int]) -> Draft:
+        builder = TreeBuilder(0)
+        for n, path in enumerate(paths):
+            builder.add_path(0, path, [-0.1 * (n + 1)] * len(path), NodeSource.MODEL)
+        return builder.build()
+
+    drafts = [
+        draft(chain[:2], [chain[0], bad]),  # the best leaf extends, the rejected one does not
+        draft(chain[:1], [bad]),
+        draft(chain[:2], chain[:1] + [bad]),  # budget 5: the chain is cut at 3 nodes
+        draft(chain[:2]),  # no grammar
+        draft(chain[:2], [chain[0], bad]),  # xgrammar: probed in place
+    ]
+    matchers: list[Any] = [llg[0], llg[1], llg[2], None, xgr]
+    budgets = [32, 32, 5, 32, 32]
+    alone = [
+        _extended(d, m, b) if m is not None else d for d, m, b in zip(drafts, matchers, budgets)
+    ]
+    together = extend_leaves(BatchFiller(2), drafts, matchers, budgets, ForcedConfig())
+    for got, want in zip(together, alone):
+        got.validate()
+        assert (got.tokens, got.parents, got.sources) == (want.tokens, want.parents, want.sources)
+    assert together[0].path_tokens(together[0].num_nodes - 1) == chain
+    assert together[2].num_draft_tokens == 5  # cut to the budget
+    assert together[3] is drafts[3]
+    assert (together[4].tokens, together[4].sources) == (together[0].tokens, together[0].sources)
+    for matcher in (*llg, xgr):
+        assert root_chain(matcher, 16) == chain  # unchanged
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
@@ -170,7 +219,7 @@ def test_forced_chain_probes_roll_back_only_exact_matchers(
         original(self, n)
 
     monkeypatch.setattr(type(matcher), "rollback", counted)
-    draft = extend_leaves(builder.build(), matcher, 32, ForcedConfig())
+    draft = _extended(builder.build(), matcher, 32)
     assert draft.path_tokens(draft.num_nodes - 1) == chain  # the chain was grafted
     assert matcher.exact_rollback == (backend != "llguidance")
     if matcher.exact_rollback:
