@@ -345,6 +345,8 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     passes = zip(names, aheads, threads, pools, switches)
     default_pool = torch.get_num_threads()
     default_switch = sys.getswitchinterval()
+    lengths_file = args.unconstrained_lengths
+    anchor_lengths = gpu_spec.read_anchor_lengths(lengths_file) if lengths_file else None
     for i, (name, ahead, mask_threads, pool, switch) in enumerate(passes):
         # torch's CPU thread pool of the engine process (the closing workers are processes)
         torch.set_num_threads(default_pool if pool == "default" else int(pool))
@@ -368,11 +370,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             backend=args.backend,
             grammar_after_launch=args.grammar_after_launch,
             forced=args.forced,
-            anchor_lengths=(
-                gpu_spec.read_anchor_lengths(args.unconstrained_lengths)
-                if args.unconstrained_lengths
-                else None
-            ),
+            anchor_lengths=anchor_lengths,
         )
         prefix = (
             ""

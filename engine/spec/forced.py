@@ -51,23 +51,42 @@ def caught_up(
     the request's matcher has not accepted yet (the engine's ``grammar_after_launch`` drafts
     before its accepts). Forced chains are then drafted from it as from the matcher itself.
     None where the fork rejects one of them or its grammar raises (no forced chains: the
-    request's own accept meets the same fault). The forks accept in one batch call
-    (``BatchFiller.accept_runs``; llguidance makes its forks' clones in it too): a step's
-    catch-up costs one native call, not a clone and a replay per request."""
-    result: list[GrammarMatcher | None] = [None] * len(matchers)
+    request's own accept meets the same fault). A step's catch-up costs one native call, not
+    a clone and a replay per request (:func:`_forks_after`)."""
+    out: list[GrammarMatcher | None] = []
+    for fork in _forks_after(batch, matchers, [list(b) for b in behind]):
+        if isinstance(fork, BaseException):
+            log.debug(
+                "forced drafting: catch-up failed; drafting without the grammar", exc_info=fork
+            )
+            fork = None
+        out.append(fork)
+    return out
+
+
+def _forks_after(
+    batch: BatchFiller, matchers: Sequence[GrammarMatcher], runs: Sequence[list[int]]
+) -> list[GrammarMatcher | BaseException | None]:
+    """Per matcher, a fork of it that has accepted ``runs[j]`` whole (None: its grammar rejects
+    part of it), or what its grammar raised; the matchers do not move. The forks are advanced
+    in one ``BatchFiller.accept_runs`` (llguidance makes their clones in the same call)."""
+    result: list[GrammarMatcher | BaseException | None] = [None] * len(matchers)
     live: list[int] = []
     forks: list[GrammarMatcher] = []
     for j, matcher in enumerate(matchers):
         try:
             forks.append(matcher.fork())
-        except Exception:
-            log.debug("forced drafting: fork failed; drafting without the grammar", exc_info=True)
+        except Exception as exc:
+            result[j] = exc
             continue
         live.append(j)
-    runs = [list(behind[j]) for j in live]
-    counts, faults = batch.accept_runs(forks, runs)
+    if not forks:
+        return result
+    counts, faults = batch.accept_runs(forks, [runs[j] for j in live])
     for k, j in enumerate(live):
-        if k not in faults and counts[k] == len(runs[k]):
+        if k in faults:
+            result[j] = faults[k]
+        elif counts[k] == len(runs[j]):
             result[j] = forks[k]
     return result
 
@@ -76,6 +95,7 @@ def caught_up(
 class _Extension:
     """One draft's leaf probes across the rounds of :func:`extend_leaves`."""
 
+    matcher: GrammarMatcher  # its grammar at the root
     leaves: list[int]  # best first, at most max_leaf_extensions
     room: int  # node budget left
     builder: TreeBuilder | None = None  # made at the first chain
@@ -111,16 +131,16 @@ def extend_leaves(
             continue
         leaves = sorted((i for i in draft.leaves() if i > 0), key=lambda i: -draft.scores[i])
         if leaves:
-            state[j] = _Extension(leaves[: config.max_leaf_extensions], room)
+            state[j] = _Extension(matcher, leaves[: config.max_leaf_extensions], room)
     for k in range(config.max_leaf_extensions):
         probes = {
-            j: (drafts[j].path_tokens(e.leaves[k]), min(e.room, config.max_chain))
+            j: (e.matcher, drafts[j].path_tokens(e.leaves[k]), min(e.room, config.max_chain))
             for j, e in state.items()
             if not e.failed and e.room > 0 and k < len(e.leaves)
         }
         if not probes:
             break
-        chains = _forced_after(batch, {j: matchers[j] for j in probes}, probes)
+        chains = _forced_after(batch, probes)
         for j, chain in chains.items():
             extension = state[j]
             if isinstance(chain, BaseException):
@@ -141,40 +161,30 @@ def extend_leaves(
 
 
 def _forced_after(
-    batch: BatchFiller,
-    matchers: Mapping[int, GrammarMatcher | None],
-    probes: Mapping[int, tuple[list[int], int]],
+    batch: BatchFiller, probes: Mapping[int, tuple[GrammarMatcher, list[int], int]]
 ) -> dict[int, list[int] | BaseException]:
-    """Per key, the chain forced after ``probes[key]``'s path (at most its limit) from
-    ``matchers[key]`` ([] when the grammar rejects the path or ends on it), or what its
-    grammar raised; the matchers' states are unchanged."""
+    """Per key, the chain forced after the probe's path (at most its limit) from its matcher
+    ([] when the grammar rejects the path or ends on it), or what its grammar raised; the
+    matchers' states are unchanged. Matchers whose rollback is not exact are probed on forks
+    (:func:`_forks_after`, one call for the round), the others in place."""
     chains: dict[int, list[int] | BaseException] = {}
-    keys: list[int] = []
-    forks: list[GrammarMatcher] = []
-    for key, matcher in matchers.items():
-        assert matcher is not None
-        path, limit = probes[key]
+    forked: list[int] = []
+    for key, (matcher, path, limit) in probes.items():
         try:
             if matcher.exact_rollback:
                 chains[key] = _forced_in_place(matcher, path, limit)
             else:  # probing would roll the request back: probe a fork, dropped after
-                forks.append(matcher.fork())
-                keys.append(key)
+                forked.append(key)
         except Exception as exc:
             chains[key] = exc
-    if not forks:
-        return chains
-    runs = [probes[key][0] for key in keys]
-    counts, faults = batch.accept_runs(forks, runs)
-    for k, (key, probe) in enumerate(zip(keys, forks)):
-        if k in faults:
-            chains[key] = faults[k]
+    matchers = [probes[key][0] for key in forked]
+    forks = _forks_after(batch, matchers, [probes[key][1] for key in forked])
+    for key, probe in zip(forked, forks):
+        if probe is None or isinstance(probe, BaseException):
+            chains[key] = [] if probe is None else probe
             continue
         try:
-            if counts[k] < len(runs[k]) or probe.is_terminated():
-                chains[key] = []
-            else:
-                chains[key] = list(probe.forced_tokens(probes[key][1]))
+            chains[key] = [] if probe.is_terminated() else list(probe.forced_tokens(probes[key][2]))
         except Exception as exc:
             chains[key] = exc
     return chains

@@ -334,11 +334,13 @@ class NativeBatch:
         native: list[int] = []
         mine: list[Matcher] = []
         forks: dict[int, llg_native.NativeMatcher] = {}  # index in mine -> its clone's source
+        sources: set[int] = set()  # their ids: a source is cloned once a call
         for j, (matcher, run) in enumerate(zip(matchers, runs)):
             try:
                 if isinstance(matcher, Matcher) and run and matcher.takes_all_natively(run):
                     source = matcher.clone_source()
-                    if source is not None and all(s is not source for s in forks.values()):
+                    if source is not None and id(source) not in sources:
+                        sources.add(id(source))
                         forks[len(mine)] = source
                     elif matcher.mask_memo_stale:
                         matcher.refresh_mask_memo()
