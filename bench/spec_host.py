@@ -16,7 +16,8 @@ Per side (constrained / unconstrained), one JSON line:
   (``--grammar-after-launch``);
 - ``host_cpu_ms_per_step``: the engine thread's CPU time (``time.thread_time``) per step, less
   its CPU time inside the target's work: the host work itself, far less sensitive than wall
-  time to other processes sharing the cores;
+  time to other processes sharing the cores; ``host_cpu_ms_steps`` the same step by step (a
+  burst's first steps apart from the rest);
 - ``mask_fill_ms_per_step``: tree-fill time summed over the trees (each tree's own fill: on a
   mask thread, or on a native thread of a tree batch; on the GPU these run while the forward
   does: they are hidden when this / mask threads < the forward's time);
@@ -257,10 +258,12 @@ def measure(
     probe.ahead_profiler = cProfile.Profile() if profile else None
     tokens = steps = 0
     wall = cpu = 0.0
+    step_cpu: list[float] = []  # the engine thread's host CPU per step (the start of a burst)
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished():
         start, start_cpu = time.perf_counter(), time.thread_time()
+        device_cpu = probe.device_cpu_s
         if profiler is not None:
             profiler.enable()
         outputs = engine.step()
@@ -268,6 +271,7 @@ def measure(
             profiler.disable()
         wall += time.perf_counter() - start
         cpu += time.thread_time() - start_cpu
+        step_cpu.append(time.thread_time() - start_cpu - (probe.device_cpu_s - device_cpu))
         for out in outputs:
             tokens += len(out.token_ids)
             if out.finished and out.speculative is not None:
@@ -284,6 +288,7 @@ def measure(
         "device_s": round(probe.device_s, 4),
         "host_ms_per_step": round(1e3 * host / engine_steps, 3),
         "host_cpu_ms_per_step": round(1e3 * (cpu - probe.device_cpu_s) / engine_steps, 3),
+        "host_cpu_ms_steps": [round(1e3 * v, 2) for v in step_cpu],
         "mask_fill_ms_per_step": round(1e3 * probe.mask_fill_s / engine_steps, 3),
         "mask_jobs_ms_per_step": round(1e3 * probe.mask_jobs_s / engine_steps, 3),
         "accepts_per_token": round(probe.calls["accept"] / tokens, 3),

@@ -608,6 +608,13 @@ class Matcher(MatcherBase):
             self.closing_base = (snapshot, len(self.history))
             self.snapshot_wanted = False
 
+    def prepare(self, scratch: torch.Tensor) -> None:
+        """See ``GrammarMatcher.prepare``; also the closing base a first fork would clone from
+        the template (under its lock, ~70 µs), made here off the engine thread."""
+        super().prepare(scratch)
+        if self.closing_base is None and not self.history:
+            self.closing_base = (self.compiled.native_start(), 0)
+
     def fork(self) -> Matcher:
         self.snapshot_wanted = True
         base = self.closing_base
