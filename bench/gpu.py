@@ -32,7 +32,9 @@
 4. ``spec_equal_work``: constrained vs unconstrained, plain and speculative (oracle drafter),
    batch 1 and 32, the same tokens per request on both sides (``bench/gpu_spec.py``, reusing
    ``bench/spec.py``'s machinery), on the default path (flashinfer + decode and tree-verify
-   CUDA graphs); host profile of the constrained runs at ``--profile-batch``.
+   CUDA graphs); host profile of the constrained runs at ``--profile-batch``. The engines are
+   ``EngineCore``s, what ``espalier serve``'s engine process steps (its server process
+   detokenizes and post-validates); ``--in-process-text`` runs ``Engine`` (``--local``).
    ``--lead-spec`` also runs ``bench/spec.py``'s GPU part as it is.
 
 The last line is a summary. Usage (on the GPU machine)::
@@ -41,6 +43,7 @@ The last line is a summary. Usage (on the GPU machine)::
         [--decode-reps 5] [--skip-profile] [--paths a,b]
         [--spec-batches 1,32] [--spec-max-tokens 96] [--mask-threads 8] [--skip-spec]
         [--tight-budget] [--grammar-after-launch [N]] [--forced] [--unconstrained-lengths F]
+        [--in-process-text]
 """
 
 from __future__ import annotations
@@ -371,6 +374,7 @@ def spec_part(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
             grammar_after_launch=args.grammar_after_launch,
             forced=args.forced,
             anchor_lengths=anchor_lengths,
+            text=args.in_process_text,
         )
         prefix = (
             ""
@@ -495,6 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gpu_spec.add_after_launch_flag(parser)
     gpu_spec.add_forced_flag(parser)
+    gpu_spec.add_text_flag(parser)
     parser.add_argument(
         "--unconstrained-lengths",
         default=None,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 28's GPU measurements in one device call, per RUNS entry "TREE:BATCHES[:FLAG]" (FLAG: one
-# more flag of that run, e.g. new:32:--grammar-after-launch against new:32; TREE: new = this
+# Issue 28's GPU measurements in one device call, per RUNS entry "TREE:BATCHES[:FLAGS]" (FLAGS:
+# more flags of that run, joined by "+", e.g. new:32:--forced+--in-process-text; TREE: new = this
 # tree, or a folder beside bench/ holding another tree: base = `git archive b2525ec`, the issue's
 # anchor; alt = an experiment), run in turn: BENCH=gpu (default) is bench/gpu.py's equal-work
 # constrained / unconstrained ratios (plain and speculative, oracle drafts, closing on unless
@@ -40,7 +40,8 @@ nproc; cat /proc/loadavg
 n=0
 for run in ${RUNS-new:32}; do
   n=$((n + 1)); tree=${run%%:*}; rest=${run#*:}; batches=${rest%%:*}
-  flags=""; [ "$rest" != "$batches" ] && flags=${rest#*:}  # TREE:BATCHES:FLAG (one, no spaces)
+  flags=""; [ "$rest" != "$batches" ] && flags=${rest#*:}  # TREE:BATCHES:FLAGS (no spaces)
+  flags=${flags//+/ }  # flags joined by "+": new:32:--forced+--in-process-text
   dir=$here; [ "$tree" != new ] && dir=$here/$tree
   tag="${tree}_b${batches//,/_}_$n"; start=$(date +%s)
   (cd "$dir" && PYTHONPATH=/tmp/site:/tmp/pk/$tree timeout ${LIMIT:-280} python3 bench/${BENCH:-gpu}.py \

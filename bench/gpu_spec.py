@@ -69,6 +69,19 @@ def add_forced_flag(parser: Any) -> None:
     )
 
 
+def add_text_flag(parser: Any) -> None:
+    """``--in-process-text`` on an argparse parser: every engine of the run is an ``Engine``
+    (the core, then each chunk's detokenization and each constrained output's post-validation
+    on the same thread: ``espalier generate --local``'s shape) instead of an ``EngineCore``
+    (what ``espalier serve``'s engine process steps; its server process makes the text)."""
+    parser.add_argument(
+        "--in-process-text",
+        action="store_true",
+        help="run Engine (text and post-validation on the engine thread, as --local) instead of "
+        "EngineCore (the served engine process)",
+    )
+
+
 def add_after_launch_flag(parser: Any) -> None:
     """``--grammar-after-launch [N]`` on an argparse parser: ``EngineConfig.grammar_after_launch``
     for every engine of the run (alone: the engine's ``AFTER_LAUNCH_MIN``; 0: off; absent:
@@ -192,6 +205,7 @@ class _Setup:
     backend: str = spec_bench.BACKEND  # the constrained requests' ConstraintOptions.backend
     grammar_after_launch: int | None = None  # EngineConfig.grammar_after_launch (None: default)
     forced: bool = False  # the oracle's trees also get grammar-forced chains (the server default)
+    text: bool = False  # Engine (text and post-validation in the step) instead of EngineCore
 
     def requests(
         self,
@@ -208,9 +222,12 @@ class _Setup:
         return [[r] for r in requests] if self.batch == 1 else [requests]
 
     def plain(self) -> Any:
-        from espalier.engine.engine import Engine
+        """A new engine: an ``EngineCore``, what the served engine process steps (its text and
+        post-validation are the server process's), or with ``text`` an ``Engine``."""
+        from espalier.engine.engine import Engine, EngineCore
 
-        return Engine(self.engine_config(), self.runner, self.tokenizer, grammar=self.service)
+        kind = Engine if self.text else EngineCore
+        return kind(self.engine_config(), self.runner, self.tokenizer, grammar=self.service)
 
     def oracle(self, continuations: dict[str, tuple[int, list[int]]]) -> Any:
         """A factory of speculative engines proposing ``continuations`` (the oracle drafter)."""
@@ -374,6 +391,7 @@ def equal_work(
     grammar_after_launch: int | None = None,
     forced: bool = False,
     anchor_lengths: dict[int, list[int]] | None = None,
+    text: bool = False,
 ) -> dict[str, float]:
     """JSON lines per batch size; returns ``{"b{B}_constrained_over_unconstrained_spec": r}``:
     with ``reps`` > 1, the median of the run-by-run ratios. ``matcher_spares``: the grammar
@@ -381,7 +399,8 @@ def equal_work(
     ``grammar_after_launch``: ``EngineConfig.grammar_after_launch`` (plain and speculative
     runs); ``forced``: grammar-forced chains in the oracle's trees (``add_forced_flag``);
     ``anchor_lengths``: per batch size, the unconstrained requests' lengths
-    (``read_anchor_lengths``)."""
+    (``read_anchor_lengths``); ``text``: ``Engine`` instead of ``EngineCore``
+    (``add_text_flag``)."""
     import torch
 
     from espalier.constrained.spec import GrammarSpec
@@ -416,6 +435,7 @@ def equal_work(
             backend,
             grammar_after_launch,
             forced,
+            text,
         )
         anchor = None if anchor_lengths is None else anchor_lengths.get(batch)
         results = _one_batch(
@@ -439,6 +459,7 @@ def equal_work(
                     "backend": backend,
                     "grammar_after_launch": grammar_after_launch,
                     "forced": forced,
+                    "engine": "Engine" if text else "EngineCore",
                     "anchor_lengths": anchor_lengths is not None and batch in anchor_lengths,
                     "torch_threads": torch.get_num_threads(),
                     "switch_interval_ms": sys.getswitchinterval() * 1e3,

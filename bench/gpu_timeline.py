@@ -9,18 +9,19 @@ over the timed run; the warm-up run each ``gpu_spec._run`` makes first is not co
   ``forward`` (launching the verify forward: asynchronous on CUDA), ``mask_wait``
   (``PendingMasks.result``: helping with fills, then waiting), ``verify`` (masked verification:
   it waits for the GPU), ``logprobs``, ``copy_slots``;
-- ``append`` (``Engine._begin_append``, ``_accept_firsts`` and ``_end_append``: all requests'
+- ``append`` (``EngineCore._begin_append``, ``_accept_firsts`` and ``_end_append``: all requests'
   appends, the batch accept of their tokens past the run included), ``accept_run``, ``closing``
   (``BudgetCloser.instead``) and ``take`` (a closing decision taken from its lookahead: waits
   for a running job, or runs it inline), ``decide`` and ``search`` (the closer's decisions and
-  closing-path searches made on the engine thread itself), ``finish`` (``Engine._finish``: a
+  closing-path searches made on the engine thread itself), ``finish`` (``EngineCore._finish``: a
   finished request's last chunk);
 - ``closing_batch`` (``BudgetCloser.prepare``: the step's first inline decisions), and inside it
   ``memo_of`` and ``answer_all`` (the decisions advanced: their ``stitch`` tries, and
   ``search_all``, each wave's native searches);
 - ``text`` (``OutputProcessor.process``: detokenization and finished requests'
-  post-validation; in-process here, in the server process when served);
-- ``other``: ``Engine.step`` minus schedule, execute, append and text;
+  post-validation; only with ``--in-process-text``: by default the engines are
+  ``EngineCore``s, whose text the server process makes when served);
+- ``other``: the step minus schedule, execute, append and text;
 
 and, from every thread: ``fill_sum`` (the mask threads' fill jobs: one per tree filled alone,
 one per tree batch, whose native threads fill its trees in parallel; ``fill_threads``: the
@@ -87,8 +88,9 @@ import espalier.engine.spec.strategy as strategy_mod
 import espalier.engine.step as step_mod
 
 MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
-    ("step", engine_mod.Engine, "step"),
-    ("poll", engine_mod.Engine, "_poll_grammars"),
+    ("step", engine_mod.Engine, "step"),  # with --in-process-text: the core's and the text
+    ("step", engine_mod.EngineCore, "step"),
+    ("poll", engine_mod.EngineCore, "_poll_grammars"),
     ("schedule", scheduler_mod.Scheduler, "schedule"),
     *(  # execute, or apart (``grammar_after_launch``) launch, fill and finish
         ("execute", owner, attribute)
@@ -103,10 +105,10 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("verify", decoder_mod.SpeculativeDecoder, "_verify"),
     ("logprobs", decoder_mod.SpeculativeDecoder, "_logprobs"),
     ("copy_slots", runner_mod.ModelRunner, "copy_slots"),
-    ("append", engine_mod.Engine, "_begin_append"),
-    ("append", engine_mod.Engine, "_accept_firsts"),
-    ("append", engine_mod.Engine, "_end_append"),
-    ("accept_run", engine_mod.Engine, "_accept_runs"),
+    ("append", engine_mod.EngineCore, "_begin_append"),
+    ("append", engine_mod.EngineCore, "_accept_firsts"),
+    ("append", engine_mod.EngineCore, "_end_append"),
+    ("accept_run", engine_mod.EngineCore, "_accept_runs"),
     ("closing", closing.BudgetCloser, "instead"),
     ("closing_batch", closing.BudgetCloser, "prepare"),
     ("memo_of", closing.BudgetCloser, "_memo_of"),
@@ -116,7 +118,7 @@ MAIN_PHASES: tuple[tuple[str, Any, str], ...] = (  # (phase, owner, attribute)
     ("take", closing_ahead.Lookahead, "take"),
     ("decide", closing.BudgetCloser, "decide"),
     ("search", closing.ClosingPaths, "search_after"),
-    ("finish", engine_mod.Engine, "_finish"),
+    ("finish", engine_mod.EngineCore, "_finish"),
     ("text", output_mod.OutputProcessor, "process"),
 )
 

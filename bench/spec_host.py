@@ -36,9 +36,9 @@ Per side (constrained / unconstrained), one JSON line:
 - ``closing_batch_ms_per_step`` / ``closing_batch_cpu_ms_per_step``: the engine thread's wall and
   CPU time in ``BudgetCloser.prepare`` (the step's first inline decisions: a speculative step's
   bonus tokens), ``accept_run_ms_per_step`` / ``accept_run_cpu_ms_per_step`` in
-  ``Engine._accept_runs`` (the batch accept of the accepted runs, and the lookahead decisions
+  ``EngineCore._accept_runs`` (the batch accept of the accepted runs, and the lookahead decisions
   they take): ``bench/gpu_timeline.py``'s ``closing_batch`` and ``accept_run``;
-  ``append_ms_per_step`` / ``append_cpu_ms_per_step`` in ``Engine._begin_append``,
+  ``append_ms_per_step`` / ``append_cpu_ms_per_step`` in ``EngineCore._begin_append``,
   ``_accept_firsts`` and ``_end_append`` (every request's append, the batch accept of the
   tokens past the runs, inline closing decisions, waits for ``prepare``'s searches included);
 
@@ -122,9 +122,9 @@ class Probe:
         patch(ahead.Lookahead, "run", self._timed_ahead)
         patch(ahead.Lookahead, "_find", self._timed_wait)
         patch(BudgetCloser, "prepare", lambda f: self._timed_part("closing_batch", f))
-        patch(engine_mod.Engine, "_accept_runs", lambda f: self._timed_part("accept_run", f))
+        patch(engine_mod.EngineCore, "_accept_runs", lambda f: self._timed_part("accept_run", f))
         for appending in ("_begin_append", "_accept_firsts", "_end_append"):
-            patch(engine_mod.Engine, appending, lambda f: self._timed_part("append", f))
+            patch(engine_mod.EngineCore, appending, lambda f: self._timed_part("append", f))
         patch(common.MatcherBase, "accept", lambda f: self._counted("accept", f))
         patch(llg.Matcher, "fork", lambda f: self._counted("fork", f))
         patch(llg.Matcher, "forced_tokens", lambda f: self._counted("forced_tokens", f))
