@@ -49,7 +49,7 @@ host functions of the constrained run (cProfile of the main thread, paused durin
     .venv/bin/python bench/spec_host.py [--batch 32] [--max-tokens 96] [--schemas 6]
         [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--close-workers N]
         [--profile] [--warmup]
-        [--tight-budget] [--grammar-after-launch [N]] [--forced]
+        [--tight-budget] [--grammar-after-launch [N]] [--forced] [--in-process-text]
 """
 
 from __future__ import annotations
@@ -392,6 +392,7 @@ def run(args: argparse.Namespace) -> None:
         close_ahead=ahead,
         grammar_after_launch=args.grammar_after_launch,
         forced=args.forced,
+        text=args.in_process_text,
     )
     # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
     full = [args.max_tokens] * batch
@@ -428,6 +429,7 @@ def run(args: argparse.Namespace) -> None:
                     "tight_budget": args.tight_budget,
                     "grammar_after_launch": args.grammar_after_launch,
                     "forced": args.forced,
+                    "engine": "Engine" if args.in_process_text else "EngineCore",
                     **results[constrained],
                 }
             )
@@ -468,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", action="store_true", help="a warm-up run before each timing")
     gpu_spec.add_after_launch_flag(parser)
     gpu_spec.add_forced_flag(parser)
+    gpu_spec.add_text_flag(parser)
     run(parser.parse_args(argv))
     return 0
 
