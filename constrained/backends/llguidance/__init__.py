@@ -609,8 +609,8 @@ class Matcher(MatcherBase):
             self.snapshot_wanted = False
 
     def prepare(self, scratch: torch.Tensor) -> None:
-        """See ``GrammarMatcher.prepare``; also the closing base a first fork would clone from
-        the template (under its lock, ~70 µs), made here off the engine thread."""
+        """See ``GrammarMatcher.prepare``; also the closing base that a first fork would
+        otherwise clone from the template (under the grammar's lock) on the engine thread."""
         super().prepare(scratch)
         if self.closing_base is None and not self.history:
             self.closing_base = (self.compiled.native_start(), 0)
