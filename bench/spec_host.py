@@ -368,10 +368,10 @@ def run(args: argparse.Namespace) -> None:
     schemas = [
         s
         for s in spec_bench.sample_schemas(args.schemas, with_instances=False)
-        if spec_bench.compile_schema(s[1], tokenizer) is not None
+        if spec_bench.compile_schema(s[1], tokenizer, args.backend) is not None
     ]
     service = spec_bench.shared_grammars(
-        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas]
+        tokenizer, [GrammarSpec.json_schema(s) for _, s, _ in schemas], backend=args.backend
     )
     from espalier.server.gc_freeze import freeze_startup_heap
 
@@ -395,7 +395,9 @@ def run(args: argparse.Namespace) -> None:
     )
     # plain runs: each request's length and the oracle's continuations (as bench/gpu_spec.py)
     full = [args.max_tokens] * batch
-    c_plain = gpu_spec._run(setup.plain, [gpu_spec._requests(prompts, grammars, full, False, "c")])
+    c_plain = gpu_spec._run(
+        setup.plain, [gpu_spec._requests(prompts, grammars, full, False, "c", args.backend)]
+    )
     lengths = [max(1, len(c_plain["outputs"][f"c{i}"])) for i in range(batch)]
     free: list[Any] = [None] * batch
     u_plain = gpu_spec._run(setup.plain, [gpu_spec._requests(prompts, free, lengths, False, "u")])
@@ -409,18 +411,19 @@ def run(args: argparse.Namespace) -> None:
             }
             budgets = full if constrained and not args.tight_budget else lengths
             reqs = gpu_spec._requests(
-                prompts, grammars if constrained else free, budgets, True, prefix
+                prompts, grammars if constrained else free, budgets, True, prefix, args.backend
             )
             factory = setup.oracle(continuations)
             results[constrained] = measure(factory, reqs, probe, False, args.warmup)
             if args.profile and constrained:
-                profiled = measure(factory, reqs, probe, True, False)
+                profiled = measure(factory, reqs, probe, True, args.warmup)
                 results[constrained]["profile"] = profiled["profile"]
                 results[constrained]["lookahead_profile"] = profiled["lookahead_profile"]
             emit(
                 {
                     "part": "spec_host",
                     "batch": batch,
+                    "backend": args.backend,
                     "constrained": constrained,
                     "mask_threads": args.mask_threads,
                     "closing": not args.no_closing,
@@ -436,6 +439,7 @@ def run(args: argparse.Namespace) -> None:
         {
             "part": "spec_host",
             "batch": batch,
+            "backend": args.backend,
             "closing": not args.no_closing,
             "constrained_over_unconstrained_host": round(
                 results[True]["host_ms_per_step"] / results[False]["host_ms_per_step"], 3
@@ -452,6 +456,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--schemas", type=int, default=6)
+    parser.add_argument(
+        "--backend",
+        default=spec_bench.BACKEND,
+        help="the constrained requests' grammar backend (ConstraintOptions.backend)",
+    )
     parser.add_argument("--mask-threads", type=int, default=2)
     parser.add_argument("--no-closing", action="store_true", help="close_within_budget=False")
     parser.add_argument("--profile", action="store_true", help="cProfile the constrained run")

@@ -252,11 +252,28 @@ class MatcherBase:
         return self._stop_depth > 0 or self._native_can_terminate()
 
     def completes(self, tokens: Sequence[int]) -> bool:
-        probe = self.fork()
-        return probe.accept_tokens(tokens) == len(tokens) and probe.can_terminate()
+        return self._probe(tokens, complete=True) == len(tokens)
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
-        return self.fork().accept_tokens(tokens)
+        return self._probe(tokens, complete=False)
+
+    def _probe(self, tokens: Sequence[int], *, complete: bool) -> int:
+        """How many of ``tokens`` :meth:`accept_tokens` would take (with ``complete``: -1 where
+        it takes them all but the text is then not complete); the state does not change. In
+        place, rolled back, where rollback is exact: a fork copies the library's state (and
+        outlines-core's replays the whole history), and closing searches probe many
+        candidates a step."""
+        probe = self if self.exact_rollback else self.fork()
+        taken = 0
+        try:
+            for token in tokens:
+                if not probe.accept(token):
+                    return taken
+                taken += 1
+            return taken if not complete or probe.can_terminate() else -1
+        finally:
+            if probe is self:
+                self.rollback(taken)
 
     def fork(self) -> MatcherBase:
         raise NotImplementedError
