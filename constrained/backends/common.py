@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -344,8 +345,9 @@ def canonical_forced_tokens(matcher: Any, forced: bytes, limit: int) -> list[int
 
     The text is tokenized the tokenizer's own way (its canonical tokenization). The last token is
     kept only if nothing but a stop token can follow the forced text: otherwise later text might
-    merge with it. Each token is checked on a fork of ``matcher``; the chain stops at the first
-    rejection. The tokenizer must reproduce ``forced`` exactly, else the result is ``[]``.
+    merge with it. Each token is checked on ``matcher`` itself, rolled back after, where its
+    rollback is exact, else on a fork; the chain stops at the first rejection. The tokenizer
+    must reproduce ``forced`` exactly, else the result is ``[]``.
     """
     if limit <= 0 or not forced or matcher.is_terminated():
         return []
@@ -353,19 +355,42 @@ def canonical_forced_tokens(matcher: Any, forced: bytes, limit: int) -> list[int
     if not text:
         return []
     tokenizer: TokenizerInfo = matcher.tokenizer
-    ids = tokenizer.encode(text)
-    token_bytes = tokenizer.token_bytes
-    if b"".join(token_bytes[t] for t in ids) != text.encode("utf-8"):
+    ids = tokenizer.backend_view(_FORCED_IDS, _forced_ids)(text)
+    if ids is None:
         return []
-    probe = matcher.fork()
-    accepted: list[int] = []
-    for token in ids:
-        if not probe.accept(token):
-            return accepted[: max(len(accepted) - 1, 0)][:limit]
-        accepted.append(token)
-    if len(accepted) == len(ids) and not _only_stops_follow(probe):
-        accepted.pop()
-    return accepted[:limit]
+    probe = matcher if matcher.exact_rollback else matcher.fork()
+    taken = 0
+    try:
+        for token in ids:
+            if not probe.accept(token):
+                return list(ids[: max(taken - 1, 0)][:limit])
+            taken += 1
+        keep = taken if _only_stops_follow(probe) else taken - 1
+        return list(ids[:keep][:limit])
+    finally:
+        if probe is matcher:
+            matcher.rollback(taken)
+
+
+_FORCED_IDS = "espalier.constrained.backends.common.forced_ids"
+FORCED_TEXTS = 4096
+"""Forced texts whose canonical tokens are kept per tokenizer (a grammar forces the same key
+and punctuation texts again and again; a tokenizer call costs tens of µs)."""
+
+
+def _forced_ids(tokenizer: TokenizerInfo) -> Callable[[str], tuple[int, ...] | None]:
+    """``text`` -> its canonical tokens, or None where they do not spell it byte for byte;
+    kept for the last :data:`FORCED_TEXTS` texts (thread-safe)."""
+    token_bytes = tokenizer.token_bytes
+
+    @functools.lru_cache(maxsize=FORCED_TEXTS)
+    def ids_of(text: str) -> tuple[int, ...] | None:
+        ids = tuple(tokenizer.encode(text))
+        if b"".join(token_bytes[t] for t in ids) != text.encode("utf-8"):
+            return None
+        return ids
+
+    return ids_of
 
 
 def _only_stops_follow(matcher: Any) -> bool:

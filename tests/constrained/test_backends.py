@@ -290,8 +290,13 @@ def test_forced_tokens_are_canonical(
     compiled = backend_for(backend_name, toy_tokenizer, json_max_whitespace=0).compile(spec)
     matcher = compiled.matcher()
     canonical = toy_tokenizer.encode(text)
+    row = bm.allocate(1, matcher.vocab_size, fill=0)
+    matcher.fill_bitmask(row, 0)
+    before = row.clone()
     forced = matcher.forced_tokens(64)
     assert forced, "this grammar forces a prefix"
+    matcher.fill_bitmask(row, 0)  # the chain is probed without moving the matcher
+    assert torch.equal(row, before) and not matcher.can_terminate()
     assert forced == canonical[: len(forced)]
     assert matcher.forced_tokens(1) == forced[:1]
     feed(matcher, forced)
