@@ -30,6 +30,7 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
 [ -d /tmp/fiws/.cache ] || { mkdir -p /tmp/fiws && cat .data/fi/fi.tar.xz.* | tar -xJ -C /tmp/fiws && echo "jit cache restored"; }
 ( python3 setup.py -q build_ext --inplace > $OUT/build.log 2>&1; [ ! -f alt/setup.py ] || (cd alt && python3 setup.py -q build_ext --inplace >> $OUT/build.log 2>&1) ); echo "build rc $? at $(( $(date +%s) - t0 )) s"
 here=$PWD
+mkdir -p /tmp/err  # stderr stays on the machine: the device returns at most 8 files of $OUT
 mkdir -p /tmp/pk/new && ln -sfn "$here" /tmp/pk/new/espalier  # `import espalier` = a tree's root
 for t in base alt; do
   [ -d "$t" ] || continue
@@ -46,8 +47,8 @@ for run in ${RUNS-new:32}; do
   tag="${tree}_b${batches//,/_}_$n"; start=$(date +%s)
   (cd "$dir" && PYTHONPATH=/tmp/site:/tmp/pk/$tree timeout ${LIMIT:-280} python3 bench/${BENCH:-gpu}.py \
      --tokenizer $here/.data/gemma_tok --skip-decode --spec-batches $batches --spec-reps ${REPS:-3} \
-     --profile-batch 0 ${EXTRA:-} $flags > $OUT/$tag.jsonl 2> $OUT/$tag.err)
-  echo "$tag rc $? in $(( $(date +%s) - start )) s"; tail -n 2 $OUT/$tag.err | cut -c1-300
+     --profile-batch 0 ${EXTRA:-} $flags > $OUT/$tag.jsonl 2> /tmp/err/$tag.err)
+  echo "$tag rc $? in $(( $(date +%s) - start )) s"; tail -n 2 /tmp/err/$tag.err | cut -c1-300
   python3 - $OUT/$tag.jsonl <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
@@ -87,8 +88,8 @@ if [ -n "${SERVE:-}" ]; then
   [ -e v1 ] || ln -s proto/espalier/v1 v1
   start=$(date +%s)
   PYTHONPATH=/tmp/site:/tmp/pk/new:$here/clients/python:$here timeout ${SERVE_LIMIT:-300} python3 bench/serve.py \
-    --model tiny-random --tokenizer $here/.data/gemma_tok $SERVE > $OUT/serve.jsonl 2> $OUT/serve.err
-  echo "serve rc $? in $(( $(date +%s) - start )) s"; grep -v "^ - \|nanobind\|leaked" $OUT/serve.err | grep -v '"event": "request"' | tail -n 5 | cut -c1-300
+    --model tiny-random --tokenizer $here/.data/gemma_tok $SERVE > $OUT/serve.jsonl 2> /tmp/err/serve.err
+  echo "serve rc $? in $(( $(date +%s) - start )) s"; grep -v "^ - \|nanobind\|leaked" /tmp/err/serve.err | grep -v '"event": "request"' | tail -n 5 | cut -c1-300
   cut -c1-600 $OUT/serve.jsonl
 fi
 echo "done at $(( $(date +%s) - t0 )) s"
