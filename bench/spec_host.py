@@ -50,6 +50,7 @@ host functions of the constrained run (cProfile of the main thread, paused durin
         [--mask-threads 2] [--no-closing] [--close-ahead default|on|off] [--close-workers N]
         [--profile] [--warmup]
         [--tight-budget] [--grammar-after-launch [N]] [--forced] [--in-process-text]
+        [--backend llguidance|xgrammar|outlines_core]
 """
 
 from __future__ import annotations

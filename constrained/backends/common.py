@@ -16,7 +16,7 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -138,6 +138,9 @@ def _build_vocab_facts(tokenizer: TokenizerInfo) -> VocabFacts:
     return VocabFacts(tokenizer.token_bytes, excluded, stops, stop_row)
 
 
+R = TypeVar("R")
+
+
 class MatcherBase:
     """Shared half of every matcher; subclasses implement the ``_native_*`` hooks.
 
@@ -253,25 +256,27 @@ class MatcherBase:
         return self._stop_depth > 0 or self._native_can_terminate()
 
     def completes(self, tokens: Sequence[int]) -> bool:
-        return self._probe(tokens, complete=True) == len(tokens)
+        return self.probe(
+            tokens, lambda probe, taken: taken == len(tokens) and probe.can_terminate()
+        )
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
-        return self._probe(tokens, complete=False)
+        return self.probe(tokens, lambda probe, taken: taken)
 
-    def _probe(self, tokens: Sequence[int], *, complete: bool) -> int:
-        """How many of ``tokens`` :meth:`accept_tokens` would take (with ``complete``: -1 where
-        it takes them all but the text is then not complete); the state does not change. In
-        place, rolled back, where rollback is exact: a fork copies the library's state (and
-        outlines-core's replays the whole history), and closing searches probe many
-        candidates a step."""
+    def probe(self, tokens: Sequence[int], then: Callable[[MatcherBase, int], R]) -> R:
+        """``then(probe, taken)`` with ``probe`` advanced by the ``taken`` tokens of ``tokens``
+        that :meth:`accept_tokens` would take; this matcher's state does not change. ``probe``
+        is this matcher, rolled back after, where rollback is exact, else a fork: a fork copies
+        the library's state (outlines-core's replays the whole history), and closing searches
+        and forced chains probe many times a step."""
         probe = self if self.exact_rollback else self.fork()
         taken = 0
         try:
             for token in tokens:
                 if not probe.accept(token):
-                    return taken
+                    break
                 taken += 1
-            return taken if not complete or probe.can_terminate() else -1
+            return then(probe, taken)
         finally:
             if probe is self:
                 self.rollback(taken)
@@ -340,13 +345,13 @@ class CompiledBase:
         return self._spec
 
 
-def canonical_forced_tokens(matcher: Any, forced: bytes, limit: int) -> list[int]:
+def canonical_forced_tokens(matcher: MatcherBase, forced: bytes, limit: int) -> list[int]:
     """Tokens of the forced text ``forced`` from ``matcher``'s state, at most ``limit``.
 
     The text is tokenized the tokenizer's own way (its canonical tokenization). The last token is
     kept only if nothing but a stop token can follow the forced text: otherwise later text might
-    merge with it. Each token is checked on ``matcher`` itself, rolled back after, where its
-    rollback is exact, else on a fork; the chain stops at the first rejection. The tokenizer
+    merge with it. The tokens are checked by :meth:`MatcherBase.probe` (``matcher`` itself where
+    its rollback is exact); the chain stops at the first rejection. The tokenizer
     must reproduce ``forced`` exactly, else the result is ``[]``.
     """
     if limit <= 0 or not forced or matcher.is_terminated():
@@ -358,18 +363,13 @@ def canonical_forced_tokens(matcher: Any, forced: bytes, limit: int) -> list[int
     ids = tokenizer.backend_view(_FORCED_IDS, _forced_ids)(text)
     if ids is None:
         return []
-    probe = matcher if matcher.exact_rollback else matcher.fork()
-    taken = 0
-    try:
-        for token in ids:
-            if not probe.accept(token):
-                return list(ids[: max(taken - 1, 0)][:limit])
-            taken += 1
-        keep = taken if _only_stops_follow(probe) else taken - 1
-        return list(ids[:keep][:limit])
-    finally:
-        if probe is matcher:
-            matcher.rollback(taken)
+
+    def chain(probe: MatcherBase, taken: int) -> list[int]:
+        if taken < len(ids):  # a rejection: its last accepted token might merge with what follows
+            return list(ids[: max(taken - 1, 0)][:limit])
+        return list(ids[: taken if _only_stops_follow(probe) else taken - 1][:limit])
+
+    return matcher.probe(ids, chain)
 
 
 _FORCED_IDS = "espalier.constrained.backends.common.forced_ids"
