@@ -90,6 +90,6 @@ if [ -n "${SERVE:-}" ]; then
   PYTHONPATH=/tmp/site:/tmp/pk/new:$here/clients/python:$here timeout ${SERVE_LIMIT:-300} python3 bench/serve.py \
     --model tiny-random --tokenizer $here/.data/gemma_tok $SERVE > $OUT/serve.jsonl 2> /tmp/err/serve.err
   echo "serve rc $? in $(( $(date +%s) - start )) s"; grep -v "^ - \|nanobind\|leaked" /tmp/err/serve.err | grep -v '"event": "request"' | tail -n 5 | cut -c1-300
-  cut -c1-600 $OUT/serve.jsonl
+  cut -c1-1600 $OUT/serve.jsonl
 fi
 echo "done at $(( $(date +%s) - t0 )) s"

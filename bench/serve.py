@@ -6,7 +6,10 @@ Per mode (unconstrained, and every request under one JSON schema on ``--backend`
 requests with ``ignore_eos``-free max_tokens, the same prompts on both sides; after one warm-up
 round on each side (compiles, allocators), ``--reps`` rounds alternating ABBA. ``tok_per_s``:
 tokens received over the wall time from the first request sent to the last one finished;
-``served_over_offline``: the median of the round-by-round ratios. ``tokens_equal``: both sides
+``served_over_offline``: the median of the round-by-round ratios; ``offline_steps`` /
+``served_steps``: the engine steps each round took (equal tokens in more steps: emptier batches);
+``served_cpu_share``: CPU seconds per wall second of the clients (this process), the server and
+its child processes (the engine's first) in each served round. ``tokens_equal``: both sides
 produced the same tokens (the comparison is of equal work); ``texts_equal``: and the same text
 (the server process makes it from the engine process's token ids, the offline engine in its own
 process). The offline engine steps on a thread of its own, as the server's engine loop does:
@@ -37,12 +40,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
+import multiprocessing
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 from espalier.server.cpu_runtime import apply_runtime_env
@@ -50,7 +56,9 @@ from espalier.server.cpu_runtime import apply_runtime_env
 apply_runtime_env(os.environ)  # before torch loads, as ``espalier serve`` does for its engine
 
 from espalier_client import AsyncClient  # noqa: E402
-from load import SCHEMA, start_server  # noqa: E402  # bench/load.py (this folder is on sys.path)
+from load import SCHEMA, scrape, start_server  # noqa: E402  # bench/load.py (on sys.path)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -109,6 +117,7 @@ def run_offline(engine: Any, args: argparse.Namespace, constrained: bool) -> dic
         )
         tokens[i], texts[i] = [], ""
 
+    steps = engine.stats()["steps"]
     for order in streams:
         add(order[0])
     while engine.has_unfinished():
@@ -119,30 +128,109 @@ def run_offline(engine: Any, args: argparse.Namespace, constrained: bool) -> dic
             if out.finished and i in next_of:
                 add(next_of[i])
     seconds = time.perf_counter() - start
-    return _rate(tokens, texts, seconds)
+    return _rate(tokens, texts, seconds) | {"steps": engine.stats()["steps"] - steps}
 
 
-async def run_served(address: str, args: argparse.Namespace, constrained: bool) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def served_round(
+    clients: ProcessPoolExecutor,
+    address: str,
+    metrics_port: int,
+    server_pid: int,
+    args: argparse.Namespace,
+    constrained: bool,
+) -> dict[str, Any]:
+    """One served round: the streams split over the ``--client-processes`` client processes
+    (stream ``i`` on process ``i % P``), which start together; the wall time runs from the
+    first request sent to the last one finished. With it, the engine steps the round took and
+    the CPU each process spent in it as a share of the wall time: the clients (summed), the
+    server, and the server's child processes, largest first (the engine's, then any compile
+    helpers)."""
     extra: dict[str, Any] = {"schema": SCHEMA, "backend": args.backend} if constrained else {}
+    texts_in = prompts(args.streams * args.requests_per_stream)
+    orders = stream_requests(args)
+    count = args.client_processes
+    pids = [server_pid, *children(server_pid)]
+    steps = scrape(metrics_port)["espalier_engine_steps_total"]
+    cpu = [cpu_seconds(pid) for pid in pids]
+    parts = [
+        clients.submit(drive_streams, address, orders[p::count], texts_in, args.max_tokens, extra)
+        for p in range(count)
+    ]
+    results = [part.result() for part in parts]
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = {i: ids for r in results for i, ids in r["tokens"].items()}
+    texts = {i: text for r in results for i, text in r["texts"].items()}
+    shares = [round((cpu_seconds(p) - c) / seconds, 3) for p, c in zip(pids, cpu)]
+    return _rate(tokens, texts, seconds) | {
+        "steps": scrape(metrics_port)["espalier_engine_steps_total"] - steps,
+        "cpu_share": {
+            "clients": round(sum(r["cpu"] for r in results) / seconds, 3),
+            "server": shares[0],
+            "children": sorted(shares[1:], reverse=True),
+        },
+    }
+
+
+_start_together: Any = None  # a client process's barrier (set by its pool's initializer)
+
+
+def _client_process(barrier: Any) -> None:
+    global _start_together
+    _start_together = barrier
+
+
+def drive_streams(
+    address: str,
+    orders: list[list[int]],
+    texts_in: list[str],
+    max_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """In a client process: the streams ``orders`` (each sends its requests one after another),
+    started when every client process is ready; token ids and text per request, the start and
+    end (``perf_counter``, one clock for every process) and this process's CPU seconds."""
+    cpu = time.process_time()
+    out = asyncio.run(_drive(address, orders, texts_in, max_tokens, extra))
+    return out | {"cpu": time.process_time() - cpu}
+
+
+async def _drive(
+    address: str,
+    orders: list[list[int]],
+    texts_in: list[str],
+    max_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
-
-    texts_in = prompts(args.streams * args.requests_per_stream)
 
     async def one(client: AsyncClient, order: list[int]) -> None:
         for i in order:
             got: list[int] = []
             text = ""
-            async for chunk in client.stream(texts_in[i], max_tokens=args.max_tokens, **extra):
+            async for chunk in client.stream(texts_in[i], max_tokens=max_tokens, **extra):
                 got.extend(chunk.token_ids)
                 text += chunk.text
             tokens[i], texts[i] = got, text
 
     async with AsyncClient(address) as client:
+        _start_together.wait()
         start = time.perf_counter()
-        await asyncio.gather(*(one(client, order) for order in stream_requests(args)))
-        seconds = time.perf_counter() - start
-    return _rate(tokens, texts, seconds)
+        await asyncio.gather(*(one(client, order) for order in orders))
+        end = time.perf_counter()
+    return {"tokens": tokens, "texts": texts, "start": start, "end": end}
 
 
 def _rate(tokens: dict[int, list[int]], texts: dict[int, str], seconds: float) -> dict[str, Any]:
@@ -167,6 +255,13 @@ def main() -> int:
         default=1,
         help="requests each stream sends one after another (offline: kept in flight alike)",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="processes the streams are split over (one Python process of asyncio streams "
+        "can be the bottleneck at tens of thousands of chunks a second)",
+    )
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--backend", default="llguidance")
     parser.add_argument("--speculative", default="", help="drafters, as espalier serve's")
@@ -185,23 +280,34 @@ def main() -> int:
     if args.tokenizer:
         server_flags += ["--tokenizer", args.tokenizer]
     stepper = ThreadPoolExecutor(1, thread_name_prefix="offline-engine")
+    spawn = multiprocessing.get_context("spawn")
+    clients = ProcessPoolExecutor(
+        args.client_processes,
+        mp_context=spawn,
+        initializer=_client_process,
+        initargs=(spawn.Barrier(args.client_processes),),
+    )
     engine = offline_engine(args)
-    proc, address, _ = start_server(server_flags)
+    proc, address, metrics_port = start_server(server_flags)
     try:
         for constrained in (False, True):
-            compare(engine, stepper, address, args, constrained)
+            served = functools.partial(
+                served_round, clients, address, metrics_port, proc.pid, args, constrained
+            )
+            compare(engine, stepper, served, args, constrained)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         engine.close()
         stepper.shutdown()
+        clients.shutdown()
     return 0
 
 
 def compare(
     engine: Any,
     stepper: ThreadPoolExecutor,
-    address: str,
+    served_round: Callable[[], dict[str, Any]],
     args: argparse.Namespace,
     constrained: bool,
 ) -> None:
@@ -213,7 +319,7 @@ def compare(
     def run(side: str) -> dict[str, Any]:
         if side == "offline":
             return stepper.submit(run_offline, engine, args, constrained).result()
-        return asyncio.run(run_served(address, args, constrained))
+        return served_round()
 
     for side in sides:
         run(side)  # warm-up
@@ -236,6 +342,10 @@ def compare(
             "offline_tok_per_s": [round(o["tok_per_s"], 1) for o in offline],
             "served_tok_per_s": [round(s["tok_per_s"], 1) for s in served],
             "ratios": [round(r, 3) for r in ratios],
+            "offline_steps": [o["steps"] for o in offline],
+            "served_steps": [s["steps"] for s in served],
+            "client_processes": args.client_processes,
+            "served_cpu_share": [s["cpu_share"] for s in served],
             "served_over_offline": round(statistics.median(ratios), 3),
             "tokens_equal": all(s["ids"] == o["ids"] for s, o in zip(served, offline)),
             "texts_equal": all(s["texts"] == o["texts"] for s, o in zip(served, offline)),

@@ -108,6 +108,7 @@ class ServerMetrics:
         for name, (doc, read) in gauges.items():
             gauge = Gauge(f"espalier_engine_{name}", doc, registry=r)
             gauge.set_function(self._stat_reader(read))
+        r.register(_EngineCounterCollector(lambda: self._engine_stats))
 
     def _stat_reader(self, read: Callable[[Mapping[str, Any]], float]) -> Callable[[], float]:
         def value() -> float:
@@ -136,6 +137,29 @@ class ServerMetrics:
         """Start the /metrics HTTP endpoint on a daemon thread; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server, int(server.server_port)
+
+
+class _EngineCounterCollector(Collector):
+    """The engine's running totals, read at scrape: steps (tokens per step = generated tokens /
+    steps: how full the batches ran) and preemptions."""
+
+    def __init__(self, source: Callable[[], Callable[[], Mapping[str, Any]] | None]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.source()
+        try:
+            values = stats() if stats is not None else {}
+        except Exception:  # a metrics scrape must never fail on engine state
+            values = {}
+        yield CounterMetricFamily(
+            "espalier_engine_steps", "Engine steps taken", value=values.get("steps", 0)
+        )
+        yield CounterMetricFamily(
+            "espalier_engine_preemptions",
+            "Requests preempted (KV blocks taken back, recomputed later)",
+            value=values.get("preemptions", 0),
+        )
 
 
 class _CompileCacheCollector(Collector):

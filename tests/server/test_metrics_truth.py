@@ -99,3 +99,17 @@ def test_one_access_line_per_rpc_without_prompt_text(
     assert isinstance(line["prompt_tokens"], int) and line["prompt_tokens"] > 0
     assert isinstance(line["seconds"], float) and line["seconds"] > 0
     assert secret_prompt not in serving.stderr()
+
+
+def test_engine_steps_count_the_steps_a_generation_took(
+    serving: ServerProcess, client: Client
+) -> None:
+    assert serving.metrics_port is not None
+    port = serving.metrics_port
+    wait_until_idle(port)
+    before = scrape(port)["espalier_engine_steps_total"]
+    client.generate("Count to five", max_tokens=5, ignore_eos=True)
+    wait_until_idle(port)
+    steps = scrape(port)["espalier_engine_steps_total"] - before
+    # one prefill step samples the first token; each later token takes at most one step
+    assert 1 <= steps <= 5, steps
