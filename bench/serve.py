@@ -49,6 +49,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from espalier.server.cpu_runtime import apply_runtime_env
@@ -164,10 +165,10 @@ def served_round(
     pids = [server_pid, *children(server_pid)]
     steps = scrape(metrics_port)["espalier_engine_steps_total"]
     cpu = [cpu_seconds(pid) for pid in pids]
-    parts = [
-        clients.submit(drive_streams, address, orders[p::count], texts_in, args.max_tokens, extra)
-        for p in range(count)
+    jobs = [
+        Streams(address, orders[p::count], texts_in, args.max_tokens, extra) for p in range(count)
     ]
+    parts = [clients.submit(drive_streams, job) for job in jobs]
     results = [part.result() for part in parts]
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     tokens = {i: ids for r in results for i, ids in r["tokens"].items()}
@@ -191,28 +192,28 @@ def _client_process(barrier: Any) -> None:
     _start_together = barrier
 
 
-def drive_streams(
-    address: str,
-    orders: list[list[int]],
-    texts_in: list[str],
-    max_tokens: int,
-    extra: dict[str, Any],
-) -> dict[str, Any]:
-    """In a client process: the streams ``orders`` (each sends its requests one after another),
-    started when every client process is ready; token ids and text per request, the start and
-    end (``perf_counter``, one clock for every process) and this process's CPU seconds."""
+@dataclass(frozen=True)
+class Streams:
+    """A client process's share of a round: its streams' request indices (each stream sends
+    its requests one after another), every request's prompt, and the request settings."""
+
+    address: str
+    orders: list[list[int]]
+    texts_in: list[str]
+    max_tokens: int
+    extra: dict[str, Any]
+
+
+def drive_streams(job: Streams) -> dict[str, Any]:
+    """In a client process: ``job``'s streams, started when every client process is ready;
+    token ids and text per request, the start and end (``perf_counter``, one clock for every
+    process) and this process's CPU seconds."""
     cpu = time.process_time()
-    out = asyncio.run(_drive(address, orders, texts_in, max_tokens, extra))
+    out = asyncio.run(_drive(job))
     return out | {"cpu": time.process_time() - cpu}
 
 
-async def _drive(
-    address: str,
-    orders: list[list[int]],
-    texts_in: list[str],
-    max_tokens: int,
-    extra: dict[str, Any],
-) -> dict[str, Any]:
+async def _drive(job: Streams) -> dict[str, Any]:
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
 
@@ -220,15 +221,17 @@ async def _drive(
         for i in order:
             got: list[int] = []
             text = ""
-            async for chunk in client.stream(texts_in[i], max_tokens=max_tokens, **extra):
+            async for chunk in client.stream(
+                job.texts_in[i], max_tokens=job.max_tokens, **job.extra
+            ):
                 got.extend(chunk.token_ids)
                 text += chunk.text
             tokens[i], texts[i] = got, text
 
-    async with AsyncClient(address) as client:
+    async with AsyncClient(job.address) as client:
         _start_together.wait()
         start = time.perf_counter()
-        await asyncio.gather(*(one(client, order) for order in orders))
+        await asyncio.gather(*(one(client, order) for order in job.orders))
         end = time.perf_counter()
     return {"tokens": tokens, "texts": texts, "start": start, "end": end}
 
