@@ -8,8 +8,8 @@ round on each side (compiles, allocators), ``--reps`` rounds alternating ABBA. `
 tokens received over the wall time from the first request sent to the last one finished;
 ``served_over_offline``: the median of the round-by-round ratios; ``offline_steps`` /
 ``served_steps``: the engine steps each round took (equal tokens in more steps: emptier batches);
-``served_cpu_share``: CPU seconds per wall second of the clients (this process), the server and
-its child processes (the engine's first) in each served round. ``tokens_equal``: both sides
+``served_cpu_share``: CPU seconds per wall second of the client processes (summed), the server
+and its child processes (the engine's first) in each served round. ``tokens_equal``: both sides
 produced the same tokens (the comparison is of equal work); ``texts_equal``: and the same text
 (the server process makes it from the engine process's token ids, the offline engine in its own
 process). The offline engine steps on a thread of its own, as the server's engine loop does:

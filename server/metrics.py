@@ -108,15 +108,17 @@ class ServerMetrics:
         for name, (doc, read) in gauges.items():
             gauge = Gauge(f"espalier_engine_{name}", doc, registry=r)
             gauge.set_function(self._stat_reader(read))
-        r.register(_EngineCounterCollector(lambda: self._engine_stats))
+        r.register(_EngineCounterCollector(self._stats_now))
+
+    def _stats_now(self) -> Mapping[str, Any]:
+        """The engine's stats at this scrape (``{}`` before an engine is bound)."""
+        source = self._engine_stats
+        return source() if source is not None else {}
 
     def _stat_reader(self, read: Callable[[Mapping[str, Any]], float]) -> Callable[[], float]:
         def value() -> float:
-            source = self._engine_stats
-            if source is None:
-                return 0.0
             try:
-                return float(read(source()))
+                return float(read(self._stats_now()))
             except Exception:  # a metrics scrape must never fail on engine state
                 return float("nan")
 
@@ -143,13 +145,12 @@ class _EngineCounterCollector(Collector):
     """The engine's running totals, read at scrape: steps (tokens per step = generated tokens /
     steps: how full the batches ran) and preemptions."""
 
-    def __init__(self, source: Callable[[], Callable[[], Mapping[str, Any]] | None]) -> None:
-        self.source = source
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.source()
         try:
-            values = stats() if stats is not None else {}
+            values = self.stats()
         except Exception:  # a metrics scrape must never fail on engine state
             values = {}
         yield CounterMetricFamily(
