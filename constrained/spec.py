@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained import json_text
 from espalier.constrained.errors import InvalidGrammarError
 
 DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
@@ -62,13 +63,13 @@ class GrammarSpec:
         if isinstance(schema, str):
             check_size(GrammarKind.JSON_SCHEMA, schema, max_bytes)
             try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
+                schema = json_text.loads(schema)
+            except json_text.JSONTextError as exc:
                 raise InvalidGrammarError(
                     GrammarKind.JSON_SCHEMA.value,
                     f"schema is not valid JSON: {exc.msg}",
-                    line=exc.lineno,
-                    column=exc.colno,
+                    line=exc.line,
+                    column=exc.column,
                 ) from exc
         if not isinstance(schema, (dict, bool)):
             raise InvalidGrammarError(

@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from espalier.constrained import json_text
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.spec import (
     DEFAULT_MAX_GRAMMAR_BYTES,
@@ -47,10 +48,13 @@ def canonical_source(value: dict[str, Any] | str) -> str:
     rewritten); raises InvalidGrammarError naming the first problem."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
+            value = json_text.loads(value)
+        except json_text.JSONTextError as exc:
             raise InvalidGrammarError(
-                KIND, f"structural tag is not valid JSON: {exc.msg}", line=exc.lineno
+                KIND,
+                f"structural tag is not valid JSON: {exc.msg}",
+                line=exc.line,
+                column=exc.column,
             ) from exc
     if not isinstance(value, dict):
         raise InvalidGrammarError(KIND, "a structural tag must be a JSON object", pointer="")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from espalier.constrained import json_text
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.schema.guard import admit_schema
 from espalier.constrained.spec import GrammarSpec
@@ -84,9 +85,11 @@ def _messages(chat: pb.Chat, bad: list[Violation]) -> list[dict[str, Any]]:
 
 def _call_function(call: pb.ToolCall, index: int, bad: list[Violation]) -> dict[str, Any]:
     try:
-        arguments = json.loads(call.arguments or "{}")
-    except (json.JSONDecodeError, RecursionError):
-        bad.append(Violation(f"chat.messages[{index}].tool_calls", "arguments must be JSON"))
+        arguments = json_text.loads(call.arguments or "{}")
+    except json_text.JSONTextError as exc:
+        bad.append(
+            Violation(f"chat.messages[{index}].tool_calls", f"arguments must be JSON: {exc}")
+        )
         arguments = {}
     return {"name": call.name, "arguments": arguments}
 
@@ -162,7 +165,7 @@ def parse_tool_calls(choice: str, text: str, request_id: str) -> list[pb.ToolCal
     """The calls in an output generated under ``choice``; [] when it is not complete JSON."""
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, or an integer too long to convert
         return []
     if choice != "required":
         calls = [(choice, value)]

@@ -26,6 +26,7 @@ counted in ErrorInfo ``more_violations``) so the trailer fits grpc's default 8 K
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ from espalier.constrained.errors import (
 from espalier.engine.api import InvalidRequestError as EngineInvalidRequest
 
 DOMAIN = "espalier.v1"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -267,4 +270,6 @@ def to_grpc_status(exc: BaseException, field_prefix: str = "") -> grpc.Status:
             _grammar_violations(exc, field_prefix),
             _grammar_metadata(exc),
         )
+    # not the caller's mistake: the client gets the type only, the operator the traceback
+    log.error("internal error: %s", type(exc).__name__, exc_info=exc)
     return _status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", "INTERNAL")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import re
 from typing import Any
 
@@ -28,6 +27,7 @@ import referencing.exceptions
 import referencing.jsonschema
 from jsonschema_specifications import REGISTRY as METASCHEMAS
 
+from espalier.constrained import json_text
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.schema.walk import escape_pointer_token, walk
 
@@ -70,14 +70,12 @@ def admit_schema(text: str, max_depth: int = DEFAULT_MAX_SCHEMA_DEPTH) -> dict[s
         raise InvalidGrammarError(
             KIND, f"the schema is nested {depth} levels deep, over the limit of {max_depth}"
         )
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as exc:
+    try:  # (unbalanced brackets inside a string can fool json_depth: "nested too deeply")
+        schema = json_text.loads(text)
+    except json_text.JSONTextError as exc:
         raise InvalidGrammarError(
-            KIND, f"schema is not valid JSON: {exc.msg}", line=exc.lineno, column=exc.colno
+            KIND, f"schema is not valid JSON: {exc.msg}", line=exc.line, column=exc.column
         ) from exc
-    except RecursionError as exc:  # unbalanced brackets inside a string can fool json_depth
-        raise InvalidGrammarError(KIND, "the schema is nested too deeply") from exc
     if not isinstance(schema, (dict, bool)):
         raise InvalidGrammarError(
             KIND,
