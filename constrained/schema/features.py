@@ -354,7 +354,18 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
     return Support.EXACT
 
 
+_OUTLINES_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})
+_OUTLINES_COUNT_LIMIT = 2**32
+"""Counts from here on are not enforced by outlines-core: 2**31 to 2**63 fail its DFA build or
+its memory limit, and from 2**64 it wraps the number and compiles (``"minItems": 2**64`` took
+``[]``: found by the abusive-input sweep of session 44)."""
+
+
 def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in _OUTLINES_COUNTS:
+        value = node[keyword]
+        if isinstance(value, (int, float)) and value >= _OUTLINES_COUNT_LIMIT:
+            return Support.IGNORED
     kind = TYPE_OF.get(keyword)
     types = _types(node)
     if kind is not None and (len(types) != 1 or kind not in types):
@@ -451,10 +462,10 @@ LLGUIDANCE = BackendProfile(
 XGRAMMAR = BackendProfile(
     name="xgrammar",
     exact=_EXACT_IN_JSON_BACKENDS | {"propertyNames"},
+    # not ipv4: its grammar takes leading zeros ("81.023.84.8"; probe format-ipv4)
     formats=frozenset(
         {
             "email",
-            "ipv4",
             "uri",
             "uri-reference",
             "uri-template",

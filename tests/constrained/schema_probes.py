@@ -169,7 +169,14 @@ PROBES: tuple[Probe, ...] = (
         ["2eb8aa08-aa98-11ea-b4aa-73b441d16380"],
         ["2eb8aa08"],
     ),
-    _p("format-ipv4", "format", {"type": "string", "format": "ipv4"}, ["1.2.3.4"], ["1.2.3"]),
+    # xgrammar takes leading zeros (an abusive-input sweep: "81.023.84.8" under strict mode)
+    _p(
+        "format-ipv4",
+        "format",
+        {"type": "string", "format": "ipv4"},
+        ["1.2.3.4", "10.0.0.255"],
+        ["1.2.3", "1.02.3.4", "81.023.84.8"],
+    ),
     _p(
         "format-date",
         "format",

@@ -14,8 +14,9 @@ import pytest
 from espalier.constrained.backends import BACKENDS, BackendUnavailableError, get_backend
 from espalier.constrained.base import CompileReport
 from espalier.constrained.cache import CacheKey, CompileCache
+from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import grammar_accepts
-from espalier.constrained.errors import GrammarError
+from espalier.constrained.errors import CompileTimeoutError, GrammarError
 from espalier.constrained.schema.features import (
     PROFILES,
     Support,
@@ -185,3 +186,25 @@ def test_xgrammar_false_elsewhere_is_still_an_issue(toy_tokenizer: Any) -> None:
         assert [i.keyword for i in issues] == ["false"], schema
         assert pointer is None or issues[0].pointer == pointer
         assert compile_or_none("xgrammar", schema, toy_tokenizer) is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "array", "minItems": 2**64}, "minItems"),  # wrapped to 0: took "[]"
+        ({"type": "array", "maxItems": 2**64 + 3}, "maxItems"),
+        ({"type": "string", "minLength": 2**40}, "minLength"),
+    ],
+)
+def test_outlines_core_does_not_claim_counts_past_its_limit(
+    schema: dict[str, Any], keyword: str, toy_tokenizer: Any
+) -> None:
+    assert [(i.keyword, i.support) for i in backend_issues("outlines_core", schema)] == [
+        (keyword, "ignored")
+    ]
+    small = {**schema, keyword: 3}
+    assert backend_issues("outlines_core", small) == []
+    # strict mode then finds no backend that enforces it: refused, never compiled wrapped
+    with pytest.raises(GrammarError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert not isinstance(caught.value, CompileTimeoutError)
