@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -184,6 +185,7 @@ def compile_grammar(
         prepared = prepare_schema(spec.schema, registry, order, bounds)
         target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
     else:
+        order = _enforcing_json_blocks(spec, order)
         return _compile_first(spec, tokenizer, order, options, (), ())
     exact = prepared.enforcing(order)
     if exact:
@@ -293,6 +295,30 @@ def _taking_kind(
     taking = tuple(name for name in order if kind in get_backend(name, tokenizer, options).kinds)
     if not taking:
         raise UnsupportedGrammarError(order[0], kind.value)
+    return taking
+
+
+_JSON_BLOCK = re.compile(r"%json\b")
+JSON_BLOCK_BACKENDS = (BackendName.LLGUIDANCE,)
+"""The backends that enforce a Lark grammar's ``%json`` schemas exactly. llguidance refuses a
+keyword it does not implement ("Unimplemented keys"), and a ref it would have to fetch;
+xgrammar's Lark front end drops them (``"not"`` ignored: ``n=3`` taken under ``{"not":
+{"const": 3}}``; an external ``$ref`` compiled as any JSON value), so a strict request must not
+fall back to it."""
+
+
+def _enforcing_json_blocks(spec: GrammarSpec, order: tuple[str, ...]) -> tuple[str, ...]:
+    """``order`` without the backends that would weaken a Lark grammar's ``%json`` schemas
+    (all of ``order`` for other grammars); raises UnsupportedGrammarError if none is left."""
+    if spec.kind is not GrammarKind.LARK or _JSON_BLOCK.search(spec.source) is None:
+        return order
+    taking = tuple(name for name in order if name in JSON_BLOCK_BACKENDS)
+    if not taking:
+        raise UnsupportedGrammarError(
+            order[0],
+            spec.kind.value,
+            "its %json schemas are enforced exactly only by llguidance",
+        )
     return taking
 
 

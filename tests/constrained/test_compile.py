@@ -12,9 +12,11 @@ from espalier.constrained.compile import compile_grammar, prepare_schema
 from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import (
     EmptyLanguageError,
+    GrammarError,
     InvalidGrammarError,
     SchemaNotEnforceableError,
     UnknownBackendError,
+    UnsupportedGrammarError,
 )
 from espalier.constrained.postvalidate import validate_instance
 from espalier.constrained.schema.logic import complement
@@ -106,6 +108,36 @@ def test_other_kinds_go_to_a_backend_that_supports_them(toy_tokenizer: Any) -> N
         compiled, report = compile_grammar(spec, toy_tokenizer)
         assert grammar_accepts(compiled, toy_tokenizer, good), (spec, report.backend)
         assert not grammar_accepts(compiled, toy_tokenizer, bad), (spec, report.backend)
+
+
+@pytest.mark.parametrize(
+    "lark",
+    [
+        'start: "n=" %json {"type": "integer", "not": {"const": 3}}',  # xgrammar took n=3
+        'start: "n=" %json {"$ref": "http://127.0.0.1:9/x.json"}',  # xgrammar: any JSON
+        'start: %json {"$ref": "file:///etc/hostname"}',
+    ],
+)
+def test_a_lark_json_block_llguidance_refuses_is_not_left_to_xgrammar(
+    lark: str, toy_tokenizer: Any
+) -> None:
+    with pytest.raises(GrammarError) as caught:
+        compile_grammar(GrammarSpec.lark(lark), toy_tokenizer)
+    assert "llguidance" in str(caught.value) or "JSON schema" in str(caught.value)
+    with pytest.raises(UnsupportedGrammarError, match="%json"):
+        compile_grammar(GrammarSpec.lark(lark), toy_tokenizer, "xgrammar")
+
+
+def test_lark_json_blocks_compile_on_llguidance_and_other_lark_anywhere(
+    toy_tokenizer: Any,
+) -> None:
+    spec = GrammarSpec.lark('start: "n=" %json {"type": "integer", "maximum": 5}')
+    compiled, report = compile_grammar(spec, toy_tokenizer)
+    assert report.backend == "llguidance"
+    assert grammar_accepts(compiled, toy_tokenizer, "n=4")
+    assert not grammar_accepts(compiled, toy_tokenizer, "n=6")
+    _, report = compile_grammar(GrammarSpec.lark('start: "x"+'), toy_tokenizer, "xgrammar")
+    assert report.backend == "xgrammar"
 
 
 @needs_suite
