@@ -55,6 +55,7 @@ class _Clock:
     limit_s: float
     waited_s: float = 0.0
     waiting_since: float | None = None  # time.monotonic() of a wait in progress
+    abandoned: bool = False  # every caller cancelled: nobody waits for the result any more
 
     def waited(self, now: float) -> float:
         """Seconds waited so far, a wait in progress included."""
@@ -71,6 +72,17 @@ def compile_deadline() -> tuple[float, float] | None:
     instead of running on abandoned."""
     clock: _Clock | None = getattr(_RUNNING, "clock", None)
     return None if clock is None else (clock.deadline, clock.limit_s)
+
+
+def abandoned_check() -> Callable[[], bool]:
+    """Whether every caller of the compile running on this thread has cancelled (read it
+    again as the compile goes on; always False outside a cache's compile). A compile that can
+    stop early (a child process it can kill, a wait for a slot) stops then: an abandoned compile
+    must not hold a backend's place until its deadline while others wait for it."""
+    clock: _Clock | None = getattr(_RUNNING, "clock", None)
+    if clock is None:
+        return lambda: False
+    return lambda: clock.abandoned
 
 
 @contextlib.contextmanager
@@ -267,6 +279,7 @@ class CompileCache:
             orphaned = not job.waiters and not job.done
             if orphaned:
                 job.done = True
+                job.clock.abandoned = True
                 if self._jobs.get(job.key) is job:
                     del self._jobs[job.key]
         if orphaned and job.started_at is not None:

@@ -6,8 +6,9 @@ few of them could take every compile thread (``constrained/cache.py``). So:
 
 - :class:`ChildPool`: compiles that may run long (xgrammar, outlines-core) run in child processes
   (``constrained/compile_child.py``) started once with the vocabulary and kept warm. A compile
-  waits for a free child up to its own deadline; at the deadline the child is killed and its slot
-  freed at once, so nothing runs on abandoned. The grammar comes back in the library's own
+  waits for a free child up to its own deadline; at the deadline, or once every caller of the
+  compile has left (:func:`cache.abandoned_check`: a cancelled request, an expired client
+  deadline), the child is killed and its slot freed at once, so nothing runs on abandoned. The grammar comes back in the library's own
   serialized form. At most ``max_children`` per pool: one slow backend cannot take the others'.
 - :class:`InProcessLane`: a backend whose compile the library itself bounds (llguidance: lazy
   lexer, its own size and fuel limits) compiles in-process, at most ``slots`` at a time.
@@ -27,13 +28,14 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from espalier.constrained.cache import compile_deadline, waiting
+from espalier.constrained.cache import abandoned_check, compile_deadline, waiting
 from espalier.constrained.compile_child import U64
 from espalier.constrained.errors import CompileMemoryError, CompileTimeoutError, GrammarError
 
 _CHUNK = 1 << 20
+_POLL_S = 0.05  # how often a wait for a child looks whether its compile was abandoned
 
 
 class ChildRefusedError(GrammarError):
@@ -43,7 +45,7 @@ class ChildRefusedError(GrammarError):
 
 
 class _Timeout(Exception):
-    """The caller's deadline passed before the child answered."""
+    """The caller's deadline passed, or every caller left, before the child answered."""
 
 
 class _Died(Exception):
@@ -87,11 +89,13 @@ class _Child:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def ask(self, request: bytes, deadline: float | None) -> tuple[bytes, bytes]:
+    def ask(
+        self, request: bytes, deadline: float | None, abandoned: Callable[[], bool]
+    ) -> tuple[bytes, bytes]:
         """``(tag, payload)`` of the child's answer to ``request``."""
         self._send(U64.pack(len(request)) + request)
-        head = self._read(1 + U64.size, deadline)
-        return head[:1], self._read(U64.unpack(head[1:])[0], deadline)
+        head = self._read(1 + U64.size, deadline, abandoned)
+        return head[:1], self._read(U64.unpack(head[1:])[0], deadline, abandoned)
 
     def exit_detail(self) -> str:
         """How the child ended, once its pipe closed: ``"signal SIGABRT"``, ``"exit status 1"``."""
@@ -124,7 +128,7 @@ class _Child:
         except (BrokenPipeError, ValueError) as exc:
             raise _Died from exc
 
-    def _read(self, n: int, deadline: float | None) -> bytes:
+    def _read(self, n: int, deadline: float | None, abandoned: Callable[[], bool]) -> bytes:
         """``n`` bytes of the child's stdout (its raw pipe, so ``select`` sees every byte)."""
         stdout = self.process.stdout
         assert stdout is not None
@@ -133,10 +137,14 @@ class _Child:
         view = memoryview(data)
         got = 0
         while got < n:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
+            while True:
+                if abandoned():
                     raise _Timeout
+                left = _POLL_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise _Timeout
+                if select.select([fd], [], [], min(left, _POLL_S))[0]:
+                    break
             read = os.readv(fd, [view[got : got + _CHUNK]])
             if read == 0:
                 raise _Died
@@ -189,10 +197,11 @@ class ChildPool:
         died), :class:`CompileTimeoutError` when the running compile's deadline passed first."""
         running = compile_deadline()
         deadline = None if running is None else running[0]
-        child = self._take(deadline, running)
+        abandoned = abandoned_check()
+        child = self._take(deadline, running, abandoned)
         try:
-            tag, payload = child.ask(request, deadline)
-        except _Timeout:
+            tag, payload = child.ask(request, deadline, abandoned)
+        except _Timeout:  # past the deadline, or nobody waits: the child is killed, its slot freed
             self._drop(child)
             self._refill()
             assert running is not None
@@ -234,7 +243,12 @@ class ChildPool:
 
     # -- slots ----------------------------------------------------------------------------------
 
-    def _take(self, deadline: float | None, running: tuple[float, float] | None) -> _Child:
+    def _take(
+        self,
+        deadline: float | None,
+        running: tuple[float, float] | None,
+        abandoned: Callable[[], bool],
+    ) -> _Child:
         with waiting(), self._cond:
             while True:
                 while self._idle:
@@ -245,11 +259,11 @@ class ChildPool:
                 if self._slots < self.max_children and self._warming == 0:
                     self._slots += 1
                     break  # start one here (a child warming up will be the next one's)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = _POLL_S if deadline is None else deadline - time.monotonic()
+                if left <= 0 or abandoned():
                     assert running is not None
                     raise CompileTimeoutError(running[1])
-                self._cond.wait(left)
+                self._cond.wait(min(left, _POLL_S))
         return self._start()
 
     def _start(self) -> _Child:
@@ -316,14 +330,18 @@ class InProcessLane:
 
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
-        """Hold a slot; waits up to the running compile's deadline (CompileTimeoutError)."""
+        """Hold a slot; waits up to the running compile's deadline, or until every caller of
+        it left (CompileTimeoutError; the compile itself, once running, is not interrupted)."""
         running = compile_deadline()
-        timeout = None if running is None else max(running[0] - time.monotonic(), 0.0)
+        abandoned = abandoned_check()
         with waiting():
-            acquired = self._free.acquire(timeout=timeout)
-        if not acquired:
-            assert running is not None
-            raise CompileTimeoutError(running[1])
+            while True:
+                left = _POLL_S if running is None else running[0] - time.monotonic()
+                if left <= 0 or abandoned():
+                    assert running is not None
+                    raise CompileTimeoutError(running[1])
+                if self._free.acquire(timeout=min(left, _POLL_S)):
+                    break
         try:
             yield
         finally:

@@ -154,7 +154,9 @@ class GrammarService:
         """:meth:`submit`, then one new matcher for the request: the Future resolves to a
         :data:`RequestGrammar` ``(CompiledGrammar, CompileReport, GrammarMatcher)`` or raises
         what the compile raised. The matcher is made on this service's matcher threads, off the
-        engine thread. Cancelling the Future leaves the shared compile running.
+        engine thread. Cancelling the Future withdraws the request from the compile: one that
+        no request or CompileGrammar call waits for any more stops (its child killed, its place
+        in the backend freed: ``CompileCache``).
         ``on_compiled``: called once the compile succeeded, before the matcher is made (on the
         compile's thread, or on this one for a cached grammar): the engine may compute the
         request's prompt meanwhile."""
@@ -192,6 +194,7 @@ class GrammarService:
                     out.set_exception(exc)
 
         compiled_future.add_done_callback(compiled_done)
+        out.add_done_callback(lambda done: done.cancelled() and compiled_future.cancel())
         return out
 
     def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:

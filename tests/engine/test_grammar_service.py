@@ -250,3 +250,27 @@ def test_a_request_matcher_comes_with_its_own_native_matcher(toy_tokenizer: Any)
     ids = toy_tokenizer.hf.encode(text, add_special_tokens=False)
     assert matcher.accept_tokens(ids) == len(ids)
     assert matcher.can_terminate()
+
+
+def test_a_cancelled_request_withdraws_from_its_compile(
+    toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's Future cancelled (an aborted request) cancels its wait in the compile
+    cache, which stops a compile nobody else waits for (``test_compile_pool.py``)."""
+    from concurrent.futures import Future
+
+    service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
+    waits: list[Future[Any]] = []
+
+    def pending(*_: Any, **__: Any) -> Future[Any]:
+        waits.append(Future())
+        return waits[-1]
+
+    try:
+        monkeypatch.setattr(service.cache, "submit", pending)
+        out = service.submit_request(GrammarSpec.json_schema(SCHEMA), ConstraintOptions())
+        assert len(waits) == 1 and not waits[0].cancelled()
+        assert out.cancel()
+        assert waits[0].cancelled()
+    finally:
+        service.close()
