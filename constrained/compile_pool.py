@@ -8,8 +8,9 @@ few of them could take every compile thread (``constrained/cache.py``). So:
   (``constrained/compile_child.py``) started once with the vocabulary and kept warm. A compile
   waits for a free child up to its own deadline; at the deadline, or once every caller of the
   compile has left (:func:`cache.abandoned_check`: a cancelled request, an expired client
-  deadline), the child is killed and its slot freed at once, so nothing runs on abandoned. The grammar comes back in the library's own
-  serialized form. At most ``max_children`` per pool: one slow backend cannot take the others'.
+  deadline), the child is killed and its slot freed at once, so nothing runs on abandoned. The
+  grammar comes back in the library's own serialized form. At most ``max_children`` per pool:
+  one slow backend cannot take the others'.
 - :class:`InProcessLane`: a backend whose compile the library itself bounds (llguidance: lazy
   lexer, its own size and fuel limits) compiles in-process, at most ``slots`` at a time.
 

@@ -223,7 +223,8 @@ def _grammar_violations(exc: GrammarError, field_prefix: str) -> list[Violation]
         return [Violation(f"{field_prefix}{grammar_field(exc.kind)}{where}", exc.detail)]
     if isinstance(exc, (UnsupportedGrammarError, UnknownBackendError, CompileMemoryError)):
         return [Violation(f"{field_prefix}constraint.backend", str(exc))]
-    return []
+    # the grammar as a whole (a backend's limit met while generating: no place to name)
+    return [Violation(f"{field_prefix}constraint", str(exc))]
 
 
 def _grammar_metadata(exc: GrammarError) -> dict[str, str]:

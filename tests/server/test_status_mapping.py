@@ -147,3 +147,21 @@ def test_details_are_capped_to_fit_the_default_metadata_limit() -> None:
     assert 0 < len(kept) < 500
     assert info.metadata["more_violations"] == str(500 - len(kept))
     assert status.details.endswith(f"(and {500 - len(kept)} more field violations)")
+
+
+def test_a_grammar_that_grows_past_llguidance_mid_generation_names_the_constraint() -> None:
+    """A huge repetition (``a{1000000}``) compiles, then llguidance's lexer stops a few tokens in
+    with its state dumped after the first line: the caller gets that line and a violation."""
+    from espalier.constrained.backends.llguidance.errors import MatcherStateError
+
+    dump = (
+        "llguidance: lexer error: too many expressions constructed\n<state>\n"
+        'Tokens: ⟦"⟧\n{"lexer_cost": 2072, "rows": 3}\nStop: LexerTooComplex'
+    )
+    status = to_grpc_status(MatcherStateError(dump))
+    info, violations, _ = unpack(status)
+    assert status.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert info.reason == "GRAMMAR_STATE_ERROR"
+    assert violations == [("constraint", "")]
+    assert "too many expressions constructed" in status.details
+    assert "lexer_cost" not in status.details and "<state>" not in status.details
