@@ -130,7 +130,8 @@ def _forced_call(
         return None
     if choice != "required":
         if choice not in schemas:
-            bad.append(Violation("chat.tool_choice", f"names no tool: '{choice}'"))
+            if all(tool.name != choice for tool in chat.tools):  # else: its own violation
+                bad.append(Violation("chat.tool_choice", f"names no tool: '{choice}'"))
             return None
         return GrammarSpec.json_schema(schemas[choice])
     branches = []

@@ -97,6 +97,31 @@ def test_bad_chats_name_the_field(msg: pb.Chat, field: str) -> None:
     assert field in [v.field for v in bad]
 
 
+def test_a_forced_tool_with_bad_parameters_gets_one_violation_not_two() -> None:
+    """The tool exists: 'names no tool' would send the caller looking for the wrong mistake."""
+    bad: list[Violation] = []
+    prepare_chat(chat("x", tools=(pb.Tool(name="x", parameters="{"),)), render, bad)
+    assert [v.field for v in bad] == ["chat.tools[2].parameters"]
+
+
+def test_tool_call_arguments_past_the_int_digit_limit_are_a_violation() -> None:
+    turn = pb.ChatMessage(
+        role="assistant",
+        tool_calls=[pb.ToolCall(id="1", name="time", arguments='{"a": 1' + "0" * 5000 + "}")],
+    )
+    msg = chat()
+    msg.messages.append(turn)
+    bad: list[Violation] = []
+    prepare_chat(msg, render, bad)
+    assert [v.field for v in bad] == ["chat.messages[1].tool_calls"]
+    assert "4300 digits" in bad[0].description
+
+
+def test_an_output_python_cannot_read_as_json_has_no_calls() -> None:
+    """The model's output, not the caller's: a 5,000-digit integer is no call, not an error."""
+    assert parse_tool_calls("time", '{"a": 1' + "0" * 5000 + "}", "r1") == []
+
+
 def test_tool_calls_are_parsed_from_the_output() -> None:
     [call] = parse_tool_calls("weather", '{"city": "Oslo"}', "r1")
     assert call.name == "weather" and json.loads(call.arguments) == {"city": "Oslo"}
