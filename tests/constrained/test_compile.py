@@ -140,6 +140,20 @@ def test_lark_json_blocks_compile_on_llguidance_and_other_lark_anywhere(
     assert report.backend == "xgrammar"
 
 
+def test_a_regex_escape_xgrammar_would_read_as_its_letter_is_refused(toy_tokenizer: Any) -> None:
+    """xgrammar read ``\\q`` as ``q``, where llguidance, outlines-core and the post-validator
+    refuse it, so auto compiled it on xgrammar after llguidance's refusal."""
+    with pytest.raises(InvalidGrammarError, match="regex"):
+        compile_grammar(GrammarSpec.regex("a\\q"), toy_tokenizer)
+    with pytest.raises(InvalidGrammarError, match="unknown escape") as caught:
+        compile_grammar(GrammarSpec.regex("a\\q"), toy_tokenizer, "xgrammar")
+    assert caught.value.column == 2
+    for known in ("\\d+\\.\\w\\s", "a\\\\q", "[\\n\\t]x"):  # "a\\\\q": a backslash, then q
+        compiled, report = compile_grammar(GrammarSpec.regex(known), toy_tokenizer, "xgrammar")
+        assert report.backend == "xgrammar"
+    assert grammar_accepts(compiled, toy_tokenizer, "\nx")
+
+
 @needs_suite
 def test_remote_refs_resolve_from_the_registry(toy_tokenizer: Any) -> None:
     registry = directory_registry(SUITE / "remotes")

@@ -127,6 +127,7 @@ class Backend:
                 "strict_mode": False,
             }
         if kind is GrammarKind.REGEX:
+            _refuse_unknown_escapes(spec.source)
             return "compile_regex", {"regex": spec.source}
         if kind is GrammarKind.EBNF:
             return "compile_grammar", {"grammar": spec.source, "root_rule_name": "root"}
@@ -333,6 +334,25 @@ def deserialize_compiled(
     """The grammar ``CompiledGrammar.serialize_json`` wrote (UTF-8), bound to ``tokenizer_info``
     (the same vocabulary it was compiled for)."""
     return xgrammar.CompiledGrammar.deserialize_json(data.decode("utf-8"), tokenizer_info)
+
+
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+KNOWN_ESCAPE_LETTERS = frozenset("dDwWsSbBnrtfvxupPkc")
+"""Letters xgrammar's regex reads after a backslash as more than the letter. It reads any other
+(``\\q``) as the letter itself, where llguidance, outlines-core and the post-validator refuse
+it: such a regex would be enforced as something its writer did not write."""
+
+
+def _refuse_unknown_escapes(regex: str) -> None:
+    """Raise InvalidGrammarError at the first ``\\`` + letter xgrammar would read as the letter."""
+    for escape in _ESCAPE.finditer(regex):
+        char = escape.group(1)
+        if char.isascii() and char.isalpha() and char not in KNOWN_ESCAPE_LETTERS:
+            raise InvalidGrammarError(
+                GrammarKind.REGEX.value,
+                f"unknown escape \\{char} (xgrammar would read it as '{char}')",
+                column=escape.start() + 1,
+            )
 
 
 def _invalid(kind: GrammarKind, exc: Exception) -> InvalidGrammarError:
