@@ -15,7 +15,10 @@ so every final output is checked again here:
   the pattern in Python gives ``checked=False`` rather than a verdict.
 - choice: membership. any-JSON: parses as strict JSON.
 - EBNF / Lark: no independent validator exists in Python; pass ``replay`` (e.g.
-  :func:`replay_with`) to replay the text through a fresh matcher, else ``checked=False``.
+  :func:`replay_with`) to replay the text through a fresh matcher, else ``checked=False``. A
+  Lark grammar that bounds a rule's tokens (``[max_tokens=N]``) is not replayed either
+  (``checked=False``): the replay's tokens are the text's canonical encoding, not the
+  generation's, so it would count others.
 
 The result mirrors ``espalier.engine.api.ValidationResult`` (the engine converts it; this package
 does not import the engine).
@@ -54,6 +57,10 @@ class PostValidation:
     errors: tuple[str, ...] = ()
 
 
+_TOKEN_COUNT = re.compile(r"\[\s*max_tokens\s*=")
+"""A Lark rule attribute bounding its tokens (``foo[max_tokens=2]: ...``)."""
+
+
 def postvalidate(
     spec: GrammarSpec,
     text: str,
@@ -80,6 +87,9 @@ def postvalidate(
         return _check(_validator_from_text(spec.source, registry), instance)
     if replay is None:
         return PostValidation(False, False, ("/: no independent validator for this grammar kind",))
+    if spec.kind is GrammarKind.LARK and _TOKEN_COUNT.search(spec.source) is not None:
+        # a replay re-tokenizes the text: its token counts are not the generation's
+        return PostValidation(False, False, ("/: the grammar counts tokens (max_tokens)",))
     ok = replay(text)
     return PostValidation(True, ok, () if ok else ("/: the grammar does not accept the output",))
 

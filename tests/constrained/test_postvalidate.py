@@ -98,6 +98,16 @@ def test_grammar_kinds_need_a_replay() -> None:
     assert not postvalidate(spec, "ab", replay=lambda text: set(text) == {"a"}).valid
 
 
+def test_a_lark_grammar_counting_tokens_is_not_judged_from_its_text() -> None:
+    """Its text re-tokenized counts other tokens than the generation did: the replay said
+    'not accepted' for outputs that followed the grammar (an abusive-input sweep)."""
+    spec = GrammarSpec.lark("start: foo\nfoo[max_tokens=2]: /[a-z]+/")
+    result = postvalidate(spec, "remarkableraiser", replay=lambda text: False)
+    assert not result.checked and "max_tokens" in result.errors[0]
+    plain = GrammarSpec.lark("start: /[a-z]+/")
+    assert not postvalidate(plain, "ab", replay=lambda text: False).valid
+
+
 def test_replay_with_a_real_matcher(toy_tokenizer: Any) -> None:
     from espalier.constrained.compile import compile_grammar
     from espalier.constrained.postvalidate import replay_with
