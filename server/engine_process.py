@@ -31,7 +31,6 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,7 @@ from espalier.engine.core.messages import (
     PortableError,
     Shutdown,
     StepOutputs,
+    Withdraw,
 )
 from espalier.engine.output import OutputProcessor
 from espalier.server.errors import DrainingError, ResourceExhaustedError, ServiceError
@@ -319,11 +319,17 @@ class EngineProcess:
         if self._failed is None:
             self._outbox.put(Abort(request_id))
 
-    def compile(self, spec: GrammarSpec, options: ConstraintOptions) -> CompileReport:
+    def compile(
+        self, spec: GrammarSpec, options: ConstraintOptions, left: threading.Event
+    ) -> CompileReport:
         """CompileGrammar in the engine's compile cache (blocking: call it off the event loop).
         Raises what the compile raised (typed), ``CompileTimeoutError``, or
-        :class:`EngineUnavailableError` if the engine process is gone."""
-        from espalier.constrained.errors import CompileTimeoutError
+        :class:`EngineUnavailableError` if the engine process is gone. Once ``left`` is set
+        (the caller left), the compile is withdrawn (:class:`Withdraw`) and CancelledError
+        raised."""
+        from concurrent.futures import CancelledError
+
+        from espalier.server.loading import wait_unless_left
 
         future: Future[CompileReport] = Future()
         call_id = next(self._call_ids)
@@ -333,9 +339,13 @@ class EngineProcess:
             self._compiles[call_id] = future
         self._outbox.put(Compile(call_id, spec, options))
         try:
-            return future.result(timeout=self.config.compile_timeout_s + 5.0)
-        except FutureTimeout:
-            raise CompileTimeoutError(self.config.compile_timeout_s) from None
+            report: CompileReport = wait_unless_left(
+                future, self.config.compile_timeout_s, 5.0, left
+            )
+            return report
+        except CancelledError:
+            self._outbox.put(Withdraw(call_id))
+            raise
         finally:
             with self._lock:
                 self._compiles.pop(call_id, None)

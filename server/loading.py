@@ -10,7 +10,10 @@ load benchmarks, where the model's quality does not matter but the tokenizer's s
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -81,17 +84,33 @@ def grammar_service(options: ModelOptions, tokenizer: TokenizerInfo) -> GrammarS
     )
 
 
-def make_compiler(grammar: GrammarService, timeout_s: float) -> Compiler:
-    """CompileGrammar through the engine's grammar service (one compile cache for both)."""
+def wait_unless_left(
+    future: Future[Any], limit_s: float, margin_s: float, left: threading.Event
+) -> Any:
+    """``future``'s result within ``limit_s + margin_s`` (else CompileTimeoutError naming
+    ``limit_s``: the compile's own limit, which ends it first), looking at ``left`` every 50 ms:
+    once it is set the future is cancelled and CancelledError raised."""
     from espalier.constrained.errors import CompileTimeoutError
 
-    def compile_one(spec: Any, options: Any) -> Any:
-        future = grammar.submit(spec, options)
+    deadline = time.monotonic() + limit_s + margin_s
+    while True:
         try:
-            _compiled, report = future.result(timeout=timeout_s + 1.0)
+            return future.result(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
         except FutureTimeout:
-            future.cancel()
-            raise CompileTimeoutError(timeout_s) from None
+            if left.is_set():
+                future.cancel()
+                raise CancelledError from None
+            if time.monotonic() >= deadline:
+                future.cancel()
+                raise CompileTimeoutError(limit_s) from None
+
+
+def make_compiler(grammar: GrammarService, timeout_s: float) -> Compiler:
+    """CompileGrammar through the engine's grammar service (one compile cache for both)."""
+
+    def compile_one(spec: Any, options: Any, left: threading.Event) -> Any:
+        future = grammar.submit(spec, options)
+        _compiled, report = wait_unless_left(future, timeout_s, 1.0, left)
         return report
 
     return compile_one

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -292,8 +293,14 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             if compiler is None:
                 self.state.require_tokenizer()
                 raise RequestFailedError("no grammar compiler is configured")
-            # The compiler applies the time limit itself (CompileTimeoutError).
-            report = await asyncio.to_thread(compiler, spec, options)
+            # The compiler applies the time limit itself (CompileTimeoutError); a caller that
+            # leaves withdraws its compile (one nobody else waits for stops).
+            left = threading.Event()
+            try:
+                report = await asyncio.to_thread(compiler, spec, options, left)
+            except asyncio.CancelledError:
+                left.set()
+                raise
         except Exception as exc:
             status = to_grpc_status(exc)
             metrics.requests.labels("CompileGrammar", status.code.name).inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,10 @@ def announce(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-Compiler = Callable[["GrammarSpec", "ConstraintOptions"], "CompileReport"]
+Compiler = Callable[["GrammarSpec", "ConstraintOptions", "threading.Event"], "CompileReport"]
+"""CompileGrammar's compile, blocking (run off the event loop): the spec, its options, and an
+event the caller sets when it leaves (cancel, deadline), on which the compile is withdrawn and
+the call raises ``concurrent.futures.CancelledError``."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from espalier.engine.core.messages import (
     PortableError,
     Shutdown,
     StepOutputs,
+    Withdraw,
 )
 from espalier.engine.engine import EngineCore
 
@@ -126,6 +127,10 @@ class EngineLoop:
             elif isinstance(command, Compile):
                 future = self.engine.grammar.submit(command.spec, command.options)
                 self._compiles[command.call_id] = future
+            elif isinstance(command, Withdraw):
+                withdrawn = self._compiles.pop(command.call_id, None)
+                if withdrawn is not None:
+                    withdrawn.cancel()
             elif isinstance(command, Shutdown):
                 self._stopping, self._drain = True, command.drain
         return refused

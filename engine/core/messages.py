@@ -1,6 +1,7 @@
 """The typed channel between the server process and the engine process.
 
-Server → engine: :class:`AddRequest`, :class:`Abort`, :class:`Compile`, :class:`Shutdown`.
+Server → engine: :class:`AddRequest`, :class:`Abort`, :class:`Compile`, :class:`Withdraw`,
+:class:`Shutdown`.
 Engine → server: one :class:`StepOutputs` per loop iteration that has news (every chunk of the step
 in one message, so streaming pays one pickle and one pipe write per step, not per token): token
 ids, finish reasons, usage and errors, never text (the server makes the text and post-validates
@@ -90,6 +91,14 @@ class Compile:
 
 
 @dataclass(frozen=True)
+class Withdraw:
+    """The caller of :class:`Compile` ``call_id`` left: its wait in the compile cache is
+    cancelled (a compile nobody else waits for stops); no :class:`Compiled` answers it."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
 class Compiled:
     """The answer to :class:`Compile` ``call_id``: its report, or the typed error it raised."""
 
@@ -105,7 +114,7 @@ class Shutdown:
     drain: bool = True
 
 
-EngineCommand = AddRequest | Abort | Compile | Shutdown
+EngineCommand = AddRequest | Abort | Compile | Withdraw | Shutdown
 
 
 ChunkRow = tuple[str, tuple[int, ...], tuple[TokenLogprob, ...]]

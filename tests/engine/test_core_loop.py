@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
@@ -33,6 +34,7 @@ from espalier.engine.core.messages import (
     EngineStopped,
     Shutdown,
     StepOutputs,
+    Withdraw,
 )
 from espalier.engine.engine import EngineCore
 from tests.fixtures.engine_fixtures import make_engine, run_all, tokens_of
@@ -204,3 +206,38 @@ def test_compile_answers_from_the_cache_the_requests_use(
     bad = next_compiled(ours)
     assert bad.call_id == 9 and bad.report is None and bad.error is not None
     assert isinstance(bad.error.rebuild(), GrammarError)
+
+
+def test_a_withdrawn_compile_is_cancelled_and_never_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CompileGrammar's caller left: its wait in the compile cache is cancelled (a compile
+    nobody else waits for then stops: ``test_compile_pool.py``), and no Compiled comes."""
+    from concurrent.futures import Future
+
+    engine = make_engine(engine_type=EngineCore)
+    waits: list[Future[object]] = []
+
+    def pending(*_: object, **__: object) -> Future[object]:
+        waits.append(Future())
+        return waits[-1]
+
+    monkeypatch.setattr(engine.grammar, "submit", pending)
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    thread = threading.Thread(target=EngineLoop(engine, theirs).run, daemon=True)
+    thread.start()
+    try:
+        spec, options = GrammarSpec.regex("[a-c]{2}x"), ConstraintOptions(backend="llguidance")
+        ours.send(Compile(5, spec, options))
+        ours.send(Withdraw(5))
+        ours.send(Withdraw(99))  # none such: nothing happens
+        for _ in range(1200):
+            if waits and waits[0].cancelled():
+                break
+            time.sleep(0.05)
+        assert len(waits) == 1 and waits[0].cancelled()
+        ours.send(AddRequest(request(1, max_tokens=2)))
+        receive_until(ours, {"q1"})  # asserts every message is StepOutputs: no Compiled(5)
+    finally:
+        ours.close()
+        thread.join(timeout=60)

@@ -91,3 +91,28 @@ def test_generate_timings_split_the_compile_and_are_zero_on_a_cache_hit(
     assert hit.compile_run_seconds == 0.0 and hit.compile_queue_seconds == 0.0
     compiled = client.compile_grammar(regex=regex, backend="llguidance")
     assert compiled.cache_hit and compiled.queue_seconds == 0.0
+
+
+def test_a_compile_wait_ends_when_its_caller_leaves() -> None:
+    """CompileGrammar's wait (``wait_unless_left``): the caller's event set, the wait ends with
+    CancelledError and the compile's future is cancelled (its cache wait withdrawn); unset, a
+    result arrives as usual and a pending one times out with the compile's own limit."""
+    import threading
+    from concurrent.futures import CancelledError, Future
+
+    import pytest
+
+    from espalier.constrained.errors import CompileTimeoutError
+    from espalier.server.loading import wait_unless_left
+
+    pending: Future[int] = Future()
+    left = threading.Event()
+    threading.Timer(0.2, left.set).start()
+    with pytest.raises(CancelledError):
+        wait_unless_left(pending, 600.0, 0.0, left)
+    assert pending.cancelled()
+    done: Future[int] = Future()
+    done.set_result(7)
+    assert wait_unless_left(done, 600.0, 0.0, threading.Event()) == 7
+    with pytest.raises(CompileTimeoutError, match=r"0\.1"):
+        wait_unless_left(Future(), 0.1, 0.1, threading.Event())
