@@ -163,3 +163,39 @@ def test_a_duplicate_request_id_is_refused_and_spares_the_victim(
     thread.join(600)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert "error" not in victim and victim["tokens"] == solo_victim
+
+
+@pytest.mark.parametrize("method", ["CompileGrammar", "GenerateUnary"])
+def test_compiles_their_callers_left_do_not_hold_the_backend(
+    channel: grpc.Channel, method: str
+) -> None:
+    """Two 16-byte outlines-core regexes that take minutes, sent with a 2 s deadline, held both
+    outlines-core children until the compile limit (900 s here): the next caller waited behind
+    them (56 s with a 60 s limit). Now a compile nobody waits for stops; the next one gets a
+    child well inside its 120 s deadline."""
+    stub = pb_grpc.EspalierStub(channel)
+    base = 100_000 if method == "CompileGrammar" else 200_000
+
+    codes: list[grpc.StatusCode] = []
+
+    def abandoned(i: int) -> None:
+        constraint = pb.Constraint(regex=f"b{{{base + i}}}", backend="outlines_core")
+        try:
+            if method == "CompileGrammar":
+                stub.CompileGrammar(pb.CompileGrammarRequest(constraint=constraint), timeout=2)
+            else:
+                request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=2))
+                request.constraint.CopyFrom(constraint)
+                stub.GenerateUnary(request, timeout=2)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())  # type: ignore[attr-defined]
+
+    callers = [threading.Thread(target=abandoned, args=(i,)) for i in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(60)
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+    ordinary = pb.Constraint(regex=f"[xyz]{{3}}q{base}", backend="outlines_core")
+    reply = stub.CompileGrammar(pb.CompileGrammarRequest(constraint=ordinary), timeout=120)
+    assert reply.backend == "outlines_core"
