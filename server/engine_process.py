@@ -30,7 +30,7 @@ import queue
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, fields, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,7 @@ from espalier.engine.core.messages import (
 )
 from espalier.engine.output import OutputProcessor
 from espalier.server.errors import DrainingError, ResourceExhaustedError, ServiceError
+from espalier.server.loading import wait_unless_left
 from espalier.server.state import ModelFacts
 
 if TYPE_CHECKING:
@@ -327,10 +328,6 @@ class EngineProcess:
         :class:`EngineUnavailableError` if the engine process is gone. Once ``left`` is set
         (the caller left), the compile is withdrawn (:class:`Withdraw`) and CancelledError
         raised."""
-        from concurrent.futures import CancelledError
-
-        from espalier.server.loading import wait_unless_left
-
         future: Future[CompileReport] = Future()
         call_id = next(self._call_ids)
         with self._lock:

@@ -357,8 +357,8 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
 _OUTLINES_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})
 _OUTLINES_COUNT_LIMIT = 2**32
 """Counts from here on are not enforced by outlines-core: 2**31 to 2**63 fail its DFA build or
-its memory limit, and from 2**64 it wraps the number and compiles (``"minItems": 2**64`` took
-``[]``: found by the abusive-input sweep of session 44)."""
+its memory limit, and from 2**64 it wraps the number and compiles (``"minItems": 2**64``
+generates ``[]``)."""
 
 
 def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:

@@ -169,7 +169,7 @@ PROBES: tuple[Probe, ...] = (
         ["2eb8aa08-aa98-11ea-b4aa-73b441d16380"],
         ["2eb8aa08"],
     ),
-    # xgrammar takes leading zeros (an abusive-input sweep: "81.023.84.8" under strict mode)
+    # xgrammar takes leading zeros ("81.023.84.8")
     _p(
         "format-ipv4",
         "format",

@@ -100,7 +100,7 @@ def test_grammar_kinds_need_a_replay() -> None:
 
 def test_a_lark_grammar_counting_tokens_is_not_judged_from_its_text() -> None:
     """Its text re-tokenized counts other tokens than the generation did: the replay said
-    'not accepted' for outputs that followed the grammar (an abusive-input sweep)."""
+    'not accepted' for outputs that followed the grammar."""
     spec = GrammarSpec.lark("start: foo\nfoo[max_tokens=2]: /[a-z]+/")
     result = postvalidate(spec, "remarkableraiser", replay=lambda text: False)
     assert not result.checked and "max_tokens" in result.errors[0]

@@ -170,9 +170,9 @@ def test_compiles_their_callers_left_do_not_hold_the_backend(
     channel: grpc.Channel, method: str
 ) -> None:
     """Two 16-byte outlines-core regexes that take minutes, sent with a 2 s deadline, held both
-    outlines-core children until the compile limit (900 s here): the next caller waited behind
-    them (56 s with a 60 s limit). Now a compile nobody waits for stops; the next one gets a
-    child well inside its 120 s deadline."""
+    outlines-core children until the compile limit (900 s here), and the next caller waited
+    behind them. A compile nobody waits for stops, so the next one gets a child well inside its
+    120 s deadline."""
     stub = pb_grpc.EspalierStub(channel)
     base = 100_000 if method == "CompileGrammar" else 200_000
 
