@@ -53,11 +53,16 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.backends.llguidance.closing import LlgClosing, closing_of
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
+from espalier.constrained.backends.llguidance.literals import MAX_LITERAL_BYTES, longest_literal
 from espalier.constrained.backends.llguidance.native import capi as llg_native
 from espalier.constrained.backends.llguidance.tree_batch import NativeTreeBatch
 from espalier.constrained.backends.llguidance.tree_walk import walk_llguidance
 from espalier.constrained.compile_pool import InProcessLane
-from espalier.constrained.errors import EmptyLanguageError, InvalidGrammarError
+from espalier.constrained.errors import (
+    EmptyLanguageError,
+    InvalidGrammarError,
+    UnsupportedGrammarError,
+)
 from espalier.constrained.schema.refs import inline_boolean_refs
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -117,6 +122,14 @@ class Backend:
             return self._compile(spec)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        length = longest_literal(spec)
+        if length > MAX_LITERAL_BYTES:
+            raise UnsupportedGrammarError(
+                NAME,
+                spec.kind.value,
+                f"it holds a literal of {length} bytes, over {MAX_LITERAL_BYTES}: inside it "
+                "each of llguidance's token masks costs time in proportion to its length",
+            )
         grammar, checked = self._template(spec)
         tokenizer = self.native_slot.wait()
         if tokenizer is None:
