@@ -85,6 +85,32 @@ def test_past_the_memory_cap_is_a_clear_error_and_the_builder_goes_on(toy_tokeni
     assert builder.live_pids() == kept and builder.started == started + 2
 
 
+def nested_arrays(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
+def test_a_schema_regex_is_built_in_the_child(toy_tokenizer: Any) -> None:
+    outlines = backend(toy_tokenizer, 1 << 30)
+    builder = outlines.builder
+    builder.close()
+    started = builder.started
+    regex = outlines.regex(GrammarSpec.json_schema(SCHEMA))
+    assert builder.started == started + 1  # the regex alone asked a child
+    assert regex == backend(toy_tokenizer, 0).regex(GrammarSpec.json_schema(SCHEMA))
+
+
+def test_a_schema_whose_regex_outgrows_the_cap_is_a_memory_error(toy_tokenizer: Any) -> None:
+    """25 levels (under 1.5 KB): outlines-core's regex for it asks for 3.6 GB at once, which
+    aborted the process that built it, the engine's when it was built there."""
+    outlines = backend(toy_tokenizer, 1 << 30)
+    with pytest.raises(CompileMemoryError):
+        outlines.compile(GrammarSpec.json_schema(nested_arrays(25)))
+    assert outlines.compile(GrammarSpec.json_schema(nested_arrays(3))).native.get_final_states()
+
+
 def test_cache_deadline_kills_the_building_child(toy_tokenizer: Any) -> None:
     outlines = backend(toy_tokenizer, 4 << 30)
     builder = outlines.builder

@@ -108,12 +108,17 @@ class Backend:
             return spec.source
         if kind is GrammarKind.CHOICE:
             return "|".join(f"({escape_literal(option)})" for option in spec.choices)
-        try:
-            regex: str = outlines_core.json_schema.build_regex_from_schema(
-                spec.source, self.options.whitespace_regex
+        if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
+            regex = self.builder.schema_regex(
+                spec.source, self.options.whitespace_regex, kind.value
             )
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise InvalidGrammarError(kind.value, str(exc)) from exc
+        else:
+            try:
+                regex = outlines_core.json_schema.build_regex_from_schema(
+                    spec.source, self.options.whitespace_regex
+                )
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise InvalidGrammarError(kind.value, str(exc)) from exc
         bounds = self.options.json_number_bounds
         integer_rx, number_rx = outlines_core.json_schema.INTEGER, outlines_core.json_schema.NUMBER
         if bounds is None or integer_rx in spec.source:  # a caller's pattern spells it: keep

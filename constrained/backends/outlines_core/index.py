@@ -19,9 +19,11 @@ process of a :class:`~espalier.constrained.compile_pool.ChildPool` instead:
 
 from __future__ import annotations
 
+import json
 import pickle
 from typing import Any
 
+from espalier.constrained.backends.outlines_core.index_child import INDEX_REQUEST, REGEX_REQUEST
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError, memory_bounded_children
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.spec import BackendName
@@ -63,11 +65,19 @@ class IndexBuilder:
         """The Index of ``regex``; raises :class:`InvalidGrammarError` when outlines-core refuses
         it (``kind`` names the grammar kind in the error), :class:`CompileMemoryError` past the
         memory cap, :class:`CompileTimeoutError` when a cache's deadline passed first."""
+        return pickle.loads(self._ask(INDEX_REQUEST + regex.encode("utf-8"), kind))
+
+    def schema_regex(self, source: str, whitespace: str, kind: str) -> str:
+        """outlines-core's regex for the JSON schema text ``source``, built in a child (it may
+        need more memory than the cap); raises as :meth:`build` does."""
+        request = REGEX_REQUEST + json.dumps([source, whitespace]).encode("utf-8")
+        return self._ask(request, kind).decode("utf-8")
+
+    def _ask(self, request: bytes, kind: str) -> bytes:
         try:
-            payload = self.pool.ask(regex.encode("utf-8"))
+            return self.pool.ask(request)
         except ChildRefusedError as refused:
             raise InvalidGrammarError(kind, str(refused)) from None
-        return pickle.loads(payload)
 
     def live_pids(self) -> list[int]:
         """Process ids of the children still running (idle or building)."""
