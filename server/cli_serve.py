@@ -128,7 +128,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_max_tokens=args.max_max_tokens,
         compile_timeout_s=args.compile_timeout,
         shutdown_grace_s=args.shutdown_grace,
-        auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
+        # given but empty (an unset variable in a script) is refused by validate, not dropped
+        auth_token=(
+            args.auth_token if args.auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)
+        ),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         reflection=not args.no_reflection,
