@@ -219,6 +219,8 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         if not out.finished:
             return
         progress.finished = True
+        if out.finish_reason is FinishReason.ABORT:  # stopped in the engine (SMG's Abort RPC)
+            self.state.metrics.aborted.inc()
         if out.usage is not None:
             progress.prompt_tokens = out.usage.prompt_tokens
             progress.completion_tokens = out.usage.completion_tokens

@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
 
 from tests.fixtures.abuse_cases import INVALID, AbuseCase, send_raw
+from tests.fixtures.server_helpers import scrape
 from tests.fixtures.server_process import ServerProcess
 
 PROMPT = [2, 106, 1645, 108]  # <bos>, a few Gemma ids: the prompt's words do not matter
@@ -182,7 +183,11 @@ def test_refusals_are_invalid_argument_naming_the_problem(
     assert field in info.value.details()
 
 
-def test_abort_ends_the_stream_as_aborted(stub: vpb_grpc.VllmEngineStub) -> None:
+def test_abort_ends_the_stream_as_aborted(
+    stub: vpb_grpc.VllmEngineStub, worker: ServerProcess
+) -> None:
+    assert worker.metrics_port is not None
+    before = scrape(worker.metrics_port).get("espalier_aborted_requests_total", 0.0)
     request = vpb.GenerateRequest(
         request_id="abort-me",
         tokenized=vpb.TokenizedInput(input_ids=PROMPT),
@@ -197,6 +202,8 @@ def test_abort_ends_the_stream_as_aborted(stub: vpb_grpc.VllmEngineStub) -> None
     assert rest[-1].complete.finish_reason == "abort"
     generated = sum(len(r.chunk.token_ids) for r in [first, *rest] if r.HasField("chunk"))
     assert generated < 8000
+    # counted as the cancels of espalier's own API are
+    assert scrape(worker.metrics_port)["espalier_aborted_requests_total"] == before + 1
 
 
 SMG_SERVICE = "/vllm.grpc.engine.VllmEngine/"
