@@ -6,6 +6,7 @@ The server converts proto messages to and from these; nothing here imports grpc 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 
 from espalier.constrained.spec import GrammarSpec
@@ -133,9 +134,18 @@ class ValidationResult:
 
 @dataclass
 class TokenLogprob:
+    """A generated token's log-probability under the constrained distribution, and ``top``: the
+    most likely ``(token id, logprob)`` pairs, most likely first. Tokens the constraint forbids
+    (logprob -inf) are dropped from ``top``, so it can be shorter than asked for (JSON has no
+    -inf: the OpenAI API would write null)."""
+
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(value == -math.inf for _, value in self.top):
+            self.top = tuple(pair for pair in self.top if pair[1] != -math.inf)
 
 
 @dataclass

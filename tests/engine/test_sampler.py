@@ -156,6 +156,19 @@ def test_logprobs_from_masked_distribution() -> None:
     assert abs(lp1.logprob - float(full[out.token_ids[1]])) < 1e-5
 
 
+def test_top_logprobs_list_only_tokens_the_grammar_allows() -> None:
+    """Asked for more than the mask allows: the forbidden tokens (-inf) are not listed."""
+    torch.manual_seed(2)
+    logits = torch.randn(1, V)
+    allowed = [4, 7]
+    mask = torch.from_numpy(bm.row_from_tokens(allowed, V)).unsqueeze(0)
+    out = Sampler()(logits, [RowParams(logprobs=5)], bitmask=mask, masked_rows=[0])
+    lp = out.logprobs[0]
+    assert lp is not None
+    assert sorted(t for t, _ in lp.top) == allowed
+    assert all(math.isfinite(v) for _, v in lp.top)
+
+
 def test_greedy_masked_rows_equal_mask_then_argmax_on_many_random_inputs() -> None:
     # oracle: apply the mask to the whole row, then argmax (the sampler skips the mask for greedy
     # rows whose unmasked argmax is allowed); ties included (logits on a coarse grid)
