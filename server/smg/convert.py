@@ -107,11 +107,16 @@ def _refusals(msg: vpb.GenerateRequest, bad: list[Violation]) -> None:
         bad.append(Violation("sampling_params.logprobs", "must be in [0, 20]"))
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _sampling(params: vpb.SamplingParams) -> pb.SamplingParams:
     out = pb.SamplingParams(
         # vLLM's default temperature is 1.0; an explicit 0 is greedy.
         temperature=params.temperature if params.HasField("temperature") else 1.0,
-        top_k=params.top_k,
+        # SMG's counts are uint32, ours int32: past 2**31 - 1 both mean "no limit" (top_k) or
+        # more than --max-max-tokens allows (refused by espalier's own check)
+        top_k=min(params.top_k, _INT32_MAX),
         top_p=params.top_p if params.top_p != 0.0 else 1.0,
         min_p=params.min_p,
         stop=list(params.stop),
@@ -119,7 +124,7 @@ def _sampling(params: vpb.SamplingParams) -> pb.SamplingParams:
         ignore_eos=params.ignore_eos,
     )
     if params.HasField("max_tokens"):
-        out.max_tokens = params.max_tokens
+        out.max_tokens = min(params.max_tokens, _INT32_MAX)
     if params.HasField("seed"):
         out.seed = params.seed
     if params.HasField("logprobs") and 0 <= params.logprobs <= 20:

@@ -58,6 +58,11 @@ def test_sampling_defaults_follow_vllm() -> None:
     assert list(s.stop) == ["\n"]
 
 
+def test_uint32_counts_past_our_int32_are_clamped_not_an_internal_error() -> None:
+    ours = convert.to_espalier_request(request(top_k=2**32 - 1, max_tokens=2**31))
+    assert (ours.sampling.top_k, ours.sampling.max_tokens) == (2**31 - 1, 2**31 - 1)
+
+
 def test_logprobs_zero_still_reports_the_sampled_token() -> None:
     assert convert.to_espalier_request(request(logprobs=0)).sampling.logprobs == 1
     assert convert.to_espalier_request(request(logprobs=5)).sampling.logprobs == 5
