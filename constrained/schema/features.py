@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -346,7 +347,73 @@ def _syntax(pattern: str) -> list[tuple[int, str]]:
 _FLOAT64_EXACT_INT = 2**53
 
 
+def _classes(pattern: str) -> list[str]:
+    """The ``[...]`` classes of ``pattern`` as written (outside escapes; a first ``]`` is
+    literal)."""
+    out = []
+    at, end = 0, len(pattern)
+    while at < end:
+        char = pattern[at]
+        if char == "\\":
+            at += 2
+            continue
+        if char != "[":
+            at += 1
+            continue
+        start = at
+        at += 1
+        if pattern[at : at + 1] == "^":
+            at += 1
+        if pattern[at : at + 1] == "]":
+            at += 1
+        while at < end and pattern[at] != "]":
+            at += 2 if pattern[at] == "\\" else 1
+        at += 1
+        out.append(pattern[start:at])
+    return out
+
+
+def class_set_syntax(pattern: str) -> bool:
+    """Whether a ``[...]`` class of ``pattern`` holds an unescaped ``[``, ``&&``, ``--`` or
+    ``~~``: literal characters in ECMA-262, a nested class or a set operation in Rust's regex
+    syntax (llguidance's): ``^[a[bc]]$`` took ``"b"``, ``^[[:alpha:]]+$`` took ``"abc"``."""
+    for text in _classes(pattern):
+        body = re.sub(r"\\.", "", text[1:-1])
+        if "[" in body or any(op in body for op in ("&&", "--", "~~")):
+            return True
+    return False
+
+
+def escape_class_misread(pattern: str) -> bool:
+    """Whether a class of ``pattern`` holds U+0000 and U+001F but not both ``"`` and ``\\``.
+    llguidance matches such a class against the JSON text with escapes it should not take:
+    ``[^"]`` took ``\\"``, ``[\\x00-\\x1f]`` took ``\\"`` and ``\\\\`` (probes
+    "pattern-negated-quote", "pattern-control-range"); classes without one of the two ends
+    (``[\\x00-\\x1e]``, ``[^"\\x00]``) and classes with both characters were read right. A
+    class Python cannot read counts as misread."""
+    for text in _classes(pattern):
+        try:
+            with warnings.catch_warnings():  # "possible nested set": class_set_syntax's case
+                warnings.simplefilter("ignore", FutureWarning)
+                compiled = re.compile(text)
+        except (re.error, OverflowError, RecursionError):
+            return True
+        ends = compiled.fullmatch("\x00") and compiled.fullmatch("\x1f")
+        if ends and not (compiled.fullmatch('"') and compiled.fullmatch("\\")):
+            return True
+    return False
+
+
+def _llguidance_misreads(pattern: str) -> bool:
+    return escape_class_misread(pattern) or class_set_syntax(pattern)
+
+
 def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword == "pattern" and _llguidance_misreads(str(node["pattern"])):
+        return Support.WEAKENED
+    names = node[keyword] if keyword == "patternProperties" else None
+    if isinstance(names, dict) and any(_llguidance_misreads(str(name)) for name in names):
+        return Support.WEAKENED  # the same reading of a property name
     if keyword in NUMERIC and keyword != "multipleOf":
         value = node[keyword]
         if isinstance(value, (int, float)) and abs(value) > _FLOAT64_EXACT_INT:

@@ -76,6 +76,31 @@ PROBES: tuple[Probe, ...] = (
         ["aZ", "ax12Z"],
         ["a1Z", "a12Z", "axZ"],
     ),
+    # llguidance (xgrammar and outlines-core too: the rule below) match a pattern naming '"',
+    # '\\' or a control character against the escape's text: '"\\""' passed "^[^\"]*$"
+    _p(
+        "pattern-negated-quote",
+        "pattern",
+        {"type": "string", "pattern": '^[^"]*$'},
+        ["ab", "a\\b", ""],
+        ['a"b', '"'],
+    ),
+    _p(
+        "pattern-control-range",
+        "pattern",
+        {"type": "string", "pattern": "^[\\x00-\\x1f]$"},
+        ["\n", "\t"],
+        ["\\", '"', "a"],
+    ),
+    # llguidance reads Rust's class syntax: "[" in a class opens a nested class there, and is a
+    # literal character in ECMA-262 ("^[a[bc]]$" is the class [a[bc] and then "]")
+    _p(
+        "pattern-bracket-in-class",
+        "pattern",
+        {"type": "string", "pattern": "^[a[bc]]$"},
+        ["a]", "b]", "[]"],
+        ["b", "a", "c"],
+    ),
     # xgrammar and outlines-core match a pattern against the JSON text of the string: a pattern
     # that can match an escaped character ("\\n" is two characters there) lets escapes through
     _p(

@@ -21,6 +21,8 @@ from espalier.constrained.schema.features import (
     PROFILES,
     Support,
     backend_issues,
+    class_set_syntax,
+    escape_class_misread,
     keyword_support,
 )
 from espalier.constrained.spec import GrammarSpec
@@ -208,3 +210,43 @@ def test_outlines_core_does_not_claim_counts_past_its_limit(
     with pytest.raises(GrammarError) as caught:
         compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
     assert not isinstance(caught.value, CompileTimeoutError)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "misread"),
+    [
+        ('^[^"]$', True),  # took "\"" on llguidance
+        ("^[\\x00-\\x1f]$", True),  # took "\\" and "\""
+        ('^[^"\\n]$', True),
+        ('^(?:[^"\\\\]|\\\\.)*$', True),  # took "a\"b"
+        ("^[\\x00-\\x08]$", False),  # read right: not both ends of the control block
+        ('^[^"\\x00]$', False),
+        ('^[\\x00-\\x1f"\\\\]$', False),  # read right: both characters in the class
+        ('^[^"\\\\\\x00-\\x1f]$', False),
+        ("^\\n$", False),
+        ("^[a-z]+$", False),
+    ],
+)
+def test_llguidance_escape_class_rule(pattern: str, misread: bool) -> None:
+    assert escape_class_misread(pattern) is misread
+    issues = backend_issues("llguidance", {"type": "string", "pattern": pattern})
+    assert [i.keyword for i in issues] == (["pattern"] if misread else [])
+
+
+@pytest.mark.parametrize(
+    ("pattern", "rust"),
+    [
+        ("^[a[bc]]$", True),
+        ("^[[:alpha:]]+$", True),
+        ("^[a-z&&[^c]]$", True),
+        ("^[+--]$", True),
+        ("^[\\[]$", False),
+        ("^\\[a\\]$", False),
+        ("^[a-z]+$", False),
+    ],
+)
+def test_llguidance_class_set_syntax_rule(pattern: str, rust: bool) -> None:
+    assert class_set_syntax(pattern) is rust
+    schema = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    issues = backend_issues("llguidance", schema)
+    assert [i.keyword for i in issues] == (["patternProperties"] if rust else [])
