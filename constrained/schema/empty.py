@@ -47,6 +47,7 @@ class _Fixpoint:
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.nodes = {node.pointer: node.schema for node in walk(schema)}
+        self.inherited = self._inherited_types()
         self.productive: set[str] = set()
         changed = True
         while changed:
@@ -55,6 +56,27 @@ class _Fixpoint:
                 if at not in self.productive and all(ok for _, ok in self.checks(node, at)):
                     self.productive.add(at)
                     changed = True
+
+    def _inherited_types(self) -> dict[str, Any]:
+        """The ``type`` an ``allOf`` / ``anyOf`` / ``oneOf`` member without one takes from the
+        node holding it (transitively): a value must satisfy both, so only the holder's types
+        can satisfy the member there. (SMG's tool calls are ``{"type": "object", "anyOf":
+        [{"properties": ..., "required": [...]}]}``: read alone, a member is satisfied by any
+        non-object.) Members are never ``$ref`` targets, so the member is read only there."""
+        inherited: dict[str, Any] = {}
+        for at, node in self.nodes.items():  # walk order: a holder before its members
+            head, _, index = at.rpartition("/")
+            holder_at, _, key = head.rpartition("/")
+            if key not in ("allOf", "anyOf", "oneOf") or not index.isdigit():
+                continue
+            if not isinstance(node, dict) or "type" in node:
+                continue
+            holder = self.nodes.get(holder_at)
+            if isinstance(holder, dict):
+                kind = holder.get("type", inherited.get(holder_at))
+                if kind is not None:
+                    inherited[at] = kind
+        return inherited
 
     def holds(self, sub: Any, at: str) -> bool:
         """Whether the subschema ``sub`` at ``at`` may have a finite instance (so far)."""
@@ -89,7 +111,7 @@ class _Fixpoint:
             return at, False
         if "enum" in node or "const" in node:
             return at, True  # a listed value: finite
-        kind = node.get("type")
+        kind = node.get("type", self.inherited.get(at))
         types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
         if types is None or types & SCALARS:
             return at, True

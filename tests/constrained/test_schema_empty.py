@@ -52,6 +52,31 @@ EMPTY = [
         "/properties/head",
     ),
     ({"anyOf": [{"$ref": "#"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]}, ""),
+    # a member without "type" is read with its holder's: SMG's tool_choice "required" shape
+    (
+        {
+            "$defs": {"node": LIST_NODE},
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "anyOf": [
+                    {
+                        "properties": {
+                            "name": {"const": "t"},
+                            "parameters": {"$ref": "#/$defs/node"},
+                        },
+                        "required": ["name", "parameters"],
+                    }
+                ],
+            },
+        },
+        "/items",
+    ),
+    (
+        {"type": "object", "allOf": [{"anyOf": [{"required": ["a"], "properties": {"a": False}}]}]},
+        "/allOf/0",
+    ),
 ]
 SATISFIABLE = [
     {"type": "object", "properties": {"a": {"$ref": "#"}}},  # {} ends it
@@ -70,6 +95,12 @@ SATISFIABLE = [
         "patternProperties": {"^a$": {}},
     },
     {"type": "array", "contains": {"$ref": "#"}, "minContains": 0},
+    # a member's own type, or a holder that allows a scalar, keeps it satisfiable
+    {"type": ["object", "null"], "anyOf": [{"required": ["a"], "properties": {"a": False}}]},
+    {
+        "type": "object",
+        "anyOf": [{"type": "object"}, {"required": ["a"], "properties": {"a": False}}],
+    },
     {
         "type": "string",
         "minLength": 5,
