@@ -334,7 +334,16 @@ class EspalierServicer(pb_grpc.EspalierServicer):
                 tokens = [tokenizer.decode([i]) for i in ids]
                 return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
-            return await self._off_loop(encode)
+            reply = await self._off_loop(encode)
+            size, cap = reply.ByteSize(), self.state.config.max_message_bytes
+            if size > cap:  # ids and token strings: about 2.3 times the text
+                raise PromptTooLongError(
+                    f"the reply would be {size} bytes, over the message limit of {cap} "
+                    f"(--max-message-mb); tokenize the text in parts",
+                    violations=[Violation("text", f"its reply is over {cap} bytes", "TOO_LONG")],
+                    metadata={"limit_bytes": str(cap), "reply_bytes": str(size)},
+                )
+            return reply
         except Exception as exc:
             await context.abort_with_status(to_grpc_status(exc))
             raise
