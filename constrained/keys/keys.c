@@ -1,6 +1,7 @@
 /* The duplicate-key and duplicate-item tracker in C: a JSON lexer over accepted token bytes, and
  * the filter that removes from bitmask rows the tokens that would complete a key already in its
- * object, or an item already in its array where the schema wants unique items (EspPlaces).
+ * object, write an escape a key does not need (needless_escape), or complete an item already in
+ * its array where the schema wants unique items (EspPlaces).
  *
  * Semantics are those of the Python twin (tests/fixtures/keys_twin.py: step, KeyState), byte for
  * byte, quirks included; tests/constrained/test_keys_native.py compares states, rows and tree
@@ -51,8 +52,8 @@ typedef struct EspKeysTables {
     int64_t *offs;
     BytesMap by_prefix; /* bytes before the first quote (no backslash among them) -> ids */
     BytesMap by_run;    /* simulate tokens: each run between two quotes, and the prefix -> ids */
-    int32_t *quote_ids, *simulate_ids, *always_ids;
-    int64_t n_quote, n_simulate, n_always;
+    int32_t *quote_ids, *simulate_ids, *always_ids, *slash_ids;
+    int64_t n_quote, n_simulate, n_always, n_slash; /* slash: a backslash and no quote */
     /* items: tokens that can complete a scalar item (a quote; a digit before a byte that ends a
      * number; a whole true/false/null), tokens that start with a number byte and hold another
      * (end a number being read), tokens that go on with a literal (by letters read), and one bit per
@@ -250,6 +251,25 @@ static int hex_value(uint8_t c) {
     return -1;
 }
 
+/* Inside a key, whether byte b makes the escape read so far one JSON does not need: \/, or a \u
+ * of a character other than a control without a short escape, or with an uppercase digit
+ * (Python: _needless). The backends match a key's text against their property names written
+ * without such escapes, so {"\u0041": ...} was another key than "A" to them: refused. */
+static int needless_escape(const EspKeys *k, uint8_t b) {
+    switch (k->esc_len) {
+    case 1: return b == '/';
+    case 2: case 3: return b != '0';
+    case 4: return b != '0' && b != '1';
+    case 5: {
+        int v = (b >= '0' && b <= '9') ? b - '0' : (b >= 'a' && b <= 'f') ? b - 'a' + 10 : -1;
+        if (v < 0) return 1;
+        int point = (k->esc[2] - '0') * 16 + v;
+        return point == 8 || point == 9 || point == 10 || point == 12 || point == 13;
+    }
+    default: return 0;
+    }
+}
+
 /* One byte after a backslash inside a string (Python: _escape). */
 static void escape_byte(EspKeys *k, uint8_t b) {
     int put = k->in_key || k->item == STRING_ITEM;
@@ -404,6 +424,7 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
     }
     if (k->in_key || k->in_value) {
         if (k->esc_len) {
+            if (strict && k->in_key && needless_escape(k, b)) return 1;
             escape_byte(k, b);
         } else if (b == '\\') {
             k->esc_len = 1;
@@ -565,12 +586,28 @@ static int try_ids(EspKeys *k, const int32_t *ids, int64_t n, const uint32_t *ro
     return 1;
 }
 
+/* Every allowed token of row that is refused from here. */
+static int try_allowed(EspKeys *k, const uint32_t *row, int64_t words, int64_t *found) {
+    int64_t n = k->tables->n_tokens;
+    for (int64_t w = 0; w < words; w++) {
+        for (uint32_t bits = row[w]; bits; bits &= bits - 1) {
+            int64_t t = w * 32 + __builtin_ctz(bits);
+            if (t < n && completes_duplicate(k, (int32_t)t) && !note(k, found, (int32_t)t))
+                return 0;
+        }
+    }
+    return 1;
+}
+
 /* The allowed tokens of row that complete a duplicate key (into k->found, maybe repeated);
  * -1 out of memory. Candidates as the index allows (see EspKeysTables). */
 static int64_t duplicates(EspKeys *k, const uint32_t *row, int64_t words) {
     const EspKeysTables *t = k->tables;
     int64_t found = 0;
-    if (k->in_key && (k->esc_len || k->high)) /* rare: every token holding a quote */
+    if (k->in_key && k->esc_len) /* rare: every allowed token (the escape's rest may be needless) */
+        return try_allowed(k, row, words, &found) ? found : -1;
+    if (k->in_key && !try_ids(k, t->slash_ids, t->n_slash, row, words, &found)) return -1;
+    if (k->in_key && k->high) /* rare (a needless escape let through): every token with a quote */
         return try_ids(k, t->quote_ids, t->n_quote, row, words, &found) ? found : -1;
     if (k->in_key) { /* a seen key that extends the key so far, closed at a token's first quote */
         const uint8_t *key = k->bytes + k->key_off;
@@ -708,7 +745,7 @@ void espalier_keys_tables_free(EspKeysTables *t) {
     free(t->bytes); free(t->offs);
     free(t->by_prefix.slots); free(t->by_prefix.ids);
     free(t->by_run.slots); free(t->by_run.ids);
-    free(t->quote_ids); free(t->simulate_ids); free(t->always_ids);
+    free(t->quote_ids); free(t->simulate_ids); free(t->always_ids); free(t->slash_ids);
     free(t->item_ids); free(t->numrun_ids); free(t->lit_ids); free(t->numstart);
     free(t);
 }
@@ -799,11 +836,12 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
     t->quote_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
     t->simulate_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
     t->always_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    t->slash_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
     Item *prefixes = malloc((size_t)(n + 1) * sizeof(Item));
     Item *runs = malloc((size_t)(quotes + n + 1) * sizeof(Item));
     const uint8_t **cuts = malloc((size_t)(quotes + 1) * sizeof(uint8_t *));
-    int ok = t->bytes && t->offs && t->quote_ids && t->simulate_ids && t->always_ids && prefixes &&
-             runs && cuts;
+    int ok = t->bytes && t->offs && t->quote_ids && t->simulate_ids && t->always_ids &&
+             t->slash_ids && prefixes && runs && cuts;
     int64_t n_prefixes = 0, n_runs = 0;
     if (ok) {
         memcpy(t->bytes, bytes, (size_t)total);
@@ -814,7 +852,10 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
         uint32_t len = (uint32_t)(offs[id + 1] - offs[id]), nq = 0;
         for (uint32_t i = 0; i < len; i++)
             if (data[i] == '"') cuts[nq++] = data + i;
-        if (!nq) continue;
+        if (!nq) {
+            if (memchr(data, '\\', len)) t->slash_ids[t->n_slash++] = (int32_t)id;
+            continue;
+        }
         t->quote_ids[t->n_quote++] = (int32_t)id;
         uint32_t first = (uint32_t)(cuts[0] - data);
         int slash_before = memchr(data, '\\', first) != NULL;

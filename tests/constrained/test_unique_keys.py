@@ -65,11 +65,16 @@ def test_lexer_finds_the_byte_that_completes_a_duplicate() -> None:
     text = '{"a": 1, "b": {"a": [{"a": 2}], "b": "a\\"x"}, "c": "}", "b"'
     assert _lex(text) == len(text) - 1  # the outer object's second "b"
     assert _lex('{"ab": 1, "a": 2, "abc": 3}') != 0  # prefixes of a key are other keys
-    assert _lex('{"a": 1, "\\u0061"') == len('{"a": 1, "\\u0061"') - 1  # same key, escaped
-    assert (
-        _lex('{"\\ud83d\\ude00": 1, "\U0001f600"')
-        == len('{"\\ud83d\\ude00": 1, "\U0001f600"'.encode()) - 1
-    )
+    # a needed escape spells the same key: its duplicate is found at the closing quote
+    assert _lex('{"\\u0001": 1, "\\u0001"') == len('{"\\u0001": 1, "\\u0001"') - 1
+    # an escape a key does not need is refused where it becomes one (the backends would read
+    # another key than the name it decodes to)
+    assert _lex('{"a": 1, "\\u0061"') == len('{"a": 1, "\\u00')
+    assert _lex('{"\U0001f600": 1, "\\ud83d"') == len('{"\U0001f600": 1, "\\u'.encode())
+    assert _lex('{"a\\/b"') == len('{"a\\')
+    assert _lex('{"\\u000a"') == len('{"\\u000')  # "\n" is its spelling
+    assert _lex('{"\\u001F"') == len('{"\\u001')  # lowercase, as JSON writers spell it
+    assert not isinstance(_lex('{"\\"\\\\\\n\\u001f": 1}'), int)  # needed escapes
     assert _lex('[{"a": 1}, {"a": 1}]') != 0  # every object has its own keys
     assert not isinstance(_lex('{"a": "a", "b": 1, "ab": {"a": 1}}'), int)
 
@@ -244,8 +249,8 @@ GEMMA_TEXTS = [
 @pytest.mark.parametrize("text", GEMMA_TEXTS)
 def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_tokenizer: Any) -> None:
     """The native fast path (prefix index, quoted-run index) against running every token that
-    holds a quote through the twin's lexer, on Gemma's 262k vocabulary (others cannot complete
-    a key)."""
+    holds a quote (and in a key, a backslash) through the twin's lexer, on Gemma's 262k
+    vocabulary (others cannot complete a key or write an escape)."""
     tracker = KeyTracker(KeyTables(gemma_tokenizer.token_bytes))
     state = START
     for byte in text.encode():
@@ -256,8 +261,11 @@ def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_toke
     full = bm.allocate(1, gemma_tokenizer.vocab_size)[0].numpy()
     row = full.copy()
     assert tracker.filter_row(row)
-    quoted = [t for t, b in enumerate(gemma_tokenizer.token_bytes) if b'"' in b]
-    expected = [t for t in quoted if step(state, gemma_tokenizer.token_bytes[t]) is None]
+    in_key = state.key is not None
+    candidates = [
+        t for t, b in enumerate(gemma_tokenizer.token_bytes) if b'"' in b or (in_key and b"\\" in b)
+    ]
+    expected = [t for t in candidates if step(state, gemma_tokenizer.token_bytes[t]) is None]
     removed = np.flatnonzero(bm.unpack_allowed(full ^ row, gemma_tokenizer.vocab_size)).tolist()
     assert removed == expected
     if text.endswith(', "'):
@@ -309,3 +317,31 @@ def test_batch_fills_of_wrapped_matchers_equal_their_own_fills(
     assert BatchFiller(2).fill_next_rows(matchers, got, list(range(n))) == {}
     assert torch.equal(got, expected)
     assert not torch.equal(expected[0::2], expected[1::2])  # some wrapped rows lost tokens
+
+
+ESCAPED_SPELLINGS = [
+    ('{"\\u0041": "x"}', False),  # "A" written with an escape: the backends took it as another key
+    ('{"A": 1}', True),
+    ('{"\\u00e9": "x"}', False),
+    ('{"é": 2}', True),
+    ('{"a\\/b": "x"}', False),
+    ('{"a/b": "x"}', True),
+    ('{"q\\"r\\\\s": "x"}', True),  # escapes a key needs
+    ('{"t\\tu": "x"}', True),
+    ('{"t\\u0009u": "x"}', False),  # "\t" is its spelling
+    ('{"c\\u0001d": "x"}', True),
+    ('{"c\\u001Fd": "x"}', False),
+]
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_key_takes_no_escape_it_does_not_need(backend: str, toy_tokenizer: Any) -> None:
+    """The backends match a key's text against their property names: ``{"\\u0041": "x"}`` was
+    an unknown key to them, so the value skipped property A's schema. The key tracker refuses
+    such escapes (each spelling's validity: JSON-decoded, the schema then says)."""
+    schema = {"type": "object", "properties": {"A": {"type": "integer"}, "é": {"type": "integer"}}}
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    for text, accepted in ESCAPED_SPELLINGS:
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), toy_tokenizer)
+        assert isinstance(matcher, UniqueKeysMatcher)
+        assert matcher.completes(toy_tokenizer.encode(text)) is accepted, text
