@@ -53,7 +53,7 @@ typedef struct EspKeysTables {
     BytesMap by_prefix; /* bytes before the first quote (no backslash among them) -> ids */
     BytesMap by_run;    /* simulate tokens: each run between two quotes, and the prefix -> ids */
     int32_t *quote_ids, *simulate_ids, *always_ids, *slash_ids;
-    int64_t n_quote, n_simulate, n_always, n_slash; /* slash: a backslash and no quote */
+    int64_t n_quote, n_simulate, n_always, n_slash; /* slash: no quote, a needless escape */
     /* items: tokens that can complete a scalar item (a quote; a digit before a byte that ends a
      * number; a whole true/false/null), tokens that start with a number byte and hold another
      * (end a number being read), tokens that go on with a literal (by letters read), and one bit per
@@ -824,6 +824,29 @@ static int item_tables(EspKeysTables *t) {
     return 1;
 }
 
+/* Whether a token without a quote, read inside a key with no escape pending, writes a needless
+ * escape within itself (the only such tokens the filter must replay there: one that leaves an
+ * escape pending is decided by the next token, with every allowed token replayed). */
+static int needless_inside(const uint8_t *data, uint32_t len) {
+    EspKeys probe;
+    memset(&probe, 0, sizeof probe);
+    probe.in_key = 1;
+    for (uint32_t i = 0; i < len; i++) {
+        uint8_t b = data[i];
+        if (!probe.esc_len) {
+            if (b == '\\') probe.esc_len = 1;
+            continue;
+        }
+        if (needless_escape(&probe, b)) return 1;
+        if (probe.esc_len == 1) probe.esc_len = b == 'u' ? 2 : 0;
+        else {
+            probe.esc[probe.esc_len - 2] = b;
+            probe.esc_len = probe.esc_len == 5 ? 0 : probe.esc_len + 1;
+        }
+    }
+    return 0;
+}
+
 /* bytes: every token's bytes back to back; offs: int64[n + 1]. NULL when out of memory. */
 EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *offs, int64_t n) {
     EspKeysTables *t = calloc(1, sizeof(EspKeysTables));
@@ -853,7 +876,7 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
         for (uint32_t i = 0; i < len; i++)
             if (data[i] == '"') cuts[nq++] = data + i;
         if (!nq) {
-            if (memchr(data, '\\', len)) t->slash_ids[t->n_slash++] = (int32_t)id;
+            if (needless_inside(data, len)) t->slash_ids[t->n_slash++] = (int32_t)id;
             continue;
         }
         t->quote_ids[t->n_quote++] = (int32_t)id;
