@@ -112,16 +112,54 @@ def prepare_schema(
             pointer=resolved.display_pointer(empty),
         )
     issues = {}
+    callers = _Callers(resolved.schema, prepared)
     for name in backends:
-        found = backend_issues(name, prepared)
+        found = [callers.issue(i) for i in backend_issues(name, prepared)]
         issues[name] = tuple(
-            KeywordIssue(i.keyword, resolved.display_pointer(i.pointer), i.support, name)
-            for i in found
+            dict.fromkeys(
+                dataclasses.replace(i, pointer=resolved.display_pointer(i.pointer), backend=name)
+                for i in found
+            )
         )
     notes = (
         (f"resolved $ref into {resolved.hoisted} shared definitions",) if resolved.hoisted else ()
     )
     return PreparedSchema(prepared, issues, notes)
+
+
+class _Callers:
+    """Issues found in the rewritten schema, told in the caller's words: a keyword the caller
+    did not write there (``patternProperties`` made of ``propertyNames``, ``required`` under an
+    ``allOf`` made of ``minProperties``) is named by the caller's keywords the rewrite replaced
+    at the closest place the caller's schema has, with what it became."""
+
+    def __init__(self, given: Any, prepared: Any) -> None:
+        from espalier.constrained.schema.walk import walk
+
+        self.given = {node.pointer: node.schema for node in walk(given)}
+        self.prepared = {node.pointer: node.schema for node in walk(prepared)}
+
+    def issue(self, issue: KeywordIssue) -> KeywordIssue:
+        from espalier.constrained.schema.features import VOCABULARY
+
+        node = self.given.get(issue.pointer)
+        if isinstance(node, dict) and issue.keyword in node:
+            return issue
+        if issue.keyword == "false" and node is False:
+            return issue
+        at = issue.pointer
+        while at and not isinstance(self.given.get(at), dict):
+            at = at.rpartition("/")[0]
+        given = self.given.get(at)
+        if not isinstance(given, dict):
+            return issue
+        now = self.prepared.get(at)
+        now = now if isinstance(now, dict) else {}
+        replaced = [k for k in given if k in VOCABULARY and k not in now]
+        if not replaced:
+            return issue
+        made = f"'{issue.keyword}'" + (f" at {issue.pointer}" if issue.pointer != at else "")
+        return dataclasses.replace(issue, keyword=", ".join(replaced), pointer=at, via=made)
 
 
 def prepare_structural_tag(

@@ -64,10 +64,12 @@ class KeywordIssue:
     pointer: str
     support: str  # "weakened" or "ignored"
     backend: str = ""
+    via: str = ""  # the keyword an exact rewrite of ``keyword`` made, where the issue is found
 
     def describe(self) -> str:
         where = self.pointer or "/"
-        return f"'{self.keyword}' at {where} ({self.support})"
+        how = f"; rewritten as {self.via}" if self.via else ""
+        return f"'{self.keyword}' at {where} ({self.support}{how})"
 
 
 class SchemaNotEnforceableError(GrammarError):

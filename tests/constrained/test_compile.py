@@ -374,3 +374,24 @@ def test_overlapping_pattern_properties_of_every_or_one_name_compile_on_llguidan
     assert report.backend == "llguidance"
     for value in ({}, {"a": 1}, {"a": 0}, {"b": 0}, {"b": "x"}, {"ab": 5}, {"ab": 6}, {"ab": 0}):
         assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid
+
+
+@pytest.mark.parametrize(
+    ("backend", "schema", "keyword", "via"),
+    [
+        ("xgrammar", {"type": "object", "propertyNames": {"maxLength": 1}}, "propertyNames",
+         "'patternProperties'"),
+        ("xgrammar", {"type": "object", "properties": {"A": {"type": "integer"}},
+                      "additionalProperties": False, "minProperties": 1}, "minProperties",
+         "'required' at /allOf/0/anyOf/0"),
+        ("outlines_core", {"type": "object", "propertyNames": {"enum": ["A"]}}, "propertyNames",
+         "'false' at /additionalProperties"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_callers_keyword_a_rewrite_replaced(
+    toy_tokenizer: Any, backend: str, schema: dict[str, Any], keyword: str, via: str
+) -> None:
+    with pytest.raises(SchemaNotEnforceableError) as info:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    assert [(i.keyword, i.pointer, i.via) for i in info.value.issues] == [(keyword, "", via)]
+    assert f"'{keyword}' at / (" in str(info.value) and f"rewritten as {via}" in str(info.value)
