@@ -147,9 +147,19 @@ def _validate_regex(pattern: str, text: str) -> PostValidation:
         compiled = regex.compile(pattern)
     except regex.error as exc:
         return PostValidation(False, False, (f"/: the regex cannot be compiled in Python: {exc}",))
-    if compiled.fullmatch(text):
+    try:
+        matched = compiled.fullmatch(text, timeout=REGEX_CHECK_S)
+    except (MemoryError, RecursionError, TimeoutError) as exc:  # (?R) recursion, backtracking
+        return PostValidation(
+            False, False, (f"/: the regex could not be checked in Python ({type(exc).__name__})",)
+        )
+    if matched:
         return PostValidation(True, True)
     return PostValidation(True, False, (f"/: {text!r} does not fully match the regex",))
+
+
+REGEX_CHECK_S = 1.0
+"""A regex check's time limit: past it (catastrophic backtracking) the output is unchecked."""
 
 
 def _pointer(path: list[Any]) -> str:

@@ -148,7 +148,7 @@ def test_a_regex_escape_xgrammar_would_read_as_its_letter_is_refused(toy_tokeniz
     with pytest.raises(InvalidGrammarError, match="unknown escape") as caught:
         compile_grammar(GrammarSpec.regex("a\\q"), toy_tokenizer, "xgrammar")
     assert caught.value.column == 2
-    for known in ("\\d+\\.\\w\\s", "a\\\\q", "[\\n\\t]x"):  # "a\\\\q": a backslash, then q
+    for known in ("\\d+\\.\\w\\t", "a\\\\q", "[\\n\\t]x"):  # "a\\\\q": a backslash, then q
         compiled, report = compile_grammar(GrammarSpec.regex(known), toy_tokenizer, "xgrammar")
         assert report.backend == "xgrammar"
     assert grammar_accepts(compiled, toy_tokenizer, "\nx")

@@ -63,6 +63,7 @@ from espalier.constrained.errors import (
     InvalidGrammarError,
     UnsupportedGrammarError,
 )
+from espalier.constrained.regex_dialect import rust_misreading
 from espalier.constrained.schema.refs import inline_boolean_refs
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -189,6 +190,9 @@ class Backend:
             except ValueError as exc:
                 raise InvalidGrammarError(kind.value, str(exc)) from exc
         if kind is GrammarKind.REGEX:
+            misread = rust_misreading(spec.source)
+            if misread is not None:
+                raise UnsupportedGrammarError(NAME, kind.value, f"llguidance reads {misread}")
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         if kind is GrammarKind.LARK:
             return llguidance.LLMatcher.grammar_from_lark(spec.source)

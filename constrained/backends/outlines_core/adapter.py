@@ -41,6 +41,7 @@ from espalier.constrained.backends.common import (
 from espalier.constrained.backends.outlines_core.index import IndexBuilder
 from espalier.constrained.backends.outlines_core.tree_walk import walk_outlines
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
+from espalier.constrained.regex_dialect import rust_misreading
 from espalier.constrained.schema.number_bounds import bound_number_regex
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -105,6 +106,9 @@ class Backend:
                 NAME, kind.value, "outlines-core handles regular languages"
             )
         if kind is GrammarKind.REGEX:
+            misread = rust_misreading(spec.source)
+            if misread is not None:
+                raise UnsupportedGrammarError(NAME, kind.value, f"outlines-core reads {misread}")
             return spec.source
         if kind is GrammarKind.CHOICE:
             return "|".join(f"({escape_literal(option)})" for option in spec.choices)

@@ -41,7 +41,8 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.backends.xgrammar.tree_walk import walk_xgrammar, walk_xgrammar_nodes
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
-from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
+from espalier.constrained.regex_dialect import dot_without_newline, xgrammar_misreading
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -128,7 +129,10 @@ class Backend:
             }
         if kind is GrammarKind.REGEX:
             _refuse_unknown_escapes(spec.source)
-            return "compile_regex", {"regex": spec.source}
+            misread = xgrammar_misreading(spec.source)
+            if misread is not None:
+                raise UnsupportedGrammarError(NAME, kind.value, f"xgrammar reads {misread}")
+            return "compile_regex", {"regex": dot_without_newline(spec.source)}
         if kind is GrammarKind.EBNF:
             return "compile_grammar", {"grammar": spec.source, "root_rule_name": "root"}
         if kind is GrammarKind.LARK:

@@ -1,0 +1,137 @@
+"""A regex constraint means what Python's ``regex`` module reads (a full match: the
+post-validator's reading); a backend that would read a construct of it otherwise does not take it.
+
+llguidance and outlines-core compile regexes in Rust's syntax, xgrammar in its own. Found by a
+held-out sweep (354 regexes against ``regex.fullmatch``; each confirmed twice), every one a text
+the backend accepted and the regex does not match:
+
+- Rust (:func:`rust_misreading`): ``[`` and ``&&`` / ``--`` / ``~~`` inside a class (nested
+  classes, set operations, ASCII POSIX classes: ``[^[:alpha:]]`` took ``é``); possessive
+  quantifiers (``a*+a`` took ``a``: in Python it matches nothing); whitespace inside a count
+  (``a{1, 3}``: a literal in Python); the flags ``R`` and ``U`` (``(?R)a`` took ``a``: CRLF mode
+  in Rust, recursion in Python);
+- xgrammar (:func:`xgrammar_misreading`): its ``\\s \\S \\D \\W`` and ``\\d \\w`` inside a negated
+  class are not Python's Unicode classes (``\\D`` took ``٣``, ``\\s`` took U+FEFF); a class
+  starting ``[\\^`` or ``[]`` / ``[^]``, and ``[`` inside a class; anchors inside the pattern
+  (``a^b`` took ``ab``); octal escapes (``\\012`` took ``\\x0012``). Its ``.`` also takes ``\\n``:
+  :func:`dot_without_newline` respells it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from espalier.constrained.schema.features import class_set_syntax
+
+_COUNT_WITH_SPACE = re.compile(r"\{\s*\d*\s*(?:,\s*\d*\s*)?\}")
+_FLAGS = re.compile(r"\(\?([a-zA-Z]*)[:)]")
+
+
+def _outside(pattern: str) -> list[tuple[int, str]]:
+    """``(index, char)`` of the characters outside escapes and ``[...]`` classes (a first ``]``
+    is literal in a class, as Python reads it)."""
+    out = []
+    at, end = 0, len(pattern)
+    while at < end:
+        char = pattern[at]
+        if char == "\\":
+            at += 2
+            continue
+        if char == "[":
+            at += 1
+            if pattern[at : at + 1] == "^":
+                at += 1
+            if pattern[at : at + 1] == "]":
+                at += 1
+            while at < end and pattern[at] != "]":
+                at += 2 if pattern[at] == "\\" else 1
+            at += 1
+            continue
+        out.append((at, char))
+        at += 1
+    return out
+
+
+def rust_misreading(pattern: str) -> str | None:
+    """What Rust's regex syntax (llguidance, outlines-core) reads otherwise in ``pattern``."""
+    if class_set_syntax(pattern):
+        return "a '[', '&&', '--' or '~~' inside a class (Rust reads a nested class or a set)"
+    plain = _outside(pattern)
+    for (i, char), (j, after) in itertools.pairwise(plain):
+        if char in "*+?}" and after == "+" and j == i + 1:
+            return f"a possessive quantifier at column {i + 1} (Rust repeats the repetition)"
+    for match in _COUNT_WITH_SPACE.finditer(pattern):
+        if any(c.isspace() for c in match.group()) and (match.start(), "{") in plain:
+            return f"a count with spaces at column {match.start() + 1} (a literal in Python)"
+    for match in _FLAGS.finditer(pattern):
+        if (match.start(), "(") in plain and set(match.group(1)) & set("RU"):
+            return f"the flag group at column {match.start() + 1} (R and U differ in Rust)"
+    return None
+
+
+def xgrammar_misreading(pattern: str) -> str | None:
+    """What xgrammar reads otherwise in ``pattern`` (``.`` aside: see dot_without_newline)."""
+    at = 0
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\" and at + 1 < len(pattern):
+            why = _xgrammar_escape(pattern, at)
+            if why is not None:
+                return why
+            at += 2
+        elif char == "[":
+            end = _class_end(pattern, at)
+            body = pattern[at + 1 : end - 1]
+            if body.startswith(("\\^", "]", "^]")) or "[" in body:
+                return f"the class at column {at + 1} (xgrammar reads its start otherwise)"
+            for escape in re.finditer(r"\\.", body):
+                letter = escape.group()[1]
+                if letter in "SDW" or letter == "s" or (body.startswith("^") and letter in "dw"):
+                    return f"\\{letter} in the class at column {at + 1} (not Python's class)"
+            at = end
+        else:
+            at += 1
+    for i, char in _outside(pattern):
+        if (char == "^" and i > 0) or (char == "$" and i < len(pattern) - 1):
+            return f"an anchor inside the pattern at column {i + 1}"
+    return None
+
+
+def _xgrammar_escape(pattern: str, at: int) -> str | None:
+    letter = pattern[at + 1]
+    if letter.isdigit():
+        return f"an octal or numbered escape at column {at + 1}"
+    if letter in "SDW" or letter == "s":
+        return f"\\{letter} at column {at + 1} (not Python's Unicode class there)"
+    return None
+
+
+def _class_end(pattern: str, at: int) -> int:
+    """Past the ``[...]`` starting at ``at``."""
+    at += 1
+    if pattern[at : at + 1] == "^":
+        at += 1
+    if pattern[at : at + 1] == "]":
+        at += 1
+    while at < len(pattern) and pattern[at] != "]":
+        at += 2 if pattern[at] == "\\" else 1
+    return at + 1
+
+
+def dot_without_newline(pattern: str) -> str:
+    """``pattern`` with each ``.`` outside classes and escapes written ``[^\\n]``: Python's dot
+    (no DOTALL flag), which xgrammar's ``.`` is not (it takes ``\\n``)."""
+    plain = _outside(pattern)
+    if any("s" in m.group(1) for m in _FLAGS.finditer(pattern) if (m.start(), "(") in plain):
+        return pattern  # DOTALL: Python's dot takes "\n" too
+    dots = [i for i, char in plain if char == "."]
+    if not dots:
+        return pattern
+    out, last = [], 0
+    for i in dots:
+        out.append(pattern[last:i])
+        out.append("[^\\n]")
+        last = i + 1
+    out.append(pattern[last:])
+    return "".join(out)

@@ -1,0 +1,95 @@
+"""A regex constraint is read as Python's ``regex`` module reads it: a backend whose own syntax
+reads a construct otherwise refuses the regex (``auto`` then tries the next one), so no backend
+accepts a text the regex does not match. Each refused case took such a text before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import UnsupportedGrammarError
+from espalier.constrained.postvalidate import postvalidate
+from espalier.constrained.regex_dialect import (
+    dot_without_newline,
+    rust_misreading,
+    xgrammar_misreading,
+)
+from espalier.constrained.spec import GrammarSpec
+
+# (pattern, a text the backend took that Python's regex does not fully match)
+RUST_MISREAD = [
+    ("[^[:alpha:]]", "é"),  # ASCII POSIX class in Rust, Unicode in Python's regex module
+    ("[a-z&&[^aeiou]]", "b"),  # a set operation
+    ("[[a]b]", "b"),  # a nested class
+    ("a*+a", "a"),  # possessive in Python: matches nothing
+    ("(ab)*+ab", "ab"),
+    ("a{1, 3}", "a"),  # a literal in Python
+    ("(?R)a", "a"),  # recursion in Python, CRLF mode in Rust
+]
+XGRAMMAR_MISREAD = [
+    ("\\D", "٣"),
+    ("[^\\w]", "é"),
+    ("\\s", "\ufeff"),
+    ("[\\^]", "a"),
+    ("[[:alpha:]]", ":]"),
+    ("a^b", "ab"),
+    ("\\012", "\x0012"),
+]
+COMMON = [
+    "[0-9]{3}-[0-9]{4}",
+    "(yes|no|maybe)",
+    "[A-Z][a-z]+( [A-Z][a-z]+)*",
+    "\\d+(\\.\\d+)?",
+    "[\\w.-]+@[\\w-]+\\.[a-z]{2,}",
+    "^abc$",
+    "a.c",
+]
+
+
+def python_matches(pattern: str, text: str) -> bool:
+    """The post-validator's reading (``(?R)a`` recurses without end there: no match)."""
+    result = postvalidate(GrammarSpec.regex(pattern), text)
+    return result.checked and result.valid
+
+
+@pytest.mark.parametrize(("pattern", "text"), RUST_MISREAD)
+def test_rust_backends_refuse_what_they_read_otherwise(
+    pattern: str, text: str, toy_tokenizer: Any
+) -> None:
+    assert not python_matches(pattern, text)
+    assert rust_misreading(pattern) is not None
+    for backend in ("llguidance", "outlines_core"):
+        with pytest.raises(UnsupportedGrammarError, match="reads"):
+            compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)
+
+
+@pytest.mark.parametrize(("pattern", "text"), XGRAMMAR_MISREAD)
+def test_xgrammar_refuses_what_it_reads_otherwise(
+    pattern: str, text: str, toy_tokenizer: Any
+) -> None:
+    assert not python_matches(pattern, text)
+    assert xgrammar_misreading(pattern) is not None
+    with pytest.raises(UnsupportedGrammarError, match="xgrammar reads"):
+        compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, "xgrammar")
+
+
+@pytest.mark.parametrize("pattern", COMMON)
+def test_common_regexes_stay_on_every_backend(pattern: str, toy_tokenizer: Any) -> None:
+    assert rust_misreading(pattern) is None and xgrammar_misreading(pattern) is None
+    for backend in ("llguidance", "xgrammar"):
+        assert compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)[1].backend
+
+
+def test_a_recursive_regex_is_unchecked_not_an_error() -> None:
+    result = postvalidate(GrammarSpec.regex("a|(?R)"), "")
+    assert not result.checked and "could not be checked" in result.errors[0]
+
+
+def test_xgrammars_dot_no_longer_takes_a_newline(toy_tokenizer: Any) -> None:
+    assert dot_without_newline("a.c[.]\\.") == "a[^\\n]c[.]\\."
+    assert dot_without_newline("(?s)a.c") == "(?s)a.c"  # DOTALL: Python's dot takes it too
+    compiled, _ = compile_grammar(GrammarSpec.regex("a.c"), toy_tokenizer, "xgrammar")
+    assert compiled.matcher().completes(toy_tokenizer.encode("abc"))
+    assert not compiled.matcher().completes(toy_tokenizer.encode("a\nc"))
