@@ -21,6 +21,7 @@ from espalier.constrained.backends import (
     get_backend,
 )
 from espalier.constrained.base import CompiledGrammar, GrammarBackend, GrammarMatcher
+from espalier.constrained.compile import compile_grammar
 from espalier.constrained.errors import (
     InvalidGrammarError,
     UnknownBackendError,
@@ -410,3 +411,9 @@ def test_accept_tokens_equals_accepting_one_by_one(
         assert batched.is_terminated() == one_by_one.is_terminated()
         batched.rollback(expected)  # and it rolls back like the tokens accepted one by one
         assert np.array_equal(mask_of(batched), mask_of(compiled.matcher()))
+
+
+def test_a_choice_option_holding_del_compiles_on_llguidance(toy_tokenizer: Any) -> None:
+    compiled, _ = compile_grammar(GrammarSpec.choice(["a\x7fb", "zz"]), toy_tokenizer, "llguidance")
+    assert compiled.matcher().completes(toy_tokenizer.encode("a\x7fb"))
+    assert not compiled.matcher().completes(toy_tokenizer.encode("a"))

@@ -210,7 +210,11 @@ class Backend:
             ws, bounds = self.options.json_max_whitespace, self.options.json_number_bounds
             return structural_tag_grammar(spec, self._json_options(), ws, bounds)
         assert kind is GrammarKind.CHOICE
-        options = " | ".join(json.dumps(option, ensure_ascii=False) for option in spec.choices)
+        # DEL is the one character json.dumps leaves raw that llguidance's Lark lexer refuses
+        options = " | ".join(
+            json.dumps(option, ensure_ascii=False).replace("\x7f", "\\u007f")
+            for option in spec.choices
+        )
         return llguidance.LLMatcher.grammar_from_lark(f"start: {options}")
 
     def _json_options(self) -> Any:
