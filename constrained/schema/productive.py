@@ -34,6 +34,10 @@ def refuse_empty_language(compiled: CompiledGrammar, tokenizer: TokenizerInfo) -
         row = bitmask.allocate(1, tokenizer.vocab_size, fill=0)
         matcher.fill_bitmask(row, 0)
     except GrammarError as exc:
+        if exc.reason == "GRAMMAR_STATE_ERROR":  # a backend's limit, not an empty language
+            raise InvalidGrammarError(
+                kind, f"the backend could not compute the grammar's first mask: {exc}"
+            ) from exc
         raise InvalidGrammarError(kind, f"{EMPTY_LANGUAGE} ({exc})") from exc
     allowed = bitmask.unpack_allowed(row[0], tokenizer.vocab_size)
     allowed[list(tokenizer.stop_token_ids)] = False

@@ -150,3 +150,13 @@ def test_no_schema_with_a_valid_instance_in_the_test_suite_is_found_empty() -> N
             assert unproductive_pointer(prepared) is None, (path.name, schema)
             checked += 1
     assert checked > 500
+
+
+def test_a_backend_limit_at_the_first_mask_is_not_called_an_empty_language(
+    gemma_tokenizer: Any,
+) -> None:
+    """llguidance's parser row limit ("Too many items") on a GBNF grammar that has texts."""
+    with pytest.raises(InvalidGrammarError) as info:
+        compile_grammar(GrammarSpec.ebnf('root ::= [a-z]* "a"'), gemma_tokenizer, "llguidance")
+    assert "could not compute the grammar's first mask" in str(info.value)
+    assert "matches no text" not in str(info.value)
