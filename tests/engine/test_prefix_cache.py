@@ -220,6 +220,9 @@ def test_preemption_with_shared_blocks_matches() -> None:
     # request runs at a time; with it several are admitted on the shared prefix, then their
     # decodes outgrow the cache: running requests are preempted and recompute over the prefix.
     requests = user_turns(8)
+    # grammar backends warmed first: a process's first compiles (vocabulary views) hold the
+    # grammar requests back while the others run, and then nothing is preempted
+    run_all(make_engine(num_blocks=48, max_num_batched_tokens=32), user_turns(3))
     on = make_engine(num_blocks=48, max_num_batched_tokens=32)
     off = make_engine(num_blocks=48, max_num_batched_tokens=32, prefix_caching=False)
     with_cache, without = run_all(on, requests), run_all(off, requests)
