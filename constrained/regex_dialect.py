@@ -23,6 +23,7 @@ import itertools
 import re
 
 from espalier.constrained.schema.features import class_set_syntax
+from espalier.constrained.schema.respell import class_end
 
 _COUNT_WITH_SPACE = re.compile(r"\{\s*\d*\s*(?:,\s*\d*\s*)?\}")
 _FLAGS = re.compile(r"\(\?([a-zA-Z]*)[:)]")
@@ -35,21 +36,13 @@ def _outside(pattern: str) -> list[tuple[int, str]]:
     at, end = 0, len(pattern)
     while at < end:
         char = pattern[at]
-        if char == "\\":
-            at += 2
-            continue
         if char == "[":
+            at = class_end(pattern, at)
+        elif char == "\\":
+            at += 2
+        else:
+            out.append((at, char))
             at += 1
-            if pattern[at : at + 1] == "^":
-                at += 1
-            if pattern[at : at + 1] == "]":
-                at += 1
-            while at < end and pattern[at] != "]":
-                at += 2 if pattern[at] == "\\" else 1
-            at += 1
-            continue
-        out.append((at, char))
-        at += 1
     return out
 
 
@@ -81,7 +74,7 @@ def xgrammar_misreading(pattern: str) -> str | None:
                 return why
             at += 2
         elif char == "[":
-            end = _class_end(pattern, at)
+            end = class_end(pattern, at)
             body = pattern[at + 1 : end - 1]
             if body.startswith(("\\^", "]", "^]")) or "[" in body:
                 return f"the class at column {at + 1} (xgrammar reads its start otherwise)"
@@ -105,18 +98,6 @@ def _xgrammar_escape(pattern: str, at: int) -> str | None:
     if letter in "SDW" or letter == "s":
         return f"\\{letter} at column {at + 1} (not Python's Unicode class there)"
     return None
-
-
-def _class_end(pattern: str, at: int) -> int:
-    """Past the ``[...]`` starting at ``at``."""
-    at += 1
-    if pattern[at : at + 1] == "^":
-        at += 1
-    if pattern[at : at + 1] == "]":
-        at += 1
-    while at < len(pattern) and pattern[at] != "]":
-        at += 2 if pattern[at] == "\\" else 1
-    return at + 1
 
 
 def dot_without_newline(pattern: str) -> str:

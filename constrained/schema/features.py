@@ -350,26 +350,18 @@ _FLOAT64_EXACT_INT = 2**53
 def _classes(pattern: str) -> list[str]:
     """The ``[...]`` classes of ``pattern`` as written (outside escapes; a first ``]`` is
     literal)."""
+    from espalier.constrained.schema.respell import class_end
+
     out = []
     at, end = 0, len(pattern)
     while at < end:
         char = pattern[at]
-        if char == "\\":
-            at += 2
-            continue
-        if char != "[":
-            at += 1
-            continue
-        start = at
-        at += 1
-        if pattern[at : at + 1] == "^":
-            at += 1
-        if pattern[at : at + 1] == "]":
-            at += 1
-        while at < end and pattern[at] != "]":
-            at += 2 if pattern[at] == "\\" else 1
-        at += 1
-        out.append(pattern[start:at])
+        if char == "[":
+            stop = class_end(pattern, at)
+            out.append(pattern[at:stop])
+            at = stop
+        else:
+            at += 2 if char == "\\" else 1
     return out
 
 

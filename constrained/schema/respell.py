@@ -68,7 +68,7 @@ def _scan(pattern: str) -> bool | None:
                 return True
             at += 2
         elif char == "[":
-            at = _class_end(pattern, at)
+            at = class_end(pattern, at)
         else:
             if char == "(" and pattern.startswith(_LOOKAROUND, at):
                 return True
@@ -78,7 +78,7 @@ def _scan(pattern: str) -> bool | None:
     return anchor
 
 
-def _class_end(pattern: str, at: int) -> int:
+def class_end(pattern: str, at: int) -> int:
     """Past the ``[...]`` starting at ``at`` (a first ``]`` is literal; escapes skipped)."""
     at += 1
     if pattern[at : at + 1] == "^":
