@@ -10,6 +10,7 @@ import pytest
 from espalier.constrained.backends.llguidance.literals import (
     MAX_LITERAL_BYTES,
     grammar_literal,
+    hanging_terminal,
     longest_literal,
     regex_literal,
     schema_literal,
@@ -113,3 +114,50 @@ def test_short_literals_and_long_annotations_stay_on_llguidance(toy_tokenizer: A
     assert report.backend == "llguidance"
     text = '"w"'
     assert compiled.matcher().completes(toy_tokenizer.encode(text))
+
+
+@pytest.mark.parametrize(
+    ("lark", "hangs"),
+    [
+        ("start: /a+/ /a/", True),  # each True one never finished a mask in llguidance 1.9.1
+        ('start: / +/ " "', True),
+        ("start: /[a]+/ /a/", True),
+        ("start: /(ab)+/ /ab/", True),
+        ("start: /a{2,}/ /a/", True),
+        ("start: /ba+/ /a/", True),
+        ("start: /a*/ /a/", False),  # these finished: an open class, or no minimum
+        ("start: /[a-z]+/ /x/", False),
+        ('start: /[0-9]+/ "0"', False),
+        ('start: "a"+', False),  # a rule's repetition, no terminal's
+        ('start: %json {"pattern": "^/api/"}', False),
+    ],
+)
+def test_hanging_terminal(lark: str, hangs: bool) -> None:
+    assert (hanging_terminal(lark) is not None) is hangs
+
+
+def test_a_hanging_terminal_is_refused_on_llguidance_and_auto_takes_xgrammar(
+    toy_tokenizer: Any,
+) -> None:
+    """``"c"`` passes the start mask; llguidance's next mask never returned, stalling every
+    request of the engine."""
+    spec = GrammarSpec.lark('start: "b" | "c" /a+/ /a/')
+    with pytest.raises(UnsupportedGrammarError, match="repeats one string without bound"):
+        compile_grammar(spec, toy_tokenizer, "llguidance")
+    compiled, report = compile_grammar(spec, toy_tokenizer)
+    assert report.backend == "xgrammar"
+    assert compiled.matcher().completes(toy_tokenizer.encode("b"))
+    tag = structural_tag_spec(
+        {
+            "type": "structural_tag",
+            "format": {
+                "type": "sequence",
+                "elements": [
+                    {"type": "regex", "pattern": "x+"},
+                    {"type": "const_string", "value": "x"},
+                ],
+            },
+        }
+    )
+    with pytest.raises(UnsupportedGrammarError, match="repeats one string"):
+        compile_grammar(tag, toy_tokenizer, "llguidance")

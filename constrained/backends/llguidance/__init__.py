@@ -53,7 +53,11 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.backends.llguidance.closing import LlgClosing, closing_of
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
-from espalier.constrained.backends.llguidance.literals import MAX_LITERAL_BYTES, longest_literal
+from espalier.constrained.backends.llguidance.literals import (
+    MAX_LITERAL_BYTES,
+    hanging_terminal,
+    longest_literal,
+)
 from espalier.constrained.backends.llguidance.native import capi as llg_native
 from espalier.constrained.backends.llguidance.tree_batch import NativeTreeBatch
 from espalier.constrained.backends.llguidance.tree_walk import walk_llguidance
@@ -195,6 +199,7 @@ class Backend:
                 raise UnsupportedGrammarError(NAME, kind.value, f"llguidance reads {misread}")
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         if kind is GrammarKind.LARK:
+            _refuse_hanging_terminal(spec.source, kind)
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
         if kind is GrammarKind.EBNF:
             try:
@@ -203,12 +208,16 @@ class Backend:
                 match = _GBNF_LINE.search(str(exc))
                 line = int(match.group(1)) if match else None
                 raise InvalidGrammarError(kind.value, str(exc), line=line) from exc
+            _refuse_hanging_terminal(lark, kind)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if kind is GrammarKind.STRUCTURAL_TAG:
             from espalier.constrained.backends.llguidance.tags import structural_tag_grammar
 
             ws, bounds = self.options.json_max_whitespace, self.options.json_number_bounds
-            return structural_tag_grammar(spec, self._json_options(), ws, bounds)
+            text = structural_tag_grammar(spec, self._json_options(), ws, bounds)
+            for grammar in json.loads(text)["grammars"]:
+                _refuse_hanging_terminal(str(grammar.get("lark_grammar", "")), kind)
+            return text
         assert kind is GrammarKind.CHOICE
         # DEL is the one character json.dumps leaves raw that llguidance's Lark lexer refuses
         options = " | ".join(
@@ -732,3 +741,16 @@ def _invalid(kind: GrammarKind, message: str) -> InvalidGrammarError:
     if match is not None and kind is GrammarKind.LARK:
         line, column = int(match.group(1)), int(match.group(2))
     return InvalidGrammarError(kind.value, message.strip(), line=line, column=column)
+
+
+def _refuse_hanging_terminal(lark: str, kind: GrammarKind) -> None:
+    """UnsupportedGrammarError for a Lark text with a terminal llguidance's masks can hang on
+    (:func:`~espalier.constrained.backends.llguidance.literals.hanging_terminal`)."""
+    terminal = hanging_terminal(lark)
+    if terminal is not None:
+        raise UnsupportedGrammarError(
+            NAME,
+            kind.value,
+            f"its terminal {terminal} repeats one string without bound: llguidance's mask can "
+            "hang when a terminal starting with that string may follow it",
+        )

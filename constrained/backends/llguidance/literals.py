@@ -1,4 +1,5 @@
-"""The longest literal a grammar makes llguidance's lexer walk, checked before it compiles.
+"""Lexer hazards of a grammar for llguidance, checked before it compiles: the longest literal its
+lexer walks, and terminals that repeat one string without bound (:func:`hanging_terminal`).
 
 llguidance's lexer works on derivatives of regular expressions: inside a literal of n bytes
 (a ``const`` or ``enum`` string, a property name, a choice option, a Lark string, a regex
@@ -240,3 +241,52 @@ def _tag_literal(node: Any) -> int:
 
 def _bytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def hanging_terminal(lark: str) -> str | None:
+    """The first ``/regex/`` terminal of a Lark grammar that repeats one fixed string without
+    bound (``/a+/``, ``/ +/``, ``/[a]+/``, ``/(ab)+/``, ``/a{2,}/``), or None.
+
+    llguidance 1.9.1's mask never returns once such a terminal may be followed by a terminal
+    that starts with that string (``/a+/ /a/``, ``/ +/ " "``, ``/ba+/ /a/``; not ``/a*/ /a/``,
+    ``/[a-z]+/ /x/``, ``/[0-9]+/ "0"``), at any state, even after the start state passed: one
+    request stalled every request of the engine. Its parser limits do not stop it. Every such
+    terminal is refused, followed or not (``docs/decisions/regex-dialect.md``)."""
+    for match in _SLASHED.finditer(lark):
+        try:
+            from re import _parser  # type: ignore[attr-defined]
+
+            parsed = _parser.parse(match.group(1))
+        except (re.error, OverflowError, RecursionError, ValueError):
+            continue  # not a regex we can read (a "/" in a string): llguidance reads it
+        if _unbounded_fixed(parsed):
+            return match.group()
+    return None
+
+
+def _unbounded_fixed(items: Any) -> bool:
+    from re import _constants  # type: ignore[attr-defined]
+
+    for op, av in items:
+        if op in _REPEATS:
+            body = av[2]
+            fixed = _fixed(body) is not None or _single_member(body)
+            if av[0] >= 1 and av[1] == _constants.MAXREPEAT and fixed:
+                return True
+            if _unbounded_fixed(body):
+                return True
+            continue
+        inner = [av[3]] if op is _constants.SUBPATTERN else av[1] if op is _constants.BRANCH else []
+        if any(_unbounded_fixed(part) for part in inner):
+            return True
+    return False
+
+
+def _single_member(items: Any) -> bool:
+    """Whether ``items`` is one class holding one character (``[a]``)."""
+    from re import _constants  # type: ignore[attr-defined]
+
+    if len(items) != 1 or items[0][0] is not _constants.IN:
+        return False
+    members = items[0][1]
+    return len(members) == 1 and members[0][0] is _constants.LITERAL
