@@ -103,7 +103,18 @@ def test_walks_follow_accepts_rollbacks_resets_and_forks(
             matcher.reset()
             assert matcher.history == []
     assert problems == []
-    assert (helped > 0) == (threads > 1)  # the second thread did fill rows, and only then
+    if threads == 1:
+        assert helped == 0  # no second thread: nobody else fills rows
+        return
+    # The second thread did fill rows. Whether it gets any in a given walk is the scheduler's
+    # call (a loaded CI machine once left it none in 40): more walks until it does.
+    for _ in range(200):
+        if helped > 0:
+            break
+        before = helper_rows(matcher)
+        problems += check_walk(grammar, matcher, rng, 48, threads)
+        helped += helper_rows(matcher) - before
+    assert problems == [] and helped > 0
 
 
 def test_budget_prunes_inline_and_the_matcher_is_unchanged(toy_tokenizer: Any) -> None:
