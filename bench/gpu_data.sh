@@ -31,6 +31,10 @@ fi
 rm -f .whl/lark-*.whl
 [ -n "$(ls .gpu/.data/whl/lark-*.whl 2>/dev/null)" ] || .venv/bin/python -m pip download -q \
   --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/.data/whl lark
+# pytest for bench/gpu_suite_job.sh (the machine has none)
+[ -n "$(ls .gpu/.data/whl/pytest-*.whl 2>/dev/null)" ] || .venv/bin/python -m pip download -q \
+  --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/.data/whl pytest pluggy iniconfig \
+  packaging
 find .gpu -mindepth 1 -maxdepth 1 ! -name .data -exec rm -rf {} +
 git ls-files -z | xargs -0 cp --parents -t .gpu
 mkdir -p .gpu/base && git archive b2525ec | tar -x -C .gpu/base
