@@ -112,9 +112,12 @@ def prepare_schema(
             pointer=resolved.display_pointer(empty),
         )
     issues = {}
-    callers = _Callers(resolved.schema, prepared)
+    callers: _Callers | None = None  # two schema walks: made for the first issue only
     for name in backends:
-        found = [callers.issue(i) for i in backend_issues(name, prepared)]
+        found = backend_issues(name, prepared)
+        if found:
+            callers = callers or _Callers(resolved.schema, prepared)
+            found = [callers.issue(i) for i in found]
         issues[name] = tuple(
             dict.fromkeys(
                 dataclasses.replace(i, pointer=resolved.display_pointer(i.pointer), backend=name)

@@ -80,7 +80,7 @@ def xgrammar_misreading(pattern: str) -> str | None:
                 return f"the class at column {at + 1} (xgrammar reads its start otherwise)"
             for escape in re.finditer(r"\\.", body):
                 letter = escape.group()[1]
-                if letter in "SDW" or letter == "s" or (body.startswith("^") and letter in "dw"):
+                if letter in "SDWs" or (body.startswith("^") and letter in "dw"):
                     return f"\\{letter} in the class at column {at + 1} (not Python's class)"
             at = end
         else:
@@ -95,7 +95,7 @@ def _xgrammar_escape(pattern: str, at: int) -> str | None:
     letter = pattern[at + 1]
     if letter.isdigit():
         return f"an octal or numbered escape at column {at + 1}"
-    if letter in "SDW" or letter == "s":
+    if letter in "SDWs":
         return f"\\{letter} at column {at + 1} (not Python's Unicode class there)"
     return None
 

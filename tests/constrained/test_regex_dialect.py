@@ -79,7 +79,9 @@ def test_xgrammar_refuses_what_it_reads_otherwise(
 def test_common_regexes_stay_on_every_backend(pattern: str, toy_tokenizer: Any) -> None:
     assert rust_misreading(pattern) is None and xgrammar_misreading(pattern) is None
     for backend in ("llguidance", "xgrammar"):
-        assert compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)[1].backend
+        assert compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)[1].backend == (
+            backend
+        )
 
 
 def test_a_recursive_regex_is_unchecked_not_an_error() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from re import _constants, _parser  # type: ignore[attr-defined]
 from typing import Any
 
 from espalier.constrained.spec import GrammarKind, GrammarSpec
@@ -99,11 +100,8 @@ def _value_literals(value: Any) -> Iterator[int]:
 def regex_literal(pattern: str) -> int:
     """The longest run of bytes ``pattern`` fixes in a row: literal characters, and groups and
     counted repetitions (``{n}``, ``{n,n}``) made only of them, concatenated."""
-    try:
-        from re import _parser  # type: ignore[attr-defined]
-
-        parsed = _parser.parse(pattern)
-    except (re.error, OverflowError, RecursionError, ValueError):
+    parsed = _parse(pattern)
+    if parsed is None:
         return _regex_text_estimate(pattern)
     try:
         return _longest(parsed)
@@ -138,8 +136,6 @@ def _repeats_literal(pattern: str, at: int) -> bool:
 
 def _fixed(items: Any) -> int | None:
     """Bytes of the one string ``items`` (a parsed sequence) matches, None if not one string."""
-    from re import _constants  # type: ignore[attr-defined]
-
     total = 0
     for op, av in items:
         if op is _constants.LITERAL:
@@ -164,8 +160,6 @@ def _fixed(items: Any) -> int | None:
 def _longest(items: Any) -> int:
     """The longest fixed run in a parsed sequence: consecutive fixed items add up; any other
     item ends the run and counts by the runs inside it."""
-    from re import _constants  # type: ignore[attr-defined]
-
     best = run = 0
     for op, av in items:
         fixed = _fixed([(op, av)])
@@ -191,13 +185,15 @@ def _longest(items: Any) -> int:
     return best
 
 
-def _repeat_ops() -> frozenset[Any]:
-    from re import _constants  # type: ignore[attr-defined]
-
-    return frozenset({_constants.MAX_REPEAT, _constants.MIN_REPEAT, _constants.POSSESSIVE_REPEAT})
+_REPEATS = frozenset({_constants.MAX_REPEAT, _constants.MIN_REPEAT, _constants.POSSESSIVE_REPEAT})
 
 
-_REPEATS = _repeat_ops()
+def _parse(pattern: str) -> Any:
+    """Python's parse of ``pattern`` (its ``re`` syntax tree), None where it cannot read it."""
+    try:
+        return _parser.parse(pattern)
+    except (re.error, OverflowError, RecursionError, ValueError):
+        return None
 
 
 def grammar_literal(source: str) -> int:
@@ -253,20 +249,13 @@ def hanging_terminal(lark: str) -> str | None:
     request stalled every request of the engine. Its parser limits do not stop it. Every such
     terminal is refused, followed or not (``docs/decisions/regex-dialect.md``)."""
     for match in _SLASHED.finditer(lark):
-        try:
-            from re import _parser  # type: ignore[attr-defined]
-
-            parsed = _parser.parse(match.group(1))
-        except (re.error, OverflowError, RecursionError, ValueError):
-            continue  # not a regex we can read (a "/" in a string): llguidance reads it
-        if _unbounded_fixed(parsed):
+        parsed = _parse(match.group(1))  # None: not a regex we read (a "/" in a string)
+        if parsed is not None and _unbounded_fixed(parsed):
             return match.group()
     return None
 
 
 def _unbounded_fixed(items: Any) -> bool:
-    from re import _constants  # type: ignore[attr-defined]
-
     for op, av in items:
         if op in _REPEATS:
             body = av[2]
@@ -284,8 +273,6 @@ def _unbounded_fixed(items: Any) -> bool:
 
 def _single_member(items: Any) -> bool:
     """Whether ``items`` is one class holding one character (``[a]``)."""
-    from re import _constants  # type: ignore[attr-defined]
-
     if len(items) != 1 or items[0][0] is not _constants.IN:
         return False
     members = items[0][1]
