@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3
+FORMAT = 4
 """Version of the file layout below; bump it when the layout or the report changes."""
 
 STORED_BACKEND = BackendName.XGRAMMAR

@@ -19,6 +19,7 @@ from typing import Any
 from espalier.constrained.schema.logic import ALL_TYPES, append_all_of, without
 from espalier.constrained.schema.pattern_parse import has_inner_anchor
 from espalier.constrained.schema.regular import intersect_patterns
+from espalier.constrained.schema.walk import map_subschemas
 
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
@@ -88,3 +89,75 @@ def class_end(pattern: str, at: int) -> int:
     while at < len(pattern) and pattern[at] != "]":
         at += 2 if pattern[at] == "\\" else 1
     return at + 1
+
+
+def with_open_ends(pattern: str) -> str | None:
+    """``pattern`` anchored at both ends with ``.*`` for each open end of its top-level
+    branches (``a|^b`` -> ``^(?:.*(?:a).*|(?:b).*)$``): the strings ``regex.search`` finds it
+    in (those without a newline, which such a backend never writes raw in a JSON string),
+    spelled for a backend that reads every pattern as a full match (xgrammar). None: anchored
+    everywhere already, or not read here (an anchor inside a group or away from a branch's
+    ends, ``\\A`` / ``\\Z``, a leading flag group): left as it is, which such a backend
+    reads as a narrower language, never a wider one."""
+    if pattern.startswith("(?") and not pattern.startswith(("(?:", "(?P", "(?<", "(?=", "(?!")):
+        return None
+    branches: list[str] = []
+    depth, start, at, end = 0, 0, 0, len(pattern)
+    anchors: list[int] = []
+    while at < end:
+        char = pattern[at]
+        if char == "\\":
+            if pattern[at + 1 : at + 2] in ("A", "Z", "z"):
+                return None
+            at += 2
+            continue
+        if char == "[":
+            at = class_end(pattern, at)
+            continue
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char in "^$":
+            if depth:
+                return None
+            anchors.append(at)
+        elif char == "|" and depth == 0:
+            branches.append(pattern[start:at])
+            start = at + 1
+        at += 1
+    branches.append(pattern[start:])
+    out: list[str] = []
+    opened = False
+    begin = 0
+    for branch in branches:
+        stop = begin + len(branch)
+        mine = [a for a in anchors if begin <= a < stop]
+        head = bool(mine) and mine[0] == begin and pattern[begin] == "^"
+        tail = bool(mine) and mine[-1] == stop - 1 and pattern[stop - 1] == "$"
+        if len(mine) > head + tail or (head and tail and len(mine) == 1):
+            return None  # an anchor away from the ends (or one "^" or "$" read as both)
+        body = pattern[begin + head : stop - tail]
+        begin = stop + 1
+        opened = opened or not (head and tail)
+        ends = ("" if head else ".*", "" if tail else ".*")
+        out.append(f"{ends[0]}(?:{body}){ends[1]}" if body else ends[0] or ends[1])
+    return f"^(?:{'|'.join(out)})$" if opened else None
+
+
+def open_pattern_ends(schema: Any, pointer: str = "") -> Any:
+    """``schema`` with every ``pattern`` and ``patternProperties`` name spelled by
+    :func:`with_open_ends` (for a backend that reads patterns as full matches); shares the
+    parts it leaves alone."""
+    if not isinstance(schema, dict):
+        return schema
+    out = map_subschemas(schema, pointer, open_pattern_ends)
+    pattern = out.get("pattern")
+    if isinstance(pattern, str) and (spelled := with_open_ends(pattern)) is not None:
+        out["pattern"] = spelled
+    named = out.get("patternProperties")
+    if isinstance(named, dict):
+        spelled_named = {with_open_ends(n) or n: sub for n, sub in named.items()}
+        if len(spelled_named) == len(named):  # no two names spelled alike
+            out["patternProperties"] = spelled_named
+    return out

@@ -145,3 +145,60 @@ def test_patterns_the_backends_read_otherwise_are_respelled_exactly(
         if accepted and not valid:
             bad.append(value)
     assert bad == []
+
+
+SEARCHED = ["a+", "^a+", "a+$", "a|^b", "^b$|c", r"\$", r"a\$", "^", "$", "", "[$^]x",
+            "(?:a|b)$", r"a\\$", "foo|", "^a|b$|^c$", "ab?c", "x*", "(a)(b|c)"]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", SEARCHED)
+def test_open_ends_spell_the_searched_language(pattern: str) -> None:
+    import itertools
+
+    import regex
+
+    from espalier.constrained.schema.respell import with_open_ends
+
+    spelled = with_open_ends(pattern)
+    assert spelled is not None and spelled.startswith("^") and spelled.endswith("$")
+    for n in range(5):
+        for chars in itertools.product("ab$^\\cx", repeat=n):
+            text = "".join(chars)
+            assert (regex.search(pattern, text) is not None) == (
+                regex.fullmatch(spelled, text) is not None
+            ), text
+
+
+@pytest.mark.parametrize("pattern", ["^a+$", "^$", "(a|^b)", "a^b", r"\Aa", "(?i)a", "(a$)"])
+def test_open_ends_leave_anchored_or_unread_patterns(pattern: str) -> None:
+    from espalier.constrained.schema.respell import with_open_ends
+
+    assert with_open_ends(pattern) is None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "a+"},
+        {"type": "string", "pattern": "^x|y$"},
+        {"type": "object", "properties": {"k": {"type": "string", "pattern": "b$"}},
+         "required": ["k"], "additionalProperties": False},
+        {"type": "array", "items": {"type": "string", "pattern": "[0-9]"}},
+    ],
+)  # fmt: skip
+def test_xgrammar_reads_patterns_as_searches(schema: dict[str, Any], toy_tokenizer: Any) -> None:
+    # xgrammar reads a pattern as a full match: "a+" refused "xay" before its ends were opened
+    compiled = get_backend("xgrammar", toy_tokenizer).compile(GrammarSpec.json_schema(schema))
+    rng = random.Random(3)
+    pool = "abxy19"
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        text = "".join(rng.choice(pool) for _ in range(rng.randrange(1, 5)))
+        kind = schema.get("type")
+        value: Any = {"k": text} if kind == "object" else text
+        value = [value] if kind == "array" else value
+        valid = validate_instance(schema, value).valid
+        accepted = grammar_accepts(compiled, toy_tokenizer, json.dumps(value))
+        assert accepted == valid, value
+        seen[valid] += 1
+    assert seen[True] > 20 and seen[False] > 20, seen

@@ -44,6 +44,7 @@ from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.regex_dialect import dot_without_newline, xgrammar_misreading
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
+from espalier.constrained.schema.respell import open_pattern_ends
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
@@ -118,7 +119,9 @@ class Backend:
         if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON):
             ws = self.options.json_max_whitespace
             source = (
-                self.options.json_source(spec, NAME) if kind is GrammarKind.JSON_SCHEMA else "{}"
+                self.options.json_source(_searched(spec), NAME)
+                if kind is GrammarKind.JSON_SCHEMA
+                else "{}"
             )
             return "compile_json_schema", {
                 "schema": source,
@@ -155,8 +158,9 @@ class Backend:
             out = dict(node)
             out["max_whitespace_cnt"] = json_whitespace(node, self.options.json_max_whitespace)
             bounds = self.options.json_number_bounds
+            out["json_schema"] = open_pattern_ends(node["json_schema"])
             if bounds is not None:
-                out["json_schema"] = bound_schema_numbers(node["json_schema"], NAME, bounds)
+                out["json_schema"] = bound_schema_numbers(out["json_schema"], NAME, bounds)
             return out
 
         return with_format(map_json_schemas(root_format(spec), bounded)).source
@@ -357,6 +361,13 @@ def _refuse_unknown_escapes(regex: str) -> None:
                 f"unknown escape \\{char} (xgrammar would read it as '{char}')",
                 column=escape.start() + 1,
             )
+
+
+def _searched(spec: GrammarSpec) -> GrammarSpec:
+    """``spec`` with its patterns anchored as ``regex.search`` reads them: xgrammar reads every
+    ``pattern`` as a full match (``"a+"`` refused ``"xay"``)."""
+    schema = open_pattern_ends(spec.schema)
+    return spec if schema == spec.schema else GrammarSpec.json_schema(schema, max_bytes=1 << 30)
 
 
 def _invalid(kind: GrammarKind, exc: Exception) -> InvalidGrammarError:
