@@ -26,6 +26,7 @@ does not import the engine).
 
 from __future__ import annotations
 
+import decimal
 import functools
 import json
 import re
@@ -33,6 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import regex
@@ -213,11 +215,13 @@ def _cached(
 
 @functools.cache
 def _extended(base: Any) -> Any:
-    """``base`` with our ``pattern`` / ``patternProperties`` (the ``regex`` module's syntax)."""
+    """``base`` with our ``pattern`` / ``patternProperties`` (the ``regex`` module's syntax)
+    and ``multipleOf`` (decimal arithmetic)."""
     import jsonschema.validators
 
     return jsonschema.validators.extend(
-        base, {"pattern": _pattern, "patternProperties": _pattern_properties}
+        base,
+        {"pattern": _pattern, "patternProperties": _pattern_properties, "multipleOf": _multiple_of},
     )
 
 
@@ -240,6 +244,28 @@ def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
 
     if validator.is_type(instance, "string") and not regex.search(pattern, instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """``multipleOf`` on the numbers as written (their shortest decimal spelling), not as
+    binary floats: jsonschema's float division called 1.9 no multiple of 0.1."""
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "number") or not validator.is_type(divisor, "number"):
+        return
+    try:
+        with decimal.localcontext() as context:
+            context.prec = 2000  # the quotient of 1e308 by 1e-308 is exact within it
+            context.traps[decimal.Inexact] = True
+            whole = Decimal(repr(instance)) % Decimal(repr(divisor)) == 0
+    except (decimal.InvalidOperation, decimal.Inexact, ValueError):
+        try:  # past the exact reading: jsonschema's float test
+            quotient = instance / divisor
+            whole = int(quotient) == quotient
+        except (OverflowError, ValueError, ZeroDivisionError):
+            whole = False
+    if not whole:
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
 def _pattern_properties(

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from espalier.constrained.postvalidate import PostValidation, postvalidate
+from espalier.constrained.postvalidate import PostValidation, postvalidate, validate_instance
 from espalier.constrained.schema.refs import directory_registry
 from espalier.constrained.spec import GrammarSpec
 
@@ -147,3 +147,13 @@ def test_a_spec_builds_its_validator_once(monkeypatch: pytest.MonkeyPatch) -> No
     assert built == [schema, {"type": "string"}]
     for text, result in zip(outputs, got):
         assert result == pv.validate_instance(schema, pv.parse_strict_json(text))
+
+
+@pytest.mark.parametrize(
+    ("divisor", "value", "valid"),
+    [(0.1, 1.9, True), (1e-5, 1.0, True), (0.01, 1056568.39, True), (0.1, 1.95, False),
+     (3, 10, False), (3, 9, True), (1e-308, 1e308, True), (0.7, 1e308, False)],
+)  # fmt: skip
+def test_multiple_of_reads_numbers_as_written(divisor: float, value: float, valid: bool) -> None:
+    # jsonschema's float division called 1.9 no multiple of 0.1
+    assert validate_instance({"multipleOf": divisor}, value).valid is valid
