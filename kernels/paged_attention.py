@@ -472,9 +472,12 @@ def warm_up(
     max_q_len: int,
     window_lefts: Sequence[int] = (-1,),
     options: KernelOptions = DEFAULT_KERNELS,
+    max_rows: int | None = None,
 ) -> int:
     """Launch (so compile) every kernel variant a step of at most ``max_q_len`` new tokens per
     sequence can take for this model, on tiny dummy data; returns the number of launches.
+    ``max_rows``: the most token rows one step can hold (the cache's slots; None: no bound):
+    the variant past PDL's row limit is built only where a step can pass it.
 
     A variant is the launch's constexprs: the tile shape (``tile_shape`` of the step's longest
     sequence), explicit masks or causal with each layer window (``window_lefts``), KV splits or
@@ -495,7 +498,9 @@ def warm_up(
         pages = -(-kv_len // page_size)
         k = torch.zeros(pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         # one sequence, then enough that the rows pass PDL's limit (where one sequence is under)
-        counts = [1] + ([options.pdl_max_rows // q_len + 1] if pdl(device, q_len, options) else [])
+        over = options.pdl_max_rows // q_len + 1
+        reach = max_rows is None or over * q_len <= max_rows
+        counts = [1] + ([over] if reach and pdl(device, q_len, options) else [])
         for batch in counts:
             q = torch.zeros(batch * q_len, num_heads, head_dim, dtype=dtype, device=device)
             flat = np.ones(q_len * kv_len, dtype=bool)

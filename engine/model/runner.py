@@ -164,7 +164,7 @@ class ModelRunner:
             self._num_blocks = tensor_parallel.min_int(self._num_blocks, self.device)
         self.graphs: StepGraphs | None = None
         # every kernel variant a step can launch, before any step (and before the captures)
-        self.attention.warm_up(self.block_size)
+        self.attention.warm_up(self.block_size, self._num_blocks * self.block_size)
         self._warm_up_steps()
         if use_graphs:
             from espalier.engine.model.cuda_graphs import StepGraphs

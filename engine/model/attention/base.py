@@ -96,9 +96,10 @@ class AttentionBackend(Protocol):
         """q: ``[T, H, D]`` (roped, model dtype) -> ``[T, H, D]``."""
         ...
 
-    def warm_up(self, block_size: int) -> None:
+    def warm_up(self, block_size: int, max_rows: int) -> None:
         """Build every kernel variant a step over a cache of ``block_size``-token pages can
-        launch, once, before the first step (nothing is compiled while requests run)."""
+        launch, once, before the first step (nothing is compiled while requests run);
+        ``max_rows``: the most token rows a step can hold (the cache's slots)."""
         ...
 
 

@@ -141,7 +141,7 @@ class FlashinferBackend:
     def _is_decode(self, wrapper: Any) -> bool:
         return isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
 
-    def warm_up(self, block_size: int) -> None:
+    def warm_up(self, block_size: int, max_rows: int) -> None:
         """Compile every variant of the small-query kernel a step can launch (``paged_attention
         .warm_up``: its tile shapes up to ``small_query_up_to`` rows per sequence, causal with
         each layer window or masked, split or not, PDL or not); flashinfer's own kernels come
@@ -159,6 +159,7 @@ class FlashinferBackend:
             max_q_len=self.options.small_query_up_to,
             window_lefts=[-1 if w is None else w - 1 for w in self.windows],
             options=self.options.kernels,
+            max_rows=max_rows,
         )
 
     # -- planning (host side, once per step) ---------------------------------------------------

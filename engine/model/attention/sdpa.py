@@ -51,7 +51,7 @@ class SdpaBackend:
             key=lambda w: -1 if w is None else w,
         )
 
-    def warm_up(self, block_size: int) -> None:
+    def warm_up(self, block_size: int, max_rows: int) -> None:
         """Nothing to build: torch's own kernels."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
