@@ -31,6 +31,7 @@ import functools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,8 +108,21 @@ def validate_instance(
 
 
 def _check(validator: Any, instance: Any) -> PostValidation:
+    """``instance`` against ``validator`` within :data:`SCHEMA_CHECK_S`."""
+    _deadline.at = time.monotonic() + SCHEMA_CHECK_S
+    try:
+        return _verdict(validator, instance)
+    finally:
+        _deadline.at = float("inf")  # validators used outside a check are not timed
+
+
+def _verdict(validator: Any, instance: Any) -> PostValidation:
     try:
         errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
+    except (TimeoutError, MemoryError, RecursionError) as exc:
+        return PostValidation(
+            False, False, (f"/: the output could not be checked ({type(exc).__name__})",)
+        )
     except (re.error, regex.error) as exc:
         return PostValidation(False, False, (f"/: a pattern cannot be compiled in Python: {exc}",))
     except Exception as exc:  # unresolvable refs, broken schemas: no verdict, never a crash
@@ -162,6 +176,26 @@ def _validate_regex(pattern: str, text: str) -> PostValidation:
 
 REGEX_CHECK_S = 1.0
 """A regex check's time limit: past it (catastrophic backtracking) the output is unchecked."""
+
+SCHEMA_CHECK_S = 1.0
+"""A schema check's time limit: past it the output is unchecked. Post-validation runs on the
+server's one engine-reader thread: a 2 KB schema (40 levels of ``allOf`` over two refs to the
+next level) or a backtracking ``patternProperties`` regex held it, and every request, for good."""
+
+
+class _Deadline(threading.local):
+    at: float = float("inf")
+
+
+_deadline = _Deadline()
+
+
+def _remaining() -> float:
+    """Seconds left of this thread's schema check; TimeoutError when none."""
+    left = _deadline.at - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("schema check")
+    return left
 
 
 def _pointer(path: list[Any]) -> str:
@@ -219,10 +253,24 @@ def _extended(base: Any) -> Any:
     and ``multipleOf`` (decimal arithmetic)."""
     import jsonschema.validators
 
-    return jsonschema.validators.extend(
-        base,
-        {"pattern": _pattern, "patternProperties": _pattern_properties, "multipleOf": _multiple_of},
-    )
+    keywords = {
+        **base.VALIDATORS,
+        "pattern": _pattern,
+        "patternProperties": _pattern_properties,
+        "multipleOf": _multiple_of,
+    }
+    return jsonschema.validators.extend(base, {k: _timed(f) for k, f in keywords.items()})
+
+
+def _timed(keyword: Callable[..., Any]) -> Callable[..., Any]:
+    """``keyword``'s check, after a look at the clock (:data:`SCHEMA_CHECK_S`): every
+    subschema the validator visits passes here, so no schema or instance keeps it longer."""
+
+    def check(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        _remaining()
+        return keyword(validator, value, instance, schema)
+
+    return check
 
 
 def _build_validator(
@@ -242,7 +290,9 @@ def _build_validator(
 def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
     from jsonschema.exceptions import ValidationError
 
-    if validator.is_type(instance, "string") and not regex.search(pattern, instance):
+    if validator.is_type(instance, "string") and not regex.search(
+        pattern, instance, timeout=_remaining()
+    ):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
@@ -275,7 +325,7 @@ def _pattern_properties(
         return
     for pattern, subschema in patterns.items():
         for key, value in instance.items():
-            if regex.search(pattern, key):
+            if regex.search(pattern, key, timeout=_remaining()):
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,22 @@ def test_a_spec_builds_its_validator_once(monkeypatch: pytest.MonkeyPatch) -> No
 def test_multiple_of_reads_numbers_as_written(divisor: float, value: float, valid: bool) -> None:
     # jsonschema's float division called 1.9 no multiple of 0.1
     assert validate_instance({"multipleOf": divisor}, value).valid is valid
+
+
+def test_a_schema_too_costly_to_check_leaves_the_output_unchecked() -> None:
+    import time
+
+    # 40 levels of allOf over two refs to the next level: 2**40 visits for jsonschema
+    defs = {f"l{i}": {"allOf": [{"$ref": f"#/$defs/l{i + 1}"}] * 2} for i in range(40)}
+    defs["l40"] = {"type": "integer"}
+    spec = GrammarSpec.json_schema({"$defs": defs, "$ref": "#/$defs/l0"})
+    started = time.monotonic()
+    result = postvalidate(spec, "1")
+    assert not result.checked and "TimeoutError" in result.errors[0]
+    assert time.monotonic() - started < 30  # unbounded before (the server's reader thread)
+    # and a backtracking patternProperties regex over a long key
+    schema = {"type": "object", "patternProperties": {"^(a|aa)+$": {"type": "integer"}}}
+    result = postvalidate(GrammarSpec.json_schema(schema), json.dumps({"a" * 60 + "b": 1}))
+    assert not result.checked
+    # a validator used outside a check afterwards is not timed out by a stale deadline
+    assert validate_instance({"type": "integer"}, 1).valid
