@@ -80,14 +80,36 @@ class SamplingTensors:
         )
 
 
-def uniforms(generators: Generators, batch: int, count: int, device: torch.device) -> torch.Tensor:
-    """float64 ``[batch, count]`` in [0, 1): row b from ``generators[b]`` when a list is given."""
+def uniforms(
+    generators: Generators,
+    batch: int,
+    count: int,
+    device: torch.device,
+    own: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """float64 ``[batch, count]`` in [0, 1): row b from ``generators[b]`` when a list is given.
+
+    own: with a list, row b draws only ``own[b] + 1`` numbers from its generator, into columns
+    ``0 .. own[b] - 1`` and the last (the rest hold 0.5, never read): how far a request's
+    stream moves then depends on its own tree, not on the batch's largest (a seeded request's
+    tokens must not depend on what shares its step; a root-only tree draws one, as
+    :func:`sample` does)."""
     if isinstance(generators, Sequence):
         if len(generators) != batch:
             raise ValueError(f"{len(generators)} generators for {batch} requests")
-        rows = [
-            torch.rand(count, generator=g, dtype=torch.float64, device=g.device) for g in generators
-        ]
+        if own is None:
+            rows = [
+                torch.rand(count, generator=g, dtype=torch.float64, device=g.device)
+                for g in generators
+            ]
+        else:
+            rows = []
+            for g, k in zip(generators, own):
+                drawn = torch.rand(k + 1, generator=g, dtype=torch.float64, device=g.device)
+                row = torch.full((count,), 0.5, dtype=torch.float64, device=g.device)
+                row[:k] = drawn[:k]
+                row[-1] = drawn[k]
+                rows.append(row)
         return torch.stack(rows).to(device) if rows else torch.empty(0, count, device=device)
     return torch.rand(batch, count, generator=generators, dtype=torch.float64, device=device)
 
@@ -233,7 +255,7 @@ def tree_speculative_sample(
         if flags is not None:
             active = active & flags.bool()
     base = torch.tensor(list(offsets[:-1]), dtype=torch.long, device=dev)
-    u = uniforms(generators, batch, max_nodes + 1, dev)
+    u = uniforms(generators, batch, max_nodes + 1, dev, own=[s - 1 for s in sizes])
     rows = torch.arange(batch, device=dev)
     p = target[base]
     child = torch.where(first_child[base] >= 0, base + first_child[base], -1)

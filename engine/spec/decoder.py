@@ -360,11 +360,49 @@ class SpeculativeDecoder:
     ) -> list[Acceptance]:
         vocab = self.runner.vocab_size
         result = verify_greedy(logits, drafts, masks, vocab)
+        roots = np.cumsum([0] + [d.num_nodes for d in drafts[:-1]]).tolist()
+        filled = masks.filled[roots].tolist() if roots else []
         sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
-        if sampled:
-            for i, acc in zip(sampled, self._sample(logits, seqs, drafts, masks, sampled)):
+        # a root-only tree is a plain decode step: its draw is the plain sampler's, from the
+        # same stream (a seeded request that does not speculate gets the tokens it gets in a
+        # plain step, whatever shares the batch); the tree sampler draws otherwise
+        alone = [i for i in sampled if drafts[i].num_nodes == 1 and filled[i]]
+        trees = [i for i in sampled if i not in set(alone)]
+        if alone:
+            for i, token in zip(alone, self._sample_roots(logits, seqs, masks, roots, alone)):
+                result[i] = Acceptance(path=[0], tokens=[token], forced=0)
+        if trees:
+            for i, acc in zip(trees, self._sample(logits, seqs, drafts, masks, trees)):
                 result[i] = acc
         return result
+
+    def _sample_roots(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SpecSeq],
+        masks: TreeMasks,
+        roots: list[int],
+        rows: list[int],
+    ) -> list[int]:
+        """One token per request of ``rows`` (root-only trees) from its root's logits, drawn
+        by the plain :class:`~espalier.engine.sampler.Sampler` (its noise, its filters)."""
+        from espalier.engine.sampler import RowParams, Sampler
+
+        index = torch.tensor([roots[i] for i in rows], dtype=torch.int64)
+        sub = logits.index_select(0, index.to(logits.device)).float()
+        mask_rows = masks.mask_rows[index]
+        masked = [j for j, row in enumerate(mask_rows.tolist()) if row >= 0]
+        bitmask = None
+        if masked and masks.bitmask is not None:
+            bitmask = masks.bitmask[mask_rows.clamp_min(0)].to(logits.device)
+        params = []
+        for i in rows:
+            spec = seqs[i].sampling
+            assert spec is not None, "rows are the sampled requests"
+            params.append(
+                RowParams(spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.generator)
+            )
+        return Sampler()(sub, params, bitmask=bitmask, masked_rows=masked).token_ids
 
     def _logprobs(
         self,

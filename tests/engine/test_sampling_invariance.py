@@ -15,7 +15,13 @@ import re
 import torch
 
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
+from espalier.engine.api import (
+    ConstraintOptions,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeOptions,
+)
 from espalier.engine.engine import Engine, EngineConfig
 from espalier.engine.sampler import RowParams, Sampler, _keep_sorted, make_generator
 from espalier.engine.spec.strategy import SpecConfig, install
@@ -198,3 +204,47 @@ def test_requests_that_do_not_speculate_sample_as_on_a_plain_engine() -> None:
     spec_alone, spec_batched, spec_cached = _three_ways(spec, 0.9)
     assert spec_alone == plain_alone and spec_batched == plain_batched == plain_alone
     assert spec_cached == plain_alone
+
+
+def _speculating(request_id: str, enabled: bool, seed: int = 7) -> GenerationRequest:
+    return GenerationRequest(
+        request_id,
+        prompt=PROMPT,
+        sampling=SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=seed),
+        speculative=SpeculativeOptions(enabled=enabled),
+    )
+
+
+def _companion(request_id: str) -> GenerationRequest:
+    """A sampled constrained request that speculates (trees of forced chains)."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Lima"]}, "ok": {"type": "boolean"}},
+        "required": ["city", "ok"],
+        "additionalProperties": False,
+    }
+    return GenerationRequest(
+        request_id,
+        prompt="x y z",
+        sampling=SamplingParams(max_tokens=17, temperature=0.9, seed=12),
+        grammar=GrammarSpec.json_schema(schema),
+        speculative=SpeculativeOptions(enabled=True),
+    )
+
+
+def test_seeded_requests_keep_their_tokens_next_to_speculating_ones() -> None:
+    """A seeded request that does not speculate draws as in a plain step (root-only trees are
+    drawn by the plain sampler), and one that does draws only as many numbers as its own tree
+    needs: before, both moved with what shared their steps."""
+
+    def spec() -> Engine:  # a fresh one per run: no prefix-cache hit between them
+        return install(make_engine(), SpecConfig(enabled=True, methods=("forced", "ngram")), {})
+
+    plain = tokens_of(run_all(_engine(), [_seeded("plain", 0.9, 0)])["plain"])
+    for enabled in (False, True):
+        alone = tokens_of(run_all(spec(), [_speculating("alone", enabled)])["alone"])
+        both = run_all(spec(), [_speculating("with", enabled), _companion("companion")])
+        assert len(set(alone)) > 3  # really sampling
+        assert tokens_of(both["with"]) == alone, enabled
+        if not enabled:
+            assert alone == plain[:12]

@@ -218,3 +218,38 @@ def test_tree_sampling_matches_plain_constrained_sampling() -> None:
     observed, expected = observed[cells], expected[cells]
     _, pvalue = chisquare(observed, expected * observed.sum() / expected.sum())
     assert pvalue > 1e-3
+
+
+def test_a_requests_draws_do_not_depend_on_the_other_trees() -> None:
+    """With one generator per request, request 0 draws only what its own tree needs: its path
+    and bonus are the same alone and next to a larger tree (they moved with the batch's
+    largest tree before), and a root-only tree draws one number, as ``sample`` does."""
+    rng = random.Random(4)
+    vocab = 16
+    gen = torch.Generator().manual_seed(8)
+    for sizes in ([3], [1]):
+        together = [*sizes, 11]
+        fc, ns, tok, offsets = batch_of_trees(rng, together, vocab)
+        logits = torch.randn(offsets[-1], vocab, generator=gen)
+        params = SamplingTensors.build(2, temperature=0.9)
+        both = tree_speculative_sample(
+            logits, fc, ns, tok, offsets, params,
+            [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)],
+        )  # fmt: skip
+        n = sizes[0]
+        alone = SamplingTensors.build(1, temperature=0.9)
+        one = tree_speculative_sample(
+            logits[:n], fc[:n], ns[:n], tok[:n], offsets[:2], alone,
+            [torch.Generator().manual_seed(1)],
+        )  # fmt: skip
+        assert both.bonus_token[0] == one.bonus_token[0]
+        assert both.accept_length[0] == one.accept_length[0]
+        assert both.path[0, :n].tolist() == one.path[0, :n].tolist()
+    stream = torch.Generator().manual_seed(1)
+    torch.rand(1, generator=stream, dtype=torch.float64)  # a root-only tree's one draw
+    after = torch.Generator().manual_seed(1)
+    tree_speculative_sample(
+        logits[:1], fc[:1], ns[:1], tok[:1], [0, 1], SamplingTensors.build(1, temperature=0.9),
+        [after],
+    )  # fmt: skip
+    assert torch.equal(torch.rand(4, generator=after), torch.rand(4, generator=stream))
