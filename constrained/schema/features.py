@@ -251,6 +251,8 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     # keyword of no listed type constrains nothing (probe "maxLength-of-no-listed-type")
     if kind == "string" and _string_groups(node) > 1:
         return Support.WEAKENED  # at most one of pattern / format / length is enforced
+    if keyword in ("minLength", "maxLength") and "string" in types:
+        return Support.WEAKENED  # such a string takes raw control characters (probe "minLength")
     if keyword == "required" and required_outside_properties(node):
         return Support.WEAKENED  # probe "required-not-in-properties"
     if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
@@ -560,7 +562,7 @@ OUTLINES_CORE = BackendProfile(
             "allOf",
         }
     ),
-    formats=frozenset({"email", "uuid"}),
+    formats=frozenset({"uuid"}),  # its email writes raw '"' (probe "format-email")
     rule=_outlines_rule,
     false_schema=False,
 )

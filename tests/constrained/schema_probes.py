@@ -10,8 +10,21 @@ marks probes where the table says not-exact out of caution, without a known coun
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Text:
+    """An instance given as its JSON text (what no value dumps to: raw control characters)."""
+
+    text: str
+
+
+def as_text(instance: Any) -> str:
+    """The JSON text a probe gives ``instance`` as."""
+    return instance.text if isinstance(instance, Text) else json.dumps(instance, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -142,7 +155,7 @@ PROBES: tuple[Probe, ...] = (
         for kw, kind, value, extra, valid, invalid in (
             ("minimum", "integer", 1, {}, [1, None], [0, "a"]),
             ("exclusiveMaximum", "number", 2, {}, [1.5, None], [2, 3]),
-            ("maxLength", "string", 3, {}, ["abc", None], ["abcd", 1]),
+            ("maxLength", "string", 3, {}, ["abc", None], ["abcd", 1, Text('"\\x01"')]),
             ("pattern", "string", "^a+$", {}, ["aa", None], ["b"]),
             ("format", "string", "uuid", {}, ["2eb8aa08-aa98-11ea-b4aa-73b441d16380"], ["x"]),
             ("items", "array", {"type": "integer"}, {}, [[1], [], None], [["a"]]),
@@ -174,8 +187,28 @@ PROBES: tuple[Probe, ...] = (
         [1, None],
         ["a", "abc"],
     ),
-    _p("minLength", "minLength", {"type": "string", "minLength": 2}, ["ab", "abc"], ["a", ""]),
-    _p("maxLength", "maxLength", {"type": "string", "maxLength": 2}, ["ab", ""], ["abc"]),
+    # xgrammar: a string with a length bound takes raw control characters (not JSON)
+    _p(
+        "minLength",
+        "minLength",
+        {"type": "string", "minLength": 2},
+        ["ab", "abc"],
+        ["a", "", Text('"a\x02b"')],
+    ),
+    _p(
+        "maxLength",
+        "maxLength",
+        {"type": "string", "maxLength": 2},
+        ["ab", ""],
+        ["abc", Text('"\x13"')],
+    ),
+    _p(
+        "minLength-of-no-listed-type",
+        "minLength",
+        {"type": ["integer", "null"], "minLength": 2},
+        [1, None],
+        ["a", "abc"],
+    ),
     _p("minLength-untyped", "minLength", {"minLength": 2}, ["ab", 1], ["a"]),
     _p("pattern", "pattern", {"type": "string", "pattern": "^a+$"}, ["aa"], ["ab", "b"]),
     _p("pattern-untyped", "pattern", {"pattern": "^a+$"}, ["aa", 1], ["b"]),
@@ -186,7 +219,14 @@ PROBES: tuple[Probe, ...] = (
         ["aaa"],
         ["aa"],
     ),
-    _p("format-email", "format", {"type": "string", "format": "email"}, ["a@b.com"], ["ab.com"]),
+    # outlines-core: its email's quoted local part writes raw '"' ('"""@[0.0.0.0]"': not JSON)
+    _p(
+        "format-email",
+        "format",
+        {"type": "string", "format": "email"},
+        ["a@b.com"],
+        ["ab.com", Text('"""@[0.0.0.0]"')],
+    ),
     _p(
         "format-uuid",
         "format",

@@ -26,7 +26,7 @@ from espalier.constrained.schema.features import (
     keyword_support,
 )
 from espalier.constrained.spec import GrammarSpec
-from tests.constrained.schema_probes import OBJ_A, PROBES, Probe
+from tests.constrained.schema_probes import OBJ_A, PROBES, Probe, as_text
 
 CASES = [(b, p) for b in PROFILES for p in PROBES]
 
@@ -70,15 +70,14 @@ def test_claim_holds(backend: str, probe: Probe, toy_tokenizer: Any) -> None:
     if support is Support.EXACT:
         assert compiled is not None, f"{backend} refuses a schema claimed exact"
         for value in probe.valid:
-            text = json.dumps(value, ensure_ascii=False)
+            text = as_text(value)
             assert grammar_accepts(compiled, toy_tokenizer, text), f"valid {text} rejected"
         for value in probe.invalid:
-            text = json.dumps(value, ensure_ascii=False)
+            text = as_text(value)
             assert not grammar_accepts(compiled, toy_tokenizer, text), f"invalid {text} accepted"
     elif not probe.cautious:
         leaks = compiled is None or any(
-            grammar_accepts(compiled, toy_tokenizer, json.dumps(v, ensure_ascii=False))
-            for v in probe.invalid
+            grammar_accepts(compiled, toy_tokenizer, as_text(v)) for v in probe.invalid
         )
         if not leaks:  # conservative is allowed (never a false accept); make it visible
             pytest.skip(f"{backend} enforces '{probe.keyword}' here: the table is cautious")
