@@ -90,8 +90,14 @@ def prepare_schema(
     from espalier.constrained.schema.refs import resolve_refs
     from espalier.constrained.schema.rewrite import normalize_schema
 
-    resolved = resolve_refs(schema, registry)
-    prepared = normalize_schema(resolved.schema)
+    try:
+        resolved = resolve_refs(schema, registry)
+        prepared = normalize_schema(resolved.schema)
+    except RecursionError as exc:  # a $ref chain of hundreds (nesting is bounded at admission)
+        raise InvalidGrammarError(
+            GrammarKind.JSON_SCHEMA.value,
+            "the schema's $ref chains or nesting are too deep to compile",
+        ) from exc
     if number_bounds is not None:
         prepared = clamp_schema_bounds(prepared, number_bounds)
     if track_unique:

@@ -63,13 +63,14 @@ def test_auto_prefers_llguidance_and_falls_back_to_an_exact_backend(toy_tokenize
     names = {
         "type": "object",
         "properties": {"a": {"type": "integer"}},
-        "propertyNames": {"maxLength": 2},
+        "propertyNames": {"pattern": "^[a-z]{1,2}$"},
         "additionalProperties": {"type": "integer"},
     }
     compiled, report = compile_grammar(GrammarSpec.json_schema(names), toy_tokenizer)
     assert report.backend == "xgrammar" and report.weakened == ()
     assert accepts(compiled, toy_tokenizer, {"ab": 1})
     assert not accepts(compiled, toy_tokenizer, {"abc": 1})
+    # (a name bound by maxLength is no longer exact on xgrammar: it took '{"\x01":1}', raw)
 
 
 def test_named_backend_is_strict_too(toy_tokenizer: Any) -> None:
@@ -395,3 +396,12 @@ def test_refusals_name_the_callers_keyword_a_rewrite_replaced(
         compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
     assert [(i.keyword, i.pointer, i.via) for i in info.value.issues] == [(keyword, "", via)]
     assert f"'{keyword}' at / (" in str(info.value) and f"rewritten as {via}" in str(info.value)
+
+
+def test_a_long_ref_chain_is_a_clear_error(toy_tokenizer: Any) -> None:
+    # 1,000 refs each to the next: a RecursionError in the ref resolver ended INTERNAL
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1000)}
+    defs["d1000"] = {"type": "integer"}
+    spec = GrammarSpec.json_schema({"$defs": defs, "$ref": "#/$defs/d0"})
+    with pytest.raises(InvalidGrammarError, match="too deep to compile"):
+        compile_grammar(spec, toy_tokenizer)
