@@ -26,6 +26,7 @@ does not import the engine).
 
 from __future__ import annotations
 
+import contextlib
 import decimal
 import functools
 import json
@@ -33,7 +34,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -109,11 +110,19 @@ def validate_instance(
 
 def _check(validator: Any, instance: Any) -> PostValidation:
     """``instance`` against ``validator`` within :data:`SCHEMA_CHECK_S`."""
-    _deadline.at = time.monotonic() + SCHEMA_CHECK_S
-    try:
+    with time_limit(SCHEMA_CHECK_S):
         return _verdict(validator, instance)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Within it, this thread's validators (:func:`schema_validator`'s too) raise TimeoutError
+    once ``seconds`` have passed; outside any, they are not timed."""
+    _deadline.at = time.monotonic() + seconds
+    try:
+        yield
     finally:
-        _deadline.at = float("inf")  # validators used outside a check are not timed
+        _deadline.at = float("inf")
 
 
 def _verdict(validator: Any, instance: Any) -> PostValidation:
@@ -190,8 +199,11 @@ class _Deadline(threading.local):
 _deadline = _Deadline()
 
 
-def _remaining() -> float:
-    """Seconds left of this thread's schema check; TimeoutError when none."""
+def _remaining() -> float | None:
+    """Seconds left of this thread's :func:`time_limit` (None: not within one); TimeoutError
+    when none are left."""
+    if _deadline.at == float("inf"):
+        return None
     left = _deadline.at - time.monotonic()
     if left <= 0:
         raise TimeoutError("schema check")

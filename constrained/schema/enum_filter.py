@@ -48,13 +48,20 @@ def filter_enums(schema: Any, *, annotations_matter: bool) -> Any:
     text = json.dumps(schema)
     if '"enum"' not in text and '"const"' not in text:
         return schema
-    from espalier.constrained.postvalidate import schema_validator
+    from espalier.constrained.postvalidate import schema_validator, time_limit
 
     try:
         root = schema_validator(schema)
     except Exception:  # a schema jsonschema cannot build a validator for: nothing to decide with
         return schema
-    return _filter(schema, "", root, annotations_matter)
+    # past the limit each member check left is undecided (a backtracking pattern ran on a
+    # compile thread for good: a compile timeout cannot stop a thread)
+    with time_limit(ENUM_CHECK_S):
+        return _filter(schema, "", root, annotations_matter)
+
+
+ENUM_CHECK_S = 2.0
+"""Time for all the member checks of one schema; the objects left then stay as they are."""
 
 
 def _filter(node: Any, pointer: str, root: Any, annotations_matter: bool) -> Any:
