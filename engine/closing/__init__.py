@@ -114,6 +114,9 @@ class ClosingPaths:
         from espalier.engine.closing.backtrack import Backtracking  # it imports this module
 
         self.fallback = Backtracking(self, tokenizer)  # where the greedy search finds none
+        from espalier.engine.closing.novel import NovelWalk
+
+        self.novel = NovelWalk(self, tokenizer)  # where that finds none either
         # each compiled grammar's start-path search (at most START_PATHS, then cleared)
         self._start: PerGrammar[tuple[()], Future[list[int] | None]] = PerGrammar(START_PATHS)
         self._start_lock = threading.Lock()
@@ -189,7 +192,8 @@ class ClosingPaths:
         """``answer`` (the greedy search's, native or not), or, where it found no path from the
         current state (``token`` None: a grammar's start path, or the path a decision closes
         with now), the bounded search that chooses object keys and backtracks
-        (``engine/closing/backtrack.py``): the one place every search's answer passes, so the
+        (``engine/closing/backtrack.py``), then the walk that prefers unseen rows
+        (``engine/closing/novel.py``): the one place every search's answer passes, so the
         native batch (``batch.answer_all``) and the inline searches fall back alike.
 
         A search *after* a token does not fall back: a decision whose greedy search finds no
@@ -199,7 +203,10 @@ class ClosingPaths:
         accepted, path = answer
         if not accepted or path is not None or limit < 0 or token is not None:
             return answer
-        return True, self.fallback.find(matcher, [], limit)
+        path = self.fallback.find(matcher, [], limit)
+        if path is None:  # last: the walk out of an open run (``engine/closing/novel.py``)
+            path = self.novel.find(matcher, limit)
+        return True, path
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.

@@ -5,7 +5,8 @@ A date-time string cut inside its fraction of a second (``"2019-01-20T10:00:00.0
 policy marked the request unclosable and max_tokens cut it (``length_unclosed``) although one
 ``+`` or ``Z`` ends the fraction (bench/validity.py --set vllm_cpu, Glaiveai2K
 analyze_health_data_4ad104b4). A format that needs a character first (an e-mail's ``@``) still
-gives up: a second run of the same token ends the search.
+gives up: a second run of the same token ends the search (the fallbacks then take over,
+``engine/closing/novel.py``).
 """
 
 from __future__ import annotations
