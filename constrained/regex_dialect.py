@@ -63,8 +63,29 @@ def rust_misreading(pattern: str) -> str | None:
     return None
 
 
+_SURROGATE_ESCAPE = re.compile(
+    r"(?<!\\)(?:\\\\)*\\"  # an escape (after an even run of backslashes)
+    r"(?:u[dD][89a-fA-F][0-9a-fA-F]{2}|U0000[dD][89a-fA-F][0-9a-fA-F]{2}"
+    r"|x\{0*[dD][89a-fA-F][0-9a-fA-F]{2}\})"
+)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def names_surrogate(text: str) -> str | None:
+    """Where ``text`` (a regex, a grammar's source, a schema string) names a surrogate code point
+    (U+D800-U+DFFF) by an escape or holds one: no UTF-8 text holds one, so a grammar taking it
+    matches nothing a model can write (xgrammar wrote the bytes of ``\\ud800``, not UTF-8)."""
+    found = _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text)
+    if found is None:
+        return None
+    return f"a surrogate code point at column {found.start() + 1} (no UTF-8 text holds one)"
+
+
 def xgrammar_misreading(pattern: str) -> str | None:
     """What xgrammar reads otherwise in ``pattern`` (``.`` aside: see dot_without_newline)."""
+    surrogate = names_surrogate(pattern)
+    if surrogate is not None:
+        return surrogate
     at = 0
     while at < len(pattern):
         char = pattern[at]

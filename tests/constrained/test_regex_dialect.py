@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from espalier.constrained.compile import compile_grammar
-from espalier.constrained.errors import UnsupportedGrammarError
+from espalier.constrained.errors import GrammarError, UnsupportedGrammarError
 from espalier.constrained.postvalidate import postvalidate
 from espalier.constrained.regex_dialect import (
     dot_without_newline,
+    names_surrogate,
     rust_misreading,
     xgrammar_misreading,
 )
@@ -95,3 +96,30 @@ def test_xgrammars_dot_no_longer_takes_a_newline(toy_tokenizer: Any) -> None:
     compiled, _ = compile_grammar(GrammarSpec.regex("a.c"), toy_tokenizer, "xgrammar")
     assert compiled.matcher().completes(toy_tokenizer.encode("abc"))
     assert not compiled.matcher().completes(toy_tokenizer.encode("a\nc"))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.regex(r"\ud800"),
+        GrammarSpec.regex(r"a\x{DFFF}"),
+        GrammarSpec.json_schema({"type": "string", "pattern": r"^\uD83D$"}),
+        GrammarSpec.ebnf(r"root ::= [\uD800-\uDFFF]"),
+    ],
+)
+def test_a_surrogate_code_point_is_refused_everywhere(
+    spec: GrammarSpec, toy_tokenizer: Any
+) -> None:
+    # xgrammar compiled these and wrote the code point's bytes (not UTF-8), status OK; the
+    # Rust backends refuse them, so auto has no backend left
+    with pytest.raises(UnsupportedGrammarError, match="surrogate"):
+        compile_grammar(spec, toy_tokenizer, "xgrammar")
+    with pytest.raises(GrammarError):
+        compile_grammar(spec, toy_tokenizer)
+
+
+def test_names_surrogate_reads_escapes_not_escaped_backslashes() -> None:
+    assert names_surrogate(r"\ud800") and names_surrogate(r"\U0000DC00")
+    assert names_surrogate(r"\\\udfff")  # an escaped backslash, then the escape
+    assert names_surrogate(r"\\ud800") is None  # a backslash, then "ud800"
+    assert names_surrogate(r"[\u0000-\uffff]😀") is None

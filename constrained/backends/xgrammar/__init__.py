@@ -42,7 +42,11 @@ from espalier.constrained.backends.common import (
 from espalier.constrained.backends.xgrammar.tree_walk import walk_xgrammar, walk_xgrammar_nodes
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
-from espalier.constrained.regex_dialect import dot_without_newline, xgrammar_misreading
+from espalier.constrained.regex_dialect import (
+    dot_without_newline,
+    names_surrogate,
+    xgrammar_misreading,
+)
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
 from espalier.constrained.schema.respell import open_pattern_ends
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
@@ -116,6 +120,9 @@ class Backend:
     def request(self, spec: GrammarSpec) -> tuple[str, dict[str, Any]]:
         """The ``GrammarCompiler`` method and its keyword arguments (JSON values) for ``spec``."""
         kind = spec.kind
+        surrogate = _surrogate_in(spec)
+        if surrogate is not None:  # xgrammar wrote such a code point's bytes: not UTF-8
+            raise UnsupportedGrammarError(NAME, kind.value, f"the grammar names {surrogate}")
         if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON):
             ws = self.options.json_max_whitespace
             source = (
@@ -361,6 +368,31 @@ def _refuse_unknown_escapes(regex: str) -> None:
                 f"unknown escape \\{char} (xgrammar would read it as '{char}')",
                 column=escape.start() + 1,
             )
+
+
+def _surrogate_in(spec: GrammarSpec) -> str | None:
+    """Where ``spec`` names a surrogate code point (``regex_dialect.names_surrogate``): in a
+    grammar's source or a schema's patterns (a schema's own text cannot hold one: ``json_text``
+    refuses lone ``\\u`` surrogates)."""
+    if spec.kind in (GrammarKind.EBNF, GrammarKind.LARK):
+        return names_surrogate(spec.source)
+    if spec.kind is not GrammarKind.JSON_SCHEMA:
+        return None
+    stack: list[Any] = [spec.schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        pattern, named = node.get("pattern"), node.get("patternProperties")
+        texts = [pattern] if isinstance(pattern, str) else []
+        texts += list(named) if isinstance(named, dict) else []
+        for text in texts:
+            if (found := names_surrogate(text)) is not None:
+                return found
+        stack.extend(node.values())
+    return None
 
 
 def _searched(spec: GrammarSpec) -> GrammarSpec:
