@@ -109,9 +109,7 @@ class NovelWalk:
         )
         listed = set(ordered)
         ordered += [
-            t
-            for t in self.single_bytes
-            if t not in listed and (int(words[t >> 5]) >> (t & 31)) & 1
+            t for t in self.single_bytes if t not in listed and (int(words[t >> 5]) >> (t & 31)) & 1
         ]
         return ordered
 
