@@ -88,7 +88,9 @@ class SchemaNotEnforceableError(GrammarError):
         whose = f" (the reasons of {names}, the closest backend tried)" if owners else ""
         super().__init__(
             f"schema uses keywords that backend '{backend}' cannot enforce exactly{whose}: "
-            f"{listed}{more}. Pass allow_weakening=True to generate anyway and get them reported."
+            f"{listed}{more}. Set the constraint's allow_weakening to generate anyway and get "
+            "them reported (espalier's API and CLI; the OpenAI API has no such field: there, "
+            "drop or rewrite these keywords)."
         )
 
 
