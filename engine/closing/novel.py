@@ -25,6 +25,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from espalier.engine.closing import LOWEST_ALLOWED, _lowest_allowed
+from espalier.engine.closing.backtrack import _bit
 
 if TYPE_CHECKING:
     from espalier.constrained.base import GrammarMatcher
@@ -40,13 +41,20 @@ class NovelWalk:
 
     def __init__(self, paths: ClosingPaths, tokenizer: TokenizerInfo) -> None:
         self.paths = paths
-        # one id per byte value (the lowest), in byte order: every character one step away,
-        # where the lowest allowed ids of a free-text state are 64 control and byte tokens
-        ids: dict[bytes, int] = {}
-        for i, data in enumerate(tokenizer.token_bytes):
-            if len(data) == 1 and data not in ids and i not in paths.stops:
-                ids[data] = i
-        self.single_bytes = [ids[b] for b in sorted(ids)]
+        self.tokenizer = tokenizer
+        self._single_bytes: list[int] | None = None
+
+    @property
+    def single_bytes(self) -> list[int]:
+        """One id per byte value (the lowest), in byte order: every character one step away,
+        where the lowest allowed ids of a free-text state are 64 control and byte tokens. A
+        pass over the vocabulary, made at the first walk and kept per tokenizer (the walk runs
+        only where every other search failed: not at engine start)."""
+        if self._single_bytes is None:
+            self._single_bytes = self.tokenizer.backend_view(
+                "espalier.engine.closing.single_bytes", _single_bytes
+            )
+        return self._single_bytes
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` (not changed) can terminate;
@@ -100,7 +108,7 @@ class NovelWalk:
         lowest = _lowest_allowed(row[0].numpy(), LOWEST_ALLOWED)
         allowed = [t for t in lowest if t not in paths.stops]
         words = row[0].numpy()
-        candidates = [t for t in paths.candidates if (int(words[t >> 5]) >> (t & 31)) & 1]
+        candidates = [t for t in paths.candidates if _bit(words, t)]
         rest = [t for t in allowed if t not in candidates]
         ordered = (
             candidates
@@ -108,9 +116,7 @@ class NovelWalk:
             + [t for t in rest if t in paths.blank]
         )
         listed = set(ordered)
-        ordered += [
-            t for t in self.single_bytes if t not in listed and (int(words[t >> 5]) >> (t & 31)) & 1
-        ]
+        ordered += [t for t in self.single_bytes if t not in listed and _bit(words, t)]
         return ordered
 
     def _signature(self, probe: GrammarMatcher) -> bytes:
@@ -120,3 +126,12 @@ class NovelWalk:
         digest = hashlib.blake2b(row[0].numpy().tobytes(), digest_size=16)
         digest.update(b"1" if probe.can_terminate() else b"0")
         return digest.digest()
+
+
+def _single_bytes(tokenizer: TokenizerInfo) -> list[int]:
+    stops = frozenset(tokenizer.stop_token_ids)
+    ids: dict[bytes, int] = {}
+    for i, data in enumerate(tokenizer.token_bytes):
+        if len(data) == 1 and data not in ids and i not in stops:
+            ids[data] = i
+    return [ids[b] for b in sorted(ids)]

@@ -367,7 +367,7 @@ class SpeculativeDecoder:
         # same stream (a seeded request that does not speculate gets the tokens it gets in a
         # plain step, whatever shares the batch); the tree sampler draws otherwise
         alone = [i for i in sampled if drafts[i].num_nodes == 1 and filled[i]]
-        trees = [i for i in sampled if i not in set(alone)]
+        trees = [i for i in sampled if drafts[i].num_nodes > 1 or not filled[i]]
         if alone:
             for i, token in zip(alone, self._sample_roots(logits, seqs, masks, roots, alone)):
                 result[i] = Acceptance(path=[0], tokens=[token], forced=0)

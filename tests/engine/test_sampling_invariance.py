@@ -248,3 +248,41 @@ def test_seeded_requests_keep_their_tokens_next_to_speculating_ones() -> None:
         assert tokens_of(both["with"]) == alone, enabled
         if not enabled:
             assert alone == plain[:12]
+
+
+def test_a_root_only_tree_is_drawn_by_the_plain_sampler() -> None:
+    """In a speculative step, a sampled request with a root-only tree (one that does not
+    speculate) gets the plain sampler's token from its root's logits and its generator, next to
+    a request with a larger tree; the tree sampler drew another (its own noise)."""
+    from espalier.engine.spec.combine import Proposer
+    from espalier.engine.spec.decoder import SamplingSpec, SpecSeq, SpeculativeDecoder
+    from espalier.engine.spec.masks import MaskBuilder
+    from espalier.engine.spec.tree_builder import Draft, NodeSource
+    from espalier.engine.spec.verify import TreeMasks
+
+    runner = make_engine().runner
+    decoder = SpeculativeDecoder(runner, Proposer({}), MaskBuilder(runner.vocab_size))
+    tree = Draft(
+        [3, 4, 5, 6], [-1, 0, 0, 1], [0.0] * 4, [NodeSource.ROOT] + [NodeSource.FORCED] * 3
+    )
+    drafts = [Draft.root_only(3), tree]
+    nodes = sum(d.num_nodes for d in drafts)
+    masks = TreeMasks(
+        None, torch.full((nodes,), -1), torch.ones(nodes, dtype=torch.bool),
+        torch.ones(nodes, dtype=torch.bool),
+    )  # fmt: skip
+    for seed in range(8):
+        logits = torch.randn(nodes, runner.vocab_size, generator=make_generator(100 + seed))
+        seqs = [
+            SpecSeq(
+                f"r{i}",
+                [1, 2, 3],
+                [0],
+                sampling=SamplingSpec(0.8, 0, 0.9, 0.0, make_generator(seed + 10 * i)),
+            )
+            for i in range(2)
+        ]
+        got = decoder._verify(logits.clone(), seqs, drafts, masks)[0]
+        row = RowParams(0.8, 0, 0.9, 0.0, make_generator(seed))
+        want = Sampler()(logits[:1].clone(), [row]).token_ids[0]
+        assert got.tokens == [want] and got.path == [0], seed

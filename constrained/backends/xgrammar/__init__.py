@@ -49,6 +49,7 @@ from espalier.constrained.regex_dialect import (
 )
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
 from espalier.constrained.schema.respell import open_pattern_ends
+from espalier.constrained.schema.walk import walk
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
@@ -378,20 +379,15 @@ def _surrogate_in(spec: GrammarSpec) -> str | None:
         return names_surrogate(spec.source)
     if spec.kind is not GrammarKind.JSON_SCHEMA:
         return None
-    stack: list[Any] = [spec.schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        if not isinstance(node, dict):
+    for node in walk(spec.schema):
+        if not isinstance(node.schema, dict):
             continue
-        pattern, named = node.get("pattern"), node.get("patternProperties")
+        pattern, named = node.schema.get("pattern"), node.schema.get("patternProperties")
         texts = [pattern] if isinstance(pattern, str) else []
         texts += list(named) if isinstance(named, dict) else []
         for text in texts:
             if (found := names_surrogate(text)) is not None:
                 return found
-        stack.extend(node.values())
     return None
 
 
