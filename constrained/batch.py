@@ -14,17 +14,21 @@ Rows are exactly those of ``matcher.fill_bitmask`` (stop-only rows for terminate
 bits past V cleared). Faults are per request: a matcher that raises, or that a batch call
 leaves in an error state, gets an all-allowed row (the engine ends that request, so the row is
 only there to keep the batch's sampling well defined) and its exception in the result; the other
-rows are exact.
+rows are exact. So is a matcher whose fills stay slow (``constrained/fill_cost.py``): fills made
+one by one are timed, and a library's batch call that takes too long has its matchers filled
+one by one, timed, until none is slow.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
+from espalier.constrained.fill_cost import FillCosts
 
 MIN_NATIVE_BATCH = 2
 """Fewer matchers of one library than this are filled one by one (a batch call's thread
@@ -36,9 +40,11 @@ class BatchFiller:
     time: each user makes its own, the engine's grammar worker for fills, the engine thread
     for accepts)."""
 
-    def __init__(self, threads: int) -> None:
-        """threads: native threads per batch call (the libraries' pools)."""
+    def __init__(self, threads: int, costs: FillCosts | None = None) -> None:
+        """threads: native threads per batch call (the libraries' pools); costs: the slow-fill
+        guard of :meth:`fill_next_rows` (its defaults when None)."""
         self.threads = max(1, threads)
+        self.costs = FillCosts() if costs is None else costs
         self._steps: dict[Callable[[int], BatchStep], BatchStep] = {}
         self._lock = threading.Lock()
 
@@ -50,28 +56,37 @@ class BatchFiller:
     ) -> dict[int, BaseException]:
         """Fill ``bitmask[rows[j]]`` (int32, CPU, contiguous, ``[B, ceil(V/32)]``) from
         ``matchers[j]``; the matchers' states do not change. Returns ``{j: exception}`` for the
-        matchers that failed (their rows allow every token)."""
+        matchers that failed (their rows allow every token), among them those whose fills
+        stayed too slow (:class:`~espalier.constrained.fill_cost.FillCosts`: their grammar would
+        hold the whole batch)."""
         # matchers that filter another's rows (GrammarMatcher.row_filter): that one is filled
         # here, in its library's batch call, then the filters run, one call per kind
+        requests = matchers  # what the costs are kept by (a filter's source changes)
         filters = {j: f for j, m in enumerate(matchers) if (f := m.row_filter) is not None}
         if filters:
             matchers = [filters[j].source if j in filters else m for j, m in enumerate(matchers)]
         faults: dict[int, BaseException] = {}
         groups = _by_kind(matchers, range(len(matchers)), faults)
+        costs = self.costs
         with self._lock:
+            costs.keep(requests)
             for kind, members in groups.items():
-                if kind is None or len(members) < MIN_NATIVE_BATCH:
-                    _fill_each(matchers, bitmask, rows, members, faults)
+                if kind is None or len(members) < MIN_NATIVE_BATCH or costs.suspect(kind):
+                    slowest = _fill_each(matchers, bitmask, rows, members, faults, requests, costs)
+                    if kind is not None:
+                        costs.batch_took(kind, slowest)
                     continue
                 step = self._step(kind)
                 failed: dict[int, BaseException] = {}
+                started = time.perf_counter()
                 try:
                     step.fill_next_rows(
                         [matchers[j] for j in members], bitmask, [rows[j] for j in members], failed
                     )
                 except Exception:  # which one failed is not said: find it one by one
-                    _fill_each(matchers, bitmask, rows, members, faults)
+                    _fill_each(matchers, bitmask, rows, members, faults, requests, costs)
                     continue
+                costs.batch_took(kind, time.perf_counter() - started)
                 faults.update({members[k]: exc for k, exc in failed.items()})
         _filter_rows(filters, bitmask, rows, faults, self.threads)
         for j in faults:
@@ -186,9 +201,22 @@ def _fill_each(
     rows: Sequence[int],
     members: Sequence[int],
     faults: dict[int, BaseException],
-) -> None:
+    requests: Sequence[GrammarMatcher],
+    costs: FillCosts,
+) -> float:
+    """Fill ``members`` one by one, each timed and charged to ``requests[j]``; returns the
+    slowest fill's seconds."""
+    slowest = 0.0
     for j in members:
+        started = time.perf_counter()
         try:
             matchers[j].fill_bitmask(bitmask, rows[j])
         except Exception as exc:
             faults[j] = exc
+            continue
+        seconds = time.perf_counter() - started
+        slowest = max(slowest, seconds)
+        costly = costs.charge(requests[j], seconds)
+        if costly is not None:
+            faults[j] = costly
+    return slowest

@@ -120,6 +120,25 @@ class CompileMemoryError(GrammarError):
         )
 
 
+class GrammarCostError(GrammarError):
+    """A request's grammar made its token masks too slow to keep in a batch: each of its last
+    ``fills`` timed fills took over ``limit_s`` (an ambiguous grammar's parse grows with the
+    text: ``s: s s | "a"`` reaches seconds a token). Ended so the other requests go on."""
+
+    reason = "GRAMMAR_TOO_COSTLY"
+
+    def __init__(self, seconds: float, limit_s: float, fills: int) -> None:
+        self.seconds = seconds
+        self.limit_s = limit_s
+        self.fills = fills
+        super().__init__(
+            f"the grammar's token masks took over {limit_s * 1e3:g} ms each for {fills} fills "
+            f"in a row (the last {seconds * 1e3:.0f} ms): the request was ended so that the "
+            "requests batched with it go on; an ambiguous grammar (a rule like `s: s s`) "
+            "costs more with every token, an unambiguous one does not"
+        )
+
+
 class UnknownBackendError(GrammarError):
     reason = "UNKNOWN_BACKEND"
 

@@ -38,6 +38,7 @@ from grpc_status import rpc_status
 from espalier.constrained.errors import (
     CompileMemoryError,
     CompileTimeoutError,
+    GrammarCostError,
     GrammarError,
     InvalidGrammarError,
     SchemaNotEnforceableError,
@@ -263,6 +264,8 @@ def to_grpc_status(exc: BaseException, field_prefix: str = "") -> grpc.Status:
         return _status(
             grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), exc.reason, (), _grammar_metadata(exc)
         )
+    if isinstance(exc, GrammarCostError):  # a valid grammar, too costly to keep in a batch
+        return _status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.reason)
     if isinstance(exc, GrammarError):
         return _status(
             grpc.StatusCode.INVALID_ARGUMENT,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import BatchTree
+from espalier.constrained.fill_cost import FillCosts
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
@@ -141,6 +143,8 @@ class MaskBuilder:
         # the buffer (constrained.tree.bounded): such a buffer is parked until they end
         self._late: list[ConstrainedTreeMasks] = []
         self._batches: dict[Callable[[int], TreeBatch], TreeBatch] = {}
+        self.costs = FillCosts()  # a tree's time past its budget is its root's: the guard's
+        self._suspects: set[TreeBatch] = set()  # this step's: their trees filled one by one
         self._parked: list[tuple[torch.Tensor, list[ConstrainedTreeMasks]]] = []
 
     def close(self) -> None:
@@ -192,6 +196,12 @@ class MaskBuilder:
         of hundreds of ms: a fixed 2 ms budget there cut trees, and so their accepted tokens,
         for nothing.)"""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
+        self.costs.keep(m for m in matchers if m is not None)
+        # a batch that took too long: its trees one by one this step, timed (a slow one marks
+        # it again)
+        self._suspects = {b for b in self._batches.values() if self.costs.suspect(b)}
+        for suspect in self._suspects:
+            self.costs.batch_took(suspect, 0.0)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
         # the fills write through numpy slices of one view (a tensor slice per tree would cost a
@@ -215,13 +225,21 @@ class MaskBuilder:
                 node += n
                 continue
             batch, item = self._batch_of(index, matcher, draft, row, node)
-            if batch is not None and item is not None:
+            if batch is not None and item is not None and batch not in self._suspects:
                 batches.setdefault(batch, []).append(item)
             else:
                 out = array[row : row + n]
                 singles.append(
                     functools.partial(
-                        self._fill_one, index, matcher, draft, out, budget, tree_threads, node
+                        self._fill_one,
+                        index,
+                        matcher,
+                        draft,
+                        out,
+                        budget,
+                        tree_threads,
+                        node,
+                        batch=batch,
                     )
                 )
             trees[index] = (row, node, n)
@@ -278,10 +296,12 @@ class MaskBuilder:
     ) -> None:
         """One native call for the trees ``batch`` takes (``TreeBatch.fill_trees``)."""
         faults: dict[int, BaseException] = {}
+        started = time.perf_counter()
         try:
             fills.seconds += batch.fill_trees(items, array, fills.flags, budget_s, threads, faults)
         except Exception as exc:  # the call failed as a whole: each of its requests
             faults = dict.fromkeys((item.index for item in items), exc)
+        self.costs.batch_took(batch, time.perf_counter() - started - (budget_s or 0.0))
         fills.faults.update(faults)
         for item in items:
             n = len(item.tokens)
@@ -320,8 +340,12 @@ class MaskBuilder:
         threads: int,
         node: int,
         fills: FillJobs,
+        *,
+        batch: TreeBatch | None = None,
     ) -> None:
-        """One tree's fill (``GrammarMatcher.fill_tree``), its flags copied into the step's."""
+        """One tree's fill (``GrammarMatcher.fill_tree``), its flags copied into the step's; its
+        time past the budget charged to ``matcher`` (``costs``; ``batch``: the tree batch that
+        would take it, marked a suspect again when it is slow)."""
         from espalier.constrained.tree import DraftTree
 
         try:
@@ -332,6 +356,12 @@ class MaskBuilder:
             return
         if result.writes_pending():
             self._late.append(result)
+        overrun = result.seconds - (budget_s or 0.0)
+        costly = self.costs.charge(matcher, overrun)
+        if costly is not None:
+            fills.faults[index] = costly
+        if batch is not None and overrun > self.costs.slow_s:
+            self.costs.batch_took(batch, overrun)  # still slow: one by one next step too
         n = draft.num_nodes
         fills.flags[0, node : node + n] = result.valid
         fills.flags[1, node : node + n] = result.filled

@@ -2,7 +2,8 @@
 
 A request whose own grammar raises (llguidance's matcher state error on a 2,001-option choice,
 or any fault in its mask fill or accept) ends alone with ``ERROR``: typed (its input's fault)
-or internal with a message naming only the exception's type; a concurrent request finishes
+or internal with a message naming only the exception's type; so does one whose grammar's masks
+grow too slow to keep in the batch (``constrained/fill_cost.py``); a concurrent request finishes
 with exactly the tokens it gets alone, in plain and in speculative steps. With logprobs asked
 for, every emitted token has an entry, the closing path's tokens and stop token included.
 """
@@ -14,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from espalier.constrained.errors import GrammarError
+from espalier.constrained import fill_cost
+from espalier.constrained.errors import GrammarCostError, GrammarError
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import (
     ConstraintOptions,
@@ -26,6 +28,7 @@ from espalier.engine.api import (
 from espalier.engine.engine import Engine
 from espalier.engine.spec.strategy import SpecConfig, install
 from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, drain, make_engine, run_all, tokens_of
+from tests.fixtures.looping_model import looping_engine
 
 MANY_OPTIONS = [f"option-{i:04d}-{'x' * (i % 7)}" for i in range(2001)]
 
@@ -182,3 +185,49 @@ def test_closing_tokens_carry_logprobs(speculative: bool) -> None:
         if chunks[-1].finish_reason is FinishReason.STOP and len(tokens) >= 20:
             closed += 1
     assert closed > 0  # the closing path did run (random weights loop inside the array)
+
+
+AMBIGUOUS = {  # every split of the text is a parse: the parser's work grows with each token
+    "llguidance": GrammarSpec.lark('start: s\ns: s s | "a" | "b" | s "a" s\n'),
+    "xgrammar": GrammarSpec.ebnf('root ::= s\ns ::= s s | "a" | "b" | s "a" s\n'),
+}
+
+
+@pytest.mark.parametrize(("speculative", "backend"), [(False, "llguidance"), (True, "xgrammar")])
+def test_a_grammar_whose_masks_grow_slow_is_ended_and_the_batch_goes_on(
+    speculative: bool, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ambiguous grammar's masks take longer with every token (seconds each after a few
+    hundred on Gemma); its request ends with GrammarCostError once they stay over the limit
+    (lowered here, so that the toy model reaches it in tens of tokens), and the request batched
+    with it gets exactly the tokens it gets alone."""
+    monkeypatch.setattr(fill_cost, "SLOW_FILL_S", 0.002)
+    monkeypatch.setattr(fill_cost, "SLOW_FILLS", 3)
+
+    def run(with_attacker: bool) -> dict[str, list[Any]]:
+        engine = looping_engine("ab")
+        if speculative:
+            install(engine, SpecConfig(methods=("forced",), num_draft_tokens=4), {})
+        attacker = GenerationRequest(
+            "attacker",
+            prompt="ab",
+            sampling=SamplingParams(max_tokens=400),
+            grammar=AMBIGUOUS[backend],
+            constraint=ConstraintOptions(backend=backend),
+        )
+        victim = GenerationRequest(
+            "victim",
+            prompt="ab",
+            sampling=SamplingParams(max_tokens=30),
+            grammar=GrammarSpec.json_schema(CLOSING_SCHEMA),
+            constraint=ConstraintOptions(backend="llguidance"),
+        )
+        return run_all(engine, [attacker, victim] if with_attacker else [victim])
+
+    chunks = run(True)
+    last = chunks["attacker"][-1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert isinstance(last.exception, GrammarCostError), last.error
+    assert len(tokens_of(chunks["attacker"])) < 400  # ended long before its max_tokens
+    assert chunks["victim"][-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
+    assert tokens_of(chunks["victim"]) == tokens_of(run(False)["victim"])

@@ -9,6 +9,7 @@ from grpc_status import rpc_status
 from espalier.constrained.errors import (
     CompileMemoryError,
     CompileTimeoutError,
+    GrammarCostError,
     InvalidGrammarError,
     KeywordIssue,
     SchemaNotEnforceableError,
@@ -112,6 +113,14 @@ def test_compile_timeout_is_deadline_exceeded_with_its_own_reason() -> None:
     info, _, _ = unpack(status)
     assert status.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert info.reason == "COMPILE_TIMEOUT" and info.metadata["timeout_seconds"] == "2.5"
+
+
+def test_a_grammar_too_costly_to_keep_in_a_batch_is_resource_exhausted() -> None:
+    status = to_grpc_status(GrammarCostError(0.8, 0.05, 8))
+    info, _, _ = unpack(status)
+    assert status.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.reason == "GRAMMAR_TOO_COSTLY"
+    assert "50 ms" in status.details and "800 ms" in status.details
 
 
 def test_server_errors_keep_their_codes() -> None:
