@@ -263,6 +263,12 @@ class RowFilter(Protocol):
         returns."""
         ...
 
+    def refusal(self) -> str | None:
+        """Why the last token this filter refused could not have been avoided (a dead end:
+        every token :attr:`source` allowed was one it refuses), for the request's error; None
+        when it could have."""
+        ...
+
     @property
     def native_tree_filter(self) -> tuple[int, int] | None:
         """``(function, state)`` for native callers that filter a draft tree's rows in their

@@ -515,7 +515,7 @@ class EngineCore:
             else:
                 accepted = matcher is None or matcher.accept(token)
             if not accepted:
-                reason, error = FinishReason.ERROR, f"the grammar rejected sampled token {token}"
+                reason, error = FinishReason.ERROR, _rejected(matcher, token)
                 break
             if token in stops:
                 reason = FinishReason.STOP
@@ -637,7 +637,7 @@ class EngineCore:
         token = head[accepted]  # one by one, the rejected token is appended, then the error
         request.output_ids.append(token)
         new_ids.append(token)
-        return accepted, FinishReason.ERROR, f"the grammar rejected sampled token {token}"
+        return accepted, FinishReason.ERROR, _rejected(matcher, token)
 
     def _finish(
         self,
@@ -772,6 +772,14 @@ class _Run:
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def _rejected(matcher: GrammarMatcher | None, token: int) -> str:
+    """The error of a request whose grammar refused the token it sampled: its row filter's
+    reason when the refusal was a dead end (``RowFilter.refusal``), else the token."""
+    row_filter = None if matcher is None else matcher.row_filter
+    why = None if row_filter is None else row_filter.refusal()
+    return why if why is not None else f"the grammar rejected sampled token {token}"
 
 
 def _length_reason(matcher: GrammarMatcher | None) -> FinishReason:

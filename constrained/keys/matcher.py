@@ -84,6 +84,7 @@ class UniqueKeysMatcher:
         self.inner = inner
         self.keys = keys
         self._row: torch.Tensor | None = None  # scratch row of the dead-end check, made on use
+        self._dead_end = False  # the last refused token was all the row allowed (an item)
 
     @property
     def vocab_size(self) -> int:
@@ -243,6 +244,7 @@ class UniqueKeysMatcher:
         """Advance the tracker by ``token``; False when it completes a duplicate item, or a
         duplicate key and some other token is allowed (the dead-end rule: a row is never
         emptied; the tracker never lets an item through, so no invalid instance is accepted)."""
+        self._dead_end = False
         if self.keys.accept(token):
             return True
         row = self._row
@@ -251,7 +253,21 @@ class UniqueKeysMatcher:
         self.inner.fill_bitmask(row, 0)
         if self.keys.filter_row(row[0].numpy()):
             return False
-        return self.keys.accept(token, strict=False)
+        if self.keys.accept(token, strict=False):
+            return True
+        self._dead_end = True  # every way on repeats an item: nothing could be sampled
+        return False
+
+    def refusal(self) -> str | None:
+        """``RowFilter.refusal``: the unique-items dead end (package docstring), else None."""
+        if not self._dead_end:
+            return None
+        return (
+            "uniqueItems: every token the grammar allows here completes an item that its array "
+            "already holds (the item so far can only end as that item, e.g. at its maxLength or "
+            "at the end of its pattern); the tracker refuses duplicates one token at a time and "
+            "cannot steer away earlier. Another seed, or a wider item schema, avoids it"
+        )
 
 
 def filter_batch(

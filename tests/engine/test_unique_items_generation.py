@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 
 from espalier.constrained.spec import GrammarSpec
-from espalier.engine.api import ConstraintOptions, GenerationRequest, SamplingParams
+from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
+from espalier.engine.spec.strategy import SpecConfig, install
 from tests.fixtures.looping_model import looping_engine
 
 LOOP = '"a", '
@@ -50,3 +51,32 @@ def test_the_greedy_repeat_is_refused(backend: str) -> None:
     value = json.loads(text)
     jsonschema.validate(value, unique)
     assert len(value) >= 2 and value[0] == "a", text
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_dead_end_says_why(speculative: bool) -> None:
+    """With items of at most one character, ``"a`` can only end as ``"a"``, which the array
+    already holds: the tracker refuses it one token late (a known limit), and the request's
+    error says so instead of naming a token."""
+    engine = looping_engine(LOOP)
+    if speculative:
+        install(engine, SpecConfig(methods=("forced",), num_draft_tokens=4), {})
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}
+    engine.add_request(
+        GenerationRequest(
+            "r",
+            prompt=LOOP,
+            sampling=SamplingParams(max_tokens=40),
+            grammar=GrammarSpec.json_schema(schema),
+            constraint=ConstraintOptions(backend="llguidance"),
+        )
+    )
+    chunks = []
+    while engine.has_unfinished():
+        chunks += engine.step()
+    last = chunks[-1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert last.error is not None and last.error.startswith("uniqueItems: every token"), last.error
+    text = "".join(c.text_delta for c in chunks)
+    assert text.replace(" ", "").startswith('["a","a'), text
+    assert '"a","a"' not in text.replace(" ", "")  # never a duplicate accepted
