@@ -11,10 +11,16 @@ from dataclasses import dataclass, field, replace
 
 from espalier.constrained.spec import GrammarSpec
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures above 0 and below this are greedy: ``logits / T`` overflows fp32 towards
+``T = 1e-38`` (rows of inf and NaN, from which no token can be drawn), and long before that a
+draw is the argmax (vLLM draws the same line, its ``_SAMPLING_EPS``)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` means greedy (top_k/top_p/min_p ignored)."""
+    """Per-request sampling. ``temperature == 0`` means greedy (top_k/top_p/min_p ignored); so
+    does a temperature below :data:`MIN_TEMPERATURE` (made 0 here)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -26,6 +32,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids beyond the tokenizer's
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per emitted token, 0 = none
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self) -> list[tuple[str, str]]:
         """Field violations as (field, description); empty when valid."""

@@ -254,6 +254,11 @@ class SpeculativeDecoding:
                 if result.fault is not None:
                     faults_by_id[id(sched)] = result.fault
                     continue
+                if spec.decoding and not result.acceptance.tokens:
+                    # every verify step emits at least its bonus token; none means a row with no
+                    # token to draw (its logits not finite): the request would loop, never ending
+                    faults_by_id[id(sched)] = RuntimeError("the verify step drew no token")
+                    continue
                 self._account(sched, spec, result.draft.num_draft_tokens, result, times)
                 outcomes_by_id[id(sched)] = SeqOutcome(
                     list(result.acceptance.tokens), list(result.logprobs)

@@ -231,3 +231,35 @@ def test_a_grammar_whose_masks_grow_slow_is_ended_and_the_batch_goes_on(
     assert len(tokens_of(chunks["attacker"])) < 400  # ended long before its max_tokens
     assert chunks["victim"][-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
     assert tokens_of(chunks["victim"]) == tokens_of(run(False)["victim"])
+
+
+def _json_request(request_id: str, sampling: SamplingParams) -> GenerationRequest:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    grammar = GrammarSpec.json_schema(schema)
+    return GenerationRequest(request_id, prompt="Write: Write:", sampling=sampling, grammar=grammar)
+
+
+def test_a_temperature_below_the_minimum_samples_greedily() -> None:
+    """``logits / 1e-45`` is inf and NaN: such a request drew masked-out tokens (plain) or none
+    at all, forever (speculative). Temperatures below MIN_TEMPERATURE are greedy."""
+    tiny = SamplingParams(temperature=1e-45, max_tokens=12, seed=1)
+    assert tiny.temperature == 0.0 and SamplingParams(temperature=1e-5).temperature == 1e-5
+    greedy = SamplingParams(max_tokens=12)
+    for speculative in (False, True):
+        chunks = run_all(_engine(speculative), [_json_request("tiny", tiny)])["tiny"]
+        assert chunks[-1].finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
+        solo = run_all(_engine(speculative), [_json_request("greedy", greedy)])["greedy"]
+        assert tokens_of(chunks) == tokens_of(solo)
+
+
+def test_a_verify_step_that_draws_no_token_ends_its_request() -> None:
+    """Rows with no finite logit (a temperature past the API's checks, here forced in) gave
+    speculative steps that emitted nothing, and the request never ended; it now ends ERROR, and
+    a request beside it finishes with its solo tokens."""
+    broken = SamplingParams(temperature=1.0, max_tokens=10, seed=1)
+    object.__setattr__(broken, "temperature", 1e-45)
+    engine = _engine(True)
+    chunks = run_all(engine, [_json_request("broken", broken), _victim()])
+    last = chunks["broken"][-1]
+    assert last.finish_reason is FinishReason.ERROR and "RuntimeError" in (last.error or "")
+    assert tokens_of(chunks["victim"]) == _solo(True)
