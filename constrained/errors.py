@@ -121,19 +121,20 @@ class CompileMemoryError(GrammarError):
 
 
 class GrammarCostError(GrammarError):
-    """A request's grammar made its token masks too slow to keep in a batch: each of its last
-    ``fills`` timed fills took over ``limit_s`` (an ambiguous grammar's parse grows with the
-    text: ``s: s s | "a"`` reaches seconds a token). Ended so the other requests go on."""
+    """A request's grammar made its token masks too slow to keep in a batch: its slow fills
+    (each over ``limit_s``) ran ``debt_s`` past that limit in all (an ambiguous grammar's parse
+    grows with the text: ``s: s s | "a"`` reaches seconds a token). Ended so the other requests
+    go on (``constrained/fill_cost.py``)."""
 
     reason = "GRAMMAR_TOO_COSTLY"
 
-    def __init__(self, seconds: float, limit_s: float, fills: int) -> None:
+    def __init__(self, seconds: float, limit_s: float, debt_s: float) -> None:
         self.seconds = seconds
         self.limit_s = limit_s
-        self.fills = fills
+        self.debt_s = debt_s
         super().__init__(
-            f"the grammar's token masks took over {limit_s * 1e3:g} ms each for {fills} fills "
-            f"in a row (the last {seconds * 1e3:.0f} ms): the request was ended so that the "
+            f"the grammar's token masks took over {limit_s * 1e3:g} ms each, {debt_s:.2f} s past "
+            f"that in all (the last {seconds * 1e3:.0f} ms): the request was ended so that the "
             "requests batched with it go on; an ambiguous grammar (a rule like `s: s s`) "
             "costs more with every token, an unambiguous one does not"
         )

@@ -202,7 +202,7 @@ def test_a_grammar_whose_masks_grow_slow_is_ended_and_the_batch_goes_on(
     (lowered here, so that the toy model reaches it in tens of tokens), and the request batched
     with it gets exactly the tokens it gets alone."""
     monkeypatch.setattr(fill_cost, "SLOW_FILL_S", 0.002)
-    monkeypatch.setattr(fill_cost, "SLOW_FILLS", 3)
+    monkeypatch.setattr(fill_cost, "DEBT_S", 0.01)
 
     def run(with_attacker: bool) -> dict[str, list[Any]]:
         engine = looping_engine("ab")

@@ -116,11 +116,11 @@ def test_compile_timeout_is_deadline_exceeded_with_its_own_reason() -> None:
 
 
 def test_a_grammar_too_costly_to_keep_in_a_batch_is_resource_exhausted() -> None:
-    status = to_grpc_status(GrammarCostError(0.8, 0.05, 8))
+    status = to_grpc_status(GrammarCostError(0.8, 0.05, 1.2))
     info, _, _ = unpack(status)
     assert status.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.reason == "GRAMMAR_TOO_COSTLY"
-    assert "50 ms" in status.details and "800 ms" in status.details
+    assert "50 ms" in status.details and "800 ms" in status.details and "1.20 s" in status.details
 
 
 def test_server_errors_keep_their_codes() -> None:
