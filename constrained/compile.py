@@ -286,6 +286,8 @@ def _compile_first(
     from espalier.constrained.backends import get_backend
     from espalier.constrained.schema.productive import refuse_empty_language
 
+    if spec.kind is GrammarKind.JSON_SCHEMA and order[0] != BackendName.LLGUIDANCE:
+        _refuse_if_empty(spec, tokenizer, options)
     first_error: GrammarError | None = None
     for name in order:
         start = time.perf_counter()
@@ -298,6 +300,8 @@ def _compile_first(
         except CompileTimeoutError:  # a cache's deadline passed: no other backend has time left
             raise
         except GrammarError as exc:
+            if isinstance(exc, EmptyLanguageError) and _schema_verdict(spec, name):
+                raise  # llguidance's verdict is the schema's (_refuse_if_empty)
             # a backend that cannot take the grammar says less than one that found it invalid
             if first_error is None or (
                 isinstance(first_error, UnsupportedGrammarError)
@@ -316,6 +320,31 @@ def _compile_first(
         return compiled, report
     assert first_error is not None
     raise first_error
+
+
+def _schema_verdict(spec: GrammarSpec, backend: str) -> bool:
+    """Whether ``backend``'s empty-language verdict on ``spec`` holds for every backend."""
+    return backend == BackendName.LLGUIDANCE and spec.kind is GrammarKind.JSON_SCHEMA
+
+
+def _refuse_if_empty(
+    spec: GrammarSpec, tokenizer: TokenizerInfo, options: BackendOptions | None
+) -> None:
+    """Raise llguidance's :class:`EmptyLanguageError` when it finds that no JSON value matches
+    the schema ``spec``; its other errors say nothing here. xgrammar compiled such schemas
+    (``{"type": "array", "contains": false}``) into grammars that wrote text of no JSON type at
+    all, and outlines-core spent its whole compile timeout on them; llguidance's verdict
+    compiles lazily in milliseconds, and it found no false empty in the JSON Schema Test
+    Suite's draft 2020-12 schemas (10 of 381 empty, none with a valid instance;
+    ``tests/constrained/test_schema_empty.py`` keeps checking)."""
+    from espalier.constrained.backends import get_backend
+
+    try:
+        get_backend(BackendName.LLGUIDANCE, tokenizer, options).compile(spec)
+    except EmptyLanguageError:
+        raise
+    except Exception:  # not a verdict on the schema: the backends asked decide
+        return
 
 
 def _weakened(spec: GrammarSpec, backend: str) -> GrammarSpec:

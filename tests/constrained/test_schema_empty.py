@@ -4,6 +4,7 @@ valid test instance)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,12 @@ import pytest
 from espalier.constrained.backends import get_backend
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import default_dialect, find_files, iter_cases
-from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.errors import (
+    EmptyLanguageError,
+    GrammarError,
+    InvalidGrammarError,
+    SchemaNotEnforceableError,
+)
 from espalier.constrained.schema.empty import unproductive_pointer
 from espalier.constrained.schema.productive import refuse_empty_language
 from espalier.constrained.schema.refs import resolve_refs
@@ -160,3 +166,46 @@ def test_a_backend_limit_at_the_first_mask_is_not_called_an_empty_language(
         compile_grammar(GrammarSpec.ebnf('root ::= [a-z]* "a"'), gemma_tokenizer, "llguidance")
     assert "could not compute the grammar's first mask" in str(info.value)
     assert "matches no text" not in str(info.value)
+
+
+LLGUIDANCE_FINDS_EMPTY = [
+    {"type": "array", "contains": False},
+    {"type": "string", "pattern": "^(?!)$"},
+    {"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2},
+]
+
+
+@pytest.mark.parametrize("schema", LLGUIDANCE_FINDS_EMPTY)
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "outlines_core"])
+def test_a_schema_llguidance_finds_empty_is_refused_on_every_backend(
+    schema: dict[str, Any], backend: str, toy_tokenizer: Any
+) -> None:
+    """``auto`` went on past llguidance's verdict to xgrammar, which compiled these into
+    grammars that wrote text of no JSON type (``":["``), and outlines-core spent its compile
+    timeout on them: every backend now refuses them as llguidance does."""
+    with pytest.raises(GrammarError) as info:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    if not isinstance(info.value, EmptyLanguageError):  # refused first for a keyword it lacks
+        assert isinstance(info.value, SchemaNotEnforceableError) and backend == "outlines_core"
+    else:
+        assert "no JSON value matches" in str(info.value)
+
+
+def test_no_schema_with_a_valid_instance_in_the_test_suite_is_empty_to_llguidance(
+    toy_tokenizer: Any,
+) -> None:
+    """The verdict every backend now takes from llguidance is never wrong on the suite."""
+    checked = found = 0
+    for path in find_files(SUITE / "draft2020-12"):
+        for _description, schema, tests in iter_cases(path):
+            if not isinstance(schema, dict) or "$ref" in json.dumps(schema):
+                continue
+            try:
+                compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, "llguidance")
+            except EmptyLanguageError:
+                found += 1
+                assert not any(test.get("valid") for test in tests), (path.name, schema)
+            except GrammarError:
+                pass
+            checked += 1
+    assert checked > 250 and found > 0
