@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4
-"""Version of the file layout below; bump it when the layout or the report changes."""
+FORMAT = 5
+"""Version of the file layout below; bump it when the layout, the report or a spec's
+translation changes (5: choices' control characters as \\u escapes)."""
 
 STORED_BACKEND = BackendName.XGRAMMAR
 SUFFIX = ".xgrammar"

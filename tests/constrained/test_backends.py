@@ -350,7 +350,8 @@ def test_invalid_grammar_raises_typed_error(backend_name, label, spec, toy_token
 
 
 def test_choice_options_are_escaped(toy_tokenizer: Any):
-    options = ['a"b', "c\\d", "(x)|y*", "[z]", "new\nline", "é."]
+    # a control character before hex digits: xgrammar read "\\x01abc" as U+1ABC
+    options = ['a"b', "c\\d", "(x)|y*", "[z]", "new\nline", "é.", "\x01abc", "y\x1bE"]
     for name in BACKENDS:
         compiled = get_backend(name, toy_tokenizer).compile(GrammarSpec.choice(options))
         for option in options:
@@ -358,6 +359,12 @@ def test_choice_options_are_escaped(toy_tokenizer: Any):
             feed(matcher, toy_tokenizer.encode(option))
             assert matcher.can_terminate(), (name, option)
         assert not _accepts_all(compiled.matcher(), toy_tokenizer.encode("x"))
+
+
+def test_xgrammar_refuses_a_choice_option_holding_a_nul(toy_tokenizer: Any) -> None:
+    """xgrammar ends a literal at a NUL (``"a\\u0000b"`` compiled to ``"a"``)."""
+    with pytest.raises(UnsupportedGrammarError, match="NUL"):
+        get_backend("xgrammar", toy_tokenizer).compile(GrammarSpec.choice(["\x00", "a\x00b"]))
 
 
 def test_registry(toy_tokenizer: Any, monkeypatch: pytest.MonkeyPatch):

@@ -151,6 +151,9 @@ class Backend:
         if kind is GrammarKind.STRUCTURAL_TAG:
             return "compile_structural_tag", {"structural_tag": self._structural_tag(spec)}
         assert kind is GrammarKind.CHOICE
+        if any("\0" in option for option in spec.choices):
+            # xgrammar's literals end at a NUL: "a\u0000b" became "a"
+            raise UnsupportedGrammarError(NAME, kind.value, "an option holds a NUL character")
         options = " | ".join(gbnf_literal(option) for option in spec.choices)
         return "compile_grammar", {"grammar": f"root ::= {options}", "root_rule_name": "root"}
 
@@ -301,7 +304,9 @@ class Matcher(MatcherBase):
 
 
 def gbnf_literal(text: str) -> str:
-    """``text`` as a GBNF double-quoted string literal (control characters as ``\\xHH``)."""
+    """``text`` as a GBNF double-quoted string literal (control characters as ``\\uHHHH``:
+    xgrammar reads a ``\\x`` escape's hex digits past two, so ``"\\x01abc"`` was U+1ABC).
+    No NUL: xgrammar ends a literal there."""
     out = ['"']
     for char in text:
         if char in ('"', "\\"):
@@ -313,7 +318,7 @@ def gbnf_literal(text: str) -> str:
         elif char == "\t":
             out.append("\\t")
         elif ord(char) < 0x20 or ord(char) == 0x7F:
-            out.append(f"\\x{ord(char):02X}")
+            out.append(f"\\u{ord(char):04X}")
         else:
             out.append(char)
     out.append('"')
