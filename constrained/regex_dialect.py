@@ -13,8 +13,9 @@ the backend accepted and the regex does not match:
 - xgrammar (:func:`xgrammar_misreading`): its ``\\s \\S \\D \\W`` and ``\\d \\w`` inside a negated
   class are not Python's Unicode classes (``\\D`` took ``٣``, ``\\s`` took U+FEFF); a class
   starting ``[\\^`` or ``[]`` / ``[^]``, and ``[`` inside a class; anchors inside the pattern
-  (``a^b`` took ``ab``); octal escapes (``\\012`` took ``\\x0012``). Its ``.`` also takes ``\\n``:
-  :func:`dot_without_newline` respells it.
+  (``a^b`` took ``ab``); octal escapes (``\\012`` took ``\\x0012``), inside classes too
+  (``[\\012]{3}`` took ``221``), and ``\\p{..}`` inside a class (``[\\p{Greek}]`` took ``G``: read
+  as letters). Its ``.`` also takes ``\\n``: :func:`dot_without_newline` respells it.
 """
 
 from __future__ import annotations
@@ -39,11 +40,22 @@ def _outside(pattern: str) -> list[tuple[int, str]]:
         if char == "[":
             at = class_end(pattern, at)
         elif char == "\\":
-            at += 2
+            at = _escape_end(pattern, at)
         else:
             out.append((at, char))
             at += 1
     return out
+
+
+def _escape_end(pattern: str, at: int) -> int:
+    """Where the escape at ``pattern[at]`` (a backslash) ends: past its braces for ``\\p{..}``,
+    ``\\P{..}``, ``\\N{..}`` and ``\\x{..}`` (``\\p{L}+`` is not a possessive ``}+``), else
+    past the escaped character."""
+    if pattern[at + 1 : at + 2] in ("p", "P", "N", "x") and pattern[at + 2 : at + 3] == "{":
+        close = pattern.find("}", at + 3)
+        if close != -1:
+            return close + 1
+    return at + 2
 
 
 def rust_misreading(pattern: str) -> str | None:
@@ -103,6 +115,8 @@ def xgrammar_misreading(pattern: str) -> str | None:
                 letter = escape.group()[1]
                 if letter in "SDWs" or (body.startswith("^") and letter in "dw"):
                     return f"\\{letter} in the class at column {at + 1} (not Python's class)"
+                if letter.isdigit() or letter in "pP":  # [\012] took "2", [\p{Greek}] "G"
+                    return f"\\{letter} in the class at column {at + 1} (xgrammar reads a literal)"
             at = end
         else:
             at += 1

@@ -88,6 +88,7 @@ class GrammarSpec:
     @classmethod
     def regex(cls, pattern: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
         check_size(GrammarKind.REGEX, pattern, max_bytes)
+        _python_regex(pattern)
         return cls(GrammarKind.REGEX, pattern)
 
     @classmethod
@@ -149,3 +150,16 @@ def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
         raise InvalidGrammarError(
             kind.value, f"grammar is {size} bytes, over the limit of {max_bytes} bytes"
         )
+
+
+def _python_regex(pattern: str) -> None:
+    """Refuse a pattern Python's ``regex`` module does not compile: a regex constraint means
+    what that module reads (``constrained/regex_dialect.py``), and the backends took some such
+    patterns in a reading of their own (``a{1,3}{2}`` wrote ``aaaaaa``; ``\\x{1F600}``)."""
+    import regex
+
+    try:
+        regex.compile(pattern)
+    except regex.error as exc:
+        column = None if exc.pos is None else exc.pos + 1
+        raise InvalidGrammarError(GrammarKind.REGEX.value, exc.msg, line=1, column=column) from None

@@ -16,7 +16,7 @@ import pytest
 from espalier.constrained.base import CompileReport
 from espalier.constrained.cache import CacheKey, CompileCache
 from espalier.constrained.errors import CompileTimeoutError, InvalidGrammarError
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SizedGrammar:
 
 
 def key(name: str) -> CacheKey:
-    return CacheKey(GrammarSpec.regex(name).cache_key, "test", "tok", ())
+    return CacheKey(GrammarSpec(GrammarKind.REGEX, name).cache_key, "test", "tok", ())
 
 
 def compiler(name: str, size: int = 100, calls: list[str] | None = None) -> Any:

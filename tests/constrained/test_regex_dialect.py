@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.compile import compile_grammar
-from espalier.constrained.errors import GrammarError, UnsupportedGrammarError
+from espalier.constrained.errors import GrammarError, InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.postvalidate import postvalidate
 from espalier.constrained.regex_dialect import (
     dot_without_newline,
@@ -37,6 +37,10 @@ XGRAMMAR_MISREAD = [
     ("[[:alpha:]]", ":]"),
     ("a^b", "ab"),
     ("\\012", "\x0012"),
+    ("[\\012]{3}", "221"),  # an octal escape in a class
+    ("[\\1]{2}", "11"),
+    ("[\\p{Greek}]{2}", "Ge"),  # a property in a class: read as its letters
+    ("[^\\p{L}\\p{N}]{1,8}", "ab"),
 ]
 COMMON = [
     "[0-9]{3}-[0-9]{4}",
@@ -85,6 +89,24 @@ def test_common_regexes_stay_on_every_backend(pattern: str, toy_tokenizer: Any) 
         )
 
 
+@pytest.mark.parametrize("pattern", ["\\p{L}+", "\\p{Lu}\\p{Ll}+", "\\P{L}+"])
+def test_a_property_before_a_quantifier_is_not_a_possessive(
+    pattern: str, toy_tokenizer: Any
+) -> None:
+    """``\\p{L}+``: the ``}`` ends the escape; refused everywhere as ``}+`` before."""
+    assert rust_misreading(pattern) is None
+    _compiled, report = compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, "auto")
+    assert report.backend == "llguidance"
+
+
+@pytest.mark.parametrize("pattern", ["a{1,3}{2}", "\\x{1F600}", "a(b", "[a-"])
+def test_a_regex_pythons_module_does_not_compile_is_invalid(pattern: str) -> None:
+    """A regex means what Python's ``regex`` module reads; ``a{1,3}{2}`` wrote ``aaaaaa`` on
+    llguidance before."""
+    with pytest.raises(InvalidGrammarError, match="invalid regex at line 1, column"):
+        GrammarSpec.regex(pattern)
+
+
 def test_a_recursive_regex_is_unchecked_not_an_error() -> None:
     result = postvalidate(GrammarSpec.regex("a|(?R)"), "")
     assert not result.checked and "could not be checked" in result.errors[0]
@@ -102,7 +124,6 @@ def test_xgrammars_dot_no_longer_takes_a_newline(toy_tokenizer: Any) -> None:
     "spec",
     [
         GrammarSpec.regex(r"\ud800"),
-        GrammarSpec.regex(r"a\x{DFFF}"),
         GrammarSpec.json_schema({"type": "string", "pattern": r"^\uD83D$"}),
         GrammarSpec.ebnf(r"root ::= [\uD800-\uDFFF]"),
     ],
