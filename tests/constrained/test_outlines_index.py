@@ -169,3 +169,12 @@ def test_the_child_module_loads_neither_torch_nor_the_adapter() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_a_long_forced_literal_is_no_recursion_error(toy_tokenizer: Any) -> None:
+    """``é{1000}``: 2,000 forced states of one-byte tokens; the forced-bytes walk recursed past
+    Python's limit (INTERNAL at the first step). It stops deep enough instead."""
+    compiled, _ = compile_grammar(GrammarSpec.regex("é{1000}"), toy_tokenizer, "outlines_core")
+    forced = compiled.matcher().forced_tokens(4096)
+    written = b"".join(toy_tokenizer.token_bytes[t] for t in forced)
+    assert 0 < len(written) < 2000 and ("é" * 1000).encode().startswith(written)

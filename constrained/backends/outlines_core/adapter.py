@@ -55,6 +55,9 @@ MAX_ROLLBACK = 1 << 20
 # a state allowing more tokens than this is treated as "nothing forced" (checking is too costly)
 _FORCED_MAX_BRANCHING = 4096
 _FORCED_MAX_BYTES = 512
+_FORCED_MAX_DEPTH = 256
+"""States deep a forced-bytes walk recurses (a forced ``é{1000}`` is 2,000 states of one-byte
+tokens: past Python's recursion limit, which reached the client as INTERNAL)."""
 SENTINEL = "\U0010fffd"
 _SENTINEL_REGEX = r"\x{10FFFD}"
 _SENTINEL_LEAD_BYTE = 0xF4
@@ -179,6 +182,8 @@ class CompiledGrammar(CompiledBase):
         index = self.native
         if state in visiting or self.can_terminate(state):
             return b""
+        if len(visiting) >= _FORCED_MAX_DEPTH:
+            return b""  # deep enough: a shorter forced prefix is still one (not kept)
         tokens = [t for t in index.get_allowed_tokens(state) if t != self.sentinel_id]
         if not tokens or len(tokens) > _FORCED_MAX_BRANCHING:
             self._forced[state] = b""
