@@ -95,7 +95,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
         loaded = frozenset(self.state.facts.speculative_methods)
         return convert.RequestLimits(
             vocab_size=vocab,
-            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_prompt_tokens=self.state.max_prompt_tokens(),
             max_grammar_bytes=cfg.max_grammar_bytes,
             default_max_tokens=cfg.default_max_tokens,
             max_max_tokens=cfg.max_max_tokens,
@@ -114,7 +114,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             return 0
         # Every token holds at least one byte: short prompts need no tokenizing to pass the limit.
         n_bytes = len(text.encode("utf-8"))
-        if n_bytes <= self.state.config.max_prompt_tokens:
+        if n_bytes <= self.state.max_prompt_tokens():
             return n_bytes
         return len(tokenizer.encode(text))
 
@@ -363,7 +363,7 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             speculative_methods=list(facts.speculative_methods),
             device=facts.device,
             dtype=facts.dtype,
-            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_prompt_tokens=self.state.max_prompt_tokens(),
             max_grammar_bytes=cfg.max_grammar_bytes,
             default_max_tokens=cfg.default_max_tokens,
             ready=self.state.engine is not None and not self.state.draining,

@@ -101,6 +101,14 @@ class ServingState:
         await self.begin_drain()
         self.failed.set()
 
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt taken: ``--max-prompt-tokens``, and below the model's context (the
+        engine keeps room for one generated token), so every place that states the limit
+        (ModelInfo, SMG's ``max_req_input_len``, the refusal) states the one enforced."""
+        limit = self.config.max_prompt_tokens
+        context = self.facts.max_context_tokens
+        return min(limit, context - 1) if context > 0 else limit
+
     def require_tokenizer(self) -> TokenizerInfo:
         if self.tokenizer is None:
             raise NotReadyError("the tokenizer is still loading", metadata={"phase": "loading"})

@@ -122,7 +122,7 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
             eos_token_ids=list(tokenizer.stop_token_ids) if tokenizer else [],
             pad_token_id=(hf.pad_token_id or 0) if hf is not None else 0,
             bos_token_id=(hf.bos_token_id or 0) if hf is not None else 0,
-            max_req_input_len=self.state.config.max_prompt_tokens,
+            max_req_input_len=self.state.max_prompt_tokens(),
         )
 
     async def GetServerInfo(

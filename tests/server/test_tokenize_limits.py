@@ -29,3 +29,18 @@ def test_a_reply_past_the_message_limit_is_invalid_argument(stub: pb_grpc.Espali
     assert "over the message limit of 1048576" in str(info.value.details())
     small = stub.Tokenize(pb.TokenizeRequest(text="ab" * 1000), timeout=120)
     assert len(small.token_ids) == len(small.tokens) > 0
+
+
+def test_the_prompt_limit_stated_is_the_one_the_engine_enforces() -> None:
+    """A prompt of the model's full context was refused by the engine (it keeps room for one
+    generated token) while ModelInfo said the limit was the context: the stated limit is capped
+    at the context less one once the model is known."""
+    from espalier.server.config import ServerConfig
+    from espalier.server.state import ModelFacts, ServingState
+
+    state = ServingState(ServerConfig(max_prompt_tokens=8192))
+    assert state.max_prompt_tokens() == 8192  # no model yet
+    state.facts = ModelFacts(max_context_tokens=8192)
+    assert state.max_prompt_tokens() == 8191
+    state.facts = ModelFacts(max_context_tokens=1 << 20)
+    assert state.max_prompt_tokens() == 8192
