@@ -115,20 +115,38 @@ def map_json_schemas(
 ) -> Format:
     """A copy of ``fmt`` with each ``json_schema`` format replaced by ``change(node, pointer)``
     (``pointer``: the node's JSON pointer in the structural tag)."""
-    if fmt.get("type") in ("json_schema", "qwen_xml_parameter"):
+    return map_formats(fmt, ("json_schema", "qwen_xml_parameter"), change, pointer)
+
+
+def map_regexes(
+    fmt: Format, change: Callable[[Format, str], Format], pointer: str = "/format"
+) -> Format:
+    """A copy of ``fmt`` with each ``regex`` format replaced by ``change(node, pointer)``."""
+    return map_formats(fmt, ("regex",), change, pointer)
+
+
+def map_formats(
+    fmt: Format,
+    types: tuple[str, ...],
+    change: Callable[[Format, str], Format],
+    pointer: str = "/format",
+) -> Format:
+    """A copy of ``fmt`` with each format of one of ``types`` replaced by ``change(node,
+    pointer)`` (``pointer``: the node's JSON pointer in the structural tag)."""
+    if fmt.get("type") in types:
         return change(fmt, pointer)
     out = dict(fmt)
     for key in _CHILDREN.get(str(fmt.get("type")), ()):
         child = fmt.get(key)
         if isinstance(child, list):
             out[key] = [
-                map_json_schemas(c, change, f"{pointer}/{key}/{i}") for i, c in enumerate(child)
+                map_formats(c, types, change, f"{pointer}/{key}/{i}") for i, c in enumerate(child)
             ]
         elif isinstance(child, dict):
-            out[key] = map_json_schemas(child, change, f"{pointer}/{key}")
+            out[key] = map_formats(child, types, change, f"{pointer}/{key}")
     if fmt.get("type") == "dispatch":
         out["rules"] = [
-            [trigger, map_json_schemas(child, change, f"{pointer}/rules/{i}/1")]
+            [trigger, map_formats(child, types, change, f"{pointer}/rules/{i}/1")]
             for i, (trigger, child) in enumerate(fmt.get("rules", []))
         ]
     return out
@@ -211,5 +229,14 @@ def admit_structural_tag(
             check_schema(schema)
         return node
 
+    def check_regex(node: Format, pointer: str) -> Format:
+        try:
+            GrammarSpec.regex(str(node.get("pattern", "")), max_bytes)
+        except InvalidGrammarError as exc:  # read as a regex constraint is (Python's module)
+            detail = f"{exc.detail} (column {exc.column})"
+            raise InvalidGrammarError(KIND, detail, pointer=pointer) from None
+        return node
+
     map_json_schemas(root_format(spec), check)
+    map_regexes(root_format(spec), check_regex)
     return spec

@@ -22,7 +22,12 @@ from espalier.constrained.errors import (
     UnsupportedGrammarError,
 )
 from espalier.constrained.spec import GrammarKind, GrammarSpec
-from espalier.constrained.structural_tag import after_reasoning, root_format, structural_tag_spec
+from espalier.constrained.structural_tag import (
+    admit_structural_tag,
+    after_reasoning,
+    root_format,
+    structural_tag_spec,
+)
 from tests.fixtures.structural_tags import (
     CASES,
     POINT,
@@ -189,3 +194,32 @@ def test_schemas_inside_tags_are_checked_like_any_schema(toy_tokenizer: Any) -> 
     bad_ref = after_reasoning(GrammarSpec.json_schema({"$ref": "#/$defs/missing"}), "</think>")
     with pytest.raises(InvalidGrammarError):
         compile_grammar(bad_ref, toy_tokenizer, options=OPTIONS)
+
+
+def _regex_tag(pattern: str) -> str:
+    return json.dumps({"type": "structural_tag", "format": {"type": "regex", "pattern": pattern}})
+
+
+@pytest.mark.parametrize("pattern", ["[\\p{Greek}]{2}", "\\s\\d"])
+def test_a_regex_element_xgrammar_reads_otherwise_is_refused_there(
+    pattern: str, toy_tokenizer: Any
+) -> None:
+    """A regex element is read as a regex constraint is: xgrammar wrote ``Ge`` for
+    ``[\\p{Greek}]{2}`` and U+FEFF for ``\\s`` (finishing STOP). llguidance reads both as Python
+    does, so auto stays there."""
+    spec = admit_structural_tag(_regex_tag(pattern), 64)
+    with pytest.raises(UnsupportedGrammarError, match=r"xgrammar reads .* at /format"):
+        compile_grammar(spec, toy_tokenizer, "xgrammar")
+    assert compile_grammar(spec, toy_tokenizer)[1].backend == "llguidance"
+
+
+def test_a_regex_element_pythons_module_refuses_is_invalid_with_its_pointer() -> None:
+    with pytest.raises(InvalidGrammarError, match="'/format': multiple repeat"):
+        admit_structural_tag(_regex_tag("a{1,3}{2}"), 64)
+
+
+def test_xgrammars_dot_in_a_regex_element_takes_no_newline(toy_tokenizer: Any) -> None:
+    spec = admit_structural_tag(_regex_tag("a.c"), 64)
+    compiled, _ = compile_grammar(spec, toy_tokenizer, "xgrammar")
+    assert not compiled.matcher().completes(toy_tokenizer.encode("a\nc"))
+    assert compiled.matcher().completes(toy_tokenizer.encode("abc"))

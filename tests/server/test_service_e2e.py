@@ -103,7 +103,10 @@ def test_malformed_schema_reports_line_and_column(client: Client) -> None:
     assert err.field_violations[0].field.startswith("constraint.json_schema:2:")
 
 
-def test_compile_grammar_reports_backend_and_cache(client: Client) -> None:
+def test_compile_grammar_reports_backend_and_cache(client: Client, server: ServerProcess) -> None:
+    # before the model loads, CompileGrammar compiles in the server process, then in the
+    # engine's (startup.py): both calls in the engine's, or the second may find the other cache
+    assert server.wait_loaded()
     first = client.compile_grammar(regex="[0-9]{4}", backend="llguidance")
     assert first.backend == "llguidance" and first.cache_key
     again = client.compile_grammar(regex="[0-9]{4}", backend="llguidance")

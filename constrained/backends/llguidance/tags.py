@@ -25,6 +25,7 @@ import json
 from typing import Any
 
 from espalier.constrained.errors import UnsupportedGrammarError
+from espalier.constrained.regex_dialect import rust_misreading
 from espalier.constrained.schema.number_bounds import NumberBounds, bound_schema_numbers
 from espalier.constrained.spec import BackendName, GrammarSpec
 from espalier.constrained.structural_tag import Format, json_whitespace, root_format
@@ -93,6 +94,9 @@ class _Builder:
 
     def _regex(self, fmt: Format, at_end: bool) -> str:
         pattern = str(fmt["pattern"])
+        misread = rust_misreading(pattern)  # as for a regex constraint (regex_dialect)
+        if misread is not None:
+            raise UnsupportedGrammarError(NAME, "structural_tag", f"llguidance reads {misread}")
         return "/" + pattern.replace("/", "\\/") + "/"
 
     def _grammar(self, fmt: Format, at_end: bool) -> str:

@@ -161,6 +161,7 @@ class Backend:
         from espalier.constrained.structural_tag import (
             json_whitespace,
             map_json_schemas,
+            map_regexes,
             root_format,
             with_format,
         )
@@ -174,7 +175,17 @@ class Backend:
                 out["json_schema"] = bound_schema_numbers(out["json_schema"], NAME, bounds)
             return out
 
-        return with_format(map_json_schemas(root_format(spec), bounded)).source
+        def regex(node: dict[str, Any], pointer: str) -> dict[str, Any]:
+            pattern = str(node.get("pattern", ""))
+            misread = xgrammar_misreading(pattern)
+            if misread is not None:  # as for a regex constraint (regex_dialect)
+                raise UnsupportedGrammarError(
+                    NAME, GrammarKind.STRUCTURAL_TAG.value, f"xgrammar reads {misread} at {pointer}"
+                )
+            return {**node, "pattern": dot_without_newline(pattern)}
+
+        fmt = map_regexes(map_json_schemas(root_format(spec), bounded), regex)
+        return with_format(fmt).source
 
 
 class CompiledGrammar(CompiledBase):
