@@ -163,3 +163,5 @@ def _python_regex(pattern: str) -> None:
     except regex.error as exc:
         column = None if exc.pos is None else exc.pos + 1
         raise InvalidGrammarError(GrammarKind.REGEX.value, exc.msg, line=1, column=column) from None
+    except RecursionError:  # its parser recurses per nesting level: 4,000 groups deep
+        raise InvalidGrammarError(GrammarKind.REGEX.value, "nested too deeply") from None

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.compile_probe import CompileProbe
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -39,7 +39,7 @@ def test_compiles_reports_refusals_and_kills_at_timeout(tokenizer_dir: Path, bac
         first = probe.pid
         assert first is not None and alive(first)
 
-        bad = probe.compile(backend, GrammarSpec.regex("(unclosed"), timeout=60.0)
+        bad = probe.compile(backend, GrammarSpec(GrammarKind.REGEX, "(unclosed"), timeout=60.0)
         assert not bad.ok and not bad.timed_out and bad.error
         assert probe.pid == first  # a refusal does not cost the child
 

@@ -191,6 +191,7 @@ def test_a_schema_llguidance_finds_empty_is_refused_on_every_backend(
         assert "no JSON value matches" in str(info.value)
 
 
+@pytest.mark.skipif(not SUITE.is_dir(), reason="JSON Schema Test Suite not present")
 def test_no_schema_with_a_valid_instance_in_the_test_suite_is_empty_to_llguidance(
     toy_tokenizer: Any,
 ) -> None:

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from espalier.constrained.errors import GrammarError
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.engine.api import (
     ConstraintOptions,
     FinishReason,
@@ -94,7 +94,7 @@ def test_refusals_and_grammar_errors_arrive_typed(
 ) -> None:
     ours, _ = channel
     bad_ids = GenerationRequest("bad", prompt_token_ids=(10**9,))
-    bad_grammar = request(1, grammar=GrammarSpec.regex("(unclosed"))
+    bad_grammar = request(1, grammar=GrammarSpec(GrammarKind.REGEX, "(unclosed"))
     ours.send(AddRequest(bad_ids))
     ours.send(AddRequest(bad_grammar))
     ours.send(AddRequest(request(2, max_tokens=3)))
@@ -202,7 +202,7 @@ def test_compile_answers_from_the_cache_the_requests_use(
     ours.send(Compile(8, spec, options))
     again = next_compiled(ours)
     assert again.call_id == 8 and again.report is not None and again.report.cache_hit
-    ours.send(Compile(9, GrammarSpec.regex("(unclosed"), options))
+    ours.send(Compile(9, GrammarSpec(GrammarKind.REGEX, "(unclosed"), options))
     bad = next_compiled(ours)
     assert bad.call_id == 9 and bad.report is None and bad.error is not None
     assert isinstance(bad.error.rebuild(), GrammarError)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.engine.api import (
     FinishReason,
     GenerationRequest,
@@ -205,7 +205,7 @@ def test_bad_grammar_fails_typed_without_blocking_others() -> None:
     from espalier.constrained.errors import GrammarError
 
     engine = make_engine()
-    bad = GenerationRequest("bad", prompt="a", grammar=GrammarSpec.regex("(unclosed"))
+    bad = GenerationRequest("bad", prompt="a", grammar=GrammarSpec(GrammarKind.REGEX, "(unclosed"))
     good = GenerationRequest("good", prompt="a", sampling=SamplingParams(max_tokens=5))
     chunks = run_all(engine, [bad, good])
     last = chunks["bad"][-1]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.errors import GrammarError
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.engine.api import ConstraintOptions
 from espalier.engine.constraints import GrammarService
 
@@ -57,7 +57,8 @@ def test_each_request_gets_its_own_matcher_made_off_the_calling_thread(
 def test_a_compile_error_reaches_the_request_future(toy_tokenizer: Any) -> None:
     service = GrammarService(toy_tokenizer, compile_timeout_s=60.0)
     try:
-        future = service.submit_request(GrammarSpec.regex("(unclosed"), ConstraintOptions())
+        unclosed = GrammarSpec(GrammarKind.REGEX, "(unclosed")  # past GrammarSpec.regex's check
+        future = service.submit_request(unclosed, ConstraintOptions())
         with pytest.raises(GrammarError):
             future.result(timeout=120)
     finally:
