@@ -145,8 +145,10 @@ def test_constrained_generation_is_valid(client: Client) -> None:
 def test_invalid_grammar_is_invalid_argument(client: Client) -> None:
     from espalier_client import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):  # refused by the server process itself
         client.generate("x", regex="(unclosed", max_tokens=4)
+    with pytest.raises(InvalidArgumentError):  # compiled, and refused, in the engine process
+        client.generate("x", ebnf='root ::= "a" undefined_rule', max_tokens=4)
     # the engine process's typed errors cross the channel: the server keeps serving
     assert client.generate("x", max_tokens=2, ignore_eos=True).token_ids
 
