@@ -9,6 +9,7 @@ other items and the output is valid.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -21,8 +22,11 @@ from tests.fixtures.looping_model import looping_engine
 LOOP = '"a", '
 
 
-def _generate(schema: dict[str, object], backend: str) -> str:
+def _chunks(schema: dict[str, object], backend: str, speculative: bool = False) -> list[Any]:
+    """The looping model's output chunks under ``schema`` (40 tokens at most)."""
     engine = looping_engine(LOOP)
+    if speculative:
+        install(engine, SpecConfig(methods=("forced",), num_draft_tokens=4), {})
     engine.add_request(
         GenerationRequest(
             "r",
@@ -35,6 +39,11 @@ def _generate(schema: dict[str, object], backend: str) -> str:
     chunks = []
     while engine.has_unfinished():
         chunks += engine.step()
+    return chunks
+
+
+def _generate(schema: dict[str, object], backend: str) -> str:
+    chunks = _chunks(schema, backend)
     last = chunks[-1]
     assert last.finished and last.validation is not None and last.validation.valid
     return "".join(c.text_delta for c in chunks)
@@ -58,22 +67,8 @@ def test_a_dead_end_says_why(speculative: bool) -> None:
     """With items of at most one character, ``"a`` can only end as ``"a"``, which the array
     already holds: the tracker refuses it one token late (a known limit), and the request's
     error says so instead of naming a token."""
-    engine = looping_engine(LOOP)
-    if speculative:
-        install(engine, SpecConfig(methods=("forced",), num_draft_tokens=4), {})
     schema = {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}
-    engine.add_request(
-        GenerationRequest(
-            "r",
-            prompt=LOOP,
-            sampling=SamplingParams(max_tokens=40),
-            grammar=GrammarSpec.json_schema(schema),
-            constraint=ConstraintOptions(backend="llguidance"),
-        )
-    )
-    chunks = []
-    while engine.has_unfinished():
-        chunks += engine.step()
+    chunks = _chunks(schema, "llguidance", speculative)
     last = chunks[-1]
     assert last.finish_reason is FinishReason.ERROR
     assert last.error is not None and last.error.startswith("uniqueItems: every token"), last.error
