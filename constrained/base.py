@@ -317,13 +317,15 @@ class TreeBatch(Protocol):
         budget: float | None,
         tree_threads: int,
         faults: dict[int, BaseException],
+        seconds: dict[int, float] | None = None,
     ) -> float:
         """Fill every tree (each ``takes``) as ``fill_tree`` would, then apply its filter:
         rows int32 ``[R, ceil(V/32)]`` C-contiguous CPU; flags uint8 ``[3, M]`` (valid, filled,
         terminated), zero where the trees go, written in place. ``budget``: seconds per tree
         from its start (None: none); ``tree_threads``: threads one tree may use. A tree that
-        fails gets ``faults[tree.index]`` (its rows then undefined). Returns the fills'
-        seconds summed over the trees."""
+        fails gets ``faults[tree.index]`` (its rows then undefined); ``seconds`` (when given)
+        gets each tree's own fill time by ``tree.index``. Returns the fills' seconds summed
+        over the trees."""
         ...
 
 

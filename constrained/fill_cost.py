@@ -15,9 +15,10 @@ server answers RESOURCE_EXHAUSTED). So a grammar whose masks keep growing ends a
 tokens past 50 ms a mask, one with 2-s masks at its first, and a load spike or a cold lexer's
 first masks (isolated, and far under a second) end nothing.
 
-A library's batch call covers many matchers in one time; when one takes over the limit, its
-kind is a suspect and the caller fills that kind's matchers one by one, timed, until none of
-them is slow.
+A library's plain batch call covers many matchers in one time: when its time per round of
+its threads is over the limit, its kind is a suspect and the caller fills that kind's matchers
+one by one, timed, until none of them is slow. A tree batch (llguidance's native walk) reports
+each tree's time itself, so its trees are charged one by one, as trees filled alone are.
 """
 
 from __future__ import annotations

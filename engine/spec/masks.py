@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -144,7 +143,6 @@ class MaskBuilder:
         self._late: list[ConstrainedTreeMasks] = []
         self._batches: dict[Callable[[int], TreeBatch], TreeBatch] = {}
         self.costs = FillCosts()  # a tree's time past its budget is its root's: the guard's
-        self._suspects: set[TreeBatch] = set()  # this step's: their trees filled one by one
         self._parked: list[tuple[torch.Tensor, list[ConstrainedTreeMasks]]] = []
 
     def close(self) -> None:
@@ -197,11 +195,6 @@ class MaskBuilder:
         for nothing.)"""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
         self.costs.keep(m for m in matchers if m is not None)
-        # a batch that took too long: its trees one by one this step, timed (a slow one marks
-        # it again)
-        self._suspects = {b for b in self._batches.values() if self.costs.suspect(b)}
-        for suspect in self._suspects:
-            self.costs.batch_took(suspect, 0.0)
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
         # the fills write through numpy slices of one view (a tensor slice per tree would cost a
@@ -225,21 +218,13 @@ class MaskBuilder:
                 node += n
                 continue
             batch, item = self._batch_of(index, matcher, draft, row, node)
-            if batch is not None and item is not None and batch not in self._suspects:
+            if batch is not None and item is not None:
                 batches.setdefault(batch, []).append(item)
             else:
                 out = array[row : row + n]
                 singles.append(
                     functools.partial(
-                        self._fill_one,
-                        index,
-                        matcher,
-                        draft,
-                        out,
-                        budget,
-                        tree_threads,
-                        node,
-                        batch=batch,
+                        self._fill_one, index, matcher, draft, out, budget, tree_threads, node
                     )
                 )
             trees[index] = (row, node, n)
@@ -248,7 +233,7 @@ class MaskBuilder:
             node += n
         # the native batches first: the first worker takes them while the others fill the rest
         jobs = [
-            functools.partial(self._fill_batch, batch, items, array, budget, tree_threads)
+            functools.partial(self._fill_batch, batch, items, matchers, array, budget, tree_threads)
             for batch, items in batches.items()
             if array is not None
         ] + singles
@@ -289,19 +274,28 @@ class MaskBuilder:
         self,
         batch: TreeBatch,
         items: list[BatchTree],
+        requests: Sequence[GrammarMatcher | None],
         array: np.ndarray,
         budget_s: float | None,
         threads: int,
         fills: FillJobs,
     ) -> None:
-        """One native call for the trees ``batch`` takes (``TreeBatch.fill_trees``)."""
+        """One native call for the trees ``batch`` takes (``TreeBatch.fill_trees``); each
+        tree's time past its budget charged to its request's matcher (``requests[index]``)."""
         faults: dict[int, BaseException] = {}
-        started = time.perf_counter()
+        times: dict[int, float] = {}
         try:
-            fills.seconds += batch.fill_trees(items, array, fills.flags, budget_s, threads, faults)
+            fills.seconds += batch.fill_trees(
+                items, array, fills.flags, budget_s, threads, faults, times
+            )
         except Exception as exc:  # the call failed as a whole: each of its requests
             faults = dict.fromkeys((item.index for item in items), exc)
-        self.costs.batch_took(batch, time.perf_counter() - started - (budget_s or 0.0))
+        for item in items:  # each tree's time past its budget, charged to its matcher
+            if item.index in times and item.index not in faults:
+                overrun = times[item.index] - (budget_s or 0.0)
+                costly = self.costs.charge(requests[item.index], overrun)
+                if costly is not None:
+                    faults[item.index] = costly
         fills.faults.update(faults)
         for item in items:
             n = len(item.tokens)
@@ -340,12 +334,9 @@ class MaskBuilder:
         threads: int,
         node: int,
         fills: FillJobs,
-        *,
-        batch: TreeBatch | None = None,
     ) -> None:
         """One tree's fill (``GrammarMatcher.fill_tree``), its flags copied into the step's; its
-        time past the budget charged to ``matcher`` (``costs``; ``batch``: the tree batch that
-        would take it, marked a suspect again when it is slow)."""
+        time past the budget charged to ``matcher`` (``costs``)."""
         from espalier.constrained.tree import DraftTree
 
         try:
@@ -356,12 +347,9 @@ class MaskBuilder:
             return
         if result.writes_pending():
             self._late.append(result)
-        overrun = result.seconds - (budget_s or 0.0)
-        costly = self.costs.charge(matcher, overrun)
+        costly = self.costs.charge(matcher, result.seconds - (budget_s or 0.0))
         if costly is not None:
             fills.faults[index] = costly
-        if batch is not None and overrun > self.costs.slow_s:
-            self.costs.batch_took(batch, overrun)  # still slow: one by one next step too
         n = draft.num_nodes
         fills.flags[0, node : node + n] = result.valid
         fills.flags[1, node : node + n] = result.filled

@@ -47,6 +47,7 @@ class NativeTreeBatch:
         budget: float | None,
         tree_threads: int,
         faults: dict[int, BaseException],
+        seconds: dict[int, float] | None = None,
     ) -> float:
         """See ``TreeBatch.fill_trees``; one native call (per tokenizer and filter kind)."""
         groups: dict[tuple[int, int], list[tuple[BatchTree, int]]] = {}
@@ -61,10 +62,10 @@ class NativeTreeBatch:
                     continue
             groups.setdefault((id(matcher.compiled.native_slot), fn), []).append((tree, state))
         budget_s = -1.0 if budget is None else max(budget - WRAP_UP_S, 0.0)
-        seconds = 0.0
+        total = 0.0
         for (_, fn), group in groups.items():
-            seconds += self._fill(group, fn, rows, flags, budget_s, tree_threads, faults)
-        return seconds
+            total += self._fill(group, fn, rows, flags, budget_s, tree_threads, faults, seconds)
+        return total
 
     def _fill(
         self,
@@ -75,6 +76,7 @@ class NativeTreeBatch:
         budget_s: float,
         tree_threads: int,
         faults: dict[int, BaseException],
+        seconds: dict[int, float] | None,
     ) -> float:
         trees = [tree for tree, _ in group]
         matchers: list[Any] = [t.matcher for t in trees]
@@ -109,6 +111,8 @@ class NativeTreeBatch:
             matchers[b].took_snapshot(end.snapshots[b])
         for b, message in end.errors.items():
             faults[trees[b].index] = MatcherStateError(f"llguidance tree walk: {message}")
+        if seconds is not None:
+            seconds.update(zip((t.index for t in trees), end.seconds.tolist()))
         return float(end.seconds.sum())
 
 
