@@ -194,7 +194,7 @@ class MaskBuilder:
         of hundreds of ms: a fixed 2 ms budget there cut trees, and so their accepted tokens,
         for nothing.)"""
         budget = None if self.budget_s is None else max(self.budget_s, hidden_s)
-        self.costs.keep(m for m in matchers if m is not None)
+        self.costs.keep(matchers)  # None (unconstrained) keeps nothing
         rows = sum(d.num_nodes for d, m in zip(drafts, matchers) if m is not None)
         bitmask = self._rows(rows) if rows else None
         # the fills write through numpy slices of one view (a tensor slice per tree would cost a
