@@ -53,6 +53,7 @@ from espalier.constrained.backends.common import (
 )
 from espalier.constrained.backends.llguidance.closing import LlgClosing, closing_of
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
+from espalier.constrained.backends.llguidance.gbnf_lexing import greedy_loss
 from espalier.constrained.backends.llguidance.literals import (
     MAX_LITERAL_BYTES,
     hanging_terminal,
@@ -93,6 +94,9 @@ tens: fewer matchers than this stay on the calling thread)."""
 FORKS_PER_THREAD = 2
 """Forks per native thread of a batch that makes them (``capi.fork_batch``): each one's clone
 copies the lexer, tens of µs, as long as a thread's start."""
+
+
+_LIMITS = llguidance.LLParserLimits(step_max_items=llg_native.STEP_MAX_ITEMS)
 
 
 class Backend:
@@ -159,7 +163,7 @@ class Backend:
         grammar = self.grammar_text(spec)
         source: str | None = None
         for _ in range(MAX_EMPTY_DEFS + 1):
-            template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+            template = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=_LIMITS)
             if not template.is_error():
                 return grammar, template
             message = template.get_error()
@@ -209,6 +213,7 @@ class Backend:
                 line = int(match.group(1)) if match else None
                 raise InvalidGrammarError(kind.value, str(exc), line=line) from exc
             _refuse_hanging_terminal(lark, kind)
+            _refuse_greedy_loss(spec.source, kind)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if kind is GrammarKind.STRUCTURAL_TAG:
             from espalier.constrained.backends.llguidance.tags import structural_tag_grammar
@@ -741,6 +746,20 @@ def _invalid(kind: GrammarKind, message: str) -> InvalidGrammarError:
     if match is not None and kind is GrammarKind.LARK:
         line, column = int(match.group(1)), int(match.group(2))
     return InvalidGrammarError(kind.value, message.strip(), line=line, column=column)
+
+
+def _refuse_greedy_loss(gbnf_text: str, kind: GrammarKind) -> None:
+    """UnsupportedGrammarError for GBNF whose rule llguidance would read as a greedy lexeme
+    that loses texts of the grammar (:func:`gbnf_lexing.greedy_loss`)."""
+    rule = greedy_loss(gbnf_text)
+    if rule is not None:
+        raise UnsupportedGrammarError(
+            NAME,
+            kind.value,
+            f"its rule '{rule}' becomes one greedy lexeme in llguidance's reading, and a "
+            "character that may continue it may also start what follows it: llguidance would "
+            "lose texts the grammar has",
+        )
 
 
 def _refuse_hanging_terminal(lark: str, kind: GrammarKind) -> None:

@@ -5,7 +5,8 @@
   ``strict_mode=False`` (JSON Schema semantics: ``additionalProperties`` defaults to
   allowed); numbers bounded by ``BackendOptions.json_number_bounds``
   (``constrained/schema/number_bounds.py``).
-- REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``;
+- REGEX: ``compile_regex``; EBNF (GBNF): ``compile_grammar`` with root rule ``root``, respelled
+  where xgrammar reads GBNF otherwise than llama.cpp (``gbnf.py``);
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
 - STRUCTURAL_TAG: ``compile_structural_tag``, each ``json_schema`` node with the number bounds
   and, unless it sets its own, ``max_whitespace_cnt`` from the options (at least 1).
@@ -39,6 +40,7 @@ from espalier.constrained.backends.common import (
     canonical_forced_tokens,
     vocab_facts,
 )
+from espalier.constrained.backends.xgrammar.gbnf import xgrammar_gbnf
 from espalier.constrained.backends.xgrammar.tree_walk import walk_xgrammar, walk_xgrammar_nodes
 from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
@@ -145,7 +147,8 @@ class Backend:
                 raise UnsupportedGrammarError(NAME, kind.value, f"xgrammar reads {misread}")
             return "compile_regex", {"regex": dot_without_newline(spec.source)}
         if kind is GrammarKind.EBNF:
-            return "compile_grammar", {"grammar": spec.source, "root_rule_name": "root"}
+            grammar = xgrammar_gbnf(spec.source)
+            return "compile_grammar", {"grammar": grammar, "root_rule_name": "root"}
         if kind is GrammarKind.LARK:
             return "compile_lark", {"lark_string": spec.source}
         if kind is GrammarKind.STRUCTURAL_TAG:
@@ -160,6 +163,7 @@ class Backend:
     def _structural_tag(self, spec: GrammarSpec) -> str:
         from espalier.constrained.structural_tag import (
             json_whitespace,
+            map_formats,
             map_json_schemas,
             map_regexes,
             root_format,
@@ -184,8 +188,13 @@ class Backend:
                 )
             return {**node, "pattern": dot_without_newline(pattern)}
 
+        def grammar(node: dict[str, Any], pointer: str) -> dict[str, Any]:
+            if node.get("syntax", "ebnf") != "ebnf":
+                return node
+            return {**node, "grammar": xgrammar_gbnf(str(node.get("grammar", "")))}
+
         fmt = map_regexes(map_json_schemas(root_format(spec), bounded), regex)
-        return with_format(fmt).source
+        return with_format(map_formats(fmt, ("grammar",), grammar)).source
 
 
 class CompiledGrammar(CompiledBase):

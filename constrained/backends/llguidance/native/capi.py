@@ -169,7 +169,7 @@ class Api:
             "espalier_llg_series": (ctypes.c_char_p, []),
             "espalier_llg_constraint_init_size": (sz, []),
             "espalier_llg_check_layout": (i32, [vp]),
-            "espalier_llg_constraint_init": (None, [vp, vp, vp]),
+            "espalier_llg_constraint_init": (None, [vp, vp, vp, sz]),
             "espalier_llg_new_tokenizer": (vp, [vp, u32, vp, vp, vp, vp, vp, u32, vp, sz]),
         }
         for name, (restype, argtypes) in walk_sig.items():
@@ -197,9 +197,10 @@ class Api:
             )
 
     def constraint_init(self, tokenizer: int) -> ctypes.Array[ctypes.c_char]:
-        """An ``LlgConstraintInit`` for ``tokenizer``: llguidance's defaults, no stderr logs."""
+        """An ``LlgConstraintInit`` for ``tokenizer``: llguidance's defaults but
+        :data:`STEP_MAX_ITEMS`, no stderr logs."""
         init = ctypes.create_string_buffer(int(self.walk.espalier_llg_constraint_init_size()))
-        self.walk.espalier_llg_constraint_init(self.set_defaults, init, tokenizer)
+        self.walk.espalier_llg_constraint_init(self.set_defaults, init, tokenizer, STEP_MAX_ITEMS)
         return init
 
 
@@ -208,6 +209,12 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     assert address is not None  # a symbol ctypes found has an address
     return address
 
+
+STEP_MAX_ITEMS = 500_000
+"""Earley items one mask may build (llguidance's default: 50,000). A class repeated inside a
+rule is one-character lexemes: ``"a" [ -~]* "z"`` needs ~100,000 items a mask on the Gemma
+vocabulary (6-11 ms) and failed its second mask at the default; an ambiguous grammar still fails
+here within ~25 ms, under the slow-fill guard's 50 ms (``constrained/fill_cost.py``)."""
 
 WALK_EXTENSION = "_llg_walk"
 """The walk's extension module in this folder, built with the package (``setup.py``)."""

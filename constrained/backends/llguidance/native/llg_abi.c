@@ -43,12 +43,14 @@ int32_t espalier_llg_check_layout(EspLlgSetDefaultsFn set_defaults) {
 }
 
 /* llguidance's defaults with stderr logging off (grammar warnings stay in the Python side's
- * errors) into `init` (espalier_llg_constraint_init_size() bytes). */
+ * errors) and `step_max_items` Earley items a mask into `init`
+ * (espalier_llg_constraint_init_size() bytes). */
 void espalier_llg_constraint_init(EspLlgSetDefaultsFn set_defaults, EspLlgConstraintInit *init,
-                                  const void *tokenizer) {
+                                  const void *tokenizer, size_t step_max_items) {
     memset(init, 0, sizeof *init);
     set_defaults(init, tokenizer);
     init->log_stderr_level = 0;
+    init->limits.step_max_items = step_max_items;
 }
 
 /* An LlgTokenizer from token bytes (special ids already marked), the primary stop id and

@@ -1,0 +1,295 @@
+"""GBNF (llama.cpp's grammar format) read into rules of characters, for the analyses backends
+make of a grammar before they take it (``backends/llguidance/gbnf_lexing.py``).
+
+The reading is llama.cpp's: a literal is a sequence of characters, a class a set of code
+points (``\\xHH``, ``\\uHHHH``, ``\\UHHHHHHHH`` escapes of exactly that many hex digits), ``.``
+any character, postfix ``*`` ``+`` ``?`` ``{m}`` ``{m,}`` ``{m,n}`` ``{,n}``, comments from
+``#`` to the end of the line, and a rule's body running until the next ``name ::=``. Only texts
+a backend already accepted are read here, so :func:`parse` raises :class:`GbnfReadError` on
+what it cannot read instead of explaining it; callers then make no claim about the grammar.
+
+Character sets are sorted, disjoint, inclusive ``(low, high)`` code point intervals.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_CODE_POINT = 0x10FFFF
+Chars = tuple[tuple[int, int], ...]
+"""A set of code points: sorted, disjoint, non-adjacent inclusive intervals."""
+
+ALL_CHARS: Chars = ((0, MAX_CODE_POINT),)
+
+TOKEN = re.compile(
+    r'(?P<lit>"(?:[^"\\]|\\.)*")'
+    r"|(?P<cls>\[(?:[^\]\\]|\\.)*\])"
+    r"|(?P<comment>#[^\n]*)"
+    r"|(?P<define>::=)"
+    r"|(?P<name>[A-Za-z0-9_-]+)"
+    r"|(?P<open>\()"
+    r"|(?P<close>\))"
+    r"|(?P<bar>\|)"
+    r"|(?P<space>\s+)"
+    r"|(?P<dot>\.)"
+    r"|(?P<count>\{\s*\d*\s*(?:,\s*\d*\s*)?\})"
+    r"|(?P<other>.)",
+    re.DOTALL,
+)
+"""GBNF's lexical pieces; ``lastgroup`` names each (``other``: a postfix operator or an error)."""
+
+
+class GbnfReadError(ValueError):
+    """A GBNF text :func:`parse` cannot read (no claim is made about it)."""
+
+
+@dataclass(frozen=True)
+class Text:
+    """A literal: these characters in order (may be empty)."""
+
+    chars: str
+
+
+@dataclass(frozen=True)
+class CharSet:
+    """One character of ``chars`` (a class, or ``.``)."""
+
+    chars: Chars
+
+
+@dataclass(frozen=True)
+class Ref:
+    """The rule named ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Seq:
+    """``items`` one after another (empty: the empty string)."""
+
+    items: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Alt:
+    """One of ``options``."""
+
+    options: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """``node`` ``low`` to ``high`` times (``high`` None: unbounded)."""
+
+    node: Node
+    low: int
+    high: int | None
+
+
+Node = Text | CharSet | Ref | Seq | Alt | Repeat
+
+
+def parse(source: str) -> dict[str, Node]:
+    """The rules of ``source`` by name, in order of definition; raises GbnfReadError."""
+    tokens = [
+        (m.lastgroup or "other", m.group())
+        for m in TOKEN.finditer(source)
+        if m.lastgroup not in ("space", "comment")
+    ]
+    rules: dict[str, Node] = {}
+    pos = 0
+    while pos < len(tokens):
+        if pos + 1 >= len(tokens) or tokens[pos][0] != "name" or tokens[pos + 1][0] != "define":
+            raise GbnfReadError(f"expected a rule at token {pos}")
+        name = tokens[pos][1]
+        body, pos = _alternatives(tokens, pos + 2)
+        if name in rules:
+            raise GbnfReadError(f"rule {name} defined twice")
+        rules[name] = body
+    if "root" not in rules:
+        raise GbnfReadError("no root rule")
+    for body in rules.values():
+        for ref in refs(body):
+            if ref not in rules:
+                raise GbnfReadError(f"rule {ref} is not defined")
+    return rules
+
+
+def refs(node: Node) -> set[str]:
+    """The rule names ``node`` refers to."""
+    if isinstance(node, Ref):
+        return {node.name}
+    if isinstance(node, Seq):
+        return set().union(*(refs(n) for n in node.items)) if node.items else set()
+    if isinstance(node, Alt):
+        return set().union(*(refs(n) for n in node.options))
+    if isinstance(node, Repeat):
+        return refs(node.node)
+    return set()
+
+
+def _ends_sequence(tokens: list[tuple[str, str]], pos: int) -> bool:
+    if pos >= len(tokens) or tokens[pos][0] in ("bar", "close"):
+        return True
+    return tokens[pos][0] == "name" and pos + 1 < len(tokens) and tokens[pos + 1][0] == "define"
+
+
+def _alternatives(tokens: list[tuple[str, str]], pos: int) -> tuple[Node, int]:
+    options = []
+    while True:
+        items: list[Node] = []
+        while not _ends_sequence(tokens, pos):
+            atom, pos = _atom(tokens, pos)
+            atom, pos = _postfix(atom, tokens, pos)
+            items.append(atom)
+        options.append(items[0] if len(items) == 1 else Seq(tuple(items)))
+        if pos < len(tokens) and tokens[pos][0] == "bar":
+            pos += 1
+            continue
+        return (options[0] if len(options) == 1 else Alt(tuple(options))), pos
+
+
+def _atom(tokens: list[tuple[str, str]], pos: int) -> tuple[Node, int]:
+    kind, text = tokens[pos]
+    if kind == "lit":
+        return Text("".join(chr(c) for c in _decode(text[1:-1]))), pos + 1
+    if kind == "cls":
+        return CharSet(_char_class(text[1:-1])), pos + 1
+    if kind == "dot":
+        return CharSet(ALL_CHARS), pos + 1
+    if kind == "name":
+        return Ref(text), pos + 1
+    if kind == "open":
+        inner, pos = _alternatives(tokens, pos + 1)
+        if pos >= len(tokens) or tokens[pos][0] != "close":
+            raise GbnfReadError("unclosed group")
+        return inner, pos + 1
+    raise GbnfReadError(f"unexpected {text!r}")
+
+
+def _postfix(node: Node, tokens: list[tuple[str, str]], pos: int) -> tuple[Node, int]:
+    while pos < len(tokens):
+        kind, text = tokens[pos]
+        high: int | None
+        if kind == "other" and text in "*+?":
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[text]
+        elif kind == "count":
+            parts = [p.strip() for p in text[1:-1].split(",")]
+            low = int(parts[0]) if parts[0] else 0
+            high = low if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
+            if high is not None and high < low:
+                raise GbnfReadError("a count's maximum is below its minimum")
+        else:
+            return node, pos
+        node, pos = Repeat(node, low, high), pos + 1
+    return node, pos
+
+
+_ESCAPES = {"t": 9, "r": 13, "n": 10}
+_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+
+
+def _decode(body: str) -> list[int]:
+    """The code points of a literal's or class's body, escapes read as llama.cpp reads them."""
+    out: list[int] = []
+    i = 0
+    while i < len(body):
+        char = body[i]
+        if char != "\\":
+            out.append(ord(char))
+            i += 1
+            continue
+        if i + 1 >= len(body):
+            raise GbnfReadError("a trailing backslash")
+        code = body[i + 1]
+        if code in _HEX_DIGITS:
+            n = _HEX_DIGITS[code]
+            digits = body[i + 2 : i + 2 + n]
+            if len(digits) != n or not all(c in "0123456789abcdefABCDEF" for c in digits):
+                raise GbnfReadError(f"\\{code} needs {n} hex digits")
+            out.append(int(digits, 16))
+            i += 2 + n
+        else:
+            out.append(_ESCAPES.get(code, ord(code)))
+            i += 2
+    return out
+
+
+def _char_class(body: str) -> Chars:
+    """The set a class's body (between the brackets) names."""
+    negated = body.startswith("^")
+    points = _decode(body[1:] if negated else body)
+    # a '-' between two points (not escaped: `_decode` lost that, so read the raw body) is a range
+    raw = _raw_units(body[1:] if negated else body)
+    intervals: list[tuple[int, int]] = []
+    i = 0
+    while i < len(points):
+        if i + 2 < len(points) and raw[i + 1] == "-":
+            intervals.append((points[i], points[i + 2]))
+            i += 3
+        else:
+            intervals.append((points[i], points[i]))
+            i += 1
+    chars = normalize(intervals)
+    return complement(chars) if negated else chars
+
+
+def _raw_units(body: str) -> list[str]:
+    """The body's characters and escapes, one unit each (as :func:`_decode` reads them)."""
+    units: list[str] = []
+    i = 0
+    while i < len(body):
+        if body[i] == "\\" and i + 1 < len(body):
+            n = _HEX_DIGITS.get(body[i + 1], 0)
+            units.append(body[i : i + 2 + n])
+            i += 2 + n
+        else:
+            units.append(body[i])
+            i += 1
+    return units
+
+
+def normalize(intervals: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> Chars:
+    """``intervals`` as a :data:`Chars` (sorted, merged; empty intervals dropped)."""
+    out: list[tuple[int, int]] = []
+    for low, high in sorted(i for i in intervals if i[0] <= i[1]):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return tuple(out)
+
+
+def union(*sets: Chars) -> Chars:
+    """The code points in any of ``sets``."""
+    return normalize([i for s in sets for i in s])
+
+
+def complement(chars: Chars) -> Chars:
+    """The code points not in ``chars``."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for low, high in chars:
+        if low > start:
+            out.append((start, low - 1))
+        start = high + 1
+    if start <= MAX_CODE_POINT:
+        out.append((start, MAX_CODE_POINT))
+    return tuple(out)
+
+
+def intersect(a: Chars, b: Chars) -> Chars:
+    """The code points in both ``a`` and ``b``."""
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if low <= high:
+            out.append((low, high))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
