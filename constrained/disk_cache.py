@@ -50,9 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 5
+FORMAT = 6
 """Version of the file layout below; bump it when the layout, the report or a spec's
-translation changes (5: choices' control characters as \\u escapes)."""
+translation changes (6: GBNF respelled for xgrammar, ``backends/xgrammar/gbnf.py``)."""
 
 STORED_BACKEND = BackendName.XGRAMMAR
 SUFFIX = ".xgrammar"
