@@ -4,7 +4,8 @@ make of a grammar before they take it (``backends/llguidance/gbnf_lexing.py``).
 The reading is llama.cpp's: a literal is a sequence of characters, a class a set of code
 points (``\\xHH``, ``\\uHHHH``, ``\\UHHHHHHHH`` escapes of exactly that many hex digits), ``.``
 any character, postfix ``*`` ``+`` ``?`` ``{m}`` ``{m,}`` ``{m,n}`` ``{,n}``, comments from
-``#`` to the end of the line, and a rule's body running until the next ``name ::=``. Only texts
+``#`` to the end of the line, a rule's body running until the next ``name ::=``, and a rule
+defined twice holding its last definition (as ``gbnf_to_lark`` reads it). Only texts
 a backend already accepted are read here, so :func:`parse` raises :class:`GbnfReadError` on
 what it cannot read instead of explaining it; callers then make no claim about the grammar.
 
@@ -105,8 +106,7 @@ def parse(source: str) -> dict[str, Node]:
             raise GbnfReadError(f"expected a rule at token {pos}")
         name = tokens[pos][1]
         body, pos = _alternatives(tokens, pos + 2)
-        if name in rules:
-            raise GbnfReadError(f"rule {name} defined twice")
+        rules.pop(name, None)  # a rule defined again: the last definition holds
         rules[name] = body
     if "root" not in rules:
         raise GbnfReadError("no root rule")

@@ -51,9 +51,9 @@ from espalier.constrained.backends.common import (
     VocabFacts,
     vocab_facts,
 )
+from espalier.constrained.backends.llguidance import gbnf_lexing
 from espalier.constrained.backends.llguidance.closing import LlgClosing, closing_of
 from espalier.constrained.backends.llguidance.errors import MatcherStateError
-from espalier.constrained.backends.llguidance.gbnf_lexing import greedy_loss
 from espalier.constrained.backends.llguidance.literals import (
     MAX_LITERAL_BYTES,
     hanging_terminal,
@@ -212,9 +212,11 @@ class Backend:
                 match = _GBNF_LINE.search(str(exc))
                 line = int(match.group(1)) if match else None
                 raise InvalidGrammarError(kind.value, str(exc), line=line) from exc
+            reason = gbnf_lexing.refusal(spec.source)
+            if reason is not None:
+                raise UnsupportedGrammarError(NAME, kind.value, reason)
             _refuse_hanging_terminal(lark, kind)
-            _refuse_greedy_loss(spec.source, kind)
-            return llguidance.LLMatcher.grammar_from_lark(lark)
+            return llguidance.LLMatcher.grammar_from_lark(gbnf_lexing.dot_with_newline(lark))
         if kind is GrammarKind.STRUCTURAL_TAG:
             from espalier.constrained.backends.llguidance.tags import structural_tag_grammar
 
@@ -746,20 +748,6 @@ def _invalid(kind: GrammarKind, message: str) -> InvalidGrammarError:
     if match is not None and kind is GrammarKind.LARK:
         line, column = int(match.group(1)), int(match.group(2))
     return InvalidGrammarError(kind.value, message.strip(), line=line, column=column)
-
-
-def _refuse_greedy_loss(gbnf_text: str, kind: GrammarKind) -> None:
-    """UnsupportedGrammarError for GBNF whose rule llguidance would read as a greedy lexeme
-    that loses texts of the grammar (:func:`gbnf_lexing.greedy_loss`)."""
-    rule = greedy_loss(gbnf_text)
-    if rule is not None:
-        raise UnsupportedGrammarError(
-            NAME,
-            kind.value,
-            f"its rule '{rule}' becomes one greedy lexeme in llguidance's reading, and a "
-            "character that may continue it may also start what follows it: llguidance would "
-            "lose texts the grammar has",
-        )
 
 
 def _refuse_hanging_terminal(lark: str, kind: GrammarKind) -> None:

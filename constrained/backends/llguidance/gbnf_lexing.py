@@ -1,35 +1,53 @@
 """Where llguidance's reading of a GBNF grammar loses texts the grammar has: greedy lexemes.
 
 llguidance takes GBNF through ``gbnf_to_lark``, which makes each rule built only of literals,
-classes and such rules (not ``root``, never a recursive one) a Lark terminal: one lexeme. Its
-lexer is greedy: a lexeme ends only where the next character cannot continue it. So where a
-character may both continue a complete lexeme and start what follows it, llguidance keeps only
-the first reading. llama.cpp's ``arithmetic.gbnf`` (``num ::= [0-9]+ ws``, ``ws ::= [ \\t\\n]*``,
-then ``"\\n"``) can then never end: the ``"\\n"`` is always eaten by ``ws``.
+classes and such rules (not ``root``, never a recursive one) a Lark terminal, and each literal
+and class elsewhere a lexeme of its own. Its lexer is greedy: among the lexemes allowed at a
+place, it goes on while the next character continues one of them, and a lexeme ends only where
+none goes on. So where a lexeme is complete and the next character both continues a lexeme
+allowed there (itself or another) and starts what may follow it, llguidance keeps only the
+longer reading. Examples (each loses the text after it): llama.cpp's ``arithmetic.gbnf``
+(``num ::= [0-9]+ ws``, ``ws ::= [ \\t\\n]*``, then ``"\\n"``: ``1=2\\n``, no text can end);
+``root ::= [a-z]+ "xy"`` (``axyxy``); ``root ::= ("a" | "aa") "a"`` (``aa``).
 
-:func:`greedy_loss` finds such a terminal: the characters that may continue one of its complete
-texts (from its automaton) against the characters that may follow it where it stands as a
-lexeme (FIRST / FOLLOW over the rules that stay rules). It names the first terminal whose two
-sets meet, else None. The check can claim a loss where greedy splitting happens to keep every
-text (``root ::= item+``, ``item ::= [a-c]{1,3}``): such a grammar goes to xgrammar, which is
-exact either way. Where it cannot read the grammar, or a terminal's automaton grows past
-:data:`MAX_STATES`, it makes no claim (None). It does not look at two different lexemes allowed
-at one place (one a prefix of the other's texts), a rarer loss of the same kind.
+:func:`greedy_loss` finds such a place. The lexemes' places come from FIRST / FOLLOW over lexeme
+occurrences (the rules that stay rules walked, terminals read as lexemes): the lexemes that may
+start together (``FIRST(root)``, and what may follow each occurrence or rule reference as its
+own rule says: a rule's end adds nothing, so two lexemes that meet only through the rules around
+it, such as ``json_arr.gbnf``'s ``","`` of objects and ``",\\n"`` of its array, are not
+compared), and for each occurrence the characters that may start what follows it anywhere. For
+two lexemes allowed together, their automata (Thompson, subset construction over code point
+intervals) are run side by side to find the characters that may continue a non-empty complete
+text of the first as a prefix of the second. Where those meet what may follow the first, texts
+may be lost. The check is conservative: it can name a place where greedy splitting happens to
+keep every text (``item+`` with ``item ::= [a-c]{1,3}``), and a grammar too large for it
+(:data:`MAX_STATES`) counts as lossy; such grammars go to xgrammar, which reads GBNF exactly.
+Where it cannot read the grammar at all (a text only llguidance's converter takes) it makes no
+claim.
+
+Two more readings differ, and are refused or respelled by the adapter: ``.`` (``/./``, which
+leaves out ``\\n`` in Rust: respelled ``/(?s:.)/``) and classes holding ``&&``, ``--`` or ``~~``
+(set operations in Rust: :func:`set_operation`).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 
 from espalier.constrained import gbnf
 from espalier.constrained.gbnf import Chars, Node
 
-MAX_STATES = 4096
-"""Automaton states (NFA or DFA) one terminal may take before the check gives up on it."""
+MAX_STATES = 20_000
+"""Automaton states (a lexeme's NFA, a pair's product) and occurrences one check may take; past
+it the grammar counts as lossy."""
 MAX_UNROLLED = 64
 """A bounded repeat with more copies than this is read as unbounded (more continuations: the
 check can then only find more losses, never fewer)."""
+TOO_LARGE = "a grammar too large for the check that llguidance's reading keeps every text"
+END = -1  # an occurrence id for the end of the text
+_SET_OPERATION = re.compile(r"&&|--|~~")
 
 
 class _TooBig(Exception):
@@ -37,51 +55,51 @@ class _TooBig(Exception):
 
 
 def greedy_loss(source: str) -> str | None:
-    """The GBNF rule (name as written) that llguidance's greedy lexer reads short in
-    ``source``, or None (none found, or no claim)."""
+    """Where llguidance's greedy lexer may read ``source`` short (``rule 'x'``, ``literal
+    "ab"`` or ``class [...]``, or :data:`TOO_LARGE`), else None (none found, or no claim)."""
     try:
         rules = gbnf.parse(source)
     except (gbnf.GbnfReadError, RecursionError):
         return None
-    terminals = _terminals(rules)
-    if not terminals:
-        return None
-    nfa = _Nfa(rules)
-    facts: dict[str, tuple[Chars, bool, Chars]] = {}  # first, nullable, continuations
     try:
-        for name in terminals:
-            facts[name] = nfa.facts(name)
+        return _Check(rules).loss()
     except (_TooBig, RecursionError):
-        return None
-    follow = _follow(rules, terminals, facts)
-    for name in terminals:
-        chars = follow.get(name)
-        if chars and gbnf.intersect(facts[name][2], chars):
-            return name
+        return TOO_LARGE
+
+
+def set_operation(source: str) -> str | None:
+    """The first class of ``source`` holding ``&&``, ``--`` or ``~~`` (copied into a Rust
+    regex by ``gbnf_to_lark``, they are set operations there, plain characters in GBNF)."""
+    for match in gbnf.TOKEN.finditer(source):
+        if match.lastgroup == "cls" and _SET_OPERATION.search(match.group()):
+            return match.group()
     return None
 
 
-def _terminals(rules: dict[str, Node]) -> list[str]:
+def _terminals(rules: dict[str, Node]) -> set[str]:
     """The rules ``gbnf_to_lark`` makes terminals: all parts literals, classes or terminals
-    (a fixpoint from none; ``root`` stays a rule)."""
-    found: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, body in rules.items():
-            if name != "root" and name not in found and gbnf.refs(body) <= found:
-                found.add(name)
-                changed = True
-    return [name for name in rules if name in found]
+    (the least fixpoint; ``root`` stays a rule, so does every rule on a cycle)."""
+    state: dict[str, bool] = {}
+
+    def terminal(name: str) -> bool:
+        if name not in state:
+            state[name] = False  # on the path: a cycle is not terminal
+            state[name] = name != "root" and all(terminal(r) for r in gbnf.refs(rules[name]))
+        return state[name]
+
+    return {name for name in rules if terminal(name)}
 
 
 class _Nfa:
-    """A Thompson automaton of one terminal at a time (terminals it names inlined)."""
+    """A Thompson automaton of one lexeme (terminals it names inlined)."""
 
-    def __init__(self, rules: dict[str, Node]) -> None:
+    def __init__(self, rules: dict[str, Node], node: Node) -> None:
         self.rules = rules
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[Chars, int]]] = []
+        self.start, self.accept = self._state(), self._state()
+        self._build(node, self.start, self.accept)
+        self.first = self.closure({self.start})
 
     def _state(self) -> int:
         if len(self.eps) >= MAX_STATES:
@@ -89,15 +107,6 @@ class _Nfa:
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
-
-    def facts(self, name: str) -> tuple[Chars, bool, Chars]:
-        """(first characters, matches the empty text, continuations of a complete text)."""
-        self.eps, self.edges = [], []
-        start, accept = self._state(), self._state()
-        self._build(gbnf.Ref(name), start, accept)
-        first_set = self._closure({start})
-        first = gbnf.union(*(c for s in first_set for c, _ in self.edges[s]))
-        return first, accept in first_set, self._continuations(first_set, accept)
 
     def _build(self, node: Node, start: int, end: int) -> None:
         if isinstance(node, gbnf.Text):
@@ -144,7 +153,7 @@ class _Nfa:
             here = nxt
         self.eps[here].append(end)
 
-    def _closure(self, states: set[int]) -> frozenset[int]:
+    def closure(self, states: set[int]) -> frozenset[int]:
         seen, todo = set(states), list(states)
         while todo:
             for nxt in self.eps[todo.pop()]:
@@ -153,25 +162,33 @@ class _Nfa:
                     todo.append(nxt)
         return frozenset(seen)
 
-    def _continuations(self, first: frozenset[int], accept: int) -> Chars:
-        """Characters leaving a DFA state that holds ``accept`` (every state of a Thompson
-        automaton built from non-empty classes can reach ``accept``)."""
-        found: list[Chars] = []
-        seen, todo = {first}, [first]
-        while todo:
-            current = todo.pop()
-            out = [(c, s) for state in current for c, s in self.edges[state]]
-            if accept in current:
-                found += [c for c, _ in out]
-            for chars in _pieces([c for c, _ in out]):
-                probe = chars[0][0]
-                nxt = self._closure({s for c, s in out if _holds(c, probe)})
-                if nxt not in seen:
-                    if len(seen) >= MAX_STATES:
-                        raise _TooBig
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return gbnf.union(*found)
+    def out(self, states: frozenset[int]) -> list[tuple[Chars, int]]:
+        return [edge for state in states for edge in self.edges[state]]
+
+
+def _continuations(a: _Nfa, b: _Nfa) -> Chars:
+    """Characters ``c`` such that ``w c`` begins a text of ``b`` for a non-empty complete text
+    ``w`` of ``a`` (both automata run side by side over ``w``; every Thompson state of
+    non-empty classes can reach its accept state)."""
+    found: list[Chars] = []
+    start = (a.first, b.first, False)  # (a's states, b's states, a character read)
+    seen, todo = {start}, [start]
+    while todo:
+        sa, sb, read = todo.pop()
+        out_a, out_b = a.out(sa), b.out(sb)
+        if read and a.accept in sa:
+            found += [c for c, _ in out_b]
+        for piece in _pieces([c for c, _ in out_a] + [c for c, _ in out_b]):
+            point = piece[0][0]
+            na = a.closure({s for c, s in out_a if _holds(c, point)})
+            nb = b.closure({s for c, s in out_b if _holds(c, point)})
+            pair = (na, nb, True)
+            if na and nb and pair not in seen:
+                if len(seen) >= MAX_STATES:
+                    raise _TooBig
+                seen.add(pair)
+                todo.append(pair)
+    return gbnf.union(*found)
 
 
 def _holds(chars: Chars, point: int) -> bool:
@@ -189,85 +206,183 @@ def _pieces(sets: list[Chars]) -> list[Chars]:
     ]
 
 
-def _follow(
-    rules: dict[str, Node], terminals: list[str], facts: dict[str, tuple[Chars, bool, Chars]]
-) -> dict[str, Chars]:
-    """Characters that may follow each symbol where it stands in a rule that stays a rule
-    (:data:`END`, the end of the text, as code point 0x110000), terminals read as lexemes."""
-    terminal = set(terminals)
-    nullable: dict[str, bool] = {n: facts[n][1] for n in terminals}
-    first: dict[str, Chars] = {n: facts[n][0] for n in terminals}
-    kept = [n for n in rules if n not in terminal]
-    for n in kept:
-        nullable[n], first[n] = False, ()
-    changed = True
-    while changed:  # FIRST and nullable of the rules that stay rules
-        changed = False
-        for n in kept:
-            f, e = _first(rules[n], first, nullable)
-            if f != first[n] or e != nullable[n]:
-                first[n], nullable[n], changed = f, e, True
-    end_mark: Chars = ((gbnf.MAX_CODE_POINT + 1, gbnf.MAX_CODE_POINT + 1),)
-    follow: dict[str, Chars] = {n: () for n in rules}
-    follow["root"] = end_mark
-    changed = True
-    while changed:
-        changed = False
-
-        def add(name: str, chars: Chars) -> None:
-            nonlocal changed
-            merged = gbnf.union(follow[name], chars)
-            if merged != follow[name]:
-                follow[name], changed = merged, True
-
-        for n in kept:
-            _walk_follow(rules[n], follow[n], first, nullable, add)
-    return follow
+Occurrences = frozenset[int]
 
 
-def _first(node: Node, first: dict[str, Chars], nullable: dict[str, bool]) -> tuple[Chars, bool]:
-    """(first characters, matches the empty text) of ``node`` under the rules' current facts."""
-    if isinstance(node, gbnf.Text):
-        return ((((ord(node.chars[0]),) * 2),) if node.chars else ()), not node.chars
-    if isinstance(node, gbnf.CharSet):
-        return node.chars, False
-    if isinstance(node, gbnf.Ref):
-        return first[node.name], nullable[node.name]
-    if isinstance(node, gbnf.Seq):
-        chars: list[Chars] = []
-        for item in node.items:
-            f, e = _first(item, first, nullable)
-            chars.append(f)
-            if not e:
-                return gbnf.union(*chars), False
-        return gbnf.union(*chars), True
-    if isinstance(node, gbnf.Alt):
-        parts = [_first(o, first, nullable) for o in node.options]
-        return gbnf.union(*(f for f, _ in parts)), any(e for _, e in parts)
-    f, e = _first(node.node, first, nullable)
-    return f, e or node.low == 0
+class _Check:
+    """FIRST / FOLLOW over lexeme occurrences of the rules that stay rules (module docstring)."""
+
+    def __init__(self, rules: dict[str, Node]) -> None:
+        self.rules = rules
+        self.terminal = _terminals(rules)
+        self.kept = [n for n in rules if n not in self.terminal]
+        self.lexeme: list[Node] = []  # occurrence id -> its lexeme (a Text, CharSet, Ref)
+        self._ids: dict[int, int] = {}  # id() of an atom node -> occurrence id
+        for name in self.kept:
+            self._number(rules[name])
+        self._nfas: dict[Node, _Nfa] = {}
+        self._pairs: dict[tuple[Node, Node], Chars] = {}
+
+    def _number(self, node: Node) -> None:
+        if isinstance(node, gbnf.Text | gbnf.CharSet) or (
+            isinstance(node, gbnf.Ref) and node.name in self.terminal
+        ):
+            if isinstance(node, gbnf.Text) and not node.chars:
+                return
+            if len(self.lexeme) >= MAX_STATES:
+                raise _TooBig
+            self._ids[id(node)] = len(self.lexeme)
+            self.lexeme.append(node)
+        elif isinstance(node, gbnf.Seq | gbnf.Alt):
+            for child in node.items if isinstance(node, gbnf.Seq) else node.options:
+                self._number(child)
+        elif isinstance(node, gbnf.Repeat):
+            self._number(node.node)
+
+    def nfa(self, node: Node) -> _Nfa:
+        if node not in self._nfas:
+            self._nfas[node] = _Nfa(self.rules, node)
+        return self._nfas[node]
+
+    def loss(self) -> str | None:
+        first: dict[str, Occurrences] = {n: frozenset() for n in self.kept}
+        nullable: dict[str, bool] = {n: False for n in self.kept}
+        changed = True
+        while changed:  # FIRST and nullable of the rules that stay rules
+            changed = False
+            for n in self.kept:
+                f, e = self._first(self.rules[n], first, nullable)
+                if f != first[n] or e != nullable[n]:
+                    first[n], nullable[n], changed = f, e, True
+        follow: dict[object, set[int]] = {n: set() for n in self.kept}
+        follow["root"] = {END}
+        changed = True
+        while changed:
+            changed = False
+
+            def add(key: object, after: Occurrences) -> None:
+                nonlocal changed
+                known = follow.setdefault(key, set())
+                if not after <= known:
+                    known |= after
+                    changed = True
+
+            for n in self.kept:
+                self._walk(self.rules[n], frozenset(follow[n]), first, nullable, add)
+        places = {first["root"]}  # each place's lexemes as its rule alone says (module docstring)
+
+        def note(key: object, after: Occurrences) -> None:
+            places.add(after)
+
+        for n in self.kept:
+            self._walk(self.rules[n], frozenset(), first, nullable, note)
+        for place in places:
+            for a in sorted(place - {END}):
+                after = follow.get(a, set()) - {END}
+                starts = gbnf.union(*(self._starts(self.lexeme[o]) for o in after))
+                if not starts:
+                    continue
+                for b in place - {END}:
+                    if gbnf.intersect(self._continuing(a, b), starts):
+                        return self._label(self.lexeme[a])
+        return None
+
+    def _continuing(self, a: int, b: int) -> Chars:
+        key = (self.lexeme[a], self.lexeme[b])
+        if key not in self._pairs:
+            self._pairs[key] = _continuations(self.nfa(key[0]), self.nfa(key[1]))
+        return self._pairs[key]
+
+    def _starts(self, lexeme: Node) -> Chars:
+        nfa = self.nfa(lexeme)
+        return gbnf.union(*(c for c, _ in nfa.out(nfa.first)))
+
+    def _nullable_lexeme(self, lexeme: Node) -> bool:
+        nfa = self.nfa(lexeme)
+        return nfa.accept in nfa.first
+
+    @staticmethod
+    def _label(lexeme: Node) -> str:
+        if isinstance(lexeme, gbnf.Ref):
+            return f"rule '{lexeme.name}'"
+        if isinstance(lexeme, gbnf.Text):
+            return f"literal {lexeme.chars!r}"
+        return "a character class"
+
+    def _first(
+        self, node: Node, first: dict[str, Occurrences], nullable: dict[str, bool]
+    ) -> tuple[Occurrences, bool]:
+        """(occurrences that may come first, matches the empty text) of ``node``."""
+        if id(node) in self._ids:
+            return frozenset({self._ids[id(node)]}), self._nullable_lexeme(node)
+        if isinstance(node, gbnf.Text):  # the empty literal
+            return frozenset(), True
+        if isinstance(node, gbnf.Ref):
+            return first[node.name], nullable[node.name]
+        if isinstance(node, gbnf.Seq):
+            found: set[int] = set()
+            for item in node.items:
+                f, e = self._first(item, first, nullable)
+                found |= f
+                if not e:
+                    return frozenset(found), False
+            return frozenset(found), True
+        if isinstance(node, gbnf.Alt):
+            parts = [self._first(o, first, nullable) for o in node.options]
+            return frozenset().union(*(f for f, _ in parts)), any(e for _, e in parts)
+        assert isinstance(node, gbnf.Repeat)
+        f, e = self._first(node.node, first, nullable)
+        return f, e or node.low == 0
+
+    def _walk(
+        self,
+        node: Node,
+        after: Occurrences,
+        first: dict[str, Occurrences],
+        nullable: dict[str, bool],
+        add: Callable[[object, Occurrences], None],
+    ) -> None:
+        """Give each occurrence and rule reference in ``node`` what may follow it, ``after``
+        being what may follow ``node``."""
+        if id(node) in self._ids:
+            add(self._ids[id(node)], after)
+        elif isinstance(node, gbnf.Ref):
+            add(node.name, after)
+        elif isinstance(node, gbnf.Seq):
+            rest = after
+            for item in reversed(node.items):
+                self._walk(item, rest, first, nullable, add)
+                f, e = self._first(item, first, nullable)
+                rest = f | rest if e else f
+        elif isinstance(node, gbnf.Alt):
+            for option in node.options:
+                self._walk(option, after, first, nullable, add)
+        elif isinstance(node, gbnf.Repeat):
+            again = self._first(node.node, first, nullable)[0] if node.high != 1 else frozenset()
+            self._walk(node.node, after | again, first, nullable, add)
 
 
-def _walk_follow(
-    node: Node,
-    after: Chars,
-    first: dict[str, Chars],
-    nullable: dict[str, bool],
-    add: Callable[[str, Chars], None],
-) -> None:
-    """Give each rule reference in ``node`` the characters that may follow it, ``after``
-    being what may follow ``node``."""
-    if isinstance(node, gbnf.Ref):
-        add(node.name, after)
-    elif isinstance(node, gbnf.Seq):
-        rest = after
-        for item in reversed(node.items):
-            _walk_follow(item, rest, first, nullable, add)
-            f, e = _first(item, first, nullable)
-            rest = gbnf.union(f, rest) if e else f
-    elif isinstance(node, gbnf.Alt):
-        for option in node.options:
-            _walk_follow(option, after, first, nullable, add)
-    elif isinstance(node, gbnf.Repeat):
-        again = _first(node.node, first, nullable)[0] if node.high != 1 else ()
-        _walk_follow(node.node, gbnf.union(after, again), first, nullable, add)
+def refusal(source: str) -> str | None:
+    """Why llguidance should not take the GBNF ``source`` (its reading would differ from
+    llama.cpp's), or None."""
+    found = set_operation(source)
+    if found is not None:
+        return f"its class {found} holds a pair llguidance's regexes read as a set operation"
+    where = greedy_loss(source)
+    if where == TOO_LARGE:
+        return f"it is {TOO_LARGE}"
+    if where is not None:
+        return (
+            f"llguidance's greedy lexer may lose texts of it at its {where}: a character may "
+            "both continue a lexeme there and start what follows it"
+        )
+    return None
+
+
+_LARK_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|/(?:[^/\\\n]|\\.)+/[imslux]*|//[^\n]*')
+
+
+def dot_with_newline(lark: str) -> str:
+    """``gbnf_to_lark``'s output with each GBNF ``.`` (written ``/./``, which leaves out
+    ``\\n``) written ``/(?s:.)/`` (any character, as in llama.cpp)."""
+    return _LARK_PIECE.sub(lambda m: "/(?s:.)/" if m.group() == "/./" else m.group(), lark)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from espalier.constrained.backends.llguidance.gbnf_lexing import greedy_loss
+from espalier.constrained.backends.llguidance import gbnf_lexing
 from espalier.constrained.errors import UnsupportedGrammarError
 from espalier.constrained.regex_dialect import rust_misreading
 from espalier.constrained.schema.number_bounds import NumberBounds, bound_schema_numbers
@@ -106,15 +106,12 @@ class _Builder:
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             try:
-                text = gbnf_to_lark(text)
+                text = gbnf_lexing.dot_with_newline(gbnf_to_lark(text))
             except Exception as exc:  # the converter raises assorted errors on bad input
                 raise _unsupported(f"GBNF the converter refuses ({exc})") from exc
-            rule = greedy_loss(str(fmt["grammar"]))
-            if rule is not None:
-                raise _unsupported(
-                    f"its GBNF rule '{rule}' becomes one greedy lexeme in llguidance's reading, "
-                    "which loses texts of the grammar"
-                )
+            reason = gbnf_lexing.refusal(str(fmt["grammar"]))
+            if reason is not None:
+                raise _unsupported(f"a GBNF element: {reason}")
         name = f"g{len(self.side)}"
         self.side.append({"name": name, "lark_grammar": text})
         return "@" + name

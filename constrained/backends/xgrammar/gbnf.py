@@ -28,17 +28,22 @@ def xgrammar_gbnf(source: str) -> str:
     InvalidGrammarError (with its line) for a ``\\x`` escape without two hex digits."""
     tokens = [(m.lastgroup or "other", m.group(), m.start()) for m in TOKEN.finditer(source)]
     out: list[str] = []
+    last = 0  # len(out) after the last token that is not space or a comment
     has = True  # whether the current alternative holds an element (outside a rule: nothing due)
+
+    def empty() -> None:  # an empty alternative ends here: ``""`` after its last token
+        out.insert(last, ' ""')
+
     for i, (kind, text, start) in enumerate(tokens):
         if kind == "name" and _defines(tokens, i):
             if not has:
-                out.append('"" ')
+                empty()
             has = True  # the head; its ``::=`` opens the body
         elif kind == "define":
             has = False
         elif kind in ("bar", "close"):
             if not has:
-                out.append('"" ')
+                empty()
             has = kind == "close"  # a closed group is an element of the alternative around it
         elif kind == "open":
             has = False
@@ -50,8 +55,10 @@ def xgrammar_gbnf(source: str) -> str:
         elif kind == "name":
             has = True
         out.append(text)
+        if kind not in _SKIPPED:
+            last = len(out)
     if not has:
-        out.append(' ""')
+        empty()
     return "".join(out)
 
 
