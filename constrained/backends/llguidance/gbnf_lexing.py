@@ -32,6 +32,7 @@ leaves out ``\\n`` in Rust: respelled ``/(?s:.)/``) and classes holding ``&&``, 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections.abc import Callable
@@ -42,6 +43,9 @@ from espalier.constrained.gbnf import Chars, Node
 MAX_STATES = 20_000
 """Automaton states (a lexeme's NFA, a pair's product) and occurrences one check may take; past
 it the grammar counts as lossy."""
+MAX_WORK = 1_000_000
+"""Automaton states made and edges visited by one check (well under 1 s on this CPU); past it
+the grammar counts as lossy."""
 MAX_UNROLLED = 64
 """A bounded repeat with more copies than this is read as unbounded (more continuations: the
 check can then only find more losses, never fewer)."""
@@ -52,6 +56,18 @@ _SET_OPERATION = re.compile(r"&&|--|~~")
 
 class _TooBig(Exception):
     pass
+
+
+class _Budget:
+    """The work one check may do (automaton edges visited, states made): :data:`MAX_WORK`."""
+
+    def __init__(self) -> None:
+        self.left = MAX_WORK
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise _TooBig
 
 
 def greedy_loss(source: str) -> str | None:
@@ -93,10 +109,13 @@ def _terminals(rules: dict[str, Node]) -> set[str]:
 class _Nfa:
     """A Thompson automaton of one lexeme (terminals it names inlined)."""
 
-    def __init__(self, rules: dict[str, Node], node: Node) -> None:
+    def __init__(self, rules: dict[str, Node], node: Node, budget: _Budget) -> None:
         self.rules = rules
+        self.budget = budget
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[Chars, int]]] = []
+        self._cuts: dict[frozenset[int], list[int]] = {}
+        self._steps: dict[tuple[frozenset[int], int], frozenset[int]] = {}
         self.start, self.accept = self._state(), self._state()
         self._build(node, self.start, self.accept)
         self.first = self.closure({self.start})
@@ -104,6 +123,7 @@ class _Nfa:
     def _state(self) -> int:
         if len(self.eps) >= MAX_STATES:
             raise _TooBig
+        self.budget.spend(1)
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -165,6 +185,26 @@ class _Nfa:
     def out(self, states: frozenset[int]) -> list[tuple[Chars, int]]:
         return [edge for state in states for edge in self.edges[state]]
 
+    def cuts(self, states: frozenset[int]) -> list[int]:
+        """Sorted points where the characters leaving ``states`` change (cached)."""
+        found = self._cuts.get(states)
+        if found is None:
+            self.budget.spend(len(states))
+            found = sorted({p for c, _ in self.out(states) for lo, hi in c for p in (lo, hi + 1)})
+            self._cuts[states] = found
+        return found
+
+    def step(self, states: frozenset[int], point: int) -> frozenset[int]:
+        """The states after reading code point ``point`` from ``states`` (cached)."""
+        key = (states, point)
+        found = self._steps.get(key)
+        if found is None:
+            out = self.out(states)
+            self.budget.spend(len(out))
+            found = self.closure({s for c, s in out if _holds(c, point)})
+            self._steps[key] = found
+        return found
+
 
 def _continuations(a: _Nfa, b: _Nfa) -> Chars:
     """Characters ``c`` such that ``w c`` begins a text of ``b`` for a non-empty complete text
@@ -175,19 +215,19 @@ def _continuations(a: _Nfa, b: _Nfa) -> Chars:
     seen, todo = {start}, [start]
     while todo:
         sa, sb, read = todo.pop()
-        out_a, out_b = a.out(sa), b.out(sb)
         if read and a.accept in sa:
-            found += [c for c, _ in out_b]
-        for piece in _pieces([c for c, _ in out_a] + [c for c, _ in out_b]):
-            point = piece[0][0]
-            na = a.closure({s for c, s in out_a if _holds(c, point)})
-            nb = b.closure({s for c, s in out_b if _holds(c, point)})
-            pair = (na, nb, True)
-            if na and nb and pair not in seen:
-                if len(seen) >= MAX_STATES:
-                    raise _TooBig
-                seen.add(pair)
-                todo.append(pair)
+            found += [c for c, _ in b.out(sb)]
+        b_cuts = b.cuts(sb)
+        for low, high in _pieces([c for c, _ in a.out(sa)]):
+            # a's piece, split where b's characters change
+            inner = b_cuts[bisect.bisect_right(b_cuts, low) : bisect.bisect_right(b_cuts, high)]
+            for point in [low, *inner]:
+                na, nb = a.step(sa, point), b.step(sb, point)
+                pair = (na, nb, True)
+                if na and nb and pair not in seen:
+                    a.budget.spend(1)
+                    seen.add(pair)
+                    todo.append(pair)
     return gbnf.union(*found)
 
 
@@ -195,12 +235,12 @@ def _holds(chars: Chars, point: int) -> bool:
     return any(low <= point <= high for low, high in chars)
 
 
-def _pieces(sets: list[Chars]) -> list[Chars]:
-    """The coarsest partition of the union of ``sets`` whose parts each lie inside or outside
-    every one of them (one-interval parts)."""
+def _pieces(sets: list[Chars]) -> list[tuple[int, int]]:
+    """The coarsest partition of the union of ``sets`` into intervals each inside or outside
+    every one of them."""
     cuts = sorted({p for s in sets for low, high in s for p in (low, high + 1)})
     return [
-        ((low, high - 1),)
+        (low, high - 1)
         for low, high in itertools.pairwise(cuts)
         if any(_holds(s, low) for s in sets)
     ]
@@ -220,8 +260,11 @@ class _Check:
         self._ids: dict[int, int] = {}  # id() of an atom node -> occurrence id
         for name in self.kept:
             self._number(rules[name])
+        self.budget = _Budget()
         self._nfas: dict[Node, _Nfa] = {}
-        self._pairs: dict[tuple[Node, Node], Chars] = {}
+        self._ext: dict[tuple[Node, Occurrences], Chars] = {}
+        self._unions: dict[Occurrences, _Nfa] = {}
+        self._after: dict[Occurrences, Chars] = {}  # what may follow -> its first characters
 
     def _number(self, node: Node) -> None:
         if isinstance(node, gbnf.Text | gbnf.CharSet) or (
@@ -241,7 +284,7 @@ class _Check:
 
     def nfa(self, node: Node) -> _Nfa:
         if node not in self._nfas:
-            self._nfas[node] = _Nfa(self.rules, node)
+            self._nfas[node] = _Nfa(self.rules, node, self.budget)
         return self._nfas[node]
 
     def loss(self) -> str | None:
@@ -276,22 +319,34 @@ class _Check:
 
         for n in self.kept:
             self._walk(self.rules[n], frozenset(), first, nullable, note)
+        starts: dict[int, Chars] = {}
         for place in places:
-            for a in sorted(place - {END}):
-                after = follow.get(a, set()) - {END}
-                starts = gbnf.union(*(self._starts(self.lexeme[o]) for o in after))
-                if not starts:
+            occurrences = place - {END}
+            if not occurrences:
+                continue
+            lexemes = tuple(dict.fromkeys(self.lexeme[o] for o in sorted(occurrences)))
+            # one automaton for all the lexemes of the place (a frozenset keys it: its hash is
+            # kept, a 2,000-option Alt's is not)
+            union = self._unions.get(occurrences)
+            if union is None:
+                node = lexemes[0] if len(lexemes) == 1 else gbnf.Alt(lexemes)
+                union = self._unions[occurrences] = _Nfa(self.rules, node, self.budget)
+            for a in sorted(occurrences):
+                if a not in starts:
+                    after = frozenset(follow.get(a, set()) - {END})
+                    if after not in self._after:
+                        self.budget.spend(len(after))
+                        firsts = {self.lexeme[o] for o in after}
+                        self._after[after] = gbnf.union(*(self._starts(x) for x in firsts))
+                    starts[a] = self._after[after]
+                if not starts[a]:
                     continue
-                for b in place - {END}:
-                    if gbnf.intersect(self._continuing(a, b), starts):
-                        return self._label(self.lexeme[a])
+                key = (self.lexeme[a], occurrences)
+                if key not in self._ext:
+                    self._ext[key] = _continuations(self.nfa(self.lexeme[a]), union)
+                if gbnf.intersect(self._ext[key], starts[a]):
+                    return self._label(self.lexeme[a])
         return None
-
-    def _continuing(self, a: int, b: int) -> Chars:
-        key = (self.lexeme[a], self.lexeme[b])
-        if key not in self._pairs:
-            self._pairs[key] = _continuations(self.nfa(key[0]), self.nfa(key[1]))
-        return self._pairs[key]
 
     def _starts(self, lexeme: Node) -> Chars:
         nfa = self.nfa(lexeme)
