@@ -151,6 +151,7 @@ def test_classes_and_escapes_read_as_llama_cpp_reads_them() -> None:
         ('root ::= "a" ws "b"\nws ::= | " "', ["ab", "a b"], ["a  b"]),
         ('root ::= "a" ( | "x" | ) "b"', ["ab", "axb"], ["ayb"]),
         ('root ::= "<" . ">"', ["<x>", "<\n>", "<\u00e9>"], ["<>"]),
+        ('root ::= "\\[" [\\]x] "\\]"', ["[]]", "[x]"], ["[y]"]),
     ],
 )
 def test_xgrammar_reads_gbnf_as_llama_cpp_does(

@@ -1,7 +1,7 @@
 """GBNF text as llama.cpp reads it, respelled where xgrammar's EBNF parser reads it otherwise.
 
-xgrammar takes GBNF directly (a grammar over characters, as llama.cpp's), but three spellings
-differ (checked on xgrammar 0.2.9, ``tests/constrained/test_xgrammar_gbnf.py``):
+xgrammar takes GBNF directly (a grammar over characters, as llama.cpp's), but four spellings
+differ (checked on xgrammar 0.2.9, ``tests/constrained/test_gbnf_reading.py``):
 
 - ``\\xHH`` reads on past two hex digits: ``"\\x41BC"`` is U+41BC there, ``ABC`` in llama.cpp.
   It is written ``\\u00HH`` (xgrammar reads ``\\u`` and ``\\U`` as llama.cpp does); a ``\\x``
@@ -9,6 +9,8 @@ differ (checked on xgrammar 0.2.9, ``tests/constrained/test_xgrammar_gbnf.py``):
 - An empty alternative (``ws ::= | " "``, ``( | "x")``, llama.cpp's ``json.gbnf``) is a parse
   error there: it is written ``""``.
 - ``.`` (any character) is a parse error there: it is written ``[\\u0000-\\U0010FFFF]``.
+- ``\\[`` and ``\\]`` in a literal are refused there ("Invalid escape sequence"): they are
+  written ``[`` and ``]``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def xgrammar_gbnf(source: str) -> str:
         elif kind == "open":
             has = False
         elif kind in ("lit", "cls"):
-            text = _hex_escapes(text, source, start)
+            text = _escapes(text, source, start, kind == "lit")
             has = True
         elif kind == "dot":
             text, has = ANY_CHARACTER, True
@@ -70,13 +72,14 @@ def _defines(tokens: list[tuple[str, str, int]], i: int) -> bool:
     return False
 
 
-def _hex_escapes(text: str, source: str, start: int) -> str:
-    """A literal's or a class's ``\\xHH`` escapes written ``\\u00HH``."""
+def _escapes(text: str, source: str, start: int, literal: bool) -> str:
+    """A literal's or a class's ``\\xHH`` escapes written ``\\u00HH``; a literal's ``\\[``
+    and ``\\]`` written bare."""
 
     def respell(match: re.Match[str]) -> str:
-        digits = match.group(1)
+        digits, escape = match.group(1), match.group()
         if digits is None:
-            return match.group()
+            return escape[1] if literal and escape in ("\\[", "\\]") else escape
         if len(digits) < 2:
             line = source.count("\n", 0, start + match.start()) + 1
             raise InvalidGrammarError(
