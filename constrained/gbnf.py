@@ -122,7 +122,7 @@ def refs(node: Node) -> set[str]:
     if isinstance(node, Ref):
         return {node.name}
     if isinstance(node, Seq):
-        return set().union(*(refs(n) for n in node.items)) if node.items else set()
+        return set().union(*(refs(n) for n in node.items))
     if isinstance(node, Alt):
         return set().union(*(refs(n) for n in node.options))
     if isinstance(node, Repeat):
@@ -154,7 +154,7 @@ def _alternatives(tokens: list[tuple[str, str]], pos: int) -> tuple[Node, int]:
 def _atom(tokens: list[tuple[str, str]], pos: int) -> tuple[Node, int]:
     kind, text = tokens[pos]
     if kind == "lit":
-        return Text("".join(chr(c) for c in _decode(text[1:-1]))), pos + 1
+        return Text("".join(chr(c) for _, c in _units(text[1:-1]))), pos + 1
     if kind == "cls":
         return CharSet(_char_class(text[1:-1])), pos + 1
     if kind == "dot":
@@ -191,64 +191,48 @@ _ESCAPES = {"t": 9, "r": 13, "n": 10}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 
 
-def _decode(body: str) -> list[int]:
-    """The code points of a literal's or class's body, escapes read as llama.cpp reads them."""
-    out: list[int] = []
+def _units(body: str) -> list[tuple[str, int]]:
+    """A literal's or class's body as (unit as written, its code point) pairs, one per
+    character or escape, escapes read as llama.cpp reads them."""
+    out: list[tuple[str, int]] = []
     i = 0
     while i < len(body):
-        char = body[i]
-        if char != "\\":
-            out.append(ord(char))
+        if body[i] != "\\":
+            out.append((body[i], ord(body[i])))
             i += 1
             continue
         if i + 1 >= len(body):
             raise GbnfReadError("a trailing backslash")
         code = body[i + 1]
-        if code in _HEX_DIGITS:
-            n = _HEX_DIGITS[code]
-            digits = body[i + 2 : i + 2 + n]
+        n = _HEX_DIGITS.get(code, 0)
+        unit = body[i : i + 2 + n]
+        if n:
+            digits = unit[2:]
             if len(digits) != n or not all(c in "0123456789abcdefABCDEF" for c in digits):
                 raise GbnfReadError(f"\\{code} needs {n} hex digits")
-            out.append(int(digits, 16))
-            i += 2 + n
+            out.append((unit, int(digits, 16)))
         else:
-            out.append(_ESCAPES.get(code, ord(code)))
-            i += 2
+            out.append((unit, _ESCAPES.get(code, ord(code))))
+        i += len(unit)
     return out
 
 
 def _char_class(body: str) -> Chars:
-    """The set a class's body (between the brackets) names."""
+    """The set a class's body (between the brackets) names: a ``-`` written bare between two
+    units is a range."""
     negated = body.startswith("^")
-    points = _decode(body[1:] if negated else body)
-    # a '-' between two points (not escaped: `_decode` lost that, so read the raw body) is a range
-    raw = _raw_units(body[1:] if negated else body)
+    units = _units(body[1:] if negated else body)
     intervals: list[tuple[int, int]] = []
     i = 0
-    while i < len(points):
-        if i + 2 < len(points) and raw[i + 1] == "-":
-            intervals.append((points[i], points[i + 2]))
+    while i < len(units):
+        if i + 2 < len(units) and units[i + 1][0] == "-":
+            intervals.append((units[i][1], units[i + 2][1]))
             i += 3
         else:
-            intervals.append((points[i], points[i]))
+            intervals.append((units[i][1], units[i][1]))
             i += 1
     chars = normalize(intervals)
     return complement(chars) if negated else chars
-
-
-def _raw_units(body: str) -> list[str]:
-    """The body's characters and escapes, one unit each (as :func:`_decode` reads them)."""
-    units: list[str] = []
-    i = 0
-    while i < len(body):
-        if body[i] == "\\" and i + 1 < len(body):
-            n = _HEX_DIGITS.get(body[i + 1], 0)
-            units.append(body[i : i + 2 + n])
-            i += 2 + n
-        else:
-            units.append(body[i])
-            i += 1
-    return units
 
 
 def normalize(intervals: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> Chars:

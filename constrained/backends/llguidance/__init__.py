@@ -41,7 +41,6 @@ from urllib.parse import unquote
 import llguidance
 import numpy as np
 import torch
-from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends.common import (
@@ -207,7 +206,7 @@ class Backend:
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
         if kind is GrammarKind.EBNF:
             try:
-                lark = gbnf_to_lark(spec.source)
+                lark = gbnf_lexing.lark_of(spec.source)
             except Exception as exc:  # the converter raises assorted errors on bad input
                 match = _GBNF_LINE.search(str(exc))
                 line = int(match.group(1)) if match else None
@@ -216,7 +215,7 @@ class Backend:
             if reason is not None:
                 raise UnsupportedGrammarError(NAME, kind.value, reason)
             _refuse_hanging_terminal(lark, kind)
-            return llguidance.LLMatcher.grammar_from_lark(gbnf_lexing.dot_with_newline(lark))
+            return llguidance.LLMatcher.grammar_from_lark(lark)
         if kind is GrammarKind.STRUCTURAL_TAG:
             from espalier.constrained.backends.llguidance.tags import structural_tag_grammar
 

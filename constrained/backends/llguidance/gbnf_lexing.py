@@ -37,6 +37,8 @@ import itertools
 import re
 from collections.abc import Callable
 
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
 from espalier.constrained import gbnf
 from espalier.constrained.gbnf import Chars, Node
 
@@ -437,7 +439,9 @@ def refusal(source: str) -> str | None:
 _LARK_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|/(?:[^/\\\n]|\\.)+/[imslux]*|//[^\n]*')
 
 
-def dot_with_newline(lark: str) -> str:
-    """``gbnf_to_lark``'s output with each GBNF ``.`` (written ``/./``, which leaves out
-    ``\\n``) written ``/(?s:.)/`` (any character, as in llama.cpp)."""
+def lark_of(source: str) -> str:
+    """The GBNF ``source`` as llguidance's Lark (``gbnf_to_lark``, which raises assorted errors
+    on bad input), each ``.`` (written ``/./``, which leaves out ``\\n``) respelled
+    ``/(?s:.)/``: any character, as in llama.cpp."""
+    lark = gbnf_to_lark(source)
     return _LARK_PIECE.sub(lambda m: "/(?s:.)/" if m.group() == "/./" else m.group(), lark)

@@ -103,10 +103,8 @@ class _Builder:
     def _grammar(self, fmt: Format, at_end: bool) -> str:
         text = str(fmt["grammar"])
         if fmt.get("syntax", "ebnf") == "ebnf":
-            from llguidance.gbnf_to_lark import gbnf_to_lark
-
             try:
-                text = gbnf_lexing.dot_with_newline(gbnf_to_lark(text))
+                text = gbnf_lexing.lark_of(text)
             except Exception as exc:  # the converter raises assorted errors on bad input
                 raise _unsupported(f"GBNF the converter refuses ({exc})") from exc
             reason = gbnf_lexing.refusal(str(fmt["grammar"]))
