@@ -301,17 +301,17 @@ class _Check:
                     first[n], nullable[n], changed = f, e, True
         follow: dict[object, set[int]] = {n: set() for n in self.kept}
         follow["root"] = {END}
+
+        def add(key: object, after: Occurrences) -> None:
+            nonlocal changed
+            known = follow.setdefault(key, set())
+            if not after <= known:
+                known |= after
+                changed = True
+
         changed = True
         while changed:
             changed = False
-
-            def add(key: object, after: Occurrences) -> None:
-                nonlocal changed
-                known = follow.setdefault(key, set())
-                if not after <= known:
-                    known |= after
-                    changed = True
-
             for n in self.kept:
                 self._walk(self.rules[n], frozenset(follow[n]), first, nullable, add)
         places = {first["root"]}  # each place's lexemes as its rule alone says (module docstring)
