@@ -43,6 +43,7 @@ one branch per type (exact), since xgrammar applies bounds only under a single t
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +220,8 @@ class _Walker:
             return node  # a malformed bound: not ours to interpret
         if self.backend == BackendName.XGRAMMAR and "multipleOf" in node:
             return node  # xgrammar drops multipleOf next to a range ("not yet supported")
+        if kind == "integer":
+            node = _whole_bounds(node)
         lows = [node[k] for k in ("minimum", "exclusiveMinimum") if k in node]
         highs = [node[k] for k in ("maximum", "exclusiveMaximum") if k in node]
         out = dict(node)
@@ -235,6 +238,28 @@ class _Walker:
         if kind == "number" and self.backend == BackendName.LLGUIDANCE and "multipleOf" not in node:
             out["multipleOf"] = 10.0**-self.bounds.number_fraction_digits
         return out
+
+
+def _whole_bounds(node: dict[str, Any]) -> dict[str, Any]:
+    """An ``integer`` node whose bounds are not all whole numbers, with its bounds as the
+    inclusive whole ``minimum`` / ``maximum`` that take the same integers (``exclusiveMinimum:
+    0.5`` is ``minimum: 1``): xgrammar refuses a fractional bound on an integer ("Integer
+    constraint must be a whole number"); the language is the same. Bounds are numbers (the
+    caller checked)."""
+    keys = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+    values = [node[k] for k in keys if k in node]
+    if all(isinstance(v, int) or not math.isfinite(v) or v.is_integer() for v in values):
+        return node  # whole already, or a non-finite bound: not ours to rewrite
+    lows = [math.ceil(node["minimum"])] if "minimum" in node else []
+    lows += [math.floor(node["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in node else []
+    highs = [math.floor(node["maximum"])] if "maximum" in node else []
+    highs += [math.ceil(node["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in node else []
+    out = {k: v for k, v in node.items() if k not in keys}
+    if lows:
+        out["minimum"] = max(lows)
+    if highs:
+        out["maximum"] = min(highs)
+    return out
 
 
 def _is_number(value: Any) -> bool:

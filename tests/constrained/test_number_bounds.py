@@ -205,3 +205,25 @@ def test_an_int64_maximum_compiles_under_the_policy_and_stays_refused_without_it
         assert not ok or validator.is_valid({"n": value})
     with pytest.raises(GrammarError):
         compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend, options=UNBOUNDED)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "exclusiveMinimum": 0.5},
+        {"type": "integer", "minimum": -2.5, "exclusiveMaximum": 3.5},
+        {"type": "integer", "maximum": -0.5, "exclusiveMaximum": 2},
+        {"type": ["integer", "string"], "exclusiveMinimum": 0.5},
+    ],
+)
+def test_fractional_bounds_on_integers_take_exactly_the_schemas_integers(
+    backend: str, schema: dict[str, Any], toy_tokenizer: Any
+) -> None:
+    """xgrammar refused a fractional bound on an integer; the policy writes the whole bounds
+    that take the same integers, on every backend it bounds."""
+    grammar = compiled(backend, schema, toy_tokenizer)
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in range(-5, 6):
+        text = str(value)
+        assert grammar_accepts(grammar, toy_tokenizer, text) == validator.is_valid(value), text
