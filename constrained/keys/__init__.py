@@ -22,9 +22,12 @@ except that ``accept`` never lets a duplicate item through.
 
 Exactness: a key can still be extended or changed, so removing its duplicate completions leaves
 a way on, unless the grammar's key language is finite and exhausted (``propertyNames: {"enum":
-[...]}``, an anchored ``patternProperties`` with ``minProperties``). There every allowed token
-would complete a duplicate; the tracker then removes nothing (a row is never emptied: the
-request goes on and post-validation reports the duplicate) instead of leaving a dead end.
+[...]}``, an anchored ``patternProperties`` with ``minProperties``, a key at its ``maxLength``).
+There every allowed token would complete a duplicate; the tracker then removes nothing (a row is
+never emptied) and ``accept`` refuses the duplicate all the same (as it refuses a duplicate
+item): no instance with a repeated key is accepted. The closing policy's check before each token
+sees the dead end one token early and closes the output there; past its window the request ends
+with an error that says why (:meth:`UniqueKeysMatcher.refusal`).
 """
 
 from espalier.constrained.keys.matcher import UniqueKeysMatcher, may_repeat_keys, with_unique_keys

@@ -23,10 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 3
+#define ESP_KEYS_ABI 4
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
+enum { REFUSED_ESCAPE = 0, REFUSED_KEY = 1, REFUSED_ITEM = 2 };
 
 /* keys / items: last KeyEntry (-1 none); loc: this container's place (EspPlaces state, -1 none
  * tracked); index: an array's items before the current one; vloc: an object's value place after
@@ -94,6 +95,7 @@ typedef struct EspKeys {
     int32_t *found; int64_t found_cap; /* filter scratch */
     uint32_t *saved; int64_t saved_cap; /* filter scratch: a row before a number's cut */
     int failed;                        /* an allocation failed: sticky */
+    int32_t refused; /* what the last refused advance completed (REFUSED_*); not rolled back */
 } EspKeys;
 
 /* ---- growth ------------------------------------------------------------------------------ */
@@ -218,24 +220,24 @@ static int key_in(const EspKeys *k, int32_t entry, const uint8_t *key, uint32_t 
     return 0;
 }
 
-/* The key string ends: 1 when it repeats a key of its object and strict (nothing changed after
- * the key's bytes: the caller rolls the token back), else 0. */
-static int close_key(EspKeys *k, int strict) {
+/* The key string ends: 1 when it repeats a key of its object (the caller rolls the token back;
+ * strict or not: no object with a repeated key is ever accepted), else 0. */
+static int close_key(EspKeys *k) {
     put_utf8(k, k->high);
     Frame *top = &k->stack[k->depth - 1];
     uint32_t len = k->n_bytes - k->key_off;
-    int seen = key_in(k, top->keys, k->bytes + k->key_off, len);
-    if (seen && strict) return 1;
+    if (key_in(k, top->keys, k->bytes + k->key_off, len)) {
+        k->refused = REFUSED_KEY;
+        return 1;
+    }
     save_slot(k, k->depth - 1);
-    if (!seen) {
-        if (grow32((void **)&k->entries, &k->entries_cap, (int64_t)k->n_entries + 1,
-                   sizeof(KeyEntry))) {
-            KeyEntry e = {top->keys, k->key_off, len};
-            k->entries[k->n_entries] = e;
-            top->keys = k->n_entries++;
-        } else {
-            k->failed = 1;
-        }
+    if (grow32((void **)&k->entries, &k->entries_cap, (int64_t)k->n_entries + 1,
+               sizeof(KeyEntry))) {
+        KeyEntry e = {top->keys, k->key_off, len};
+        k->entries[k->n_entries] = e;
+        top->keys = k->n_entries++;
+    } else {
+        k->failed = 1;
     }
     top->expect_key = 0;
     if (top->loc >= 0) top->vloc = key_place(k->places, top->loc, k->bytes + k->key_off, len);
@@ -388,8 +390,10 @@ static int close_item(EspKeys *k, uint32_t off) {
     if (k->failed || !k->depth) return 0;
     Frame *top = &k->stack[k->depth - 1];
     uint32_t len = k->n_bytes - off;
-    int seen = key_in(k, top->items, k->bytes + off, len);
-    if (seen) return 1;
+    if (key_in(k, top->items, k->bytes + off, len)) {
+        k->refused = REFUSED_ITEM;
+        return 1;
+    }
     save_slot(k, k->depth - 1);
     if (grow32((void **)&k->entries, &k->entries_cap, (int64_t)k->n_entries + 1, sizeof(KeyEntry))) {
         KeyEntry e = {top->items, off, len};
@@ -407,7 +411,8 @@ static void start_item(EspKeys *k, int32_t item, uint8_t tag) {
     put_byte(k, tag);
 }
 
-/* 1: the byte completes a duplicate key (strict); the caller rolls back. */
+/* 1: the byte completes a duplicate key or item, or writes a needless escape in a key (strict);
+ * the caller rolls back. */
 static int step_byte(EspKeys *k, uint8_t b, int strict) {
     if (k->item == NUMBER_ITEM) {
         if (number_byte(b)) { put_byte(k, b); return 0; }
@@ -424,7 +429,10 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
     }
     if (k->in_key || k->in_value) {
         if (k->esc_len) {
-            if (strict && k->in_key && needless_escape(k, b)) return 1;
+            if (strict && k->in_key && needless_escape(k, b)) {
+                k->refused = REFUSED_ESCAPE;
+                return 1;
+            }
             escape_byte(k, b);
         } else if (b == '\\') {
             k->esc_len = 1;
@@ -442,7 +450,7 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
                 return close_item(k, k->item_off);
             }
         } else {
-            return close_key(k, strict);
+            return close_key(k);
         }
         return 0;
     }
@@ -522,7 +530,8 @@ static const uint8_t *token_bytes(const EspKeysTables *t, int64_t token, int64_t
     return t->bytes + t->offs[token];
 }
 
-/* Accept one token: 1 (a mark pushed), 0 it completes a duplicate (strict; state unchanged),
+/* Accept one token: 1 (a mark pushed), 0 it completes a duplicate, or writes a needless escape
+ * in a key (strict) (state unchanged),
  * -1 out of memory (state unchanged). */
 static int advance(EspKeys *k, int64_t token, int strict) {
     if (!grow((void **)&k->marks, &k->marks_cap, k->n_marks + 1, sizeof(Mark))) return -1;
@@ -537,7 +546,7 @@ static int advance(EspKeys *k, int64_t token, int strict) {
         if (step_byte(k, data[i], strict)) { rollback(k, 1); return 0; }
     }
     if (k->failed) { rollback(k, 1); k->failed = 0; return -1; }
-    if (in_taken_literal(k)) { rollback(k, 1); return 0; }
+    if (in_taken_literal(k)) { rollback(k, 1); k->refused = REFUSED_ITEM; return 0; }
     return 1;
 }
 
@@ -1020,8 +1029,12 @@ void espalier_keys_reset(EspKeys *k) {
 
 int64_t espalier_keys_accepted(const EspKeys *k) { return k->n_marks; }
 
+/* What the last refused advance would have completed: REFUSED_KEY, REFUSED_ITEM, or 0 (none yet,
+ * or a needless escape). */
+int32_t espalier_keys_refused(const EspKeys *k) { return k->refused; }
+
 /* 1 accepted, 0 it completes a duplicate key or item (state unchanged), -1 out of memory. strict=0:
- * a duplicate key goes through, counted once (a duplicate item never does). */
+ * a needless escape in a key goes through (a duplicate key or item never does). */
 int32_t espalier_keys_accept(EspKeys *k, int64_t token, int32_t strict) {
     return advance(k, token, strict);
 }

@@ -84,7 +84,7 @@ class UniqueKeysMatcher:
         self.inner = inner
         self.keys = keys
         self._row: torch.Tensor | None = None  # scratch row of the dead-end check, made on use
-        self._dead_end = False  # the last refused token was all the row allowed (an item)
+        self._dead_end: str | None = None  # the last refused token was all the row allowed
 
     @property
     def vocab_size(self) -> int:
@@ -241,10 +241,11 @@ class UniqueKeysMatcher:
         return masks
 
     def _accept_keys(self, token: int) -> bool:
-        """Advance the tracker by ``token``; False when it completes a duplicate item, or a
-        duplicate key and some other token is allowed (the dead-end rule: a row is never
-        emptied; the tracker never lets an item through, so no invalid instance is accepted)."""
-        self._dead_end = False
+        """Advance the tracker by ``token``; False when it completes a duplicate key or item
+        (the dead-end rule: a row is never emptied, so where every allowed token completes a
+        duplicate the row keeps them, and the one sampled is refused here: no invalid instance
+        is accepted, and the request ends saying why, :meth:`refusal`)."""
+        self._dead_end = None
         if self.keys.accept(token):
             return True
         row = self._row
@@ -254,20 +255,30 @@ class UniqueKeysMatcher:
         if self.keys.filter_row(row[0].numpy()):
             return False
         if self.keys.accept(token, strict=False):
-            return True
-        self._dead_end = True  # every way on repeats an item: nothing could be sampled
+            return True  # a needless escape the grammar forces (none of the backends does)
+        self._dead_end = "key" if self.keys.refused_key else "item"
         return False
 
     def refusal(self) -> str | None:
-        """``RowFilter.refusal``: the unique-items dead end (package docstring), else None."""
-        if not self._dead_end:
-            return None
-        return (
-            "uniqueItems: every token the grammar allows here completes an item that its array "
-            "already holds (the item so far can only end as that item, e.g. at its maxLength or "
-            "at the end of its pattern); the tracker refuses duplicates one token at a time and "
-            "cannot steer away earlier. Another seed, or a wider item schema, avoids it"
-        )
+        """``RowFilter.refusal``: the dead end of a repeated key or unique item (package
+        docstring), else None."""
+        if self._dead_end == "item":
+            return (
+                "uniqueItems: every token the grammar allows here completes an item that its "
+                "array already holds (the item so far can only end as that item, e.g. at its "
+                "maxLength or at the end of its pattern); the tracker refuses duplicates one "
+                "token at a time and cannot steer away earlier. Another seed, or a wider item "
+                "schema, avoids it"
+            )
+        if self._dead_end == "key":
+            return (
+                "duplicate key: every token the grammar allows here completes a key that its "
+                "object already holds (the key so far can only end as that key, e.g. at the end "
+                "of its pattern or propertyNames' maxLength, or the object needs more keys than "
+                "its key schema can name); the tracker refuses duplicates one token at a time "
+                "and cannot steer away earlier. Another seed, or a wider key schema, avoids it"
+            )
+        return None
 
 
 def filter_batch(

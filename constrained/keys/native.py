@@ -21,7 +21,7 @@ import numpy as np
 if TYPE_CHECKING:
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 3
+ABI = 4
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
@@ -67,6 +67,7 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_fork": (vp, [vp]),
         "espalier_keys_reset": (None, [vp]),
         "espalier_keys_accepted": (i64, [vp]),
+        "espalier_keys_refused": (i32, [vp]),
         "espalier_keys_accept": (i32, [vp, i64, i32]),
         "espalier_keys_accept_tokens": (i64, [vp, vp, i64]),
         "espalier_keys_rollback": (None, [vp, i64]),
@@ -211,10 +212,17 @@ class KeyTracker:
         """Tokens accepted (rollback can undo that many)."""
         return int(self._lib.espalier_keys_accepted(self._h))
 
+    @property
+    def refused_key(self) -> bool:
+        """The last token refused would have completed a key (not an item, nor a needless
+        escape)."""
+        return int(self._lib.espalier_keys_refused(self._h)) == 1
+
     def accept(self, token: int, *, strict: bool = True) -> bool:
         """Advance by ``token``'s bytes; False (state unchanged) when they complete a key
-        already in its object, or an item already in its unique array. ``strict=False``: a
-        duplicate key goes through, counted once (a duplicate item never does)."""
+        already in its object, or an item already in its unique array, or (``strict``) write an
+        escape a key does not need. ``strict=False``: such an escape goes through (a duplicate
+        never does)."""
         done = int(self._lib.espalier_keys_accept(self._h, token, int(strict)))
         if done < 0:
             raise MemoryError("key tracker")

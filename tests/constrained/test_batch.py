@@ -231,12 +231,10 @@ ONLY_A = {
 }
 
 
-def test_tracked_batch_accepts_go_on_past_a_duplicate_the_dead_end_rule_lets_through(
-    gemma_tokenizer: Any,
-) -> None:
-    """Only key "a" exists: after ``{"a": 1,`` every way on repeats it, so the tracker lets the
-    duplicate through (its row is never emptied) and the run goes on past it. The batch accept
-    takes as many tokens as accepting them one at a time does, and leaves the same states."""
+def test_tracked_batch_accepts_stop_at_a_dead_end_duplicate(gemma_tokenizer: Any) -> None:
+    """Only key "a" exists: after ``{"a": 1,`` every way on repeats it, so the tracker keeps
+    the row (never emptied) but refuses the duplicate. The batch accept takes as many tokens as
+    accepting them one at a time does (none past the duplicate), and leaves the same states."""
     from espalier.constrained.keys import with_unique_keys
 
     spec = GrammarSpec.json_schema(ONLY_A)
@@ -255,11 +253,13 @@ def test_tracked_batch_accepts_go_on_past_a_duplicate_the_dead_end_rule_lets_thr
         while count < len(run) and matcher.accept(run[count]):
             count += 1
         expected.append(count)
+        accepted = gemma_tokenizer.decode(list(head) + list(run[:count]))
+        assert accepted.replace(" ", "").count('"a"') == 1, accepted  # never the duplicate
+        refusal = matcher.refusal()
+        assert refusal is not None and refusal.startswith("duplicate key"), refusal
     counts, faults = BatchFiller(2).accept_runs(batched, runs)
     assert faults == {}
     assert counts == expected
-    assert expected[:2] == [len(runs[0]), len(runs[1])]  # through the duplicates, to the end
-    assert expected[2] < len(runs[2])
     for a, b in zip(batched, single):
         assert a.keys.export() == b.keys.export()
         assert a.is_terminated() == b.is_terminated()

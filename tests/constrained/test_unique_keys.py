@@ -18,6 +18,7 @@ import pytest
 from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import BACKENDS
 from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import SchemaNotEnforceableError, UnsupportedGrammarError
 from espalier.constrained.keys import UniqueKeysMatcher, may_repeat_keys, with_unique_keys
 from espalier.constrained.keys.native import KeyTables, KeyTracker
 from espalier.constrained.spec import GrammarSpec
@@ -272,9 +273,9 @@ def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_toke
         assert expected  # a key start: a seen key and its closing quote in one token
 
 
-def test_an_exhausted_key_language_is_left_as_the_grammar_says(toy_tokenizer: Any) -> None:
+def test_an_exhausted_key_language_is_a_dead_end_never_a_duplicate(toy_tokenizer: Any) -> None:
     """Only key "a" exists and a comma was taken: every way on repeats it. The row is not
-    emptied (no dead end); the duplicate goes through and post-validation reports it."""
+    emptied (the backend's row stays), but the duplicate is refused and the refusal says why."""
     schema = {
         "type": "object",
         "patternProperties": {"^a$": {"type": "integer"}},
@@ -286,8 +287,48 @@ def test_an_exhausted_key_language_is_left_as_the_grammar_says(toy_tokenizer: An
     assert matcher.accept_tokens(prefix) == len(prefix)
     inner = _allowed(matcher.inner, toy_tokenizer.vocab_size)
     assert inner and _allowed(matcher, toy_tokenizer.vocab_size) == inner
-    assert matcher.accept(toy_tokenizer.encode('"')[0])
-    assert not _state(matcher).stack[-1][1]  # "a" counted once; a value comes next
+    assert matcher.refusal() is None
+    assert not matcher.accept(toy_tokenizer.encode('"')[0])
+    refusal = matcher.refusal()
+    assert refusal is not None and refusal.startswith("duplicate key: every token"), refusal
+
+
+@pytest.mark.parametrize(
+    ("schema", "text"),
+    [
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^[A-Z]{2}$": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+            '{"US": 1, "US": 2}',
+        ),
+        ({"type": "object", "propertyNames": {"maxLength": 3}}, '{"abc": 1, "abc": 2}'),
+        (
+            {"type": "object", "propertyNames": {"format": "date"}},
+            '{"2024-01-01": 1, "2024-01-01": 2}',
+        ),
+        ({"type": "object", "propertyNames": {"enum": ["x", "y"]}}, '{"x": 1, "x": 2}'),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+def test_a_key_the_grammar_must_close_is_never_repeated(
+    backend: str, schema: dict[str, Any], text: str, toy_tokenizer: Any
+) -> None:
+    """Where the key so far can only be closed (its language is exhausted), the closing quote
+    that repeats a key is still refused: such a text is never complete, and every
+    unrepeated-key prefix of it still is accepted."""
+    try:
+        compiled = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)[0]
+    except (UnsupportedGrammarError, SchemaNotEnforceableError):
+        pytest.skip(f"{backend} refuses the schema")
+    matcher = with_unique_keys(compiled.spec, compiled.matcher(), toy_tokenizer)
+    tokens = toy_tokenizer.encode(text)
+    assert not matcher.completes(tokens)
+    assert matcher.fork().accept_tokens(tokens) < len(tokens)
+    first = text.replace(text[text.index(",") : text.rindex("}")], "")
+    assert matcher.completes(toy_tokenizer.encode(first)), first
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])

@@ -3,7 +3,9 @@
 The looping toy model (``tests/fixtures/looping_model.py``) writes ``"a", `` again and again.
 Without ``uniqueItems`` the greedy output repeats ``"a"``; with it, the engine's matcher (the
 backend's plus the tracker) removes the closing quote of a second ``"a"``, so the model writes
-other items and the output is valid.
+other items and the output is valid. Where every way on repeats an item or a key (a dead end),
+the duplicate is refused all the same: the closing policy closes the output before it, or the
+request ends with an error that says why.
 """
 
 from __future__ import annotations
@@ -22,15 +24,23 @@ from tests.fixtures.looping_model import looping_engine
 LOOP = '"a", '
 
 
-def _chunks(schema: dict[str, object], backend: str, speculative: bool = False) -> list[Any]:
-    """The looping model's output chunks under ``schema`` (40 tokens at most)."""
-    engine = looping_engine(LOOP)
+def _chunks(
+    schema: dict[str, object],
+    backend: str,
+    speculative: bool = False,
+    *,
+    loop: str = LOOP,
+    close: bool = True,
+) -> list[Any]:
+    """The looping model's output chunks under ``schema`` (40 tokens at most); ``close``: the
+    closing policy (``EngineConfig.close_within_budget``)."""
+    engine = looping_engine(loop, close_within_budget=close)
     if speculative:
         install(engine, SpecConfig(methods=("forced",), num_draft_tokens=4), {})
     engine.add_request(
         GenerationRequest(
             "r",
-            prompt=LOOP,
+            prompt=loop,
             sampling=SamplingParams(max_tokens=40),
             grammar=GrammarSpec.json_schema(schema),
             constraint=ConstraintOptions(backend=backend),
@@ -62,16 +72,41 @@ def test_the_greedy_repeat_is_refused(backend: str) -> None:
     assert len(value) >= 2 and value[0] == "a", text
 
 
+DEAD_ENDS = [  # (looped text, schema): where the item or key so far can only end as a duplicate
+    (LOOP, {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}),
+    ('"a": 1, ', {"type": "object", "propertyNames": {"maxLength": 1}}),
+]
+
+
 @pytest.mark.parametrize("speculative", [False, True])
-def test_a_dead_end_says_why(speculative: bool) -> None:
-    """With items of at most one character, ``"a`` can only end as ``"a"``, which the array
-    already holds: the tracker refuses it one token late (a known limit), and the request's
-    error says so instead of naming a token."""
-    schema = {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}
-    chunks = _chunks(schema, "llguidance", speculative)
+@pytest.mark.parametrize(("loop", "schema"), DEAD_ENDS)
+def test_a_dead_end_says_why(speculative: bool, loop: str, schema: dict[str, object]) -> None:
+    """Items or keys of at most one character: ``"a`` can only end as ``"a"``, which the array
+    or object already holds. Without the closing policy the tracker refuses it one token late
+    (a known limit), and the request's error says so instead of naming a token."""
+    chunks = _chunks(schema, "llguidance", speculative, loop=loop, close=False)
     last = chunks[-1]
-    assert last.finish_reason is FinishReason.ERROR
-    assert last.error is not None and last.error.startswith("uniqueItems: every token"), last.error
+    text = "".join(c.text_delta for c in chunks).replace(" ", "")
+    assert last.finish_reason is FinishReason.ERROR, text
+    why = "uniqueItems: every token" if schema["type"] == "array" else "duplicate key: every token"
+    assert last.error is not None and last.error.startswith(why), last.error
+    first = loop.replace(" ", "")
+    assert text[0] == ("[" if schema["type"] == "array" else "{"), text
+    assert text[1:].startswith(first + '"a'), text
+    assert first + '"a"' not in text  # never a duplicate accepted
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize(("loop", "schema"), DEAD_ENDS)
+def test_the_closing_policy_steers_past_a_dead_end(
+    speculative: bool, loop: str, schema: dict[str, object]
+) -> None:
+    """With the closing policy (the default), the check before each token finds no way to
+    close after the ``a`` that leads into the dead end, so the request closes there instead:
+    a valid output, no duplicate."""
+    chunks = _chunks(schema, "llguidance", speculative, loop=loop)
+    last = chunks[-1]
     text = "".join(c.text_delta for c in chunks)
-    assert text.replace(" ", "").startswith('["a","a'), text
-    assert '"a","a"' not in text.replace(" ", "")  # never a duplicate accepted
+    assert last.finish_reason is FinishReason.STOP and last.closed_by_budget, text
+    assert last.validation is not None and last.validation.valid, text
+    jsonschema.validate(json.loads(text), schema)

@@ -289,10 +289,9 @@ static int accept(Probe *p, int64_t token) {
         const int32_t cleared = p->ka->filter_row(p->keys, p->row, p->t->words);
         if (cleared < 0) fail(p, CLOSE_NO_MEMORY);
         if (cleared != 0) return 0;
-        if (p->ka->accept(p->keys, token, 0) < 0) {
-            fail(p, CLOSE_NO_MEMORY);
-            return 0;
-        }
+        const int32_t loose = p->ka->accept(p->keys, token, 0);
+        if (loose < 0) fail(p, CLOSE_NO_MEMORY);
+        if (loose != 1) return 0; /* a duplicate key or item: a dead end, never taken */
     }
     if (inner_accept(p, token)) return 1;
     p->ka->rollback(p->keys, 1);
