@@ -123,6 +123,48 @@ def test_native_search_equals_python_on_random_walks(kind: str, toy_tokenizer: A
     assert problems == []
 
 
+DEAD_ENDS = [  # (schema, a text into the tracker's dead end: every way on repeats an item or key)
+    (
+        {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True},
+        '["a","a',
+    ),
+    ({"type": "object", "propertyNames": {"maxLength": 1}}, '{"a":1,"a'),
+    (
+        {
+            "type": "object",
+            "patternProperties": {"^[ab]$": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        '{"a":1,"b":2,"b',
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "text"), DEAD_ENDS)
+def test_native_search_equals_python_at_dead_ends(
+    schema: dict[str, Any], text: str, toy_tokenizer: Any
+) -> None:
+    """Along a text into the tracker's dead end (where the row keeps tokens that complete a
+    duplicate, and ``accept`` refuses them), both searches refuse the same tokens and find the
+    same paths, at every state of the text, for every allowed token."""
+    paths = ClosingPaths(toy_tokenizer)
+    vocab = toy_tokenizer.vocab_size
+    row = bm.allocate(1, vocab, fill=0)
+    rng = random.Random(11)
+    problems: list[str] = []
+    compiled, _ = _matcher(GrammarSpec.json_schema(schema), toy_tokenizer)
+    # the compiled spec: its source marks the unique arrays (a tracked place)
+    matcher = with_unique_keys(compiled.spec, compiled.matcher(), toy_tokenizer)
+    tokens = toy_tokenizer.encode(text)
+    for token in tokens:
+        _compare(paths, matcher, _allowed(matcher, row, vocab), rng, problems)
+        assert matcher.accept(token)
+    stuck = [t for t in _allowed(matcher, row, vocab) if not matcher.fork().accept(t)]
+    assert stuck, "the text ends in a dead end: the row keeps tokens accept refuses"
+    _compare(paths, matcher, _allowed(matcher, row, vocab), rng, problems)
+    assert problems == []
+
+
 @pytest.mark.model
 def test_native_search_equals_python_on_jsonschemabench(gemma_tokenizer: Any) -> None:
     paths = ClosingPaths(gemma_tokenizer)
