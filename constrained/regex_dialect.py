@@ -27,6 +27,14 @@ from espalier.constrained.schema.features import class_set_syntax
 from espalier.constrained.schema.respell import class_end
 
 _COUNT_WITH_SPACE = re.compile(r"\{\s*\d*\s*(?:,\s*\d*\s*)?\}")
+_COUNT = re.compile(r"\{(\d*)(?:(,)(\d*))?\}")
+
+MAX_REPEAT = 100_000
+"""The most copies of one atom a regex's counted repetitions may ask for (:func:`repeat_size`).
+Python's ``regex`` module writes a counted repeat of a literal out in full when it compiles:
+``a{100000}`` takes 0.1 s and 24 MB, ``a{1000000}`` 0.6 s and 240 MB, ``a{100000000}`` tens of
+GB (the server process was OOM-killed), all of it holding the GIL every other request's stream
+needs. The backends refuse or blow up on such counts too."""
 _FLAGS = re.compile(r"\(\?([a-zA-Z]*)[:)]")
 
 
@@ -45,6 +53,49 @@ def _outside(pattern: str) -> list[tuple[int, str]]:
             out.append((at, char))
             at += 1
     return out
+
+
+def repeat_size(pattern: str) -> int:
+    """The most copies of one atom that the counted repetitions (``{m}``, ``{m,}``, ``{m,n}``,
+    ``{,n}``) of ``pattern`` ask for: the product of the larger bounds of the counts around it,
+    through nested groups (``(?:a{100}){1000}``: 100,000). Linear in the pattern; it compiles
+    nothing, so it can bound a pattern before anything does (:data:`MAX_REPEAT`)."""
+    outside = _outside(pattern)
+    sizes = [1]  # the largest size inside each open group, the whole pattern first
+    last, after, biggest, skip = 1, -1, 1, -1
+    for at, char in outside:
+        if at < skip:  # inside a count already read
+            continue
+        if at != after:  # a class or an escape came between: the atom before is one of those
+            last = 1
+        after = at + 1
+        count = _COUNT.match(pattern, at) if char == "{" else None
+        if count is not None and (count.group(1) or count.group(3)):
+            low, high = int(count.group(1) or 0), count.group(3)
+            last *= max(low, int(high)) if count.group(2) and high else max(low, 1)
+            sizes[-1] = max(sizes[-1], last)
+            biggest = max(biggest, last)
+            skip = after = count.end()
+        elif char == "(":
+            sizes.append(1)
+        elif char == ")" and len(sizes) > 1:
+            last = sizes.pop()
+            sizes[-1] = max(sizes[-1], last)
+        elif char not in "*+?|":
+            last = 1
+    return biggest
+
+
+def too_many_copies(pattern: str) -> str | None:
+    """Why ``pattern`` is refused before anything compiles it (its :func:`repeat_size` is
+    over :data:`MAX_REPEAT`), else None."""
+    copies = repeat_size(pattern)
+    if copies <= MAX_REPEAT:
+        return None
+    return (
+        f"its counted repetitions ask for {copies} copies of one atom (nested counts multiply), "
+        f"over the limit of {MAX_REPEAT}"
+    )
 
 
 def _escape_end(pattern: str, at: int) -> int:

@@ -155,9 +155,16 @@ def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
 def _python_regex(pattern: str) -> None:
     """Refuse a pattern Python's ``regex`` module does not compile: a regex constraint means
     what that module reads (``constrained/regex_dialect.py``), and the backends took some such
-    patterns in a reading of their own (``a{1,3}{2}`` wrote ``aaaaaa``; ``\\x{1F600}``)."""
+    patterns in a reading of their own (``a{1,3}{2}`` wrote ``aaaaaa``; ``\\x{1F600}``). A
+    pattern whose counts ask for more than ``regex_dialect.MAX_REPEAT`` copies is refused first,
+    uncompiled: compiling it would take the server's memory and GIL."""
     import regex
 
+    from espalier.constrained.regex_dialect import too_many_copies
+
+    problem = too_many_copies(pattern)
+    if problem is not None:
+        raise InvalidGrammarError(GrammarKind.REGEX.value, problem)
     try:
         regex.compile(pattern)
     except regex.error as exc:

@@ -10,7 +10,9 @@
 3. every ``$ref`` / ``$dynamicRef`` / ``$recursiveRef`` must resolve inside the schema itself or
    the bundled meta-schemas: :data:`LOCAL_REGISTRY` has no retrieval, so no URI (``file:``,
    ``http(s):``, anything) ever opens a file or a socket, and one that does not resolve locally is
-   refused with the JSON pointer of the keyword.
+   refused with the JSON pointer of the keyword;
+4. no ``pattern`` asks for more copies of one atom than ``regex_dialect.MAX_REPEAT`` (before
+   anything compiles it: Python's ``regex`` module writes ``a{100000000}`` out in full).
 
 Every refusal is an :class:`InvalidGrammarError` of kind ``json_schema`` with a pointer.
 """
@@ -92,6 +94,30 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
         return
     _check_against_metaschema(schema)
     _check_refs_are_local(schema)
+    _check_pattern_sizes(schema)
+
+
+def _check_pattern_sizes(schema: dict[str, Any]) -> None:
+    """Refuse a ``pattern`` or ``patternProperties`` name whose counted repetitions ask for too
+    many copies (``regex_dialect.too_many_copies``): the analysis and the post-validator compile
+    every pattern with Python's ``regex`` module, which writes such a count out in full."""
+    from espalier.constrained.regex_dialect import too_many_copies
+
+    for node in walk(schema):
+        if not isinstance(node.schema, dict):
+            continue
+        places = []
+        if isinstance(node.schema.get("pattern"), str):
+            places.append(("pattern", node.schema["pattern"]))
+        names = node.schema.get("patternProperties")
+        if isinstance(names, dict):
+            places += [(f"patternProperties/{escape_pointer_token(k)}", k) for k in names]
+        for where, pattern in places:
+            problem = too_many_copies(pattern)
+            if problem is not None:
+                raise InvalidGrammarError(
+                    KIND, f"pattern: {problem}", pointer=f"{node.pointer}/{where}"
+                )
 
 
 @functools.cache

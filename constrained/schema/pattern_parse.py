@@ -91,6 +91,11 @@ def search_constraints(pattern: str, final_newline: bool = True) -> tuple[tuple[
     of the trees (each complemented where its flag is set); the first is the pattern's body."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise Unsupported(f"pattern longer than {MAX_PATTERN_CHARS} characters")
+    from espalier.constrained.regex_dialect import too_many_copies
+
+    problem = too_many_copies(pattern)  # (admission refuses it first: schema/guard.py)
+    if problem is not None:
+        raise Unsupported(problem)
     try:
         regex.compile(pattern)
     except regex.error as exc:

@@ -4,6 +4,7 @@ accepts a text the regex does not match. Each refused case took such a text befo
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -12,11 +13,14 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.errors import GrammarError, InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.postvalidate import postvalidate
 from espalier.constrained.regex_dialect import (
+    MAX_REPEAT,
     dot_without_newline,
     names_surrogate,
+    repeat_size,
     rust_misreading,
     xgrammar_misreading,
 )
+from espalier.constrained.schema.guard import admit_schema
 from espalier.constrained.spec import GrammarSpec
 
 # (pattern, a text the backend took that Python's regex does not fully match)
@@ -144,3 +148,44 @@ def test_names_surrogate_reads_escapes_not_escaped_backslashes() -> None:
     assert names_surrogate(r"\\\udfff")  # an escaped backslash, then the escape
     assert names_surrogate(r"\\ud800") is None  # a backslash, then "ud800"
     assert names_surrogate(r"[\u0000-\uffff]😀") is None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "copies"),
+    [
+        ("a{10}", 10),
+        ("(?:a{100}){1000}", 100_000),  # nested counts multiply
+        ("[a-z]{5}(b{3}){4}", 12),  # a class, then a counted group
+        ("a{2,}", 2),
+        ("a{,7}", 7),
+        ("a{}", 1),  # a literal "{}"
+        (r"\{5}", 1),  # an escaped brace: no count
+        (r"[{]{9}", 9),
+        (r"\p{L}{3}", 3),  # the property's braces are no count
+        ("(a|b{2}){3}", 6),
+        ("((a{2}){3}){4}", 24),
+        ("(?:x{10}|y{20}){3}", 60),
+        ("a{1,3}b{7}", 7),
+        ("^(?!.*://)((.{1,63}\\.){1,127}[a-z0-9-]+)$", 8001),  # the largest in JSONSchemaBench
+    ],
+)
+def test_repeat_size_multiplies_nested_counts(pattern: str, copies: int) -> None:
+    assert repeat_size(pattern) == copies
+
+
+@pytest.mark.parametrize("pattern", ["a{100000000}", "(?:a{1000}){1000}", "x{4294967295}"])
+def test_a_regex_asking_for_too_many_copies_is_refused_uncompiled(pattern: str) -> None:
+    """Python's regex module writes a counted literal out in full (``a{100000000}``: tens of
+    GB): such a pattern is refused before anything compiles it, as a regex and as a pattern."""
+    assert repeat_size(pattern) > MAX_REPEAT
+    with pytest.raises(InvalidGrammarError, match="copies of one atom"):
+        GrammarSpec.regex(pattern)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(InvalidGrammarError, match="copies of one atom") as caught:
+        admit_schema(json.dumps(schema))
+    assert caught.value.pointer == "/properties/a/pattern"
+    names = {"type": "object", "patternProperties": {pattern: {}}}
+    with pytest.raises(InvalidGrammarError, match="copies of one atom"):
+        admit_schema(json.dumps(names))
+    assert repeat_size(f"a{{{MAX_REPEAT}}}") == MAX_REPEAT
+    GrammarSpec.regex(f"a{{{MAX_REPEAT}}}")  # the limit itself is taken

@@ -169,17 +169,17 @@ def test_a_duplicate_request_id_is_refused_and_spares_the_victim(
 def test_compiles_their_callers_left_do_not_hold_the_backend(
     channel: grpc.Channel, method: str
 ) -> None:
-    """Two 16-byte outlines-core regexes that take minutes, sent with a 2 s deadline, held both
-    outlines-core children until the compile limit (900 s here), and the next caller waited
-    behind them. A compile nobody waits for stops, so the next one gets a child well inside its
-    120 s deadline."""
+    """Two short outlines-core regexes that take minutes (``b`` about 97,000 times: counts up
+    to regex_dialect.MAX_REPEAT), sent with a 2 s deadline, held both outlines-core children
+    until the compile limit (900 s here), and the next caller waited behind them. A compile
+    nobody waits for stops, so the next one gets a child well inside its 120 s deadline."""
     stub = pb_grpc.EspalierStub(channel)
-    base = 100_000 if method == "CompileGrammar" else 200_000
+    base = 320 if method == "CompileGrammar" else 330
 
     codes: list[grpc.StatusCode] = []
 
     def abandoned(i: int) -> None:
-        constraint = pb.Constraint(regex=f"b{{{base + i}}}", backend="outlines_core")
+        constraint = pb.Constraint(regex=f"(?:b{{{base + i}}}){{300}}", backend="outlines_core")
         try:
             if method == "CompileGrammar":
                 stub.CompileGrammar(pb.CompileGrammarRequest(constraint=constraint), timeout=2)
