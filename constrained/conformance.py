@@ -272,7 +272,7 @@ def grammar_accepts(compiled: Any, tokenizer: TokenizerInfo, text: str) -> bool:
     from espalier.constrained.keys import with_unique_keys
 
     matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
-    for token in tokenizer.encode(text):
+    for token in tokenizer.encode_text(text):
         if not matcher.accept(token):
             return False
     return bool(matcher.can_terminate()) and bool(matcher.accept(tokenizer.stop_token_ids[0]))

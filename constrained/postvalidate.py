@@ -162,7 +162,8 @@ def replay_with(compiled: CompiledGrammar, tokenizer: TokenizerInfo) -> Callable
 
     def replay(text: str) -> bool:
         matcher = compiled.matcher()
-        return all(matcher.accept(t) for t in tokenizer.encode(text)) and matcher.can_terminate()
+        tokens = tokenizer.encode_text(text)
+        return all(matcher.accept(t) for t in tokens) and matcher.can_terminate()
 
     return replay
 

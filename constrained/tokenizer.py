@@ -120,8 +120,17 @@ class TokenizerInfo:
         return decode_vocabulary(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens (no BOS)."""
+        """Token ids of ``text`` without special tokens added (no BOS); a special token's
+        spelling in ``text`` (``<start_of_turn>`` in a rendered chat) becomes that token."""
         ids: list[int] = self.hf.encode(text, add_special_tokens=False)
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: a special token's spelling is spelled in ordinary
+        tokens, never that token. For grammar and output text (forced literals, replays,
+        closing paths): the matchers never take a special non-stop token, so a grammar literal
+        ``<start_of_turn>`` tokenized to it could never be written."""
+        ids: list[int] = self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -385,7 +385,7 @@ def _forced_ids(tokenizer: TokenizerInfo) -> Callable[[str], tuple[int, ...] | N
 
     @functools.lru_cache(maxsize=FORCED_TEXTS)
     def ids_of(text: str) -> tuple[int, ...] | None:
-        ids = tuple(tokenizer.encode(text))
+        ids = tuple(tokenizer.encode_text(text))
         if b"".join(token_bytes[t] for t in ids) != text.encode("utf-8"):
             return None
         return ids

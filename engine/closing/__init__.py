@@ -86,12 +86,12 @@ class ClosingPaths:
         self.stops = frozenset(tokenizer.stop_token_ids)
         self.candidates: list[int] = []
         for text in CANDIDATE_TEXTS:
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode_text(text)
             if len(ids) == 1 and ids[0] not in self.candidates:
                 self.candidates.append(ids[0])
-        closing = [tokenizer.encode(text) for text in ("}", "]")]
+        closing = [tokenizer.encode_text(text) for text in ("}", "]")]
         self.closers = frozenset(ids[0] for ids in closing if len(ids) == 1)
-        quote = tokenizer.encode('"')
+        quote = tokenizer.encode_text('"')
         self.quote = quote[0] if len(quote) == 1 else None
         self._closers_first = [t for t in self.candidates if t in self.closers]
         self._rows = threading.local()  # a scratch bitmask row per thread (lookaheads)

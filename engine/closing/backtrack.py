@@ -75,8 +75,8 @@ class Backtracking:
     def __init__(self, paths: ClosingPaths, tokenizer: TokenizerInfo) -> None:
         self.paths = paths
         self.token_bytes = tokenizer.token_bytes
-        self.encode = tokenizer.encode
-        single = [tokenizer.encode(text) for text in (":", ",", "}")]
+        self.encode = tokenizer.encode_text
+        single = [tokenizer.encode_text(text) for text in (":", ",", "}")]
         self.colon, self.comma, self.brace = (ids[0] if len(ids) == 1 else None for ids in single)
         self.values = [ids for ids in map(tokenizer.encode, MINIMAL_VALUES) if ids]
         self._rows = threading.local()

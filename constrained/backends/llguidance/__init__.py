@@ -695,7 +695,7 @@ class _TokenizerSource:
         # time, and asks for the same few strings again and again: remember them.
         ids = self._encoded.get(text)
         if ids is None:
-            ids = tuple(self._tokenizer.encode(text))
+            ids = tuple(self._tokenizer.encode_text(text))
             if len(self._encoded) >= ENCODE_CACHE_ENTRIES:
                 self._encoded.clear()
             self._encoded[text] = ids
