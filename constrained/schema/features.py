@@ -24,6 +24,7 @@ compile has already replaced it by a mark no backend reads; what is left is refu
 from __future__ import annotations
 
 import enum
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -265,6 +266,8 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
             return Support.WEAKENED
         if any(bound in node for bound in NUMERIC - {"multipleOf"}):
             return Support.WEAKENED  # dropped next to a range (probe "multipleOf-with-range")
+        if abs(value) > XGRAMMAR_MULTIPLE_LIMIT:
+            return Support.WEAKENED  # silently dropped (probe "multipleOf-past-1024")
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
     if keyword == "anyOf" and types and not _branches_within(node["anyOf"], types):
@@ -402,7 +405,41 @@ def _llguidance_misreads(pattern: str) -> bool:
     return escape_class_misread(pattern) or class_set_syntax(pattern)
 
 
+XGRAMMAR_MULTIPLE_LIMIT = 1024
+"""The largest integer ``multipleOf`` xgrammar enforces; past it the keyword is dropped without
+a word (1024 takes 683 out, 1025 lets it in). Near the limit its compile takes ~30 s."""
+
+LLGUIDANCE_MULTIPLE_LIMIT = 100_000
+"""The largest :func:`multiple_digits` llguidance is given: its automaton for a ``multipleOf``
+grows with that number. A prime near 10**5 compiles in 0.6 s; near 10**6 the first mask fails
+("lexer error") after 3-9 s; from about 10**7 (``99999999``, ``2**31``) the compile ran past
+200 s and 9.7 GB, in process, and aborted the process where memory ran out."""
+
+
+def multiple_digits(value: Any) -> int:
+    """The digits of a ``multipleOf`` value without its point and trailing zeros, as a number
+    (``0.25`` -> 25, ``12300`` -> 123, ``1e-3`` -> 1): the size of the divisibility automaton a
+    digit-by-digit matcher needs. 0 for what is not a finite positive number."""
+    from decimal import Decimal, InvalidOperation
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    try:
+        digits = Decimal(str(value)).normalize().as_tuple().digits
+    except (InvalidOperation, ValueError):
+        return 0
+    return int("".join(map(str, digits)) or "0") if value > 0 and math.isfinite(value) else 0
+
+
+def llguidance_multiple_too_costly(value: Any) -> bool:
+    """Whether llguidance must not be given ``multipleOf: value`` (see
+    :data:`LLGUIDANCE_MULTIPLE_LIMIT`)."""
+    return multiple_digits(value) > LLGUIDANCE_MULTIPLE_LIMIT
+
+
 def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword == "multipleOf" and llguidance_multiple_too_costly(node["multipleOf"]):
+        return Support.IGNORED  # dropped before the compile (weaken.py): it would not end
     if keyword == "pattern" and _llguidance_misreads(str(node["pattern"])):
         return Support.WEAKENED
     names = node[keyword] if keyword == "patternProperties" else None

@@ -64,6 +64,14 @@ PROBES: tuple[Probe, ...] = (
         [0, 9],
         [10, -3],
     ),
+    # xgrammar drops an integer multipleOf past 1024 without a word
+    _p(
+        "multipleOf-past-1024",
+        "multipleOf",
+        {"type": "integer", "multipleOf": 1025},
+        [0, 2050],
+        [683, 1024],
+    ),
     # llguidance reads numeric bounds as float64: 10**18 and 10**18 - 1 are the same number
     _p(
         "exclusiveMaximum-beyond-2**53",

@@ -24,6 +24,8 @@ from espalier.constrained.schema.features import (
     class_set_syntax,
     escape_class_misread,
     keyword_support,
+    llguidance_multiple_too_costly,
+    multiple_digits,
 )
 from espalier.constrained.spec import GrammarSpec
 from tests.constrained.schema_probes import OBJ_A, PROBES, Probe, as_text
@@ -249,3 +251,39 @@ def test_llguidance_class_set_syntax_rule(pattern: str, rust: bool) -> None:
     schema = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
     issues = backend_issues("llguidance", schema)
     assert [i.keyword for i in issues] == (["patternProperties"] if rust else [])
+
+
+@pytest.mark.parametrize("value", [99_999_999, 2**31, 1234567.5, 0.0001234567])
+def test_a_multiple_llguidance_cannot_compile_is_never_given_to_it(
+    value: float, toy_tokenizer: Any
+) -> None:
+    """llguidance's ``multipleOf: 99999999`` ran past 200 s and 9.7 GB in process: such a
+    value is not exact on any backend (strict mode refuses it at once), and under
+    ``allow_weakening`` llguidance compiles the schema without it and reports it."""
+    import time
+
+    from espalier.constrained.errors import SchemaNotEnforceableError
+
+    schema = {"type": "integer" if float(value).is_integer() else "number", "multipleOf": value}
+    assert llguidance_multiple_too_costly(value)
+    assert [(i.keyword, i.support) for i in backend_issues("llguidance", schema)] == [
+        ("multipleOf", "ignored")
+    ]
+    start = time.perf_counter()
+    with pytest.raises(SchemaNotEnforceableError):
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    compiled, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, "llguidance", allow_weakening=True
+    )
+    assert time.perf_counter() - start < 60  # (it did not end in 200 s before)
+    assert [issue.keyword for issue in report.weakened] == ["multipleOf"]
+    assert grammar_accepts(compiled, toy_tokenizer, "7")
+
+
+@pytest.mark.parametrize(
+    ("value", "digits"),
+    [(3, 3), (12300, 123), (0.25, 25), (1e-3, 1), (1.5e-7, 15), (10**6, 1), (2**31, 2147483648)],
+)
+def test_multiple_digits(value: float, digits: int) -> None:
+    assert multiple_digits(value) == digits
+    assert multiple_digits(True) == multiple_digits("3") == multiple_digits(-2) == 0
