@@ -184,6 +184,26 @@ def after_reasoning(spec: GrammarSpec, end_marker: str) -> GrammarSpec:
     return with_format({"type": "sequence", "elements": [thought, format_of(spec)]})
 
 
+def reasoning_end(spec: GrammarSpec) -> str | None:
+    """The end marker when ``spec`` is :func:`after_reasoning`'s shape (free text up to the
+    marker, then a grammar), else None."""
+    if spec.kind is not GrammarKind.STRUCTURAL_TAG:
+        return None
+    fmt = json.loads(spec.source).get("format")
+    elements = fmt.get("elements") if isinstance(fmt, dict) else None
+    if fmt.get("type") != "sequence" or not isinstance(elements, list) or len(elements) != 2:
+        return None
+    thought = elements[0]
+    if (
+        isinstance(thought, dict)
+        and thought.get("begin") == ""
+        and thought.get("content") == {"type": "any_text"}
+    ):
+        end = thought.get("end")
+        return end if isinstance(end, str) and end else None
+    return None
+
+
 def structural_tag_spec(
     tag: dict[str, Any] | str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 ) -> GrammarSpec:

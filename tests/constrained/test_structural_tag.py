@@ -25,6 +25,7 @@ from espalier.constrained.spec import GrammarKind, GrammarSpec
 from espalier.constrained.structural_tag import (
     admit_structural_tag,
     after_reasoning,
+    reasoning_end,
     root_format,
     structural_tag_spec,
 )
@@ -161,6 +162,27 @@ def test_reasoning_free_then_exact(backend: str, toy_tokenizer: Any) -> None:
         assert matcher.accept(token)
     allowed = {toy_tokenizer.token_bytes[t] for t in np.flatnonzero(mask_of(matcher))}
     assert allowed and all(b"yes".startswith(p) or b"no".startswith(p) for p in allowed)
+
+
+@pytest.mark.parametrize(
+    ("backend", "inner"),
+    [
+        (backend, inner)
+        for backend in ("auto", "llguidance", "xgrammar")
+        for inner in (GrammarSpec.ebnf("root ::= root"), GrammarSpec.regex(r"[^\s\S]"))
+        if (backend, inner.kind) != ("xgrammar", GrammarKind.REGEX)  # it refuses its \s
+    ],
+)
+def test_an_empty_grammar_after_reasoning_is_refused(
+    backend: str, inner: GrammarSpec, toy_tokenizer: Any
+) -> None:
+    """The free text before the marker always admits output; the grammar after it is checked
+    on its own state (it used to run the whole budget as free text, then end unclosed)."""
+    assert reasoning_end(after_reasoning(inner, "</think>")) == "</think>"
+    with pytest.raises(InvalidGrammarError, match="after the reasoning end marker"):
+        compile_grammar(after_reasoning(inner, "</think>"), toy_tokenizer, backend)
+    assert reasoning_end(inner) is None
+    compile_grammar(after_reasoning(GrammarSpec.regex("a|b"), "</think>"), toy_tokenizer, backend)
 
 
 def test_auto_picks_an_exact_backend_and_strict_mode_refuses(toy_tokenizer: Any) -> None:
