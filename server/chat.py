@@ -114,9 +114,25 @@ def _tool_schemas(chat: pb.Chat, bad: list[Violation]) -> dict[str, dict[str, An
             if not isinstance(admitted, dict):
                 bad.append(Violation(f"{where}.parameters", "must be a schema object"))
                 continue
-            schema = admitted
+            arguments = _object_schema(admitted)
+            if arguments is None:
+                why = "must describe a JSON object (a call's arguments are one); its type does not"
+                bad.append(Violation(f"{where}.parameters", why))
+                continue
+            schema = arguments
         schemas[tool.name] = schema
     return schemas
+
+
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """``schema`` narrowed to JSON objects (a call's arguments are an object: ``{}`` or an
+    untyped schema took ``"x"``), or None where its ``type`` excludes objects."""
+    kind = schema.get("type")
+    if kind == "object":
+        return schema
+    if kind is None or (isinstance(kind, list) and "object" in kind):
+        return {**schema, "type": "object"}
+    return None
 
 
 def _forced_call(

@@ -97,6 +97,30 @@ def test_bad_chats_name_the_field(msg: pb.Chat, field: str) -> None:
     assert field in [v.field for v in bad]
 
 
+@pytest.mark.parametrize(
+    ("parameters", "schema"),
+    [
+        ("{}", {"type": "object"}),
+        ('{"properties": {"a": {}}}', {"properties": {"a": {}}, "type": "object"}),
+        ('{"type": ["string", "object"]}', {"type": "object"}),
+        ('{"type": "string"}', None),
+        ('{"type": ["integer", "null"]}', None),
+    ],
+)
+def test_a_tools_arguments_are_an_object(parameters: str, schema: dict[str, Any] | None) -> None:
+    """A call's arguments are a JSON object: ``{}`` or an untyped schema took ``"x"`` (an
+    output the caller cannot read as arguments); a type without objects is a violation."""
+    bad: list[Violation] = []
+    prepared = prepare_chat(
+        chat("x", tools=(pb.Tool(name="x", parameters=parameters),)), render, bad
+    )
+    if schema is None:
+        assert [v.field for v in bad] == ["chat.tools[2].parameters"]
+        return
+    assert bad == [] and prepared.grammar is not None
+    assert prepared.grammar.schema == schema
+
+
 def test_a_forced_tool_with_bad_parameters_gets_one_violation_not_two() -> None:
     """The tool exists: 'names no tool' would send the caller looking for the wrong mistake."""
     bad: list[Violation] = []
