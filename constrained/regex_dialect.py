@@ -24,10 +24,10 @@ import itertools
 import re
 
 from espalier.constrained.schema.features import class_set_syntax
+from espalier.constrained.schema.pattern_parse import QUANTIFIER
 from espalier.constrained.schema.respell import class_end
 
 _COUNT_WITH_SPACE = re.compile(r"\{\s*\d*\s*(?:,\s*\d*\s*)?\}")
-_COUNT = re.compile(r"\{(\d*)(?:(,)(\d*))?\}")
 
 MAX_REPEAT = 100_000
 """The most copies of one atom a regex's counted repetitions may ask for (:func:`repeat_size`).
@@ -60,21 +60,19 @@ def repeat_size(pattern: str) -> int:
     ``{,n}``) of ``pattern`` ask for: the product of the larger bounds of the counts around it,
     through nested groups (``(?:a{100}){1000}``: 100,000). Linear in the pattern; it compiles
     nothing, so it can bound a pattern before anything does (:data:`MAX_REPEAT`)."""
-    outside = _outside(pattern)
     sizes = [1]  # the largest size inside each open group, the whole pattern first
-    last, after, biggest, skip = 1, -1, 1, -1
-    for at, char in outside:
+    last, after, skip = 1, -1, -1
+    for at, char in _outside(pattern):
         if at < skip:  # inside a count already read
             continue
         if at != after:  # a class or an escape came between: the atom before is one of those
             last = 1
         after = at + 1
-        count = _COUNT.match(pattern, at) if char == "{" else None
+        count = QUANTIFIER.match(pattern, at) if char == "{" else None
         if count is not None and (count.group(1) or count.group(3)):
             low, high = int(count.group(1) or 0), count.group(3)
             last *= max(low, int(high)) if count.group(2) and high else max(low, 1)
             sizes[-1] = max(sizes[-1], last)
-            biggest = max(biggest, last)
             skip = after = count.end()
         elif char == "(":
             sizes.append(1)
@@ -83,7 +81,7 @@ def repeat_size(pattern: str) -> int:
             sizes[-1] = max(sizes[-1], last)
         elif char not in "*+?|":
             last = 1
-    return biggest
+    return max(sizes)  # a closed group's size went into its parent; open ones stay here
 
 
 def too_many_copies(pattern: str) -> str | None:

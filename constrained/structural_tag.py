@@ -180,8 +180,12 @@ def after_reasoning(spec: GrammarSpec, end_marker: str) -> GrammarSpec:
     """
     if not end_marker:
         raise InvalidGrammarError(KIND, "the reasoning end marker is empty")
-    thought = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end_marker}
-    return with_format({"type": "sequence", "elements": [thought, format_of(spec)]})
+    return with_format({"type": "sequence", "elements": [_thought(end_marker), format_of(spec)]})
+
+
+def _thought(end_marker: str) -> Format:
+    """The free text of :func:`after_reasoning`, up to and including ``end_marker``."""
+    return {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": end_marker}
 
 
 def reasoning_end(spec: GrammarSpec) -> str | None:
@@ -190,18 +194,13 @@ def reasoning_end(spec: GrammarSpec) -> str | None:
     if spec.kind is not GrammarKind.STRUCTURAL_TAG:
         return None
     fmt = json.loads(spec.source).get("format")
-    elements = fmt.get("elements") if isinstance(fmt, dict) else None
-    if fmt.get("type") != "sequence" or not isinstance(elements, list) or len(elements) != 2:
+    if not isinstance(fmt, dict) or fmt.get("type") != "sequence":
         return None
-    thought = elements[0]
-    if (
-        isinstance(thought, dict)
-        and thought.get("begin") == ""
-        and thought.get("content") == {"type": "any_text"}
-    ):
-        end = thought.get("end")
-        return end if isinstance(end, str) and end else None
-    return None
+    elements = fmt.get("elements")
+    if not isinstance(elements, list) or len(elements) != 2 or not isinstance(elements[0], dict):
+        return None
+    end = elements[0].get("end")
+    return end if isinstance(end, str) and end and elements[0] == _thought(end) else None
 
 
 def structural_tag_spec(

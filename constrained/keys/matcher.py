@@ -84,7 +84,7 @@ class UniqueKeysMatcher:
         self.inner = inner
         self.keys = keys
         self._row: torch.Tensor | None = None  # scratch row of the dead-end check, made on use
-        self._dead_end: str | None = None  # the last refused token was all the row allowed
+        self._dead_end: str | None = None  # why the last refused token was all the row allowed
 
     @property
     def vocab_size(self) -> int:
@@ -256,29 +256,28 @@ class UniqueKeysMatcher:
             return False
         if self.keys.accept(token, strict=False):
             return True  # a needless escape the grammar forces (none of the backends does)
-        self._dead_end = "key" if self.keys.refused_key else "item"
+        self._dead_end = KEY_DEAD_END if self.keys.refused_key else ITEM_DEAD_END
         return False
 
     def refusal(self) -> str | None:
         """``RowFilter.refusal``: the dead end of a repeated key or unique item (package
         docstring), else None."""
-        if self._dead_end == "item":
-            return (
-                "uniqueItems: every token the grammar allows here completes an item that its "
-                "array already holds (the item so far can only end as that item, e.g. at its "
-                "maxLength or at the end of its pattern); the tracker refuses duplicates one "
-                "token at a time and cannot steer away earlier. Another seed, or a wider item "
-                "schema, avoids it"
-            )
-        if self._dead_end == "key":
-            return (
-                "duplicate key: every token the grammar allows here completes a key that its "
-                "object already holds (the key so far can only end as that key, e.g. at the end "
-                "of its pattern or propertyNames' maxLength, or the object needs more keys than "
-                "its key schema can name); the tracker refuses duplicates one token at a time "
-                "and cannot steer away earlier. Another seed, or a wider key schema, avoids it"
-            )
-        return None
+        return self._dead_end
+
+
+ITEM_DEAD_END = (
+    "uniqueItems: every token the grammar allows here completes an item that its array already "
+    "holds (the item so far can only end as that item, e.g. at its maxLength or at the end of "
+    "its pattern); the tracker refuses duplicates one token at a time and cannot steer away "
+    "earlier. Another seed, or a wider item schema, avoids it"
+)
+KEY_DEAD_END = (
+    "duplicate key: every token the grammar allows here completes a key that its object already "
+    "holds (the key so far can only end as that key, e.g. at the end of its pattern or "
+    "propertyNames' maxLength, or the object needs more keys than its key schema can name); the "
+    "tracker refuses duplicates one token at a time and cannot steer away earlier. Another seed, "
+    "or a wider key schema, avoids it"
+)
 
 
 def filter_batch(

@@ -145,6 +145,9 @@ class BackendProfile:
     refused: frozenset[str] = frozenset()
     compiled_formats: frozenset[str] | None = None
     one_of_refused: bool = False
+    # keyword uses in a node it must never be given, whatever the mode (its compile would not
+    # end); each is ``ignored`` by ``rule``, so it is reported, and :mod:`weaken` drops it
+    uncompilable: Callable[[dict[str, Any]], frozenset[str]] | None = None
 
 
 def backend_issues(backend: str, schema: Any) -> list[KeywordIssue]:
@@ -422,13 +425,15 @@ def multiple_digits(value: Any) -> int:
     digit-by-digit matcher needs. 0 for what is not a finite positive number."""
     from decimal import Decimal, InvalidOperation
 
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         return 0
-    try:
-        digits = Decimal(str(value)).normalize().as_tuple().digits
+    if isinstance(value, float) and not math.isfinite(value):
+        return 0
+    try:  # as_tuple keeps every digit (normalize would round to the context's 28)
+        digits = Decimal(str(value)).as_tuple().digits
     except (InvalidOperation, ValueError):
         return 0
-    return int("".join(map(str, digits)) or "0") if value > 0 and math.isfinite(value) else 0
+    return int("".join(map(str, digits)).rstrip("0") or "0")
 
 
 def llguidance_multiple_too_costly(value: Any) -> bool:
@@ -437,8 +442,14 @@ def llguidance_multiple_too_costly(value: Any) -> bool:
     return multiple_digits(value) > LLGUIDANCE_MULTIPLE_LIMIT
 
 
+def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
+    """``BackendProfile.uncompilable`` of llguidance: a ``multipleOf`` past its limit."""
+    costly = llguidance_multiple_too_costly(node.get("multipleOf"))
+    return frozenset({"multipleOf"}) if costly else frozenset()
+
+
 def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
-    if keyword == "multipleOf" and llguidance_multiple_too_costly(node["multipleOf"]):
+    if keyword in _llguidance_uncompilable(node):
         return Support.IGNORED  # dropped before the compile (weaken.py): it would not end
     if keyword == "pattern" and _llguidance_misreads(str(node["pattern"])):
         return Support.WEAKENED
@@ -517,6 +528,7 @@ LLGUIDANCE = BackendProfile(
     # date / time / date-time / hostname: calendar and leap-second rules are not checked
     formats=frozenset({"email", "ipv4", "ipv6", "uri", "uuid", "duration"}),
     rule=_llguidance_rule,
+    uncompilable=_llguidance_uncompilable,
     # "Unimplemented keys: [...]" (lenient=False), "Unknown format: ...", "oneOf constraints are
     # not supported" (overlapping branches; coerce_one_of off): probe test_weaken.py
     refused=frozenset(

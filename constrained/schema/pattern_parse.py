@@ -29,7 +29,9 @@ import regex
 MAX_PATTERN_CHARS = 2000
 MAX_REPEAT = 1000  # a {m,n} bound past this is left alone (the automaton grows with it)
 _SINGLE_ESCAPES = frozenset("dDwWsSpPxuUNntrfva0")
-_QUANTIFIER = regex.compile(r"\{(\d*)(?:(,)(\d*))?\}")
+QUANTIFIER = regex.compile(r"\{(\d*)(?:(,)(\d*))?\}")
+"""A counted repetition as the ``regex`` module reads one (``{m}``, ``{m,}``, ``{,n}``,
+``{m,n}``; without digits it is literal text)."""
 
 
 class Unsupported(Exception):
@@ -263,7 +265,7 @@ class _Parser:
             if char in "*+?":
                 low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
                 self.at += 1
-            elif char == "{" and (match := _QUANTIFIER.match(text, self.at)):
+            elif char == "{" and (match := QUANTIFIER.match(text, self.at)):
                 first, comma, second = match.groups()
                 if not first and not comma:
                     return item  # "{}" is two literal characters: the next atom reads them

@@ -15,13 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from espalier.constrained.schema.features import (
-    PROFILES,
-    BackendProfile,
-    llguidance_multiple_too_costly,
-)
+from espalier.constrained.schema.features import PROFILES, BackendProfile
 from espalier.constrained.schema.walk import map_subschemas
-from espalier.constrained.spec import BackendName
 
 
 def weakened_schema(backend: str, schema: Any) -> Any:
@@ -36,12 +31,11 @@ def _visit(profile: BackendProfile, node: Any, pointer: str) -> Any:
     if not isinstance(node, dict):
         return node
     out = map_subschemas(node, pointer, lambda sub, at: _visit(profile, sub, at))
-    for keyword in profile.refused & out.keys():
+    dropped = profile.refused & out.keys()
+    if profile.uncompilable is not None:
+        dropped |= profile.uncompilable(out)
+    for keyword in dropped:
         del out[keyword]
-    if profile.name == BackendName.LLGUIDANCE and llguidance_multiple_too_costly(
-        out.get("multipleOf")
-    ):
-        del out["multipleOf"]  # its compile would not end (features.LLGUIDANCE_MULTIPLE_LIMIT)
     formats = profile.compiled_formats
     if formats is not None and "format" in out and out["format"] not in formats:
         del out["format"]

@@ -260,8 +260,6 @@ def test_a_multiple_llguidance_cannot_compile_is_never_given_to_it(
     """llguidance's ``multipleOf: 99999999`` ran past 200 s and 9.7 GB in process: such a
     value is not exact on any backend (strict mode refuses it at once), and under
     ``allow_weakening`` llguidance compiles the schema without it and reports it."""
-    import time
-
     from espalier.constrained.errors import SchemaNotEnforceableError
 
     schema = {"type": "integer" if float(value).is_integer() else "number", "multipleOf": value}
@@ -269,20 +267,28 @@ def test_a_multiple_llguidance_cannot_compile_is_never_given_to_it(
     assert [(i.keyword, i.support) for i in backend_issues("llguidance", schema)] == [
         ("multipleOf", "ignored")
     ]
-    start = time.perf_counter()
     with pytest.raises(SchemaNotEnforceableError):
         compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
     compiled, report = compile_grammar(
         GrammarSpec.json_schema(schema), toy_tokenizer, "llguidance", allow_weakening=True
     )
-    assert time.perf_counter() - start < 60  # (it did not end in 200 s before)
     assert [issue.keyword for issue in report.weakened] == ["multipleOf"]
     assert grammar_accepts(compiled, toy_tokenizer, "7")
 
 
 @pytest.mark.parametrize(
     ("value", "digits"),
-    [(3, 3), (12300, 123), (0.25, 25), (1e-3, 1), (1.5e-7, 15), (10**6, 1), (2**31, 2147483648)],
+    [
+        (3, 3),
+        (12300, 123),
+        (0.25, 25),
+        (1e-3, 1),
+        (1.5e-7, 15),
+        (10**6, 1),
+        (2**31, 2147483648),
+        (10**400, 1),  # past float range: read as digits, never converted
+        (7 * 10**400 + 7, 7 * 10**400 + 7),
+    ],
 )
 def test_multiple_digits(value: float, digits: int) -> None:
     assert multiple_digits(value) == digits
