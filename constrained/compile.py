@@ -105,16 +105,24 @@ def prepare_schema(
 
         prepared = mark_unique_items(prepared)
     if prepared is False:
+        why = (
+            "it is 'false'"
+            if schema is False
+            else "its keywords exclude each other, or ask for more characters, items or "
+            "properties than an output holds"
+        )
         raise EmptyLanguageError(
-            "json_schema", "the schema matches no value at all (it is 'false')", pointer=""
+            "json_schema",
+            f"the schema matches no value an output can hold ({why})",
+            pointer="",
         )
     empty = unproductive_pointer(prepared)
     if empty is not None:
         raise EmptyLanguageError(
             "json_schema",
             "the schema matches no finite JSON value: every value needs the subschema at "
-            f"'{resolved.display_pointer(empty)}', which has none (false, or it must contain "
-            "itself without end)",
+            f"'{resolved.display_pointer(empty)}', which has none (false, a count past what an "
+            "output holds, or it must contain itself without end)",
             pointer=resolved.display_pointer(empty),
         )
     issues = {}

@@ -7,15 +7,19 @@
   encoder takes (a grammar's cache key, every backend, the chat template);
 - a raw surrogate in the text itself (possible from Python callers, never from gRPC);
 - an integer of more than ``sys.get_int_max_str_digits()`` digits (4,300) raises a plain
-  ``ValueError``.
+  ``ValueError``;
+- a number past a float64's range (``1e400`` reads as ``inf``, which ``json.dumps`` writes as
+  ``Infinity``, no JSON; ``10**400`` is an ``int`` no backend reads): every grammar backend
+  reads numbers as float64 or int64 ("number out of range", "null is not of type number").
 
-:func:`loads` refuses all three as :class:`JSONTextError` with a line and column, where the text is
+:func:`loads` refuses all four as :class:`JSONTextError` with a line and column, where the text is
 first read, so a caller's mistake is an INVALID_ARGUMENT with its place, never an INTERNAL error.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from typing import Any
@@ -38,9 +42,17 @@ class JSONTextError(ValueError):
 def loads(text: str) -> Any:
     """``json.loads(text)``, refusing what the module docstring lists; raises JSONTextError."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=_float, parse_int=_int)
     except json.JSONDecodeError as exc:
         raise JSONTextError(exc.msg, exc.lineno, exc.colno) from exc
+    except _PastFloat64 as exc:
+        line, column = _position(text, text.find(exc.literal))
+        raise JSONTextError(
+            f"the number {exc.literal[:20]}{'...' if len(exc.literal) > 20 else ''} is past "
+            "the range of a float64 (about 1.8e308), in which numbers are read",
+            line,
+            column,
+        ) from exc
     except RecursionError as exc:
         raise JSONTextError("nested too deeply") from exc
     except ValueError as exc:  # an integer longer than Python converts from text
@@ -64,6 +76,29 @@ def loads(text: str) -> Any:
                 column,
             ) from exc
     return value
+
+
+class _PastFloat64(ValueError):
+    def __init__(self, literal: str) -> None:
+        super().__init__(literal)
+        self.literal = literal
+
+
+def _float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise _PastFloat64(literal)
+    return value
+
+
+def _int(literal: str) -> int:
+    value = int(literal)  # past int_max_str_digits: the plain ValueError loads reports
+    if abs(value) >= _FLOAT64_END:
+        raise _PastFloat64(literal)
+    return value
+
+
+_FLOAT64_END = 2**1024  # the first integer past the largest float64
 
 
 def _long_integer(text: str) -> int | None:

@@ -246,7 +246,34 @@ def _string_groups(node: dict[str, Any]) -> int:
     return sum(("pattern" in node, "format" in node, "minLength" in node or "maxLength" in node))
 
 
+_BOUNDS = NUMERIC - {"multipleOf"}
+
+
+def _past_float64(value: Any) -> bool:
+    """Whether ``value`` is an integer no float64 holds (``10**400``): both JSON backends fail
+    to read it (xgrammar: a bare "RuntimeError", llguidance: "number out of range")."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**1024
+
+
+def _xgrammar_uncompilable(node: dict[str, Any]) -> frozenset[str]:
+    """``BackendProfile.uncompilable`` of xgrammar: a number it cannot read, or an integer's
+    bound outside int64 ("Check failed ... Integer exceeds maximum limit")."""
+    integer = "integer" in _types(node)
+    return frozenset(
+        k
+        for k in NUMERIC & node.keys()
+        if _past_float64(node[k])
+        or (integer and k in _BOUNDS and _is_number(node[k]) and not -(2**63) <= node[k] < 2**63)
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in _xgrammar_uncompilable(node):
+        return Support.IGNORED  # dropped before the compile (weaken.py): it would fail
     kind = TYPE_OF.get(keyword)
     types = _types(node)
     if kind is not None and not types:
@@ -263,8 +290,11 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
     if keyword == "pattern" and _names_escaped_char(str(node["pattern"])):
         return Support.WEAKENED  # read over the JSON text: "\\n" matches [\u005c]n (probe)
+    value: Any = node.get(keyword)
+    bound = keyword in _BOUNDS and "number" in types  # past float64: uncompilable (above)
+    if bound and isinstance(value, int) and value != float(value):
+        return Support.WEAKENED  # a number's bound is read as a float64: 2**53 took 2**53 + 1
     if keyword == "multipleOf":
-        value = node["multipleOf"]
         if types != {"integer"} or not (isinstance(value, int) or float(value).is_integer()):
             return Support.WEAKENED
         if any(bound in node for bound in NUMERIC - {"multipleOf"}):
@@ -443,9 +473,11 @@ def llguidance_multiple_too_costly(value: Any) -> bool:
 
 
 def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
-    """``BackendProfile.uncompilable`` of llguidance: a ``multipleOf`` past its limit."""
+    """``BackendProfile.uncompilable`` of llguidance: a ``multipleOf`` past its limit, a number
+    it cannot read."""
     costly = llguidance_multiple_too_costly(node.get("multipleOf"))
-    return frozenset({"multipleOf"}) if costly else frozenset()
+    unread = {k for k in NUMERIC & node.keys() if _past_float64(node[k])}
+    return frozenset(unread | ({"multipleOf"} if costly else set()))
 
 
 def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
@@ -586,6 +618,7 @@ XGRAMMAR = BackendProfile(
         }
     ),
     rule=_xgrammar_rule,
+    uncompilable=_xgrammar_uncompilable,
     false_schema=False,  # refused at compile ("Schema 'false' cannot accept any value") ...
     # ... except as these keywords' values, where it means "nothing more" (probe tests)
     false_schema_under=frozenset({"additionalProperties", "items"}),

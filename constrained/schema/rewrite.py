@@ -43,6 +43,12 @@ result is a Draft 2020-12 schema without ``$schema``. Applied per schema object,
   (``properties: {p: false}``) and "present and ..." branches;
 - ``enum`` / ``const`` next to other keywords → the members that satisfy them, alone
   (:mod:`enum_filter`; none left: ``false``, or an error at the root);
+- a count (``minLength`` ... ``maxContains``) past :data:`COUNT_LIMIT`: a maximum is dropped, a
+  minimum drops its type from ``type`` (``false`` when none is left). The one rewrite that is
+  exact only on instances of fewer than ``2**31`` characters, items and properties, which every
+  output is (a generation's budget is far below): the backends cannot read such counts
+  (llguidance's regexes take ``u32``, xgrammar refuses ``minItems`` past ``2**31 - 1``,
+  outlines-core wraps them), and the post-validation keeps the caller's;
 - keywords without effect: ``if`` without ``then``/``else``, ``then``/``else`` without ``if``,
   ``uniqueItems: false``, ``uniqueItems`` with ``maxItems <= 1``, ``minContains`` / ``maxContains``
   without ``contains``, ``additionalItems`` (not a Draft 2020-12 keyword),
@@ -124,6 +130,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         return node
     node = map_subschemas(node, pointer, lambda sub, at: _rewrite(sub, at, ctx))
     node = _drop_no_ops(node, ctx.annotations_matter)
+    if not isinstance(node, dict):
+        return node
     if "format" in node:
         node = _format(node)
     if "pattern" in node or "patternProperties" in node:
@@ -216,14 +224,32 @@ def _split_dependencies(node: dict[str, Any]) -> dict[str, Any]:
 
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
           "minContains", "maxContains")  # fmt: skip
+COUNT_LIMIT = 2**31 - 1
+"""More characters, items or properties than any output holds (see the module docstring)."""
+_COUNTED = {"minLength": "string", "minItems": "array", "minContains": "array",
+            "minProperties": "object"}  # fmt: skip
+_ALL_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 
 
-def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, Any]:
+def _declared_types(node: dict[str, Any]) -> list[str]:
+    """The types ``node``'s ``type`` lists (every type when it has none)."""
+    value = node.get("type", list(_ALL_TYPES))
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _drop_no_ops(node: dict[str, Any], annotations_matter: bool) -> dict[str, Any] | bool:
     node = dict(node)
     for key in COUNTS:  # 2.0 is the integer 2 in JSON Schema
         value = node.get(key)
         if isinstance(value, float) and value.is_integer():
-            node[key] = int(value)
+            node[key] = value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value > COUNT_LIMIT:
+            del node[key]  # a maximum: no output reaches it
+            if key in _COUNTED:  # a minimum: no output of that type meets it
+                kept = [t for t in _declared_types(node) if t != _COUNTED[key]]
+                if not kept:
+                    return False
+                node["type"] = kept
     if "if" in node and "then" not in node and "else" not in node and not annotations_matter:
         node.pop("if")
     if "if" not in node:

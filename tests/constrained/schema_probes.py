@@ -80,6 +80,37 @@ PROBES: tuple[Probe, ...] = (
         [10**18 - 1000, 5],
         [10**18],
     ),
+    # xgrammar reads an integer's bound as an int64 (exact) but a number's as a float64
+    _p(
+        "integer-minimum-past-2**53",
+        "minimum",
+        {"type": "integer", "minimum": 2**53 + 1},
+        [2**53 + 1, 2**53 + 2],
+        [2**53],
+    ),
+    _p(
+        "number-minimum-past-2**53",
+        "minimum",
+        {"type": "number", "minimum": 2**53 + 1},
+        [2**53 + 1, 2**53 + 2],
+        [2**53],
+    ),
+    # xgrammar refuses an integer's bound outside int64 ("Integer exceeds maximum limit")
+    _p(
+        "integer-maximum-past-int64",
+        "maximum",
+        {"type": "integer", "maximum": -(2**63) - 1},
+        [-(2**63) - 1],
+        [-(2**63), 0],
+    ),
+    # no float64 holds it: both JSON backends refuse the schema
+    _p(
+        "minimum-past-float64",
+        "minimum",
+        {"type": "number", "minimum": 10**400},
+        [10**400],
+        [5, 10**300],
+    ),
     _p("minimum", "minimum", {"type": "integer", "minimum": 3}, [3, 10], [2, -5]),
     # xgrammar and outlines-core: a required name missing from "properties" is not required
     _p(

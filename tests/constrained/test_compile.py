@@ -408,3 +408,74 @@ def test_a_long_ref_chain_is_a_clear_error(toy_tokenizer: Any) -> None:
     spec = GrammarSpec.json_schema({"$defs": defs, "$ref": "#/$defs/d0"})
     with pytest.raises(InvalidGrammarError, match="too deep to compile"):
         compile_grammar(spec, toy_tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("schema", "rewritten"),
+    [
+        ({"type": "string", "maxLength": 2**53}, {"type": "string"}),
+        ({"type": "array", "maxItems": 1e12, "minItems": 2}, {"type": "array", "minItems": 2}),
+        ({"type": "object", "maxProperties": 2**64}, {"type": "object"}),
+        ({"type": "array", "minItems": 2**64}, False),
+        ({"type": ["string", "null"], "minLength": 10**12}, {"type": ["null"]}),
+        (
+            {"minProperties": 2**31},
+            {"type": ["array", "boolean", "integer", "null", "number", "string"]},
+        ),
+        ({"type": "string", "maxLength": 2**31 - 1}, {"type": "string", "maxLength": 2**31 - 1}),
+        ({"type": "string", "minLength": 2**31 - 1}, {"type": "string", "minLength": 2**31 - 1}),
+    ],
+)
+def test_counts_past_what_an_output_holds_are_rewritten(schema: Any, rewritten: Any) -> None:
+    # llguidance failed to parse its own regex for maxLength 2**53 ("decimal literal invalid"),
+    # xgrammar refused minItems past 2**31 - 1, outlines-core wrapped 2**64 to 0
+    assert normalize_schema(schema) == rewritten
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines_core"])
+def test_a_maximum_count_past_what_an_output_holds_compiles_exactly(
+    backend: str, toy_tokenizer: Any
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": 10**12}},
+        "required": ["s"],
+    }
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    assert report.weakened == ()
+    assert accepts(compiled, toy_tokenizer, {"s": "abc"})
+    assert not accepts(compiled, toy_tokenizer, {"s": 1})
+
+
+def test_a_minimum_count_past_what_an_output_holds_leaves_the_other_types(
+    toy_tokenizer: Any,
+) -> None:
+    spec = GrammarSpec.json_schema({"anyOf": [{"type": "integer"}, {"minLength": 2**40}]})
+    compiled, _ = compile_grammar(spec, toy_tokenizer)
+    assert accepts(compiled, toy_tokenizer, 5)
+    assert accepts(compiled, toy_tokenizer, [1])  # not a string: minLength holds
+    assert not accepts(compiled, toy_tokenizer, "ab")
+    too_many = GrammarSpec.json_schema({"type": "array", "minItems": 2**64})
+    with pytest.raises(EmptyLanguageError, match="more characters, items or properties"):
+        compile_grammar(too_many, toy_tokenizer)
+    required = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2**40}}}
+    with pytest.raises(EmptyLanguageError) as caught:
+        compile_grammar(GrammarSpec.json_schema({**required, "required": ["a"]}), toy_tokenizer)
+    assert caught.value.pointer == "/properties/a"
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "integer", "minimum": 1e19}, "minimum"),  # xgrammar: "Check failed"
+        ({"type": "integer", "maximum": -(2**63) - 1}, "maximum"),
+        ({"type": "integer", "minimum": 10**400 - 1}, "minimum"),  # xgrammar: "RuntimeError"
+        ({"type": "number", "minimum": 2**53 + 1}, "minimum"),  # xgrammar took 2**53
+    ],
+)
+def test_bounds_no_backend_reads_exactly_are_refused_by_name(
+    schema: Any, keyword: str, toy_tokenizer: Any
+) -> None:
+    with pytest.raises(SchemaNotEnforceableError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert f"'{keyword}' at /" in str(caught.value)

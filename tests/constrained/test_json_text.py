@@ -23,6 +23,9 @@ LONG = "1" + "0" * 5000
         ('{"a": "ok",\n "b": "x\\udc00"}', 2, 9),  # a low surrogate alone
         ('["\\ud83d\\ude00", "\\udbff"]', 1, 19),  # a pair, then a lone one
         ('{"const": ' + LONG + "}", 1, 11),  # past the int-from-text limit
+        ("[1,\n " + "1" * 4300 + "]", 2, 2),  # at that limit, past a float64
+        ('{"maximum": 2e308}', 1, 13),  # read as inf
+        ('{"enum": [0, -' + "9" * 309 + "]}", 1, 14),
     ],
 )
 def test_refused_with_its_place(text: str, line: int, column: int) -> None:
@@ -41,7 +44,8 @@ def test_a_raw_surrogate_is_refused() -> None:
     [
         '{"emoji": "\\ud83d\\ude00", "plain": "é", "n": -1.5e300}',
         '{"escaped": "\\\\ud800"}',  # a backslash, then the letters: not an escape
-        "[" + "1" * 4300 + "]",  # at the limit
+        "[" + "9" * 308 + "]",  # the largest whole numbers a float64 reaches
+        "[1.7976931348623157e308, -1.7976931348623157e308, 5e-324, 1e-400]",
         "true",
     ],
 )
@@ -65,6 +69,13 @@ def test_each_reader_of_caller_json_refuses_a_lone_surrogate(read: object) -> No
         read(text)  # type: ignore[operator]
     assert caught.value.line == 1 and caught.value.column == 67
     assert "surrogate" in caught.value.detail
+
+
+@pytest.mark.parametrize("number", ["1e400", "-" + "1" * 400])
+def test_a_number_past_a_float64_is_refused_by_name(number: str) -> None:
+    # it used to reach the backends: "number out of range", or "null is not of type number"
+    with pytest.raises(InvalidGrammarError, match="past the range of a float64"):
+        admit_schema('{"type": "number", "minimum": ' + number + "}")
 
 
 def test_a_schema_with_a_5000_digit_integer_is_an_invalid_grammar() -> None:
