@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -187,19 +188,25 @@ def prepare_structural_tag(
 ) -> tuple[GrammarSpec, PreparedSchema]:
     """Each JSON schema of a structural tag prepared as :func:`prepare_schema` does; the issues
     of all of them, their pointers prefixed by the schema's place in the tag."""
+    from espalier.constrained.keys.matcher import free_keys_at, tracks_framed_value
     from espalier.constrained.structural_tag import map_json_schemas, root_format, with_format
 
     issues: dict[str, list[KeywordIssue]] = {name: [] for name in backends}
     notes: list[str] = []
+    tracked = tracks_framed_value(spec)
 
     def prepare(node: dict[str, Any], pointer: str) -> dict[str, Any]:
         prepared = prepare_schema(
             node["json_schema"], registry, backends, number_bounds, track_unique=False
         )
+        free = None if tracked else free_keys_at(prepared.schema)
         for name, found in prepared.issues.items():
             issues[name] += [
                 dataclasses.replace(i, pointer=f"{pointer}/json_schema{i.pointer}") for i in found
             ]
+            if free is not None:  # no backend stops an object repeating a key there
+                at = f"{pointer}/json_schema{free[0]}"
+                issues[name].append(KeywordIssue(free[1], at, "weakened", name))
         notes.extend(prepared.notes)
         return {**node, "json_schema": prepared.schema}
 
@@ -241,7 +248,11 @@ def compile_grammar(
         target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
     else:
         order = _enforcing_json_blocks(spec, order)
-        return _compile_first(spec, tokenizer, order, options, (), ())
+        free = _json_blocks_with_free_keys(spec, order[0])
+        compiled = _compile_first(spec, tokenizer, order, options, tuple(free), ())
+        if free and not allow_weakening:  # after the compile: a grammar's own faults come first
+            raise SchemaNotEnforceableError(free, backend)
+        return compiled
     exact = prepared.enforcing(order)
     if exact:
         return _compile_first(target, tokenizer, tuple(exact), options, (), prepared.notes)
@@ -404,6 +415,29 @@ def _enforcing_json_blocks(spec: GrammarSpec, order: tuple[str, ...]) -> tuple[s
             "its %json schemas are enforced exactly only by llguidance",
         )
     return taking
+
+
+def _json_blocks_with_free_keys(spec: GrammarSpec, backend: str) -> list[KeywordIssue]:
+    """For each ``%json`` schema of a Lark grammar whose objects may repeat a key, the first
+    such place, as a weakened keyword at ``%json N`` (the N-th block, from 1) plus its
+    pointer: the key tracker reads the whole output as one JSON value, so it cannot follow a
+    value inside a grammar, and no backend stops the repeat."""
+    from espalier.constrained.keys.matcher import free_keys_at
+
+    if spec.kind is not GrammarKind.LARK:
+        return []
+    decoder = json.JSONDecoder()
+    out = []
+    for n, block in enumerate(_JSON_BLOCK.finditer(spec.source), 1):
+        text = spec.source[block.end() :]
+        try:
+            schema, _ = decoder.raw_decode(text, len(text) - len(text.lstrip()))
+        except ValueError:
+            continue  # not a schema here (a comment, a string): the backend reads the grammar
+        found = free_keys_at(schema)
+        if found is not None:
+            out.append(KeywordIssue(found[1], f"%json {n} {found[0] or '/'}", "weakened", backend))
+    return out
 
 
 def _blocking_issues(prepared: PreparedSchema, order: tuple[str, ...]) -> list[KeywordIssue]:

@@ -158,10 +158,12 @@ def parse_strict_json(text: str) -> Any:
 
 
 def replay_with(compiled: CompiledGrammar, tokenizer: TokenizerInfo) -> Callable[[str], bool]:
-    """A ``replay`` that tokenizes the text and pushes it through a fresh matcher."""
+    """A ``replay`` that tokenizes the text and pushes it through a fresh matcher, with the
+    duplicate-key tracker a generation has (``keys.with_unique_keys``)."""
+    from espalier.constrained.keys import with_unique_keys
 
     def replay(text: str) -> bool:
-        matcher = compiled.matcher()
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), tokenizer)
         tokens = tokenizer.encode_text(text)
         return all(matcher.accept(t) for t in tokens) and matcher.can_terminate()
 

@@ -136,7 +136,8 @@ def map_formats(
     if fmt.get("type") in types:
         return change(fmt, pointer)
     out = dict(fmt)
-    for key in _CHILDREN.get(str(fmt.get("type")), ()):
+    kind = fmt.get("type", "tag" if "content" in fmt else None)  # a tag list's tags: untyped
+    for key in _CHILDREN.get(str(kind), ()):
         child = fmt.get(key)
         if isinstance(child, list):
             out[key] = [
@@ -201,6 +202,38 @@ def reasoning_end(spec: GrammarSpec) -> str | None:
         return None
     end = elements[0].get("end")
     return end if isinstance(end, str) and end and elements[0] == _thought(end) else None
+
+
+def framed_json_schema(spec: GrammarSpec) -> tuple[str, Any] | None:
+    """``(frame, schema)`` when ``spec``'s output is text ending at the first occurrence of
+    ``frame`` and then one JSON value of ``schema``: a root ``json_schema`` (frame ``""``), a
+    ``tag`` around one (its ``begin``; its ``end`` follows the value), or a two-element
+    ``sequence`` of :func:`after_reasoning`'s free text or a ``const_string``, then one. None for
+    other shapes (where a value may start is the grammar's choice). Why: the duplicate-key
+    tracker reads that one value (``constrained/keys``)."""
+    fmt = root_format(spec)
+    if fmt.get("type") == "json_schema":
+        return "", fmt.get("json_schema")
+    content = fmt.get("content")
+    if fmt.get("type") == "tag" and isinstance(content, dict) and isinstance(fmt.get("begin"), str):
+        return (
+            (fmt["begin"], content.get("json_schema"))
+            if content.get("type") == "json_schema"
+            else None
+        )
+    elements = fmt.get("elements")
+    if fmt.get("type") != "sequence" or not isinstance(elements, list) or len(elements) != 2:
+        return None
+    first, value = elements
+    if not isinstance(value, dict) or value.get("type") != "json_schema":
+        return None
+    end = reasoning_end(spec)
+    if end is not None:
+        return end, value.get("json_schema")
+    if isinstance(first, dict) and first.get("type") == "const_string":
+        text = first.get("value")
+        return (text, value.get("json_schema")) if isinstance(text, str) else None
+    return None
 
 
 def structural_tag_spec(

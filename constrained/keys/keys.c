@@ -15,6 +15,12 @@
  * undo log. Rollback replays the undo log and restores the mark: O(bytes changed), no copies.
  * The filter simulates candidate tokens the same way (advance, then roll back), so one lexer
  * serves accept, rows and trees. A tracker is driven by one thread at a time (the matcher's).
+ *
+ * A frame (espalier_keys_set_frame) puts the JSON value inside other text: bytes before the
+ * frame's first occurrence (the reasoning end marker, a tag's begin) are skipped, the lexer reads
+ * the value after it, and once that value's root container closes (or the root is a scalar,
+ * which holds no key) every later byte is skipped too; rows are filtered only while the lexer
+ * reads. frame_at: bytes of the frame matched so far, FRAME_READING or FRAME_DONE.
  */
 #include <math.h>
 #include <pthread.h>
@@ -23,11 +29,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 4
+#define ESP_KEYS_ABI 5
+#define MAX_FRAME 256
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
 enum { REFUSED_ESCAPE = 0, REFUSED_KEY = 1, REFUSED_ITEM = 2 };
+enum { FRAME_READING = -1, FRAME_DONE = -2 };
 
 /* keys / items: last KeyEntry (-1 none); loc: this container's place (EspPlaces state, -1 none
  * tracked); index: an array's items before the current one; vloc: an object's value place after
@@ -41,6 +49,7 @@ typedef struct {
     uint32_t key_off, n_bytes, item_off;
     uint8_t esc[4];
     int64_t n_undo;
+    int32_t frame_at;
 } Mark;
 
 /* bytes -> token ids (CSR), open addressing; keys point into the tables' token bytes */
@@ -96,6 +105,9 @@ typedef struct EspKeys {
     uint32_t *saved; int64_t saved_cap; /* filter scratch: a row before a number's cut */
     int failed;                        /* an allocation failed: sticky */
     int32_t refused; /* what the last refused advance completed (REFUSED_*); not rolled back */
+    int32_t frame_len, frame_at;       /* the frame (none: frame_len 0), see the top */
+    uint8_t frame[MAX_FRAME];
+    int32_t frame_fail[MAX_FRAME];     /* KMP: the frame's longest proper border per prefix */
 } EspKeys;
 
 /* ---- growth ------------------------------------------------------------------------------ */
@@ -413,7 +425,25 @@ static void start_item(EspKeys *k, int32_t item, uint8_t tag) {
 
 /* 1: the byte completes a duplicate key or item, or writes a needless escape in a key (strict);
  * the caller rolls back. */
+/* One byte outside the JSON value (the frame is read); see the top. */
+static void frame_byte(EspKeys *k, uint8_t b) {
+    if (k->frame_at == FRAME_DONE) return;
+    int32_t at = k->frame_at;
+    while (at > 0 && k->frame[at] != b) at = k->frame_fail[at - 1];
+    if (k->frame[at] == b) at++;
+    k->frame_at = at == k->frame_len ? FRAME_READING : at;
+}
+
 static int step_byte(EspKeys *k, uint8_t b, int strict) {
+    if (k->frame_at != FRAME_READING) {
+        frame_byte(k, b);
+        return 0;
+    }
+    if (k->frame_len && !k->depth && !k->in_key && !k->in_value && b != '{' && b != '[' &&
+        b != ' ' && b != '\t' && b != '\n' && b != '\r') {
+        k->frame_at = FRAME_DONE; /* a framed value that is a scalar, or what follows the value */
+        return 0;
+    }
     if (k->item == NUMBER_ITEM) {
         if (number_byte(b)) { put_byte(k, b); return 0; }
         uint32_t off = put_number(k, k->item_off + 1);
@@ -480,6 +510,7 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
         push(k, ARRAY);
     } else if ((b == '}' || b == ']') && top) {
         k->depth--;
+        if (k->frame_len && !k->depth) k->frame_at = FRAME_DONE;
     } else if (b == ',' && top && top->kind == OBJECT) {
         save_slot(k, k->depth - 1);
         top->expect_key = 1;
@@ -520,6 +551,7 @@ static void rollback(EspKeys *k, int64_t n) {
     k->item_off = m->item_off;
     k->key_off = m->key_off;
     k->n_bytes = m->n_bytes;
+    k->frame_at = m->frame_at;
     memcpy(k->esc, m->esc, 4);
     k->n_marks -= n;
 }
@@ -537,7 +569,7 @@ static int advance(EspKeys *k, int64_t token, int strict) {
     if (!grow((void **)&k->marks, &k->marks_cap, k->n_marks + 1, sizeof(Mark))) return -1;
     Mark m = {k->in_key, k->in_value, k->esc_len,      k->high,    k->depth,
               k->n_entries, k->item, k->lit_need, k->expect_value, k->key_off,
-              k->n_bytes, k->item_off, {0}, k->n_undo};
+              k->n_bytes, k->item_off, {0}, k->n_undo, k->frame_at};
     memcpy(m.esc, k->esc, 4);
     k->marks[k->n_marks++] = m;
     int64_t len;
@@ -688,6 +720,7 @@ static int64_t item_duplicates(EspKeys *k, const uint32_t *row, int64_t words, i
  * allowed), 0 left as it was (the dead-end rule), -1 out of memory. Inside a number that
  * already is an item of its array, every token whose first byte ends the number is one. */
 static int filter_row(EspKeys *k, uint32_t *row, int64_t words) {
+    if (k->frame_at != FRAME_READING) return 1; /* outside the value: the accept still refuses */
     int64_t n = duplicates(k, row, words);
     if (n < 0) return -1;
     int cut = 0;
@@ -925,8 +958,25 @@ EspKeys *espalier_keys_new(const EspKeysTables *tables) {
     if (k) {
         k->tables = tables;
         k->expect_value = 1;
+        k->frame_at = FRAME_READING;
     }
     return k;
+}
+
+/* Read the JSON value after the first occurrence of frame (len bytes, 1..MAX_FRAME) only; a
+ * fresh tracker's setting. 0: too long (nothing changed). */
+int32_t espalier_keys_set_frame(EspKeys *k, const uint8_t *frame, int64_t len) {
+    if (len < 1 || len > MAX_FRAME) return 0;
+    memcpy(k->frame, frame, (size_t)len);
+    k->frame_len = (int32_t)len;
+    k->frame_fail[0] = 0;
+    for (int32_t i = 1, j = 0; i < len; i++) {
+        while (j > 0 && frame[i] != frame[j]) j = k->frame_fail[j - 1];
+        if (frame[i] == frame[j]) j++;
+        k->frame_fail[i] = j;
+    }
+    k->frame_at = 0;
+    return 1;
 }
 
 static void *dup_array(const void *src, int64_t n, size_t size, int64_t *cap) {
@@ -1025,6 +1075,7 @@ void espalier_keys_reset(EspKeys *k) {
     k->depth = k->n_entries = 0;
     k->n_bytes = k->key_off = 0;
     k->n_undo = k->n_marks = 0;
+    k->frame_at = k->frame_len ? 0 : FRAME_READING;
 }
 
 int64_t espalier_keys_accepted(const EspKeys *k) { return k->n_marks; }

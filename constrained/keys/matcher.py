@@ -24,6 +24,7 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.keys.native import (
+    MAX_FRAME,
     KeyTables,
     KeyTracker,
     PlaceTable,
@@ -50,10 +51,40 @@ def with_unique_keys(
 ) -> GrammarMatcher:
     """``matcher`` itself, or wrapped so that no object of its output repeats a key and no
     array the schema wants unique repeats an item."""
+    if spec.kind is GrammarKind.STRUCTURAL_TAG:
+        frame = _framed_free_keys(spec.source)
+        if frame is None:
+            return matcher
+        return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer), None, frame or None))
     places = _place_table(spec.source) if spec.kind is GrammarKind.JSON_SCHEMA else None
     if places is None and not may_repeat_keys(spec):
         return matcher
     return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer), places))
+
+
+def tracks_framed_value(spec: GrammarSpec) -> bool:
+    """Whether :func:`with_unique_keys` follows the JSON value of a structural tag ``spec``:
+    its shape is one value after a frame (``framed_json_schema``) that the tracker takes. Its
+    other JSON values are not followed: their objects may repeat keys."""
+    from espalier.constrained.structural_tag import framed_json_schema
+
+    framed = framed_json_schema(spec)
+    return framed is not None and len(framed[0].encode("utf-8")) <= MAX_FRAME
+
+
+@functools.lru_cache(maxsize=256)
+def _framed_free_keys(source: str) -> bytes | None:
+    """The frame (``b""``: none) before a structural tag's one JSON value whose objects may
+    repeat keys (:func:`~espalier.constrained.structural_tag.framed_json_schema`); None: no
+    such value, or a frame longer than the tracker takes. Per tag text, as
+    :func:`_schema_has_free_keys`."""
+    from espalier.constrained.structural_tag import framed_json_schema
+
+    framed = framed_json_schema(GrammarSpec(GrammarKind.STRUCTURAL_TAG, source))
+    if framed is None or not _free_keys(framed[1]):
+        return None
+    frame = framed[0].encode("utf-8")
+    return frame if len(frame) <= MAX_FRAME else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -309,27 +340,44 @@ def _schema_has_free_keys(source: str) -> bool:
 
 
 def _free_keys(schema: Any) -> bool:
+    return free_keys_at(schema) is not None
+
+
+def free_keys_at(schema: Any, pointer: str = "") -> tuple[str, str] | None:
+    """``(pointer, keyword)`` of the first place in ``schema`` where an object's keys are not
+    all declared properties (``keyword``: ``additionalProperties``, ``patternProperties``, or
+    ``true`` for a schema that takes any value); None: no object of it may repeat a key."""
     if not isinstance(schema, dict):
-        return schema is True
+        return (pointer, "true") if schema is True else None
     kind = schema.get("type")
     objects = kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind)
     if "enum" in schema or "const" in schema:
         objects = False
-    if objects and (
-        schema.get("additionalProperties", True) is not False or "patternProperties" in schema
-    ):
-        return True
-    return any(_free_keys(sub) for sub in _subschemas(schema))
+    if objects and "patternProperties" in schema:
+        return pointer, "patternProperties"
+    if objects and schema.get("additionalProperties", True) is not False:
+        return pointer, "additionalProperties"
+    for at, sub in _subschemas(schema, pointer):
+        found = free_keys_at(sub, at)
+        if found is not None:
+            return found
+    return None
 
 
-def _subschemas(schema: dict[str, Any]) -> Iterable[Any]:
+def _subschemas(schema: dict[str, Any], pointer: str) -> Iterable[tuple[str, Any]]:
+    from espalier.constrained.schema.walk import escape_pointer_token
+
     for word in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
         value = schema.get(word)
         if isinstance(value, dict):
-            yield from value.values()
+            for name, sub in value.items():
+                yield f"{pointer}/{word}/{escape_pointer_token(name)}", sub
     for word in ("items", "prefixItems", "anyOf", "oneOf", "allOf"):
         value = schema.get(word)
-        yield from value if isinstance(value, list) else [value] if value is not None else []
+        if isinstance(value, list):
+            yield from ((f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(value))
+        elif value is not None:
+            yield f"{pointer}/{word}", value
     for word in ("additionalProperties", "additionalItems", "contains", "then", "else"):
         if isinstance(schema.get(word), dict):
-            yield schema[word]
+            yield f"{pointer}/{word}", schema[word]

@@ -21,10 +21,12 @@ import numpy as np
 if TYPE_CHECKING:
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 4
+ABI = 5
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
+MAX_FRAME = 256
+"""The longest frame (``keys.c``'s ``MAX_FRAME``)."""
 
 
 class KeysBuildError(RuntimeError):
@@ -63,6 +65,7 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_places_new": (vp, [i32, vp, vp, i32, vp, vp, vp, vp, i64, i32, vp]),
         "espalier_keys_places_free": (None, [vp]),
         "espalier_keys_set_places": (None, [vp, vp]),
+        "espalier_keys_set_frame": (i32, [vp, ctypes.c_char_p, i64]),
         "espalier_keys_free": (None, [vp]),
         "espalier_keys_fork": (vp, [vp]),
         "espalier_keys_reset": (None, [vp]),
@@ -182,12 +185,16 @@ class PlaceTable:
 
 class KeyTracker:
     """One request's key state and rollback history (``keys.c``: the lexer over accepted token
-    bytes), following ``places`` (unique items) when given. Driven by one thread at a time;
-    :meth:`fork` gives an independent copy."""
+    bytes), following ``places`` (unique items) when given. ``frame``: the JSON value is the
+    one right after the first occurrence of these bytes (1 to :data:`MAX_FRAME` of them), and
+    nothing after that value is read (``keys.c``'s top comment); None: the whole output is the
+    value. Driven by one thread at a time; :meth:`fork` gives an independent copy."""
 
     __slots__ = ("_h", "_lib", "places", "tables")
 
-    def __init__(self, tables: KeyTables, places: PlaceTable | None = None) -> None:
+    def __init__(
+        self, tables: KeyTables, places: PlaceTable | None = None, frame: bytes | None = None
+    ) -> None:
         self._lib = lib()
         self.tables = tables  # keeps the tables alive while a tracker points into them
         self.places = places  # likewise
@@ -196,6 +203,8 @@ class KeyTracker:
             raise MemoryError("key tracker")
         if places is not None:
             self._lib.espalier_keys_set_places(self._h, places.handle)
+        if frame is not None and not self._lib.espalier_keys_set_frame(self._h, frame, len(frame)):
+            raise ValueError(f"a frame of 1 to {MAX_FRAME} bytes, got {len(frame)}")
 
     def __del__(self) -> None:
         handle = getattr(self, "_h", None)

@@ -21,7 +21,9 @@ How each backend is told (all three compile the same narrowed language up to the
 
 - llguidance: the bounds as ``minimum``/``maximum``/``exclusive*`` keywords, plus
   ``multipleOf: 10**-number_fraction_digits`` (llguidance matches decimal ``multipleOf``
-  exactly, digit by digit) unless the node has its own ``multipleOf``;
+  exactly, digit by digit) unless the node has its own ``multipleOf`` or its range is narrower
+  than three such steps (``[0.1, 0.1]``: llguidance's float arithmetic found no multiple in it
+  and called the schema empty; ``(0.25, 0.2500009)`` holds none);
 - xgrammar: the same bound keywords; its range grammar allows at most 6 fraction digits
   whatever ``number_fraction_digits`` says (xgrammar ignores ``multipleOf`` on numbers). A node
   with ``multipleOf`` is left unbounded: xgrammar drops ``multipleOf`` next to a range;
@@ -235,8 +237,12 @@ class _Walker:
             out[low_key] = -limit
         if not highs and (not lows or max(lows) < limit):
             out[high_key] = limit
-        if kind == "number" and self.backend == BackendName.LLGUIDANCE and "multipleOf" not in node:
-            out["multipleOf"] = 10.0**-self.bounds.number_fraction_digits
+        step = 10.0**-self.bounds.number_fraction_digits
+        # a narrow range may hold no multiple (or llguidance's floats miss the one it holds)
+        narrow = bool(lows and highs) and min(highs) - max(lows) < 3 * step
+        llguidance = self.backend == BackendName.LLGUIDANCE
+        if kind == "number" and llguidance and "multipleOf" not in node and not narrow:
+            out["multipleOf"] = step
         return out
 
 

@@ -227,3 +227,22 @@ def test_fractional_bounds_on_integers_take_exactly_the_schemas_integers(
     for value in range(-5, 6):
         text = str(value)
         assert grammar_accepts(grammar, toy_tokenizer, text) == validator.is_valid(value), text
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        ({"type": "number", "minimum": 0.1, "maximum": 0.1}, "0.1"),
+        ({"type": "number", "minimum": -2.2, "maximum": -2.2}, "-2.2"),
+        ({"type": "number", "exclusiveMinimum": 0.25, "exclusiveMaximum": 0.2500009}, "0.2500001"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+def test_a_range_narrower_than_the_fraction_step_is_not_emptied(
+    backend: str, schema: dict[str, Any], value: str, toy_tokenizer: Any
+) -> None:
+    # the fraction policy's multipleOf 1e-6 made llguidance call these empty ("range
+    # [0.10000099999999999, 0.09999999999999999] does not contain a multiple of 0.000001"),
+    # and its emptiness check refused them on every backend
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, backend)
+    assert grammar_accepts(compiled, toy_tokenizer, value)
