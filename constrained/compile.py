@@ -122,8 +122,9 @@ def prepare_schema(
         raise EmptyLanguageError(
             "json_schema",
             "the schema matches no finite JSON value: every value needs the subschema at "
-            f"'{resolved.display_pointer(empty)}', which has none (false, a count past what an "
-            "output holds, or it must contain itself without end)",
+            f"'{resolved.display_pointer(empty)}', which has none (false, more keys than its "
+            "names can make, a count past what an output holds, or it must contain itself "
+            "without end)",
             pointer=resolved.display_pointer(empty),
         )
     issues = {}

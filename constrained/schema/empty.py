@@ -12,7 +12,9 @@ refusal is never wrong; an empty schema it cannot see (``minLength`` above ``max
 
 Read: ``false``; ``$ref`` to ``#`` or ``#/$defs/...``; ``allOf`` (every member), ``anyOf`` /
 ``oneOf`` (some member); ``enum: []``; ``type``; for objects, each ``required`` name through
-``properties``, or through ``additionalProperties`` when no ``patternProperties`` may apply;
+``properties``, or through ``additionalProperties`` when no ``patternProperties`` may apply,
+and ``minProperties`` against the keys ``properties`` and finite ``patternProperties`` can make
+when ``additionalProperties`` is ``false``;
 for arrays, the first ``minItems`` items through ``prefixItems`` / ``items`` (older drafts:
 an ``items`` list and ``additionalItems``), and ``contains`` unless ``minContains`` is 0.
 """
@@ -123,7 +125,11 @@ class _Fixpoint:
         return (blamed[0] if len(blamed) == 1 else at), False
 
     def object_fails(self, node: dict[str, Any], at: str) -> str | None:
-        """The pointer of a required property's schema with no finite value, or None."""
+        """The pointer of a required property's schema with no finite value, or None (``at``
+        itself: ``minProperties`` asks for more keys than the object's names can make)."""
+        least = node.get("minProperties")
+        if isinstance(least, int) and least > 0 and _most_keys(node, least) is not None:
+            return at
         required = node.get("required")
         properties = node.get("properties")
         properties = properties if isinstance(properties, dict) else {}
@@ -167,3 +173,24 @@ class _Fixpoint:
         a ref target), or ``""`` when the root fails on its own keywords."""
         failing = [p for p, ok in self.checks(self.nodes[""], "") if not ok and p != ""]
         return failing[0] if failing else ""
+
+
+def _most_keys(node: dict[str, Any], least: int) -> int | None:
+    """How many distinct keys an object of ``node`` may hold, when that is fewer than
+    ``least``; None otherwise (more, unbounded, or patterns not read). Keys come only from
+    ``properties`` and the (finite) ``patternProperties`` languages once
+    ``additionalProperties`` is ``false``; overlaps are counted twice (an over-count: never a
+    wrong refusal)."""
+    from espalier.constrained.schema.regular import pattern_word_count
+
+    if node.get("additionalProperties", True) is not False:
+        return None
+    names = node.get("properties")
+    total = len(names) if isinstance(names, dict) else 0
+    patterns = node.get("patternProperties")
+    for pattern in patterns if isinstance(patterns, dict) else ():
+        words = pattern_word_count(pattern, least)
+        if words is None:
+            return None
+        total += words
+    return total if total < least else None

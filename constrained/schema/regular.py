@@ -67,6 +67,59 @@ def patterns_meet(patterns: tuple[str, ...], final_newline: bool = True) -> bool
 
 
 @functools.lru_cache(maxsize=512)
+def pattern_word_count(pattern: str, cap: int) -> int | None:
+    """How many strings ``pattern`` matches as the backends read it (``^...$`` a full match,
+    no final newline), when fewer than ``cap``; None when ``cap`` or more, infinitely many, or
+    the pattern is not read. Why: an object whose keys can only come from finite patterns
+    holds at most that many (``empty.py``'s ``minProperties`` check)."""
+    found = _language((pattern,), False, False, 0)
+    if found is None:
+        return None
+    dfa, alphabet = found
+    weight = [sum(b - a + 1 for a, b in block) for block in alphabet.blocks]
+    live = _co_reachable(dfa)
+    counts: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def count(state: int) -> int | None:  # None: a cycle (infinitely many) or past the cap
+        if state in counts:
+            return counts[state]
+        if state in on_path:
+            return None
+        on_path.add(state)
+        total = 1 if state in dfa.finals else 0
+        for symbol, target in enumerate(dfa.delta[state]):
+            if target not in live:
+                continue
+            sub = count(target)
+            if sub is None:
+                return None
+            total += weight[symbol] * sub
+            if total >= cap:
+                return None
+        on_path.discard(state)
+        counts[state] = total
+        return total
+
+    return count(0) if 0 in live else 0
+
+
+def _co_reachable(dfa: Dfa) -> set[int]:
+    """The states from which some string reaches a final state."""
+    into: dict[int, set[int]] = {}
+    for state, row in enumerate(dfa.delta):
+        for target in row:
+            into.setdefault(target, set()).add(state)
+    seen, stack = set(dfa.finals), list(dfa.finals)
+    while stack:
+        for source in into.get(stack.pop(), ()):
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    return seen
+
+
+@functools.lru_cache(maxsize=512)
 def _language(
     patterns: tuple[str, ...], negate: bool, final_newline: bool, min_length: int
 ) -> tuple[Dfa, _Alphabet] | None:

@@ -212,3 +212,57 @@ def test_no_schema_with_a_valid_instance_in_the_test_suite_is_empty_to_llguidanc
                 pass
             checked += 1
     assert checked > 250 and found > 0
+
+
+@pytest.mark.parametrize(
+    ("schema", "pointer"),
+    [
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^[ab]$": {"type": "integer"}},
+                "additionalProperties": False,
+                "minProperties": 3,
+            },
+            "",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "x": {
+                        "type": "object",
+                        "patternProperties": {"^(b|cc)$": {}, "^(d|e)$": {}},
+                        "additionalProperties": False,
+                        "minProperties": 5,
+                    }
+                },
+                "required": ["x"],
+            },
+            "/properties/x",
+        ),
+    ],
+)
+def test_more_keys_than_the_names_can_make_is_refused_with_a_pointer(
+    schema: dict[str, Any], pointer: str, toy_tokenizer: Any
+) -> None:
+    # generated until every key was taken, then ended INTERNAL "duplicate key: every token ..."
+    with pytest.raises(EmptyLanguageError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert caught.value.pointer == pointer
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "patternProperties": {"^[ab]$": {}}, "additionalProperties": False,
+         "minProperties": 2},
+        {"type": "object", "patternProperties": {"^[ab]+$": {}}, "additionalProperties": False,
+         "minProperties": 50},
+        {"type": "object", "properties": {"a": {}}, "minProperties": 3},
+        {"type": ["object", "null"], "properties": {"a": {}}, "additionalProperties": False,
+         "minProperties": 2},
+    ],
+)  # fmt: skip
+def test_enough_keys_or_another_type_is_not_refused(schema: dict[str, Any]) -> None:
+    assert unproductive_pointer(schema) is None
