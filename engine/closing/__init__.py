@@ -61,6 +61,9 @@ EVERY_TOKEN = SEARCH_LIMIT + 2
 # a search choosing one token this many times in a row gives up (a loop); closers ("}", "]")
 # are exempt: each one ends a container, and a deep nest needs one per level
 REPEAT_LIMIT = 16
+# a check whose searches found no closing path looks again this many tokens later (a bounded
+# search gave up from a date-time field's start where it found a path from the next field on)
+RETRY_AFTER = 16
 START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 FIRST_DECISIONS = 4096  # first-token decisions kept (then cleared): see BudgetCloser._first_key
 # tried in order where nothing is forced: closers first, then minimal values, then separators
@@ -351,7 +354,8 @@ class Memo:
         it belongs to (for another length it is stale: only a seed for the next check's tries);
         None when there is none.
     next_check: the output length before which no check is needed (spacing, see MARGIN).
-    unclosable: a state had no closing path within the budget (no more checks).
+    unclosable: no budget was left for a closing path (no more checks). Where the searches
+        find none, the next check is :data:`RETRY_AFTER` tokens later instead.
     """
 
     known: tuple[int, list[int]] | None = None
@@ -670,6 +674,8 @@ class BudgetCloser:
             return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
         if path is None and budget - 1 >= 0:  # ``find``: the current state's own path
             path = (yield SearchCall(matcher, None, budget - 1))[1]
+            if path is None:  # the searches are bounded: a later state may have one they find
+                return None, replace(memo, next_check=here + 1 + RETRY_AFTER)
         if path is None:
             return None, replace(memo, unclosable=True)
         return path, memo

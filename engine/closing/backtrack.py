@@ -32,7 +32,7 @@ fits), 7-75 ms for those that find a path (Github_medium/o90224, Github_hard/o21
 Github_ultra/o21380, JsonSchemaStore/ruleset_schema); the greedy search that failed first costs
 6-47 ms there. It
 runs only where the greedy search returns None, and a decision where neither finds a path
-marks the request unclosable (no further checks). A count, not a clock, bounds it, so the
+checks again ``RETRY_AFTER`` tokens later. A count, not a clock, bounds it, so the
 result is a function of the state (decisions stay a function of the tokens). Exact: every
 path returned was accepted token by token on forks of the matcher and ends where
 ``can_terminate()``.

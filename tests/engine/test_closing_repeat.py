@@ -12,6 +12,7 @@ gives up: a second run of the same token ends the search (the fallbacks then tak
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -54,19 +55,57 @@ def test_a_list_of_fractional_timestamps_closes_within_max_tokens(backend: str) 
     max_tokens = 256
     request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
     request.matcher = compiled.matcher()
-    stops = set(tokenizer.stop_token_ids)
     # a long fraction: the toy vocabulary merges digits, so that a check falls inside one
     item = '{"t": "2019-01-20T10:00:00.' + "0" * 40 + 'Z"}'
     loop = tokenizer.encode('{"data": [' + ", ".join([item] * 200))
-    closing = None
-    for token in loop[:max_tokens]:  # the model repeats the item until the budget ends
-        closing = closer.instead(request, token, stops, 10_000)
-        if closing is not None:
-            break
-        assert request.matcher.accept(token)
-        request.output_ids.append(token)
-    assert closing is not None, "cut at max_tokens"
-    output = [*request.output_ids, *closing]
+    stops = set(tokenizer.stop_token_ids)  # the model repeats the item until the budget ends
+    output = _closed_output(closer, request, loop[:max_tokens], stops)
     assert len(output) <= max_tokens
     text = b"".join(tokenizer.token_bytes[t] for t in output).decode()
     jsonschema.validate(json.loads(text), schema)
+
+
+FORMATS = {
+    "t": {"type": "string", "format": "date-time"},
+    "e": {"type": "string", "format": "email"},
+    "u": {"type": "string", "format": "uuid"},
+    "d": {"type": "string", "format": "date"},
+    "ip": {"type": "string", "format": "ipv4"},
+}
+
+
+def test_a_check_that_finds_no_path_looks_again_later(gemma_tokenizer: Any) -> None:
+    """Session 50's held-out sweep: five format fields, max_tokens 200, an e-mail's local part
+    written on and on. The bounded searches found no path from the object's start (Gemma's
+    vocabulary: they give up there), the policy marked the request
+    unclosable there, and max_tokens cut it (``length_unclosed``) although from the e-mail on
+    a path of under 80 tokens exists. Checks now come back after RETRY_AFTER tokens."""
+    schema = {"type": "object", "properties": FORMATS, "required": list(FORMATS),
+              "additionalProperties": False}  # fmt: skip
+    tokenizer = gemma_tokenizer
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    max_tokens = 200
+    request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
+    request.matcher = compiled.matcher()
+    text = '{"t": "2024-01-01T00:00:00Z", "e": "' + "abcdefgh" * 200
+    tokens = tokenizer.encode_text(text)[:max_tokens]
+    output = _closed_output(closer, request, tokens, set(tokenizer.stop_token_ids))
+    assert len(output) <= max_tokens
+    value = json.loads(b"".join(tokenizer.token_bytes[t] for t in output).decode())
+    jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+
+
+def _closed_output(
+    closer: BudgetCloser, request: Request, tokens: list[int], stops: set[int]
+) -> list[int]:
+    """The output when ``tokens`` are sampled in turn (the policy asked before each), up to the
+    closing path the policy emits instead; fails where the budget ended unclosed."""
+    assert request.matcher is not None
+    for token in tokens:
+        closing = closer.instead(request, token, stops, 10_000)
+        if closing is not None:
+            return [*request.output_ids, *closing]
+        assert request.matcher.accept(token)
+        request.output_ids.append(token)
+    raise AssertionError("cut at max_tokens")
