@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -420,25 +419,14 @@ def _enforcing_json_blocks(spec: GrammarSpec, order: tuple[str, ...]) -> tuple[s
 
 def _json_blocks_with_free_keys(spec: GrammarSpec, backend: str) -> list[KeywordIssue]:
     """For each ``%json`` schema of a Lark grammar whose objects may repeat a key, the first
-    such place, as a weakened keyword at ``%json N`` (the N-th block, from 1) plus its
-    pointer: the key tracker reads the whole output as one JSON value, so it cannot follow a
-    value inside a grammar, and no backend stops the repeat."""
-    from espalier.constrained.keys.matcher import free_keys_at
+    such place as a weakened keyword (``keys.matcher.untracked_free_keys``)."""
+    from espalier.constrained.keys.matcher import untracked_free_keys
 
     if spec.kind is not GrammarKind.LARK:
         return []
-    decoder = json.JSONDecoder()
-    out = []
-    for n, block in enumerate(_JSON_BLOCK.finditer(spec.source), 1):
-        text = spec.source[block.end() :]
-        try:
-            schema, _ = decoder.raw_decode(text, len(text) - len(text.lstrip()))
-        except ValueError:
-            continue  # not a schema here (a comment, a string): the backend reads the grammar
-        found = free_keys_at(schema)
-        if found is not None:
-            out.append(KeywordIssue(found[1], f"%json {n} {found[0] or '/'}", "weakened", backend))
-    return out
+    return [
+        KeywordIssue(keyword, at, "weakened", backend) for at, keyword in untracked_free_keys(spec)
+    ]
 
 
 def _blocking_issues(prepared: PreparedSchema, order: tuple[str, ...]) -> list[KeywordIssue]:

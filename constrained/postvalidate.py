@@ -94,6 +94,12 @@ def postvalidate(
     if spec.kind is GrammarKind.LARK and _TOKEN_COUNT.search(spec.source) is not None:
         # a replay re-tokenizes the text: its token counts are not the generation's
         return PostValidation(False, False, ("/: the grammar counts tokens (max_tokens)",))
+    from espalier.constrained.keys.matcher import repeats_unchecked
+
+    if repeats_unchecked(spec):  # allow_weakening: the grammar takes such repeats
+        return PostValidation(
+            False, False, ("/: objects of its JSON values may repeat a key, which is not checked",)
+        )
     ok = replay(text)
     return PostValidation(True, ok, () if ok else ("/: the grammar does not accept the output",))
 

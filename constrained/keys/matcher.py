@@ -16,6 +16,8 @@ in a step's tree batch, the same filter applied inside the batch's native call
 from __future__ import annotations
 
 import functools
+import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +62,57 @@ def with_unique_keys(
     if places is None and not may_repeat_keys(spec):
         return matcher
     return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer), places))
+
+
+@functools.lru_cache(maxsize=256)
+def _untracked(kind: GrammarKind, source: str) -> tuple[tuple[str, str], ...]:
+    return tuple(untracked_free_keys(GrammarSpec(kind, source)))
+
+
+def repeats_unchecked(spec: GrammarSpec) -> bool:
+    """Whether some JSON value of ``spec``'s output may repeat a key that no tracker follows
+    (:func:`untracked_free_keys`, per grammar text): a replay cannot certify such an output."""
+    return bool(_untracked(spec.kind, spec.source))
+
+
+def untracked_free_keys(spec: GrammarSpec) -> list[tuple[str, str]]:
+    """``(where, keyword)`` of the first free-key place (:func:`free_keys_at`) of each JSON
+    value in ``spec`` that :func:`with_unique_keys` does not follow: a Lark grammar's ``%json``
+    blocks (``where``: ``%json N`` and the pointer in its schema, N counted from 1) and a
+    structural tag's JSON schemas outside :func:`tracks_framed_value`'s shapes (``where``: the
+    pointer in the tag). The tracker reads one value from a known place; a value inside a
+    grammar starts where the grammar chooses."""
+    if spec.kind is GrammarKind.LARK:
+        return _lark_free_keys(spec.source)
+    if spec.kind is not GrammarKind.STRUCTURAL_TAG or tracks_framed_value(spec):
+        return []
+    from espalier.constrained.structural_tag import map_json_schemas, root_format
+
+    found: list[tuple[str, str]] = []
+
+    def note(node: dict[str, Any], pointer: str) -> dict[str, Any]:
+        free = free_keys_at(node.get("json_schema"))
+        if free is not None:
+            found.append((f"{pointer}/json_schema{free[0]}", free[1]))
+        return node
+
+    map_json_schemas(root_format(spec), note)
+    return found
+
+
+def _lark_free_keys(source: str) -> list[tuple[str, str]]:
+    decoder = json.JSONDecoder()
+    out = []
+    for n, block in enumerate(re.finditer(r"%json\b", source), 1):
+        text = source[block.end() :]
+        try:
+            schema, _ = decoder.raw_decode(text, len(text) - len(text.lstrip()))
+        except ValueError:
+            continue  # not a schema here (a comment, a string): the backend reads the grammar
+        found = free_keys_at(schema)
+        if found is not None:
+            out.append((f"%json {n} {found[0] or '/'}", found[1]))
+    return out
 
 
 def tracks_framed_value(spec: GrammarSpec) -> bool:

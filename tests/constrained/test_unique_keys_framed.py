@@ -215,3 +215,30 @@ def test_a_triggered_tags_schema_is_analysed_like_any_other(toy_tokenizer: Any) 
                  "tags": [{"begin": "<f>", "content": _json(schema), "end": "</f>"}]})  # fmt: skip
     with pytest.raises(SchemaNotEnforceableError, match="'uniqueItems' at /format/tags/0/"):
         compile_grammar(spec, toy_tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (GrammarSpec.lark("start: %json " + json.dumps(AB)), '{"a": 1, "a": 2}'),
+        (
+            _tag({"type": "tag", "begin": "<" + "x" * MAX_FRAME + ">", "content": _json(AB),
+                  "end": "</x>"}),
+            "<" + "x" * MAX_FRAME + '>{"a": 1, "a": 2}</x>',
+        ),
+        (
+            _tag({"type": "or", "elements": [_json(AB), {"type": "const_string", "value": "x"}]}),
+            '{"b": 5, "b": 9}',
+        ),
+    ],
+)  # fmt: skip
+def test_a_weakened_value_is_not_called_valid(
+    spec: GrammarSpec, text: str, toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: with ``allow_weakening`` such grammars wrote repeats, and post-validation
+    (a replay that accepts them) said ``valid``; now it says it did not check."""
+    compiled, report = compile_grammar(spec, toy_tokenizer, allow_weakening=True)
+    assert report.weakened
+    verdict = postvalidate(compiled.spec, text, replay=replay_with(compiled, toy_tokenizer))
+    assert not verdict.checked and not verdict.valid
+    assert "repeat a key" in verdict.errors[0]
