@@ -188,29 +188,25 @@ def prepare_structural_tag(
 ) -> tuple[GrammarSpec, PreparedSchema]:
     """Each JSON schema of a structural tag prepared as :func:`prepare_schema` does; the issues
     of all of them, their pointers prefixed by the schema's place in the tag."""
-    from espalier.constrained.keys.matcher import free_keys_at, tracks_framed_value
     from espalier.constrained.structural_tag import map_json_schemas, root_format, with_format
 
     issues: dict[str, list[KeywordIssue]] = {name: [] for name in backends}
     notes: list[str] = []
-    tracked = tracks_framed_value(spec)
 
     def prepare(node: dict[str, Any], pointer: str) -> dict[str, Any]:
         prepared = prepare_schema(
             node["json_schema"], registry, backends, number_bounds, track_unique=False
         )
-        free = None if tracked else free_keys_at(prepared.schema)
         for name, found in prepared.issues.items():
             issues[name] += [
                 dataclasses.replace(i, pointer=f"{pointer}/json_schema{i.pointer}") for i in found
             ]
-            if free is not None:  # no backend stops an object repeating a key there
-                at = f"{pointer}/json_schema{free[0]}"
-                issues[name].append(KeywordIssue(free[1], at, "weakened", name))
         notes.extend(prepared.notes)
         return {**node, "json_schema": prepared.schema}
 
     target = with_format(map_json_schemas(root_format(spec), prepare))
+    for name in backends:  # no backend stops an object repeating a key there
+        issues[name] += _free_key_issues(target, name)
     merged = PreparedSchema(True, {n: tuple(i) for n, i in issues.items()}, tuple(notes))
     return target, merged
 
@@ -248,7 +244,7 @@ def compile_grammar(
         target = GrammarSpec.json_schema(prepared.schema, max_bytes=1 << 30)
     else:
         order = _enforcing_json_blocks(spec, order)
-        free = _json_blocks_with_free_keys(spec, order[0])
+        free = _free_key_issues(spec, order[0])
         compiled = _compile_first(spec, tokenizer, order, options, tuple(free), ())
         if free and not allow_weakening:  # after the compile: a grammar's own faults come first
             raise SchemaNotEnforceableError(free, backend)
@@ -417,13 +413,11 @@ def _enforcing_json_blocks(spec: GrammarSpec, order: tuple[str, ...]) -> tuple[s
     return taking
 
 
-def _json_blocks_with_free_keys(spec: GrammarSpec, backend: str) -> list[KeywordIssue]:
-    """For each ``%json`` schema of a Lark grammar whose objects may repeat a key, the first
-    such place as a weakened keyword (``keys.matcher.untracked_free_keys``)."""
+def _free_key_issues(spec: GrammarSpec, backend: str) -> list[KeywordIssue]:
+    """The JSON values of a Lark grammar or a structural tag whose objects may repeat a key
+    that no tracker follows (``keys.matcher.untracked_free_keys``), as weakened keywords."""
     from espalier.constrained.keys.matcher import untracked_free_keys
 
-    if spec.kind is not GrammarKind.LARK:
-        return []
     return [
         KeywordIssue(keyword, at, "weakened", backend) for at, keyword in untracked_free_keys(spec)
     ]

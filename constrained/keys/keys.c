@@ -423,8 +423,6 @@ static void start_item(EspKeys *k, int32_t item, uint8_t tag) {
     put_byte(k, tag);
 }
 
-/* 1: the byte completes a duplicate key or item, or writes a needless escape in a key (strict);
- * the caller rolls back. */
 /* One byte outside the JSON value (the frame is read); see the top. */
 static void frame_byte(EspKeys *k, uint8_t b) {
     if (k->frame_at == FRAME_DONE) return;
@@ -434,6 +432,8 @@ static void frame_byte(EspKeys *k, uint8_t b) {
     k->frame_at = at == k->frame_len ? FRAME_READING : at;
 }
 
+/* 1: the byte completes a duplicate key or item, or writes a needless escape in a key (strict);
+ * the caller rolls back. */
 static int step_byte(EspKeys *k, uint8_t b, int strict) {
     if (k->frame_at != FRAME_READING) {
         frame_byte(k, b);

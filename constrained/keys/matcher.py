@@ -119,25 +119,28 @@ def tracks_framed_value(spec: GrammarSpec) -> bool:
     """Whether :func:`with_unique_keys` follows the JSON value of a structural tag ``spec``:
     its shape is one value after a frame (``framed_json_schema``) that the tracker takes. Its
     other JSON values are not followed: their objects may repeat keys."""
+    return _frame_of(spec) is not None
+
+
+def _frame_of(spec: GrammarSpec) -> tuple[bytes, Any] | None:
+    """The frame's bytes and the schema of a structural tag's one framed JSON value (see
+    :func:`~espalier.constrained.structural_tag.framed_json_schema`); None: no such value, or a
+    frame longer than the tracker takes."""
     from espalier.constrained.structural_tag import framed_json_schema
 
     framed = framed_json_schema(spec)
-    return framed is not None and len(framed[0].encode("utf-8")) <= MAX_FRAME
+    if framed is None or len(frame := framed[0].encode("utf-8")) > MAX_FRAME:
+        return None
+    return frame, framed[1]
 
 
 @functools.lru_cache(maxsize=256)
 def _framed_free_keys(source: str) -> bytes | None:
     """The frame (``b""``: none) before a structural tag's one JSON value whose objects may
-    repeat keys (:func:`~espalier.constrained.structural_tag.framed_json_schema`); None: no
-    such value, or a frame longer than the tracker takes. Per tag text, as
+    repeat keys (:func:`_frame_of`); None: no such value. Per tag text, as
     :func:`_schema_has_free_keys`."""
-    from espalier.constrained.structural_tag import framed_json_schema
-
-    framed = framed_json_schema(GrammarSpec(GrammarKind.STRUCTURAL_TAG, source))
-    if framed is None or not _free_keys(framed[1]):
-        return None
-    frame = framed[0].encode("utf-8")
-    return frame if len(frame) <= MAX_FRAME else None
+    framed = _frame_of(GrammarSpec(GrammarKind.STRUCTURAL_TAG, source))
+    return framed[0] if framed is not None and _free_keys(framed[1]) else None
 
 
 @functools.lru_cache(maxsize=256)

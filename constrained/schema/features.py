@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained.errors import KeywordIssue
+from espalier.constrained.schema.number_bounds import is_number
 from espalier.constrained.schema.walk import escape_pointer_token, walk
 
 ANNOTATIONS = frozenset(
@@ -263,12 +264,8 @@ def _xgrammar_uncompilable(node: dict[str, Any]) -> frozenset[str]:
         k
         for k in NUMERIC & node.keys()
         if _past_float64(node[k])
-        or (integer and k in _BOUNDS and _is_number(node[k]) and not -(2**63) <= node[k] < 2**63)
+        or (integer and k in _BOUNDS and is_number(node[k]) and not -(2**63) <= node[k] < 2**63)
     )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:

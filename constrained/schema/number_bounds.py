@@ -180,7 +180,7 @@ class _Walker:
             limit, low_key, high_key = self.bounds.integer_limit, "minimum", "maximum"
         else:
             return node
-        if any(not _is_number(node[k]) for k in _NUMERIC if k in node):
+        if any(not is_number(node[k]) for k in _NUMERIC if k in node):
             return node
         out = dict(node)
         for sign, keys, opposite, key in (
@@ -218,7 +218,7 @@ class _Walker:
         return {**rest, "anyOf": branches}
 
     def _bound_typed(self, node: dict[str, Any], kind: str) -> dict[str, Any]:
-        if any(not _is_number(node[k]) for k in _NUMERIC if k in node):
+        if any(not is_number(node[k]) for k in _NUMERIC if k in node):
             return node  # a malformed bound: not ours to interpret
         if self.backend == BackendName.XGRAMMAR and "multipleOf" in node:
             return node  # xgrammar drops multipleOf next to a range ("not yet supported")
@@ -268,5 +268,6 @@ def _whole_bounds(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number as Python reads one (an int or a float, not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
