@@ -128,7 +128,7 @@ class _Fixpoint:
         """The pointer of a required property's schema with no finite value, or None (``at``
         itself: ``minProperties`` asks for more keys than the object's names can make)."""
         least = node.get("minProperties")
-        if isinstance(least, int) and least > 0 and _most_keys(node, least) is not None:
+        if isinstance(least, int) and least > 0 and most_keys(node, least) is not None:
             return at
         required = node.get("required")
         properties = node.get("properties")
@@ -175,7 +175,7 @@ class _Fixpoint:
         return failing[0] if failing else ""
 
 
-def _most_keys(node: dict[str, Any], least: int) -> int | None:
+def most_keys(node: dict[str, Any], least: int) -> int | None:
     """How many distinct keys an object of ``node`` may hold, when that is fewer than
     ``least``; None otherwise (more, unbounded, or patterns not read). Keys come only from
     ``properties`` and the (finite) ``patternProperties`` languages once

@@ -16,7 +16,8 @@ object is *closed*). Branching on ``S`` makes every branch a shape llguidance co
 
 Every branch holds only object keywords, so non-objects pass; no branch at all means no object
 passes (``type`` without ``object``). Past :data:`MAX_BRANCHES` branches the node is left alone
-(llguidance then refuses it, naming the keyword).
+(llguidance then refuses it, naming the keyword). So is an object whose names cannot make
+``minProperties`` keys (``empty.most_keys``): ``empty.py`` refuses it with its pointer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import itertools
 import math
 from typing import Any
 
+from espalier.constrained.schema.empty import most_keys
 from espalier.constrained.schema.logic import ALL_TYPES, Defs, deref
 
 MAX_BRANCHES = 64
@@ -39,6 +41,8 @@ def rewrite_property_counts(node: dict[str, Any], defs: Defs) -> dict[str, Any]:
         return node
     if not isinstance(listed, dict) or not isinstance(required, list):
         return node
+    if low > 0 and most_keys(node, low) is not None:
+        return node  # no object has that many keys: left for ``empty.py`` to refuse here
     if not all(isinstance(name, str) for name in required):
         return node
     present = set(required)

@@ -173,7 +173,7 @@ def test_a_backend_limit_at_the_first_mask_is_not_called_an_empty_language(
 LLGUIDANCE_FINDS_EMPTY = [
     {"type": "array", "contains": False},
     {"type": "string", "pattern": "^(?!)$"},
-    {"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2},
+    {"type": "array", "minItems": 2, "maxItems": 1},
 ]
 
 
@@ -240,6 +240,33 @@ def test_no_schema_with_a_valid_instance_in_the_test_suite_is_empty_to_llguidanc
                 "required": ["x"],
             },
             "/properties/x",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {}},
+                "additionalProperties": False,
+                "minProperties": 2,
+            },
+            "",
+        ),
+        (  # optional listed names: the property-count rewrite used to spread the count over
+            # anyOf branches, and generation ended at a dead end
+            {
+                "type": "object",
+                "properties": {
+                    "o": {
+                        "type": "object",
+                        "properties": {"x": {"type": "integer"}, "y": {}},
+                        "required": ["y"],
+                        "patternProperties": {"^[ab]$": {}},
+                        "additionalProperties": False,
+                        "minProperties": 5,
+                    }
+                },
+                "required": ["o"],
+            },
+            "/properties/o",
         ),
     ],
 )
