@@ -16,6 +16,7 @@ import pytest
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.common import BackendOptions
 from espalier.constrained.compile import compile_grammar
+from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import (
     InvalidGrammarError,
     SchemaNotEnforceableError,
@@ -245,3 +246,29 @@ def test_xgrammars_dot_in_a_regex_element_takes_no_newline(toy_tokenizer: Any) -
     compiled, _ = compile_grammar(spec, toy_tokenizer, "xgrammar")
     assert not compiled.matcher().completes(toy_tokenizer.encode("a\nc"))
     assert compiled.matcher().completes(toy_tokenizer.encode("abc"))
+
+
+@pytest.mark.parametrize(
+    ("schema", "texts"),
+    [
+        ({"type": "object", "properties": {"x": {"type": "integer"}}},
+         {'{"x": 1, "y": 2}': True, '{"y": [2]}': True, '[1]': False}),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]},
+         {"[1, 2]": True, '[1, "a"]': True, "[1]": True, '["a"]': False}),
+        ({"type": "object", "properties": {"x": {"type": "integer"}},
+          "additionalProperties": False},
+         {'{"x": 1}': True, '{"x": 1, "y": 2}': False}),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_tags_schemas_keep_json_schema_defaults(
+    schema: dict[str, Any], texts: dict[str, bool], backend: str, toy_tokenizer: Any
+) -> None:
+    """xgrammar reads a structural tag's schemas in its strict mode: ``{"x": 1, "y": 2}`` was
+    refused under an object schema that allows more properties (llguidance took it)."""
+    spec = structural_tag_spec(
+        {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}
+    )
+    compiled, _ = compile_grammar(spec, toy_tokenizer, backend)
+    for text, expected in texts.items():
+        assert grammar_accepts(compiled, toy_tokenizer, text) is expected, text

@@ -9,7 +9,9 @@
   where xgrammar reads GBNF otherwise than llama.cpp (``gbnf.py``);
   LARK: ``compile_lark``; CHOICE: a GBNF alternation of escaped string literals.
 - STRUCTURAL_TAG: ``compile_structural_tag``, each ``json_schema`` node with the number bounds
-  and, unless it sets its own, ``max_whitespace_cnt`` from the options (at least 1).
+  and, unless it sets its own, ``max_whitespace_cnt`` from the options (at least 1). xgrammar
+  reads those schemas in its strict mode (objects closed, tuples not extended, unless the
+  schema says otherwise), so each one spells JSON Schema's defaults (:func:`open_by_default`).
 
 The vocabulary is given to xgrammar as raw bytes with special tokens (stops included) as empty
 strings, so xgrammar never matches a control token as text; stop tokens are passed separately.
@@ -51,7 +53,7 @@ from espalier.constrained.regex_dialect import (
 )
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
 from espalier.constrained.schema.respell import open_pattern_ends
-from espalier.constrained.schema.walk import walk
+from espalier.constrained.schema.walk import map_subschemas, walk
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
@@ -174,7 +176,7 @@ class Backend:
             out = dict(node)
             out["max_whitespace_cnt"] = json_whitespace(node, self.options.json_max_whitespace)
             bounds = self.options.json_number_bounds
-            out["json_schema"] = open_pattern_ends(node["json_schema"])
+            out["json_schema"] = open_by_default(open_pattern_ends(node["json_schema"]))
             if bounds is not None:
                 out["json_schema"] = bound_schema_numbers(out["json_schema"], NAME, bounds)
             return out
@@ -195,6 +197,30 @@ class Backend:
 
         fmt = map_regexes(map_json_schemas(root_format(spec), bounded), regex)
         return with_format(map_formats(fmt, ("grammar",), grammar)).source
+
+
+def open_by_default(schema: Any) -> Any:
+    """``schema`` with JSON Schema's defaults written out where xgrammar's strict mode would
+    read them otherwise: ``additionalProperties: true`` on object schemas without it, ``items:
+    true`` beside a ``prefixItems`` without it. Unchanged when the schema uses
+    ``unevaluatedProperties`` / ``unevaluatedItems`` (there the written default would evaluate
+    what they constrain); strict mode then narrows it, which never lets a wrong value through."""
+    if not isinstance(schema, dict) or '"unevaluated' in json.dumps(schema):
+        return schema
+    return _open_node(schema, "")
+
+
+def _open_node(node: Any, pointer: str) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = map_subschemas(node, pointer, _open_node)
+    kind = out.get("type")
+    objects = kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if (objects or "properties" in out or "required" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = True
+    if "prefixItems" in out and "items" not in out:
+        out["items"] = True
+    return out
 
 
 class CompiledGrammar(CompiledBase):
