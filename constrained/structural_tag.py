@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained import json_text
@@ -204,36 +205,124 @@ def reasoning_end(spec: GrammarSpec) -> str | None:
     return end if isinstance(end, str) and end and elements[0] == _thought(end) else None
 
 
-def framed_json_schema(spec: GrammarSpec) -> tuple[str, Any] | None:
-    """``(frame, schema)`` when ``spec``'s output is text ending at the first occurrence of
-    ``frame`` and then one JSON value of ``schema``: a root ``json_schema`` (frame ``""``), a
-    ``tag`` around one (its ``begin``; its ``end`` follows the value), or a two-element
-    ``sequence`` of :func:`after_reasoning`'s free text or a ``const_string``, then one. None for
-    other shapes (where a value may start is the grammar's choice). Why: the duplicate-key
-    tracker reads that one value (``constrained/keys``)."""
+@dataclass(frozen=True)
+class Framing:
+    """Where the JSON values of a structural tag's output start (``keys.c``'s frames).
+
+    gate: text whose first occurrence comes before any value (the reasoning end marker, a
+    leading ``const_string``; "" none). begins: after the gate, each value follows the first
+    occurrence of one of these (tag begins); none: the value follows the gate at once (both
+    empty: the output is the value). rearm: after a value, the next begin is looked for again
+    (a tag list); else nothing after the first value is read. schemas: the values' schemas.
+    """
+
+    gate: str
+    begins: tuple[str, ...]
+    rearm: bool
+    schemas: tuple[Any, ...]
+
+
+def json_framing(spec: GrammarSpec) -> Framing | None:
+    """The :class:`Framing` of ``spec``'s JSON values when every value's start is found that
+    way: a root ``json_schema``; a ``tag`` around one; a ``triggered_tags`` or
+    ``tags_with_separator`` list whose tags all hold one, where no text between values can spell
+    or start a begin (:func:`_tag_list_framing`); or a two-element ``sequence`` of
+    :func:`after_reasoning`'s free text or a ``const_string``, then one of those. None for other
+    shapes (where a value may start is the grammar's choice). Why: the duplicate-key tracker
+    reads exactly those values (``constrained/keys``)."""
     fmt = root_format(spec)
-    if fmt.get("type") == "json_schema":
-        return "", fmt.get("json_schema")
-    content = fmt.get("content")
-    if fmt.get("type") == "tag" and isinstance(content, dict) and isinstance(fmt.get("begin"), str):
-        return (
-            (fmt["begin"], content.get("json_schema"))
-            if content.get("type") == "json_schema"
-            else None
-        )
+    inner = _value_framing(fmt)
+    if inner is not None:
+        return inner
     elements = fmt.get("elements")
     if fmt.get("type") != "sequence" or not isinstance(elements, list) or len(elements) != 2:
         return None
-    first, value = elements
-    if not isinstance(value, dict) or value.get("type") != "json_schema":
+    first, rest = elements
+    if not isinstance(rest, dict) or (inner := _value_framing(rest)) is None:
         return None
-    end = reasoning_end(spec)
-    if end is not None:
-        return end, value.get("json_schema")
-    if isinstance(first, dict) and first.get("type") == "const_string":
-        text = first.get("value")
-        return (text, value.get("json_schema")) if isinstance(text, str) else None
+    gate = reasoning_end(spec)
+    if gate is None and isinstance(first, dict) and first.get("type") == "const_string":
+        gate = first.get("value")
+    if not isinstance(gate, str) or not gate:
+        return None
+    return Framing(gate, inner.begins, inner.rearm, inner.schemas)
+
+
+def _value_framing(fmt: Format) -> Framing | None:
+    """The framing of a JSON value, a tag around one, or a tag list of them, with no gate."""
+    if _json_content(fmt):
+        return Framing("", (), False, (fmt.get("json_schema"),))
+    if fmt.get("type") == "tag":
+        begin = fmt.get("begin")
+        if isinstance(begin, str) and begin and _json_content(fmt.get("content")):
+            return Framing("", (begin,), False, (fmt["content"].get("json_schema"),))
+        return None
+    if fmt.get("type") in ("triggered_tags", "tags_with_separator"):
+        return _tag_list_framing(fmt)
     return None
+
+
+def _json_content(fmt: Any) -> bool:
+    """A ``json_schema`` format whose text is JSON (style ``json``)."""
+    return (
+        isinstance(fmt, dict)
+        and fmt.get("type") == "json_schema"
+        and fmt.get("style", "json") == "json"
+    )
+
+
+def _tag_list_framing(fmt: Format) -> Framing | None:
+    """A tag list's framing, when a scan for the begins finds each tag's begin where it ends and
+    nowhere else. Between two values there is the first one's ``end``, then free text with no
+    trigger (``triggered_tags``) or the ``separator`` (``tags_with_separator``). So: no begin
+    holds another; no ``end`` holds a trigger or ends with the start of one (a trigger written
+    across it and the free text after it is not one to the grammar); no begin starting in free
+    text and running into the next begin ends before that begin does; and ``end + separator +
+    begin`` shows a begin first where it ends."""
+    tags = fmt.get("tags")
+    if not isinstance(tags, list) or not tags:
+        return None
+    begins: list[str] = []
+    ends: list[str] = []
+    schemas: list[Any] = []
+    for tag in tags:
+        if not isinstance(tag, dict) or not _json_content(tag.get("content")):
+            return None
+        begin, end = tag.get("begin"), tag.get("end")
+        if not isinstance(begin, str) or not begin or not isinstance(end, str):
+            return None
+        begins.append(begin)
+        ends.append(end)
+        schemas.append(tag["content"].get("json_schema"))
+    unique = tuple(dict.fromkeys(begins))
+    if any(a != b and a in b for a in unique for b in unique):
+        return None
+    if fmt.get("type") == "triggered_tags":
+        triggers = fmt.get("triggers")
+        if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+            return None
+        for end in ends:
+            for trigger in triggers:
+                if trigger in end or any(trigger.startswith(end[k:]) for k in range(len(end))):
+                    return None
+        for fake in unique:  # starts in free text, runs into ``real``'s first characters
+            for real in unique:
+                if any(
+                    len(fake) - k < len(real) and real.startswith(fake[k:])
+                    for k in range(1, len(fake))
+                ):
+                    return None
+        between = [end + begin for end in ends for begin in unique]
+    else:
+        separator = fmt.get("separator")
+        if not isinstance(separator, str):
+            return None
+        between = [end + separator + begin for end in ends for begin in unique]
+    for text in between:
+        first = min((text.find(b) + len(b) for b in unique if b in text), default=-1)
+        if first != len(text):
+            return None
+    return Framing("", unique, True, tuple(schemas))
 
 
 def structural_tag_spec(

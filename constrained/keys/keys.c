@@ -16,11 +16,14 @@
  * The filter simulates candidate tokens the same way (advance, then roll back), so one lexer
  * serves accept, rows and trees. A tracker is driven by one thread at a time (the matcher's).
  *
- * A frame (espalier_keys_set_frame) puts the JSON value inside other text: bytes before the
- * frame's first occurrence (the reasoning end marker, a tag's begin) are skipped, the lexer reads
- * the value after it, and once that value's root container closes (or the root is a scalar,
- * which holds no key) every later byte is skipped too; rows are filtered only while the lexer
- * reads. frame_at: bytes of the frame matched so far, FRAME_READING or FRAME_DONE.
+ * Frames (EspFrames, espalier_keys_set_frames) put JSON values inside other text: a byte
+ * automaton (built by constrained/keys/frames.py) scans the text outside the values, from state
+ * 0; on reaching a found state (the reasoning end marker, a tag's begin) the lexer reads the
+ * JSON value after it. Once that value's root container closes, or its root scalar ends, the
+ * scan goes on from the rearm state (a tag list: the next tag's begin), or, with none, every
+ * later byte is skipped; rows are filtered only while the lexer reads. frame_at: the scan's
+ * state, FRAME_READING, FRAME_DONE, or FRAME_NUMBER / FRAME_WORD inside a root number or
+ * literal (it ends at the first byte that cannot go on with it, whitespace included).
  */
 #include <math.h>
 #include <pthread.h>
@@ -29,13 +32,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 5
-#define MAX_FRAME 256
+#define ESP_KEYS_ABI 6
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
 enum { REFUSED_ESCAPE = 0, REFUSED_KEY = 1, REFUSED_ITEM = 2 };
-enum { FRAME_READING = -1, FRAME_DONE = -2 };
+enum { FRAME_READING = -1, FRAME_DONE = -2, FRAME_NUMBER = -3, FRAME_WORD = -4 };
 
 /* keys / items: last KeyEntry (-1 none); loc: this container's place (EspPlaces state, -1 none
  * tracked); index: an array's items before the current one; vloc: an object's value place after
@@ -89,6 +91,16 @@ typedef struct EspPlaces {
     uint8_t *names;
 } EspPlaces;
 
+/* The scan between framed values: state s, byte b -> next[s * n_classes + byte_class[b]];
+ * found[s]: a value starts after this byte; rearm: the state after a value (-1: none, skip the
+ * rest). Read-only, shared by trackers and forks. */
+typedef struct EspFrames {
+    int32_t n_states, n_classes, rearm;
+    uint8_t byte_class[256];
+    int32_t *next;
+    uint8_t *found;
+} EspFrames;
+
 typedef struct EspKeys {
     const EspKeysTables *tables;
     const EspPlaces *places; /* NULL: keys only */
@@ -105,9 +117,8 @@ typedef struct EspKeys {
     uint32_t *saved; int64_t saved_cap; /* filter scratch: a row before a number's cut */
     int failed;                        /* an allocation failed: sticky */
     int32_t refused; /* what the last refused advance completed (REFUSED_*); not rolled back */
-    int32_t frame_len, frame_at;       /* the frame (none: frame_len 0), see the top */
-    uint8_t frame[MAX_FRAME];
-    int32_t frame_fail[MAX_FRAME];     /* KMP: the frame's longest proper border per prefix */
+    const EspFrames *frames;           /* NULL: the whole text is one value; see the top */
+    int32_t frame_at;
 } EspKeys;
 
 /* ---- growth ------------------------------------------------------------------------------ */
@@ -423,25 +434,35 @@ static void start_item(EspKeys *k, int32_t item, uint8_t tag) {
     put_byte(k, tag);
 }
 
-/* One byte outside the JSON value (the frame is read); see the top. */
+/* One byte outside the JSON values (the scan); see the top. */
 static void frame_byte(EspKeys *k, uint8_t b) {
     if (k->frame_at == FRAME_DONE) return;
-    int32_t at = k->frame_at;
-    while (at > 0 && k->frame[at] != b) at = k->frame_fail[at - 1];
-    if (k->frame[at] == b) at++;
-    k->frame_at = at == k->frame_len ? FRAME_READING : at;
+    const EspFrames *f = k->frames;
+    int32_t at = f->next[(int64_t)k->frame_at * f->n_classes + f->byte_class[b]];
+    k->frame_at = f->found[at] ? FRAME_READING : at;
+}
+
+/* A framed value ended: scan on from the rearm state, or skip the rest. */
+static void value_ended(EspKeys *k) {
+    k->frame_at = k->frames->rearm >= 0 ? k->frames->rearm : FRAME_DONE;
 }
 
 /* 1: the byte completes a duplicate key or item, or writes a needless escape in a key (strict);
  * the caller rolls back. */
 static int step_byte(EspKeys *k, uint8_t b, int strict) {
+    if (k->frame_at == FRAME_NUMBER || k->frame_at == FRAME_WORD) {
+        int on = k->frame_at == FRAME_NUMBER ? number_byte(b) : (b >= 'a' && b <= 'z');
+        if (on) return 0;
+        value_ended(k); /* then the byte is the scan's */
+    }
     if (k->frame_at != FRAME_READING) {
         frame_byte(k, b);
         return 0;
     }
-    if (k->frame_len && !k->depth && !k->in_key && !k->in_value && b != '{' && b != '[' &&
-        b != ' ' && b != '\t' && b != '\n' && b != '\r') {
-        k->frame_at = FRAME_DONE; /* a framed value that is a scalar, or what follows the value */
+    if (k->frames && !k->depth && !k->in_key && !k->in_value && b != '{' && b != '[' &&
+        b != '"' && b != ' ' && b != '\t' && b != '\n' && b != '\r') {
+        /* a framed value that is a number or a literal: no key in it */
+        k->frame_at = (b >= 'a' && b <= 'z') ? FRAME_WORD : FRAME_NUMBER;
         return 0;
     }
     if (k->item == NUMBER_ITEM) {
@@ -474,6 +495,7 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
             }
         } else if (k->in_value) {
             k->in_value = 0;
+            if (k->frames && !k->depth) value_ended(k); /* a framed value that is a string */
             if (k->item == STRING_ITEM) {
                 put_utf8(k, k->high);
                 k->high = 0;
@@ -510,7 +532,7 @@ static int step_byte(EspKeys *k, uint8_t b, int strict) {
         push(k, ARRAY);
     } else if ((b == '}' || b == ']') && top) {
         k->depth--;
-        if (k->frame_len && !k->depth) k->frame_at = FRAME_DONE;
+        if (k->frames && !k->depth) value_ended(k);
     } else if (b == ',' && top && top->kind == OBJECT) {
         save_slot(k, k->depth - 1);
         top->expect_key = 1;
@@ -963,20 +985,42 @@ EspKeys *espalier_keys_new(const EspKeysTables *tables) {
     return k;
 }
 
-/* Read the JSON value after the first occurrence of frame (len bytes, 1..MAX_FRAME) only; a
- * fresh tracker's setting. 0: too long (nothing changed). */
-int32_t espalier_keys_set_frame(EspKeys *k, const uint8_t *frame, int64_t len) {
-    if (len < 1 || len > MAX_FRAME) return 0;
-    memcpy(k->frame, frame, (size_t)len);
-    k->frame_len = (int32_t)len;
-    k->frame_fail[0] = 0;
-    for (int32_t i = 1, j = 0; i < len; i++) {
-        while (j > 0 && frame[i] != frame[j]) j = k->frame_fail[j - 1];
-        if (frame[i] == frame[j]) j++;
-        k->frame_fail[i] = j;
-    }
+void espalier_keys_frames_free(EspFrames *f) {
+    if (!f) return;
+    free(f->next); free(f->found); free(f);
+}
+
+/* A scan automaton (EspFrames), copied from the caller's arrays: byte_class (256 bytes, each
+ * < n_classes), next (n_states * n_classes states), found (n_states), rearm (-1 or a state).
+ * NULL when out of memory or inconsistent. */
+EspFrames *espalier_keys_frames_new(int32_t n_states, int32_t n_classes,
+                                    const uint8_t *byte_class, const int32_t *next,
+                                    const uint8_t *found, int32_t rearm) {
+    if (n_states < 1 || n_classes < 1 || n_classes > 256 || rearm < -1 || rearm >= n_states)
+        return NULL;
+    for (int b = 0; b < 256; b++)
+        if (byte_class[b] >= n_classes) return NULL;
+    int64_t cells = (int64_t)n_states * n_classes;
+    for (int64_t i = 0; i < cells; i++)
+        if (next[i] < 0 || next[i] >= n_states) return NULL;
+    EspFrames *f = calloc(1, sizeof(EspFrames));
+    if (!f) return NULL;
+    f->n_states = n_states;
+    f->n_classes = n_classes;
+    f->rearm = rearm;
+    memcpy(f->byte_class, byte_class, 256);
+    f->next = malloc((size_t)cells * sizeof(int32_t));
+    f->found = malloc((size_t)n_states);
+    if (!f->next || !f->found) { espalier_keys_frames_free(f); return NULL; }
+    memcpy(f->next, next, (size_t)cells * sizeof(int32_t));
+    memcpy(f->found, found, (size_t)n_states);
+    return f;
+}
+
+/* Read only the JSON values that frames finds (see the top); a fresh tracker's setting. */
+void espalier_keys_set_frames(EspKeys *k, const EspFrames *frames) {
+    k->frames = frames;
     k->frame_at = 0;
-    return 1;
 }
 
 static void *dup_array(const void *src, int64_t n, size_t size, int64_t *cap) {
@@ -1075,7 +1119,7 @@ void espalier_keys_reset(EspKeys *k) {
     k->depth = k->n_entries = 0;
     k->n_bytes = k->key_off = 0;
     k->n_undo = k->n_marks = 0;
-    k->frame_at = k->frame_len ? 0 : FRAME_READING;
+    k->frame_at = k->frames ? 0 : FRAME_READING;
 }
 
 int64_t espalier_keys_accepted(const EspKeys *k) { return k->n_marks; }

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
+from espalier.constrained.keys.frames import scan_automaton
 from espalier.constrained.keys.native import (
-    MAX_FRAME,
+    FrameTable,
     KeyTables,
     KeyTracker,
     PlaceTable,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         RowFilter,
         TreeBatch,
     )
+    from espalier.constrained.structural_tag import Framing
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.constrained.tree import DraftTree
     from espalier.constrained.tree.masks import TreeMasks
@@ -54,10 +56,10 @@ def with_unique_keys(
     """``matcher`` itself, or wrapped so that no object of its output repeats a key and no
     array the schema wants unique repeats an item."""
     if spec.kind is GrammarKind.STRUCTURAL_TAG:
-        frame = _framed_free_keys(spec.source)
-        if frame is None:
+        frames = _framed_free_keys(spec.source)
+        if frames is None:
             return matcher
-        return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer), None, frame or None))
+        return UniqueKeysMatcher(matcher, KeyTracker(_tables(tokenizer), None, frames[0]))
     places = _place_table(spec.source) if spec.kind is GrammarKind.JSON_SCHEMA else None
     if places is None and not may_repeat_keys(spec):
         return matcher
@@ -80,7 +82,7 @@ def untracked_free_keys(spec: GrammarSpec) -> list[tuple[str, str]]:
     value in ``spec`` that :func:`with_unique_keys` does not follow: a Lark grammar's ``%json``
     blocks (``where``: ``%json N`` and the pointer in its schema, N counted from 1) and a
     structural tag's JSON schemas outside :func:`tracks_framed_value`'s shapes (``where``: the
-    pointer in the tag). The tracker reads one value from a known place; a value inside a
+    pointer in the tag). The tracker reads values from places a scan finds; a value inside a
     grammar starts where the grammar chooses."""
     if spec.kind is GrammarKind.LARK:
         return _lark_free_keys(spec.source)
@@ -116,31 +118,36 @@ def _lark_free_keys(source: str) -> list[tuple[str, str]]:
 
 
 def tracks_framed_value(spec: GrammarSpec) -> bool:
-    """Whether :func:`with_unique_keys` follows the JSON value of a structural tag ``spec``:
-    its shape is one value after a frame (``framed_json_schema``) that the tracker takes. Its
-    other JSON values are not followed: their objects may repeat keys."""
-    return _frame_of(spec) is not None
+    """Whether :func:`with_unique_keys` follows every JSON value of a structural tag ``spec``:
+    its values start where a scan finds them (``structural_tag.json_framing``), within
+    :data:`~espalier.constrained.keys.frames.MAX_FRAME_BYTES`. Else its values are not
+    followed: their objects may repeat keys."""
+    return _framing_of(spec) is not None
 
 
-def _frame_of(spec: GrammarSpec) -> tuple[bytes, Any] | None:
-    """The frame's bytes and the schema of a structural tag's one framed JSON value (see
-    :func:`~espalier.constrained.structural_tag.framed_json_schema`); None: no such value, or a
-    frame longer than the tracker takes."""
-    from espalier.constrained.structural_tag import framed_json_schema
+def _framing_of(spec: GrammarSpec) -> Framing | None:
+    from espalier.constrained.keys.frames import MAX_FRAME_BYTES
+    from espalier.constrained.structural_tag import json_framing
 
-    framed = framed_json_schema(spec)
-    if framed is None or len(frame := framed[0].encode("utf-8")) > MAX_FRAME:
+    framing = json_framing(spec)
+    if framing is None:
         return None
-    return frame, framed[1]
+    size = len(framing.gate.encode()) + sum(len(b.encode()) for b in framing.begins)
+    return framing if size <= MAX_FRAME_BYTES else None
 
 
 @functools.lru_cache(maxsize=256)
-def _framed_free_keys(source: str) -> bytes | None:
-    """The frame (``b""``: none) before a structural tag's one JSON value whose objects may
-    repeat keys (:func:`_frame_of`); None: no such value. Per tag text, as
-    :func:`_schema_has_free_keys`."""
-    framed = _frame_of(GrammarSpec(GrammarKind.STRUCTURAL_TAG, source))
-    return framed[0] if framed is not None and _free_keys(framed[1]) else None
+def _framed_free_keys(source: str) -> tuple[FrameTable | None] | None:
+    """The frames of a structural tag whose JSON values' objects may repeat keys (inside: None
+    when the whole output is the value); None: no such value, or none followed. Per tag
+    text, as :func:`_schema_has_free_keys`."""
+    framing = _framing_of(GrammarSpec(GrammarKind.STRUCTURAL_TAG, source))
+    if framing is None or not any(_free_keys(schema) for schema in framing.schemas):
+        return None
+    if not framing.gate and not framing.begins:
+        return (None,)
+    begins = tuple(b.encode() for b in framing.begins)
+    return (FrameTable(scan_automaton(framing.gate.encode(), begins, framing.rearm)),)
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from espalier.constrained.keys.frames import ScanAutomaton
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 5
+ABI = 6
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
-MAX_FRAME = 256
-"""The longest frame (``keys.c``'s ``MAX_FRAME``)."""
 
 
 class KeysBuildError(RuntimeError):
@@ -65,7 +64,9 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_places_new": (vp, [i32, vp, vp, i32, vp, vp, vp, vp, i64, i32, vp]),
         "espalier_keys_places_free": (None, [vp]),
         "espalier_keys_set_places": (None, [vp, vp]),
-        "espalier_keys_set_frame": (i32, [vp, ctypes.c_char_p, i64]),
+        "espalier_keys_frames_new": (vp, [i32, i32, vp, vp, vp, i32]),
+        "espalier_keys_frames_free": (None, [vp]),
+        "espalier_keys_set_frames": (None, [vp, vp]),
         "espalier_keys_free": (None, [vp]),
         "espalier_keys_fork": (vp, [vp]),
         "espalier_keys_reset": (None, [vp]),
@@ -183,28 +184,58 @@ class PlaceTable:
             self._free(handle)
 
 
+class FrameTable:
+    """A scan automaton (``frames.py``) in C (``EspFrames``), shared by the trackers of one
+    structural tag; read-only."""
+
+    def __init__(self, scan: ScanAutomaton) -> None:
+        so = lib()
+        byte_class = np.ascontiguousarray(scan.byte_class, dtype=np.uint8)
+        table = np.ascontiguousarray(scan.next, dtype=np.int32)
+        found = np.ascontiguousarray(scan.found, dtype=np.uint8)
+        self.handle = so.espalier_keys_frames_new(
+            table.shape[0],
+            table.shape[1],
+            byte_class.ctypes.data,
+            table.ctypes.data,
+            found.ctypes.data,
+            scan.rearm,
+        )
+        if not self.handle:
+            raise ValueError("an inconsistent scan automaton, or out of memory")
+        self._free = so.espalier_keys_frames_free
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle:
+            self._free(handle)
+
+
 class KeyTracker:
     """One request's key state and rollback history (``keys.c``: the lexer over accepted token
-    bytes), following ``places`` (unique items) when given. ``frame``: the JSON value is the
-    one right after the first occurrence of these bytes (1 to :data:`MAX_FRAME` of them), and
-    nothing after that value is read (``keys.c``'s top comment); None: the whole output is the
-    value. Driven by one thread at a time; :meth:`fork` gives an independent copy."""
+    bytes), following ``places`` (unique items) when given. ``frames``: the JSON values are
+    those the scan finds (``keys.c``'s top comment); None: the whole output is the value.
+    Driven by one thread at a time; :meth:`fork` gives an independent copy."""
 
-    __slots__ = ("_h", "_lib", "places", "tables")
+    __slots__ = ("_h", "_lib", "frames", "places", "tables")
 
     def __init__(
-        self, tables: KeyTables, places: PlaceTable | None = None, frame: bytes | None = None
+        self,
+        tables: KeyTables,
+        places: PlaceTable | None = None,
+        frames: FrameTable | None = None,
     ) -> None:
         self._lib = lib()
         self.tables = tables  # keeps the tables alive while a tracker points into them
         self.places = places  # likewise
+        self.frames = frames  # likewise
         self._h = self._lib.espalier_keys_new(tables.handle)
         if not self._h:
             raise MemoryError("key tracker")
         if places is not None:
             self._lib.espalier_keys_set_places(self._h, places.handle)
-        if frame is not None and not self._lib.espalier_keys_set_frame(self._h, frame, len(frame)):
-            raise ValueError(f"a frame of 1 to {MAX_FRAME} bytes, got {len(frame)}")
+        if frames is not None:
+            self._lib.espalier_keys_set_frames(self._h, frames.handle)
 
     def __del__(self) -> None:
         handle = getattr(self, "_h", None)
@@ -270,10 +301,11 @@ class KeyTracker:
         if not handle:
             raise MemoryError("key tracker")
         clone = KeyTracker.__new__(KeyTracker)  # as __init__, without loading the library again
-        clone._lib, clone.tables, clone.places, clone._h = (
+        clone._lib, clone.tables, clone.places, clone.frames, clone._h = (
             self._lib,
             self.tables,
             self.places,
+            self.frames,
             handle,
         )
         return clone
