@@ -108,7 +108,19 @@ def filter_tree_address() -> int:
     return _filter_tree_address
 
 
-class KeyTables:
+class _Owned:
+    """A C object this Python object frees (``handle``, freed by ``_free``)."""
+
+    handle: int
+    _free: Any
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle:
+            self._free(handle)
+
+
+class KeyTables(_Owned):
     """Per-tokenizer candidate index of ``keys.c`` (built once per tokenizer, shared by every
     tracker and thread; read-only). token_bytes: each token id's bytes."""
 
@@ -123,13 +135,8 @@ class KeyTables:
             raise MemoryError("key tables")
         self._free = so.espalier_keys_tables_free
 
-    def __del__(self) -> None:
-        handle = getattr(self, "handle", None)
-        if handle:
-            self._free(handle)
 
-
-class PlaceTable:
+class PlaceTable(_Owned):
     """One schema's :class:`~espalier.constrained.schema.unique_places.Places` in ``keys.c``
     (``EspPlaces``: read-only, shared by every tracker of the schema and their forks)."""
 
@@ -178,13 +185,8 @@ class PlaceTable:
             raise MemoryError("places")
         self._free = so.espalier_keys_places_free
 
-    def __del__(self) -> None:
-        handle = getattr(self, "handle", None)
-        if handle:
-            self._free(handle)
 
-
-class FrameTable:
+class FrameTable(_Owned):
     """A scan automaton (``frames.py``) in C (``EspFrames``), shared by the trackers of one
     structural tag; read-only."""
 
@@ -204,11 +206,6 @@ class FrameTable:
         if not self.handle:
             raise ValueError("an inconsistent scan automaton, or out of memory")
         self._free = so.espalier_keys_frames_free
-
-    def __del__(self) -> None:
-        handle = getattr(self, "handle", None)
-        if handle:
-            self._free(handle)
 
 
 class KeyTracker:
