@@ -22,6 +22,7 @@ from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.llguidance.gbnf_lexing import TOO_LARGE, greedy_loss
 from espalier.constrained.backends.xgrammar.gbnf import xgrammar_gbnf
 from espalier.constrained.compile import compile_grammar
+from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.spec import GrammarSpec
 
@@ -253,3 +254,27 @@ def test_a_grammar_past_the_checks_work_budget_counts_as_lossy(toy_tokenizer: An
         compile_grammar(GrammarSpec.ebnf(grammar), toy_tokenizer, "llguidance")
     fewer = " | ".join(f'"w{i}"' for i in range(2000))
     assert greedy_loss(f'root ::= ({fewer}) " " root | "end"') is None
+
+
+@pytest.mark.parametrize(
+    ("grammar", "inside", "outside"),
+    [
+        ('root ::= "\\u004100"', ["A00"], ["\u4100", "A"]),
+        ('root ::= "\\u00e900"', ["\u00e900"], ["\ue900"]),
+        ("root ::= [\\u0400-\\u04FF]+", ["\u0400\u04ff"], ["a", "\u4ff0"]),
+        ('root ::= "\\U0001F600" "x"', ["\U0001f600x"], ["\U0001f600"]),
+        ('root ::= [\\u005d\\u002d]+ "\\u0022"', ['-]"'], ["a"]),
+    ],
+)
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_wide_escapes_take_exactly_their_digits(
+    grammar: str, inside: list[str], outside: list[str], backend: str, toy_tokenizer: Any
+) -> None:
+    """llama.cpp reads exactly 4 (``\\u``) or 8 (``\\U``) hex digits; ``gbnf_to_lark`` drops
+    leading zeros, so llguidance wrote ``\\u4100`` for ``"\\u004100"`` (held-out sweep, a false
+    accept) and refused ``[\\u0400-\\u04FF]``."""
+    compiled, _ = compile_grammar(GrammarSpec.ebnf(grammar), toy_tokenizer, backend)
+    for text in inside:
+        assert grammar_accepts(compiled, toy_tokenizer, text), text
+    for text in outside:
+        assert not grammar_accepts(compiled, toy_tokenizer, text), text

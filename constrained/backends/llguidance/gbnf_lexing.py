@@ -441,7 +441,37 @@ _LARK_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|/(?:[^/\\\n]|\\.)+/[imslux]*|//[^\n
 
 def lark_of(source: str) -> str:
     """The GBNF ``source`` as llguidance's Lark (``gbnf_to_lark``, which raises assorted errors
-    on bad input), each ``.`` (written ``/./``, which leaves out ``\\n``) respelled
+    on bad input), its ``\\u`` / ``\\U`` escapes written first as the characters they name
+    (:func:`exact_escapes`), each ``.`` (written ``/./``, which leaves out ``\\n``) respelled
     ``/(?s:.)/``: any character, as in llama.cpp."""
-    lark = gbnf_to_lark(source)
+    lark = gbnf_to_lark(exact_escapes(source))
     return _LARK_PIECE.sub(lambda m: "/(?s:.)/" if m.group() == "/./" else m.group(), lark)
+
+
+_WIDE_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
+
+
+def exact_escapes(source: str) -> str:
+    """``source`` with each ``\\uHHHH`` / ``\\UHHHHHHHH`` escape of its literals and classes
+    written as its character (``\\xHH`` below U+0080, where the character may be special).
+    llama.cpp reads exactly 4 or 8 hex digits; ``gbnf_to_lark`` drops leading zeros, so
+    ``"\\u004100"`` (``A00``) became ``"\\u4100"`` (one CJK character, a false accept)."""
+
+    def piece(token: re.Match[str]) -> str:
+        if token.lastgroup not in ("lit", "cls"):
+            return token.group()
+        return _WIDE_ESCAPE.sub(_character, token.group())
+
+    return gbnf.TOKEN.sub(piece, source)
+
+
+def _character(escape: re.Match[str]) -> str:
+    digits = escape.group(1) or escape.group(2)
+    if digits is None:
+        return escape.group()  # another escape: as it was
+    point = int(digits, 16)
+    if point < 0x80:
+        return f"\\x{point:02x}"
+    if 0xD800 <= point <= 0xDFFF or point > gbnf.MAX_CODE_POINT:
+        return escape.group()  # no character: left for llguidance to refuse
+    return chr(point)
