@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 
 from espalier.constrained.schema.features import class_set_syntax
 from espalier.constrained.schema.pattern_parse import QUANTIFIER
@@ -94,6 +95,27 @@ def too_many_copies(pattern: str) -> str | None:
         f"its counted repetitions ask for {copies} copies of one atom (nested counts multiply), "
         f"over the limit of {MAX_REPEAT}"
     )
+
+
+_LARK_LEXEME = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"|//[^\n]*|/((?:[^/\\\n]|\\.)+)/[imslux]*|.', re.DOTALL
+)
+
+
+def in_lark_terminals(source: str, misreading: Callable[[str], str | None]) -> str | None:
+    """The first ``misreading`` (a backend's dialect check, e.g. :func:`rust_misreading`) of a
+    Lark grammar's ``/regex/`` terminals, with the terminal and its line; None: none. Strings
+    and ``//`` comments are skipped and ``\\/`` is read as ``/``: the terminals are read like
+    a regex constraint (the ``regex`` module's syntax)."""
+    for lexeme in _LARK_LEXEME.finditer(source):
+        pattern = lexeme.group(1)
+        if pattern is None:
+            continue
+        misread = misreading(pattern.replace("\\/", "/"))
+        if misread is not None:
+            line = source.count("\n", 0, lexeme.start()) + 1
+            return f"{misread} in the terminal /{pattern}/ on line {line}"
+    return None
 
 
 def _escape_end(pattern: str, at: int) -> int:

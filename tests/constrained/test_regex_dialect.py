@@ -22,6 +22,7 @@ from espalier.constrained.regex_dialect import (
 )
 from espalier.constrained.schema.guard import admit_schema
 from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.structural_tag import structural_tag_spec
 
 # (pattern, a text the backend took that Python's regex does not fully match)
 RUST_MISREAD = [
@@ -189,3 +190,52 @@ def test_a_regex_asking_for_too_many_copies_is_refused_uncompiled(pattern: str) 
         admit_schema(json.dumps(names))
     assert repeat_size(f"a{{{MAX_REPEAT}}}") == MAX_REPEAT
     GrammarSpec.regex(f"a{{{MAX_REPEAT}}}")  # the limit itself is taken
+
+
+def _lark_terminal(pattern: str) -> str:
+    return "start: /" + pattern.replace("/", "\\/") + "/"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text"), [*XGRAMMAR_MISREAD, ("\\W{1,4}", "新品"), ("\\Aa", "Aa")]
+)
+def test_a_lark_terminal_is_read_like_a_regex_constraint_on_xgrammar(
+    pattern: str, text: str, toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: ``/\\W{1,40}/`` wrote CJK letters on xgrammar, ``/\\Aa/`` wrote ``Aa``
+    (the regex guards skipped Lark terminals)."""
+    assert not python_matches(pattern, text)
+    with pytest.raises(UnsupportedGrammarError, match=r"xgrammar reads .* in the terminal"):
+        compile_grammar(GrammarSpec.lark(_lark_terminal(pattern)), toy_tokenizer, "xgrammar")
+
+
+@pytest.mark.parametrize(("pattern", "text"), RUST_MISREAD[:3])
+def test_a_lark_terminal_is_read_like_a_regex_constraint_on_llguidance(
+    pattern: str, text: str, toy_tokenizer: Any
+) -> None:
+    with pytest.raises(UnsupportedGrammarError, match=r"llguidance reads .* in the terminal"):
+        compile_grammar(GrammarSpec.lark(_lark_terminal(pattern)), toy_tokenizer, "llguidance")
+
+
+def test_strings_and_comments_of_a_lark_grammar_are_not_terminals(toy_tokenizer: Any) -> None:
+    grammar = 'start: "[[:a" x // a /\\D/ comment\nx: /[a-z]+/ "\\\\D/"'
+    for backend in ("llguidance", "xgrammar"):
+        assert compile_grammar(GrammarSpec.lark(grammar), toy_tokenizer, backend)[1].backend == (
+            backend
+        )
+
+
+@pytest.mark.parametrize("pattern", ["a\\Z", "\\Ga", "\\D"])
+def test_a_structural_tags_regex_is_read_like_a_regex_constraint_on_xgrammar(
+    pattern: str, toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: ``<`` ``a\\Z`` ``>`` wrote ``<aZ>`` on xgrammar (and on auto)."""
+    fmt = {"type": "sequence", "elements": [{"type": "const_string", "value": "<"},
+                                             {"type": "regex", "pattern": pattern}]}  # fmt: skip
+    spec = structural_tag_spec({"type": "structural_tag", "format": fmt})
+    with pytest.raises(UnsupportedGrammarError, match="xgrammar reads"):
+        compile_grammar(spec, toy_tokenizer, "xgrammar")
+    lark = {"type": "grammar", "syntax": "lark", "grammar": _lark_terminal(pattern)}
+    spec = structural_tag_spec({"type": "structural_tag", "format": lark})
+    with pytest.raises(UnsupportedGrammarError, match="xgrammar reads"):
+        compile_grammar(spec, toy_tokenizer, "xgrammar")

@@ -67,7 +67,7 @@ from espalier.constrained.errors import (
     InvalidGrammarError,
     UnsupportedGrammarError,
 )
-from espalier.constrained.regex_dialect import rust_misreading
+from espalier.constrained.regex_dialect import in_lark_terminals, rust_misreading
 from espalier.constrained.schema.refs import inline_boolean_refs
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -202,6 +202,9 @@ class Backend:
                 raise UnsupportedGrammarError(NAME, kind.value, f"llguidance reads {misread}")
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         if kind is GrammarKind.LARK:
+            misread = in_lark_terminals(spec.source, rust_misreading)
+            if misread is not None:
+                raise UnsupportedGrammarError(NAME, kind.value, f"llguidance reads {misread}")
             _refuse_hanging_terminal(spec.source, kind)
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
         if kind is GrammarKind.EBNF:

@@ -26,7 +26,7 @@ from typing import Any
 
 from espalier.constrained.backends.llguidance import gbnf_lexing
 from espalier.constrained.errors import UnsupportedGrammarError
-from espalier.constrained.regex_dialect import rust_misreading
+from espalier.constrained.regex_dialect import in_lark_terminals, rust_misreading
 from espalier.constrained.schema.number_bounds import NumberBounds, bound_schema_numbers
 from espalier.constrained.spec import BackendName, GrammarSpec
 from espalier.constrained.structural_tag import Format, json_whitespace, root_format
@@ -110,6 +110,10 @@ class _Builder:
             reason = gbnf_lexing.refusal(str(fmt["grammar"]))
             if reason is not None:
                 raise _unsupported(f"a GBNF element: {reason}")
+        else:
+            misread = in_lark_terminals(text, rust_misreading)
+            if misread is not None:
+                raise _unsupported(f"a Lark element: llguidance reads {misread}")
         name = f"g{len(self.side)}"
         self.side.append({"name": name, "lark_grammar": text})
         return "@" + name

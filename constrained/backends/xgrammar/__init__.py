@@ -48,6 +48,7 @@ from espalier.constrained.compile_pool import ChildPool, ChildRefusedError
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.regex_dialect import (
     dot_without_newline,
+    in_lark_terminals,
     names_surrogate,
     xgrammar_misreading,
 )
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 NAME = BackendName.XGRAMMAR
 CHILD_MODULE = "espalier.constrained.xgrammar_child"
 _LOCATION = re.compile(r"line (\d+), column (\d+)")
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
+_LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+?:\d+: ")
 
 
 class Backend:
@@ -152,6 +153,9 @@ class Backend:
             grammar = xgrammar_gbnf(spec.source)
             return "compile_grammar", {"grammar": grammar, "root_rule_name": "root"}
         if kind is GrammarKind.LARK:
+            misread = lark_misreading(spec.source)
+            if misread is not None:
+                raise UnsupportedGrammarError(NAME, kind.value, f"xgrammar reads {misread}")
             return "compile_lark", {"lark_string": spec.source}
         if kind is GrammarKind.STRUCTURAL_TAG:
             return "compile_structural_tag", {"structural_tag": self._structural_tag(spec)}
@@ -183,7 +187,7 @@ class Backend:
 
         def regex(node: dict[str, Any], pointer: str) -> dict[str, Any]:
             pattern = str(node.get("pattern", ""))
-            misread = xgrammar_misreading(pattern)
+            misread = regex_misreading(pattern)
             if misread is not None:  # as for a regex constraint (regex_dialect)
                 raise UnsupportedGrammarError(
                     NAME, GrammarKind.STRUCTURAL_TAG.value, f"xgrammar reads {misread} at {pointer}"
@@ -192,6 +196,13 @@ class Backend:
 
         def grammar(node: dict[str, Any], pointer: str) -> dict[str, Any]:
             if node.get("syntax", "ebnf") != "ebnf":
+                misread = lark_misreading(str(node.get("grammar", "")))
+                if misread is not None:
+                    raise UnsupportedGrammarError(
+                        NAME,
+                        GrammarKind.STRUCTURAL_TAG.value,
+                        f"xgrammar reads {misread} at {pointer}",
+                    )
                 return node
             return {**node, "grammar": xgrammar_gbnf(str(node.get("grammar", "")))}
 
@@ -410,16 +421,37 @@ KNOWN_ESCAPE_LETTERS = frozenset("dDwWsSbBnrtfvxupPkc")
 it: such a regex would be enforced as something its writer did not write."""
 
 
-def _refuse_unknown_escapes(regex: str) -> None:
-    """Raise InvalidGrammarError at the first ``\\`` + letter xgrammar would read as the letter."""
+def _unknown_escape(regex: str) -> tuple[str, int] | None:
+    """The first ``\\`` + letter xgrammar would read as the letter, and its column."""
     for escape in _ESCAPE.finditer(regex):
         char = escape.group(1)
         if char.isascii() and char.isalpha() and char not in KNOWN_ESCAPE_LETTERS:
-            raise InvalidGrammarError(
-                GrammarKind.REGEX.value,
+            return (
                 f"unknown escape \\{char} (xgrammar would read it as '{char}')",
-                column=escape.start() + 1,
+                escape.start() + 1,
             )
+    return None
+
+
+def _refuse_unknown_escapes(regex: str) -> None:
+    """Raise InvalidGrammarError at the first ``\\`` + letter xgrammar would read as the letter."""
+    unknown = _unknown_escape(regex)
+    if unknown is not None:
+        raise InvalidGrammarError(GrammarKind.REGEX.value, unknown[0], column=unknown[1])
+
+
+def regex_misreading(pattern: str) -> str | None:
+    """What xgrammar reads otherwise in a regex inside another grammar (a structural tag's
+    ``regex``, a Lark terminal): an unknown escape, or :func:`xgrammar_misreading`."""
+    unknown = _unknown_escape(pattern)
+    if unknown is not None:
+        return f"an {unknown[0]} at column {unknown[1]}"
+    return xgrammar_misreading(pattern)
+
+
+def lark_misreading(source: str) -> str | None:
+    """What xgrammar reads otherwise in a Lark grammar's regex terminals, or None."""
+    return in_lark_terminals(source, regex_misreading)
 
 
 def _surrogate_in(spec: GrammarSpec) -> str | None:
