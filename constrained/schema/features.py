@@ -288,6 +288,8 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword == "pattern" and _names_escaped_char(str(node["pattern"])):
         return Support.WEAKENED  # read over the JSON text: "\\n" matches [\u005c]n (probe)
     value: Any = node.get(keyword)
+    if keyword in _BOUNDS and tiny_bound(node):
+        return Support.WEAKENED  # [1e-9, 1e-8] took an empty text (probe "number-bounds-tiny")
     bound = keyword in _BOUNDS and "number" in types  # past float64: uncompilable (above)
     if bound and isinstance(value, int) and value != float(value):
         return Support.WEAKENED  # a number's bound is read as a float64: 2**53 took 2**53 + 1
@@ -489,7 +491,39 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
         value = node[keyword]
         if isinstance(value, (int, float)) and abs(value) > _FLOAT64_EXACT_INT:
             return Support.WEAKENED  # compared as float64: neighbours of the bound collapse
+        if exclusive_whole_bound_within_one(node):
+            return Support.WEAKENED  # (0, 0.5] took 0 (probe "exclusiveMinimum-whole-within-one")
     return Support.EXACT
+
+
+def exclusive_whole_bound_within_one(node: dict[str, Any]) -> bool:
+    """Whether a number's exclusive bound is a whole number ``k`` and the bound on the other
+    side lies within 1 of it: llguidance's range then also takes the text ``k`` itself
+    (``(0, 0.5]`` took ``0``, ``[-0.5, 0)`` took ``-0``, ``(3, 3.001]`` took ``3``)."""
+    types = _types(node)
+    if types and "number" not in types:
+        return False
+    for exclusive, others in (
+        ("exclusiveMinimum", ("maximum", "exclusiveMaximum")),
+        ("exclusiveMaximum", ("minimum", "exclusiveMinimum")),
+    ):
+        k = node.get(exclusive)
+        if not is_number(k) or not float(k).is_integer():
+            continue
+        if any(is_number(node.get(o)) and abs(node[o] - k) < 1 for o in others):
+            return True
+    return False
+
+
+TINY_BOUND = 1e-6
+"""The smallest magnitude of a number's bound xgrammar reads: from about 1e-8 its range took the
+empty text (``[1e-9, 1e-8]``: ``{"v": }``, ``[,]``)."""
+
+
+def tiny_bound(node: dict[str, Any]) -> bool:
+    """Whether a numeric bound of ``node`` is non-zero and smaller in magnitude than
+    :data:`TINY_BOUND`."""
+    return any(is_number(node.get(k)) and 0 < abs(node[k]) < TINY_BOUND for k in _BOUNDS)
 
 
 _OUTLINES_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})

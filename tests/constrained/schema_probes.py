@@ -80,6 +80,31 @@ PROBES: tuple[Probe, ...] = (
         [10**18 - 1000, 5],
         [10**18],
     ),
+    # llguidance's range also takes a whole exclusive bound itself when the other bound is
+    # within 1 of it (held-out sweep, session 51: (0, 0.5] wrote 0)
+    _p(
+        "exclusiveMinimum-whole-within-one",
+        "exclusiveMinimum",
+        {"type": "number", "exclusiveMinimum": 3, "maximum": 3.5},
+        [3.25, 3.5],
+        [3, 2, 4],
+    ),
+    _p(
+        "exclusiveMaximum-whole-within-one",
+        "exclusiveMaximum",
+        {"type": "number", "minimum": -1.5, "exclusiveMaximum": -1},
+        [-1.25, -1.5],
+        [-1, 0],
+    ),
+    # xgrammar's range of tiny numbers takes the empty text
+    _p(
+        "number-bounds-tiny",
+        "minimum",
+        {"type": "number", "minimum": 1e-9, "maximum": 1e-8},
+        [],  # 5e-9: llguidance writes such a number only in decimals (0.000000005)
+        [0, 1e-7],
+        cautious=True,
+    ),
     # xgrammar reads an integer's bound as an int64 (exact) but a number's as a float64
     _p(
         "integer-minimum-past-2**53",
