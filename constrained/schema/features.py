@@ -508,7 +508,7 @@ def exclusive_whole_bound_within_one(node: dict[str, Any]) -> bool:
         ("exclusiveMaximum", ("minimum", "exclusiveMinimum")),
     ):
         k = node.get(exclusive)
-        if not isinstance(k, (int, float)) or isinstance(k, bool) or not float(k).is_integer():
+        if not is_number(k) or not float(k).is_integer():
             continue
         if any(is_number(node.get(o)) and abs(node[o] - k) < 1 for o in others):
             return True

@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from espalier.constrained.spec import BackendName
 
@@ -268,6 +268,6 @@ def _whole_bounds(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """A JSON number as Python reads one (an int or a float, not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
