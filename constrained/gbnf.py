@@ -130,6 +130,32 @@ def refs(node: Node) -> set[str]:
     return set()
 
 
+def repeat_size(rules: dict[str, Node]) -> int:
+    """The most copies of one literal or class the counted repeats (``{m}``, ``{m,n}``) of
+    ``rules`` ask for: the product of the larger bounds of the counts around it, through nested
+    groups and rule references (``x ::= "a"{100}``, ``root ::= x{1000}``: 100,000); a rule
+    inside its own expansion counts once. Why: a backend writes such repeats out
+    (``regex_dialect.MAX_REPEAT``)."""
+    sizes: dict[str, int] = {}
+
+    def size(node: Node, active: frozenset[str]) -> int:
+        if isinstance(node, Ref):
+            if node.name in active or node.name not in rules:
+                return 1
+            if node.name not in sizes:
+                sizes[node.name] = size(rules[node.name], active | {node.name})
+            return sizes[node.name]
+        if isinstance(node, Seq):
+            return max((size(n, active) for n in node.items), default=1)
+        if isinstance(node, Alt):
+            return max((size(n, active) for n in node.options), default=1)
+        if isinstance(node, Repeat):
+            return max(node.low, node.high or 0, 1) * size(node.node, active)
+        return 1
+
+    return max((size(Ref(name), frozenset()) for name in rules), default=1)
+
+
 def _ends_sequence(tokens: list[tuple[str, str]], pos: int) -> bool:
     if pos >= len(tokens) or tokens[pos][0] in ("bar", "close"):
         return True

@@ -118,6 +118,69 @@ def in_lark_terminals(source: str, misreading: Callable[[str], str | None]) -> s
     return None
 
 
+_LARK_DEFINITION = re.compile(r"\s*[?!]?(\w+)(?:\.-?\d+)?\s*(?:\{[^}]*\})?\s*:(?!:)")
+_LARK_PIECE = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"i?|//[^\n]*|/((?:[^/\\\n]|\\.)+)/[imslux]*'
+    r"|~\s*(\d+)(?:\s*\.\.\s*(\d+))?|([(\[])|([)\]])|(\w+)|.",
+    re.DOTALL,
+)
+
+
+def lark_repeat_size(source: str) -> int:
+    """:func:`repeat_size` for a Lark grammar: counts ``~ n`` / ``~ n..m`` around items and
+    groups, through rule references and inside ``/regex/`` terminals (a rule inside its own
+    expansion counts once)."""
+    bodies: dict[str, str] = {}
+    current: str | None = None
+    for line in source.splitlines():
+        definition = _LARK_DEFINITION.match(line)
+        if definition is not None:
+            current = definition.group(1)
+            bodies[current] = line[definition.end() :]
+        elif line.lstrip().startswith("%"):
+            current = None
+        elif current is not None:
+            bodies[current] += "\n" + line
+    sizes: dict[str, int] = {}
+
+    def rule_size(name: str, active: frozenset[str]) -> int:
+        if name in active or name not in bodies:
+            return 1
+        if name not in sizes:
+            sizes[name] = _lark_body_size(bodies[name], lambda ref: rule_size(ref, active | {name}))
+        return sizes[name]
+
+    return max((rule_size(name, frozenset()) for name in bodies), default=1)
+
+
+def _lark_body_size(body: str, rule_size: Callable[[str], int]) -> int:
+    groups = [1]  # the largest size inside each open group, the body first
+    last = 1
+    for piece in _LARK_PIECE.finditer(body):
+        regex, low, high, opening, closing, name = piece.groups()
+        text = piece.group()
+        if regex is not None:
+            last = repeat_size(regex.replace("\\/", "/"))
+        elif low is not None:
+            last *= max(int(low), int(high or 0), 1)
+        elif opening is not None:
+            groups.append(1)
+            continue
+        elif closing is not None and len(groups) > 1:
+            last = groups.pop()
+        elif name is not None:
+            last = rule_size(name)
+        elif text.startswith('"'):
+            last = 1
+        elif text.isspace() or text.startswith("//"):
+            continue
+        else:
+            last = 1
+            continue
+        groups[-1] = max(groups[-1], last)
+    return max(groups)
+
+
 def _escape_end(pattern: str, at: int) -> int:
     """Where the escape at ``pattern[at]`` (a backslash) ends: past its braces for ``\\p{..}``,
     ``\\P{..}``, ``\\N{..}`` and ``\\x{..}`` (``\\p{L}+`` is not a possessive ``}+``), else

@@ -96,6 +96,7 @@ class GrammarSpec:
         check_size(GrammarKind.EBNF, grammar, max_bytes)
         if not grammar.strip():
             raise InvalidGrammarError(GrammarKind.EBNF.value, "grammar is empty")
+        _bounded_copies(GrammarKind.EBNF, grammar)
         return cls(GrammarKind.EBNF, grammar)
 
     @classmethod
@@ -103,6 +104,7 @@ class GrammarSpec:
         check_size(GrammarKind.LARK, grammar, max_bytes)
         if not grammar.strip():
             raise InvalidGrammarError(GrammarKind.LARK.value, "grammar is empty")
+        _bounded_copies(GrammarKind.LARK, grammar)
         return cls(GrammarKind.LARK, grammar)
 
     @classmethod
@@ -149,6 +151,31 @@ def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
     if size > max_bytes:
         raise InvalidGrammarError(
             kind.value, f"grammar is {size} bytes, over the limit of {max_bytes} bytes"
+        )
+
+
+def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
+    """Refuse a GBNF or Lark grammar whose counted repeats ask for more than
+    ``regex_dialect.MAX_REPEAT`` copies of one item (``"a"{1000000}``: the backends write it out,
+    and one request held every request's steps for a minute), or that nests too deeply to read.
+    A GBNF text the reader cannot read is left to the backends."""
+    from espalier.constrained import gbnf
+    from espalier.constrained.regex_dialect import MAX_REPEAT, lark_repeat_size
+
+    try:
+        if kind is GrammarKind.LARK:
+            copies = lark_repeat_size(grammar)
+        else:
+            copies = gbnf.repeat_size(gbnf.parse(grammar))
+    except gbnf.GbnfReadError:
+        return
+    except RecursionError:
+        raise InvalidGrammarError(kind.value, "the grammar is nested too deeply") from None
+    if copies > MAX_REPEAT:
+        raise InvalidGrammarError(
+            kind.value,
+            f"its counted repeats ask for {copies} copies of one item (nested counts and "
+            f"rule references multiply), over the limit of {MAX_REPEAT}",
         )
 
 

@@ -374,10 +374,20 @@ def admit_structural_tag(
         try:
             GrammarSpec.regex(str(node.get("pattern", "")), max_bytes)
         except InvalidGrammarError as exc:  # read as a regex constraint is (Python's module)
-            detail = f"{exc.detail} (column {exc.column})"
-            raise InvalidGrammarError(KIND, detail, pointer=pointer) from None
+            where = f" (column {exc.column})" if exc.column is not None else ""
+            raise InvalidGrammarError(KIND, exc.detail + where, pointer=pointer) from None
+        return node
+
+    def check_grammar(node: Format, pointer: str) -> Format:
+        text = str(node.get("grammar", ""))
+        lark = node.get("syntax", "ebnf") == "lark"
+        try:  # its counted repeats, as for a grammar constraint
+            GrammarSpec.lark(text, max_bytes) if lark else GrammarSpec.ebnf(text, max_bytes)
+        except InvalidGrammarError as exc:
+            raise InvalidGrammarError(KIND, exc.detail, pointer=pointer) from None
         return node
 
     map_json_schemas(root_format(spec), check)
     map_regexes(root_format(spec), check_regex)
+    map_formats(root_format(spec), ("grammar",), check_grammar)
     return spec

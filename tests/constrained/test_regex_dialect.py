@@ -22,7 +22,7 @@ from espalier.constrained.regex_dialect import (
 )
 from espalier.constrained.schema.guard import admit_schema
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.structural_tag import structural_tag_spec
+from espalier.constrained.structural_tag import admit_structural_tag, structural_tag_spec
 
 # (pattern, a text the backend took that Python's regex does not fully match)
 RUST_MISREAD = [
@@ -239,3 +239,53 @@ def test_a_structural_tags_regex_is_read_like_a_regex_constraint_on_xgrammar(
     spec = structural_tag_spec({"type": "structural_tag", "format": lark})
     with pytest.raises(UnsupportedGrammarError, match="xgrammar reads"):
         compile_grammar(spec, toy_tokenizer, "xgrammar")
+
+
+@pytest.mark.parametrize(
+    ("kind", "grammar"),
+    [
+        ("ebnf", 'root ::= "a"{1000000}'),
+        ("ebnf", 'root ::= (("ab"{100}){100}){100}'),
+        ("ebnf", 'root ::= x{1000}\nx ::= "a" [b-c]{1000}'),
+        ("lark", 'start: "a"~1000000'),
+        ("lark", "start: /a{1000000}/"),
+        ("lark", 'start: x~100\nx: ("ab"~100)~100'),
+        ("lark", 'start: x~1000\nx: y\n  | "b"\ny: /a{200}/ "c"~2'),
+    ],
+)
+def test_a_grammar_asking_for_too_many_copies_is_refused_uncompiled(
+    kind: str, grammar: str
+) -> None:
+    """Held-out sweep: ``root ::= "a"{1000000}`` held every request's steps for a minute
+    (the limit covered regexes only)."""
+    with pytest.raises(InvalidGrammarError, match="copies of one item"):
+        GrammarSpec.ebnf(grammar) if kind == "ebnf" else GrammarSpec.lark(grammar)
+    tag = {"type": "structural_tag",
+           "format": {"type": "grammar", "grammar": grammar, "syntax": kind}}  # fmt: skip
+    with pytest.raises(InvalidGrammarError, match="copies of one item") as caught:
+        admit_structural_tag(json.dumps(tag), 64)
+    assert caught.value.pointer == "/format"
+
+
+@pytest.mark.parametrize(
+    ("kind", "grammar"),
+    [
+        ("ebnf", 'root ::= "a"{99999} x{3}\nx ::= [0-9]{1,20}'),
+        ("ebnf", 'root ::= "a" root{5} | "b"'),  # recursion counts once
+        ("lark", '?start: item+\nitem: /[a-z]{1,20}/ "x"~3..5 // ~ 99999999\n%ignore " "'),
+    ],
+)
+def test_ordinary_counts_in_grammars_stay(kind: str, grammar: str) -> None:
+    GrammarSpec.ebnf(grammar) if kind == "ebnf" else GrammarSpec.lark(grammar)
+
+
+def test_a_deeply_nested_gbnf_is_refused_with_a_message() -> None:
+    with pytest.raises(InvalidGrammarError, match="nested too deeply"):
+        GrammarSpec.ebnf("root ::= " + "(" * 5000 + '"a"' + ")" * 5000)
+
+
+def test_a_structural_tag_regex_error_without_a_column_names_none() -> None:
+    tag = {"type": "structural_tag", "format": {"type": "regex", "pattern": "a{1000000}"}}
+    with pytest.raises(InvalidGrammarError) as caught:
+        admit_structural_tag(json.dumps(tag), 64)
+    assert "column None" not in str(caught.value)

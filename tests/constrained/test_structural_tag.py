@@ -272,3 +272,16 @@ def test_a_tags_schemas_keep_json_schema_defaults(
     compiled, _ = compile_grammar(spec, toy_tokenizer, backend)
     for text, expected in texts.items():
         assert grammar_accepts(compiled, toy_tokenizer, text) is expected, text
+
+
+def test_an_empty_regex_element_matches_the_empty_text(toy_tokenizer: Any) -> None:
+    """Held-out sweep: llguidance read ``//`` as a comment (a Lark syntax error) and xgrammar
+    failed a check ("Check failed: ..."); xgrammar now refuses it by name, auto compiles it."""
+    fmt = {"type": "sequence", "elements": [{"type": "const_string", "value": "a"},
+                                             {"type": "regex", "pattern": ""}]}  # fmt: skip
+    spec = structural_tag_spec({"type": "structural_tag", "format": fmt})
+    with pytest.raises(UnsupportedGrammarError, match="an empty regex at /format/elements/1"):
+        compile_grammar(spec, toy_tokenizer, "xgrammar")
+    compiled, _ = compile_grammar(spec, toy_tokenizer)
+    assert grammar_accepts(compiled, toy_tokenizer, "a")
+    assert not grammar_accepts(compiled, toy_tokenizer, "ab")

@@ -98,7 +98,7 @@ class _Builder:
         misread = rust_misreading(pattern)  # as for a regex constraint (regex_dialect)
         if misread is not None:
             raise UnsupportedGrammarError(NAME, "structural_tag", f"llguidance reads {misread}")
-        return "/" + pattern.replace("/", "\\/") + "/"
+        return "/" + (pattern.replace("/", "\\/") or "(?:)") + "/"  # "//" starts a comment
 
     def _grammar(self, fmt: Format, at_end: bool) -> str:
         text = str(fmt["grammar"])

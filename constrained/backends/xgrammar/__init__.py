@@ -187,6 +187,10 @@ class Backend:
 
         def regex(node: dict[str, Any], pointer: str) -> dict[str, Any]:
             pattern = str(node.get("pattern", ""))
+            if not pattern:  # xgrammar fails a check on it ("Check failed: ...")
+                raise UnsupportedGrammarError(
+                    NAME, GrammarKind.STRUCTURAL_TAG.value, f"an empty regex at {pointer}"
+                )
             misread = regex_misreading(pattern)
             if misread is not None:  # as for a regex constraint (regex_dialect)
                 raise UnsupportedGrammarError(
