@@ -9,6 +9,7 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+from espalier.constrained.errors import KeywordIssue
 from espalier.constrained.spec import GrammarSpec
 
 MIN_TEMPERATURE = 1e-5
@@ -175,7 +176,7 @@ class RequestOutput:
     validation: ValidationResult | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
-    weakened: tuple[str, ...] = ()  # keywords weakened by the chosen backend (allow_weakening)
+    weakened: tuple[KeywordIssue, ...] = ()  # what the chosen backend weakened (allow_weakening)
     backend: str = ""  # the grammar backend used, "" when unconstrained
     closed_by_budget: bool = False  # the closing policy ended it within max_tokens (STOP)
     # How many leading ``token_ids`` make text (not the stop token or the rejected token that

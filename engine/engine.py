@@ -697,7 +697,7 @@ class EngineCore:
                 timeline.compile_queue_s = report.queue_seconds
                 timeline.compile_run_s = report.compile_seconds
             request.backend = report.backend
-            request.weakened = tuple(issue.describe() for issue in report.weakened)
+            request.weakened = tuple(report.weakened)
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
                 request.status = RequestStatus.WAITING
 

@@ -28,6 +28,7 @@ from espalier.engine.api import (
 
 if TYPE_CHECKING:
     from espalier.constrained.base import CompiledGrammar, GrammarMatcher
+    from espalier.constrained.errors import KeywordIssue
     from espalier.engine.detokenizer import StopStringWatch
 
 
@@ -104,7 +105,7 @@ class Request:
     compiled: CompiledGrammar | None = None
     matcher: GrammarMatcher | None = None
     backend: str = ""
-    weakened: tuple[str, ...] = ()
+    weakened: tuple[KeywordIssue, ...] = ()
     # sampling: a torch.Generator seeded per request (None = greedy or unseeded default)
     generator: Any = None
     # output

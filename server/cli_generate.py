@@ -226,7 +226,7 @@ def _summary(text: str, chunks: list[Any], last: Any, load_s: float) -> dict[str
         "usage": dataclasses.asdict(last.usage) if last.usage else None,
         "timings": dataclasses.asdict(last.timings) if last.timings else None,
         "backend": last.backend,
-        "weakened": list(last.weakened),
+        "weakened": [issue.describe() for issue in last.weakened],
         "validation": dataclasses.asdict(last.validation) if last.validation else None,
         "error": last.error,
         "load_s": load_s,

@@ -322,9 +322,7 @@ _FINISH = {
 }
 
 
-def keyword_issue_to_proto(issue: KeywordIssue | str) -> pb.KeywordIssue:
-    if isinstance(issue, str):
-        return pb.KeywordIssue(keyword=issue, support="weakened")
+def keyword_issue_to_proto(issue: KeywordIssue) -> pb.KeywordIssue:
     return pb.KeywordIssue(
         keyword=issue.keyword, pointer=issue.pointer, support=issue.support, backend=issue.backend
     )

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.errors import InvalidGrammarError, KeywordIssue
 from espalier.constrained.spec import GrammarKind
 from espalier.engine.api import (
     FinishReason,
@@ -205,7 +205,7 @@ def test_output_chunks_fold_into_the_unary_response() -> None:
                 speculative=SpeculativeStats(steps=2, accepted_tokens=3),
                 validation=ValidationResult(True, True),
                 backend="xgrammar",
-                weakened=("pattern",),
+                weakened=(KeywordIssue("pattern", "/properties/a", "ignored", "xgrammar"),),
             )
         ),
     ]
@@ -217,7 +217,14 @@ def test_output_chunks_fold_into_the_unary_response() -> None:
     assert merged.usage.completion_tokens == 3 and merged.timings.total_seconds == 0.5
     assert merged.speculative.mean_accept_length == 1.5
     assert merged.validation.checked and merged.validation.valid
-    assert merged.backend == "xgrammar" and merged.weakened[0].keyword == "pattern"
+    assert merged.backend == "xgrammar"
+    issue = merged.weakened[0]  # each field its own (the keyword held the whole sentence)
+    assert (issue.keyword, issue.pointer, issue.support, issue.backend) == (
+        "pattern",
+        "/properties/a",
+        "ignored",
+        "xgrammar",
+    )
 
 
 def test_structural_tag_is_admitted_like_a_schema() -> None:

@@ -150,6 +150,19 @@ def test_allow_weakening_reports_the_weakened_keywords(client: Client) -> None:
     assert weakened == [("uniqueItems", "/properties/when")]
 
 
+def test_a_generation_reports_each_weakened_keyword_in_its_fields(
+    serving: ServerProcess, client: Client
+) -> None:
+    """Held-out sweep: a generation's ``weakened`` held the whole sentence in ``keyword``, an
+    empty pointer and backend, and ``weakened`` for ignored keywords too."""
+    result = client.generate(
+        "x", schema=WHEN, backend="xgrammar", allow_weakening=True, max_tokens=8
+    )
+    assert [(w.keyword, w.pointer, w.support, w.backend) for w in result.weakened] == [
+        ("uniqueItems", "/properties/when", "ignored", "xgrammar")
+    ]
+
+
 def test_allow_weakening_on_llguidance_reports_the_keyword_it_drops(client: Client) -> None:
     with pytest.raises(InvalidArgumentError):
         client.compile_grammar(schema=WHEN, backend="llguidance")
