@@ -473,10 +473,26 @@ def llguidance_multiple_too_costly(value: Any) -> bool:
 
 def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
     """``BackendProfile.uncompilable`` of llguidance: a ``multipleOf`` past its limit, a number
-    it cannot read."""
+    it cannot read, ``patternProperties`` whose patterns may match one name together (it
+    refuses them: "patternProperty regexes /^a/ and /b$/ are not disjoint")."""
     costly = llguidance_multiple_too_costly(node.get("multipleOf"))
     unread = {k for k in NUMERIC & node.keys() if _past_float64(node[k])}
+    if "patternProperties" in node and patterns_may_overlap(node["patternProperties"]):
+        unread.add("patternProperties")
     return frozenset(unread | ({"multipleOf"} if costly else set()))
+
+
+def patterns_may_overlap(named: Any) -> bool:
+    """Whether two names of a ``patternProperties`` object may match one property name (not
+    proven apart, ``regular.patterns_meet``)."""
+    from espalier.constrained.schema.regular import patterns_meet
+
+    if not isinstance(named, dict):
+        return False
+    names = [str(name) for name in named]
+    return any(
+        patterns_meet((a, b)) is not False for i, a in enumerate(names) for b in names[i + 1 :]
+    )
 
 
 def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:

@@ -96,6 +96,17 @@ PROBES: tuple[Probe, ...] = (
         [-1.25, -1.5],
         [-1, 0],
     ),
+    # llguidance refuses patternProperties whose patterns may match one name ("not disjoint")
+    _p(
+        "patternProperties-overlapping",
+        "patternProperties",
+        {
+            "type": "object",
+            "patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "integer"}},
+        },
+        [{"ab": 1}, {}],
+        [{"ab": "x"}, {"a": "x"}],
+    ),
     # xgrammar's range of tiny numbers takes the empty text
     _p(
         "number-bounds-tiny",
