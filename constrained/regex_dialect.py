@@ -209,6 +209,37 @@ def rust_misreading(pattern: str) -> str | None:
     return None
 
 
+_ASSERTION_ESCAPES = frozenset("AzZbBG")
+
+
+def without_end_anchors(pattern: str) -> str | None:
+    """``pattern`` without a leading ``^`` and a trailing ``$`` (no-ops in a full match), or
+    None when it asserts anything else (``^`` / ``$`` elsewhere, ``\\A \\z \\Z \\b \\B
+    \\G``). For outlines-core, which compiles the regex followed by an end marker: a trailing
+    ``$`` there never matches, so ``[a-z]+$`` could never end."""
+    plain = _outside(pattern)
+    at = 0
+    while at < len(pattern) - 1:
+        if pattern[at] == "[":
+            at = class_end(pattern, at)
+            continue
+        if pattern[at] == "\\":
+            if pattern[at + 1] in _ASSERTION_ESCAPES:
+                return None
+            at = _escape_end(pattern, at)
+            continue
+        at += 1
+    start = 1 if plain and plain[0] == (0, "^") else 0
+    end = (
+        len(pattern) - 1
+        if plain and plain[-1] == (len(pattern) - 1, "$") and len(pattern) > start
+        else len(pattern)
+    )
+    if any(char in "^$" and start <= i < end for i, char in plain):
+        return None
+    return pattern[start:end]
+
+
 _SURROGATE_ESCAPE = re.compile(
     r"(?<!\\)(?:\\\\)*\\"  # an escape (after an even run of backslashes)
     r"(?:u[dD][89a-fA-F][0-9a-fA-F]{2}|U0000[dD][89a-fA-F][0-9a-fA-F]{2}"

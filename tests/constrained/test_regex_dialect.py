@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.compile import compile_grammar
+from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.errors import GrammarError, InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.postvalidate import postvalidate
 from espalier.constrained.regex_dialect import (
@@ -18,6 +19,7 @@ from espalier.constrained.regex_dialect import (
     names_surrogate,
     repeat_size,
     rust_misreading,
+    without_end_anchors,
     xgrammar_misreading,
 )
 from espalier.constrained.schema.guard import admit_schema
@@ -289,3 +291,32 @@ def test_a_structural_tag_regex_error_without_a_column_names_none() -> None:
     with pytest.raises(InvalidGrammarError) as caught:
         admit_structural_tag(json.dumps(tag), 64)
     assert "column None" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text", "other"),
+    [("[a-z]+$", "abc", "ab1"), ("^foo$", "foo", "fo"), ("abc$", "abc", "abcd"),
+     ("^a|b$", "b", "ab")],
+)  # fmt: skip
+def test_end_anchors_let_an_outlines_regex_end(
+    pattern: str, text: str, other: str, toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: ``[a-z]+$`` never ended on outlines-core (its regex is followed by an
+    end marker, where ``$`` does not hold), and ``^foo$`` / ``abc$`` were refused with its
+    internal messages."""
+    compiled, _ = compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, "outlines_core")
+    assert grammar_accepts(compiled, toy_tokenizer, text)
+    assert not grammar_accepts(compiled, toy_tokenizer, other)
+
+
+@pytest.mark.parametrize("pattern", ["a$b", "(a$)", "\\bfoo\\b", "x\\Z", "\\Ax"])
+def test_other_anchors_go_past_outlines(pattern: str, toy_tokenizer: Any) -> None:
+    assert without_end_anchors(pattern) is None
+    with pytest.raises(UnsupportedGrammarError, match="an anchor inside the regex"):
+        compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, "outlines_core")
+
+
+def test_escaped_and_class_dollars_are_not_anchors() -> None:
+    assert without_end_anchors("a\\$") == "a\\$"
+    assert without_end_anchors("[$^]x$") == "[$^]x"
+    assert without_end_anchors("\\\\$") == "\\\\"

@@ -41,7 +41,7 @@ from espalier.constrained.backends.common import (
 from espalier.constrained.backends.outlines_core.index import IndexBuilder
 from espalier.constrained.backends.outlines_core.tree_walk import walk_outlines
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
-from espalier.constrained.regex_dialect import rust_misreading
+from espalier.constrained.regex_dialect import rust_misreading, without_end_anchors
 from espalier.constrained.schema.number_bounds import bound_number_regex
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -112,7 +112,10 @@ class Backend:
             misread = rust_misreading(spec.source)
             if misread is not None:
                 raise UnsupportedGrammarError(NAME, kind.value, f"outlines-core reads {misread}")
-            return spec.source
+            plain = without_end_anchors(spec.source)
+            if plain is None:  # an end marker follows the regex: anchors would not hold
+                raise UnsupportedGrammarError(NAME, kind.value, "an anchor inside the regex")
+            return plain
         if kind is GrammarKind.CHOICE:
             return "|".join(f"({escape_literal(option)})" for option in spec.choices)
         if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
