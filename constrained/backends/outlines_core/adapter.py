@@ -2,7 +2,8 @@
 
 - JSON_SCHEMA: ``json_schema.build_regex_from_schema`` with whitespace bounded by
   ``BackendOptions.json_max_whitespace``, its integer and number sub-regexes bounded by
-  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``); REGEX: as given;
+  ``BackendOptions.json_number_bounds`` (``constrained/schema/number_bounds.py``); REGEX: as given,
+  less a leading ``^`` and trailing ``$`` (``regex_dialect.without_end_anchors``);
   CHOICE: an alternation of escaped literals. EBNF and LARK are not regular, and ANY_JSON (a
   depth-3 unrolled regex) makes the token DFA explode (minutes even on a 300-token vocabulary):
   ``UnsupportedGrammarError``.
