@@ -199,7 +199,9 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
     if keyword == "$ref" and not _is_local_ref(node.get(keyword)):
         return Support.IGNORED  # left unresolved (dynamic scopes): backends drop such refs
     if keyword == "format" and node.get("format") not in profile.formats:
-        return Support.WEAKENED
+        compiled = profile.compiled_formats
+        dropped = compiled is not None and node.get("format") not in compiled
+        return Support.IGNORED if dropped else Support.WEAKENED
     if keyword == "pattern" and read_otherwise_by_backends(node["pattern"]):
         return Support.WEAKENED
     if profile.rule is not None:
@@ -257,14 +259,26 @@ def _past_float64(value: Any) -> bool:
 
 
 def _xgrammar_uncompilable(node: dict[str, Any]) -> frozenset[str]:
-    """``BackendProfile.uncompilable`` of xgrammar: a number it cannot read, or an integer's
-    bound outside int64 ("Check failed ... Integer exceeds maximum limit")."""
+    """``BackendProfile.uncompilable`` of xgrammar: a number it cannot read, an integer's
+    bound outside int64 ("Check failed ... Integer exceeds maximum limit"), a pattern that
+    writes broken JSON (:func:`breaks_json`)."""
     integer = "integer" in _types(node)
     return frozenset(
         k
         for k in NUMERIC & node.keys()
         if _past_float64(node[k])
         or (integer and k in _BOUNDS and is_number(node[k]) and not -(2**63) <= node[k] < 2**63)
+    ) | breaks_json(node)
+
+
+def breaks_json(node: dict[str, Any]) -> frozenset[str]:
+    """``{"pattern"}`` when ``node``'s pattern spells out a character JSON writes escaped and
+    may match it: xgrammar and outlines-core match it against the JSON text, so ``^\\\\$``
+    (one backslash) wrote the string ``"\\"``, unterminated. Dropped under allow_weakening, the
+    string is JSON at least (and reported ignored)."""
+    pattern = node.get("pattern")
+    return frozenset(
+        {"pattern"} if isinstance(pattern, str) and _names_escaped_char(pattern) else ()
     )
 
 
@@ -285,8 +299,6 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED  # probe "required-not-in-properties"
     if keyword == "pattern" and optional_group_repeats(str(node["pattern"])):
         return Support.WEAKENED  # (?:x[0-9]+)? also matches "1" (probe "pattern-optional-repeat")
-    if keyword == "pattern" and _names_escaped_char(str(node["pattern"])):
-        return Support.WEAKENED  # read over the JSON text: "\\n" matches [\u005c]n (probe)
     value: Any = node.get(keyword)
     if keyword in _BOUNDS and tiny_bound(node):
         return Support.WEAKENED  # [1e-9, 1e-8] took an empty text (probe "number-bounds-tiny")
@@ -550,6 +562,8 @@ generates ``[]``)."""
 
 
 def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in breaks_json(node):
+        return Support.IGNORED  # dropped before the compile (weaken.py): it writes broken JSON
     if keyword in _OUTLINES_COUNTS:
         value = node[keyword]
         if isinstance(value, (int, float)) and value >= _OUTLINES_COUNT_LIMIT:
@@ -692,7 +706,11 @@ OUTLINES_CORE = BackendProfile(
         }
     ),
     formats=frozenset({"uuid"}),  # its email writes raw '"' (probe "format-email")
+    # the formats it compiles into JSON strings (ipv4, hostname, ...: "not supported by
+    # Outlines"; email and time wrote broken JSON: '"12:03:12\\y56Z"')
+    compiled_formats=frozenset({"uuid", "date-time", "date"}),
     rule=_outlines_rule,
+    uncompilable=breaks_json,
     false_schema=False,
 )
 PROFILES: dict[str, BackendProfile] = {p.name: p for p in (LLGUIDANCE, XGRAMMAR, OUTLINES_CORE)}

@@ -114,3 +114,38 @@ def test_weakened_schema_keeps_what_llguidance_takes() -> None:
         "anyOf": [{"type": "integer"}],
         "allOf": [{"anyOf": [{"minimum": 1}, {"maximum": 5}]}],
     }
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines_core"])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "^\\\\$"},  # one backslash
+        {"type": "object", "properties": {"v": {"type": "string", "pattern": '^a"$'}}},
+    ],
+)
+def test_a_pattern_that_writes_broken_json_is_dropped_and_reported_ignored(
+    backend: str, schema: dict[str, Any], toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: under allow_weakening ``^\\\\\\\\$`` wrote ``"\\\\"`` (unterminated) on
+    both backends, reported only as a weakened pattern."""
+    compiled, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, backend, allow_weakening=True
+    )
+    assert [(i.keyword, i.support) for i in report.weakened] == [("pattern", "ignored")]
+    string = schema.get("type") == "string"
+    assert not grammar_accepts(compiled, toy_tokenizer, '"\\"' if string else '{"v": "a""}')
+    assert grammar_accepts(compiled, toy_tokenizer, '"ab"' if string else '{"v": "ab"}')
+
+
+@pytest.mark.parametrize("fmt", ["ipv6", "email"])
+def test_outlines_drops_the_formats_it_does_not_compile_into_json(
+    fmt: str, toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: "Format ipv6 is not supported by Outlines" under allow_weakening, and
+    its email wrote raw quotes."""
+    schema = {"type": "string", "format": fmt}
+    _, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, "outlines_core", allow_weakening=True
+    )
+    assert [(i.keyword, i.support) for i in report.weakened] == [("format", "ignored")]
