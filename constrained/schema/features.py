@@ -314,9 +314,20 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
             return Support.WEAKENED  # silently dropped (probe "multipleOf-past-1024")
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
-    if keyword == "anyOf" and types and not _branches_within(node["anyOf"], types):
+    if keyword in ("anyOf", "type") and _type_dropped_beside_branches(node, types):
         return Support.WEAKENED  # the type next to it is dropped (probe "anyOf-next-to-type")
     return Support.EXACT
+
+
+def _type_dropped_beside_branches(node: dict[str, Any], types: set[str]) -> bool:
+    """Whether xgrammar drops ``node``'s ``type`` for the branches beside it: an ``anyOf`` with
+    a branch not within the type, or an ``allOf`` of several (``{"type": "integer", "allOf":
+    [{"minimum": 1}, {"maximum": 5}]}`` wrote strings). Then the type is weakened too."""
+    if not types:
+        return False
+    if "anyOf" in node and not _branches_within(node["anyOf"], types):
+        return True
+    return isinstance(node.get("allOf"), list) and len(node["allOf"]) != 1
 
 
 def _branches_within(branches: Any, types: set[str]) -> bool:
@@ -580,8 +591,8 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED
     if keyword == "required" and required_outside_properties(node):
         return Support.WEAKENED  # probe "required-not-in-properties"
-    if keyword == "anyOf" and types and not _branches_within(node["anyOf"], types):
-        return Support.WEAKENED  # probe "anyOf-next-to-type"
+    if keyword in ("anyOf", "type") and _type_dropped_beside_branches(node, types):
+        return Support.WEAKENED  # probes "anyOf-next-to-type", "type-beside-allOf"
     return Support.EXACT
 
 

@@ -96,6 +96,14 @@ PROBES: tuple[Probe, ...] = (
         [-1.25, -1.5],
         [-1, 0],
     ),
+    # xgrammar drops a type beside an allOf of several (held-out sweep: strings were written)
+    _p(
+        "type-beside-allOf",
+        "type",
+        {"type": "string", "allOf": [{"minLength": 1}, {"maxLength": 3}]},
+        ["a", "abc"],
+        [5, None],
+    ),
     # llguidance refuses patternProperties whose patterns may match one name ("not disjoint")
     _p(
         "patternProperties-overlapping",
