@@ -198,6 +198,8 @@ def keyword_support(profile: BackendProfile, keyword: str, node: dict[str, Any])
         return Support.WEAKENED
     if keyword == "$ref" and not _is_local_ref(node.get(keyword)):
         return Support.IGNORED  # left unresolved (dynamic scopes): backends drop such refs
+    if profile.uncompilable is not None and keyword in profile.uncompilable(node):
+        return Support.IGNORED  # dropped before the compile (weaken.py)
     if keyword == "format" and node.get("format") not in profile.formats:
         compiled = profile.compiled_formats
         dropped = compiled is not None and node.get("format") not in compiled
@@ -263,12 +265,33 @@ def _xgrammar_uncompilable(node: dict[str, Any]) -> frozenset[str]:
     bound outside int64 ("Check failed ... Integer exceeds maximum limit"), a pattern that
     writes broken JSON (:func:`breaks_json`)."""
     integer = "integer" in _types(node)
+    return (
+        frozenset(
+            k
+            for k in NUMERIC & node.keys()
+            if _past_float64(node[k])
+            or (integer and k in _BOUNDS and is_number(node[k]) and not -(2**63) <= node[k] < 2**63)
+        )
+        | breaks_json(node)
+        | _uncompilable_pattern(node)
+    )
+
+
+def _uncompilable_pattern(node: dict[str, Any]) -> frozenset[str]:
+    """``{"pattern"}`` when no backend compiles ``node``'s pattern
+    (``respell.no_backend_compiles``): dropped under allow_weakening."""
+    from espalier.constrained.schema.respell import no_backend_compiles
+
+    pattern = node.get("pattern")
     return frozenset(
-        k
-        for k in NUMERIC & node.keys()
-        if _past_float64(node[k])
-        or (integer and k in _BOUNDS and is_number(node[k]) and not -(2**63) <= node[k] < 2**63)
-    ) | breaks_json(node)
+        {"pattern"} if isinstance(pattern, str) and no_backend_compiles(pattern) else ()
+    )
+
+
+def _outlines_uncompilable(node: dict[str, Any]) -> frozenset[str]:
+    """``BackendProfile.uncompilable`` of outlines-core: patterns no backend compiles, or that
+    write broken JSON there."""
+    return _uncompilable_pattern(node) | breaks_json(node)
 
 
 def breaks_json(node: dict[str, Any]) -> frozenset[str]:
@@ -283,8 +306,6 @@ def breaks_json(node: dict[str, Any]) -> frozenset[str]:
 
 
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
-    if keyword in _xgrammar_uncompilable(node):
-        return Support.IGNORED  # dropped before the compile (weaken.py): it would fail
     kind = TYPE_OF.get(keyword)
     types = _types(node)
     if kind is not None and not types:
@@ -502,7 +523,7 @@ def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
     unread = {k for k in NUMERIC & node.keys() if _past_float64(node[k])}
     if "patternProperties" in node and patterns_may_overlap(node["patternProperties"]):
         unread.add("patternProperties")
-    return frozenset(unread | ({"multipleOf"} if costly else set()))
+    return frozenset(unread | ({"multipleOf"} if costly else set())) | _uncompilable_pattern(node)
 
 
 def patterns_may_overlap(named: Any) -> bool:
@@ -519,8 +540,6 @@ def patterns_may_overlap(named: Any) -> bool:
 
 
 def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
-    if keyword in _llguidance_uncompilable(node):
-        return Support.IGNORED  # dropped before the compile (weaken.py): it would not end
     if keyword == "pattern" and _llguidance_misreads(str(node["pattern"])):
         return Support.WEAKENED
     names = node[keyword] if keyword == "patternProperties" else None
@@ -573,8 +592,6 @@ generates ``[]``)."""
 
 
 def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
-    if keyword in breaks_json(node):
-        return Support.IGNORED  # dropped before the compile (weaken.py): it writes broken JSON
     if keyword in _OUTLINES_COUNTS:
         value = node[keyword]
         if isinstance(value, (int, float)) and value >= _OUTLINES_COUNT_LIMIT:
@@ -721,7 +738,7 @@ OUTLINES_CORE = BackendProfile(
     # Outlines"; email and time wrote broken JSON: '"12:03:12\\y56Z"')
     compiled_formats=frozenset({"uuid", "date-time", "date"}),
     rule=_outlines_rule,
-    uncompilable=breaks_json,
+    uncompilable=_outlines_uncompilable,
     false_schema=False,
 )
 PROFILES: dict[str, BackendProfile] = {p.name: p for p in (LLGUIDANCE, XGRAMMAR, OUTLINES_CORE)}

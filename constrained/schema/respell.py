@@ -51,32 +51,64 @@ def respell_patterns(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_otherwise(pattern: str) -> bool:
-    """Whether ``pattern`` holds a lookaround, ``\\<`` / ``\\>`` or an anchor inside (not at
-    the ends of the pattern or of its top-level branches: ``^b$|c`` is read alike)."""
+    """Whether ``pattern`` holds a lookaround, ``\\<`` / ``\\>``, a word boundary (``\\b``,
+    ``\\B``), a backreference (``\\1``, ``(?P=name)``, ``\\k<name>``, ``\\g<name>``) or an
+    anchor inside (not at the ends of the pattern or of its top-level branches: ``^b$|c`` is
+    read alike). No backend takes the first ones (``^(a|b)\\1$``: "backreferences are not
+    supported", ``\\b``: "Word boundary is not supported yet")."""
     found = _scan(pattern)
     return found is not None and (found or has_inner_anchor(pattern))
 
 
 def _scan(pattern: str) -> bool | None:
-    """True: a lookaround or ``\\<`` / ``\\>``; False: a ``^`` / ``$`` that is not the first /
-    last character (outside classes and escapes), maybe inside; None: neither."""
+    """True: a lookaround, ``\\<`` / ``\\>``, a word boundary or a backreference; False: a
+    ``^`` / ``$`` that is not the first / last character (outside classes and escapes), maybe
+    inside; None: neither."""
     anchor: bool | None = None
     at, end = 0, len(pattern)
     while at < end:
         char = pattern[at]
         if char == "\\":
-            if pattern[at + 1 : at + 2] in ("<", ">"):
+            if pattern[at + 1 : at + 2] in ("<", ">") or _uncompilable_escape(pattern, at):
                 return True
             at += 2
         elif char == "[":
             at = class_end(pattern, at)
         else:
-            if char == "(" and pattern.startswith(_LOOKAROUND, at):
+            if char == "(" and pattern.startswith((*_LOOKAROUND, "(?P="), at):
                 return True
             if (char == "^" and at > 0) or (char == "$" and at < end - 1):
                 anchor = False
             at += 1
     return anchor
+
+
+def no_backend_compiles(pattern: str) -> bool:
+    """Whether ``pattern`` holds a word boundary (``\\b``, ``\\B``) or a backreference
+    (``\\1``, ``(?P=name)``, ``\\k<name>``, ``\\g<name>``) outside classes: every backend
+    fails its compile ("backreferences are not supported", "Word boundary is not supported
+    yet"), so ``allow_weakening`` drops such a pattern."""
+    at, end = 0, len(pattern)
+    while at < end:
+        char = pattern[at]
+        if char == "\\":
+            if _uncompilable_escape(pattern, at):
+                return True
+            at += 2
+        elif char == "[":
+            at = class_end(pattern, at)
+        else:
+            if pattern.startswith("(?P=", at):
+                return True
+            at += 1
+    return False
+
+
+def _uncompilable_escape(pattern: str, at: int) -> bool:
+    after = pattern[at + 1 : at + 2]
+    if after in ("b", "B") or (after.isdigit() and after != "0"):
+        return True
+    return after in ("k", "g") and pattern[at + 2 : at + 3] == "<"
 
 
 def class_end(pattern: str, at: int) -> int:

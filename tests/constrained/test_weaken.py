@@ -149,3 +149,20 @@ def test_outlines_drops_the_formats_it_does_not_compile_into_json(
         GrammarSpec.json_schema(schema), toy_tokenizer, "outlines_core", allow_weakening=True
     )
     assert [(i.keyword, i.support) for i in report.weakened] == [("format", "ignored")]
+
+
+@pytest.mark.parametrize("pattern", ["^(a|b)\\1$", "^\\bfoo\\b$", "^(?P<x>a)(?P=x)$"])
+def test_a_pattern_no_backend_compiles_is_named_and_dropped(
+    pattern: str, toy_tokenizer: Any
+) -> None:
+    """Held-out sweep: backreferences and word boundaries (Python compiles both) got
+    INVALID_GRAMMAR "regex parse error" with no pointer, strict and weak."""
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(SchemaNotEnforceableError, match="'pattern' at /properties/p"):
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    _, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, allow_weakening=True
+    )
+    assert [(i.keyword, i.pointer, i.support) for i in report.weakened] == [
+        ("pattern", "/properties/p", "ignored")
+    ]
