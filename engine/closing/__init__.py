@@ -68,7 +68,7 @@ START_PATHS = 256  # compiled grammars whose start state's closing path is kept 
 FIRST_DECISIONS = 4096  # first-token decisions kept (then cleared): see BudgetCloser._first_key
 # tried in order where nothing is forced: closers first, then minimal values, then separators
 LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
-CANDIDATE_TEXTS = ('"', "}", "]", "0", "null", "false", '""', "[]", "{}", ",", ":", "{", "[")
+CANDIDATE_TEXTS = ('"', "}", "]", ",", "0", "null", "false", '""', "[]", "{}", ":", "{", "[")
 
 
 @dataclass(frozen=True)

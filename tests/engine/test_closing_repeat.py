@@ -109,3 +109,18 @@ def _closed_output(
         assert request.matcher.accept(token)
         request.output_ids.append(token)
     raise AssertionError("cut at max_tokens")
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_value_is_ended_before_it_is_lengthened(backend: str, gemma_tokenizer: Any) -> None:
+    """Held-out sweep: ``"id"`` with ``minimum: 1`` closed as ``1000000000000000`` (``0`` was
+    tried before ``,``, until the repeat limit), a 34-token path that no budget under 34 could
+    take: LENGTH_UNCLOSED at max_tokens 12 to 28. A separator now comes before ``0``."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "b", "c"],
+              "properties": {"id": {"type": "integer", "minimum": 1},
+                             "b": {"type": "boolean"}, "c": {"type": "boolean"}}}  # fmt: skip
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), gemma_tokenizer, backend)
+    path = ClosingPaths(gemma_tokenizer).search(compiled.matcher(), 256)
+    assert path is not None
+    text = b"".join(gemma_tokenizer.token_bytes[t] for t in path).decode()
+    assert json.loads(text)["id"] < 10 and len(path) <= 20, text
