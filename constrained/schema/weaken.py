@@ -30,7 +30,14 @@ def weakened_schema(backend: str, schema: Any) -> Any:
 def _visit(profile: BackendProfile, node: Any, pointer: str) -> Any:
     if not isinstance(node, dict):
         return node
-    out = map_subschemas(node, pointer, lambda sub, at: _visit(profile, sub, at))
+
+    def child(sub: Any, at: str) -> Any:
+        keyword = at[len(pointer) + 1 :].split("/", 1)[0]
+        if sub is False and not profile.false_schema and keyword not in profile.false_schema_under:
+            return True  # a ``false`` it refuses at compile: reported ignored, so dropped
+        return _visit(profile, sub, at)
+
+    out = map_subschemas(node, pointer, child)
     dropped = profile.refused & out.keys()
     if profile.uncompilable is not None:
         dropped |= profile.uncompilable(out)

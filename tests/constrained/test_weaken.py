@@ -166,3 +166,18 @@ def test_a_pattern_no_backend_compiles_is_named_and_dropped(
     assert [(i.keyword, i.pointer, i.support) for i in report.weakened] == [
         ("pattern", "/properties/p", "ignored")
     ]
+
+
+def test_a_false_subschema_xgrammar_refuses_is_dropped_when_weakening(toy_tokenizer: Any) -> None:
+    """Held-out sweep: dependentRequired (rewritten with ``properties: {"card": false}``)
+    failed xgrammar's compile under allow_weakening ("Schema 'false' cannot accept any
+    value"), although strict mode had offered allow_weakening for it."""
+    schema = {"type": "object", "properties": {"card": {"type": "string"},
+              "cvv": {"type": "string"}}, "dependentRequired": {"card": ["cvv"]}}  # fmt: skip
+    with pytest.raises(SchemaNotEnforceableError):
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, "xgrammar")
+    compiled, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, "xgrammar", allow_weakening=True
+    )
+    assert any(i.keyword == "dependentRequired" for i in report.weakened)
+    assert grammar_accepts(compiled, toy_tokenizer, '{"card": "a", "cvv": "b"}')
