@@ -13,8 +13,9 @@ Outputs that finish on their own are untouched, token for token.
 
 :class:`ClosingPaths` finds a closing path greedily on a fork of the matcher: the tokens the
 grammar forces where it forces some (``forced_tokens``: required keys, ``":"``), else the first
-of a few closers and minimal JSON values that the grammar accepts (``"``, ``}``, ``]``, ``0``,
-``null``, ..., then ``{`` and ``[``), else the lowest allowed token id that is not whitespace;
+of a few closers, a separator and minimal JSON values that the grammar accepts (``"``, ``}``,
+``]``, ``,``, ``0``, ``null``, ..., then ``{`` and ``[``: a value that may end is ended before
+it is lengthened), else the lowest allowed token id that is not whitespace;
 at most ``limit`` tokens. Where that walk finds none, a bounded search that chooses object keys
 and backtracks tries (``engine/closing/backtrack.py``); None when neither finds one that short
 (then nothing changes: the output may be cut, as without this policy).
@@ -66,7 +67,7 @@ REPEAT_LIMIT = 16
 RETRY_AFTER = 16
 START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 FIRST_DECISIONS = 4096  # first-token decisions kept (then cleared): see BudgetCloser._first_key
-# tried in order where nothing is forced: closers first, then minimal values, then separators
+# tried in order where nothing is forced: closers first, a separator, then minimal values
 LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
 CANDIDATE_TEXTS = ('"', "}", "]", ",", "0", "null", "false", '""', "[]", "{}", ":", "{", "[")
 
