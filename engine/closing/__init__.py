@@ -88,6 +88,8 @@ class ClosingPaths:
     def __init__(self, tokenizer: TokenizerInfo) -> None:
         self.vocab_size = tokenizer.vocab_size
         self.stops = frozenset(tokenizer.stop_token_ids)
+        self._token_bytes = tokenizer.token_bytes
+        self._encode = tokenizer.encode_text
         self.candidates: list[int] = []
         for text in CANDIDATE_TEXTS:
             ids = tokenizer.encode_text(text)
@@ -195,7 +197,8 @@ class ClosingPaths:
     ) -> tuple[bool, list[int] | None]:
         """``answer`` (the greedy search's, native or not), or, where it found no path from the
         current state (``token`` None: a grammar's start path, or the path a decision closes
-        with now), the bounded search that chooses object keys and backtracks
+        with now), the greedy path found longer and respelled (:meth:`respelled`), the bounded
+        search that chooses object keys and backtracks
         (``engine/closing/backtrack.py``), then the walk that prefers unseen rows
         (``engine/closing/novel.py``): the one place every search's answer passes, so the
         native batch (``batch.answer_all``) and the inline searches fall back alike.
@@ -207,10 +210,31 @@ class ClosingPaths:
         accepted, path = answer
         if not accepted or path is not None or limit < 0 or token is not None:
             return answer
-        path = self.fallback.find(matcher, [], limit)
+        path = self.respelled(matcher, limit)
+        if path is None:
+            path = self.fallback.find(matcher, [], limit)
         if path is None:  # last: the walk out of an open run (``engine/closing/novel.py``)
             path = self.novel.find(matcher, limit)
         return True, path
+
+    def respelled(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
+        """The greedy path from ``matcher``'s state (not changed) found past ``limit`` (up to
+        :data:`SEARCH_LIMIT`), in the tokenizer's own tokens, when that is ``limit`` tokens at
+        most and still completes the grammar; else None. The greedy walk takes one
+        single-character candidate at a time (``{`` ``"`` ``k`` ``"`` ``:``), where the
+        tokenizer merges them (``{"`` ``k`` ``":{"``): 30 nested objects closed in 182 tokens
+        that way, in 70 respelled (a budget of 90 ended unclosed)."""
+        if limit >= SEARCH_LIMIT:
+            return None
+        long = self.search(matcher.fork(), SEARCH_LIMIT)
+        if long is None:
+            return None
+        try:
+            text = b"".join(self._token_bytes[t] for t in long).decode("utf-8")
+        except UnicodeDecodeError:  # a character split by the walk's tokens: not respelled
+            return None
+        ids = self._encode(text)
+        return ids if len(ids) <= limit and matcher.completes(ids) else None
 
     def search(self, probe: GrammarMatcher, limit: int) -> list[int] | None:
         """:meth:`find` on ``probe`` itself (a fork the caller owns): advances it along the path.
