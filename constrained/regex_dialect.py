@@ -97,9 +97,13 @@ def too_many_copies(pattern: str) -> str | None:
     )
 
 
-_LARK_LEXEME = re.compile(
-    r'"(?:[^"\\\n]|\\.)*"|//[^\n]*|/((?:[^/\\\n]|\\.)+)/[imslux]*|.', re.DOTALL
+_LARK_PIECE = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"i?|//[^\n]*|/((?:[^/\\\n]|\\.)+)/[imslux]*'
+    r"|~\s*(\d+)(?:\s*\.\.\s*(\d+))?|([(\[])|([)\]])|(\w+)|.",
+    re.DOTALL,
 )
+"""A Lark grammar's pieces: a string, a comment, a ``/regex/`` terminal (group 1), a count
+``~ n`` / ``~ n..m`` (groups 2, 3), a group's opening or closing bracket (4, 5), a name (6)."""
 
 
 def in_lark_terminals(source: str, misreading: Callable[[str], str | None]) -> str | None:
@@ -107,7 +111,7 @@ def in_lark_terminals(source: str, misreading: Callable[[str], str | None]) -> s
     Lark grammar's ``/regex/`` terminals, with the terminal and its line; None: none. Strings
     and ``//`` comments are skipped and ``\\/`` is read as ``/``: the terminals are read like
     a regex constraint (the ``regex`` module's syntax)."""
-    for lexeme in _LARK_LEXEME.finditer(source):
+    for lexeme in _LARK_PIECE.finditer(source):
         pattern = lexeme.group(1)
         if pattern is None:
             continue
@@ -119,11 +123,6 @@ def in_lark_terminals(source: str, misreading: Callable[[str], str | None]) -> s
 
 
 _LARK_DEFINITION = re.compile(r"\s*[?!]?(\w+)(?:\.-?\d+)?\s*(?:\{[^}]*\})?\s*:(?!:)")
-_LARK_PIECE = re.compile(
-    r'"(?:[^"\\\n]|\\.)*"i?|//[^\n]*|/((?:[^/\\\n]|\\.)+)/[imslux]*'
-    r"|~\s*(\d+)(?:\s*\.\.\s*(\d+))?|([(\[])|([)\]])|(\w+)|.",
-    re.DOTALL,
-)
 
 
 def lark_repeat_size(source: str) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.keys.frames import scan_automaton
+from espalier.constrained.keys.frames import MAX_FRAME_BYTES, scan_automaton
 from espalier.constrained.keys.native import (
     FrameTable,
     KeyTables,
@@ -126,7 +126,6 @@ def tracks_framed_value(spec: GrammarSpec) -> bool:
 
 
 def _framing_of(spec: GrammarSpec) -> Framing | None:
-    from espalier.constrained.keys.frames import MAX_FRAME_BYTES
     from espalier.constrained.structural_tag import json_framing
 
     framing = json_framing(spec)

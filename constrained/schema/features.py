@@ -24,6 +24,7 @@ compile has already replaced it by a mark no backend reads; what is left is refu
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 import warnings
@@ -529,11 +530,15 @@ def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
 def patterns_may_overlap(named: Any) -> bool:
     """Whether two names of a ``patternProperties`` object may match one property name (not
     proven apart, ``regular.patterns_meet``)."""
+    return isinstance(named, dict) and _names_overlap(tuple(str(name) for name in named))
+
+
+@functools.lru_cache(maxsize=512)
+def _names_overlap(names: tuple[str, ...]) -> bool:
+    """:func:`patterns_may_overlap` per tuple of names: asked once per keyword of the node
+    (``BackendProfile.uncompilable``), and each pair is an automaton product."""
     from espalier.constrained.schema.regular import patterns_meet
 
-    if not isinstance(named, dict):
-        return False
-    names = [str(name) for name in named]
     return any(
         patterns_meet((a, b)) is not False for i, a in enumerate(names) for b in names[i + 1 :]
     )

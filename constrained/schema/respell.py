@@ -56,26 +56,27 @@ def read_otherwise(pattern: str) -> bool:
     anchor inside (not at the ends of the pattern or of its top-level branches: ``^b$|c`` is
     read alike). No backend takes the first ones (``^(a|b)\\1$``: "backreferences are not
     supported", ``\\b``: "Word boundary is not supported yet")."""
+    if no_backend_compiles(pattern):
+        return True
     found = _scan(pattern)
     return found is not None and (found or has_inner_anchor(pattern))
 
 
 def _scan(pattern: str) -> bool | None:
-    """True: a lookaround, ``\\<`` / ``\\>``, a word boundary or a backreference; False: a
-    ``^`` / ``$`` that is not the first / last character (outside classes and escapes), maybe
-    inside; None: neither."""
+    """True: a lookaround or ``\\<`` / ``\\>``; False: a ``^`` / ``$`` that is not the first /
+    last character (outside classes and escapes), maybe inside; None: neither."""
     anchor: bool | None = None
     at, end = 0, len(pattern)
     while at < end:
         char = pattern[at]
         if char == "\\":
-            if pattern[at + 1 : at + 2] in ("<", ">") or _uncompilable_escape(pattern, at):
+            if pattern[at + 1 : at + 2] in ("<", ">"):
                 return True
             at += 2
         elif char == "[":
             at = class_end(pattern, at)
         else:
-            if char == "(" and pattern.startswith((*_LOOKAROUND, "(?P="), at):
+            if char == "(" and pattern.startswith(_LOOKAROUND, at):
                 return True
             if (char == "^" and at > 0) or (char == "$" and at < end - 1):
                 anchor = False

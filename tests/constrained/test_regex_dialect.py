@@ -90,10 +90,13 @@ def test_xgrammar_refuses_what_it_reads_otherwise(
 @pytest.mark.parametrize("pattern", COMMON)
 def test_common_regexes_stay_on_every_backend(pattern: str, toy_tokenizer: Any) -> None:
     assert rust_misreading(pattern) is None and xgrammar_misreading(pattern) is None
+    _stays_on_both(GrammarSpec.regex(pattern), toy_tokenizer)
+
+
+def _stays_on_both(spec: GrammarSpec, tokenizer: Any) -> None:
+    """``spec`` compiles on llguidance and on xgrammar, each when asked by name."""
     for backend in ("llguidance", "xgrammar"):
-        assert compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)[1].backend == (
-            backend
-        )
+        assert compile_grammar(spec, tokenizer, backend)[1].backend == backend
 
 
 @pytest.mark.parametrize("pattern", ["\\p{L}+", "\\p{Lu}\\p{Ll}+", "\\P{L}+"])
@@ -221,10 +224,7 @@ def test_a_lark_terminal_is_read_like_a_regex_constraint_on_llguidance(
 
 def test_strings_and_comments_of_a_lark_grammar_are_not_terminals(toy_tokenizer: Any) -> None:
     grammar = 'start: "[[:a" x // a /\\D/ comment\nx: /[a-z]+/ "\\\\D/"'
-    for backend in ("llguidance", "xgrammar"):
-        assert compile_grammar(GrammarSpec.lark(grammar), toy_tokenizer, backend)[1].backend == (
-            backend
-        )
+    _stays_on_both(GrammarSpec.lark(grammar), toy_tokenizer)
 
 
 @pytest.mark.parametrize("pattern", ["a\\Z", "\\Ga", "\\D"])
