@@ -1,7 +1,7 @@
 """``uniqueItems: true`` over a finite item domain as an ``enum`` of every array it allows.
 
 When each position's subschema admits finitely many values (``const`` / ``enum``, ``type``
-boolean or null, ``false``) and the length is bounded (``maxItems``, ``items: false`` after
+boolean or null, an integer range of at most :data:`MAX_INTEGERS` values, ``false``) and the length is bounded (``maxItems``, ``items: false`` after
 ``prefixItems``, or the domain's size: a unique array cannot be longer), the arrays with distinct
 items are few enough to list. ``uniqueItems`` then becomes one more ``allOf`` branch: non-arrays,
 or one of those arrays (the other keywords stay and still apply). Equality is JSON Schema's
@@ -11,13 +11,18 @@ or one of those arrays (the other keywords stay and still apply). Equality is JS
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 from espalier.constrained.schema.logic import ALL_TYPES, Defs, canonical, deref
 
 MAX_ARRAYS = 512
 MAX_CANDIDATES = 20_000  # arrays tried per length before keeping the unique ones
+MAX_INTEGERS = 256  # integers listed for one item range (unique_places.MIN_OPEN_INTEGERS)
 VALUE_KEYS = frozenset({"const", "enum", "type"})
+INTEGER_KEYS = frozenset(
+    {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+)
 ARRAY_KEYS = frozenset({"type", "prefixItems", "items", "minItems", "maxItems", "uniqueItems"})
 IGNORED = frozenset({"title", "description", "$comment", "default", "examples", "deprecated"})
 
@@ -85,7 +90,11 @@ def _domain(schema: Any, defs: Defs) -> list[Any] | None:
     schema = deref(schema, defs)
     if schema is False:
         return []
-    if not isinstance(schema, dict) or not set(schema) - IGNORED <= VALUE_KEYS:
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("type") in ("integer", ["integer"]) and set(schema) - IGNORED <= INTEGER_KEYS:
+        return _integers(schema)
+    if not set(schema) - IGNORED <= VALUE_KEYS:
         return None
     if "const" in schema or "enum" in schema:
         if "type" in schema:
@@ -99,3 +108,36 @@ def _domain(schema: Any, defs: Defs) -> list[Any] | None:
     if kinds is None or not set(kinds) <= {"boolean", "null"}:
         return None
     return [v for k, vs in (("boolean", [False, True]), ("null", [None])) if k in kinds for v in vs]
+
+
+def _integers(schema: dict[str, Any]) -> list[Any] | None:
+    """The integers an integer schema with numeric bounds admits, when at most
+    :data:`MAX_INTEGERS`; None when a bound is missing or not a number, the range is wider, or
+    it reaches past 2**53 (where a double quotient is no longer exact)."""
+    bounds = [schema.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")]
+    step = schema.get("multipleOf", 1)
+    numbers = [*bounds, step]
+    if any(isinstance(b, bool) or not isinstance(b, (int, float, type(None))) for b in numbers):
+        return None
+    if any(isinstance(b, float) and not math.isfinite(b) for b in numbers):
+        return None
+    low, low_x, high, high_x = bounds
+    lows = [math.ceil(low)] if low is not None else []
+    lows += [math.floor(low_x) + 1] if low_x is not None else []
+    highs = [math.floor(high)] if high is not None else []
+    highs += [math.ceil(high_x) - 1] if high_x is not None else []
+    if not lows or not highs or step is None or step <= 0:
+        return None
+    first, last = max(lows), min(highs)
+    if last - first >= MAX_INTEGERS or max(abs(first), abs(last)) > 2**53:
+        return None
+    return [n for n in range(first, last + 1) if _multiple(n, step)]
+
+
+def _multiple(n: int, step: float) -> bool:
+    """``multipleOf`` for an integer ``n`` as ``jsonschema`` (the post-validation) decides it:
+    exact for an integer step, the double quotient's integrality for a float one."""
+    if isinstance(step, int):
+        return n % step == 0
+    quotient = n / step
+    return math.isfinite(quotient) and quotient.is_integer()

@@ -324,6 +324,12 @@ UNIQUE_ITEMS = [
     {"items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 2},
     {"prefixItems": [{"const": 1}], "items": {"enum": [1, 7, "a"]}, "maxItems": 3,
      "uniqueItems": True},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3},
+     "uniqueItems": True, "minItems": 2, "maxItems": 4},
+    {"items": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9, "multipleOf": 3},
+     "uniqueItems": True},
+    {"items": {"type": "integer", "minimum": -1.5, "exclusiveMaximum": 2, "multipleOf": 0.5},
+     "uniqueItems": True},
 ]  # fmt: skip
 
 
@@ -332,7 +338,7 @@ def test_unique_items_over_finite_domains_becomes_enum(schema: Any) -> None:
     rewritten = rewrite(schema)
     assert "uniqueItems" not in keywords(rewritten), rewritten
     rng = random.Random(3)
-    pool = [None, True, False, 1, 1.0, 7, "a", "b"]
+    pool = [None, True, False, -1, 0, 1, 1.0, 1.5, 2, 3, 3.0, 6, 7, 9, "a", "b"]
     arrays = [rng.choices(pool, k=rng.randrange(5)) for _ in range(600)]
     wrong = [
         value
@@ -344,7 +350,13 @@ def test_unique_items_over_finite_domains_becomes_enum(schema: Any) -> None:
 
 
 def test_unique_items_over_open_domains_is_left_alone() -> None:
-    for schema in ({"uniqueItems": True}, {"items": {"type": "string"}, "uniqueItems": True}):
+    wide = {"type": "integer", "minimum": 0, "maximum": 256}
+    for schema in (
+        {"uniqueItems": True},
+        {"items": {"type": "string"}, "uniqueItems": True},
+        {"items": wide, "uniqueItems": True},
+        {"items": {"type": "integer", "minimum": 0}, "uniqueItems": True},
+    ):
         assert "uniqueItems" in keywords(rewrite(schema))
 
 
