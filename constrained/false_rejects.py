@@ -19,10 +19,8 @@ or ``integer_limit``, an exponent) is ``number`` however its properties are orde
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import re
 from collections.abc import Callable
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -229,11 +227,12 @@ def _reorder_guided(data: Any, schema: Any, branches_first: bool = False) -> Any
 def _unlisted(node: dict[str, Any], name: str) -> Any:
     """The schema ``node`` gives a property it does not list: a matching pattern's, else
     ``additionalProperties``."""
+    from espalier.constrained.postvalidate import pattern_search
+
     patterns = node.get("patternProperties")
     for pattern, sub in patterns.items() if isinstance(patterns, dict) else ():
-        with contextlib.suppress(re.error):
-            if re.search(pattern, name):
-                return sub
+        if pattern_search(pattern, name):
+            return sub
     return node.get("additionalProperties", True)
 
 

@@ -123,12 +123,14 @@ def _check(validator: Any, instance: Any) -> PostValidation:
 @contextlib.contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
     """Within it, this thread's validators (:func:`schema_validator`'s too) raise TimeoutError
-    once ``seconds`` have passed; outside any, they are not timed."""
-    _deadline.at = time.monotonic() + seconds
+    once ``seconds`` have passed; outside any, they are not timed. Nested: the sooner deadline
+    holds."""
+    outer = _deadline.at
+    _deadline.at = min(outer, time.monotonic() + seconds)
     try:
         yield
     finally:
-        _deadline.at = float("inf")
+        _deadline.at = outer
 
 
 def _verdict(validator: Any, instance: Any) -> PostValidation:
@@ -308,11 +310,30 @@ def _build_validator(
     return _extended(base)(schema, format_checker=base.FORMAT_CHECKER, registry=local)
 
 
+PATTERN_SEARCH_S = 0.05
+"""Time for one search of a user's pattern outside any :func:`time_limit` (the schema
+analysis): a short text that takes longer meets catastrophic backtracking."""
+
+
+def pattern_search(pattern: str, text: str) -> bool | None:
+    """Whether ``regex.search(pattern, text)`` (the post-validator's reading of a JSON Schema
+    ``pattern``) finds a match; None when ``pattern`` does not compile or the search runs past
+    :data:`PATTERN_SEARCH_S` (or this thread's :func:`time_limit`, when sooner): the caller then
+    has no verdict. The GIL is released while matching, so a slow pattern never stalls the
+    server's other threads."""
+    try:
+        left = _remaining()
+        seconds = PATTERN_SEARCH_S if left is None else min(left, PATTERN_SEARCH_S)
+        return regex.search(pattern, text, timeout=seconds, concurrent=True) is not None
+    except (regex.error, TimeoutError, ValueError, OverflowError, RecursionError):
+        return None
+
+
 def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
     from jsonschema.exceptions import ValidationError
 
     if validator.is_type(instance, "string") and not regex.search(
-        pattern, instance, timeout=_remaining()
+        pattern, instance, timeout=_remaining(), concurrent=True
     ):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
@@ -346,7 +367,7 @@ def _pattern_properties(
         return
     for pattern, subschema in patterns.items():
         for key, value in instance.items():
-            if regex.search(pattern, key, timeout=_remaining()):
+            if regex.search(pattern, key, timeout=_remaining(), concurrent=True):
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 

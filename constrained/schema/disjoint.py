@@ -13,7 +13,6 @@ Every answer True is exact; False means "not proven".
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from espalier.constrained.schema.logic import MAX_DEPTH, Defs, deref, types_of, values_of
@@ -158,13 +157,18 @@ def _no_member_matches(finite: Any, other: Any, defs: Defs) -> bool:
     members = [finite["const"]] if "const" in finite else finite["enum"]
     if len(members) > 64:
         return False
-    from espalier.constrained.postvalidate import schema_validator
+    from espalier.constrained.postvalidate import schema_validator, time_limit
 
     try:
         validator = schema_validator({"$defs": defs, "allOf": [other]})
-        return not any(validator.is_valid(m) for m in members)
-    except Exception:  # a pattern Python cannot compile, an unresolvable ref: no verdict
+        with time_limit(MEMBER_CHECK_S):
+            return not any(validator.is_valid(m) for m in members)
+    except Exception:  # a pattern Python cannot compile, an unresolvable ref, a timeout: none
         return False
+
+
+MEMBER_CHECK_S = 0.5
+"""Time for the member checks of one pair of branches (a backtracking pattern: no verdict)."""
 
 
 def _required(schema: Any) -> set[str]:
@@ -181,12 +185,14 @@ def _applying(schema: Any, name: str, defs: Defs) -> list[Any]:
     patterns = schema.get("patternProperties", {})
     if not isinstance(patterns, dict):
         return out
+    from espalier.constrained.postvalidate import pattern_search
+
     for pattern, sub in patterns.items():
-        try:
-            if re.search(pattern, name):
-                out.append(sub)
-        except re.error:
+        found = pattern_search(pattern, name)
+        if found is None:
             return out  # unknown whether additionalProperties applies
+        if found:
+            out.append(sub)
     if not out and "additionalProperties" in schema:
         out.append(schema["additionalProperties"])
     return [deref(sub, defs) for sub in out]

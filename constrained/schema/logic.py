@@ -10,7 +10,6 @@ matches exactly the instances its docstring says. ``defs`` is the root ``$defs``
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from espalier.constrained.schema.features import VOCABULARY
@@ -194,11 +193,13 @@ def _open_complement(
     if keys is None or not isinstance(patterns, dict) or not isinstance(listed, dict):
         return None
     parts = []
+    from espalier.constrained.postvalidate import pattern_search
+
     for name in sorted(keys):
-        try:
-            matched = [sub for p, sub in patterns.items() if re.search(p, name)]
-        except re.error:
+        found = {p: pattern_search(p, name) for p in patterns}
+        if None in found.values():  # a pattern that does not compile or backtracks too long
             return None
+        matched = [sub for p, sub in patterns.items() if found[p]]
         if key == "additionalProperties":
             subs = [] if name in listed or matched else [schema["additionalProperties"]]
         else:

@@ -187,16 +187,22 @@ def _first_item(branch: Any, defs: Defs) -> Any:
 def _count_valid(value: Any, branches: list[Any], context: Any, defs: Defs) -> int | None:
     """How many branches ``value`` matches next to ``context`` (``jsonschema``, refs against
     the root ``$defs``); None when a branch cannot be checked."""
-    from espalier.constrained.postvalidate import schema_validator
+    from espalier.constrained.postvalidate import schema_validator, time_limit
 
     try:
-        if not schema_validator({"$defs": defs, "allOf": [context]}).is_valid(value):
-            return 0
-        return sum(
-            bool(schema_validator({"$defs": defs, "allOf": [b]}).is_valid(value)) for b in branches
-        )
-    except Exception:  # a pattern Python cannot compile, an unresolvable ref: no verdict
+        with time_limit(VALUE_CHECK_S):
+            if not schema_validator({"$defs": defs, "allOf": [context]}).is_valid(value):
+                return 0
+            return sum(
+                bool(schema_validator({"$defs": defs, "allOf": [b]}).is_valid(value))
+                for b in branches
+            )
+    except Exception:  # a pattern Python cannot compile, an unresolvable ref, a timeout: none
         return None
+
+
+VALUE_CHECK_S = 0.5
+"""Time for one value's checks against the branches (a backtracking pattern: no verdict)."""
 
 
 def exactly_one(branches: list[Any], defs: Defs, context: Any = True) -> Any:

@@ -18,7 +18,6 @@ leaves the node alone.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 NAME_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default"})
@@ -45,11 +44,12 @@ def rewrite_property_names(node: dict[str, Any]) -> dict[str, Any]:
         properties.update({n: False for n in listed if n not in allowed})
         return {**rest, "properties": properties, "additionalProperties": False}
     assert regex is not None
-    try:
-        compiled = re.compile(regex)
-    except re.error:
+    from espalier.constrained.postvalidate import pattern_search
+
+    verdicts = {n: pattern_search(regex, n) for n in listed}
+    if None in verdicts.values():  # a pattern that does not compile, or backtracks past its time
         return node
-    passing = {n for n in listed if compiled.search(n)}
+    passing = {n for n, found in verdicts.items() if found}
     if other is not True and other is not False and passing:
         return node  # patternProperties would apply ``other`` to a listed name too
     properties = {n: s if n in passing else False for n, s in listed.items()}

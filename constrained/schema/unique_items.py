@@ -1,10 +1,11 @@
 """``uniqueItems: true`` over a finite item domain as an ``enum`` of every array it allows.
 
 When each position's subschema admits finitely many values (``const`` / ``enum``, ``type``
-boolean or null, an integer range of at most :data:`MAX_INTEGERS` values, ``false``) and the length is bounded (``maxItems``, ``items: false`` after
-``prefixItems``, or the domain's size: a unique array cannot be longer), the arrays with distinct
-items are few enough to list. ``uniqueItems`` then becomes one more ``allOf`` branch: non-arrays,
-or one of those arrays (the other keywords stay and still apply). Equality is JSON Schema's
+boolean or null, an integer range of at most :data:`MAX_INTEGERS` values, ``false``) and the
+length is bounded (``maxItems``, ``items: false`` after ``prefixItems``, or the domain's size: a
+unique array cannot be longer), the arrays with distinct items are few enough to list.
+``uniqueItems`` then becomes one more ``allOf`` branch: non-arrays, or one of those arrays (the
+other keywords stay and still apply). Equality is JSON Schema's
 (``1`` equals ``1.0``, ``true`` does not equal ``1``). More than :data:`MAX_ARRAYS`: left alone.
 """
 
