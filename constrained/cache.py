@@ -18,8 +18,9 @@ Time limit and cancellation:
   its call returns. Abandoned work never blocks new compiles; each backend bounds its own
   in-process compiles, which bounds the abandoned threads.
 - A timed-out grammar goes into the negative cache (it would time out again) when it ran for at
-  least half its limit (a compile that mostly waited is not blamed), unless its abandoned compile
-  later finishes: then the result replaces the negative entry.
+  least half its limit (a compile that mostly waited is not blamed), for
+  :data:`TIMEOUT_MEMORY_S` (a compile slowed by a loaded machine gets another try later), unless
+  its abandoned compile later finishes: then the result replaces the negative entry.
 Failures with a :class:`GrammarError` are cached negatively: the same request fails again at
 once with the same exception. Other exceptions (bugs) are not cached.
 """
@@ -45,6 +46,8 @@ CompileResult = tuple[CompiledGrammar, CompileReport]
 CompileFn = Callable[[], CompileResult]
 
 _RUNNING = threading.local()
+TIMEOUT_MEMORY_S = 120.0
+"""How long a compile timeout is remembered (the same grammar fails at once meanwhile)."""
 
 
 @dataclass
@@ -162,15 +165,18 @@ class CompileCache:
         max_bytes: int = 1 << 30,
         workers: int = 32,
         timeout_s: float = 10.0,
+        timeout_memory_s: float = TIMEOUT_MEMORY_S,
     ) -> None:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.timeout_memory_s = timeout_memory_s
         self.max_negative = 10_000  # failures remembered (an LRU)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._entries: OrderedDict[CacheKey, CompileResult] = OrderedDict()
         self._sizes: dict[CacheKey, int] = {}
-        self._negative: OrderedDict[CacheKey, BaseException] = OrderedDict()
+        # the failure and until when it is remembered (monotonic; inf: a GrammarError's, for good)
+        self._negative: OrderedDict[CacheKey, tuple[BaseException, float]] = OrderedDict()
         self._jobs: dict[CacheKey, _Job] = {}
         self._pool = _Pool(self, workers)
 
@@ -189,9 +195,12 @@ class CompileCache:
                 caller.set_result((hit[0], _as_hit(hit[1])))
                 return caller
             failed = self._negative.get(key)
+            if failed is not None and failed[1] <= time.monotonic():
+                del self._negative[key]  # a timeout remembered long enough: try again
+                failed = None
             if failed is not None:
                 self.stats.negative_hits += 1
-                caller.set_exception(failed)
+                caller.set_exception(failed[0])
                 return caller
             job = self._jobs.get(key)
             if job is not None:
@@ -307,10 +316,13 @@ class CompileCache:
             now = time.monotonic()
             ran = now - job.started_at - job.clock.waited(now)
             if ran >= job.timeout_s / 2:
-                self._remember_failure(job.key, error)
+                self._remember_failure(job.key, error, now + self.timeout_memory_s)
 
-    def _remember_failure(self, key: CacheKey, error: BaseException) -> None:
-        self._negative[key] = error
+    def _remember_failure(
+        self, key: CacheKey, error: BaseException, until: float = float("inf")
+    ) -> None:
+        self._negative[key] = (error, until)
+        self._negative.move_to_end(key)
         while len(self._negative) > self.max_negative:
             self._negative.popitem(last=False)
 

@@ -138,6 +138,31 @@ def test_timeout_raises_and_the_pool_keeps_working() -> None:
         cache.close()
 
 
+def test_a_timeout_is_remembered_for_a_while_only() -> None:
+    """A compile slowed by a loaded machine timed out once and then failed every later request
+    for good (a held-out sweep: a schema that compiles in 1.5 s); it gets another try once
+    ``timeout_memory_s`` has passed."""
+    cache = CompileCache(workers=1, timeout_s=0.05, timeout_memory_s=0.5)
+    release = threading.Event()
+
+    def stuck() -> Any:
+        release.wait(30)
+        return SizedGrammar("slow", 10), CompileReport(backend="test")
+
+    try:
+        with pytest.raises(CompileTimeoutError):
+            cache.get(key("slow"), stuck)
+        with pytest.raises(CompileTimeoutError):  # remembered: no new compile
+            cache.get(key("slow"), compiler("now fast"))
+        assert cache.stats.negative_hits == 1
+        threading.Event().wait(0.6)
+        grammar, report = cache.get(key("slow"), compiler("now fast"))
+        assert grammar.name == "now fast" and not report.cache_hit
+    finally:
+        release.set()
+        cache.close()
+
+
 def test_abandoned_compile_that_finishes_replaces_the_negative_entry() -> None:
     cache = CompileCache(workers=1, timeout_s=0.05)
     release, finished = threading.Event(), threading.Event()
