@@ -253,6 +253,8 @@ def compile_grammar(
     if exact:
         return _compile_first(target, tokenizer, tuple(exact), options, (), prepared.notes)
     if not allow_weakening:
+        if spec.kind is GrammarKind.JSON_SCHEMA:  # "no value matches" says more than a keyword
+            _refuse_if_empty(target, tokenizer, options)
         raise SchemaNotEnforceableError(_blocking_issues(prepared, order), backend)
     ranked = tuple(sorted(order, key=lambda b: len(prepared.issues[b])))
     return _compile_first(target, tokenizer, ranked, options, None, prepared.notes, prepared)

@@ -307,6 +307,11 @@ def breaks_json(node: dict[str, Any]) -> frozenset[str]:
 
 
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if isinstance(node.get("allOf"), list) and _beside_all_of(node):
+        # the node is compiled as its allOf alone: {"type": "integer", "minimum": 0, "allOf":
+        # [{"maximum": 5}]} wrote strings (probes "required-beside-allOf", "minimum-beside-allOf",
+        # "allOf-beside-siblings")
+        return Support.WEAKENED if keyword == "allOf" else Support.IGNORED
     kind = TYPE_OF.get(keyword)
     types = _types(node)
     if kind is not None and not types:
@@ -339,6 +344,11 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword in ("anyOf", "type") and _type_dropped_beside_branches(node, types):
         return Support.WEAKENED  # the type next to it is dropped (probe "anyOf-next-to-type")
     return Support.EXACT
+
+
+def _beside_all_of(node: dict[str, Any]) -> bool:
+    """Whether ``node`` asserts something beside its ``allOf``."""
+    return any(k != "allOf" and k in VOCABULARY and k not in NOT_ASSERTING for k in node)
 
 
 def _type_dropped_beside_branches(node: dict[str, Any], types: set[str]) -> bool:
@@ -611,6 +621,9 @@ def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
         return Support.WEAKENED  # read over the JSON text: "\\n" is two characters (probe)
     if keyword == "allOf" and len(node["allOf"]) != 1:
         return Support.WEAKENED
+    if keyword == "allOf" and _beside_all_of(node):
+        return Support.IGNORED  # the keywords beside it are compiled alone (probe
+        # "allOf-beside-siblings": {"a": 1} passed a required "b" of the allOf)
     if keyword == "required" and required_outside_properties(node):
         return Support.WEAKENED  # probe "required-not-in-properties"
     if keyword in ("anyOf", "type") and _type_dropped_beside_branches(node, types):

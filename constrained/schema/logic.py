@@ -271,7 +271,102 @@ def without(node: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def append_all_of(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Both apply: a merge when no key clashes, else one more ``allOf`` branch."""
-    if not set(extra) & set(node):
-        return {**node, **extra}
+    """Both apply: one schema object when :func:`merged` can write it, else one more
+    ``allOf`` branch."""
+    joined = merged(node, extra)
+    if joined is not None:
+        return joined
     return {**node, "allOf": [*node.get("allOf", []), extra]}
+
+
+def fold_all_of(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with each ``allOf`` branch :func:`merged` into it where it can be (the
+    branches left stay in ``allOf``). Why: xgrammar compiles a node with an ``allOf`` as the
+    ``allOf`` alone and outlines-core compiles the keywords beside it alone, so a rewrite's
+    ``{..., "allOf": [{...}]}`` is enforced only once folded."""
+    branches = node.get("allOf")
+    if not isinstance(branches, list):
+        return node
+    out, left = without(node, "allOf"), []
+    for branch in branches:
+        joined = merged(out, branch) if isinstance(branch, dict) else None
+        if joined is None:
+            left.append(branch)
+        else:
+            out = joined
+    if "allOf" in out:  # a branch's own allOf, now the node's
+        left = [*out.pop("allOf"), *left]
+        if left and left != branches:
+            return fold_all_of({**out, "allOf": left})
+    return {**out, "allOf": left} if left else out
+
+
+# keywords read together: in one schema object, one keyword changes what another applies to
+_TOGETHER = (
+    frozenset({"properties", "patternProperties", "additionalProperties"}),
+    frozenset({"prefixItems", "items", "additionalItems"}),
+    frozenset({"contains", "minContains", "maxContains"}),
+    frozenset({"if", "then", "else"}),
+)
+# keywords never merged: scopes and references (a backend may drop a $ref's siblings), and
+# unevaluated* (they read the annotations of the whole object, allOf branches included)
+_SCOPED = frozenset(
+    {
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+        "$id",
+        "$anchor",
+        "$dynamicAnchor",
+        "$recursiveAnchor",
+        "$defs",
+        "definitions",
+        "$schema",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+
+
+def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None:
+    """One schema object that means ``node`` and ``extra`` both apply, when written simply:
+    keys apart, or shared as ``required`` (the union), an equal ``type`` or ``properties`` of
+    both (each shared name's schemas joined the same way), and no keyword of one that changes
+    what the other's keywords apply to (``additionalProperties`` beside another's
+    ``properties``); None otherwise."""
+    if _SCOPED & (set(node) | set(extra)):
+        return None
+    for group in _TOGETHER:
+        mine, theirs = group & set(node), group & set(extra)
+        if mine and theirs and not (mine == theirs == {"properties"}):
+            return None
+    out = dict(node)
+    for key, value in extra.items():
+        if key not in out or key in ANNOTATION_KEYS:
+            out.setdefault(key, value)
+        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = list(dict.fromkeys([*out[key], *value]))
+        elif key == "type" and value == out[key]:
+            continue
+        elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
+            joined = dict(out[key])
+            for name, sub in value.items():
+                joined[name] = _both(joined[name], sub) if name in joined else sub
+            out[key] = joined
+        else:
+            return None
+    return out
+
+
+def _both(first: Any, second: Any) -> Any:
+    """A schema for values both schemas accept."""
+    if first is True or second is False:
+        return second
+    if second is True or first is False:
+        return first
+    if isinstance(first, dict) and isinstance(second, dict):
+        return append_all_of(first, second)
+    return {"allOf": [first, second]}
+
+
+ANNOTATION_KEYS = frozenset({"title", "description", "$comment", "default", "examples"})

@@ -69,6 +69,7 @@ from espalier.constrained.schema.logic import (
     Defs,
     append_all_of,
     complement,
+    fold_all_of,
     key_set,
     types_of,
     without,
@@ -121,6 +122,7 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
         out.pop("$schema", None)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
     out = filter_enums(out, annotations_matter=ctx.annotations_matter)
+    out = _map_tree(out, fold_all_of)  # last: the allOf branches the rewrites wrote
     return prune_unused_defs(inline_boolean_refs(out))
 
 

@@ -104,6 +104,41 @@ PROBES: tuple[Probe, ...] = (
         ["a", "abc"],
         [5, None],
     ),
+    # xgrammar compiles a node with an allOf as that allOf alone: every keyword beside it is
+    # dropped (a held-out sweep: a `not` rewritten into an allOf wrote {"a": "..."} for an
+    # integer property)
+    _p(
+        "required-beside-allOf",
+        "required",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "allOf": [{"properties": {"b": {"type": "string"}}}],
+        },
+        [{"a": 1}],
+        [{}, {"b": "x"}, {"a": "x"}],
+    ),
+    # and outlines-core compiles the keywords beside an allOf alone
+    _p(
+        "allOf-beside-siblings",
+        "allOf",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "allOf": [{"required": ["b"], "properties": {"b": {"type": "string"}}}],
+        },
+        [{"a": 1, "b": "x"}],
+        [{"a": 1}, {"b": "x"}],
+    ),
+    _p(
+        "minimum-beside-allOf",
+        "minimum",
+        {"type": "integer", "minimum": 0, "allOf": [{"maximum": 5}]},
+        [0, 5],
+        [-1, 6, "a"],
+    ),
     # llguidance refuses patternProperties whose patterns may match one name ("not disjoint")
     _p(
         "patternProperties-overlapping",
