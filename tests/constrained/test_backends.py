@@ -5,6 +5,7 @@ The mask oracle replays every token id through ``fork().accept`` (brute force) a
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -425,3 +426,19 @@ def test_a_choice_option_holding_del_compiles_on_llguidance(toy_tokenizer: Any) 
     compiled, _ = compile_grammar(GrammarSpec.choice(["a\x7fb", "zz"]), toy_tokenizer, "llguidance")
     assert compiled.matcher().completes(toy_tokenizer.encode("a\x7fb"))
     assert not compiled.matcher().completes(toy_tokenizer.encode("a"))
+
+
+@pytest.mark.parametrize("name", ['a"b', "a\\b", "a\nb", "a\u0001b", "é/ü"])
+def test_outlines_core_writes_property_names_as_json_spells_them(
+    name: str, toy_tokenizer: Any
+) -> None:
+    """outlines-core put a name into its regex with regex escapes only: ``a"b`` came out as
+    ``{"a"b": 1}`` (not JSON), ``a\\b`` as ``{"a\\b": 1}`` (another name)."""
+    from espalier.constrained.conformance import grammar_accepts
+
+    schema = {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
+    compiled = get_backend("outlines_core", toy_tokenizer).compile(GrammarSpec.json_schema(schema))
+    spelled = json.dumps({name: 1}, ensure_ascii=False, separators=(",", ":"))
+    raw = '{"' + name + '":1}'
+    assert grammar_accepts(compiled, toy_tokenizer, spelled)
+    assert raw == spelled or not grammar_accepts(compiled, toy_tokenizer, raw)

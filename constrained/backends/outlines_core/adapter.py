@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from espalier.constrained.backends.outlines_core.tree_walk import walk_outlines
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.regex_dialect import rust_misreading, without_end_anchors
 from espalier.constrained.schema.number_bounds import bound_number_regex
+from espalier.constrained.schema.walk import map_subschemas
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
@@ -119,14 +121,13 @@ class Backend:
             return plain
         if kind is GrammarKind.CHOICE:
             return "|".join(f"({escape_literal(option)})" for option in spec.choices)
+        source = json_escaped_names(spec.source)
         if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
-            regex = self.builder.schema_regex(
-                spec.source, self.options.whitespace_regex, kind.value
-            )
+            regex = self.builder.schema_regex(source, self.options.whitespace_regex, kind.value)
         else:
             try:
                 regex = outlines_core.json_schema.build_regex_from_schema(
-                    spec.source, self.options.whitespace_regex
+                    source, self.options.whitespace_regex
                 )
             except (ValueError, TypeError, RuntimeError) as exc:
                 raise InvalidGrammarError(kind.value, str(exc)) from exc
@@ -276,6 +277,35 @@ class Matcher(MatcherBase):
         """DFA states by lookup, rows from the grammar's row cache (``tree_walk.py``), inline:
         no single fill is slow. One thread whatever ``threads`` says."""
         return walk_outlines, None
+
+
+def json_escaped_names(source: str) -> str:
+    """The schema text with each ``properties`` / ``required`` name written as JSON spells it
+    inside a string (``a"b`` as ``a\\"b``). Why: outlines-core puts a name into its regex with
+    regex escapes only, so a quote, backslash or control character came out raw (a held-out
+    sweep: ``{"a"b": 83}`` under ``{"properties": {"a\\"b": ...}}``, valid=false)."""
+    schema = json.loads(source)
+    if not isinstance(schema, dict):
+        return source
+    escaped = _escape_names(schema, "")
+    return source if escaped == schema else json.dumps(escaped, ensure_ascii=False)
+
+
+def _escape_names(node: Any, pointer: str) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = map_subschemas(node, pointer, _escape_names)
+    names = out.get("properties")
+    if isinstance(names, dict):
+        out["properties"] = {_json_spelling(name): sub for name, sub in names.items()}
+    required = out.get("required")
+    if isinstance(required, list):
+        out["required"] = [_json_spelling(n) if isinstance(n, str) else n for n in required]
+    return out
+
+
+def _json_spelling(name: str) -> str:
+    return json.dumps(name, ensure_ascii=False)[1:-1]
 
 
 def escape_literal(text: str) -> str:
