@@ -12,7 +12,11 @@
    ``http(s):``, anything) ever opens a file or a socket, and one that does not resolve locally is
    refused with the JSON pointer of the keyword;
 4. no ``pattern`` asks for more copies of one atom than ``regex_dialect.MAX_REPEAT`` (before
-   anything compiles it: Python's ``regex`` module writes ``a{100000000}`` out in full).
+   anything compiles it: Python's ``regex`` module writes ``a{100000000}`` out in full);
+5. no schema object names more than :data:`MAX_NAMES_PER_OBJECT` properties (``properties``
+   and ``required`` together), and the schema no more than :data:`MAX_NAMES` in all: each
+   name is a lexeme of the grammar, and the closing search's matcher forks copy the lexer
+   (20,000 required names took the engine past 8 GB and it aborted; 2,000 cost 0.4 GB).
 
 Every refusal is an :class:`InvalidGrammarError` of kind ``json_schema`` with a pointer.
 """
@@ -35,6 +39,11 @@ from espalier.constrained.schema.walk import escape_pointer_token, walk
 
 LOCAL_REGISTRY: referencing.Registry[Any] = METASCHEMAS
 """The bundled meta-schemas and nothing else; its ``retrieve`` refuses every unknown URI."""
+
+MAX_NAMES_PER_OBJECT = 2_000
+"""Property names one schema object may list (JSONSchemaBench's largest lists 1,174)."""
+MAX_NAMES = 10_000
+"""Property names a schema may list in all (JSONSchemaBench's largest: 4,628)."""
 
 DEFAULT_MAX_SCHEMA_DEPTH = 128
 """Brackets (objects + arrays) nested in a schema's JSON text. A real schema nested 60
@@ -95,6 +104,33 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
     _check_against_metaschema(schema)
     _check_refs_are_local(schema)
     _check_pattern_sizes(schema)
+    _check_name_counts(schema)
+
+
+def _check_name_counts(schema: dict[str, Any]) -> None:
+    """Refuse more property names than :data:`MAX_NAMES_PER_OBJECT` in one object or
+    :data:`MAX_NAMES` in the schema (module docstring, point 5)."""
+    total = 0
+    for node in walk(schema):
+        if not isinstance(node.schema, dict):
+            continue
+        listed = node.schema.get("properties")
+        required = node.schema.get("required")
+        names = set(listed) if isinstance(listed, dict) else set()
+        if isinstance(required, list):
+            names.update(n for n in required if isinstance(n, str))
+        if len(names) > MAX_NAMES_PER_OBJECT:
+            raise InvalidGrammarError(
+                KIND,
+                f"{len(names)} property names (properties and required) in one object: at "
+                f"most {MAX_NAMES_PER_OBJECT}",
+                pointer=node.pointer,
+            )
+        total += len(names)
+    if total > MAX_NAMES:
+        raise InvalidGrammarError(
+            KIND, f"{total} property names in the schema: at most {MAX_NAMES}", pointer=""
+        )
 
 
 def _check_pattern_sizes(schema: dict[str, Any]) -> None:

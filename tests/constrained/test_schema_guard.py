@@ -22,7 +22,12 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.errors import GrammarError, InvalidGrammarError
 from espalier.constrained.grammar_limits import check_alternatives, count_alternatives
 from espalier.constrained.postvalidate import postvalidate
-from espalier.constrained.schema.guard import admit_schema, json_depth
+from espalier.constrained.schema.guard import (
+    MAX_NAMES,
+    MAX_NAMES_PER_OBJECT,
+    admit_schema,
+    json_depth,
+)
 from espalier.constrained.spec import GrammarSpec
 
 _SEEN: list[tuple[str, str]] = []
@@ -178,3 +183,24 @@ def test_a_deeply_nested_output_gets_no_verdict_instead_of_a_crash() -> None:
     for spec in (GrammarSpec.any_json(), GrammarSpec.json_schema({"type": "array"})):
         result = postvalidate(spec, deep)
         assert not result.checked and "nested too deeply" in result.errors[0]
+
+
+def test_property_names_are_bounded_per_object_and_in_all() -> None:
+    """20,000 required names (a held-out sweep) took the engine process past 8 GB in the
+    closing search's matcher forks, and it aborted with every open request; such a schema is
+    refused at admission now, naming the object."""
+    names = [f"r{i}" for i in range(MAX_NAMES_PER_OBJECT + 1)]
+    with pytest.raises(InvalidGrammarError, match="property names") as info:
+        admit_schema(json.dumps({"properties": {"a": {"type": "object", "required": names}}}))
+    assert info.value.pointer == "/properties/a"
+    spread = {
+        "properties": {
+            f"o{j}": {"properties": {f"p{j}_{i}": {} for i in range(MAX_NAMES_PER_OBJECT)}}
+            for j in range(MAX_NAMES // MAX_NAMES_PER_OBJECT + 1)
+        }
+    }
+    with pytest.raises(InvalidGrammarError, match="in the schema"):
+        admit_schema(json.dumps(spread))
+    # listed and required together count once per name
+    both = {"properties": {n: {} for n in names[:-1]}, "required": names[:-1]}
+    admit_schema(json.dumps(both))
