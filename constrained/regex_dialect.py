@@ -122,6 +122,19 @@ def in_lark_terminals(source: str, misreading: Callable[[str], str | None]) -> s
     return None
 
 
+def lark_token_reference(source: str) -> str | None:
+    """The first token reference of a Lark grammar (llguidance's ``<[43]>``, ``<[0-100]>``,
+    ``<|name|>``: tokens by id or special name, not text) outside strings, ``/regex/``
+    terminals and comments, with its line; None: none."""
+    for lexeme in _LARK_PIECE.finditer(source):
+        start = lexeme.start()
+        if lexeme.group(0) == "<" and source[start + 1 : start + 2] in ("[", "|"):
+            end = source.find(">", start)
+            text = source[start : end + 1 if end >= 0 else start + 2]
+            return f"{text} on line {source.count(chr(10), 0, start) + 1}"
+    return None
+
+
 _LARK_DEFINITION = re.compile(r"\s*[?!]?(\w+)(?:\.-?\d+)?\s*(?:\{[^}]*\})?\s*:(?!:)")
 
 

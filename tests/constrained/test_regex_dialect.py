@@ -16,6 +16,7 @@ from espalier.constrained.postvalidate import postvalidate
 from espalier.constrained.regex_dialect import (
     MAX_REPEAT,
     dot_without_newline,
+    lark_token_reference,
     names_surrogate,
     repeat_size,
     rust_misreading,
@@ -320,3 +321,16 @@ def test_escaped_and_class_dollars_are_not_anchors() -> None:
     assert without_end_anchors("a\\$") == "a\\$"
     assert without_end_anchors("[$^]x$") == "[$^]x"
     assert without_end_anchors("\\\\$") == "\\\\"
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+@pytest.mark.parametrize("grammar", ["start: <[0-100]>\n", 'start: "a" <|eot|>\n'])
+def test_a_lark_token_reference_is_refused(
+    grammar: str, backend: str, gemma_tokenizer: Any
+) -> None:
+    """``start: <[0-100]>`` ended INTERNAL on llguidance (its mask allowed ids its matcher then
+    refused: "the grammar rejected sampled token 43"), and xgrammar read it as something else
+    (its mask allowed ``<eos>`` and ``[multimodal]``): refused by name on both."""
+    with pytest.raises(UnsupportedGrammarError, match="token reference"):
+        compile_grammar(GrammarSpec.lark(grammar), gemma_tokenizer, backend)
+    assert lark_token_reference('start: "<[1]>" /<[a]>/ // <|x|>\n') is None

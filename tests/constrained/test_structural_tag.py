@@ -285,3 +285,19 @@ def test_an_empty_regex_element_matches_the_empty_text(toy_tokenizer: Any) -> No
     compiled, _ = compile_grammar(spec, toy_tokenizer)
     assert grammar_accepts(compiled, toy_tokenizer, "a")
     assert not grammar_accepts(compiled, toy_tokenizer, "ab")
+
+
+def test_xgrammars_failed_check_reads_as_its_message(toy_tokenizer: Any) -> None:
+    """An empty trigger got ``Check failed: (std::holds_alternative<Grammar>(result)) is
+    false: Invalid structural tag error: ...`` as its message and field detail."""
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [""],
+            "tags": [{"begin": "", "content": {"type": "any_text"}, "end": ""}],
+        },
+    }
+    with pytest.raises(InvalidGrammarError) as info:
+        compile_grammar(structural_tag_spec(tag), toy_tokenizer, "xgrammar")
+    assert "Check failed" not in str(info.value) and "non-empty" in str(info.value)

@@ -67,7 +67,11 @@ from espalier.constrained.errors import (
     InvalidGrammarError,
     UnsupportedGrammarError,
 )
-from espalier.constrained.regex_dialect import in_lark_terminals, rust_misreading
+from espalier.constrained.regex_dialect import (
+    in_lark_terminals,
+    lark_token_reference,
+    rust_misreading,
+)
 from espalier.constrained.schema.refs import inline_boolean_refs
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
@@ -206,6 +210,11 @@ class Backend:
             if misread is not None:
                 raise UnsupportedGrammarError(NAME, kind.value, f"llguidance reads {misread}")
             _refuse_hanging_terminal(spec.source, kind)
+            reference = lark_token_reference(spec.source)
+            if reference is not None:  # its masks allowed them, its matcher refused them
+                raise UnsupportedGrammarError(
+                    NAME, kind.value, f"a token reference ({reference}): tokens, not text"
+                )
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
         if kind is GrammarKind.EBNF:
             try:

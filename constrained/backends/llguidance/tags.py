@@ -26,7 +26,11 @@ from typing import Any
 
 from espalier.constrained.backends.llguidance import gbnf_lexing
 from espalier.constrained.errors import UnsupportedGrammarError
-from espalier.constrained.regex_dialect import in_lark_terminals, rust_misreading
+from espalier.constrained.regex_dialect import (
+    in_lark_terminals,
+    lark_token_reference,
+    rust_misreading,
+)
 from espalier.constrained.schema.number_bounds import NumberBounds, bound_schema_numbers
 from espalier.constrained.spec import BackendName, GrammarSpec
 from espalier.constrained.structural_tag import Format, json_whitespace, root_format
@@ -114,6 +118,9 @@ class _Builder:
             misread = in_lark_terminals(text, rust_misreading)
             if misread is not None:
                 raise _unsupported(f"a Lark element: llguidance reads {misread}")
+            reference = lark_token_reference(text)
+            if reference is not None:
+                raise _unsupported(f"a Lark element's token reference ({reference})")
         name = f"g{len(self.side)}"
         self.side.append({"name": name, "lark_grammar": text})
         return "@" + name

@@ -49,6 +49,7 @@ from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarE
 from espalier.constrained.regex_dialect import (
     dot_without_newline,
     in_lark_terminals,
+    lark_token_reference,
     names_surrogate,
     xgrammar_misreading,
 )
@@ -67,6 +68,8 @@ NAME = BackendName.XGRAMMAR
 CHILD_MODULE = "espalier.constrained.xgrammar_child"
 _LOCATION = re.compile(r"line (\d+), column (\d+)")
 _LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+?:\d+: ")
+# a failed C++ check's own words before xgrammar's message ("Check failed: (cond) is false: ")
+_CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")
 
 
 class Backend:
@@ -454,7 +457,11 @@ def regex_misreading(pattern: str) -> str | None:
 
 
 def lark_misreading(source: str) -> str | None:
-    """What xgrammar reads otherwise in a Lark grammar's regex terminals, or None."""
+    """What xgrammar reads otherwise in a Lark grammar (its regex terminals; a token reference
+    such as ``<[0-100]>``, whose mask allowed ``<eos>`` and ``[multimodal]``), or None."""
+    reference = lark_token_reference(source)
+    if reference is not None:
+        return f"a token reference ({reference}) as something else"
     return in_lark_terminals(source, regex_misreading)
 
 
@@ -488,6 +495,7 @@ def _searched(spec: GrammarSpec) -> GrammarSpec:
 def _invalid(kind: GrammarKind, exc: Exception) -> InvalidGrammarError:
     message = str(exc).strip()
     message = _LOG_PREFIX.sub("", message.splitlines()[0] if message else type(exc).__name__)
+    message = _CHECK_FAILED.sub("", message)
     line = column = None
     match = _LOCATION.search(message)
     if match is not None and kind in (GrammarKind.EBNF, GrammarKind.LARK):
