@@ -301,6 +301,72 @@ def fold_all_of(node: dict[str, Any]) -> dict[str, Any]:
     return {**out, "allOf": left} if left else out
 
 
+def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its ``type`` also written into each ``anyOf`` branch (a branch of no
+    type in common dropped): ``{"type": "integer", "anyOf": [{"type": "string"}, {"maximum":
+    3}]}`` -> ``{"type": "integer", "anyOf": [{"type": "integer", "maximum": 3}]}``. The same
+    values; why: xgrammar drops a type beside an anyOf whose branches are not within it (the
+    complements of ``not`` and ``oneOf`` list every other type). Unchanged where a branch is
+    not a plain schema object or none would be left."""
+    kinds = _type_list(node.get("type"))
+    branches = node.get("anyOf")
+    if kinds is None or not isinstance(branches, list) or not branches:
+        return node
+    out = []
+    for branch in branches:
+        if branch is False:
+            continue
+        branch = {} if branch is True else branch
+        if not isinstance(branch, dict) or _SCOPED & set(branch) or "anyOf" in branch:
+            return node
+        if "enum" in branch or "const" in branch:  # its values, not a type beside them
+            values = [branch["const"]] if "const" in branch else branch["enum"]
+            if not isinstance(values, list):
+                return node
+            kept = [v for v in values if _of_types(v, kinds)]
+            if kept == values:
+                out.append(branch)
+            elif kept:
+                rest = {k: v for k, v in branch.items() if k not in ("const", "enum")}
+                out.append({**rest, "enum": kept})
+            continue
+        theirs = _type_list(branch.get("type", list(ALL_TYPES)))
+        if theirs is None:
+            return node
+        common = _common_types(kinds, theirs)
+        if common:
+            out.append({**branch, "type": common[0] if len(common) == 1 else common})
+    if not out or out == branches:
+        return node
+    return {**node, "anyOf": out}
+
+
+def _of_types(value: Any, kinds: list[str]) -> bool:
+    """Whether JSON ``value`` is of one of the type names ``kinds``."""
+    kind = json_type(value)
+    if kind == "number" and "number" not in kinds and "integer" in kinds:
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return kind in kinds
+
+
+def _type_list(value: Any) -> list[str] | None:
+    names = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        return None
+    return names
+
+
+def _common_types(mine: list[str], theirs: list[str]) -> list[str]:
+    """The types both lists admit ("integer" within "number"), in ``mine``'s order."""
+    out = []
+    for kind in mine:
+        if kind in theirs or (kind == "integer" and "number" in theirs):
+            out.append(kind)
+        elif kind == "number" and "integer" in theirs:
+            out.append("integer")
+    return list(dict.fromkeys(out))
+
+
 # keywords read together: in one schema object, one keyword changes what another applies to
 _TOGETHER = (
     frozenset({"properties", "patternProperties", "additionalProperties"}),
@@ -338,7 +404,7 @@ def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None
         return None
     for group in _TOGETHER:
         mine, theirs = group & set(node), group & set(extra)
-        if mine and theirs and not (mine == theirs == {"properties"}):
+        if mine and theirs and not _names_kept(node, extra, mine, theirs):
             return None
     out = dict(node)
     for key, value in extra.items():
@@ -346,8 +412,14 @@ def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None
             out.setdefault(key, value)
         elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
             out[key] = list(dict.fromkeys([*out[key], *value]))
-        elif key == "type" and value == out[key]:
-            continue
+        elif key == "type":
+            mine_types, their_types = _type_list(out[key]), _type_list(value)
+            if mine_types is None or their_types is None:
+                return None
+            common = _common_types(mine_types, their_types)
+            if not common:
+                return None  # no value: left as it is, for the emptiness checks to name
+            out[key] = common[0] if len(common) == 1 else common
         elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
             joined = dict(out[key])
             for name, sub in value.items():
@@ -356,6 +428,25 @@ def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None
         else:
             return None
     return out
+
+
+def _names_kept(
+    node: dict[str, Any], extra: dict[str, Any], mine: set[str], theirs: set[str]
+) -> bool:
+    """Whether joining ``properties`` keeps what the other keywords of the group apply to:
+    ``properties`` on both sides, and the side with only ``properties`` lists no name the
+    other side does not (so an ``additionalProperties`` beside them covers the same names)."""
+    if "properties" not in mine or "properties" not in theirs:
+        return False
+    if mine == theirs == {"properties"}:
+        return True
+    if theirs == {"properties"}:
+        small, large = extra["properties"], node["properties"]
+    elif mine == {"properties"}:
+        small, large = node["properties"], extra["properties"]
+    else:
+        return False
+    return isinstance(small, dict) and isinstance(large, dict) and set(small) <= set(large)
 
 
 def _both(first: Any, second: Any) -> Any:

@@ -71,6 +71,7 @@ from espalier.constrained.schema.logic import (
     complement,
     fold_all_of,
     key_set,
+    typed_branches,
     types_of,
     without,
 )
@@ -122,7 +123,8 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
         out.pop("$schema", None)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
     out = filter_enums(out, annotations_matter=ctx.annotations_matter)
-    out = _map_tree(out, fold_all_of)  # last: the allOf branches the rewrites wrote
+    # last: the allOf branches the rewrites wrote, and the types beside their anyOfs
+    out = _map_tree(out, lambda node: typed_branches(fold_all_of(node)))
     return prune_unused_defs(inline_boolean_refs(out))
 
 

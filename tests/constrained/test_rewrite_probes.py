@@ -791,3 +791,53 @@ def test_universal_and_single_name_patterns_leave_the_pattern_properties(schema:
 def test_patterns_of_other_shapes_are_left_alone() -> None:
     schema = {"patternProperties": {"a": {"type": "integer"}, "^b$|c": {"minimum": 1}}}
     assert rewrite(schema) == schema
+
+
+BESIDE_ALL_OF = [
+    # a rewrite's allOf branch beside the keywords it came from (held-out sweep: xgrammar
+    # compiled the allOf alone and wrote {"a": "..."} for an integer property)
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+     "not": {"properties": {"a": {"const": 3}}}},
+    {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+     "additionalProperties": False, "not": {"properties": {"a": {"const": True}}}},
+    {"type": "object", "properties": {"a": {"type": ["string", "null"]}}, "required": ["a"],
+     "not": {"properties": {"a": {"type": "null"}}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", BESIDE_ALL_OF, ids=[json.dumps(s)[:60] for s in BESIDE_ALL_OF])
+def test_allof_branches_fold_into_their_node_and_xgrammar_enforces_them(
+    schema: Any, toy_tokenizer: Any
+) -> None:
+    rewritten = rewrite(schema)
+    assert not [n for n in walk(rewritten) if isinstance(n.schema, dict) and "allOf" in n.schema]
+    assert mismatches(schema, rewritten, 600) == []
+    compiled = get_backend("xgrammar", toy_tokenizer).compile(GrammarSpec.json_schema(rewritten))
+    pool = [1, 3, -2, True, False, None, "x", "", [1], {"b": 1}]
+    for value in [{"a": v} for v in pool] + [{}, {"a": 1, "b": 2}, 5, "a"]:
+        text = json.dumps(value)
+        expected = validate_instance(schema, value).valid
+        assert grammar_accepts(compiled, toy_tokenizer, text) == expected, text
+
+
+TYPED_BRANCHES = [
+    {"type": "integer", "anyOf": [{"enum": [1, "a", 2.5, 3.0]}, {"minimum": 10}]},
+    {"type": ["string", "null"], "anyOf": [{"type": "number"}, {"maxLength": 2}, {"const": None}]},
+    {"type": "number", "anyOf": [{"type": "integer", "maximum": 0}, {"type": "string"}, True]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", TYPED_BRANCHES, ids=[json.dumps(s)[:60] for s in TYPED_BRANCHES])
+def test_a_type_beside_an_anyof_is_written_into_its_branches(schema: Any) -> None:
+    from espalier.constrained.schema.logic import typed_branches
+
+    typed = typed_branches(schema)
+    assert typed != schema
+    for branch in typed["anyOf"]:  # every branch within the type: xgrammar keeps the type
+        assert {"type", "enum", "const"} & set(branch), branch
+    pool = [None, True, 1, 3.0, 2.5, -4, 12, "", "a", "abc", [1], {}]
+    wrong = [
+        v for v in pool if validate_instance(schema, v).valid != validate_instance(typed, v).valid
+    ]
+    assert wrong == []
+    assert mismatches(schema, typed, 300) == []
