@@ -431,7 +431,7 @@ def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None
 
 
 def _names_kept(
-    node: dict[str, Any], extra: dict[str, Any], mine: set[str], theirs: set[str]
+    node: dict[str, Any], extra: dict[str, Any], mine: frozenset[str], theirs: frozenset[str]
 ) -> bool:
     """Whether joining ``properties`` keeps what the other keywords of the group apply to:
     ``properties`` on both sides, and the side with only ``properties`` lists no name the
