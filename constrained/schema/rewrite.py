@@ -121,10 +121,11 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
         out = _map_tree(out, lambda node: rewrite_property_counts(node, ctx.defs))
     if isinstance(out, dict):
         out.pop("$schema", None)
-    # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
-    out = filter_enums(out, annotations_matter=ctx.annotations_matter)
-    # last: the allOf branches the rewrites wrote, and the types beside their anyOfs
+    # the allOf branches the rewrites wrote, and the types beside their anyOfs; then the enum
+    # members a fold put beside other keywords are filtered
     out = _map_tree(out, lambda node: typed_branches(fold_all_of(node)))
+    out = filter_enums(out, annotations_matter=ctx.annotations_matter)
+    # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
     return prune_unused_defs(inline_boolean_refs(out))
 
 
