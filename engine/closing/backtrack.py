@@ -217,9 +217,6 @@ class _Search:
                 if text + raw in seen:
                     continue
                 seen.add(text + raw)
-                self.steps -= 1  # each fork counts: a fork holds the parser's state
-                if self.steps < 0:
-                    return []
                 child = node.fork()
                 if not child.accept(token):
                     continue

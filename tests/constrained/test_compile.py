@@ -385,11 +385,11 @@ def test_overlapping_pattern_properties_of_every_or_one_name_compile_on_llguidan
     [
         ("xgrammar", {"type": "object", "propertyNames": {"maxLength": 1}}, "propertyNames",
          "'patternProperties'", []),
-        # the rewrite's anyOf of required names sits beside the type, which xgrammar drops
-        # there (it wrote strings): the type is named too
+        # the rewrite's anyOf of required names, folded into the node and typed (xgrammar
+        # compiled an allOf alone, dropping the type: it wrote strings)
         ("xgrammar", {"type": "object", "properties": {"A": {"type": "integer"}},
                       "additionalProperties": False, "minProperties": 1}, "minProperties",
-         "'anyOf'", [("type", "", "")]),
+         "'required' at /anyOf/0", []),
         ("outlines_core", {"type": "object", "propertyNames": {"enum": ["A"]}}, "propertyNames",
          "'false' at /additionalProperties", []),
     ],
