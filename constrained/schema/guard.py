@@ -103,57 +103,52 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
         return
     _check_against_metaschema(schema)
     _check_refs_are_local(schema)
-    _check_pattern_sizes(schema)
-    _check_name_counts(schema)
-
-
-def _check_name_counts(schema: dict[str, Any]) -> None:
-    """Refuse more property names than :data:`MAX_NAMES_PER_OBJECT` in one object or
-    :data:`MAX_NAMES` in the schema (module docstring, point 5)."""
-    total = 0
+    total = 0  # property names in all (point 5)
     for node in walk(schema):
-        if not isinstance(node.schema, dict):
-            continue
-        listed = node.schema.get("properties")
-        required = node.schema.get("required")
-        names = set(listed) if isinstance(listed, dict) else set()
-        if isinstance(required, list):
-            names.update(n for n in required if isinstance(n, str))
-        if len(names) > MAX_NAMES_PER_OBJECT:
-            raise InvalidGrammarError(
-                KIND,
-                f"{len(names)} property names (properties and required) in one object: at "
-                f"most {MAX_NAMES_PER_OBJECT}",
-                pointer=node.pointer,
-            )
-        total += len(names)
+        if isinstance(node.schema, dict):
+            _check_pattern_sizes(node.schema, node.pointer)
+            total += _name_count(node.schema, node.pointer)
     if total > MAX_NAMES:
         raise InvalidGrammarError(
             KIND, f"{total} property names in the schema: at most {MAX_NAMES}", pointer=""
         )
 
 
-def _check_pattern_sizes(schema: dict[str, Any]) -> None:
-    """Refuse a ``pattern`` or ``patternProperties`` name whose counted repetitions ask for too
-    many copies (``regex_dialect.too_many_copies``): the analysis and the post-validator compile
-    every pattern with Python's ``regex`` module, which writes such a count out in full."""
+def _name_count(node: dict[str, Any], pointer: str) -> int:
+    """The property names ``node`` lists (``properties`` and ``required`` together); refused
+    past :data:`MAX_NAMES_PER_OBJECT` (module docstring, point 5)."""
+    listed = node.get("properties")
+    required = node.get("required")
+    names = set(listed) if isinstance(listed, dict) else set()
+    if isinstance(required, list):
+        names.update(n for n in required if isinstance(n, str))
+    if len(names) > MAX_NAMES_PER_OBJECT:
+        raise InvalidGrammarError(
+            KIND,
+            f"{len(names)} property names (properties and required) in one object: at most "
+            f"{MAX_NAMES_PER_OBJECT}",
+            pointer=pointer,
+        )
+    return len(names)
+
+
+def _check_pattern_sizes(node: dict[str, Any], pointer: str) -> None:
+    """Refuse a ``pattern`` or ``patternProperties`` name of ``node`` whose counted repetitions
+    ask for too many copies (``regex_dialect.too_many_copies``): the analysis and the
+    post-validator compile every pattern with Python's ``regex`` module, which writes such a
+    count out in full."""
     from espalier.constrained.regex_dialect import too_many_copies
 
-    for node in walk(schema):
-        if not isinstance(node.schema, dict):
-            continue
-        places = []
-        if isinstance(node.schema.get("pattern"), str):
-            places.append(("pattern", node.schema["pattern"]))
-        names = node.schema.get("patternProperties")
-        if isinstance(names, dict):
-            places += [(f"patternProperties/{escape_pointer_token(k)}", k) for k in names]
-        for where, pattern in places:
-            problem = too_many_copies(pattern)
-            if problem is not None:
-                raise InvalidGrammarError(
-                    KIND, f"pattern: {problem}", pointer=f"{node.pointer}/{where}"
-                )
+    places = []
+    if isinstance(node.get("pattern"), str):
+        places.append(("pattern", node["pattern"]))
+    names = node.get("patternProperties")
+    if isinstance(names, dict):
+        places += [(f"patternProperties/{escape_pointer_token(k)}", k) for k in names]
+    for where, pattern in places:
+        problem = too_many_copies(pattern)
+        if problem is not None:
+            raise InvalidGrammarError(KIND, f"pattern: {problem}", pointer=f"{pointer}/{where}")
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from espalier.constrained.schema.features import VOCABULARY
+from espalier.constrained.schema.features import ANNOTATIONS, VOCABULARY
 from espalier.constrained.schema.regular import complement_pattern
 from espalier.constrained.schema.value_complement import json_type, values_complement
 
@@ -408,7 +408,7 @@ def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None
             return None
     out = dict(node)
     for key, value in extra.items():
-        if key not in out or key in ANNOTATION_KEYS:
+        if key not in out or key in ANNOTATIONS:
             out.setdefault(key, value)
         elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
             out[key] = list(dict.fromkeys([*out[key], *value]))
@@ -458,6 +458,3 @@ def _both(first: Any, second: Any) -> Any:
     if isinstance(first, dict) and isinstance(second, dict):
         return append_all_of(first, second)
     return {"allOf": [first, second]}
-
-
-ANNOTATION_KEYS = frozenset({"title", "description", "$comment", "default", "examples"})

@@ -115,13 +115,20 @@ def test_unexpected_exceptions_are_not_cached(cache: CompileCache) -> None:
     assert len(calls) == 2
 
 
-def test_timeout_raises_and_the_pool_keeps_working() -> None:
-    cache = CompileCache(workers=1, timeout_s=0.05)
-    release = threading.Event()
+def stuck_until(release: threading.Event) -> Any:
+    """A compile that runs until ``release`` is set (at most 30 s)."""
 
     def stuck() -> Any:
         release.wait(30)
         return SizedGrammar("slow", 10), CompileReport(backend="test")
+
+    return stuck
+
+
+def test_timeout_raises_and_the_pool_keeps_working() -> None:
+    cache = CompileCache(workers=1, timeout_s=0.05)
+    release = threading.Event()
+    stuck = stuck_until(release)
 
     try:
         with pytest.raises(CompileTimeoutError):
@@ -144,10 +151,7 @@ def test_a_timeout_is_remembered_for_a_while_only() -> None:
     ``timeout_memory_s`` has passed."""
     cache = CompileCache(workers=1, timeout_s=0.05, timeout_memory_s=0.5)
     release = threading.Event()
-
-    def stuck() -> Any:
-        release.wait(30)
-        return SizedGrammar("slow", 10), CompileReport(backend="test")
+    stuck = stuck_until(release)
 
     try:
         with pytest.raises(CompileTimeoutError):
