@@ -179,6 +179,16 @@ class ClosingPaths:
             matcher, token, limit, self.python_search_after(matcher, token, limit)
         )
 
+    def greedy(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
+        """The greedy :meth:`search` from ``matcher``'s state (not changed), natively where its
+        backend can (the same choices, the GIL released), without the fallbacks."""
+        native = matcher.native_closing(None, limit)
+        if native is not None:
+            outcome = native.kind(self.rules, [native], 1)[0]
+            if outcome is not FALLBACK:
+                return as_answer(outcome)[1]
+        return self.search(matcher.fork(), limit)
+
     def python_search_after(
         self, matcher: GrammarMatcher, token: int | None, limit: int
     ) -> tuple[bool, list[int] | None]:
@@ -226,7 +236,7 @@ class ClosingPaths:
         that way, in 70 respelled (a budget of 90 ended unclosed)."""
         if limit >= SEARCH_LIMIT:
             return None
-        long = self.search(matcher.fork(), SEARCH_LIMIT)
+        long = self.greedy(matcher, SEARCH_LIMIT)
         if long is None:
             return None
         try:
@@ -466,7 +476,10 @@ class BudgetCloser:
     def _memo_of(self, request: Request, max_model_len: int) -> Memo:
         """The request's memo; before its first token, the closing path of its grammar's start
         state (one search per compiled grammar, not one per request): the first token's check
-        then tries it like any kept path (none at all when the token is its first).
+        then tries it like any kept path (none at all when the token is its first). Where that
+        search (its fallbacks included) found none, the first check is :data:`RETRY_AFTER`
+        tokens later, as after any check that finds none: at the first token it would search
+        the same state again (tens of ms of fallbacks per request of a grammar no path closes).
         A function of the grammar alone, so decisions stay a function of the tokens."""
         memo = self._memo.get(request.request_id)
         if memo is not None:
@@ -477,7 +490,9 @@ class BudgetCloser:
         if fresh and self.paths is not None and compiled is not None and matcher is not None:
             path = self.paths.start_path(compiled, matcher)
             budget = _budget(request, 0, max_model_len)
-            if path is not None and len(path) <= budget - 1:
+            if path is None:
+                memo = Memo(None, 1 + RETRY_AFTER, False)
+            elif len(path) <= budget - 1:
                 memo = Memo((0, path), 0, False)
         self._memo[request.request_id] = memo
         return memo

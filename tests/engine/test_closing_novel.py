@@ -18,7 +18,15 @@ import pytest
 from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
-from espalier.engine.closing import ClosingPaths
+from espalier.engine.closing import (
+    LOWEST_ALLOWED,
+    RETRY_AFTER,
+    SEARCH_LIMIT,
+    BudgetCloser,
+    ClosingPaths,
+    novel,
+)
+from espalier.engine.request import Request
 from tests.fixtures.engine_fixtures import make_engine, run_all, text_of, toy_tokenizer
 
 EMAIL = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}
@@ -76,3 +84,69 @@ def test_sampled_outputs_that_must_end_in_one_character_close_within_max_tokens(
     for name, out in chunks.items():
         assert out[-1].finish_reason is FinishReason.STOP, (name, text_of(out))
         assert re.fullmatch("[a-z]*y", json.loads(text_of(out))), text_of(out)
+
+
+UNCLOSABLE = GrammarSpec.json_schema({"type": "string", "minLength": 1000, "maxLength": 100000})
+
+
+@pytest.mark.parametrize("limit", [29, 200])
+def test_a_walk_that_finds_nothing_scans_a_run_once(
+    limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A string no path within the limit closes (its rows all alike past the quote): the walk
+    used to try every choice at every character, and the lead bytes of multi-byte characters
+    (each an unseen row), until TRIES grammar steps (10 such requests held the engine 7.5 s);
+    now it scans the run once and takes one step per character from there."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(UNCLOSABLE, tokenizer, "llguidance")
+    matcher = compiled.matcher()
+    paths = ClosingPaths(tokenizer)
+    rows = 0
+    fill = type(matcher).fill_bitmask
+
+    def counted(self: object, *args: object) -> object:
+        nonlocal rows
+        rows += 1
+        return fill(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(matcher), "fill_bitmask", counted)
+    assert paths.novel.find(matcher, limit) is None
+    assert rows <= limit + 2 * len(paths.novel.single_bytes) + LOWEST_ALLOWED, rows
+    assert rows < novel.TRIES // 2
+
+
+def test_a_grammar_whose_start_has_no_path_is_not_searched_again_at_the_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start state's search (its fallbacks included) found none: the first token's check
+    is RETRY_AFTER tokens later, as after any check that finds none, not a second search of
+    the same state at the first token."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(UNCLOSABLE, tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    assert closer.paths is not None
+    walks: list[int] = []
+    find = closer.paths.novel.find
+
+    def counted(matcher: object, limit: int) -> list[int] | None:
+        walks.append(limit)
+        return find(matcher, limit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(closer.paths.novel, "find", counted)
+    request = Request("r", [1], SamplingParams(max_tokens=30), 0)
+    request.matcher = compiled.matcher()
+    request.compiled = compiled
+    stops = set(tokenizer.stop_token_ids)
+    quote = tokenizer.encode('"')
+    assert closer.instead(request, quote[0], stops, 10_000) is None
+    assert walks == [SEARCH_LIMIT]  # the start path's search alone
+    assert closer.known("r") is None
+    tokens = tokenizer.encode('"' + "ab" * 40)[: RETRY_AFTER + 2]
+    assert len(tokens) == RETRY_AFTER + 2
+    for token in tokens[:-1]:
+        assert closer.instead(request, token, stops, 10_000) is None
+        assert request.matcher.accept(token)
+        request.output_ids.append(token)
+    assert walks == [SEARCH_LIMIT]
+    assert closer.instead(request, tokens[-1], stops, 10_000) is None
+    assert len(walks) == 2  # the next check: the current state searched, its fallbacks too
