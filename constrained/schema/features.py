@@ -560,6 +560,10 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
     names = node[keyword] if keyword == "patternProperties" else None
     if isinstance(names, dict) and any(_llguidance_misreads(str(name)) for name in names):
         return Support.WEAKENED  # the same reading of a property name
+    if keyword in ("const", "enum") and _float64_inexact(node[keyword]):
+        return (
+            Support.WEAKENED
+        )  # read as float64: 2**53 + 1 was written 2**53 (probe "const-past-2**53")
     if keyword in NUMERIC and keyword != "multipleOf":
         value = node[keyword]
         if isinstance(value, (int, float)) and abs(value) > _FLOAT64_EXACT_INT:
@@ -567,6 +571,22 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
         if exclusive_whole_bound_within_one(node):
             return Support.WEAKENED  # (0, 0.5] took 0 (probe "exclusiveMinimum-whole-within-one")
     return Support.EXACT
+
+
+def _float64_inexact(value: Any) -> bool:
+    """Whether ``value`` (a JSON value) holds an integer that a float64 does not hold exactly
+    (``2**53 + 1``), at any depth."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) > _FLOAT64_EXACT_INT and (
+            abs(value) >= 2**1024 or int(float(value)) != value
+        )
+    if isinstance(value, list):
+        return any(_float64_inexact(item) for item in value)
+    if isinstance(value, dict):
+        return any(_float64_inexact(item) for item in value.values())
+    return False
 
 
 def exclusive_whole_bound_within_one(node: dict[str, Any]) -> bool:

@@ -72,6 +72,9 @@ PROBES: tuple[Probe, ...] = (
         [0, 2050],
         [683, 1024],
     ),
+    # llguidance reads a const or enum member as float64: 2**53 + 1 was written 2**53
+    _p("const-past-2**53", "const", {"const": 2**53 + 1}, [2**53 + 1], [2**53]),
+    _p("enum-past-2**53", "enum", {"enum": [2**53 + 1, "a"]}, [2**53 + 1, "a"], [2**53]),
     # llguidance reads numeric bounds as float64: 10**18 and 10**18 - 1 are the same number
     _p(
         "exclusiveMaximum-beyond-2**53",
