@@ -88,9 +88,14 @@ def search_language(pattern: str) -> Alt:
     return constraints[0][0]
 
 
-def search_constraints(pattern: str, final_newline: bool = True) -> tuple[tuple[Alt, bool], ...]:
+def search_constraints(
+    pattern: str, final_newline: bool = True, ascii_classes: bool = False
+) -> tuple[tuple[Alt, bool], ...]:
     """The strings ``regex.search(pattern, s)`` accepts, as the intersection of the languages
-    of the trees (each complemented where its flag is set); the first is the pattern's body."""
+    of the trees (each complemented where its flag is set); the first is the pattern's body.
+    ``ascii_classes``: ``\\d``, ``\\w``, ``\\s`` (and ``\\D``, ... in classes too) as
+    ECMA-262 and ``regex``'s ASCII flag read them (``[0-9]``, ``[A-Za-z0-9_]``): JSON Schema's
+    reading, where the post-validator's is Unicode."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise Unsupported(f"pattern longer than {MAX_PATTERN_CHARS} characters")
     from espalier.constrained.regex_dialect import too_many_copies
@@ -102,7 +107,7 @@ def search_constraints(pattern: str, final_newline: bool = True) -> tuple[tuple[
         regex.compile(pattern)
     except regex.error as exc:
         raise Unsupported(f"not a valid pattern: {exc}") from exc
-    parser = _Parser(pattern)
+    parser = _Parser(pattern, ascii_classes)
     group = parser.alternatives()
     if parser.at < len(pattern):
         raise Unsupported(f"unbalanced ')' at {parser.at}")
@@ -189,10 +194,11 @@ def _has(item: Node, kind: type) -> bool:
 class _Parser:
     """Recursive descent over the pattern text (depth bounded by the pattern's own nesting)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, ascii_classes: bool) -> None:
         self.text = text
         self.at = 0
         self.depth = 0
+        self.flags = "(?a)" if ascii_classes else ""
 
     def alternatives(self) -> Alt:
         self.depth += 1
@@ -222,13 +228,13 @@ class _Parser:
         if char == "[":
             end = _class_end(text, at)
             self.at = end
-            return oracle_class(text[at:end])
+            return oracle_class(self.flags + text[at:end])
         if char == "\\":
             end = _escape_end(text, at)
             self.at = end
             if end == at + 2 and not text[at + 1].isalnum():  # an escaped punctuation character
                 return Chars(((ord(text[at + 1]), ord(text[at + 1])),))
-            return oracle_class(text[at:end])
+            return oracle_class(self.flags + text[at:end])
         if char in "*+?":
             raise Unsupported(f"nothing to repeat at {at}")
         self.at += 1
@@ -328,9 +334,11 @@ def _class_end(text: str, at: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def oracle_class(atom: str) -> Chars:
-    """The code points ``atom`` (one single-character regex atom) matches under ``regex``."""
+    """The code points ``atom`` (one single-character regex atom, after an optional ``(?a)``)
+    matches under ``regex``."""
+    flags = "(?a)" if atom.startswith("(?a)") else ""
     try:
-        runs = regex.compile(f"(?:{atom})+")
+        runs = regex.compile(f"{flags}(?:{atom[len(flags) :]})+")
     except regex.error as exc:
         raise Unsupported(f"{atom!r}: {exc}") from exc
     return Chars(tuple((m.start(), m.end() - 1) for m in runs.finditer(_all_code_points())))

@@ -45,6 +45,13 @@ MAX_PRINTED = 20_000
 SURROGATES = Chars(((0xD800, 0xDFFF),))
 
 
+BOTH_READINGS = (False, True)
+"""``\\d`` / ``\\w`` / ``\\s`` as the post-validator (``regex``: Unicode) and as JSON Schema
+(ECMA-262: ASCII) read them. A pattern printed for the backends keeps what both readings
+agree on, so an output is valid under either: ``^(?=b)\\w+$`` wrote ``"botonesivesseällt"``,
+which ECMA-262 validators reject."""
+
+
 def complement_pattern(pattern: str, min_length: int = 0) -> str | bool | None:
     """A pattern matching exactly the strings ``pattern`` does not (``False``: no string;
     ``True``: every string); None when not expressible within the bounds. ``min_length``: only
@@ -61,9 +68,15 @@ def intersect_patterns(patterns: tuple[str, ...]) -> str | bool | None:
 
 
 def patterns_meet(patterns: tuple[str, ...], final_newline: bool = True) -> bool | None:
-    """Whether some string matches every one of ``patterns``; None when they are not read."""
-    found = _language(patterns, False, final_newline, 0)
-    return None if found is None else not found[0].empty()
+    """Whether some string matches every one of ``patterns`` under one reading of their
+    classes or the other (``BOTH_READINGS``); None when they are not read."""
+    meets = False
+    for ascii_classes in BOTH_READINGS:
+        found = _language(patterns, False, final_newline, 0, (ascii_classes,))
+        if found is None:
+            return None
+        meets = meets or not found[0].empty()
+    return meets
 
 
 @functools.lru_cache(maxsize=512)
@@ -121,17 +134,27 @@ def _co_reachable(dfa: Dfa) -> set[int]:
 
 @functools.lru_cache(maxsize=512)
 def _language(
-    patterns: tuple[str, ...], negate: bool, final_newline: bool, min_length: int
+    patterns: tuple[str, ...],
+    negate: bool,
+    final_newline: bool,
+    min_length: int,
+    readings: tuple[bool, ...] = (False,),
 ) -> tuple[Dfa, _Alphabet] | None:
     """The minimal automaton of the intersection (of the complements, ``negate``) with the
     strings of ``min_length`` code points or more, and its alphabet; None when a pattern is not
-    read or a bound is passed."""
+    read or a bound is passed. ``readings``: the ``search_constraints`` ``ascii_classes`` each
+    pattern is read with; with both, a string is kept where every reading keeps it (matches,
+    or with ``negate`` fails to match, under both)."""
     try:
-        read = [search_constraints(p, final_newline) for p in patterns]
+        read = [
+            search_constraints(p, final_newline, ascii_classes)
+            for p in patterns
+            for ascii_classes in readings
+        ]
     except Unsupported:
         return None
     trees = [tree for constraints in read for tree, _ in constraints]
-    if sum(_positions(t) for t in trees) > MAX_POSITIONS:
+    if sum(_positions(t) for t in trees) > MAX_POSITIONS * len(readings):
         return None
     alphabet = _Alphabet([*_classes(trees), SURROGATES, NEWLINE])
     try:
@@ -149,7 +172,7 @@ def _language(
 
 @functools.lru_cache(maxsize=512)
 def _combine(patterns: tuple[str, ...], negate: bool, min_length: int) -> str | bool | None:
-    found = _language(patterns, negate, True, min_length)
+    found = _language(patterns, negate, True, min_length, BOTH_READINGS)
     if found is None:
         return None
     result, alphabet = found

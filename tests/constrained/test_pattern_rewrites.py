@@ -1,8 +1,9 @@
 """Probe tests of the rewrites built on the ``pattern`` algebra (:mod:`regular`): ``not`` of a
 pattern, ``oneOf`` / ``if`` needing a pattern's complement, ``oneOf`` of patterns with no common
 string. ``jsonschema`` (the post-validator) gives every random instance the same verdict on the
-original and on the rewritten schema, the rewrite removed the keyword, and llguidance (the
-backend ``auto`` picks for them) accepts exactly the valid instances."""
+rewritten schema as on the original under both readings of ``\\d`` / ``\\w`` / ``\\s`` (its own,
+Unicode, and ECMA-262's, ASCII: ``regular.BOTH_READINGS``), the rewrite removed the keyword, and
+llguidance (the backend ``auto`` picks for them) accepts exactly those instances."""
 
 from __future__ import annotations
 
@@ -30,6 +31,32 @@ def random_instance(rng: random.Random, extra: str) -> Any:
         return rng.choice(OTHERS)
     pool = STRING_POOL + list(extra)
     return "".join(rng.choice(pool) for _ in range(rng.randrange(7)))
+
+
+def ascii_read(schema: Any) -> Any:
+    """``schema`` with every pattern read with ASCII classes (``(?a)``: ECMA-262's ``\\d``,
+    ``\\w``)."""
+    if isinstance(schema, list):
+        return [ascii_read(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: ascii_read(value) for key, value in schema.items()}
+    if isinstance(schema.get("pattern"), str):
+        out["pattern"] = "(?a)" + schema["pattern"]
+    if isinstance(schema.get("patternProperties"), dict):
+        out["patternProperties"] = {
+            "(?a)" + name: ascii_read(value) for name, value in schema["patternProperties"].items()
+        }
+    return out
+
+
+def valid_both(schema: Any, value: Any) -> bool:
+    """The post-validator's verdict under both readings of the classes (``regular.BOTH_READINGS``:
+    what a rewrite keeps)."""
+    return (
+        validate_instance(schema, value).valid
+        and validate_instance(ascii_read(schema), value).valid
+    )
 
 
 def rewrite(schema: Any) -> Any:
@@ -79,7 +106,7 @@ def test_pattern_complements_keep_the_verdicts(schema: dict[str, Any]) -> None:
     bad = []
     for _ in range(500):
         value = random_instance(rng, extra)
-        if validate_instance(schema, value).valid != validate_instance(rewritten, value).valid:
+        if valid_both(schema, value) != validate_instance(rewritten, value).valid:
             bad.append(value)
     assert bad == []
 
@@ -96,7 +123,7 @@ def test_llguidance_accepts_exactly_the_valid_strings(
         value = random_instance(rng, "")
         if not isinstance(value, str):
             continue
-        valid = validate_instance(schema, value).valid
+        valid = valid_both(schema, value)
         accepted = grammar_accepts(compiled, toy_tokenizer, json.dumps(value, ensure_ascii=False))
         # a string ending in a newline is the only kind the backend may reject though valid
         # (the post-validator's "$" takes one final newline, the backends' does not)
@@ -138,7 +165,7 @@ def test_patterns_the_backends_read_otherwise_are_respelled_exactly(
         value = random_instance(rng, extra)
         if "patternProperties" in schema and isinstance(value, str):
             value = {value: rng.choice([1, "x"])}
-        valid = validate_instance(schema, value).valid
+        valid = valid_both(schema, value)
         if valid != validate_instance(rewritten, value).valid:
             bad.append(value)
         accepted = grammar_accepts(compiled, toy_tokenizer, json.dumps(value, ensure_ascii=False))

@@ -1,7 +1,9 @@
 """The regular-language algebra over ``pattern`` (:mod:`regular`), against the ``regex`` oracle.
 
 For a pattern ``p`` and its complement ``c`` (or an intersection), on random strings: the
-post-validator's reading of ``c`` (``regex.search``) equals the computed language exactly, and
+post-validator's reading of ``c`` (``regex.search``) equals the computed language exactly (the
+strings ``p`` matches, or fails to match, under both readings of ``\\d`` / ``\\w`` / ``\\s``: its
+own, Unicode, and ECMA-262's, ASCII), and
 the backends' reading (a full match of the ``^...$`` body) never takes a string outside it.
 Random patterns come from a small generator (literals, classes, ``\\d`` / ``\\w`` / ``\\s``,
 ``.``, groups, alternations, ``* + ? {m,n}``, anchors); strings mix ASCII, Unicode digits and
@@ -19,6 +21,7 @@ import regex
 from espalier.constrained.schema.pattern_parse import Unsupported, search_language
 from espalier.constrained.schema.regular import complement_pattern, intersect_patterns
 
+READINGS = ("", "(?a)")  # the post-validator's classes, and ECMA-262's (ASCII)
 CHARS = [*"ab1590+=.$/:{}-\\ _xZé", "\n", "\t", "\u0660", "\u2028", "\U0001d7ce", "😀"]
 
 
@@ -53,8 +56,10 @@ def language_mismatches(
     out = []
     for _ in range(600):
         text = random_string(rng, extra)
-        inside = all(regex.search(p, text) for p in patterns)
-        wanted = not inside if negate else inside
+        # under both readings of the classes (regular.BOTH_READINGS: Unicode and ASCII)
+        wanted = all(
+            bool(regex.search(flags + p, text)) != negate for p in patterns for flags in READINGS
+        )
         if isinstance(printed, bool):
             searched = full = printed
         else:
@@ -211,3 +216,27 @@ def test_trivial_languages() -> None:
     # {""}, which no "^R$" spells without also taking "\n" under the post-validator's "$"
     assert complement_pattern(r"[^\s\S]") is None
     assert intersect_patterns(("a", "b")) not in (None, True, False)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "kept", "dropped"),
+    [
+        (r"^(?=b)\w+$", ["b_1", "bZ9"], ["bé", "b\u0660", "b软件"]),
+        (r"^(?=[0-9])\d{3,12}$", ["123", "0000"], ["8\u1c54\u09e7", "1\uff10\uff11"]),
+        (r"^(?!x)\s+$", [" ", "\t\n "], ["\u00a0", "\u2028"]),
+    ],
+)
+def test_a_printed_pattern_keeps_what_both_readings_of_the_classes_match(
+    pattern: str, kept: list[str], dropped: list[str]
+) -> None:
+    """A held-out sweep: ``^(?=b)\\w+$`` (a lookahead: printed from the algebra) wrote
+    ``"botonesivesseällt"`` and ``^(?=[0-9])\\d{3,12}$`` ``"8᱔১৮୭"``: valid to the Unicode
+    post-validator, invalid to ECMA-262 validators (JSON Schema's reading, where ``\\w`` is
+    ``[A-Za-z0-9_]``). Without a lookahead the backends read ``\\w`` as ASCII already."""
+    printed = intersect_patterns((pattern,))
+    assert isinstance(printed, str)
+    for text in kept:
+        assert regex.fullmatch(printed[1:-1], text), (pattern, text)
+    for text in dropped:
+        assert regex.search(pattern, text), (pattern, text)  # the post-validator takes it
+        assert not regex.search(printed, text), (pattern, text)
