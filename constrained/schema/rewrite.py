@@ -126,7 +126,9 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     out = _map_tree(out, lambda node: typed_branches(fold_all_of(node)))
     out = filter_enums(out, annotations_matter=ctx.annotations_matter)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
-    return prune_unused_defs(inline_boolean_refs(out))
+    out = prune_unused_defs(inline_boolean_refs(out))
+    # the schema true is {} (llguidance and outlines-core take only an object at the root)
+    return {} if out is True else out
 
 
 def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:

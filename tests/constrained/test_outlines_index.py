@@ -178,3 +178,21 @@ def test_a_long_forced_literal_is_no_recursion_error(toy_tokenizer: Any) -> None
     forced = compiled.matcher().forced_tokens(4096)
     written = b"".join(toy_tokenizer.token_bytes[t] for t in forced)
     assert 0 < len(written) < 2000 and ("é" * 1000).encode().startswith(written)
+
+
+@pytest.mark.parametrize("schema", [True, {}, {"title": "anything", "$comment": "x"}])
+def test_a_schema_that_takes_any_value_is_refused_at_once_on_outlines(
+    schema: Any, toy_tokenizer: Any
+) -> None:
+    """Its depth-unrolled regex's index ran 5 minutes into the 4 GiB limit (a request waited
+    for its 30 s compile limit); llguidance and xgrammar take it, so does auto."""
+    from espalier.constrained.errors import UnsupportedGrammarError
+
+    spec = GrammarSpec.json_schema(schema)
+    with pytest.raises(UnsupportedGrammarError, match="any JSON value"):
+        compile_grammar(spec, toy_tokenizer, "outlines_core")
+    for name in ("llguidance", "xgrammar", "auto"):
+        compiled, _ = compile_grammar(spec, toy_tokenizer, name)
+        matcher = compiled.matcher()
+        text = '{"a": [1, "x", null]}'
+        assert matcher.completes(toy_tokenizer.encode(text)), name

@@ -44,6 +44,7 @@ from espalier.constrained.backends.outlines_core.index import IndexBuilder
 from espalier.constrained.backends.outlines_core.tree_walk import walk_outlines
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.regex_dialect import rust_misreading, without_end_anchors
+from espalier.constrained.schema.features import NOT_ASSERTING
 from espalier.constrained.schema.number_bounds import bound_number_regex
 from espalier.constrained.schema.walk import map_subschemas
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
@@ -121,6 +122,13 @@ class Backend:
             return plain
         if kind is GrammarKind.CHOICE:
             return "|".join(f"({escape_literal(option)})" for option in spec.choices)
+        if _any_value(spec.schema):
+            raise UnsupportedGrammarError(
+                NAME,
+                kind.value,
+                "the schema takes any JSON value: outlines-core's index of one takes minutes "
+                "and GiBs (llguidance and xgrammar take it)",
+            )
         source = json_escaped_names(spec.source)
         if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
             regex = self.builder.schema_regex(source, self.options.whitespace_regex, kind.value)
@@ -136,6 +144,15 @@ class Backend:
         if bounds is None or integer_rx in spec.source:  # a caller's pattern spells it: keep
             return regex
         return bound_number_regex(regex, integer_rx, number_rx, bounds)
+
+
+def _any_value(schema: Any) -> bool:
+    """Whether the root of ``schema`` asserts nothing (``true``, ``{}``, annotations only): the
+    depth-unrolled regex of any JSON value, whose token index ran 5 minutes into a 4 GiB limit
+    (a request waited for its 30 s compile limit)."""
+    if isinstance(schema, bool):
+        return schema
+    return isinstance(schema, dict) and all(key in NOT_ASSERTING for key in schema)
 
 
 class CompiledGrammar(CompiledBase):
