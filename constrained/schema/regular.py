@@ -117,6 +117,46 @@ def pattern_word_count(pattern: str, cap: int) -> int | None:
     return count(0) if 0 in live else 0
 
 
+@functools.lru_cache(maxsize=512)
+def pattern_words(pattern: str, cap: int) -> tuple[str, ...] | None:
+    """The strings ``pattern`` matches as the backends read it (a full match of ``^...$``, no
+    final newline) under both readings of its classes (:data:`BOTH_READINGS`), in code point
+    order, when fewer than ``cap`` and none holds a surrogate code point; None when ``cap`` or
+    more, infinitely many, or the pattern is not read. Why: an object whose keys can only come
+    from such patterns lists them as properties (``pattern_properties.finite_names``)."""
+    found = _language((pattern,), False, False, 0, BOTH_READINGS)
+    if found is None:
+        return None
+    dfa, alphabet = found
+    live = _co_reachable(dfa)
+    words: list[str] = []
+    on_path: set[int] = set()
+
+    def visit(state: int, prefix: str) -> bool:  # False: a cycle, a surrogate or the cap
+        if state in on_path:
+            return False
+        if state in dfa.finals:
+            words.append(prefix)
+            if len(words) >= cap:
+                return False
+        on_path.add(state)
+        for symbol, target in enumerate(dfa.delta[state]):
+            if target not in live:
+                continue
+            for first, last in alphabet.blocks[symbol]:
+                if last - first >= cap or (last >= 0xD800 and first <= 0xDFFF):
+                    return False
+                for code in range(first, last + 1):
+                    if not visit(target, prefix + chr(code)):
+                        return False
+        on_path.discard(state)
+        return True
+
+    if 0 in live and not visit(0, ""):
+        return None
+    return tuple(sorted(words))
+
+
 def _co_reachable(dfa: Dfa) -> set[int]:
     """The states from which some string reaches a final state."""
     into: dict[int, set[int]] = {}

@@ -76,7 +76,7 @@ from espalier.constrained.schema.logic import (
     without,
 )
 from espalier.constrained.schema.one_of import rewrite_one_of, rewrite_one_of_in_all_of
-from espalier.constrained.schema.pattern_properties import rewrite_pattern_properties
+from espalier.constrained.schema.pattern_properties import finite_names, rewrite_pattern_properties
 from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
 from espalier.constrained.schema.refs import inline_boolean_refs, prune_unused_defs
@@ -149,6 +149,8 @@ def _rewrite(node: Any, pointer: str, ctx: _Context) -> Any:
         node = rewrite_pattern_properties(node)
     if "propertyNames" in node:
         node = rewrite_property_names(node)
+    if "patternProperties" in node:
+        node = finite_names(node)
     if node.get("uniqueItems") is True:
         node = rewrite_unique_items(node, ctx.defs)
         if not isinstance(node, dict):

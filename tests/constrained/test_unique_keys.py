@@ -274,12 +274,14 @@ def test_gemma_tables_match_the_lexer_on_every_quote_token(text: str, gemma_toke
 
 
 def test_an_exhausted_key_language_is_a_dead_end_never_a_duplicate(toy_tokenizer: Any) -> None:
-    """Only key "a" exists and a comma was taken: every way on repeats it. The row is not
-    emptied (the backend's row stays), but the duplicate is refused and the refusal says why."""
+    """Keys of one character and a comma taken: after ``"a`` every way on repeats ``a``. The
+    row is not emptied (the backend's row stays), but the duplicate is refused and the
+    refusal says why. (A key language of few names, such as ``^a$``, is listed as declared
+    properties instead, which the backend never repeats: ``test_few_names_are_declared``.)"""
     schema = {
         "type": "object",
-        "patternProperties": {"^a$": {"type": "integer"}},
-        "additionalProperties": False,
+        "propertyNames": {"maxLength": 1},
+        "additionalProperties": {"type": "integer"},
     }
     compiled = _compiled(toy_tokenizer, "llguidance", schema)
     matcher = with_unique_keys(compiled.spec, compiled.matcher(), toy_tokenizer)
@@ -386,3 +388,26 @@ def test_a_key_takes_no_escape_it_does_not_need(backend: str, toy_tokenizer: Any
         matcher = with_unique_keys(compiled.spec, compiled.matcher(), toy_tokenizer)
         assert isinstance(matcher, UniqueKeysMatcher)
         assert matcher.completes(toy_tokenizer.encode(text)) is accepted, text
+
+
+def test_few_names_are_declared(toy_tokenizer: Any) -> None:
+    """``patternProperties`` matching few names in all, with ``additionalProperties: false``
+    (``propertyNames: {pattern: ...}`` becomes one): the names are declared properties, no
+    tracker wraps the matcher, and the backend itself refuses a repeated name (it writes
+    declared properties in their order, as it does every object's)."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^a$": {"type": "integer"}, "^x_[0-2]$": {"type": "string"}},
+        "additionalProperties": False,
+    }
+    compiled = _compiled(toy_tokenizer, "llguidance", schema)
+    assert not may_repeat_keys(compiled.spec)
+    for text, whole in (
+        ('{"a": 1, "x_0": "s"}', True),
+        ('{"x_2": "s"}', True),  # in declared order (a, then x_0..x_2), as for any properties
+        ('{"a": 1, "a": 2}', False),
+        ('{"x_3": "s"}', False),
+        ('{"a": "s"}', False),
+    ):
+        tokens = toy_tokenizer.encode(text)
+        assert compiled.matcher().completes(tokens) is whole, text

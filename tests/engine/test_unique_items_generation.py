@@ -110,3 +110,25 @@ def test_the_closing_policy_steers_past_a_dead_end(
     assert last.finish_reason is FinishReason.STOP and last.closed_by_budget, text
     assert last.validation is not None and last.validation.valid, text
     jsonschema.validate(json.loads(text), schema)
+
+
+FINITE_NAMES = {"type": "object", "propertyNames": {"pattern": "^[a-c]$"},
+                "additionalProperties": {"type": "boolean"}, "minProperties": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("backend", ["llguidance", "auto"])
+def test_names_from_a_finite_pattern_are_never_a_dead_end(speculative: bool, backend: str) -> None:
+    """A held-out sweep: under ``propertyNames: {pattern: "^[a-c]$"}`` a model that repeats its
+    keys wrote ``"a"`` and ``"b"``, then ``"b`` (only a duplicate could follow) and the request
+    failed (500 through the OpenAI API at temperature 0). The names are now declared properties
+    (``pattern_properties.finite_names``), which no backend repeats: the output is valid, with
+    or without the closing policy."""
+    for close in (False, True):
+        chunks = _chunks(FINITE_NAMES, backend, speculative, loop='"b": true, ', close=close)
+        last = chunks[-1]
+        text = "".join(c.text_delta for c in chunks)
+        assert last.finish_reason is not FinishReason.ERROR, (last.error, text)
+        value = json.loads(text)
+        jsonschema.validate(value, FINITE_NAMES)
+        assert value.get("b") is True, text
