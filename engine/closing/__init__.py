@@ -26,10 +26,11 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import numpy as np
 
@@ -70,6 +71,65 @@ FIRST_DECISIONS = 4096  # first-token decisions kept (then cleared): see BudgetC
 # tried in order where nothing is forced: closers first, a separator, then minimal values
 LOWEST_ALLOWED = 64  # where no candidate is accepted: the lowest allowed ids tried
 CANDIDATE_TEXTS = ('"', "}", "]", ",", "0", "null", "false", '""', "[]", "{}", ":", "{", "[")
+
+
+START_BUDGET_S = 2.0
+"""Time a grammar's start path search may take (on a matcher thread, once per grammar): past it
+the grammar's requests are not closed. rfc.lark on xgrammar fills a mask in 0.12 s past its
+start: the search's bounded steps took minutes, and two such requests held both matcher threads
+of a 2-core server, so no new grammar got a matcher (a held-out sweep)."""
+
+
+class Costly:
+    """``ClosingPaths.start_path``'s answer where the search ran past :data:`START_BUDGET_S`."""
+
+
+COSTLY = Costly()
+
+
+class _PastBudget(Exception):
+    pass
+
+
+class _Budgeted:
+    """A matcher whose grammar calls raise :class:`_PastBudget` past ``deadline``
+    (``time.monotonic``); its forks share the deadline. Only the start path's search uses one:
+    every other search is bounded by counts alone, so its outcome is a function of the state."""
+
+    def __init__(self, inner: GrammarMatcher, deadline: float) -> None:
+        self._inner = inner
+        self._deadline = deadline
+
+    def _check(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise _PastBudget
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def fork(self) -> GrammarMatcher:
+        self._check()
+        return cast("GrammarMatcher", _Budgeted(self._inner.fork(), self._deadline))
+
+    def fill_bitmask(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return self._inner.fill_bitmask(*args, **kwargs)
+
+    def accept(self, token: int) -> bool:
+        self._check()
+        return self._inner.accept(token)
+
+    def accept_tokens(self, tokens: Sequence[int]) -> int:
+        self._check()
+        return self._inner.accept_tokens(tokens)
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        self._check()
+        return self._inner.forced_tokens(limit)
+
+    def completes(self, tokens: Sequence[int]) -> bool:
+        self._check()
+        return self._inner.completes(tokens)
 
 
 @dataclass(frozen=True)
@@ -124,12 +184,16 @@ class ClosingPaths:
 
         self.novel = NovelWalk(self, tokenizer)  # where that finds none either
         # each compiled grammar's start-path search (at most START_PATHS, then cleared)
-        self._start: PerGrammar[tuple[()], Future[list[int] | None]] = PerGrammar(START_PATHS)
+        self._start: PerGrammar[tuple[()], Future[list[int] | Costly | None]] = PerGrammar(
+            START_PATHS
+        )
         self._start_lock = threading.Lock()
 
-    def start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | None:
+    def start_path(self, compiled: object, matcher: GrammarMatcher) -> list[int] | Costly | None:
         """The closing path from the start state of ``compiled`` (``matcher``: a matcher of it
-        at that state, not changed), at most :data:`SEARCH_LIMIT` tokens; None: none found.
+        at that state, not changed), at most :data:`SEARCH_LIMIT` tokens; None: none found;
+        :data:`COSTLY`: the search ran past :data:`START_BUDGET_S` (then the grammar's requests
+        are not closed: ``BudgetCloser._memo_of``).
 
         Searched once per compiled grammar and kept (a function of the grammar alone);
         thread-safe: a caller that finds the search running waits for it rather than searching
@@ -151,8 +215,15 @@ class ClosingPaths:
                 search.set_exception(exc)
         return search.result()
 
-    def _search_start(self, matcher: GrammarMatcher) -> list[int] | None:
-        return self.find(matcher, SEARCH_LIMIT)
+    def _search_start(self, matcher: GrammarMatcher) -> list[int] | Costly | None:
+        budgeted = cast("GrammarMatcher", _Budgeted(matcher, time.monotonic() + START_BUDGET_S))
+        try:
+            return self.find(budgeted, SEARCH_LIMIT)
+        except _PastBudget:
+            log.info(
+                "closing off for a grammar: its start path search ran past %s s", START_BUDGET_S
+            )
+            return COSTLY
 
     def find(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens (at most ``limit``) after which ``matcher`` can terminate; None if not found.
@@ -480,6 +551,8 @@ class BudgetCloser:
         search (its fallbacks included) found none, the first check is :data:`RETRY_AFTER`
         tokens later, as after any check that finds none: at the first token it would search
         the same state again (tens of ms of fallbacks per request of a grammar no path closes).
+        Where it ran past its time budget (``COSTLY``: masks of 0.1 s and more), the request is
+        not closed at all: each check's search could take as long, on the engine's thread.
         A function of the grammar alone, so decisions stay a function of the tokens."""
         memo = self._memo.get(request.request_id)
         if memo is not None:
@@ -490,7 +563,9 @@ class BudgetCloser:
         if fresh and self.paths is not None and compiled is not None and matcher is not None:
             path = self.paths.start_path(compiled, matcher)
             budget = _budget(request, 0, max_model_len)
-            if path is None:
+            if isinstance(path, Costly):
+                memo = Memo(None, 0, True)  # no checks: each search could cost as much
+            elif path is None:
                 memo = Memo(None, 1 + RETRY_AFTER, False)
             elif len(path) <= budget - 1:
                 memo = Memo((0, path), 0, False)
