@@ -124,11 +124,13 @@ def replay(
     if with_fallback:
         or_fallback = closing.ClosingPaths.or_fallback
 
-        def watched(self: Any, matcher: Any, token: Any, limit: int, answer: Any) -> Any:
+        def watched(
+            self: Any, matcher: Any, token: Any, limit: int, answer: Any, fallback: bool = True
+        ) -> Any:
             failed[0] = failed[0] or (answer[0] and answer[1] is None)
             started = time.thread_time()
             try:
-                return or_fallback(self, matcher, token, limit, answer)
+                return or_fallback(self, matcher, token, limit, answer, fallback)
             finally:
                 fallback_s[0] += time.thread_time() - started
 

@@ -66,6 +66,10 @@ REPEAT_LIMIT = 16
 # a check whose searches found no closing path looks again this many tokens later (a bounded
 # search gave up from a date-time field's start where it found a path from the next field on)
 RETRY_AFTER = 16
+# failed fallback runs (backtracking, novel walk: tens to hundreds of ms of Python each) a request
+# makes at its checks; past them its checks search greedily only (natively where they can): ten
+# requests no path closes ran them every RETRY_AFTER tokens and held the engine for seconds
+FALLBACK_RUNS = 2
 START_PATHS = 256  # compiled grammars whose start state's closing path is kept (then cleared)
 FIRST_DECISIONS = 4096  # first-token decisions kept (then cleared): see BudgetCloser._first_key
 # tried in order where nothing is forced: closers first, a separator, then minimal values
@@ -140,6 +144,7 @@ class SearchCall:
     matcher: GrammarMatcher
     token: int | None
     limit: int
+    fallback: bool = True  # where the greedy search finds none, the fallbacks (``or_fallback``)
 
 
 class ClosingPaths:
@@ -234,21 +239,20 @@ class ClosingPaths:
         return self.search_after(matcher, None, limit)[1]
 
     def search_after(
-        self, matcher: GrammarMatcher, token: int | None, limit: int
+        self, matcher: GrammarMatcher, token: int | None, limit: int, fallback: bool = True
     ) -> tuple[bool, list[int] | None]:
         """:meth:`search` from ``matcher``'s state after ``token`` (None: from here; ``matcher``
         is not changed): whether ``matcher`` accepts ``token``, and the path (None: none within
         ``limit``). Natively where the matcher's backend can (``native_closing``: the same
         choices, the GIL released), else on a fork; where that greedy search finds none,
-        :meth:`or_fallback`."""
+        :meth:`or_fallback` (unless ``fallback`` is False)."""
         native = matcher.native_closing(token, limit)
         if native is not None:
             outcome = native.kind(self.rules, [native], 1)[0]
             if outcome is not FALLBACK:
-                return self.or_fallback(matcher, token, limit, as_answer(outcome))
-        return self.or_fallback(
-            matcher, token, limit, self.python_search_after(matcher, token, limit)
-        )
+                return self.or_fallback(matcher, token, limit, as_answer(outcome), fallback)
+        answer = self.python_search_after(matcher, token, limit)
+        return self.or_fallback(matcher, token, limit, answer, fallback)
 
     def greedy(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         """The greedy :meth:`search` from ``matcher``'s state (not changed), natively where its
@@ -275,6 +279,7 @@ class ClosingPaths:
         token: int | None,
         limit: int,
         answer: tuple[bool, list[int] | None],
+        fallback: bool = True,
     ) -> tuple[bool, list[int] | None]:
         """``answer`` (the greedy search's, native or not), or, where it found no path from the
         current state (``token`` None: a grammar's start path, or the path a decision closes
@@ -287,9 +292,10 @@ class ClosingPaths:
         A search *after* a token does not fall back: a decision whose greedy search finds no
         path after the token closes with the path it knows for the current state, so the
         fallback (tens of ms of Python) runs only where a request would otherwise be cut
-        unclosed, not once per token of a grammar the greedy search cannot close."""
+        unclosed, not once per token of a grammar the greedy search cannot close. ``fallback``
+        False (a request past :data:`FALLBACK_RUNS`): ``answer`` as it is."""
         accepted, path = answer
-        if not accepted or path is not None or limit < 0 or token is not None:
+        if not fallback or not accepted or path is not None or limit < 0 or token is not None:
             return answer
         path = self.respelled(matcher, limit)
         if path is None:
@@ -357,7 +363,8 @@ class ClosingPaths:
         try:
             call = next(decision)
             while True:
-                call = decision.send(self.search_after(call.matcher, call.token, call.limit))
+                answer = self.search_after(call.matcher, call.token, call.limit, call.fallback)
+                call = decision.send(answer)
         except StopIteration as done:
             outcome: R = done.value
             return outcome
@@ -462,11 +469,15 @@ class Memo:
     next_check: the output length before which no check is needed (spacing, see MARGIN).
     unclosable: no budget was left for a closing path (no more checks). Where the searches
         find none, the next check is :data:`RETRY_AFTER` tokens later instead.
+    fallbacks: the checks whose fallback searches ran and found no path; from
+        :data:`FALLBACK_RUNS` on, checks search greedily only (a count along the tokens, so
+        decisions stay a function of them).
     """
 
     known: tuple[int, list[int]] | None = None
     next_check: int = 0
     unclosable: bool = False
+    fallbacks: int = 0
 
 
 NO_MEMO = Memo()
@@ -786,11 +797,14 @@ class BudgetCloser:
             return None, replace(memo, next_check=_next_check(here, budget, slack))
         if after is not None:
             slack = limit - len(after) - MARGIN
-            return None, Memo((here + 1, after), _next_check(here, budget, slack), False)
+            next_check = _next_check(here, budget, slack)
+            return None, Memo((here + 1, after), next_check, False, memo.fallbacks)
         if path is None and budget - 1 >= 0:  # ``find``: the current state's own path
-            path = (yield SearchCall(matcher, None, budget - 1))[1]
+            fallback = memo.fallbacks < FALLBACK_RUNS
+            path = (yield SearchCall(matcher, None, budget - 1, fallback))[1]
             if path is None:  # the searches are bounded: a later state may have one they find
-                return None, replace(memo, next_check=here + 1 + RETRY_AFTER)
+                failed = memo.fallbacks + int(fallback)
+                return None, replace(memo, next_check=here + 1 + RETRY_AFTER, fallbacks=failed)
         if path is None:
             return None, replace(memo, unclosable=True)
         return path, memo
@@ -867,7 +881,7 @@ class BudgetCloser:
         inputs = (memo, fork, tree, links, here, limits, stops)
         steps = functools.partial(tree_decisions, self, *inputs)
         native = functools.partial(native_tree, *inputs)
-        ahead = Lookahead(tree, links, here, steps, self.paths, first, native)
+        ahead = Lookahead(tree, links, here, steps, self.paths, first, native, memo.fallbacks)
         self._ahead[request.request_id] = ahead
         return ahead
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
@@ -76,7 +77,9 @@ class Lookahead:
     tree's root's index among the step's nodes (where its flags start in :meth:`together`'s
     ``filled``). native: the same decisions as one native job (:func:`native_tree`; None, or
     a job that comes back ``FALLBACK``: ``steps`` makes them), so a backend that decides
-    whole trees natively (llguidance: ``llg_close.c``) holds no GIL for them.
+    whole trees natively (llguidance: ``llg_close.c``) holds no GIL for them. fallbacks: the
+    root memo's ``Memo.fallbacks``, which a native job keeps (it comes back ``FALLBACK``
+    wherever a fallback search would run).
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class Lookahead:
         paths: ClosingPaths,
         first: int = 0,
         native: Callable[[Filled | None], NativeTree | None] | None = None,
+        fallbacks: int = 0,
     ) -> None:
         self._steps: Callable[[Filled | None], TreeSteps] | None = steps
+        self._fallbacks = fallbacks  # the root memo's (native decisions never change it)
         self._native = native
         self._first = first
         self._paths = paths
@@ -133,7 +138,10 @@ class Lookahead:
                 natives[k] = native
         for k, outcomes in decide_natively(paths, natives, threads).items():
             claimed.pop(k).close()
-            aheads[k].finish(outcomes)
+            kept = aheads[k]._fallbacks
+            aheads[k].finish(
+                [o if o is None else (o[0], replace(o[1], fallbacks=kept)) for o in outcomes]
+            )
         finished: set[int] = set()
 
         def done(k: int, outcomes: list[Outcome | None] | BaseException) -> None:

@@ -118,7 +118,9 @@ def _search_all(
             continue
         call = calls[key]
         try:
-            answers[key] = paths.or_fallback(call.matcher, call.token, call.limit, answer)
+            answers[key] = paths.or_fallback(
+                call.matcher, call.token, call.limit, answer, call.fallback
+            )
         except Exception as exc:
             answers[key] = exc
     return answers

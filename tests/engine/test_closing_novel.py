@@ -19,6 +19,7 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import ConstraintOptions, FinishReason, GenerationRequest, SamplingParams
 from espalier.engine.closing import (
+    FALLBACK_RUNS,
     LOWEST_ALLOWED,
     RETRY_AFTER,
     SEARCH_LIMIT,
@@ -150,3 +151,36 @@ def test_a_grammar_whose_start_has_no_path_is_not_searched_again_at_the_first_to
     assert walks == [SEARCH_LIMIT]
     assert closer.instead(request, tokens[-1], stops, 10_000) is None
     assert len(walks) == 2  # the next check: the current state searched, its fallbacks too
+
+
+def test_a_request_runs_the_fallbacks_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A string no path closes, over a long budget: checks come back every RETRY_AFTER
+    tokens, and each ran the fallbacks (tens to hundreds of ms of Python) again; now the
+    fallbacks run at FALLBACK_RUNS checks at most, the greedy search at every one."""
+    tokenizer = toy_tokenizer()
+    compiled, _ = compile_grammar(UNCLOSABLE, tokenizer, "llguidance")
+    closer = BudgetCloser(tokenizer)
+    assert closer.paths is not None
+    walks: list[int] = []
+    find = closer.paths.novel.find
+
+    def counted(matcher: object, limit: int) -> list[int] | None:
+        walks.append(limit)
+        return find(matcher, limit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(closer.paths.novel, "find", counted)
+    max_tokens = 150
+    request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
+    request.matcher = compiled.matcher()
+    request.compiled = compiled
+    stops = set(tokenizer.stop_token_ids)
+    tokens = tokenizer.encode('"' + "ab" * 400)[: max_tokens - 1]
+    assert len(tokens) == max_tokens - 1
+    for token in tokens:
+        assert closer.instead(request, token, stops, 10_000) is None
+        assert request.matcher.accept(token)
+        request.output_ids.append(token)
+    assert walks[0] == SEARCH_LIMIT  # the start path's
+    assert len(walks) == 1 + FALLBACK_RUNS, walks
