@@ -307,6 +307,8 @@ def breaks_json(node: dict[str, Any]) -> frozenset[str]:
 
 
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in ("const", "enum") and _integer_outside(node[keyword], _within(_INT64)):
+        return Support.WEAKENED  # written as a float (probe "const-past-int64")
     if isinstance(node.get("allOf"), list) and _beside_all_of(node):
         # the node is compiled as its allOf alone: {"type": "integer", "minimum": 0, "allOf":
         # [{"maximum": 5}]} wrote strings (probes "required-beside-allOf", "minimum-beside-allOf",
@@ -576,17 +578,32 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
 def _float64_inexact(value: Any) -> bool:
     """Whether ``value`` (a JSON value) holds an integer that a float64 does not hold exactly
     (``2**53 + 1``), at any depth."""
+    return _integer_outside(value, lambda n: abs(n) <= _FLOAT64_EXACT_INT or float(n) == n)
+
+
+def _integer_outside(value: Any, exact: Callable[[int], bool]) -> bool:
+    """Whether ``value`` (a JSON value) holds, at any depth, an integer ``exact`` is False for
+    (every integer from 2**1024 on: no float64 holds it)."""
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
-        return abs(value) > _FLOAT64_EXACT_INT and (
-            abs(value) >= 2**1024 or int(float(value)) != value
-        )
+        return abs(value) >= 2**1024 or not exact(value)
     if isinstance(value, list):
-        return any(_float64_inexact(item) for item in value)
+        return any(_integer_outside(item, exact) for item in value)
     if isinstance(value, dict):
-        return any(_float64_inexact(item) for item in value.values())
+        return any(_integer_outside(item, exact) for item in value.values())
     return False
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+"""xgrammar writes a ``const`` / ``enum`` integer exactly within int64, past it as a float
+(``2**64 + 1`` as ``1.8446744073709552e+19``: probe "const-past-int64")."""
+_OUTLINES_EXACT = (-(2**63), 2**64 - 1)
+"""outlines-core's range of exact ``const`` / ``enum`` integers (probe "const-past-uint64")."""
+
+
+def _within(bounds: tuple[int, int]) -> Callable[[int], bool]:
+    return lambda n: bounds[0] <= n <= bounds[1]
 
 
 def exclusive_whole_bound_within_one(node: dict[str, Any]) -> bool:
@@ -627,6 +644,8 @@ generates ``[]``)."""
 
 
 def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
+    if keyword in ("const", "enum") and _integer_outside(node[keyword], _within(_OUTLINES_EXACT)):
+        return Support.WEAKENED  # written as a float (probe "const-past-uint64")
     if keyword in _OUTLINES_COUNTS:
         value = node[keyword]
         if isinstance(value, (int, float)) and value >= _OUTLINES_COUNT_LIMIT:

@@ -84,6 +84,46 @@ def _scan(pattern: str) -> bool | None:
     return anchor
 
 
+def respell_wider(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with a ``pattern`` the backends read wider (:func:`read_wider`) printed from
+    the algebra, where it can be; else ``node``. The last pass of ``normalize_schema``: only a
+    pattern the backends read is narrowed (one a ``not`` complements is taken as written, or
+    narrowing it would widen the complement), and ``patternProperties`` names are left as they
+    are (a name the narrowed pattern misses would fall to ``additionalProperties``)."""
+    pattern = node.get("pattern")
+    if not isinstance(pattern, str) or read_otherwise(pattern) or not read_wider(pattern):
+        return node
+    printed = intersect_patterns((pattern,))
+    return {**node, "pattern": printed} if isinstance(printed, str) else node
+
+
+def read_wider(pattern: str) -> bool:
+    """Whether ``pattern`` holds a class shorthand the backends read wider than what both
+    readings of it agree on (``regular.BOTH_READINGS``): ``\\W``, ``\\D``, ``\\S`` (ECMA-262
+    and Rust call non-ASCII letters and digits ``\\W`` / ``\\D``, Python does not), ``\\s``
+    (Rust and Python take U+0085, ECMA-262 does not), or ``\\w`` / ``\\d`` in a negated class.
+    :func:`respell_wider` prints such a pattern from the algebra where it can; where it
+    cannot, the pattern stays (the post-validator reports what it lets through)."""
+    at, end = 0, len(pattern)
+    while at < end:
+        char = pattern[at]
+        if char == "\\":
+            if pattern[at + 1 : at + 2] in ("W", "D", "S", "s"):
+                return True
+            at += 2
+        elif char == "[":
+            stop = class_end(pattern, at)
+            inside = pattern[at:stop]
+            negated = inside.startswith("[^")
+            for shorthand in ("\\W", "\\D", "\\S", "\\s") + (("\\w", "\\d") if negated else ()):
+                if shorthand in inside.replace("\\\\", ""):
+                    return True
+            at = stop
+        else:
+            at += 1
+    return False
+
+
 def no_backend_compiles(pattern: str) -> bool:
     """Whether ``pattern`` holds a word boundary (``\\b``, ``\\B``) or a backreference
     (``\\1``, ``(?P=name)``, ``\\k<name>``, ``\\g<name>``) outside classes: every backend

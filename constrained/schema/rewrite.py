@@ -80,7 +80,7 @@ from espalier.constrained.schema.pattern_properties import finite_names, rewrite
 from espalier.constrained.schema.property_counts import rewrite_property_counts
 from espalier.constrained.schema.property_names import rewrite_property_names
 from espalier.constrained.schema.refs import inline_boolean_refs, prune_unused_defs
-from espalier.constrained.schema.respell import respell_patterns
+from espalier.constrained.schema.respell import respell_patterns, respell_wider
 from espalier.constrained.schema.unevaluated import resolve_unevaluated
 from espalier.constrained.schema.unique_items import rewrite_unique_items
 from espalier.constrained.schema.walk import DRAFT_2020_12, dialect_of, map_subschemas
@@ -123,6 +123,7 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
         out.pop("$schema", None)
     # the allOf branches the rewrites wrote, and the types beside their anyOfs; then the enum
     # members a fold put beside other keywords are filtered
+    out = _map_tree(out, respell_wider)  # after every complement was taken
     out = _map_tree(out, lambda node: typed_branches(fold_all_of(node)))
     out = filter_enums(out, annotations_matter=ctx.annotations_matter)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing

@@ -75,6 +75,21 @@ PROBES: tuple[Probe, ...] = (
     # llguidance reads a const or enum member as float64: 2**53 + 1 was written 2**53
     _p("const-past-2**53", "const", {"const": 2**53 + 1}, [2**53 + 1], [2**53]),
     _p("enum-past-2**53", "enum", {"enum": [2**53 + 1, "a"]}, [2**53 + 1, "a"], [2**53]),
+    # xgrammar past int64 and outlines-core past uint64 write such an integer as a float
+    _p(
+        "const-past-int64",
+        "const",
+        {"const": 2**64 + 1},
+        [2**64 + 1],
+        [Text("1.8446744073709552e+19"), 2**64],
+    ),
+    _p(
+        "const-past-uint64",
+        "const",
+        {"const": 10**28 + 1},
+        [10**28 + 1],
+        [Text("1e+28"), Text("1e28"), 10**28],
+    ),
     # llguidance reads numeric bounds as float64: 10**18 and 10**18 - 1 are the same number
     _p(
         "exclusiveMaximum-beyond-2**53",
