@@ -97,8 +97,9 @@ def finite_names(node: dict[str, Any]) -> dict[str, Any]:
     ``additionalProperties`` is false and the patterns match fewer than :data:`FINITE_NAMES`
     names in all (a name's schema: every pattern's that matches it, under ``regex.search`` as
     the post-validator reads it, and its own ``properties`` entry); else ``node``.
-    The names are those both readings of the classes take (``regular.pattern_words``), without
-    a character a key would have to escape."""
+    The names are those both readings of the classes take (``regular.pattern_words``); a name
+    that needs escapes (``"``, ``\\``, control characters) is declared as any other (the
+    backends write a declared name escaped)."""
     patterns = node.get("patternProperties")
     listed = node.get("properties", {})
     if node.get("additionalProperties") is not False or not isinstance(patterns, dict):
@@ -114,8 +115,6 @@ def finite_names(node: dict[str, Any]) -> dict[str, Any]:
         if words is None or len(names | set(words)) >= FINITE_NAMES:
             return node
         names |= set(words)
-    if any(ord(c) < 0x20 or c in '"\\' for name in names for c in name):
-        return node
     properties = dict(listed)
     for name in sorted(names - set(listed)):
         properties[name] = True
