@@ -139,9 +139,11 @@ class Lookahead:
         for k, outcomes in decide_natively(paths, natives, threads).items():
             claimed.pop(k).close()
             kept = aheads[k]._fallbacks
-            aheads[k].finish(
-                [o if o is None else (o[0], replace(o[1], fallbacks=kept)) for o in outcomes]
-            )
+            if kept:  # native memos start at 0 (most requests never fall back)
+                outcomes = [
+                    o if o is None else (o[0], replace(o[1], fallbacks=kept)) for o in outcomes
+                ]
+            aheads[k].finish(outcomes)
         finished: set[int] = set()
 
         def done(k: int, outcomes: list[Outcome | None] | BaseException) -> None:

@@ -19,9 +19,10 @@ import pytest
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.compile import compile_grammar
+from espalier.constrained.errors import SchemaNotEnforceableError
 from espalier.constrained.spec import GrammarSpec
 from espalier.engine.api import SamplingParams
-from espalier.engine.closing import NO_MEMO, BudgetCloser
+from espalier.engine.closing import FALLBACK_RUNS, NO_MEMO, BudgetCloser
 from espalier.engine.closing import ahead as closing_ahead
 from espalier.engine.request import Request
 from tests.fixtures.engine_fixtures import CLOSING_SCHEMA, toy_tokenizer
@@ -64,12 +65,12 @@ def _tree(stream: list[int], root: int, rng: random.Random) -> tuple[list[int], 
     return tokens, parents
 
 
-def _two_closers(tokenizer: Any, compiled: Any) -> tuple[Any, list[Request]]:
-    """Two budget closers and two requests (max_tokens 30) with fresh matchers, to be fed the
-    same tokens."""
-    requests = [Request("r", [1], SamplingParams(max_tokens=30), 0) for _ in range(2)]
+def _two_closers(tokenizer: Any, compiled: Any, max_tokens: int = 30) -> tuple[Any, list[Request]]:
+    """Two budget closers and two requests with fresh matchers, to be fed the same tokens."""
+    requests = [Request("r", [1], SamplingParams(max_tokens=max_tokens), 0) for _ in range(2)]
     for request in requests:
         request.matcher = compiled.matcher()
+        request.compiled = compiled
     return (BudgetCloser(tokenizer), BudgetCloser(tokenizer)), requests
 
 
@@ -107,21 +108,36 @@ def closing_requests() -> list[Any]:
     ]
 
 
+# a string no path closes within its budget: its checks' fallbacks run out (FALLBACK_RUNS)
+UNCLOSABLE = {"type": "string", "minLength": 1000}
+
+
+@pytest.mark.parametrize(
+    ("schema", "max_tokens"), [(SCHEMA, 30), (UNCLOSABLE, 90)], ids=["closable", "unclosable"]
+)
 @pytest.mark.parametrize("together", [False, True], ids=["one", "together"])
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_lookahead_decides_like_inline(
-    backend: str, together: bool, monkeypatch: pytest.MonkeyPatch
+    backend: str,
+    together: bool,
+    schema: dict[str, Any],
+    max_tokens: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # together: the step's job of ``BudgetCloser.lookaheads`` (searches in waves, natively)
     tokenizer = toy_tokenizer()
-    compiled, _ = compile_grammar(GrammarSpec.json_schema(SCHEMA), tokenizer, backend)
+    try:
+        compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), tokenizer, backend)
+    except SchemaNotEnforceableError:
+        pytest.skip(f"{backend} does not enforce {schema}")
     stops = set(tokenizer.stop_token_ids)
     taken = 0
+    fallbacks = 0
     answered = count_answers(monkeypatch)
     for seed in range(8):
         rng = random.Random(seed)
-        stream = _stream(tokenizer, compiled, rng, 40)
-        (ahead, inline), requests = _two_closers(tokenizer, compiled)
+        stream = _stream(tokenizer, compiled, rng, max_tokens + 10)
+        (ahead, inline), requests = _two_closers(tokenizer, compiled, max_tokens)
         pos, done = 0, False
         while pos < len(stream) and not done:
             root = stream[pos - 1] if pos else 1
@@ -139,15 +155,20 @@ def test_lookahead_decides_like_inline(
                 ]
                 assert answers[0] == answers[1]
                 assert ahead._memo.get("r", NO_MEMO) == inline._memo.get("r", NO_MEMO)
+                fallbacks = max(fallbacks, inline._memo.get("r", NO_MEMO).fallbacks)
                 taken += 1
                 pos += 1
-                if answers[0] is not None or len(requests[0].output_ids) + 1 >= 30:
+                if answers[0] is not None or len(requests[0].output_ids) + 1 >= max_tokens:
                     done = True
                     break
                 for request in requests:
                     request.output_ids.append(token)
                     assert request.matcher is not None and request.matcher.accept(token)
-    assert answered[0] > taken // 3  # the lookahead did answer (the rest: off the tree)
+    if schema is UNCLOSABLE:  # checks 17 tokens apart: the lookahead answers those
+        assert fallbacks == FALLBACK_RUNS  # the cap was reached, ahead and inline alike
+        assert answered[0] > 0
+    else:
+        assert answered[0] > taken // 3  # the lookahead did answer (the rest: off the tree)
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
