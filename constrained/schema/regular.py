@@ -43,6 +43,7 @@ MAX_BUILT = 4_000  # states of any automaton built on the way
 MAX_STATES = 64  # of the minimal automaton printed (the expression grows with them)
 MAX_PRINTED = 20_000
 SURROGATES = Chars(((0xD800, 0xDFFF),))
+CONTROLS = Chars(((0x00, 0x1F),))
 
 
 BOTH_READINGS = (False, True)
@@ -61,10 +62,11 @@ def complement_pattern(pattern: str, min_length: int = 0) -> str | bool | None:
     return _combine((pattern,), negate=True, min_length=min_length)
 
 
-def intersect_patterns(patterns: tuple[str, ...]) -> str | bool | None:
+def intersect_patterns(patterns: tuple[str, ...], controls: bool = True) -> str | bool | None:
     """One pattern matching exactly the strings every one of ``patterns`` matches (``False``:
-    no string does; ``True``: every string); None when not expressible within the bounds."""
-    return _combine(patterns, negate=False, min_length=0)
+    no string does; ``True``: every string); None when not expressible within the bounds.
+    ``controls`` False: less the strings holding a control character (U+0000-U+001F)."""
+    return _combine(patterns, negate=False, min_length=0, controls=controls)
 
 
 def patterns_meet(patterns: tuple[str, ...], final_newline: bool = True) -> bool | None:
@@ -196,7 +198,7 @@ def _language(
     trees = [tree for constraints in read for tree, _ in constraints]
     if sum(_positions(t) for t in trees) > MAX_POSITIONS * len(readings):
         return None
-    alphabet = _Alphabet([*_classes(trees), SURROGATES, NEWLINE])
+    alphabet = _Alphabet([*_classes(trees), SURROGATES, CONTROLS, NEWLINE])
     try:
         result = alphabet.dfa(Repeat(ANY, min_length, None))
         for constraints in read:
@@ -211,7 +213,9 @@ def _language(
 
 
 @functools.lru_cache(maxsize=512)
-def _combine(patterns: tuple[str, ...], negate: bool, min_length: int) -> str | bool | None:
+def _combine(
+    patterns: tuple[str, ...], negate: bool, min_length: int, controls: bool = True
+) -> str | bool | None:
     found = _language(patterns, negate, True, min_length, BOTH_READINGS)
     if found is None:
         return None
@@ -224,7 +228,7 @@ def _combine(patterns: tuple[str, ...], negate: bool, min_length: int) -> str | 
         printed = _without_newline_twins(result, alphabet)
         if printed is None:
             return None
-        writable = alphabet.dfa(Repeat(alphabet.writable_chars(), 0, None))
+        writable = alphabet.dfa(Repeat(alphabet.writable_chars(controls), 0, None))
         printed = minimal(product(printed, writable, True, MAX_BUILT))
     except TooBig:
         return None
@@ -321,9 +325,12 @@ class _Alphabet:
             for number, chars in enumerate(distinct)
         }
 
-    def writable_chars(self) -> Chars:
-        """Every block but the surrogates' (the alphabet always splits them off)."""
+    def writable_chars(self, controls: bool = True) -> Chars:
+        """Every block but the surrogates' (and, ``controls`` False, the control characters';
+        the alphabet always splits both off)."""
         kept = [r for block in self.blocks for r in block if not 0xD800 <= r[0] <= 0xDFFF]
+        if not controls:
+            kept = [r for r in kept if r[0] > CONTROLS.ranges[0][1]]
         return Chars(tuple(sorted(kept)))
 
     def dfa(self, node: Node) -> Dfa:

@@ -89,11 +89,14 @@ def respell_wider(node: dict[str, Any]) -> dict[str, Any]:
     the algebra, where it can be; else ``node``. The last pass of ``normalize_schema``: only a
     pattern the backends read is narrowed (one a ``not`` complements is taken as written, or
     narrowing it would widen the complement), and ``patternProperties`` names are left as they
-    are (a name the narrowed pattern misses would fall to ``additionalProperties``)."""
+    are (a name the narrowed pattern misses would fall to ``additionalProperties``). The
+    printed pattern also leaves out control characters."""
     pattern = node.get("pattern")
     if not isinstance(pattern, str) or read_otherwise(pattern) or not read_wider(pattern):
         return node
-    printed = intersect_patterns((pattern,))
+    # without control characters: ``\\s`` printed as ``[\\t-\\r ]`` is ignored by xgrammar
+    # (it reads a pattern against the escaped JSON text), where the pattern as written compiled
+    printed = intersect_patterns((pattern,), controls=False)
     return {**node, "pattern": printed} if isinstance(printed, str) else node
 
 
@@ -113,10 +116,14 @@ def read_wider(pattern: str) -> bool:
             at += 2
         elif char == "[":
             stop = class_end(pattern, at)
-            inside = pattern[at:stop]
+            inside = pattern[at:stop].replace("\\\\", "")
+            pairs = (("\\s", "\\S"), ("\\w", "\\W"), ("\\d", "\\D"))
+            if any(a in inside and b in inside for a, b in pairs):  # [\s\S]: any character
+                at = stop
+                continue
             negated = inside.startswith("[^")
             for shorthand in ("\\W", "\\D", "\\S", "\\s") + (("\\w", "\\d") if negated else ()):
-                if shorthand in inside.replace("\\\\", ""):
+                if shorthand in inside:
                     return True
             at = stop
         else:
