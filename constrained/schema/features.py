@@ -562,10 +562,8 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
     names = node[keyword] if keyword == "patternProperties" else None
     if isinstance(names, dict) and any(_llguidance_misreads(str(name)) for name in names):
         return Support.WEAKENED  # the same reading of a property name
-    if keyword in ("const", "enum") and _float64_inexact(node[keyword]):
-        return (
-            Support.WEAKENED
-        )  # read as float64: 2**53 + 1 was written 2**53 (probe "const-past-2**53")
+    if keyword in ("const", "enum") and _integer_outside(node[keyword], _float64_exact):
+        return Support.WEAKENED  # read as float64: 2**53 + 1 written 2**53 ("const-past-2**53")
     if keyword in NUMERIC and keyword != "multipleOf":
         value = node[keyword]
         if isinstance(value, (int, float)) and abs(value) > _FLOAT64_EXACT_INT:
@@ -575,10 +573,9 @@ def _llguidance_rule(keyword: str, node: dict[str, Any]) -> Support:
     return Support.EXACT
 
 
-def _float64_inexact(value: Any) -> bool:
-    """Whether ``value`` (a JSON value) holds an integer that a float64 does not hold exactly
-    (``2**53 + 1``), at any depth."""
-    return _integer_outside(value, lambda n: abs(n) <= _FLOAT64_EXACT_INT or float(n) == n)
+def _float64_exact(n: int) -> bool:
+    """Whether a float64 holds ``n`` exactly (``2**53 + 1`` it does not)."""
+    return float(n) == n
 
 
 def _integer_outside(value: Any, exact: Callable[[int], bool]) -> bool:

@@ -254,16 +254,6 @@ class ClosingPaths:
         answer = self.python_search_after(matcher, token, limit)
         return self.or_fallback(matcher, token, limit, answer, fallback)
 
-    def greedy(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
-        """The greedy :meth:`search` from ``matcher``'s state (not changed), natively where its
-        backend can (the same choices, the GIL released), without the fallbacks."""
-        native = matcher.native_closing(None, limit)
-        if native is not None:
-            outcome = native.kind(self.rules, [native], 1)[0]
-            if outcome is not FALLBACK:
-                return as_answer(outcome)[1]
-        return self.search(matcher.fork(), limit)
-
     def python_search_after(
         self, matcher: GrammarMatcher, token: int | None, limit: int
     ) -> tuple[bool, list[int] | None]:
@@ -313,7 +303,7 @@ class ClosingPaths:
         that way, in 70 respelled (a budget of 90 ended unclosed)."""
         if limit >= SEARCH_LIMIT:
             return None
-        long = self.greedy(matcher, SEARCH_LIMIT)
+        long = self.search_after(matcher, None, SEARCH_LIMIT, fallback=False)[1]
         if long is None:
             return None
         try:

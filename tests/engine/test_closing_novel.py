@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 import pytest
@@ -116,12 +117,11 @@ def test_a_walk_that_finds_nothing_scans_a_run_once(
     assert rows < novel.TRIES // 2
 
 
-def test_a_grammar_whose_start_has_no_path_is_not_searched_again_at_the_first_token(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The start state's search (its fallbacks included) found none: the first token's check
-    is RETRY_AFTER tokens later, as after any check that finds none, not a second search of
-    the same state at the first token."""
+def _watched_closer(
+    max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, BudgetCloser, Request, list[int]]:
+    """A closer, a request of :data:`UNCLOSABLE` (llguidance, toy tokenizer) and the limits
+    of the novel walks the closer runs, in order."""
     tokenizer = toy_tokenizer()
     compiled, _ = compile_grammar(UNCLOSABLE, tokenizer, "llguidance")
     closer = BudgetCloser(tokenizer)
@@ -134,9 +134,19 @@ def test_a_grammar_whose_start_has_no_path_is_not_searched_again_at_the_first_to
         return find(matcher, limit)  # type: ignore[arg-type]
 
     monkeypatch.setattr(closer.paths.novel, "find", counted)
-    request = Request("r", [1], SamplingParams(max_tokens=30), 0)
+    request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
     request.matcher = compiled.matcher()
     request.compiled = compiled
+    return tokenizer, closer, request, walks
+
+
+def test_a_grammar_whose_start_has_no_path_is_not_searched_again_at_the_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start state's search (its fallbacks included) found none: the first token's check
+    is RETRY_AFTER tokens later, as after any check that finds none, not a second search of
+    the same state at the first token."""
+    tokenizer, closer, request, walks = _watched_closer(30, monkeypatch)
     stops = set(tokenizer.stop_token_ids)
     quote = tokenizer.encode('"')
     assert closer.instead(request, quote[0], stops, 10_000) is None
@@ -159,22 +169,8 @@ def test_a_request_runs_the_fallbacks_a_bounded_number_of_times(
     """A string no path closes, over a long budget: checks come back every RETRY_AFTER
     tokens, and each ran the fallbacks (tens to hundreds of ms of Python) again; now the
     fallbacks run at FALLBACK_RUNS checks at most, the greedy search at every one."""
-    tokenizer = toy_tokenizer()
-    compiled, _ = compile_grammar(UNCLOSABLE, tokenizer, "llguidance")
-    closer = BudgetCloser(tokenizer)
-    assert closer.paths is not None
-    walks: list[int] = []
-    find = closer.paths.novel.find
-
-    def counted(matcher: object, limit: int) -> list[int] | None:
-        walks.append(limit)
-        return find(matcher, limit)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(closer.paths.novel, "find", counted)
     max_tokens = 150
-    request = Request("r", [1], SamplingParams(max_tokens=max_tokens), 0)
-    request.matcher = compiled.matcher()
-    request.compiled = compiled
+    tokenizer, closer, request, walks = _watched_closer(max_tokens, monkeypatch)
     stops = set(tokenizer.stop_token_ids)
     tokens = tokenizer.encode('"' + "ab" * 400)[: max_tokens - 1]
     assert len(tokens) == max_tokens - 1
