@@ -531,11 +531,16 @@ def llguidance_multiple_too_costly(value: Any) -> bool:
 def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
     """``BackendProfile.uncompilable`` of llguidance: a ``multipleOf`` past its limit, a number
     it cannot read, ``patternProperties`` whose patterns may match one name together (it
-    refuses them: "patternProperty regexes /^a/ and /b$/ are not disjoint")."""
+    refuses them: "patternProperty regexes /^a/ and /b$/ are not disjoint"), and with them an
+    ``additionalProperties`` other than ``true``: kept alone it would also take the names the
+    patterns matched, a narrower language, which broke :func:`compile._refuse_if_empty`'s
+    premise (``required: [a]`` beside ``^[ab]$`` was called unsatisfiable on every backend)."""
     costly = llguidance_multiple_too_costly(node.get("multipleOf"))
     unread = {k for k in NUMERIC & node.keys() if _past_float64(node[k])}
     if "patternProperties" in node and patterns_may_overlap(node["patternProperties"]):
         unread.add("patternProperties")
+        if node.get("additionalProperties", True) is not True:
+            unread.add("additionalProperties")
     return frozenset(unread | ({"multipleOf"} if costly else set())) | _uncompilable_pattern(node)
 
 

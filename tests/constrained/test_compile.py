@@ -380,6 +380,33 @@ def test_overlapping_pattern_properties_of_every_or_one_name_compile_on_llguidan
         assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid
 
 
+def test_overlapping_pattern_properties_beside_closed_objects_are_not_called_empty(
+    toy_tokenizer: Any,
+) -> None:
+    """llguidance compiles overlapping patternProperties without them; kept alone, their
+    ``additionalProperties: false`` forbade the names the patterns took, and the narrower
+    language's emptiness (``required: [a]``) was taken as the schema's on every backend. Both go
+    together: strict compiles name what no backend enforces, and weakened ones generate."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^[ab]$": {"type": "integer"}, "b$": {}},
+        "additionalProperties": False,
+        "required": ["a"],
+    }
+    assert validate_instance(schema, {"a": 1}).valid
+    with pytest.raises(SchemaNotEnforceableError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, "llguidance")
+    found = {(i.keyword, i.support) for i in caught.value.issues}
+    assert found == {("patternProperties", "ignored"), ("additionalProperties", "ignored")}
+    with pytest.raises(SchemaNotEnforceableError):
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    compiled, report = compile_grammar(
+        GrammarSpec.json_schema(schema), toy_tokenizer, "llguidance", allow_weakening=True
+    )
+    assert {i.keyword for i in report.weakened} == {"patternProperties", "additionalProperties"}
+    assert accepts(compiled, toy_tokenizer, {"a": 1})
+
+
 @pytest.mark.parametrize(
     ("backend", "schema", "keyword", "via", "others"),
     [
