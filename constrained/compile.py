@@ -26,6 +26,7 @@ from espalier.constrained.base import CompiledGrammar, CompileReport
 from espalier.constrained.errors import (
     CompileTimeoutError,
     EmptyLanguageError,
+    FirstMaskLimitError,
     GrammarError,
     InvalidGrammarError,
     KeywordIssue,
@@ -319,10 +320,11 @@ def _compile_first(
         except GrammarError as exc:
             if isinstance(exc, EmptyLanguageError) and _schema_verdict(spec, name):
                 raise  # llguidance's verdict is the schema's (_refuse_if_empty)
-            # a backend that cannot take the grammar says less than one that found it invalid
+            # a backend that cannot take the grammar, or stopped at a limit of its own, says
+            # less than one that found it invalid
             if first_error is None or (
-                isinstance(first_error, UnsupportedGrammarError)
-                and not isinstance(exc, UnsupportedGrammarError)
+                isinstance(first_error, UnsupportedGrammarError | FirstMaskLimitError)
+                and not isinstance(exc, UnsupportedGrammarError | FirstMaskLimitError)
             ):
                 first_error = exc
             continue

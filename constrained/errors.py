@@ -43,6 +43,11 @@ class EmptyLanguageError(InvalidGrammarError):
     refused like a malformed one (same reason), and known to accept nothing."""
 
 
+class FirstMaskLimitError(InvalidGrammarError):
+    """A backend stopped at a limit of its own computing the grammar's first mask: it cannot
+    serve this grammar, which says nothing of the grammar itself (another backend may)."""
+
+
 class UnsupportedGrammarError(GrammarError):
     """A backend was asked for a grammar kind (or feature) it cannot compile."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from espalier.constrained import bitmask
-from espalier.constrained.errors import GrammarError, InvalidGrammarError
+from espalier.constrained.errors import FirstMaskLimitError, GrammarError, InvalidGrammarError
 
 if TYPE_CHECKING:
     from espalier.constrained.base import CompiledGrammar
@@ -55,7 +55,7 @@ def _refuse_empty_from(
         # at the start a backend's limit is not an empty language; after the marker the
         # backends stop this way on a grammar that admits nothing (llguidance: NoExtensionBias)
         if exc.reason == "GRAMMAR_STATE_ERROR" and not prefix:
-            raise InvalidGrammarError(
+            raise FirstMaskLimitError(
                 kind, f"the backend could not compute the grammar's first mask: {exc}"
             ) from exc
         raise InvalidGrammarError(kind, f"{after}{EMPTY_LANGUAGE} ({exc})") from exc

@@ -15,6 +15,7 @@ from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import default_dialect, find_files, iter_cases
 from espalier.constrained.errors import (
     EmptyLanguageError,
+    FirstMaskLimitError,
     GrammarError,
     InvalidGrammarError,
     SchemaNotEnforceableError,
@@ -168,6 +169,18 @@ def test_a_backend_limit_at_the_first_mask_is_not_called_an_empty_language(
         compile_grammar(grammar, gemma_tokenizer, "llguidance")
     assert "could not compute the grammar's first mask" in str(info.value)
     assert "matches no text" not in str(info.value)
+
+
+def test_auto_names_an_empty_grammar_that_one_backend_stopped_on(toy_tokenizer: Any) -> None:
+    """llguidance stops at its first mask on a left-recursive rule that never ends
+    (NoExtensionBias, a limit); the verdict of the next backend tried is the one reported."""
+    grammar = GrammarSpec.ebnf('root ::= root "a"')
+    with pytest.raises(FirstMaskLimitError):
+        compile_grammar(grammar, toy_tokenizer, "llguidance")
+    with pytest.raises(InvalidGrammarError) as info:
+        compile_grammar(grammar, toy_tokenizer)
+    assert not isinstance(info.value, FirstMaskLimitError)
+    assert "matches no text at all" in str(info.value)
 
 
 LLGUIDANCE_FINDS_EMPTY = [
