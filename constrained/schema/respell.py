@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from espalier.constrained.schema.features import escape_class_misread
 from espalier.constrained.schema.logic import ALL_TYPES, append_all_of, without
 from espalier.constrained.schema.pattern_parse import has_inner_anchor
 from espalier.constrained.schema.regular import intersect_patterns
@@ -85,14 +86,18 @@ def _scan(pattern: str) -> bool | None:
 
 
 def respell_wider(node: dict[str, Any]) -> dict[str, Any]:
-    """``node`` with a ``pattern`` the backends read wider (:func:`read_wider`) printed from
-    the algebra, where it can be; else ``node``. The last pass of ``normalize_schema``: only a
-    pattern the backends read is narrowed (one a ``not`` complements is taken as written, or
-    narrowing it would widen the complement), and ``patternProperties`` names are left as they
-    are (a name the narrowed pattern misses would fall to ``additionalProperties``). The
-    printed pattern also leaves out control characters."""
+    """``node`` with a ``pattern`` the backends read wider (:func:`read_wider`, or llguidance's
+    :func:`~espalier.constrained.schema.features.escape_class_misread`: ``^[^"]+$``, "no
+    quotes", took ``\\"``) printed from the algebra, where it can be; else ``node``. The last
+    pass of ``normalize_schema``: only a pattern the backends read is narrowed (one a ``not``
+    complements is taken as written, or narrowing it would widen the complement), and
+    ``patternProperties`` names are left as they are (a name the narrowed pattern misses would
+    fall to ``additionalProperties``). The printed pattern also leaves out control characters,
+    so that no class of it holds U+0000 and U+001F (what llguidance misreads)."""
     pattern = node.get("pattern")
-    if not isinstance(pattern, str) or read_otherwise(pattern) or not read_wider(pattern):
+    if not isinstance(pattern, str) or read_otherwise(pattern):
+        return node
+    if not (read_wider(pattern) or escape_class_misread(pattern)):
         return node
     # without control characters: ``\\s`` printed as ``[\\t-\\r ]`` is ignored by xgrammar
     # (it reads a pattern against the escaped JSON text), where the pattern as written compiled

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.backends import get_backend
+from espalier.constrained.compile import compile_grammar
 from espalier.constrained.conformance import grammar_accepts
 from espalier.constrained.postvalidate import validate_instance
 from espalier.constrained.schema.features import backend_issues
@@ -274,3 +275,31 @@ def test_shorthands_the_backends_read_wider_are_printed_narrower(
         if accepted and not valid_both(schema, value) and "not" not in schema:
             bad.append(value)
     assert bad == []
+
+
+ESCAPE_CLASSES = [r'^[^"]+$', r"^[^\\]{1,4}$", r'^[^"\\]*$', r'^(?:[^"\\]|\\.)*$', r'^a[^"]*$']
+
+
+@pytest.mark.parametrize("pattern", ESCAPE_CLASSES)
+def test_classes_llguidance_reads_with_escapes_are_printed_without_controls(
+    pattern: str, toy_tokenizer: Any
+) -> None:
+    """A held-out sweep: ``^[^"]+$`` ("no quotes") was refused on every backend (llguidance's
+    reading of a class holding U+0000 and U+001F but not both ``"`` and ``\\`` took ``\\"``).
+    It is printed from the algebra without control characters: llguidance takes exactly the
+    valid strings that hold none."""
+    schema = {"type": "string", "pattern": pattern}
+    rewritten = rewrite(schema)
+    assert backend_issues("llguidance", rewritten) == []
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance"
+    rng = random.Random(8)
+    pool = [*'ab"\\é ', "\x01", "\x1f", "\n", "目"]
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        value = "".join(rng.choice(pool) for _ in range(rng.randrange(0, 5)))
+        accepted = grammar_accepts(compiled, toy_tokenizer, json.dumps(value, ensure_ascii=False))
+        controls = any(ord(c) < 0x20 for c in value)
+        assert accepted == (validate_instance(schema, value).valid and not controls), value
+        seen[accepted] += 1
+    assert seen[True] > 5 and seen[False] > 5, seen
