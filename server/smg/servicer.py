@@ -169,7 +169,9 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
         try:
             tokenizer = self.state.require_tokenizer()
             if self._bundle is None or (self._bundle.done() and self._bundle.exception()):
-                self._bundle = asyncio.ensure_future(asyncio.to_thread(build_bundle, tokenizer.hf))
+                self._bundle = asyncio.ensure_future(
+                    asyncio.to_thread(build_bundle, tokenizer.hf, tokenizer.stop_token_ids)
+                )
             bundle = await asyncio.shield(self._bundle)
         except Exception as exc:
             await context.abort_with_status(to_grpc_status(exc))

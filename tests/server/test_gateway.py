@@ -124,6 +124,22 @@ def test_streamed_completion_validates(client: Any) -> None:
     assert finish == "stop"
 
 
+def test_response_format_with_tools_offered_ends_at_the_json(client: Any) -> None:
+    """With tools on offer SMG keeps special tokens in the text: the stop token the engine
+    sampled was written after the JSON (``{...}<end_of_turn>``, finish ``stop``) until the
+    tokenizer bundle named the stop ids for SMG to strip."""
+    reply = chat(
+        client,
+        "Describe a person.",
+        response_format=json_schema_format(PERSON),
+        tools=TOOLS,
+        tool_choice="auto",
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
 def check_tool_calls(message: Any, allowed: set[str]) -> list[str]:
     assert message.tool_calls, f"no tool calls; content: {message.content!r}"
     names = []

@@ -81,7 +81,10 @@ def test_tokenizer_bundle_has_the_chat_template(bundle: tuple[bytes, str]) -> No
         assert "tokenizer.json" in names
         config = json.loads(archive.read("tokenizer_config.json"))
         template = config.get("chat_template") or archive.read("chat_template.jinja").decode()
+        # SMG strips these ids before it detokenizes (its stop decoder reads them from here)
+        generation = json.loads(archive.read("generation_config.json"))
     assert "<start_of_turn>" in template
+    assert {1, 106} <= set(generation["eos_token_id"])  # <eos>, <end_of_turn>
 
 
 def test_health_model_server_info_and_loads(stub: vpb_grpc.VllmEngineStub) -> None:
