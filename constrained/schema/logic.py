@@ -308,7 +308,7 @@ def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
     values; why: xgrammar drops a type beside an anyOf whose branches are not within it (the
     complements of ``not`` and ``oneOf`` list every other type). Unchanged where a branch is
     not a plain schema object or none would be left."""
-    kinds = _type_list(node.get("type"))
+    kinds = type_list(node.get("type"))
     branches = node.get("anyOf")
     if kinds is None or not isinstance(branches, list) or not branches:
         return node
@@ -323,14 +323,14 @@ def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
             values = [branch["const"]] if "const" in branch else branch["enum"]
             if not isinstance(values, list):
                 return node
-            kept = [v for v in values if _of_types(v, kinds)]
+            kept = [v for v in values if of_types(v, kinds)]
             if kept == values:
                 out.append(branch)
             elif kept:
                 rest = {k: v for k, v in branch.items() if k not in ("const", "enum")}
                 out.append({**rest, "enum": kept})
             continue
-        theirs = _type_list(branch.get("type", list(ALL_TYPES)))
+        theirs = type_list(branch.get("type", list(ALL_TYPES)))
         if theirs is None:
             return node
         common = _common_types(kinds, theirs)
@@ -341,7 +341,7 @@ def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
     return {**node, "anyOf": out}
 
 
-def _of_types(value: Any, kinds: list[str]) -> bool:
+def of_types(value: Any, kinds: list[str]) -> bool:
     """Whether JSON ``value`` is of one of the type names ``kinds``."""
     kind = json_type(value)
     if kind == "number" and "number" not in kinds and "integer" in kinds:
@@ -349,7 +349,7 @@ def _of_types(value: Any, kinds: list[str]) -> bool:
     return kind in kinds
 
 
-def _type_list(value: Any) -> list[str] | None:
+def type_list(value: Any) -> list[str] | None:
     names = [value] if isinstance(value, str) else value if isinstance(value, list) else None
     if names is None or not all(isinstance(n, str) for n in names):
         return None
@@ -413,7 +413,7 @@ def merged(node: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None
         elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
             out[key] = list(dict.fromkeys([*out[key], *value]))
         elif key == "type":
-            mine_types, their_types = _type_list(out[key]), _type_list(value)
+            mine_types, their_types = type_list(out[key]), type_list(value)
             if mine_types is None or their_types is None:
                 return None
             common = _common_types(mine_types, their_types)

@@ -15,7 +15,14 @@ import itertools
 import math
 from typing import Any
 
-from espalier.constrained.schema.logic import ALL_TYPES, Defs, canonical, deref
+from espalier.constrained.schema.logic import (
+    ALL_TYPES,
+    Defs,
+    canonical,
+    deref,
+    of_types,
+    type_list,
+)
 
 MAX_ARRAYS = 512
 MAX_CANDIDATES = 20_000  # arrays tried per length before keeping the unique ones
@@ -98,11 +105,14 @@ def _domain(schema: Any, defs: Defs) -> list[Any] | None:
     if not set(schema) - IGNORED <= VALUE_KEYS:
         return None
     if "const" in schema or "enum" in schema:
-        if "type" in schema:
-            return None  # enum_filter has removed such siblings unless annotations matter
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        if not isinstance(values, list):
+        if not isinstance(values, list) or ("const" in schema and "enum" in schema):
             return None
+        if "type" in schema:  # the members of the type (enum_filter runs after this rewrite)
+            kinds = type_list(schema["type"])
+            if kinds is None:
+                return None
+            values = [v for v in values if of_types(v, kinds)]
         return list({canonical(v): v for v in values}.values())
     kind = schema.get("type")
     kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else None

@@ -202,3 +202,30 @@ def test_a_structural_tags_schemas_keep_refusing_unique_items(toy_tokenizer: Any
     with pytest.raises(SchemaNotEnforceableError) as caught:
         compile_grammar(structural_tag_spec(tag), toy_tokenizer)
     assert "uniqueItems" in {i.keyword for i in caught.value.issues}
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        {"type": "string", "enum": ["pdf", "html", 3]},
+        {"type": "integer", "enum": [1, "x", 2]},
+        {"type": ["string", "null"], "const": "a"},
+    ],
+)
+def test_typed_enum_items_are_listed_as_unique_arrays(items: Any, toy_tokenizer: Any) -> None:
+    """A held-out sweep: ``{"type": "string", "enum": [...]}`` items were refused for
+    ``uniqueItems`` while the same enum without ``type`` was listed (the type's members are
+    kept, as the enum filter keeps them later)."""
+    schema = {"type": "array", "items": items, "uniqueItems": True}
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert not report.weakened
+    members = items.get("enum", [items.get("const")])
+    pool = [*members, "zzz", 7, None]
+    rng = random.Random(3)
+    seen = {True: 0, False: 0}
+    for _ in range(60):
+        value = [rng.choice(pool) for _ in range(rng.randrange(4))]
+        valid = jsonschema.Draft202012Validator(schema).is_valid(value)
+        assert grammar_accepts(compiled, toy_tokenizer, json.dumps(value)) == valid, value
+        seen[valid] += 1
+    assert seen[True] >= 5 and seen[False] >= 5, seen
