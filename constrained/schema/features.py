@@ -541,7 +541,18 @@ def _llguidance_uncompilable(node: dict[str, Any]) -> frozenset[str]:
         unread.add("patternProperties")
         if node.get("additionalProperties", True) is not True:
             unread.add("additionalProperties")
+    if _optional_listed(node):  # "min/maxProperties only supported when all keys listed in
+        # "properties" are required": the nodes property_counts could not rewrite (too many)
+        unread |= {"minProperties", "maxProperties"} & node.keys()
     return frozenset(unread | ({"multipleOf"} if costly else set())) | _uncompilable_pattern(node)
+
+
+def _optional_listed(node: dict[str, Any]) -> bool:
+    """Whether ``node`` lists a property (not as ``false``) that it does not require."""
+    listed, required = node.get("properties"), node.get("required", [])
+    if not isinstance(listed, dict) or not isinstance(required, list):
+        return False
+    return any(name not in required and sub is not False for name, sub in listed.items())
 
 
 def patterns_may_overlap(named: Any) -> bool:

@@ -380,6 +380,29 @@ def test_overlapping_pattern_properties_of_every_or_one_name_compile_on_llguidan
         assert accepts(compiled, toy_tokenizer, value) == validate_instance(schema, value).valid
 
 
+def test_property_counts_llguidance_cannot_count_are_named_not_called_invalid(
+    toy_tokenizer: Any,
+) -> None:
+    """Twelve optional names (propertyNames listed) with ``minProperties: 2`` are past
+    property_counts' branches; llguidance refuses such a count at compile ("min/maxProperties
+    only supported when all keys listed ... are required"), which a sibling xgrammar does not
+    enforce made the answer: "invalid json_schema". The keyword and its pointer are named."""
+    counted = {"type": "object", "propertyNames": {"pattern": "^[a-c]{1,2}$"}, "minProperties": 2}
+    schema = {
+        "type": "object",
+        "properties": {"p": counted, "x": {"type": "string", "format": "ipv4"}},
+        "required": ["p", "x"],
+        "additionalProperties": False,
+    }
+    with pytest.raises(SchemaNotEnforceableError) as caught:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert "'minProperties' at /properties/p (ignored)" in str(caught.value)
+    compiled, report = compile_grammar(GrammarSpec.json_schema(counted), toy_tokenizer)
+    assert report.backend == "xgrammar" and not report.weakened
+    for value in ({"a": 1, "b": 2}, {"a": 1}, {"a": 1, "d": 2}, {"aa": 1, "cc": None}):
+        assert accepts(compiled, toy_tokenizer, value) == validate_instance(counted, value).valid
+
+
 def test_overlapping_pattern_properties_beside_closed_objects_are_not_called_empty(
     toy_tokenizer: Any,
 ) -> None:
