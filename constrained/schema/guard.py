@@ -106,7 +106,7 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
     total = 0  # property names in all (point 5)
     for node in walk(schema):
         if isinstance(node.schema, dict):
-            _check_pattern_sizes(node.schema, node.pointer)
+            _check_patterns(node.schema, node.pointer)
             total += _name_count(node.schema, node.pointer)
     if total > MAX_NAMES:
         raise InvalidGrammarError(
@@ -132,11 +132,15 @@ def _name_count(node: dict[str, Any], pointer: str) -> int:
     return len(names)
 
 
-def _check_pattern_sizes(node: dict[str, Any], pointer: str) -> None:
+def _check_patterns(node: dict[str, Any], pointer: str) -> None:
     """Refuse a ``pattern`` or ``patternProperties`` name of ``node`` whose counted repetitions
-    ask for too many copies (``regex_dialect.too_many_copies``): the analysis and the
+    ask for too many copies (``regex_dialect.too_many_copies``: the analysis and the
     post-validator compile every pattern with Python's ``regex`` module, which writes such a
-    count out in full."""
+    count out in full), or that module does not compile: its message and position, at the
+    pattern's pointer (a backend's own error points into the grammar it wrapped the pattern
+    in: ``[a-`` was "Unclosed '[' at position 18")."""
+    import regex
+
     from espalier.constrained.regex_dialect import too_many_copies
 
     places = []
@@ -149,6 +153,14 @@ def _check_pattern_sizes(node: dict[str, Any], pointer: str) -> None:
         problem = too_many_copies(pattern)
         if problem is not None:
             raise InvalidGrammarError(KIND, f"pattern: {problem}", pointer=f"{pointer}/{where}")
+        try:
+            regex.compile(pattern)
+        except (regex.error, OverflowError, RecursionError) as exc:
+            raise InvalidGrammarError(
+                KIND,
+                f"pattern {pattern[:80]!r} is not a regular expression: {exc}",
+                pointer=f"{pointer}/{where}",
+            ) from exc
 
 
 @functools.cache
