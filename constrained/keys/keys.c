@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 6
+#define ESP_KEYS_ABI 7
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
@@ -72,6 +72,11 @@ typedef struct EspKeysTables {
      * token: its first byte continues a number (or it has no bytes) */
     int32_t *item_ids, *numrun_ids, *lit_ids;
     int64_t n_item, n_numrun, lit_start[3][6], lit_count[3][6];
+    /* string items at their longest (EspPlaces.item_chars): a token's whole bytes (no quote, no
+     * backslash) -> ids, and the tokens holding a backslash but no quote */
+    BytesMap by_text;
+    int32_t *escape_ids;
+    int64_t n_escape;
     uint32_t *numstart;
     int64_t numstart_words;
 } EspKeysTables;
@@ -80,11 +85,15 @@ typedef struct EspKeysTables {
  * automaton over an instance's places. State s: unique[s] (an array here has unique items),
  * object keys names[key_start[s] .. + key_count[s]) -> key_target, other keys -> key_default[s];
  * array items at index i < prefix_count[s] -> prefix_target[prefix_start[s] + i], later ones ->
- * item_default[s]. -1: no place below is tracked. Read-only, shared by trackers and forks. */
+ * item_default[s]. -1: no place below is tracked. item_chars[s]: the most characters a string
+ * item after the prefix may have there (-1: no bound kept); a token that leaves such an item at
+ * that many characters, equal to an item already in the array, is refused like one that
+ * completes it (only the closing quote could follow). Read-only, shared by trackers and forks. */
 typedef struct EspPlaces {
     int32_t n_states;
     uint8_t *unique;
     int32_t *key_start, *key_count, *key_default, *prefix_start, *prefix_count, *item_default;
+    int32_t *item_chars;
     int32_t *key_target, *prefix_target;
     int64_t *name_off;
     int32_t *name_len;
@@ -553,6 +562,34 @@ static int in_taken_literal(const EspKeys *k) {
     return key_in(k, k->stack[k->depth - 1].items, word, 1 + (uint32_t)strlen(lit));
 }
 
+/* Characters (UTF-8 lead bytes) of [p, p + n). */
+static uint32_t chars_of(const uint8_t *p, uint32_t n) {
+    uint32_t c = 0;
+    for (uint32_t i = 0; i < n; i++) c += (p[i] & 0xC0) != 0x80;
+    return c;
+}
+
+/* The most characters the string item being read may have (-1: no bound kept, or not inside a
+ * string item of a unique array past its prefix). */
+static int32_t item_chars(const EspKeys *k) {
+    if (k->item != STRING_ITEM || !k->in_value || !in_unique(k)) return -1;
+    const Frame *top = &k->stack[k->depth - 1];
+    if (top->index < k->places->prefix_count[top->loc]) return -1;
+    return k->places->item_chars[top->loc];
+}
+
+/* Inside a string item at its most characters (no escape or surrogate half pending) that is
+ * already in its array: only the closing quote could follow, a duplicate (EspPlaces). */
+static int at_taken_end(const EspKeys *k) {
+    int32_t most = item_chars(k);
+    if (most < 0 || k->esc_len || k->high) return 0;
+    const uint8_t *text = k->bytes + k->item_off + 1;
+    uint32_t len = k->n_bytes - k->item_off - 1;
+    if (len < (uint32_t)most || len > 4u * (uint32_t)most || chars_of(text, len) != (uint32_t)most)
+        return 0;
+    return key_in(k, k->stack[k->depth - 1].items, k->bytes + k->item_off, len + 1);
+}
+
 static void rollback(EspKeys *k, int64_t n) {
     if (n <= 0) return;
     if (n > k->n_marks) n = k->n_marks;
@@ -600,7 +637,11 @@ static int advance(EspKeys *k, int64_t token, int strict) {
         if (step_byte(k, data[i], strict)) { rollback(k, 1); return 0; }
     }
     if (k->failed) { rollback(k, 1); k->failed = 0; return -1; }
-    if (in_taken_literal(k)) { rollback(k, 1); k->refused = REFUSED_ITEM; return 0; }
+    if (in_taken_literal(k) || at_taken_end(k)) {
+        rollback(k, 1);
+        k->refused = REFUSED_ITEM;
+        return 0;
+    }
     return 1;
 }
 
@@ -720,6 +761,30 @@ static int number_repeats(EspKeys *k) {
     return seen;
 }
 
+/* Inside a string item whose longest is most characters: the allowed tokens that leave it at an
+ * item of its array that long (at_taken_end). Candidates: a token spelling the rest of such an
+ * item, and the tokens holding a backslash; with an escape or a surrogate half pending, every
+ * allowed token. 0 out of memory. */
+static int taken_end_ids(EspKeys *k, const uint32_t *row, int64_t words, int32_t most,
+                         int64_t *found) {
+    const EspKeysTables *t = k->tables;
+    const uint8_t *text = k->bytes + k->item_off;
+    uint32_t len = k->n_bytes - k->item_off, ahead = 0;
+    for (int32_t e = k->stack[k->depth - 1].items; e >= 0; e = k->entries[e].prev) {
+        const KeyEntry *seen = &k->entries[e];
+        const uint8_t *item = k->bytes + seen->off;
+        if (seen->len < len || memcmp(item, text, len) != 0) continue;
+        if (chars_of(item + 1, seen->len - 1) != (uint32_t)most) continue;
+        ahead = 1;
+        if (k->esc_len || k->high) break;
+        const Slot *s = map_get(&t->by_text, item + len, seen->len - len);
+        if (s && !try_ids(k, t->by_text.ids + s->start, s->count, row, words, found)) return 0;
+    }
+    if (!ahead) return 1;
+    if (k->esc_len || k->high) return try_allowed(k, row, words, found);
+    return try_ids(k, t->escape_ids, t->n_escape, row, words, found);
+}
+
 /* Append to k->found the allowed tokens of row that complete a duplicate item (candidates: see
  * EspKeysTables); found: how many k->found held. -1 out of memory. */
 static int64_t item_duplicates(EspKeys *k, const uint32_t *row, int64_t words, int64_t found) {
@@ -727,6 +792,8 @@ static int64_t item_duplicates(EspKeys *k, const uint32_t *row, int64_t words, i
     if (!try_ids(k, t->item_ids, t->n_item, row, words, &found)) return -1;
     if (k->item == NUMBER_ITEM && !try_ids(k, t->numrun_ids, t->n_numrun, row, words, &found))
         return -1;
+    int32_t most = item_chars(k);
+    if (most >= 0 && !taken_end_ids(k, row, words, most, &found)) return -1;
     if (k->item == LITERAL_ITEM) {
         int lit = literal_index(k->bytes[k->item_off + 1]);
         int64_t read = (int64_t)(k->n_bytes - k->item_off - 1);
@@ -811,6 +878,7 @@ void espalier_keys_tables_free(EspKeysTables *t) {
     free(t->by_run.slots); free(t->by_run.ids);
     free(t->quote_ids); free(t->simulate_ids); free(t->always_ids); free(t->slash_ids);
     free(t->item_ids); free(t->numrun_ids); free(t->lit_ids); free(t->numstart);
+    free(t->by_text.slots); free(t->by_text.ids); free(t->escape_ids);
     free(t);
 }
 
@@ -924,12 +992,14 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
     t->simulate_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
     t->always_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
     t->slash_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    t->escape_ids = malloc((size_t)(n + 1) * sizeof(int32_t));
+    Item *texts = malloc((size_t)(n + 1) * sizeof(Item));
     Item *prefixes = malloc((size_t)(n + 1) * sizeof(Item));
     Item *runs = malloc((size_t)(quotes + n + 1) * sizeof(Item));
     const uint8_t **cuts = malloc((size_t)(quotes + 1) * sizeof(uint8_t *));
     int ok = t->bytes && t->offs && t->quote_ids && t->simulate_ids && t->always_ids &&
-             t->slash_ids && prefixes && runs && cuts;
-    int64_t n_prefixes = 0, n_runs = 0;
+             t->slash_ids && t->escape_ids && texts && prefixes && runs && cuts;
+    int64_t n_prefixes = 0, n_runs = 0, n_texts = 0;
     if (ok) {
         memcpy(t->bytes, bytes, (size_t)total);
         memcpy(t->offs, offs, (size_t)(n + 1) * sizeof(int64_t));
@@ -941,6 +1011,8 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
             if (data[i] == '"') cuts[nq++] = data + i;
         if (!nq) {
             if (needless_inside(data, len)) t->slash_ids[t->n_slash++] = (int32_t)id;
+            if (memchr(data, '\\', len)) t->escape_ids[t->n_escape++] = (int32_t)id;
+            else if (len) texts[n_texts++] = (Item){data, len, (int32_t)id};
             continue;
         }
         t->quote_ids[t->n_quote++] = (int32_t)id;
@@ -965,8 +1037,8 @@ EspKeysTables *espalier_keys_tables_new(const uint8_t *bytes, const int64_t *off
         if (always) t->always_ids[t->n_always++] = (int32_t)id;
     }
     ok = ok && map_build(&t->by_prefix, prefixes, n_prefixes) && map_build(&t->by_run, runs, n_runs);
-    ok = ok && item_tables(t);
-    free(prefixes); free(runs); free(cuts);
+    ok = ok && map_build(&t->by_text, texts, n_texts) && item_tables(t);
+    free(texts); free(prefixes); free(runs); free(cuts);
     if (!ok) { espalier_keys_tables_free(t); return NULL; }
     return t;
 }
@@ -1034,13 +1106,14 @@ static void *dup_array(const void *src, int64_t n, size_t size, int64_t *cap) {
 void espalier_keys_places_free(EspPlaces *p) {
     if (!p) return;
     free(p->unique); free(p->key_start); free(p->key_count); free(p->key_default);
-    free(p->prefix_start); free(p->prefix_count); free(p->item_default); free(p->key_target);
+    free(p->prefix_start); free(p->prefix_count); free(p->item_default); free(p->item_chars);
+    free(p->key_target);
     free(p->prefix_target); free(p->name_off); free(p->name_len); free(p->names);
     free(p);
 }
 
 /* A places automaton (EspPlaces), copied from the caller's arrays: per state (n) unique, key
- * start/count/default, prefix start/count, item default; per name (m) its offset in names,
+ * start/count/default, prefix start/count, item default, item chars; per name (m) its offset in names,
  * length and target; per prefix place (q) its target. NULL when out of memory. */
 EspPlaces *espalier_keys_places_new(int32_t n, const uint8_t *unique, const int32_t *per_state,
                                     int32_t m, const int64_t *name_off, const int32_t *name_len,
@@ -1051,13 +1124,13 @@ EspPlaces *espalier_keys_places_new(int32_t n, const uint8_t *unique, const int3
     int64_t cap;
     p->n_states = n;
     p->unique = dup_array(unique, n, 1, &cap);
-    int32_t **cols[6] = {&p->key_start,    &p->key_count,    &p->key_default,
-                         &p->prefix_start, &p->prefix_count, &p->item_default};
+    int32_t **cols[7] = {&p->key_start,    &p->key_count,    &p->key_default,
+                         &p->prefix_start, &p->prefix_count, &p->item_default, &p->item_chars};
     int ok = p->unique != NULL;
-    for (int c = 0; c < 6; c++) {
+    for (int c = 0; c < 7; c++) {
         *cols[c] = malloc((size_t)(n ? n : 1) * sizeof(int32_t));
         ok = ok && *cols[c];
-        for (int32_t s = 0; ok && s < n; s++) (*cols[c])[s] = per_state[(int64_t)s * 6 + c];
+        for (int32_t s = 0; ok && s < n; s++) (*cols[c])[s] = per_state[(int64_t)s * 7 + c];
     }
     p->name_off = malloc((size_t)(m ? m : 1) * sizeof(int64_t));
     p->name_len = malloc((size_t)(m ? m : 1) * sizeof(int32_t));

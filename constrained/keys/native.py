@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from espalier.constrained.keys.frames import ScanAutomaton
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 6
+ABI = 7
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
@@ -144,7 +144,7 @@ class PlaceTable(_Owned):
         so = lib()
         n = len(places.unique)
         unique = np.array(places.unique, dtype=np.uint8)
-        per_state = np.zeros((n, 6), dtype=np.int32)
+        per_state = np.zeros((n, 7), dtype=np.int32)
         names: list[bytes] = []
         targets: list[int] = []
         prefix: list[int] = []
@@ -157,6 +157,7 @@ class PlaceTable(_Owned):
                 len(prefix),
                 len(places.prefix[s]),
                 places.item_default[s],
+                places.item_chars[s],
             )
             names += [name for name, _ in keys]
             targets += [target for _, target in keys]

@@ -120,6 +120,41 @@ def pattern_word_count(pattern: str, cap: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=512)
+def pattern_longest(pattern: str, cap: int) -> int | None:
+    """The length of the longest string ``pattern`` matches as the backends read it (a full
+    match of ``^...$``, no final newline), when below ``cap``; None when ``cap`` or more,
+    unbounded, or the pattern is not read. Why: a unique array's string item at that length
+    can only end (``unique_places``)."""
+    found = _language((pattern,), False, False, 0)
+    if found is None:
+        return None
+    dfa, _ = found
+    live = _co_reachable(dfa)
+    longest: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def visit(state: int) -> int | None:  # None: a cycle or past the cap
+        if state in longest:
+            return longest[state]
+        if state in on_path:
+            return None
+        on_path.add(state)
+        most = 0
+        for target in dfa.delta[state]:
+            if target not in live:
+                continue
+            sub = visit(target)
+            if sub is None or sub + 1 >= cap:
+                return None
+            most = max(most, sub + 1)
+        on_path.discard(state)
+        longest[state] = most
+        return most
+
+    return visit(0) if 0 in live else None
+
+
+@functools.lru_cache(maxsize=512)
 def pattern_words(pattern: str, cap: int) -> tuple[str, ...] | None:
     """The strings ``pattern`` matches as the backends read it (a full match of ``^...$``, no
     final newline) under both readings of its classes (:data:`BOTH_READINGS`), in code point

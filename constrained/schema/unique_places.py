@@ -61,13 +61,17 @@ CONDITIONAL = (
 class Places:
     """The automaton (module docstring). Per state ``s``: ``unique[s]``; ``keys[s]``: (name as
     UTF-8, target) pairs, ``key_default[s]`` for other names; ``prefix[s]``: the targets of
-    item positions 0, 1, ..., ``item_default[s]`` for later ones. Targets are states or -1."""
+    item positions 0, 1, ..., ``item_default[s]`` for later ones. Targets are states or -1.
+    ``item_chars[s]``: where ``unique[s]``, the most characters a string item after the prefix
+    has (:func:`_longest_string`; -1: none kept): the tracker refuses a token that leaves such an
+    item at that length equal to an earlier item, the one way on being a duplicate."""
 
     unique: tuple[bool, ...]
     keys: tuple[tuple[tuple[bytes, int], ...], ...]
     key_default: tuple[int, ...]
     prefix: tuple[tuple[int, ...], ...]
     item_default: tuple[int, ...]
+    item_chars: tuple[int, ...]
 
 
 class _Refused(Exception):
@@ -276,7 +280,8 @@ class _Analysis:
         todo: deque[frozenset[int]] = deque()
         if self._state([self.root], table, todo) < 0:
             raise _Refused
-        rows: dict[int, tuple[bool, tuple[tuple[bytes, int], ...], int, tuple[int, ...], int]] = {}
+        rows: dict[int, tuple[bool, tuple[tuple[bytes, int], ...], int, tuple[int, ...], int, int]]
+        rows = {}
         while todo:
             base = todo.popleft()
             arrays = self._expand(base, "array")
@@ -286,8 +291,10 @@ class _Analysis:
                 self._state([_item(n, i) for n in arrays], table, todo) for i in range(prefix_len)
             )
             rest = self._state([_item(n, prefix_len) for n in arrays], table, todo)
+            chars = -1
             if unique:
                 self._check_items(arrays, prefix_len)
+                chars = _longest_string(self._conjuncts([_item(n, prefix_len) for n in arrays]))
             objects = self._expand(base, "object")
             if any(
                 n.get("patternProperties") and self._reaches(n.get("additionalProperties"))
@@ -304,7 +311,7 @@ class _Analysis:
                 keys.append((name.encode("utf-8", "surrogatepass"), target))
             default = self._state([n.get("additionalProperties") for n in objects], table, todo)
             keys = [(name, target) for name, target in keys if target != default]
-            rows[table[base]] = (unique, tuple(keys), default, prefix, rest)
+            rows[table[base]] = (unique, tuple(keys), default, prefix, rest, chars)
         ordered = [rows[s] for s in range(len(table))]
         return Places(
             unique=tuple(r[0] for r in ordered),
@@ -312,6 +319,7 @@ class _Analysis:
             key_default=tuple(r[2] for r in ordered),
             prefix=tuple(r[3] for r in ordered),
             item_default=tuple(r[4] for r in ordered),
+            item_chars=tuple(r[5] for r in ordered),
         )
 
     def _check_items(self, arrays: list[dict[str, Any]], prefix_len: int) -> None:
@@ -393,3 +401,32 @@ def _finite(closure: list[Any]) -> bool:
             ):
                 return True
     return False
+
+
+MAX_ITEM_CHARS = 64
+"""The longest item bound :func:`_longest_string` keeps: the tracker counts an item's characters
+at each token inside it, and past this length a repeat of a whole item is unlikely."""
+FIXED_FORMATS = {"date": 10, "uuid": 36}
+
+
+def _longest_string(closure: list[Any]) -> int:
+    """The most characters a string matching every schema of ``closure`` (an item's conjuncts)
+    has, by ``maxLength``, a fixed-length ``format`` or a ``pattern`` of finitely many strings;
+    -1 when none bounds it or the bound passes :data:`MAX_ITEM_CHARS`."""
+    from espalier.constrained.schema.regular import pattern_longest
+
+    bounds = []
+    for node in closure:
+        if not isinstance(node, dict):
+            continue
+        most = node.get("maxLength")
+        if isinstance(most, int) and not isinstance(most, bool) and most >= 0:
+            bounds.append(most)
+        if node.get("format") in FIXED_FORMATS:
+            bounds.append(FIXED_FORMATS[node["format"]])
+        if isinstance(node.get("pattern"), str):
+            longest = pattern_longest(node["pattern"], MAX_ITEM_CHARS + 1)
+            if longest is not None:
+                bounds.append(longest)
+    most = min(bounds, default=-1)
+    return most if most <= MAX_ITEM_CHARS else -1

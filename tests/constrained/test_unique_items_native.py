@@ -2,7 +2,8 @@
 (``tests/fixtures/keys_twin.py``): states, rollback, forks, row filters, batch row filters and
 tree filters on random token sequences over a schema with tracked places (strings with escapes
 and surrogates, numbers written many ways, literals, nested and prefix places, untracked
-neighbours), on the toy vocabulary and Gemma's. Every comparison must match exactly.
+neighbours, string items at their longest), on the toy vocabulary and Gemma's. Every
+comparison must match exactly.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ SCHEMA = {
             ],
         },
         "free": {"type": "array", "items": SCALARS},
+        # at two characters an item can only end: one already there is refused a token early
+        "short": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 2},
+            "uniqueItems": True,
+        },
     },
     "additionalProperties": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
 }
@@ -55,7 +62,7 @@ ITEMS = [
     "0.1", "0.10000000000000001", "100000000000000001", "100000000000000000", "1e17", "1e400",
     "2e400", "-1", "true", "false", "null", "[]", "{}",
 ]  # fmt: skip
-KEYS = ["tags", "grid", "pair", "free", "x", "\\u0074ags", "y"]
+KEYS = ["tags", "grid", "pair", "free", "x", "\\u0074ags", "y", "short", "short"]
 
 
 def _places() -> Places:
@@ -276,3 +283,50 @@ def test_tree_filters_equal_the_twin_on_the_toy_vocabulary(toy_tokenizer: Any) -
 @pytest.mark.model
 def test_tree_filters_equal_the_twin_on_gemma(gemma_tokenizer: Any) -> None:
     assert _check_trees(gemma_tokenizer, seed=16, trees=80, dense=False) > 5
+
+
+SHORT = {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True}
+AT_THE_END = [  # (text so far, the rest of an item already there: refused there)
+    ('["ab", "a', "b"),
+    ('["ab", "', "ab"),
+    ('["\\u0061b", "a', "b"),
+    ('["x", "\\u00e9\\u00e9", "\\u00e9', "é"),
+    ('["é\\ud83d\\ude00", "é', "\U0001f600"),
+    ('["ab", "a\\', None),  # an escape pending: every allowed token is replayed
+    ('["ab", "cd", "', "ab"),
+]
+
+
+@pytest.mark.parametrize("vocabulary", ["toy", pytest.param("gemma", marks=pytest.mark.model)])
+def test_a_string_item_at_its_longest_that_repeats_is_refused_a_token_early(
+    vocabulary: str, request: pytest.FixtureRequest
+) -> None:
+    """A held-out sweep: ``maxLength: 2`` unique items with ``minItems: 300`` failed the
+    request: at two characters equal to an earlier item only that item's closing quote could
+    follow, a duplicate, and the row kept it (a row is never emptied). The token that leaves
+    the item there is refused instead, by accept and every filter alike (full rows, the twin
+    replaying every token)."""
+    tokenizer = request.getfixturevalue(f"{vocabulary}_tokenizer")
+    places = unique_places(prepare_schema(SHORT).schema)
+    assert places is not None and places.item_chars[0] == 2
+    tb = tokenizer.token_bytes
+    words = bm.words_per_row(tokenizer.vocab_size)
+    refused_somewhere = 0
+    for text, rest in AT_THE_END:
+        tokens = [t for ch in text for t in tokenizer.encode(ch)]
+        state = _walk(tb, tokens, places)[-1]
+        assert state is not None, text
+        tracker = _tracker(tokenizer, places)
+        assert tracker.accept_tokens(tokens) == len(tokens)
+        assert parse_export(tracker.export()) == state
+        mine = np.full(words, -1, dtype=np.int32)
+        theirs = mine.copy()
+        assert tracker.filter_row(mine) == filter_row(state, theirs, tb, places)
+        assert np.array_equal(mine, theirs), text
+        spelled = [t for t in range(len(tb)) if rest is not None and tb[t] == rest.encode()]
+        if spelled:  # one token spells the rest (the toy vocabulary has none for some)
+            for token in spelled:
+                assert not (int(mine[token >> 5]) >> (token & 31)) & 1, (text, rest)
+                assert not tracker.accept(token)
+            refused_somewhere += 1
+    assert refused_somewhere >= 3

@@ -73,7 +73,11 @@ def test_the_greedy_repeat_is_refused(backend: str) -> None:
 
 
 DEAD_ENDS = [  # (looped text, schema): where the item or key so far can only end as a duplicate
-    (LOOP, {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}),
+    # the item "a" can only end, though the pattern's strings are unbounded ("bb...")
+    (
+        LOOP,
+        {"type": "array", "items": {"type": "string", "pattern": "^(a|b+)$"}, "uniqueItems": True},
+    ),
     ('"a": 1, ', {"type": "object", "propertyNames": {"maxLength": 1}}),
 ]
 
@@ -81,9 +85,10 @@ DEAD_ENDS = [  # (looped text, schema): where the item or key so far can only en
 @pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize(("loop", "schema"), DEAD_ENDS)
 def test_a_dead_end_says_why(speculative: bool, loop: str, schema: dict[str, object]) -> None:
-    """Items or keys of at most one character: ``"a`` can only end as ``"a"``, which the array
-    or object already holds. Without the closing policy the tracker refuses it one token late
-    (a known limit), and the request's error says so instead of naming a token."""
+    """Items of ``^(a|b+)$`` or keys of at most one character: ``"a`` can only end as ``"a"``,
+    which the array or object already holds. Without the closing policy the tracker refuses
+    it one token late (a known limit), and the request's error says so instead of naming a
+    token."""
     chunks = _chunks(schema, "llguidance", speculative, loop=loop, close=False)
     last = chunks[-1]
     text = "".join(c.text_delta for c in chunks).replace(" ", "")
@@ -132,3 +137,21 @@ def test_names_from_a_finite_pattern_are_never_a_dead_end(speculative: bool, bac
         value = json.loads(text)
         jsonschema.validate(value, FINITE_NAMES)
         assert value.get("b") is True, text
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("close", [False, True])
+def test_an_item_at_its_longest_is_refused_before_the_dead_end(
+    speculative: bool, close: bool
+) -> None:
+    """Items of at most one character (a held-out sweep: ``maxLength: 2`` with ``minItems:
+    300`` failed the request): the ``a`` that would leave a second ``"a`` at its longest, with
+    only a duplicate's quote to follow, is refused, so the model writes other items. Without the
+    closing policy too, no error: the output is cut at max_tokens or valid."""
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}
+    chunks = _chunks(schema, "llguidance", speculative, close=close)
+    last = chunks[-1]
+    text = "".join(c.text_delta for c in chunks)
+    assert last.finish_reason is not FinishReason.ERROR, (text, last.error)
+    items = json.loads(text.rstrip(", ") + ("" if text.rstrip().endswith("]") else "]"))
+    assert len(items) >= 3 and items[0] == "a" and len(set(items)) == len(items), text
