@@ -20,17 +20,18 @@ item already in its array (a string's closing quote, the byte ending a number, a
 letter, or one that ends inside a literal already there) is removed and refused the same way,
 except that ``accept`` never lets a duplicate item through.
 
-Exactness: a key can still be extended or changed, so removing its duplicate completions leaves
-a way on, unless the grammar's key language is finite and exhausted (``propertyNames: {"enum":
+Exactness: a key can still be extended or changed, so removing its duplicate completions leaves a
+way on, unless the grammar's key language is finite and exhausted (``propertyNames: {"enum":
 [...]}``, an anchored ``patternProperties`` with ``minProperties``, a key at its ``maxLength``).
-Unique string items whose length is bounded (``maxLength``, a ``date`` or ``uuid`` format, a
-pattern of bounded strings: ``EspPlaces.item_chars``, at most 64 characters) are watched one token
-earlier: a token that leaves an item at that length equal to an earlier item is refused as if it
-completed it, since only the closing quote could follow. Elsewhere every allowed token may
-complete a duplicate; the tracker then removes nothing (a row is never emptied) and ``accept`` refuses the duplicate all the same (as it refuses a duplicate
-item): no instance with a repeated key is accepted. The closing policy's check before each token
-sees the dead end one token early and closes the output there; past its window the request ends
-with an error that says why (:meth:`UniqueKeysMatcher.refusal`).
+Unique string items whose length is bounded (``maxLength``, a ``date`` or ``uuid`` format, a pattern
+of bounded strings: ``EspPlaces.item_chars``, at most 64 characters) are watched one token earlier:
+a token that leaves an item at that length equal to an earlier item is refused as if it completed
+it, since only the closing quote could follow. Elsewhere every allowed token may complete a
+duplicate; the tracker then removes nothing (a row is never emptied) and ``accept`` refuses the
+duplicate all the same (as it refuses a duplicate item): no instance with a repeated key is
+accepted. The closing policy's check before each token sees the dead end one token early and closes
+the output there; past its window the request ends with an error that says why
+(:meth:`UniqueKeysMatcher.refusal`).
 """
 
 from espalier.constrained.keys.matcher import UniqueKeysMatcher, may_repeat_keys, with_unique_keys

@@ -309,6 +309,9 @@ def breaks_json(node: dict[str, Any]) -> frozenset[str]:
 def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword in ("const", "enum") and _integer_outside(node[keyword], _within(_INT64)):
         return Support.WEAKENED  # written as a float (probe "const-past-int64")
+    if beside_branches(keyword, node):
+        return Support.IGNORED  # the node is compiled as its branches alone (probe
+        # "maximum-beside-anyOf": {"type": "integer", "anyOf": [{}], "maximum": 6} wrote 6422)
     if isinstance(node.get("allOf"), list) and _beside_all_of(node):
         # the node is compiled as its allOf alone: {"type": "integer", "minimum": 0, "allOf":
         # [{"maximum": 5}]} wrote strings (probes "required-beside-allOf", "minimum-beside-allOf",
@@ -346,6 +349,16 @@ def _xgrammar_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword in ("anyOf", "type") and _type_dropped_beside_branches(node, types):
         return Support.WEAKENED  # the type next to it is dropped (probe "anyOf-next-to-type")
     return Support.EXACT
+
+
+def beside_branches(keyword: str, node: dict[str, Any]) -> bool:
+    """Whether ``keyword`` asserts something beside ``node``'s ``anyOf`` / ``oneOf`` (``type``
+    aside: kept where the branches lie within it). xgrammar and outlines-core compile such a
+    node as its branches alone; ``logic.distributed_branches`` moves these keywords into the
+    branches where it can, and what stays beside them is reported here."""
+    if not any(isinstance(node.get(k), list) for k in ("anyOf", "oneOf")):
+        return False
+    return keyword in VOCABULARY and keyword not in NOT_ASSERTING | {"anyOf", "oneOf", "type"}
 
 
 def _beside_all_of(node: dict[str, Any]) -> bool:
@@ -659,6 +672,8 @@ generates ``[]``)."""
 def _outlines_rule(keyword: str, node: dict[str, Any]) -> Support:
     if keyword in ("const", "enum") and _integer_outside(node[keyword], _within(_OUTLINES_EXACT)):
         return Support.WEAKENED  # written as a float (probe "const-past-uint64")
+    if beside_branches(keyword, node):
+        return Support.IGNORED  # compiled as its branches alone (probe "pattern-beside-anyOf")
     if keyword in _OUTLINES_COUNTS:
         value = node[keyword]
         if isinstance(value, (int, float)) and value >= _OUTLINES_COUNT_LIMIT:

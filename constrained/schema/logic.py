@@ -301,6 +301,63 @@ def fold_all_of(node: dict[str, Any]) -> dict[str, Any]:
     return {**out, "allOf": left} if left else out
 
 
+def distributed_branches(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with the keywords beside its ``anyOf`` or ``oneOf`` :func:`merged` into every
+    branch (``S and (A or B)`` is ``(S and A) or (S and B)``; for ``oneOf`` likewise, since a
+    branch without ``S`` holds only where ``S`` does; ``false`` branches dropped); ``node``
+    itself where a branch cannot be merged, the node has both keywords or an ``allOf`` left, or
+    an ``enum`` / ``const`` is beside them (the enum filter reads those). Why: xgrammar and
+    outlines-core compile such a node as its branches alone: ``{"type": "integer", "anyOf":
+    [{}], "maximum": 6}`` wrote 6422 (a held-out sweep; :mod:`features` reports what stays
+    beside them)."""
+    keys = [k for k in ("anyOf", "oneOf") if isinstance(node.get(k), list)]
+    if len(keys) != 1 or "allOf" in node or not node[keys[0]]:
+        return node
+    key = keys[0]
+    beside = {k: v for k, v in node.items() if k in VOCABULARY and k not in _KEPT and k != key}
+    if not beside or "enum" in beside or "const" in beside:  # the enum filter reads those
+        return node
+    out = []
+    for branch in node[key]:
+        if branch is False:
+            continue  # holds nowhere: neither branch of an anyOf nor one of a oneOf's count
+        joined = merged(beside, {} if branch is True else branch) if branch is not None else None
+        if joined is None or not isinstance(branch, (dict, bool)):
+            return node
+        if not _crossed(joined):  # a merged branch whose bounds cross holds nothing: dropped
+            out.append(joined)
+    if not any(out):
+        return node
+    kept = {k: v for k, v in node.items() if k not in beside}
+    return {**kept, key: out}
+
+
+_RANGES = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
+
+
+def _crossed(node: dict[str, Any]) -> bool:
+    """Whether a lower bound of ``node`` passes its upper bound (no value of the bounded kind;
+    read only where ``type`` names that kind alone)."""
+    kinds = type_list(node.get("type"))
+    if kinds is None or len(kinds) != 1:
+        return False
+
+    def num(key: str) -> float | None:
+        value = node.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    if kinds[0] in ("integer", "number"):
+        low = [v for v in (num("minimum"), num("exclusiveMinimum")) if v is not None]
+        high = [v for v in (num("maximum"), num("exclusiveMaximum")) if v is not None]
+        if low and high and max(low) > min(high):
+            return True
+    pairs = {"string": _RANGES[0], "array": _RANGES[1], "object": _RANGES[2]}.get(kinds[0])
+    if pairs is not None:
+        low, high = num(pairs[0]), num(pairs[1])
+        return low is not None and high is not None and low > high
+    return False
+
+
 def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
     """``node`` with its ``type`` also written into each ``anyOf`` branch (a branch of no
     type in common dropped): ``{"type": "integer", "anyOf": [{"type": "string"}, {"maximum":
@@ -376,6 +433,8 @@ _TOGETHER = (
 )
 # keywords never merged: scopes and references (a backend may drop a $ref's siblings), and
 # unevaluated* (they read the annotations of the whole object, allOf branches included)
+_KEPT = ANNOTATIONS | {"$schema", "$dynamicAnchor", "$recursiveAnchor", "$defs", "definitions"}
+"""Keywords that stay on a node whose other keywords move into its branches."""
 _SCOPED = frozenset(
     {
         "$ref",

@@ -69,6 +69,7 @@ from espalier.constrained.schema.logic import (
     Defs,
     append_all_of,
     complement,
+    distributed_branches,
     fold_all_of,
     key_set,
     typed_branches,
@@ -124,7 +125,7 @@ def normalize_schema(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     # the allOf branches the rewrites wrote, and the types beside their anyOfs; then the enum
     # members a fold put beside other keywords are filtered
     out = _map_tree(out, respell_wider)  # after every complement was taken
-    out = _map_tree(out, lambda node: typed_branches(fold_all_of(node)))
+    out = _map_tree(out, lambda node: typed_branches(distributed_branches(fold_all_of(node))))
     out = filter_enums(out, annotations_matter=ctx.annotations_matter)
     # rewrites and filtered enums can leave $defs entries no ref reaches: they constrain nothing
     out = prune_unused_defs(inline_boolean_refs(out))

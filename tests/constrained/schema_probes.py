@@ -466,6 +466,30 @@ PROBES: tuple[Probe, ...] = (
         [None, 1.5],
     ),
     _p("oneOf", "oneOf", {"oneOf": [{"type": "integer"}, {"minimum": 2}]}, [1, 2.5], [3]),
+    # xgrammar and outlines-core compile a node with an anyOf / oneOf as its branches alone: the
+    # keywords beside them were dropped (a held-out sweep; logic.distributed_branches moves them
+    # into the branches before the backends see the schema)
+    _p(
+        "maximum-beside-anyOf",
+        "maximum",
+        {"type": "integer", "anyOf": [{"type": "integer"}], "maximum": 6},
+        [3],
+        [6422],
+    ),
+    _p(
+        "pattern-beside-anyOf",
+        "pattern",
+        {"type": "string", "anyOf": [{"type": "string"}], "pattern": "^a$"},
+        ["a"],
+        ["b"],
+    ),
+    _p(
+        "pattern-beside-oneOf",
+        "pattern",
+        {"type": "string", "oneOf": [{"type": "string"}], "pattern": "^a$"},
+        ["a"],
+        ["b"],
+    ),
     # xgrammar emits the branches of an anyOf and drops the "type" next to it
     _p(
         "anyOf-next-to-type",

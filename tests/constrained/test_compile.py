@@ -435,11 +435,6 @@ def test_overlapping_pattern_properties_beside_closed_objects_are_not_called_emp
     [
         ("xgrammar", {"type": "object", "propertyNames": {"maxLength": 1}}, "propertyNames",
          "'patternProperties'", []),
-        # the rewrite's anyOf of required names, folded into the node and typed (xgrammar
-        # compiled an allOf alone, dropping the type: it wrote strings)
-        ("xgrammar", {"type": "object", "properties": {"A": {"type": "integer"}},
-                      "additionalProperties": False, "minProperties": 1}, "minProperties",
-         "'required' at /anyOf/0", []),
         ("outlines_core", {"type": "object", "propertyNames": {"enum": ["A"]}}, "propertyNames",
          "'false' at /additionalProperties", []),
     ],
@@ -457,6 +452,50 @@ def test_refusals_name_the_callers_keyword_a_rewrite_replaced(
     found = [(i.keyword, i.pointer, i.via) for i in info.value.issues]
     assert sorted(found) == sorted([(keyword, "", via), *others])
     assert f"'{keyword}' at / (" in str(info.value) and f"rewritten as {via}" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines_core", "llguidance"])
+def test_keywords_beside_branches_are_moved_into_them(backend: str, toy_tokenizer: Any) -> None:
+    """A held-out sweep: xgrammar and outlines-core compile a node with an ``anyOf`` / ``oneOf``
+    as its branches alone (``{"type": "integer", "anyOf": [{}], "maximum": 6}`` wrote 6422,
+    finish stop). The keywords beside them are merged into every branch
+    (``logic.distributed_branches``), and where they stay the backends' profiles name them.
+    ``minProperties`` rewritten as an ``anyOf`` of required names is now exact on xgrammar."""
+    cases = [
+        ({"type": "integer", "anyOf": [{}], "maximum": 6}, [3], [6422, "a"]),
+        ({"type": "string", "oneOf": [{}], "pattern": "^a$"}, ["a"], ["b"]),
+        (
+            {"type": "object", "properties": {"A": {"type": "integer"}},
+             "additionalProperties": False, "minProperties": 1},
+            [{"A": 1}], [{}, {"B": 1}, {"A": 1, "B": 2}],
+        ),
+        (
+            {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "additionalProperties": False},
+            [{"a": 1}, {"b": 2}, {"a": 1, "b": 2}], [{}, {"c": 1}, {"a": "x"}],
+        ),
+        (
+            {"type": "array", "anyOf": [{"minItems": 1}], "items": {"type": "boolean"},
+             "maxItems": 2},
+            [[True], [True, False]], [[], [1], [True, True, True]],
+        ),
+    ]  # fmt: skip
+    compiled_any = 0
+    for schema, valid, invalid in cases:
+        try:
+            compiled, report = compile_grammar(
+                GrammarSpec.json_schema(schema), toy_tokenizer, backend
+            )
+        except SchemaNotEnforceableError:
+            continue  # named, not let through
+        compiled_any += 1
+        assert not report.weakened
+        for value in valid:
+            assert accepts(compiled, toy_tokenizer, value), (schema, value)
+        for value in invalid:
+            assert not accepts(compiled, toy_tokenizer, value), (schema, value)
+    assert compiled_any >= 2
 
 
 def test_a_long_ref_chain_is_a_clear_error(toy_tokenizer: Any) -> None:

@@ -179,5 +179,5 @@ def test_a_false_subschema_xgrammar_refuses_is_dropped_when_weakening(toy_tokeni
     compiled, report = compile_grammar(
         GrammarSpec.json_schema(schema), toy_tokenizer, "xgrammar", allow_weakening=True
     )
-    assert any(i.keyword == "dependentRequired" for i in report.weakened)
+    assert any("dependentRequired" in i.keyword.split(", ") for i in report.weakened)
     assert grammar_accepts(compiled, toy_tokenizer, '{"card": "a", "cvv": "b"}')
