@@ -498,6 +498,76 @@ def test_keywords_beside_branches_are_moved_into_them(backend: str, toy_tokenize
     assert compiled_any >= 2
 
 
+LEXER_TOO_BIG: dict[str, Any] = {
+    "definitions": {
+        "setConfigValueResult": {
+            "properties": {
+                "command": {"enum": ["set-configvalue-result"]},
+                "parameters": {
+                    "properties": {
+                        "pid": {"type": "string"},
+                        "key": {"type": "string"},
+                        "value": {"type": "string"},
+                        "status": {"pattern": "OK"},
+                    },
+                    "required": ["pid", "key", "value", "status"],
+                },
+            }
+        },
+        "getConfigValueResult": {
+            "properties": {
+                "command": {"enum": ["get-configvalue-result"]},
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "pid": {"type": "string"},
+                        "key": {"type": "string"},
+                        "value": {"type": "string"},
+                    },
+                    "required": ["pid", "key", "value"],
+                },
+            }
+        },
+        "errorResult": {
+            "properties": {
+                "command": {"enum": ["error"]},
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "command": {"enum": ["get-configvalue", "set-configvalue"]},
+                        "cause": {
+                            "enum": ["missing-parameter", "unknown-configvalue", "exception"]
+                        },
+                        "missing-parameter": {"type": "string"},
+                        "unknown-configvalue": {"type": "string"},
+                        "exception-cause": {"type": "string"},
+                        "exception-message": {"type": "string"},
+                        "exception-stacktrace": {"type": "string"},
+                    },
+                    "required": ["command", "cause"],
+                },
+            }
+        },
+    },
+    "oneOf": [
+        {},
+        {"$ref": "#/definitions/setConfigValueResult"},
+        {"$ref": "#/definitions/getConfigValueResult"},
+        {"$ref": "#/definitions/errorResult"},
+    ],
+}  # JSONSchemaBench Github_medium o66069, minimized by a held-out sweep
+
+
+@pytest.mark.model
+def test_llguidance_lexer_limit_is_called_a_limit_not_a_fault(gemma_tokenizer: Any) -> None:
+    """The schema is valid; llguidance's lexer for it passes its size limit. The message said
+    "invalid json_schema: initial lexer configuration (grammar) too big"."""
+    with pytest.raises(InvalidGrammarError) as caught:
+        compile_grammar(GrammarSpec.json_schema(LEXER_TOO_BIG), gemma_tokenizer, "llguidance")
+    assert "passes its size limit" in str(caught.value)
+    assert "the grammar is valid but too large here" in str(caught.value)
+
+
 def test_a_long_ref_chain_is_a_clear_error(toy_tokenizer: Any) -> None:
     # 1,000 refs each to the next: a RecursionError in the ref resolver ended INTERNAL
     defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1000)}

@@ -753,6 +753,13 @@ def _build_lltokenizer(tokenizer: TokenizerInfo, facts: VocabFacts) -> llguidanc
 
 
 def _invalid(kind: GrammarKind, message: str) -> InvalidGrammarError:
+    if "too big" in message:  # a size limit of llguidance's, not a fault of the grammar
+        return InvalidGrammarError(
+            kind.value,
+            f"llguidance's lexer for this grammar passes its size limit ({message.strip()}): "
+            "the grammar is valid but too large here; fewer or smaller alternatives (oneOf / "
+            "anyOf branches, enum values, patterns) fit",
+        )
     line = column = None
     match = _LARK_LOCATION.search(message)
     # locations refer to the Lark text llguidance saw: the caller's own text only for LARK
