@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # Gemma's turns: <start_of_turn>user|model\n ... <end_of_turn>\n. No system role: the system
-# text leads the first user turn. Tool results come back as user turns, tool calls as the
-# model's own JSON text.
+# text leads the next user turn, or is one of its own where no user turn follows (a held-out
+# sweep: a system message after the last user turn was dropped). Tool results come back as user
+# turns, tool calls as the model's own JSON text.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- set ns = namespace(system='') -%}"
@@ -39,6 +40,9 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- set ns.system = '' -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
+    "{%- if ns.system -%}"
+    "{{ '<start_of_turn>user\\n' + ns.system | trim + '<end_of_turn>\\n' }}"
+    "{%- endif -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 

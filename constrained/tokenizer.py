@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 _cache_root: Path | None = None
-# Bumped when converted tokenizer folders change (2: they keep the chat template).
-CONVERSION_VERSION = 2
+# Bumped when converted tokenizer folders change (2: they keep the chat template; 3: its system
+# text with no user turn after it is a turn of its own).
+CONVERSION_VERSION = 3
 
 
 def cache_root() -> Path:

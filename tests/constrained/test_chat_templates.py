@@ -81,3 +81,19 @@ def test_gguf_chat_template(
     tmp_path: Path, arch: str, own: str | None, expected: str | None
 ) -> None:
     assert gguf_chat_template(write_gguf(tmp_path / "m.gguf", arch, own)) == expected
+
+
+def test_system_text_with_no_user_turn_after_it_is_a_turn_of_its_own() -> None:
+    """A held-out sweep: a system message after the last user turn (or a conversation of
+    system messages only) was dropped: its text led a user turn that never came."""
+    trailing = render(
+        [{"role": "user", "content": "hi"}, {"role": "system", "content": "Answer in French."}]
+    )
+    assert trailing.endswith(
+        "<start_of_turn>user\nhi<end_of_turn>\n"
+        "<start_of_turn>user\nAnswer in French.<end_of_turn>\n<start_of_turn>model\n"
+    )
+    alone = render([{"role": "system", "content": "Be brief."}])
+    assert alone.endswith("<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n")
+    leading = render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert leading.count("<start_of_turn>user") == 1 and "S\n\nU" in leading
