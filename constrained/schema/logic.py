@@ -347,15 +347,14 @@ def _crossed(node: dict[str, Any]) -> bool:
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     if kinds[0] in ("integer", "number"):
-        low = [v for v in (num("minimum"), num("exclusiveMinimum")) if v is not None]
-        high = [v for v in (num("maximum"), num("exclusiveMaximum")) if v is not None]
-        if low and high and max(low) > min(high):
-            return True
+        lows = [v for v in (num("minimum"), num("exclusiveMinimum")) if v is not None]
+        highs = [v for v in (num("maximum"), num("exclusiveMaximum")) if v is not None]
+        return bool(lows and highs and max(lows) > min(highs))
     pairs = {"string": _RANGES[0], "array": _RANGES[1], "object": _RANGES[2]}.get(kinds[0])
-    if pairs is not None:
-        low, high = num(pairs[0]), num(pairs[1])
-        return low is not None and high is not None and low > high
-    return False
+    if pairs is None:
+        return False
+    low, high = num(pairs[0]), num(pairs[1])
+    return low is not None and high is not None and low > high
 
 
 def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
