@@ -768,16 +768,16 @@ static int number_repeats(EspKeys *k) {
 static int taken_end_ids(EspKeys *k, const uint32_t *row, int64_t words, int32_t most,
                          int64_t *found) {
     const EspKeysTables *t = k->tables;
-    const uint8_t *text = k->bytes + k->item_off;
     uint32_t len = k->n_bytes - k->item_off, ahead = 0;
     for (int32_t e = k->stack[k->depth - 1].items; e >= 0; e = k->entries[e].prev) {
-        const KeyEntry *seen = &k->entries[e];
-        const uint8_t *item = k->bytes + seen->off;
-        if (seen->len < len || memcmp(item, text, len) != 0) continue;
-        if (chars_of(item + 1, seen->len - 1) != (uint32_t)most) continue;
+        /* pointers into the arena are taken anew each time: replaying a token may move it */
+        uint32_t off = k->entries[e].off, seen_len = k->entries[e].len;
+        const uint8_t *text = k->bytes + k->item_off, *item = k->bytes + off;
+        if (seen_len < len || memcmp(item, text, len) != 0) continue;
+        if (chars_of(item + 1, seen_len - 1) != (uint32_t)most) continue;
         ahead = 1;
         if (k->esc_len || k->high) break;
-        const Slot *s = map_get(&t->by_text, item + len, seen->len - len);
+        const Slot *s = map_get(&t->by_text, item + len, seen_len - len);
         if (s && !try_ids(k, t->by_text.ids + s->start, s->count, row, words, found)) return 0;
     }
     if (!ahead) return 1;

@@ -266,8 +266,13 @@ def _xgrammar_uncompilable(node: dict[str, Any]) -> frozenset[str]:
     bound outside int64 ("Check failed ... Integer exceeds maximum limit"), a pattern that
     writes broken JSON (:func:`breaks_json`)."""
     integer = "integer" in _types(node)
+    prefix, most = node.get("prefixItems"), node.get("maxItems")
+    # "maxItems is less than the number of prefixItems": refused at compile, though a shorter
+    # array is valid (a held-out sweep); dropped under allow_weakening (a wider language)
+    short = isinstance(prefix, list) and is_number(most) and most < len(prefix)
     return (
-        frozenset(
+        frozenset({"maxItems"} if short else ())
+        | frozenset(
             k
             for k in NUMERIC & node.keys()
             if _past_float64(node[k])

@@ -10,6 +10,7 @@ matches exactly the instances its docstring says. ``defs`` is the root ``$defs``
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from espalier.constrained.schema.features import ANNOTATIONS, VOCABULARY
@@ -317,6 +318,8 @@ def distributed_branches(node: dict[str, Any]) -> dict[str, Any]:
     beside = {k: v for k, v in node.items() if k in VOCABULARY and k not in _KEPT and k != key}
     if not beside or "enum" in beside or "const" in beside:  # the enum filter reads those
         return node
+    if '"uniqueItems"' in json.dumps(beside):  # the tracker follows no place under branches
+        return node
     out = []
     for branch in node[key]:
         if branch is False:
@@ -347,9 +350,19 @@ def _crossed(node: dict[str, Any]) -> bool:
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     if kinds[0] in ("integer", "number"):
-        lows = [v for v in (num("minimum"), num("exclusiveMinimum")) if v is not None]
-        highs = [v for v in (num("maximum"), num("exclusiveMaximum")) if v is not None]
-        return bool(lows and highs and max(lows) > min(highs))
+        lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum")
+                if (v := num(k)) is not None]  # fmt: skip
+        highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum")
+                 if (v := num(k)) is not None]  # fmt: skip
+        if not lows or not highs or not all(math.isfinite(b[0]) for b in lows + highs):
+            return False
+        low, low_open = max(lows, key=lambda b: (b[0], b[1]))
+        high, high_open = min(highs, key=lambda b: (b[0], not b[1]))
+        if kinds[0] == "integer":  # the least and greatest integers within
+            least = math.floor(low) + 1 if low_open or low != math.floor(low) else low
+            most = math.ceil(high) - 1 if high_open or high != math.ceil(high) else high
+            return bool(least > most)
+        return bool(low > high or (low == high and (low_open or high_open)))
     pairs = {"string": _RANGES[0], "array": _RANGES[1], "object": _RANGES[2]}.get(kinds[0])
     if pairs is None:
         return False

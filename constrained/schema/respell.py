@@ -91,18 +91,45 @@ def respell_wider(node: dict[str, Any]) -> dict[str, Any]:
     quotes", took ``\\"``) printed from the algebra, where it can be; else ``node``. The last
     pass of ``normalize_schema``: only a pattern the backends read is narrowed (one a ``not``
     complements is taken as written, or narrowing it would widen the complement), and
-    ``patternProperties`` names are left as they are (a name the narrowed pattern misses would
-    fall to ``additionalProperties``). The printed pattern also leaves out control characters,
+    ``patternProperties`` names only beside ``additionalProperties: false``
+    (:func:`_narrowed_names`). The printed pattern also leaves out control characters,
     so that no class of it holds U+0000 and U+001F (what llguidance misreads)."""
-    pattern = node.get("pattern")
-    if not isinstance(pattern, str) or read_otherwise(pattern):
-        return node
-    if not (read_wider(pattern) or escape_class_misread(pattern)):
-        return node
+    out = _narrowed_names(node)
+    pattern = out.get("pattern")
+    if not isinstance(pattern, str) or not _narrowed(pattern):
+        return out
     # without control characters: ``\\s`` printed as ``[\\t-\\r ]`` is ignored by xgrammar
     # (it reads a pattern against the escaped JSON text), where the pattern as written compiled
     printed = intersect_patterns((pattern,), controls=False)
-    return {**node, "pattern": printed} if isinstance(printed, str) else node
+    return {**out, "pattern": printed} if isinstance(printed, str) else out
+
+
+def _narrowed(pattern: str) -> bool:
+    """Whether :func:`respell_wider` prints ``pattern`` from the algebra."""
+    if read_otherwise(pattern):
+        return False
+    return read_wider(pattern) or escape_class_misread(pattern)
+
+
+def _narrowed_names(node: dict[str, Any]) -> dict[str, Any]:
+    """``node``'s ``patternProperties`` names printed as :func:`respell_wider` prints a
+    pattern, where ``additionalProperties`` is ``false`` (a name the printed pattern misses is
+    then refused, as its control characters make it unlikely; beside any other
+    ``additionalProperties`` it would be taken by that schema instead). ``propertyNames``
+    patterns become such names (``^[^"]+$``, "no quotes", was weakened on llguidance)."""
+    named = node.get("patternProperties")
+    if node.get("additionalProperties") is not False or not isinstance(named, dict):
+        return node
+    if not any(_narrowed(name) for name in named):
+        return node
+    kept: dict[str, Any] = {}
+    for name, sub in named.items():
+        printed = intersect_patterns((name,), controls=False) if _narrowed(name) else name
+        key = printed if isinstance(printed, str) else name
+        if key in kept:
+            return node  # two names printed alike: left as written
+        kept[key] = sub
+    return {**node, "patternProperties": kept}
 
 
 def read_wider(pattern: str) -> bool:

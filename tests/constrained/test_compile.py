@@ -568,6 +568,86 @@ def test_llguidance_lexer_limit_is_called_a_limit_not_a_fault(gemma_tokenizer: A
     assert "the grammar is valid but too large here" in str(caught.value)
 
 
+def test_branches_after_the_move_keep_what_compiled_and_drop_what_is_empty(
+    toy_tokenizer: Any,
+) -> None:
+    """A second sweep on ``distributed_branches``: ``uniqueItems`` beside an ``anyOf`` was
+    moved under it, where the tracker follows no place (refused on every backend; now left in
+    place), and branches emptied by the move (``exclusiveMinimum: 5`` with ``maximum: 5``, an
+    integer within [5.5, 5.9]) failed xgrammar's compile ("Invalid range"); they are dropped.
+    ``maxItems`` under ``prefixItems`` (xgrammar refuses it at compile) is named."""
+    unique = {
+        "type": "array",
+        "uniqueItems": True,
+        "minItems": 2,
+        "maxItems": 3,
+        "items": {"type": "string", "pattern": "^[xy]{1,2}$"},
+    }
+    beside = {
+        "type": "object",
+        "properties": {"t": unique, "u": {"type": "integer"}},
+        "additionalProperties": False,
+        "anyOf": [{"required": ["t"]}, {"required": ["u"]}],
+    }
+    compiled, report = compile_grammar(GrammarSpec.json_schema(beside), toy_tokenizer)
+    assert report.backend == "llguidance" and not report.weakened
+    for schema, valid, invalid in [
+        (
+            {"type": "integer", "exclusiveMinimum": 5, "anyOf": [{"maximum": 5}, {"maximum": 8}]},
+            [6, 8],
+            [5, 9],
+        ),
+        (
+            {
+                "type": "integer",
+                "anyOf": [{"minimum": 5.5, "maximum": 5.9}, {"minimum": 20, "maximum": 21}],
+            },
+            [20, 21],
+            [5, 6, 22],
+        ),
+    ]:
+        compiled, report = compile_grammar(
+            GrammarSpec.json_schema(schema), toy_tokenizer, "xgrammar"
+        )
+        for value in valid:
+            assert accepts(compiled, toy_tokenizer, value), (schema, value)
+        for value in invalid:
+            assert not accepts(compiled, toy_tokenizer, value), (schema, value)
+    short = {
+        "type": "array",
+        "prefixItems": [{"type": "integer"}],
+        "items": False,
+        "anyOf": [{"minItems": 1}, {"maxItems": 0}],
+    }
+    with pytest.raises(SchemaNotEnforceableError, match="'maxItems' at /anyOf/1"):
+        compile_grammar(GrammarSpec.json_schema(short), toy_tokenizer, "xgrammar")
+    compiled, report = compile_grammar(GrammarSpec.json_schema(short), toy_tokenizer)
+    for value, valid in (([], True), ([1], True), ([1, 2], False), (["a"], False)):
+        assert accepts(compiled, toy_tokenizer, value) == valid, value
+
+
+@pytest.mark.parametrize("names", ["patternProperties", "propertyNames"])
+def test_name_patterns_llguidance_reads_with_escapes_are_printed_without_controls(
+    names: str, toy_tokenizer: Any
+) -> None:
+    """A second sweep: ``^[^"]+$`` as a property-name pattern was weakened on llguidance (its
+    values' patterns were printed without controls already). Beside ``additionalProperties:
+    false`` the names are printed the same way."""
+    if names == "patternProperties":
+        schema: dict[str, Any] = {
+            "type": "object",
+            "additionalProperties": False,
+            "patternProperties": {'^[^"]+$': {"type": "integer"}},
+        }
+    else:
+        schema = {"type": "object", "propertyNames": {"pattern": '^[^"\\\\]{1,5}$'}}
+    compiled, report = compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
+    assert report.backend == "llguidance" and not report.weakened
+    for value, valid in (({"ab": 1}, True), ({'a"b': 1}, False), ({"a\\b": 1}, None)):
+        expected = validate_instance(schema, value).valid if valid is None else valid
+        assert accepts(compiled, toy_tokenizer, value) == expected, value
+
+
 def test_a_long_ref_chain_is_a_clear_error(toy_tokenizer: Any) -> None:
     # 1,000 refs each to the next: a RecursionError in the ref resolver ended INTERNAL
     defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1000)}

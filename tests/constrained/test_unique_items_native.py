@@ -294,6 +294,9 @@ AT_THE_END = [  # (text so far, the rest of an item already there: refused there
     ('["é\\ud83d\\ude00", "é', "\U0001f600"),
     ('["ab", "a\\', None),  # an escape pending: every allowed token is replayed
     ('["ab", "cd", "', "ab"),
+    # the repeat is the oldest of several items: replaying a token grew the arena under the
+    # filter's pointers (the first filter at a state kept the duplicate, a held-out sweep)
+    ('["bb", "ba", "aa", "cb", "bc", "', "bb"),
 ]
 
 
@@ -330,3 +333,28 @@ def test_a_string_item_at_its_longest_that_repeats_is_refused_a_token_early(
                 assert not tracker.accept(token)
             refused_somewhere += 1
     assert refused_somewhere >= 3
+
+
+@pytest.mark.model
+def test_the_first_fill_at_a_state_removes_an_older_repeat(gemma_tokenizer: Any) -> None:
+    """A held-out sweep: INTERNAL "the grammar rejected sampled token" on
+    ``^[a-c]{2}$`` items. The filter replays tokens inside its loop over the array's items; a
+    replay that grew the arena left the loop's pointers stale, so the first fill at a state
+    kept a repeat of an older item (``bb`` here; a second fill removed it)."""
+    from espalier.constrained.compile import compile_grammar
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.constrained.spec import GrammarSpec
+
+    schema = {"type": "array", "uniqueItems": True, "minItems": 9, "maxItems": 20,
+              "items": {"type": "string", "pattern": "^[a-c]{2}$"}}  # fmt: skip
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), gemma_tokenizer, "llguidance")
+    tokens = gemma_tokenizer.encode('[\n\n\n"bb","ba","aa" ,"cb","bc","')
+    repeats = [t for t, b in enumerate(gemma_tokenizer.token_bytes) if b in (b"bb", b"aa")]
+    assert repeats
+    for _ in range(3):
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), gemma_tokenizer)
+        assert all(matcher.accept(t) for t in tokens)
+        row = bm.allocate(1, gemma_tokenizer.vocab_size, fill=0)
+        matcher.fill_bitmask(row, 0)
+        kept = [t for t in repeats if (int(row[0][t >> 5]) >> (t & 31)) & 1]
+        assert kept == [], [gemma_tokenizer.token_bytes[t] for t in kept]
