@@ -366,8 +366,8 @@ def _crossed(node: dict[str, Any]) -> bool:
     pairs = {"string": _RANGES[0], "array": _RANGES[1], "object": _RANGES[2]}.get(kinds[0])
     if pairs is None:
         return False
-    least, most = num(pairs[0]), num(pairs[1])
-    return least is not None and most is not None and least > most
+    fewest, greatest = num(pairs[0]), num(pairs[1])
+    return fewest is not None and greatest is not None and fewest > greatest
 
 
 def typed_branches(node: dict[str, Any]) -> dict[str, Any]:
