@@ -335,6 +335,22 @@ def distributed_branches(node: dict[str, Any]) -> dict[str, Any]:
     return {**kept, key: out}
 
 
+def _closed_object_empty(node: dict[str, Any]) -> bool:
+    """Whether an object closed by ``additionalProperties: false`` (no ``patternProperties``)
+    requires a name it does not list, or asks ``minProperties`` past the names it lists."""
+    listed = node.get("properties", {})
+    if node.get("additionalProperties") is not False or "patternProperties" in node:
+        return False
+    if not isinstance(listed, dict):
+        return False
+    names = {name for name, sub in listed.items() if sub is not False}
+    required = node.get("required", [])
+    if isinstance(required, list) and any(name not in names for name in required):
+        return True
+    least = node.get("minProperties")
+    return isinstance(least, int) and not isinstance(least, bool) and least > len(names)
+
+
 _RANGES = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
 
 
@@ -363,6 +379,8 @@ def _crossed(node: dict[str, Any]) -> bool:
             most = math.ceil(high) - 1 if high_open or high != math.ceil(high) else high
             return bool(least > most)
         return bool(low > high or (low == high and (low_open or high_open)))
+    if kinds[0] == "object" and _closed_object_empty(node):
+        return True
     pairs = {"string": _RANGES[0], "array": _RANGES[1], "object": _RANGES[2]}.get(kinds[0])
     if pairs is None:
         return False

@@ -605,6 +605,17 @@ def test_branches_after_the_move_keep_what_compiled_and_drop_what_is_empty(
             [20, 21],
             [5, 6, 22],
         ),
+        (  # a closed object of one name cannot hold two (a final re-check sweep)
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 5}},
+                "required": ["a"],
+                "additionalProperties": False,
+                "anyOf": [{"minProperties": 2}, {"properties": {"a": {"maximum": 8}}}],
+            },
+            [{"a": 5}, {"a": 8}],
+            [{"a": 9}, {}, {"a": 5, "b": 1}],
+        ),
     ]:
         compiled, report = compile_grammar(
             GrammarSpec.json_schema(schema), toy_tokenizer, "xgrammar"
