@@ -14,6 +14,7 @@ the backend's error or the keyword profile refuses the schema, as before).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from espalier.constrained.schema.features import escape_class_misread
@@ -41,14 +42,31 @@ def respell_patterns(node: dict[str, Any]) -> dict[str, Any]:
             out = append_all_of(without(out, "pattern"), {"type": others})
     named = node.get("patternProperties")
     if isinstance(named, dict) and any(read_otherwise(p) for p in named):
-        kept: list[tuple[str, Any]] = []
-        for name, sub in named.items():
+
+        def respelled(name: str) -> str | None:  # None: matches no name, constrains nothing
             printed = intersect_patterns((name,)) if read_otherwise(name) else name
-            if printed is not False:  # False: matches no property name, constrains nothing
-                kept.append((printed if isinstance(printed, str) else name, sub))
-        if len(dict(kept)) == len(kept):  # no two names respelled alike
-            out = {**out, "patternProperties": dict(kept)}
+            return None if printed is False else printed if isinstance(printed, str) else name
+
+        kept = _printed_names(named, respelled)
+        if kept is not None:
+            out = {**out, "patternProperties": kept}
     return out
+
+
+def _printed_names(
+    named: dict[str, Any], printer: Callable[[str], str | None]
+) -> dict[str, Any] | None:
+    """``patternProperties`` with each name replaced by ``printer(name)`` (None: the entry
+    dropped); None when two names print alike (left as written)."""
+    kept: dict[str, Any] = {}
+    for name, sub in named.items():
+        key = printer(name)
+        if key is None:
+            continue
+        if key in kept:
+            return None
+        kept[key] = sub
+    return kept
 
 
 def read_otherwise(pattern: str) -> bool:
@@ -122,14 +140,13 @@ def _narrowed_names(node: dict[str, Any]) -> dict[str, Any]:
         return node
     if not any(_narrowed(name) for name in named):
         return node
-    kept: dict[str, Any] = {}
-    for name, sub in named.items():
+
+    def narrowed(name: str) -> str:
         printed = intersect_patterns((name,), controls=False) if _narrowed(name) else name
-        key = printed if isinstance(printed, str) else name
-        if key in kept:
-            return node  # two names printed alike: left as written
-        kept[key] = sub
-    return {**node, "patternProperties": kept}
+        return printed if isinstance(printed, str) else name
+
+    kept = _printed_names(named, narrowed)
+    return node if kept is None else {**node, "patternProperties": kept}
 
 
 def read_wider(pattern: str) -> bool:

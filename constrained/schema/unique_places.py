@@ -411,7 +411,7 @@ FIXED_FORMATS = {"date": 10, "uuid": 36}
 
 def _longest_string(closure: list[Any]) -> int:
     """The most characters a string matching every schema of ``closure`` (an item's conjuncts)
-    has, by ``maxLength``, a fixed-length ``format`` or a ``pattern`` of finitely many strings;
+    has, by ``maxLength``, a fixed-length ``format`` or a ``pattern`` of bounded strings;
     -1 when none bounds it or the bound passes :data:`MAX_ITEM_CHARS`."""
     from espalier.constrained.schema.regular import pattern_longest
 

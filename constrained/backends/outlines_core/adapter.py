@@ -158,9 +158,9 @@ def _any_value(schema: Any) -> bool:
 
 
 RESIDENT_PER_PICKLED_BYTE = 2.4
-"""An Index's resident bytes per byte of its pickle (the compile cache's estimate): the engine
-process grew 553-558 MB per Gemma-vocabulary ``maxLength`` string grammar whose pickle was
-237-242 MB; counting the pickle alone let a 512 MB cache hold indexes of 1.1 GB."""
+"""An Index's resident bytes per byte of its pickle (the compile cache's estimate): a process
+grew 512-567 MB per Gemma-vocabulary ``maxLength`` string grammar whose pickle was 237-246 MB
+(2.2-2.3x); counting the pickle alone let a 512 MB cache hold indexes of 1.1 GB."""
 
 
 def _return_freed_memory() -> None:
