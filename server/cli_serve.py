@@ -103,6 +103,12 @@ def register(sub: Any) -> None:
         "as many as its bursts need), so its requests do not wait for one; 0: none",
     )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds")
+    p.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=3,
+        help="deaths of the engine process replaced within ten minutes; one more exits 1",
+    )
     p.add_argument("--no-reflection", action="store_true")
     p.set_defaults(func=run)
 
@@ -128,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_max_tokens=args.max_max_tokens,
         compile_timeout_s=args.compile_timeout,
         shutdown_grace_s=args.shutdown_grace,
+        engine_restarts=args.engine_restarts,
         # given but empty (an unset variable in a script) is refused by validate, not dropped
         auth_token=(
             args.auth_token if args.auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)

@@ -22,6 +22,8 @@ class ServerConfig:
     ``max_choices``, ``max_grammar_alternatives`` (``|`` in a Lark / GBNF grammar),
     ``max_schema_depth`` (bracket nesting of a schema's JSON).
     ``admission_threads`` parse, check and tokenize requests off the event loop.
+    ``engine_restarts``: deaths of the engine process replaced within ten minutes
+    (``server/engine_supervisor.py``); one more fails the server (exit 1); 0: the first does.
     """
 
     host: str = "127.0.0.1"
@@ -43,6 +45,7 @@ class ServerConfig:
     max_max_tokens: int = 8192
     compile_timeout_s: float = 30.0
     shutdown_grace_s: float = 30.0
+    engine_restarts: int = 3
     auth_token: str | None = None
     tls_cert: str | None = None  # PEM file; TLS is on when both cert and key are set
     tls_key: str | None = None
@@ -66,6 +69,8 @@ class ServerConfig:
             problems.append("max_concurrent_requests must be >= 1")
         if self.max_queue < 1:
             problems.append("max_queue must be >= 1")
+        if self.engine_restarts < 0:
+            problems.append("--engine-restarts must be at least 0")
         if self.max_message_bytes < 1024:
             problems.append("max_message_bytes must be >= 1024")
         for name in (

@@ -88,6 +88,11 @@ class ServerMetrics:
             "Generations aborted in the engine (cancel, deadline, error after admission)",
             registry=r,
         )
+        self.engine_restarts = Counter(
+            "espalier_engine_restarts",
+            "Engine processes replaced after a death (server/engine_supervisor.py)",
+            registry=r,
+        )
         self._engine_stats: Callable[[], Mapping[str, Any]] | None = None
         self._cache_collector: _CompileCacheCollector | None = None
         gauges = {

@@ -366,6 +366,6 @@ class EspalierServicer(pb_grpc.EspalierServicer):
             max_prompt_tokens=self.state.max_prompt_tokens(),
             max_grammar_bytes=cfg.max_grammar_bytes,
             default_max_tokens=cfg.default_max_tokens,
-            ready=self.state.engine is not None and not self.state.draining,
+            ready=self.state.serving,
             reasoning_end=cfg.reasoning_end,
         )

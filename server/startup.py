@@ -10,11 +10,11 @@ the child, is the one that imports both.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from espalier.server.engine_port import ServingEngine
+from espalier.server.engine_supervisor import warm_up
 from espalier.server.loading import (
     ModelOptions,
     grammar_service,
@@ -27,19 +27,6 @@ if TYPE_CHECKING:
     from espalier.constrained.tokenizer import TokenizerInfo
     from espalier.engine.constraints import GrammarService
     from espalier.server.engine_process import SpawnedEngine
-
-
-async def warm_up(engine: ServingEngine) -> None:
-    """One short generation through the whole path before health turns SERVING."""
-    from espalier.engine.api import GenerationRequest, SamplingParams
-
-    request = GenerationRequest(
-        request_id=f"warmup-{uuid.uuid4().hex}",
-        prompt="Hello",
-        sampling=SamplingParams(max_tokens=2, ignore_eos=True),
-    )
-    async for _ in engine.generate(request):
-        pass
 
 
 def make_loader(
@@ -75,22 +62,24 @@ async def _start_engine_process(
     tokenizer: TokenizerInfo,
     grammar: GrammarService,
 ) -> tuple[ServingEngine, ModelFacts]:
-    """The engine in a child process; its death fails the server (``ServingState.fail``).
-    From here on CompileGrammar compiles in the child's cache (``EngineProcess.compile``)."""
-    from espalier.server.engine_process import EngineProcessConfig, start_engine_process
+    """The engine in a child process, replaced when it dies (``EngineSupervisor``). From here on
+    CompileGrammar compiles in the child's cache (``EngineProcess.compile``)."""
+    from espalier.server.engine_process import EngineProcess, EngineProcessConfig
+    from espalier.server.engine_supervisor import EngineSupervisor
 
-    def on_failure(why: str) -> None:
-        asyncio.get_running_loop().create_task(state.fail(why))
+    def on_engine(engine: EngineProcess) -> None:
+        announce(event="engine_process", pid=engine.process.pid)
+        if options.tensor_parallel > 1:
+            announce(event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.rank_pids)
 
     config = EngineProcessConfig(
         max_waiting=options.max_queue, compile_timeout_s=options.compile_timeout_s
     )
-    engine, facts, tokenizer = await start_engine_process(spawned, tokenizer, config, on_failure)
-    announce(event="engine_process", pid=engine.process.pid)
-    if options.tensor_parallel > 1:
-        announce(event="tensor_parallel", ranks=options.tensor_parallel, pids=engine.rank_pids)
+    engine = EngineSupervisor(
+        options, state, grammar, config, state.config.engine_restarts, on_engine
+    )
+    facts, tokenizer = await engine.start(spawned, tokenizer)
     state.tokenizer = tokenizer  # at the engine's width when the model pads its vocabulary
     state.compiler = engine.compile  # CompileGrammar warms the cache the requests use
-    engine.compile_service = grammar  # the one CompileGrammar used while the model loaded
     state.metrics.bind_compile_cache(lambda: engine.grammar_cache_stats(grammar.cache.stats))
     return engine, facts

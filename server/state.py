@@ -53,8 +53,9 @@ class ModelFacts:
 class ServingState:
     """Shared by the servicer, the health service and the lifecycle (serve / shutdown).
 
-    Health is NOT_SERVING until :meth:`set_ready` (model loaded and warm), SERVING after, and
-    NOT_SERVING again from :meth:`begin_drain` on.
+    Health is NOT_SERVING until :meth:`set_ready` (model loaded and warm), SERVING after (but
+    NOT_SERVING while a dead engine is replaced), and NOT_SERVING again from :meth:`begin_drain`
+    on.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class ServingState:
         self.metrics = ServerMetrics()
         self.health = health.aio.HealthServicer()
         self.draining = False
+        self.serving = False  # health is SERVING
         self.active = 0  # generations admitted and not yet finished
         self.waiting = 0  # admitted generations that have not emitted their first token
         self.idle = asyncio.Event()
@@ -86,12 +88,20 @@ class ServingState:
         self.engine = engine
         self.facts = facts
         self.metrics.bind_engine(engine.stats)
-        if not self.draining:
-            for name in ("", SERVICE_NAME):
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health SERVING (never while draining) or NOT_SERVING (an engine being replaced)."""
+        self.serving = serving and not self.draining
+        status = health_pb2.HealthCheckResponse.NOT_SERVING
+        if self.serving:
+            status = health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def begin_drain(self) -> None:
         self.draining = True
+        self.serving = False
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 

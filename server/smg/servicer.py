@@ -103,6 +103,8 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
             return vpb.HealthCheckResponse(healthy=False, message="draining")
         if self.state.engine is None:
             return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
+        if not self.state.serving:
+            return vpb.HealthCheckResponse(healthy=False, message="the engine is restarting")
         return vpb.HealthCheckResponse(healthy=True, message="serving")
 
     async def GetModelInfo(

@@ -3,7 +3,8 @@ gRPC, validation and tokenization. Real server on loopback, tiny random model, G
 plain, constrained and streaming generation, the served text (made here from the engine process's
 token ids) equal to an in-process engine's, cancellation across the channel, metrics from the
 engine's messages, the SIGTERM drain, and the engine process killed mid-stream (the client gets
-UNAVAILABLE, the server reports NOT_SERVING and exits non-zero instead of hanging)."""
+UNAVAILABLE and a new engine process serves; a second death within ten minutes is past
+``--engine-restarts 1``: the server reports NOT_SERVING and exits non-zero instead of hanging)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--compile-timeout", "900")
+    srv = ServerProcess("--compile-timeout", "900", "--engine-restarts", "1")
     try:
         if not srv.wait_loaded():
             pytest.fail(f"the engine did not load: {srv.wait_event('load_failed')}")
@@ -191,24 +192,44 @@ def _is_zombie(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_killed_engine_fails_streams_and_the_server(server: ServerProcess, client: Client) -> None:
-    """Runs last in this module: it ends the server."""
+def _health(server: ServerProcess) -> Any:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+
+
+def _kill_engine_mid_stream(client: Client, pid: int) -> UnavailableError:
     stream = client.stream("Tell me", max_tokens=8000, ignore_eos=True)
     with pytest.raises(UnavailableError) as info:
         for i, _chunk in enumerate(stream):
             if i == 2:
-                os.kill(_engine_pid(server), signal.SIGKILL)
-    assert info.value.reason == "ENGINE_UNAVAILABLE"
-    assert server.wait_event("engine_failed")["error"]
-    with grpc.insecure_channel(server.address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=30
-            )
-            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        except grpc.RpcError as exc:  # or it is already stopping / stopped
-            assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                os.kill(pid, signal.SIGKILL)
+    return info.value
+
+
+def test_killed_engine_is_replaced_then_a_crash_loop_fails_the_server(
+    server: ServerProcess, client: Client
+) -> None:
+    """Runs last in this module: it ends the server (``--engine-restarts 1``). The first death
+    ends the open stream UNAVAILABLE, a new engine process serves the next requests (health
+    SERVING again); the second within ten minutes fails the server: NOT_SERVING, exit 1."""
+    first = _engine_pid(server)
+    error = _kill_engine_mid_stream(client, first)
+    assert error.reason == "ENGINE_UNAVAILABLE"
+    assert server.wait_event("engine_failed")["restarting"] is True
+    restarted = server.wait_event("engine_restarted")
+    second = restarted["pid"]
+    assert second not in (first, server.proc.pid) and restarted["restarts"] == 1
+    assert not os.path.exists(f"/proc/{first}") or _is_zombie(first)  # reaped, not left running
+    assert _health(server) == health_pb2.HealthCheckResponse.SERVING
+    again = client.generate("A person as JSON:", schema=SCHEMA, max_tokens=48)
+    check_output("json_schema", again.text, again.finish_reason)
+    assert server.metrics_port is not None
+    assert scrape(server.metrics_port)["espalier_engine_restarts_total"] == 1
+
+    _kill_engine_mid_stream(client, second)
     server.wait_event("stopped", timeout=120)
     assert server.proc.wait(timeout=120) == 1
     names = [e["event"] for e in server.events]
-    assert names.index("engine_failed") < names.index("draining") < names.index("stopped")
+    assert names.count("engine_failed") == 2 and names.count("engine_restarted") == 1
+    assert names.index("engine_restarted") < names.index("draining") < names.index("stopped")

@@ -1,7 +1,7 @@
 """``espalier serve --tensor-parallel 2`` on CPU (gloo): the server starts its second rank itself,
 serves plain and constrained generations with the same tokens as the one-process server, and
 when that rank is killed mid-stream the client gets INTERNAL naming the rank, health turns
-NOT_SERVING and the server exits 1 instead of hanging."""
+NOT_SERVING and the server exits 1 instead of hanging (``--engine-restarts 0``: no replacement)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def test_tensor_parallel_server_generates_then_fails_on_a_dead_rank(
 ) -> None:
     with Client(serving.address, timeout_s=600.0) as client:
         want = client.generate("Once upon a time", max_tokens=10, ignore_eos=True).token_ids
-    srv = ServerProcess("--tensor-parallel", "2", "--compile-timeout", "900")
+    srv = ServerProcess(
+        "--tensor-parallel", "2", "--compile-timeout", "900", "--engine-restarts", "0"
+    )
     try:
         assert srv.wait_loaded(), srv.wait_event("load_failed")
         pids = srv.wait_event("tensor_parallel")["pids"]
