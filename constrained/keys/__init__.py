@@ -26,11 +26,14 @@ way on, unless the grammar's key language is finite and exhausted (``propertyNam
 Unique string items whose length is bounded (``maxLength``, a ``date`` or ``uuid`` format, a pattern
 of bounded strings: ``EspPlaces.item_chars``, at most 64 characters) are watched one token earlier:
 a token that leaves an item at that length equal to an earlier item is refused as if it completed
-it, since only the closing quote could follow. Elsewhere every allowed token may complete a
-duplicate; the tracker then removes nothing (a row is never emptied) and ``accept`` refuses the
-duplicate all the same (as it refuses a duplicate item): no instance with a repeated key is
-accepted. The closing policy's check before each token sees the dead end one token early and closes
-the output there; past its window the request ends with an error that says why
+it, since only the closing quote could follow. Unique string items from a short list (a pattern of
+fewer than 64 strings, ``EspPlaces.words``) are watched at every character: a token after which
+every listed word that extends the item is an earlier item is refused (``"b`` once ``ba``, ``bb``
+and ``bc`` are taken under ``^[a-c]{2}$``; the opening quote once every word is). Elsewhere every
+allowed token may complete a duplicate; the tracker then removes nothing (a row is never emptied)
+and ``accept`` refuses the duplicate all the same (as it refuses a duplicate item): no instance
+with a repeated key is accepted. The closing policy's check before each token sees the dead end
+one token early and closes the output there; past its window the request ends with an error that says why
 (:meth:`UniqueKeysMatcher.refusal`).
 """
 

@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 7
+#define ESP_KEYS_ABI 8
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
@@ -88,12 +88,19 @@ typedef struct EspKeysTables {
  * item_default[s]. -1: no place below is tracked. item_chars[s]: the most characters a string
  * item after the prefix may have there (-1: no bound kept); a token that leaves such an item at
  * that many characters, equal to an item already in the array, is refused like one that
- * completes it (only the closing quote could follow). Read-only, shared by trackers and forks. */
+ * completes it (only the closing quote could follow). words[word_start[s] .. + word_count[s]):
+ * every string a string item after the prefix may be there (a tag byte 's', then UTF-8; none:
+ * no list kept); a token after which every listed word that extends the item so far is an item
+ * already in the array is refused too (each way on repeats one, or leaves the list). Read-only,
+ * shared by trackers and forks. */
 typedef struct EspPlaces {
     int32_t n_states;
     uint8_t *unique;
     int32_t *key_start, *key_count, *key_default, *prefix_start, *prefix_count, *item_default;
-    int32_t *item_chars;
+    int32_t *item_chars, *word_start, *word_count;
+    int64_t *word_off;
+    int32_t *word_len;
+    uint8_t *words;
     int32_t *key_target, *prefix_target;
     int64_t *name_off;
     int32_t *name_len;
@@ -590,6 +597,37 @@ static int at_taken_end(const EspKeys *k) {
     return key_in(k, k->stack[k->depth - 1].items, k->bytes + k->item_off, len + 1);
 }
 
+/* The word list of the string item being read (EspPlaces.words): its first index, count in
+ * *n (0: none, or not inside a string item of a unique array past its prefix). */
+static int32_t item_words(const EspKeys *k, int32_t *n) {
+    *n = 0;
+    if (k->item != STRING_ITEM || !k->in_value || !in_unique(k)) return 0;
+    const Frame *top = &k->stack[k->depth - 1];
+    if (top->index < k->places->prefix_count[top->loc]) return 0;
+    *n = k->places->word_count[top->loc];
+    return k->places->word_start[top->loc];
+}
+
+/* Inside a string item with a word list where some listed word extends the text so far and
+ * every such word is an item already in the array: whatever follows repeats one (or leaves
+ * the list). A pending escape or surrogate half changes nothing: the text so far is decoded,
+ * and every way on extends it. */
+static int words_taken(const EspKeys *k) {
+    int32_t n, first = item_words(k, &n);
+    const EspPlaces *p = k->places;
+    const uint8_t *text = k->bytes + k->item_off;
+    uint32_t len = k->n_bytes - k->item_off;
+    int ahead = 0;
+    for (int32_t i = first; i < first + n; i++) {
+        const uint8_t *word = p->words + p->word_off[i];
+        uint32_t word_len = (uint32_t)p->word_len[i];
+        if (word_len < len || memcmp(word, text, len) != 0) continue;
+        if (!key_in(k, k->stack[k->depth - 1].items, word, word_len)) return 0;
+        ahead = 1;
+    }
+    return ahead;
+}
+
 static void rollback(EspKeys *k, int64_t n) {
     if (n <= 0) return;
     if (n > k->n_marks) n = k->n_marks;
@@ -637,7 +675,7 @@ static int advance(EspKeys *k, int64_t token, int strict) {
         if (step_byte(k, data[i], strict)) { rollback(k, 1); return 0; }
     }
     if (k->failed) { rollback(k, 1); k->failed = 0; return -1; }
-    if (in_taken_literal(k) || at_taken_end(k)) {
+    if (in_taken_literal(k) || at_taken_end(k) || words_taken(k)) {
         rollback(k, 1);
         k->refused = REFUSED_ITEM;
         return 0;
@@ -785,6 +823,35 @@ static int taken_end_ids(EspKeys *k, const uint32_t *row, int64_t words, int32_t
     return try_ids(k, t->escape_ids, t->n_escape, row, words, found);
 }
 
+/* Inside a string item with a word list: the allowed tokens after which words_taken holds.
+ * Candidates: a token spelling a part of the rest of a listed word that extends the text and
+ * is already an item (the text after it must still be a prefix of such a word), and the tokens
+ * holding a backslash; with an escape or a surrogate half pending, every allowed token. 0 out
+ * of memory. */
+static int words_taken_ids(EspKeys *k, const uint32_t *row, int64_t words, int64_t *found) {
+    const EspKeysTables *t = k->tables;
+    const EspPlaces *p = k->places;
+    int32_t n, first = item_words(k, &n);
+    uint32_t len = k->n_bytes - k->item_off;
+    int ahead = 0;
+    for (int32_t i = first; i < first + n; i++) {
+        /* pointers into the arena are taken anew each time: replaying a token may move it */
+        const uint8_t *word = p->words + p->word_off[i];
+        uint32_t word_len = (uint32_t)p->word_len[i];
+        if (word_len <= len || memcmp(word, k->bytes + k->item_off, len) != 0) continue;
+        if (!key_in(k, k->stack[k->depth - 1].items, word, word_len)) continue;
+        ahead = 1;
+        if (k->esc_len || k->high) break;
+        for (uint32_t end = len + 1; end <= word_len; end++) {
+            const Slot *s = map_get(&t->by_text, word + len, end - len);
+            if (s && !try_ids(k, t->by_text.ids + s->start, s->count, row, words, found)) return 0;
+        }
+    }
+    if (!ahead) return 1;
+    if (k->esc_len || k->high) return try_allowed(k, row, words, found);
+    return try_ids(k, t->escape_ids, t->n_escape, row, words, found);
+}
+
 /* Append to k->found the allowed tokens of row that complete a duplicate item (candidates: see
  * EspKeysTables); found: how many k->found held. -1 out of memory. */
 static int64_t item_duplicates(EspKeys *k, const uint32_t *row, int64_t words, int64_t found) {
@@ -794,6 +861,7 @@ static int64_t item_duplicates(EspKeys *k, const uint32_t *row, int64_t words, i
         return -1;
     int32_t most = item_chars(k);
     if (most >= 0 && !taken_end_ids(k, row, words, most, &found)) return -1;
+    if (!words_taken_ids(k, row, words, &found)) return -1;
     if (k->item == LITERAL_ITEM) {
         int lit = literal_index(k->bytes[k->item_off + 1]);
         int64_t read = (int64_t)(k->n_bytes - k->item_off - 1);
@@ -1107,37 +1175,46 @@ void espalier_keys_places_free(EspPlaces *p) {
     if (!p) return;
     free(p->unique); free(p->key_start); free(p->key_count); free(p->key_default);
     free(p->prefix_start); free(p->prefix_count); free(p->item_default); free(p->item_chars);
+    free(p->word_start); free(p->word_count); free(p->word_off); free(p->word_len); free(p->words);
     free(p->key_target);
     free(p->prefix_target); free(p->name_off); free(p->name_len); free(p->names);
     free(p);
 }
 
 /* A places automaton (EspPlaces), copied from the caller's arrays: per state (n) unique, key
- * start/count/default, prefix start/count, item default, item chars; per name (m) its offset in names,
- * length and target; per prefix place (q) its target. NULL when out of memory. */
+ * start/count/default, prefix start/count, item default, item chars, word start/count; per name
+ * (m) its offset in names, length and target; per prefix place (q) its target; per word (w)
+ * its offset in words and length. NULL when out of memory. */
 EspPlaces *espalier_keys_places_new(int32_t n, const uint8_t *unique, const int32_t *per_state,
                                     int32_t m, const int64_t *name_off, const int32_t *name_len,
                                     const int32_t *key_target, const uint8_t *names,
-                                    int64_t names_len, int32_t q, const int32_t *prefix_target) {
+                                    int64_t names_len, int32_t q, const int32_t *prefix_target,
+                                    int32_t w, const int64_t *word_off, const int32_t *word_len,
+                                    const uint8_t *words, int64_t words_len) {
     EspPlaces *p = calloc(1, sizeof(EspPlaces));
     if (!p) return NULL;
     int64_t cap;
     p->n_states = n;
     p->unique = dup_array(unique, n, 1, &cap);
-    int32_t **cols[7] = {&p->key_start,    &p->key_count,    &p->key_default,
-                         &p->prefix_start, &p->prefix_count, &p->item_default, &p->item_chars};
+    int32_t **cols[9] = {&p->key_start,    &p->key_count,    &p->key_default,
+                         &p->prefix_start, &p->prefix_count, &p->item_default,
+                         &p->item_chars,   &p->word_start,   &p->word_count};
     int ok = p->unique != NULL;
-    for (int c = 0; c < 7; c++) {
+    for (int c = 0; c < 9; c++) {
         *cols[c] = malloc((size_t)(n ? n : 1) * sizeof(int32_t));
         ok = ok && *cols[c];
-        for (int32_t s = 0; ok && s < n; s++) (*cols[c])[s] = per_state[(int64_t)s * 7 + c];
+        for (int32_t s = 0; ok && s < n; s++) (*cols[c])[s] = per_state[(int64_t)s * 9 + c];
     }
     p->name_off = malloc((size_t)(m ? m : 1) * sizeof(int64_t));
     p->name_len = malloc((size_t)(m ? m : 1) * sizeof(int32_t));
     p->key_target = malloc((size_t)(m ? m : 1) * sizeof(int32_t));
     p->names = malloc((size_t)(names_len ? names_len : 1));
     p->prefix_target = malloc((size_t)(q ? q : 1) * sizeof(int32_t));
+    p->word_off = malloc((size_t)(w ? w : 1) * sizeof(int64_t));
+    p->word_len = malloc((size_t)(w ? w : 1) * sizeof(int32_t));
+    p->words = malloc((size_t)(words_len ? words_len : 1));
     ok = ok && p->name_off && p->name_len && p->key_target && p->names && p->prefix_target;
+    ok = ok && p->word_off && p->word_len && p->words;
     if (!ok) { espalier_keys_places_free(p); return NULL; }
     if (m) {
         memcpy(p->name_off, name_off, (size_t)m * sizeof(int64_t));
@@ -1146,6 +1223,11 @@ EspPlaces *espalier_keys_places_new(int32_t n, const uint8_t *unique, const int3
     }
     if (names_len) memcpy(p->names, names, (size_t)names_len);
     if (q) memcpy(p->prefix_target, prefix_target, (size_t)q * sizeof(int32_t));
+    if (w) {
+        memcpy(p->word_off, word_off, (size_t)w * sizeof(int64_t));
+        memcpy(p->word_len, word_len, (size_t)w * sizeof(int32_t));
+    }
+    if (words_len) memcpy(p->words, words, (size_t)words_len);
     return p;
 }
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from espalier.constrained.keys.frames import ScanAutomaton
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 7
+ABI = 8
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
@@ -61,7 +61,10 @@ def _load() -> ctypes.CDLL:
         "espalier_keys_tables_new": (vp, [vp, vp, i64]),
         "espalier_keys_tables_free": (None, [vp]),
         "espalier_keys_new": (vp, [vp]),
-        "espalier_keys_places_new": (vp, [i32, vp, vp, i32, vp, vp, vp, vp, i64, i32, vp]),
+        "espalier_keys_places_new": (
+            vp,
+            [i32, vp, vp, i32, vp, vp, vp, vp, i64, i32, vp, i32, vp, vp, vp, i64],
+        ),
         "espalier_keys_places_free": (None, [vp]),
         "espalier_keys_set_places": (None, [vp, vp]),
         "espalier_keys_frames_new": (vp, [i32, i32, vp, vp, vp, i32]),
@@ -144,10 +147,11 @@ class PlaceTable(_Owned):
         so = lib()
         n = len(places.unique)
         unique = np.array(places.unique, dtype=np.uint8)
-        per_state = np.zeros((n, 7), dtype=np.int32)
+        per_state = np.zeros((n, 9), dtype=np.int32)
         names: list[bytes] = []
         targets: list[int] = []
         prefix: list[int] = []
+        words: list[bytes] = []  # tagged as the tracker stores a string item
         for s in range(n):
             keys = places.keys[s]
             per_state[s] = (
@@ -158,16 +162,16 @@ class PlaceTable(_Owned):
                 len(places.prefix[s]),
                 places.item_default[s],
                 places.item_chars[s],
+                len(words),
+                len(places.item_words[s] or ()),
             )
+            words += [b"s" + w.encode() for w in places.item_words[s] or ()]
             names += [name for name, _ in keys]
             targets += [target for _, target in keys]
             prefix += places.prefix[s]
-        lengths = np.array([len(b) for b in names], dtype=np.int32)
-        offsets = np.zeros(len(names), dtype=np.int64)
-        if names:
-            np.cumsum(lengths[:-1], out=offsets[1:])
-        blob = np.frombuffer(b"".join(names) or b"\0", dtype=np.uint8)
+        lengths, offsets, blob = _blob(names)
         key_target = np.array(targets, dtype=np.int32)
+        word_len, word_off, word_blob = _blob(words)
         prefix_target = np.array(prefix, dtype=np.int32)
         self.handle = so.espalier_keys_places_new(
             n,
@@ -181,6 +185,11 @@ class PlaceTable(_Owned):
             int(lengths.sum()),
             len(prefix),
             prefix_target.ctypes.data,
+            len(words),
+            word_off.ctypes.data,
+            word_len.ctypes.data,
+            word_blob.ctypes.data,
+            int(word_len.sum()),
         )
         if not self.handle:
             raise MemoryError("places")
@@ -378,3 +387,12 @@ def filter_rows(
         handles.ctypes.data, pointers.ctypes.data, n, rows.shape[1], threads, results.ctypes.data
     )
     return results
+
+
+def _blob(parts: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``parts`` as (int32 lengths, int64 offsets, one uint8 buffer), for ``keys.c``."""
+    lengths = np.array([len(b) for b in parts], dtype=np.int32)
+    offsets = np.zeros(len(parts), dtype=np.int64)
+    if parts:
+        np.cumsum(lengths[:-1], out=offsets[1:])
+    return lengths, offsets, np.frombuffer(b"".join(parts) or b"\0", dtype=np.uint8)

@@ -155,13 +155,17 @@ def pattern_longest(pattern: str, cap: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=512)
-def pattern_words(pattern: str, cap: int) -> tuple[str, ...] | None:
+def pattern_words(
+    pattern: str, cap: int, readings: tuple[bool, ...] = BOTH_READINGS
+) -> tuple[str, ...] | None:
     """The strings ``pattern`` matches as the backends read it (a full match of ``^...$``, no
-    final newline) under both readings of its classes (:data:`BOTH_READINGS`), in code point
-    order, when fewer than ``cap`` and none holds a surrogate code point; None when ``cap`` or
-    more, infinitely many, or the pattern is not read. Why: an object whose keys can only come
-    from such patterns lists them as properties (``pattern_properties.finite_names``)."""
-    found = _language((pattern,), False, False, 0, BOTH_READINGS)
+    final newline) under every reading of its classes in ``readings`` (default: both, the
+    strings JSON Schema's and Python's dialects agree on), in code point order, when fewer than
+    ``cap`` and none holds a surrogate code point; None when ``cap`` or more, infinitely many,
+    or the pattern is not read. Why: an object whose keys can only come from such patterns
+    lists them as properties (``pattern_properties.finite_names``); a unique array's string
+    items from such a list are tracked word by word (``unique_places``)."""
+    found = _language((pattern,), False, False, 0, readings)
     if found is None:
         return None
     dfa, alphabet = found

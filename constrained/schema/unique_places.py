@@ -27,6 +27,7 @@ never refuse); :func:`unique_places` reads the marks back into :class:`Places`.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,7 +65,10 @@ class Places:
     item positions 0, 1, ..., ``item_default[s]`` for later ones. Targets are states or -1.
     ``item_chars[s]``: where ``unique[s]``, the most characters a string item after the prefix
     has (:func:`_longest_string`; -1: none kept): the tracker refuses a token that leaves such an
-    item at that length equal to an earlier item, the one way on being a duplicate."""
+    item at that length equal to an earlier item, the one way on being a duplicate.
+    ``item_words[s]``: where ``unique[s]``, every string a string item after the prefix may be
+    (:func:`_string_words`, a superset of its language; None: none kept): the tracker refuses a
+    token after which every listed word that extends the item so far is an earlier item."""
 
     unique: tuple[bool, ...]
     keys: tuple[tuple[tuple[bytes, int], ...], ...]
@@ -72,6 +76,7 @@ class Places:
     prefix: tuple[tuple[int, ...], ...]
     item_default: tuple[int, ...]
     item_chars: tuple[int, ...]
+    item_words: tuple[tuple[str, ...] | None, ...]
 
 
 class _Refused(Exception):
@@ -280,8 +285,7 @@ class _Analysis:
         todo: deque[frozenset[int]] = deque()
         if self._state([self.root], table, todo) < 0:
             raise _Refused
-        rows: dict[int, tuple[bool, tuple[tuple[bytes, int], ...], int, tuple[int, ...], int, int]]
-        rows = {}
+        rows: dict[int, tuple[Any, ...]] = {}
         while todo:
             base = todo.popleft()
             arrays = self._expand(base, "array")
@@ -291,10 +295,11 @@ class _Analysis:
                 self._state([_item(n, i) for n in arrays], table, todo) for i in range(prefix_len)
             )
             rest = self._state([_item(n, prefix_len) for n in arrays], table, todo)
-            chars = -1
+            chars, words = -1, None
             if unique:
                 self._check_items(arrays, prefix_len)
-                chars = _longest_string(self._conjuncts([_item(n, prefix_len) for n in arrays]))
+                closure = self._conjuncts([_item(n, prefix_len) for n in arrays])
+                chars, words = _longest_string(closure), _string_words(closure)
             objects = self._expand(base, "object")
             if any(
                 n.get("patternProperties") and self._reaches(n.get("additionalProperties"))
@@ -311,7 +316,7 @@ class _Analysis:
                 keys.append((name.encode("utf-8", "surrogatepass"), target))
             default = self._state([n.get("additionalProperties") for n in objects], table, todo)
             keys = [(name, target) for name, target in keys if target != default]
-            rows[table[base]] = (unique, tuple(keys), default, prefix, rest, chars)
+            rows[table[base]] = (unique, tuple(keys), default, prefix, rest, chars, words)
         ordered = [rows[s] for s in range(len(table))]
         return Places(
             unique=tuple(r[0] for r in ordered),
@@ -320,6 +325,7 @@ class _Analysis:
             prefix=tuple(r[3] for r in ordered),
             item_default=tuple(r[4] for r in ordered),
             item_chars=tuple(r[5] for r in ordered),
+            item_words=tuple(r[6] for r in ordered),
         )
 
     def _check_items(self, arrays: list[dict[str, Any]], prefix_len: int) -> None:
@@ -430,3 +436,44 @@ def _longest_string(closure: list[Any]) -> int:
                 bounds.append(longest)
     most = min(bounds, default=-1)
     return most if most <= MAX_ITEM_CHARS else -1
+
+
+MAX_ITEM_WORDS = 64
+"""The most words :func:`_string_words` lists: the tracker compares an item with each at every
+token inside it."""
+
+
+def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
+    """Every string that matches all of ``closure`` (an item's conjuncts) as a backend may read
+    them, when a ``pattern`` among them allows fewer than :data:`MAX_ITEM_WORDS` strings under
+    each reading of its classes; None otherwise (and when none is left).
+    A superset of the item's strings: the other keywords only narrow it (``minLength`` and
+    ``maxLength`` are applied here), and the union of the two readings covers a backend that
+    reads a class either way."""
+    from espalier.constrained.schema.regular import pattern_words
+
+    found: set[str] | None = None
+    low, high = 0, math.inf
+    for node in closure:
+        if not isinstance(node, dict):
+            continue
+        shortest, longest = node.get("minLength"), node.get("maxLength")
+        if isinstance(shortest, int) and not isinstance(shortest, bool):
+            low = max(low, shortest)
+        if isinstance(longest, int) and not isinstance(longest, bool):
+            high = min(high, longest)
+        pattern = node.get("pattern")
+        if not isinstance(pattern, str):
+            continue
+        words: set[str] = set()
+        for reading in (False, True):
+            read = pattern_words(pattern, MAX_ITEM_WORDS, (reading,))
+            if read is None:
+                break
+            words.update(read)
+        else:
+            found = words if found is None else found & words
+    if found is None:
+        return None
+    kept = sorted(w for w in found if low <= len(w) <= high)
+    return tuple(kept) if 0 < len(kept) < MAX_ITEM_WORDS else None

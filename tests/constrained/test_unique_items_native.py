@@ -2,7 +2,8 @@
 (``tests/fixtures/keys_twin.py``): states, rollback, forks, row filters, batch row filters and
 tree filters on random token sequences over a schema with tracked places (strings with escapes
 and surrogates, numbers written many ways, literals, nested and prefix places, untracked
-neighbours, string items at their longest), on the toy vocabulary and Gemma's. Every
+neighbours, string items at their longest, string items from a word list), on the toy vocabulary
+and Gemma's. Every
 comparison must match exactly.
 """
 
@@ -53,6 +54,12 @@ SCHEMA = {
             "items": {"type": "string", "maxLength": 2},
             "uniqueItems": True,
         },
+        # a listed word: once every word that extends an item is taken, the item is refused
+        "few": {
+            "type": "array",
+            "items": {"type": "string", "pattern": "^([ab]{1,2}|é)$"},
+            "uniqueItems": True,
+        },
     },
     "additionalProperties": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
 }
@@ -60,9 +67,10 @@ ITEMS = [
     '"a"', '"\\u0061"', '"b"', '"ab"', '""', '"\\u0000"', '"\\ud83d\\ude00"', '"\U0001f600"',
     '"\\ud83d"', '"\\""', '"null"', '"1"', "1", "1.0", "1e0", "10E-1", "-0", "0", "0.0", "-0.0",
     "0.1", "0.10000000000000001", "100000000000000001", "100000000000000000", "1e17", "1e400",
-    "2e400", "-1", "true", "false", "null", "[]", "{}",
+    "2e400", "-1", "true", "false", "null", "[]", "{}", '"aa"', '"ba"', '"bb"', '"é"',
+    '"\\u00e9"', '"b\\u0061"',
 ]  # fmt: skip
-KEYS = ["tags", "grid", "pair", "free", "x", "\\u0074ags", "y", "short", "short"]
+KEYS = ["tags", "grid", "pair", "free", "x", "\\u0074ags", "y", "short", "short", "few", "few"]
 
 
 def _places() -> Places:
@@ -285,6 +293,25 @@ def test_tree_filters_equal_the_twin_on_gemma(gemma_tokenizer: Any) -> None:
     assert _check_trees(gemma_tokenizer, seed=16, trees=80, dense=False) > 5
 
 
+def _filtered_at(
+    tokenizer: Any, places: Places, text: str
+) -> tuple[KeyTracker, KeyState, np.ndarray]:
+    """A tracker after ``text`` (a token per character), its state equal to the twin's, and a
+    full row filtered there (equal to the twin's filter)."""
+    tb = tokenizer.token_bytes
+    tokens = [t for ch in text for t in tokenizer.encode(ch)]
+    state = _walk(tb, tokens, places)[-1]
+    assert state is not None, text
+    tracker = _tracker(tokenizer, places)
+    assert tracker.accept_tokens(tokens) == len(tokens)
+    assert parse_export(tracker.export()) == state
+    mine = np.full(bm.words_per_row(tokenizer.vocab_size), -1, dtype=np.int32)
+    theirs = mine.copy()
+    assert tracker.filter_row(mine) == filter_row(state, theirs, tb, places)
+    assert np.array_equal(mine, theirs), text
+    return tracker, state, mine
+
+
 SHORT = {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True}
 AT_THE_END = [  # (text so far, the rest of an item already there: refused there)
     ('["ab", "a', "b"),
@@ -313,19 +340,9 @@ def test_a_string_item_at_its_longest_that_repeats_is_refused_a_token_early(
     places = unique_places(prepare_schema(SHORT).schema)
     assert places is not None and places.item_chars[0] == 2
     tb = tokenizer.token_bytes
-    words = bm.words_per_row(tokenizer.vocab_size)
     refused_somewhere = 0
     for text, rest in AT_THE_END:
-        tokens = [t for ch in text for t in tokenizer.encode(ch)]
-        state = _walk(tb, tokens, places)[-1]
-        assert state is not None, text
-        tracker = _tracker(tokenizer, places)
-        assert tracker.accept_tokens(tokens) == len(tokens)
-        assert parse_export(tracker.export()) == state
-        mine = np.full(words, -1, dtype=np.int32)
-        theirs = mine.copy()
-        assert tracker.filter_row(mine) == filter_row(state, theirs, tb, places)
-        assert np.array_equal(mine, theirs), text
+        tracker, _state, mine = _filtered_at(tokenizer, places, text)
         spelled = [t for t in range(len(tb)) if rest is not None and tb[t] == rest.encode()]
         if spelled:  # one token spells the rest (the toy vocabulary has none for some)
             for token in spelled:
@@ -358,3 +375,80 @@ def test_the_first_fill_at_a_state_removes_an_older_repeat(gemma_tokenizer: Any)
         matcher.fill_bitmask(row, 0)
         kept = [t for t in repeats if (int(row[0][t >> 5]) >> (t & 31)) & 1]
         assert kept == [], [gemma_tokenizer.token_bytes[t] for t in kept]
+
+
+FEW = {"type": "array", "items": {"type": "string", "pattern": "^[ab]{1,2}$"}, "uniqueItems": True}
+ALL_TAKEN = [  # (text so far, a text a token may spell next: refused there; None: nothing is)
+    ('["a", "aa", "ab", "', "a"),  # a, aa and ab taken: "a can only repeat one
+    ('["a", "aa", "\\u0061b", "b", "', "a"),  # an escaped item is the same item
+    ('["a", "aa", "ab", "b", "ba", "bb", ', '"'),  # every word is taken: no string item left
+    ('["a", "aa", "ab", "\\u006', "1"),  # an escape pending: its end would make "a"
+    ('["aa", "ab", "', None),  # a is not taken
+]
+
+
+@pytest.mark.parametrize("vocabulary", ["toy", pytest.param("gemma", marks=pytest.mark.model)])
+def test_a_string_item_whose_listed_words_are_all_taken_is_refused(
+    vocabulary: str, request: pytest.FixtureRequest
+) -> None:
+    """A held-out sweep: ``^[a-c]{2}$`` unique items ended INTERNAL when ``"b`` was written
+    after ``bb``, ``ba`` and ``bc``: every way on repeated an item, shorter than the longest
+    item, where ``item_chars`` does not look. The item's words are listed
+    (``Places.item_words``), and a token after which every listed word that extends the item
+    is taken is refused, by accept and every filter alike, even mid-escape."""
+    tokenizer = request.getfixturevalue(f"{vocabulary}_tokenizer")
+    places = unique_places(prepare_schema(FEW).schema)
+    assert places is not None and places.item_words[0] == ("a", "aa", "ab", "b", "ba", "bb")
+    tb = tokenizer.token_bytes
+    refused = 0
+    for text, nxt in ALL_TAKEN:
+        tracker, state, mine = _filtered_at(tokenizer, places, text)
+        if nxt is None:
+            for token in (t for t in range(len(tb)) if tb[t] in (b"a", b"b")):
+                assert step(state, tb[token], places=places) is not None
+            continue
+        for token in (t for t in range(len(tb)) if tb[t] == nxt.encode()):
+            assert not (int(mine[token >> 5]) >> (token & 31)) & 1, (text, nxt)
+            assert not tracker.accept(token)
+            refused += 1
+    assert refused >= 4
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_random_walks_write_every_listed_word_without_a_dead_end(
+    gemma_tokenizer: Any, backend: str
+) -> None:
+    """``minItems`` equal to the number of words: the array must hold every word once. Random
+    walks over the filtered masks (any allowed token, short ones favoured, so items are
+    written a letter at a time) always finish, with the nine words in some order."""
+    import json
+
+    from espalier.constrained.compile import compile_grammar
+    from espalier.constrained.keys import with_unique_keys
+    from espalier.constrained.spec import GrammarSpec
+
+    schema = {"type": "array", "uniqueItems": True, "minItems": 9, "maxItems": 9,
+              "items": {"type": "string", "pattern": "^[a-c]{2}$"}}  # fmt: skip
+    compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), gemma_tokenizer, backend)
+    tb = gemma_tokenizer.token_bytes
+    rng = random.Random(7)
+    for _ in range(6):
+        matcher = with_unique_keys(compiled.spec, compiled.matcher(), gemma_tokenizer)
+        out = b""
+        while not matcher.is_terminated() and len(out) < 400:
+            row = bm.allocate(1, gemma_tokenizer.vocab_size, fill=0)
+            matcher.fill_bitmask(row, 0)
+            allowed = np.flatnonzero(
+                np.unpackbits(row[0].numpy().view(np.uint8), bitorder="little")
+            )
+            allowed = [int(t) for t in allowed if t < len(tb)]
+            assert allowed, out
+            short = [t for t in allowed if len(tb[t]) <= 1] or allowed
+            token = rng.choice(short if rng.random() < 0.8 else allowed)
+            if token in gemma_tokenizer.stop_token_ids:
+                break
+            assert matcher.accept(token), (out, tb[token])
+            out += tb[token]
+        value = json.loads(out)
+        assert sorted(value) == sorted(a + b for a in "abc" for b in "abc"), out
