@@ -167,14 +167,15 @@ class EngineSupervisor:
         dead = self._current
         if generation != self._generation or dead is None or self._closing:
             return  # a replacement's death before it served: its restart reports it
-        self._current = None
-        self._why = why
         now = time.monotonic()
         while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
             self._deaths.popleft()
         if len(self._deaths) >= self._max_restarts:
+            # the dead engine stays current: the server's shutdown stops and reaps it
             asyncio.get_running_loop().create_task(self._state.fail(why))
             return
+        self._current = None
+        self._why = why
         self._deaths.append(now)
         self._restarting = asyncio.get_running_loop().create_task(self._restart(dead, why))
 
