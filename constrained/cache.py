@@ -156,7 +156,9 @@ class CompileCache:
 
     ``workers``: most compile threads (started on demand). A compile thread mostly waits (for a
     backend's child process or slot, each bounded per backend), so there are many: a slow
-    backend's queue must not hold up the compiles of another.
+    backend's queue must not hold up the compiles of another. ``on_evict(result)``: called
+    (on the compile's thread, outside the lock) for each grammar the bound evicts, so what the
+    caller keeps per grammar (spare matchers) can leave with it.
     """
 
     def __init__(
@@ -166,8 +168,10 @@ class CompileCache:
         workers: int = 32,
         timeout_s: float = 10.0,
         timeout_memory_s: float = TIMEOUT_MEMORY_S,
+        on_evict: Callable[[CompileResult], None] | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        self._on_evict = on_evict
         self.timeout_s = timeout_s
         self.timeout_memory_s = timeout_memory_s
         self.max_negative = 10_000  # failures remembered (an LRU)
@@ -241,6 +245,7 @@ class CompileCache:
         queued = (job.started_at or job.submitted) - job.submitted + job.clock.waited_s
         if result is not None:
             result = (result[0], _with_times(result[1], queued, seconds - job.clock.waited_s))
+        evicted: list[CompileResult] = []
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_seconds_total += max(seconds - job.clock.waited_s, 0.0)
@@ -251,7 +256,7 @@ class CompileCache:
                 del self._jobs[job.key]
             if result is not None:
                 self._negative.pop(job.key, None)
-                self._store(job.key, result)
+                evicted = self._store(job.key, result)
             elif isinstance(error, CompileTimeoutError) and not timed_out:
                 self.stats.timeouts += 1  # the compile stopped itself at its deadline
                 self._remember_timeout(job, error)
@@ -261,6 +266,9 @@ class CompileCache:
             waiters, job.waiters = job.waiters, []
         for waiter in waiters:
             _settle(waiter, result, error)
+        if self._on_evict is not None:
+            for gone in evicted:
+                self._on_evict(gone)
 
     def _expire(self, job: _Job) -> None:
         """Watchdog: the compile (queued or running) passed its deadline."""
@@ -294,20 +302,24 @@ class CompileCache:
         if orphaned and job.started_at is not None:
             self._pool.abandon(job)
 
-    def _store(self, key: CacheKey, result: CompileResult) -> None:
+    def _store(self, key: CacheKey, result: CompileResult) -> list[CompileResult]:
+        """Keep ``result`` (under the lock); returns what the bound evicted for it."""
         size = max(int(result[0].memory_bytes), 1)
         if size > self.max_bytes:
-            return
+            return []
         if key in self._entries:
             self.stats.bytes -= self._sizes[key]
         self._entries[key] = result
         self._sizes[key] = size
         self.stats.bytes += size
+        evicted = []
         while self.stats.bytes > self.max_bytes:
-            old, _ = self._entries.popitem(last=False)
+            old, gone = self._entries.popitem(last=False)
             self.stats.bytes -= self._sizes.pop(old)
             self.stats.evictions += 1
+            evicted.append(gone)
         self.stats.entries = len(self._entries)
+        return evicted
 
     def _remember_timeout(self, job: _Job, error: CompileTimeoutError) -> None:
         """Cache a timeout negatively when the compile ran for at least half its limit: it had

@@ -102,9 +102,18 @@ def prepare_schema(
     if number_bounds is not None:
         prepared = clamp_schema_bounds(prepared, number_bounds)
     if track_unique:
-        from espalier.constrained.schema.unique_places import mark_unique_items
+        from espalier.constrained.schema.unique_places import cap_listed_items, mark_unique_items
 
-        prepared = mark_unique_items(prepared)
+        prepared, short = cap_listed_items(mark_unique_items(prepared))
+        for at, most, least in short:
+            pointer = resolved.display_pointer(at)
+            raise EmptyLanguageError(
+                "json_schema",
+                f"the array{f' at {pointer!r}' if pointer else ''} must hold {least} items "
+                f"(minItems), but its unique string items can only be {most} distinct strings "
+                "(uniqueItems with a pattern that allows those alone)",
+                pointer=pointer,
+            )
     if prepared is False:
         why = (
             "it is 'false'"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +41,9 @@ class _Spares:
     ``target`` (how many to keep: one more each time a request found none ready)."""
 
     def __init__(self, compiled: CompiledGrammar) -> None:
-        self.compiled = compiled  # held: its id is not reused while the entry lives
+        # weak: a grammar requested once is not kept; the ready matchers hold theirs until the
+        # compile cache evicts it (GrammarService._evicted)
+        self.compiled = weakref.ref(compiled)
         self.ready: list[GrammarMatcher] = []
         self.making = 0
         self.target = 0
@@ -50,7 +53,8 @@ class GrammarService:
     """Compiles grammars for one tokenizer (post-validation is ``engine/output.py``'s).
 
     ``cache``: the compile cache to share (e.g. with the server's CompileGrammar); a private one
-    with ``compile_timeout_s`` when None. ``disk_cache``: compiled xgrammar grammars kept across
+    with ``compile_timeout_s`` and ``cache_max_bytes`` when None (its evictions drop the
+    grammar's spare matchers). ``disk_cache``: compiled xgrammar grammars kept across
     restarts (``constrained/disk_cache.py``), consulted on an in-memory miss. ``backend_options``:
     the options every backend compiles with (compile slots, whitespace, number bounds); the
     backends' defaults when None. ``matcher_threads``: threads that make requests' matchers
@@ -79,6 +83,7 @@ class GrammarService:
         backend_options: BackendOptions | None = None,
         matcher_threads: int | None = None,
         spares_per_grammar: int = 16,
+        cache_max_bytes: int = 512 << 20,
     ) -> None:
         from espalier.constrained.cache import CompileCache
 
@@ -88,7 +93,9 @@ class GrammarService:
             raise ValueError(f"spares_per_grammar must be >= 0, got {spares_per_grammar}")
         self.tokenizer = tokenizer
         self._own_cache = cache is None
-        self.cache = cache or CompileCache(timeout_s=compile_timeout_s)
+        self.cache = cache or CompileCache(
+            timeout_s=compile_timeout_s, max_bytes=cache_max_bytes, on_evict=self._evicted
+        )
         self.disk_cache = disk_cache
         self.backend_options = backend_options
         self.matcher_threads = matcher_threads or min(8, os.cpu_count() or 2)
@@ -194,7 +201,16 @@ class GrammarService:
                     out.set_exception(exc)
 
         compiled_future.add_done_callback(compiled_done)
-        out.add_done_callback(lambda done: done.cancelled() and compiled_future.cancel())
+        # weak: a strong one would make the two Futures a cycle holding the grammar and the
+        # matcher past the request, until a rare full collection (the engine's gc settings)
+        compile_ref = weakref.ref(compiled_future)
+
+        def withdraw(done: Future[Any]) -> None:
+            compiling = compile_ref()
+            if done.cancelled() and compiling is not None:
+                compiling.cancel()
+
+        out.add_done_callback(withdraw)
         return out
 
     def _new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
@@ -225,7 +241,7 @@ class GrammarService:
             return None, False
         with self._spares_lock:
             entry = self._spares.get(id(compiled))
-            if entry is None or entry.compiled is not compiled:
+            if entry is None or entry.compiled() is not compiled:
                 self._spares[id(compiled)] = _Spares(compiled)
                 while len(self._spares) > SPARE_GRAMMARS:
                     self._spares.popitem(last=False)
@@ -238,6 +254,13 @@ class GrammarService:
             entry.making += again
             return spare, again
 
+    def _evicted(self, result: tuple[CompiledGrammar, CompileReport]) -> None:
+        """The compile cache dropped a grammar: its spares go too (they would keep it)."""
+        with self._spares_lock:
+            entry = self._spares.get(id(result[0]))
+            if entry is not None and entry.compiled() is result[0]:
+                del self._spares[id(result[0])]
+
     def _add_spare(self, compiled: CompiledGrammar) -> None:
         """Make one spare matcher of ``compiled`` (on a spare thread); dropped when the grammar
         left the spares meanwhile."""
@@ -247,7 +270,7 @@ class GrammarService:
             matcher = None
         with self._spares_lock:
             entry = self._spares.get(id(compiled))
-            if entry is not None and entry.compiled is compiled:
+            if entry is not None and entry.compiled() is compiled:
                 entry.making = max(0, entry.making - 1)
                 if matcher is not None:
                     entry.ready.append(matcher)

@@ -41,7 +41,12 @@ def register(sub: Any) -> None:
         "--no-prefix-cache", action="store_true", help="recompute every prompt (no KV sharing)"
     )
     p.add_argument("--grammar-cache-dir", default=None, help="keep compiled xgrammar grammars here")
-    p.add_argument("--grammar-cache-max-mb", type=float, default=512.0)
+    p.add_argument(
+        "--grammar-cache-max-mb",
+        type=float,
+        default=512.0,
+        help="bound of the compiled-grammar cache in memory (each process), and on disk",
+    )
     p.add_argument(
         "--tensor-parallel",
         type=int,

@@ -172,6 +172,12 @@ class EngineSupervisor:
             self._deaths.popleft()
         if len(self._deaths) >= self._max_restarts:
             # the dead engine stays current: the server's shutdown stops and reaps it
+            limit = f"--engine-restarts {self._max_restarts}"
+            why += (
+                f"; not replaced: {len(self._deaths)} replaced within ten minutes already ({limit})"
+                if self._max_restarts
+                else f"; not replaced ({limit})"
+            )
             asyncio.get_running_loop().create_task(self._state.fail(why))
             return
         self._current = None

@@ -45,7 +45,7 @@ class ModelOptions:
     kv_blocks: int = 0  # 0 = sized from memory
     prefix_caching: bool = True
     grammar_cache_dir: str | None = None  # on-disk xgrammar compile cache (None: none)
-    grammar_cache_max_bytes: int = 512 << 20
+    grammar_cache_max_bytes: int = 512 << 20  # each of the in-memory and on-disk caches
     compile_slots: int = 2  # compiles of one grammar backend at once (BackendOptions)
     matcher_spares: int = 16  # GrammarService(spares_per_grammar=)
     seed: int = 0  # weights of tiny-random
@@ -81,6 +81,7 @@ def grammar_service(options: ModelOptions, tokenizer: TokenizerInfo) -> GrammarS
         disk_cache=disk,
         backend_options=backend_options,
         spares_per_grammar=options.matcher_spares,
+        cache_max_bytes=options.grammar_cache_max_bytes,
     )
 
 

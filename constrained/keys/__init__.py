@@ -33,8 +33,10 @@ and ``bc`` are taken under ``^[a-c]{2}$``; the opening quote once every word is)
 allowed token may complete a duplicate; the tracker then removes nothing (a row is never emptied)
 and ``accept`` refuses the duplicate all the same (as it refuses a duplicate item): no instance
 with a repeated key is accepted. The closing policy's check before each token sees the dead end
-one token early and closes the output there; past its window the request ends with an error that says why
-(:meth:`UniqueKeysMatcher.refusal`).
+one token early and closes the output there; past its window the request ends with an error
+that says why (:meth:`UniqueKeysMatcher.refusal`). Unique string items from a short list also
+get a ``maxItems`` of one item per word (``unique_places.cap_listed_items``): the grammar then
+refuses the comma that would open an item no word is left for.
 """
 
 from espalier.constrained.keys.matcher import UniqueKeysMatcher, may_repeat_keys, with_unique_keys

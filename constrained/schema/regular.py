@@ -156,16 +156,22 @@ def pattern_longest(pattern: str, cap: int) -> int | None:
 
 @functools.lru_cache(maxsize=512)
 def pattern_words(
-    pattern: str, cap: int, readings: tuple[bool, ...] = BOTH_READINGS
+    pattern: str,
+    cap: int,
+    readings: tuple[bool, ...] = BOTH_READINGS,
+    lengths: tuple[int, int | None] = (0, None),
 ) -> tuple[str, ...] | None:
     """The strings ``pattern`` matches as the backends read it (a full match of ``^...$``, no
     final newline) under every reading of its classes in ``readings`` (default: both, the
-    strings JSON Schema's and Python's dialects agree on), in code point order, when fewer than
-    ``cap`` and none holds a surrogate code point; None when ``cap`` or more, infinitely many,
-    or the pattern is not read. Why: an object whose keys can only come from such patterns
-    lists them as properties (``pattern_properties.finite_names``); a unique array's string
-    items from such a list are tracked word by word (``unique_places``)."""
-    found = _language((pattern,), False, False, 0, readings)
+    strings JSON Schema's and Python's dialects agree on), of ``lengths`` code points (at least,
+    at most; None: no most), in code point order, when fewer than ``cap`` and none holds a
+    surrogate code point; None when ``cap`` or more, infinitely many, or the pattern is not
+    read. Why: an object whose keys can only come from such patterns lists them as properties
+    (``pattern_properties.finite_names``); a unique array's string items from such a list are
+    tracked word by word (``unique_places``)."""
+    low, high = lengths
+    patterns = (pattern,) if high is None else (pattern, f"^[\\s\\S]{{0,{high}}}$")
+    found = _language(patterns, False, False, low, readings)
     if found is None:
         return None
     dfa, alphabet = found

@@ -27,7 +27,6 @@ never refuse); :func:`unique_places` reads the marks back into :class:`Places`.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -445,15 +444,14 @@ token inside it."""
 
 def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
     """Every string that matches all of ``closure`` (an item's conjuncts) as a backend may read
-    them, when a ``pattern`` among them allows fewer than :data:`MAX_ITEM_WORDS` strings under
-    each reading of its classes; None otherwise (and when none is left).
-    A superset of the item's strings: the other keywords only narrow it (``minLength`` and
-    ``maxLength`` are applied here), and the union of the two readings covers a backend that
-    reads a class either way."""
+    them, when a ``pattern`` among them, within the ``minLength`` / ``maxLength`` bounds among
+    them, allows fewer than :data:`MAX_ITEM_WORDS` strings under each reading of its classes;
+    None otherwise (and when none is left). A superset of the item's strings: other keywords
+    only narrow it, and the union of the two readings covers a backend that reads a class
+    either way."""
     from espalier.constrained.schema.regular import pattern_words
 
-    found: set[str] | None = None
-    low, high = 0, math.inf
+    low, high = 0, None
     for node in closure:
         if not isinstance(node, dict):
             continue
@@ -461,19 +459,75 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
         if isinstance(shortest, int) and not isinstance(shortest, bool):
             low = max(low, shortest)
         if isinstance(longest, int) and not isinstance(longest, bool):
-            high = min(high, longest)
-        pattern = node.get("pattern")
+            high = longest if high is None else min(high, longest)
+    found: set[str] | None = None
+    for node in closure:
+        pattern = node.get("pattern") if isinstance(node, dict) else None
         if not isinstance(pattern, str):
             continue
         words: set[str] = set()
         for reading in (False, True):
-            read = pattern_words(pattern, MAX_ITEM_WORDS, (reading,))
+            read = pattern_words(pattern, MAX_ITEM_WORDS, (reading,), (low, high))
             if read is None:
                 break
             words.update(read)
         else:
             found = words if found is None else found & words
-    if found is None:
+    if found is None or not 0 < len(found) < MAX_ITEM_WORDS:
         return None
-    kept = sorted(w for w in found if low <= len(w) <= high)
-    return tuple(kept) if 0 < len(kept) < MAX_ITEM_WORDS else None
+    return tuple(sorted(found))
+
+
+def _only_strings(closure: list[Any]) -> bool:
+    """Whether some schema of ``closure`` (an item's conjuncts) admits strings alone."""
+    return any(isinstance(n, dict) and n.get("type") in ("string", ["string"]) for n in closure)
+
+
+def cap_listed_items(schema: Any) -> tuple[Any, list[tuple[str, int, int]]]:
+    """``schema`` (marked by :func:`mark_unique_items`) with ``maxItems`` lowered on each marked
+    array (``type: array``) whose later items are strings alone from a short list
+    (:func:`_string_words`): such an array holds at most its ``prefixItems`` plus one item per
+    word. Why: the tracker sees
+    what a token completes, not the comma that opens an item no word is left for; a grammar
+    that counts the items refuses that comma. Also returns ``(pointer, most, least)`` for each
+    such array that needs more items than that (``minItems``): no instance has it."""
+    defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
+    short: list[tuple[str, int, int]] = []
+
+    def closure(node: Any) -> list[Any]:
+        out, stack, seen = [], [node], set()
+        while stack:
+            sub = stack.pop()
+            if isinstance(sub, dict) and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+                ref = sub.get("$ref")
+                if isinstance(ref, str) and ref.startswith(DEFS_PREFIX):
+                    stack.append(defs.get(ref[len(DEFS_PREFIX) :]))
+                stack.extend(sub.get("allOf", []) if isinstance(sub.get("allOf"), list) else ())
+        return out
+
+    def cap(node: Any, at: str) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = map_subschemas(node, at, cap)
+        items = node.get("items")
+        # arrays alone: a count beside other types is one some backends do not read
+        if node.get(MARK) is not True or node.get("type") not in ("array", ["array"]):
+            return node
+        if not isinstance(items, dict):
+            return node
+        conjuncts = closure(items)
+        words = _string_words(conjuncts) if _only_strings(conjuncts) else None
+        if words is None:
+            return node
+        prefix = node.get("prefixItems")
+        most = (len(prefix) if isinstance(prefix, list) else 0) + len(words)
+        least, was = node.get("minItems", 0), node.get("maxItems")
+        if isinstance(was, int) and not isinstance(was, bool) and was <= most:
+            return node
+        if isinstance(least, int) and least > most:
+            short.append((at, most, least))
+        return {**node, "maxItems": most}
+
+    return cap(schema, ""), short

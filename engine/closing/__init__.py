@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -478,33 +479,35 @@ FirstKey = tuple[int, int, bool]
 
 class PerGrammar(Generic[K, R]):
     """Values that are a function of a compiled grammar and a key (first-token decisions,
-    start-path searches), made once: at most ``limit`` kept, then all cleared. Each entry holds
-    its grammar, so the grammar's id (in the dict key) is not reused while the entry lives. Not
-    locked: callers on several threads hold a lock of their own around it."""
+    start-path searches), made once: at most ``limit`` kept, then all cleared. An entry refers
+    to its grammar weakly (kept entries must not keep evicted grammars alive: an outlines-core
+    index is hundreds of MB); one whose grammar is gone is never found again, even where a new
+    grammar takes the same id. Not locked: callers on several threads hold a lock of their own
+    around it."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._items: dict[tuple[int, K], tuple[object, R]] = {}
+        self._items: dict[tuple[int, K], tuple[weakref.ref[object], R]] = {}
 
     def find(self, compiled: object, key: K) -> R | None:
         """The kept value (None: none; for values that are never None themselves)."""
         kept = self._items.get((id(compiled), key))
-        return kept[1] if kept is not None and kept[0] is compiled else None
+        return kept[1] if kept is not None and kept[0]() is compiled else None
 
     def put(self, compiled: object, key: K, value: R) -> None:
         if len(self._items) >= self.limit:
             self._items.clear()
-        self._items[(id(compiled), key)] = (compiled, value)
+        self._items[(id(compiled), key)] = (weakref.ref(compiled), value)
 
     def discard(self, compiled: object, key: K, value: R) -> None:
         """Drop the entry when it is still ``value`` (not one put since)."""
         kept = self._items.get((id(compiled), key))
-        if kept is not None and kept[0] is compiled and kept[1] is value:
+        if kept is not None and kept[0]() is compiled and kept[1] is value:
             del self._items[(id(compiled), key)]
 
     def get_or_make(self, compiled: object, key: K, make: Callable[[], R]) -> R:
         kept = self._items.get((id(compiled), key))
-        if kept is not None and kept[0] is compiled:
+        if kept is not None and kept[0]() is compiled:
             return kept[1]
         value = make()
         self.put(compiled, key, value)

@@ -414,22 +414,36 @@ def test_a_string_item_whose_listed_words_are_all_taken_is_refused(
     assert refused >= 4
 
 
+NINE = sorted(a + b for a in "abc" for b in "abc")
+LISTED = [  # (items, minItems, maxItems or None, every word it lists)
+    ({"type": "string", "pattern": "^[a-c]{2}$"}, 9, 9, NINE),
+    # no maxItems: the comma after the ninth item is refused by the grammar (cap_listed_items)
+    ({"type": "string", "pattern": "^[a-c]{2}$"}, 9, None, NINE),
+    # a pattern of unbounded strings within maxLength (xgrammar refuses the pair: llguidance)
+    ({"type": "string", "pattern": "^[01]+$", "minLength": 2, "maxLength": 2}, 4, None,
+     ["00", "01", "10", "11"]),
+]  # fmt: skip
+WALKS = [(0, "llguidance"), (0, "xgrammar"), (1, "llguidance"), (1, "xgrammar"), (2, "llguidance")]
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize(("case", "backend"), WALKS)
 def test_random_walks_write_every_listed_word_without_a_dead_end(
-    gemma_tokenizer: Any, backend: str
+    gemma_tokenizer: Any, case: int, backend: str
 ) -> None:
     """``minItems`` equal to the number of words: the array must hold every word once. Random
     walks over the filtered masks (any allowed token, short ones favoured, so items are
-    written a letter at a time) always finish, with the nine words in some order."""
+    written a letter at a time) always finish, with every word in some order."""
     import json
 
     from espalier.constrained.compile import compile_grammar
     from espalier.constrained.keys import with_unique_keys
     from espalier.constrained.spec import GrammarSpec
 
-    schema = {"type": "array", "uniqueItems": True, "minItems": 9, "maxItems": 9,
-              "items": {"type": "string", "pattern": "^[a-c]{2}$"}}  # fmt: skip
+    items, least, most, words = LISTED[case]
+    schema = {"type": "array", "uniqueItems": True, "minItems": least, "items": items}
+    if most is not None:
+        schema["maxItems"] = most
     compiled, _ = compile_grammar(GrammarSpec.json_schema(schema), gemma_tokenizer, backend)
     tb = gemma_tokenizer.token_bytes
     rng = random.Random(7)
@@ -451,4 +465,30 @@ def test_random_walks_write_every_listed_word_without_a_dead_end(
             assert matcher.accept(token), (out, tb[token])
             out += tb[token]
         value = json.loads(out)
-        assert sorted(value) == sorted(a + b for a in "abc" for b in "abc"), out
+        assert sorted(value) == words, out
+
+
+def test_unique_string_items_from_a_short_list_are_counted() -> None:
+    """A unique array of strings from a list holds one item per word (after its prefix): the
+    prepared schema says so in ``maxItems``, and ``minItems`` past it is refused with the
+    array's pointer. Where the items are not strings alone, or the node admits other types
+    than arrays, nothing changes."""
+    from espalier.constrained.errors import EmptyLanguageError
+
+    colors = {"type": "string", "pattern": "^(red|green|blue)$"}
+    array = {"type": "array", "uniqueItems": True, "items": colors}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": array,
+            "b": {**array, "prefixItems": [{"type": "integer"}], "maxItems": 9},
+            "c": {**array, "maxItems": 2},
+            "d": {**array, "items": {**colors, "type": ["string", "integer"]}},
+            "e": {**array, "type": ["array", "null"]},
+        },
+    }
+    props = prepare_schema(schema).schema["properties"]
+    assert [props[k].get("maxItems") for k in "abcde"] == [3, 4, 2, None, None]
+    with pytest.raises(EmptyLanguageError) as info:
+        prepare_schema({"type": "object", "properties": {"a": {**array, "minItems": 4}}})
+    assert info.value.pointer == "/properties/a" and "3 distinct strings" in str(info.value)

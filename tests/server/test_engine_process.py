@@ -229,6 +229,9 @@ def test_killed_engine_is_replaced_then_a_crash_loop_fails_the_server(
 
     _kill_engine_mid_stream(client, second)
     server.wait_event("stopped", timeout=120)
+    failed = [e for e in server.events if e["event"] == "engine_failed"]
+    assert "not replaced: 1 replaced within ten minutes already" in failed[-1]["error"]
+    assert "--engine-restarts 1" in failed[-1]["error"]
     assert server.proc.wait(timeout=120) == 1
     names = [e["event"] for e in server.events]
     assert names.count("engine_failed") == 2 and names.count("engine_restarted") == 1
