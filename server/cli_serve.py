@@ -114,6 +114,13 @@ def register(sub: Any) -> None:
         default=3,
         help="deaths of the engine process replaced within ten minutes; one more exits 1",
     )
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=300.0,
+        help="seconds of silence after which the engine process is hung: killed and replaced "
+        "(0: never)",
+    )
     p.add_argument("--no-reflection", action="store_true")
     p.set_defaults(func=run)
 
@@ -140,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         compile_timeout_s=args.compile_timeout,
         shutdown_grace_s=args.shutdown_grace,
         engine_restarts=args.engine_restarts,
+        engine_stall_timeout_s=args.engine_stall_timeout,
         # given but empty (an unset variable in a script) is refused by validate, not dropped
         auth_token=(
             args.auth_token if args.auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)

@@ -24,6 +24,8 @@ class ServerConfig:
     ``admission_threads`` parse, check and tokenize requests off the event loop.
     ``engine_restarts``: deaths of the engine process replaced within ten minutes
     (``server/engine_supervisor.py``); one more fails the server (exit 1); 0: the first does.
+    ``engine_stall_timeout_s``: an engine process silent this long is hung: killed, and
+    replaced as a dead one (0: never).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +48,7 @@ class ServerConfig:
     compile_timeout_s: float = 30.0
     shutdown_grace_s: float = 30.0
     engine_restarts: int = 3
+    engine_stall_timeout_s: float = 300.0
     auth_token: str | None = None
     tls_cert: str | None = None  # PEM file; TLS is on when both cert and key are set
     tls_key: str | None = None
@@ -71,6 +74,8 @@ class ServerConfig:
             problems.append("max_queue must be >= 1")
         if self.engine_restarts < 0:
             problems.append("--engine-restarts must be at least 0")
+        if self.engine_stall_timeout_s < 0:
+            problems.append("--engine-stall-timeout must be at least 0")
         if self.max_message_bytes < 1024:
             problems.append("max_message_bytes must be >= 1024")
         for name in (

@@ -29,6 +29,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, fields, replace
@@ -259,6 +260,8 @@ class EngineProcess:
         self._outbox: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._compiles: dict[int, Future[CompileReport]] = {}  # by Compile.call_id
         self._call_ids = itertools.count()
+        self.last_heard = time.monotonic()  # the child's last message (it sends one a second)
+        self._killed: str | None = None  # why kill() ended the child
         threading.Thread(target=self._write, name="engine-channel-out", daemon=True).start()
         threading.Thread(target=self._read, name="engine-channel-in", daemon=True).start()
 
@@ -382,6 +385,11 @@ class EngineProcess:
     def is_running(self) -> bool:
         return not self._stopped.is_set()
 
+    def kill(self, why: str) -> None:
+        """End the child now (it is hung); its streams and the failure report say ``why``."""
+        self._killed = why
+        self.process.kill()
+
     # -- the channel --------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -405,6 +413,7 @@ class EngineProcess:
         try:
             while True:
                 message = self._channel.recv()
+                self.last_heard = time.monotonic()
                 if isinstance(message, StepOutputs):
                     with self._lock:
                         self._stats = dict(message.stats)
@@ -421,7 +430,7 @@ class EngineProcess:
                     break
         except (EOFError, OSError):
             self.process.join(1.0)
-            why = f"the engine process exited (exit code {self.process.exitcode})"
+            why = self._killed or f"the engine process exited (exit code {self.process.exitcode})"
         finally:
             with self._lock:
                 self._stopped.set()

@@ -1,6 +1,8 @@
-"""The served engine, replaced when its process dies.
+"""The served engine, replaced when its process dies or hangs.
 
-A death (a native library's abort, the OOM killer, a dead tensor-parallel rank) ends the open
+A death (a native library's abort, the OOM killer, a dead tensor-parallel rank), or a silence
+past ``stall_timeout_s`` (the engine loop sends its stats every second: a hang in native code,
+a stopped process; the process is then killed, and says why), ends the open
 streams with ``UNAVAILABLE`` (reason ``ENGINE_UNAVAILABLE``, or the rank's ``INTERNAL``), turns
 health ``NOT_SERVING``, and a new engine process loads and warms up; then health is ``SERVING``
 again and requests run as before (the grammar caches start empty). Why: one request that takes
@@ -73,6 +75,7 @@ class EngineSupervisor:
         config: EngineProcessConfig,
         max_restarts: int,
         on_engine: Callable[[EngineProcess], None] = lambda _engine: None,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self._options = options
         self._state = state
@@ -80,6 +83,8 @@ class EngineSupervisor:
         self._config = config
         self._max_restarts = max_restarts
         self._on_engine = on_engine  # told of each engine made (pids, announcements)
+        self._stall_s = stall_timeout_s  # 0: never read a silence as a hang
+        self._watchdog: asyncio.Task[None] | None = None
         self._current: EngineProcess | None = None
         self._generation = 0  # which engine's failure callbacks still count
         self._deaths: deque[float] = deque()  # monotonic times of restarts in the window
@@ -95,6 +100,8 @@ class EngineSupervisor:
         engine, facts, tokenizer = await self._started(spawned, tokenizer)
         self.tokenizer = tokenizer
         self._current = engine
+        if self._stall_s > 0:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return facts, tokenizer
 
     # -- ServingEngine ------------------------------------------------------------------------
@@ -124,6 +131,8 @@ class EngineSupervisor:
     async def shutdown(self, drain: bool = True) -> None:
         """Stop the current engine (a replacement being loaded is stopped too)."""
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._restarting is not None and not self._restarting.done():
             self._restarting.cancel()
             with contextlib.suppress(BaseException):
@@ -138,6 +147,22 @@ class EngineSupervisor:
         return self._current is not None and self._current.is_running
 
     # -- restarts -----------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Kill the current engine once it has sent nothing for ``stall_timeout_s``."""
+        while True:
+            await asyncio.sleep(min(5.0, self._stall_s / 4))
+            current = self._current
+            if current is None or not current.is_running:
+                continue
+            silent = time.monotonic() - current.last_heard
+            if silent > self._stall_s:
+                why = (
+                    f"the engine process sent nothing for {silent:.0f} s (hung; "
+                    f"--engine-stall-timeout {self._stall_s:g})"
+                )
+                announce(event="engine_stalled", pid=current.process.pid, silent_s=round(silent))
+                await asyncio.to_thread(current.kill, why)
 
     def _live(self) -> EngineProcess:
         current = self._current

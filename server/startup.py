@@ -76,7 +76,13 @@ async def _start_engine_process(
         max_waiting=options.max_queue, compile_timeout_s=options.compile_timeout_s
     )
     engine = EngineSupervisor(
-        options, state, grammar, config, state.config.engine_restarts, on_engine
+        options,
+        state,
+        grammar,
+        config,
+        state.config.engine_restarts,
+        on_engine,
+        stall_timeout_s=state.config.engine_stall_timeout_s,
     )
     facts, tokenizer = await engine.start(spawned, tokenizer)
     state.tokenizer = tokenizer  # at the engine's width when the model pads its vocabulary

@@ -13,6 +13,7 @@ flight and ends the loop with :class:`EngineStopped` carrying the reason.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import fields
 from multiprocessing.connection import Connection
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02
 """How long an idle loop blocks on the channel before looking at compiles."""
+
+HEARTBEAT_S = 1.0
+"""The loop sends its stats at least this often, changed or not: the server reads a silence
+much longer than a step as a hung engine (``server/engine_supervisor.py``)."""
 
 
 class FailureSignal:
@@ -69,6 +74,7 @@ class EngineLoop:
         self._stopping = False
         self._drain = True
         self._last_stats: dict[str, Any] = {}
+        self._last_sent = time.monotonic()
         self._compiles: dict[int, Future[Any]] = {}  # Compile call id -> the grammar's compile
 
     def run(self) -> None:
@@ -161,9 +167,10 @@ class EngineLoop:
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         stats = self._stats()
-        if not outputs and stats == self._last_stats:
+        now = time.monotonic()
+        if not outputs and stats == self._last_stats and now - self._last_sent < HEARTBEAT_S:
             return
-        self._last_stats = stats
+        self._last_stats, self._last_sent = stats, now
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--compile-timeout", "900", "--engine-restarts", "1")
+    srv = ServerProcess(
+        "--compile-timeout", "900", "--engine-restarts", "1", "--engine-stall-timeout", "15"
+    )
     try:
         if not srv.wait_loaded():
             pytest.fail(f"the engine did not load: {srv.wait_event('load_failed')}")
@@ -198,24 +200,28 @@ def _health(server: ServerProcess) -> Any:
         return stub.Check(health_pb2.HealthCheckRequest(), timeout=30).status
 
 
-def _kill_engine_mid_stream(client: Client, pid: int) -> UnavailableError:
+def _kill_engine_mid_stream(
+    client: Client, pid: int, how: signal.Signals = signal.SIGKILL
+) -> UnavailableError:
     stream = client.stream("Tell me", max_tokens=8000, ignore_eos=True)
     with pytest.raises(UnavailableError) as info:
         for i, _chunk in enumerate(stream):
             if i == 2:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, how)
     return info.value
 
 
 def test_killed_engine_is_replaced_then_a_crash_loop_fails_the_server(
     server: ServerProcess, client: Client
 ) -> None:
-    """Runs last in this module: it ends the server (``--engine-restarts 1``). The first death
-    ends the open stream UNAVAILABLE, a new engine process serves the next requests (health
-    SERVING again); the second within ten minutes fails the server: NOT_SERVING, exit 1."""
+    """Runs last in this module: it ends the server (``--engine-restarts 1``). The first engine
+    hangs (stopped: no message past ``--engine-stall-timeout``): it is killed, the open stream
+    ends UNAVAILABLE saying why, a new engine process serves the next requests (health
+    SERVING again); the second death within ten minutes fails the server: NOT_SERVING, exit 1."""
     first = _engine_pid(server)
-    error = _kill_engine_mid_stream(client, first)
-    assert error.reason == "ENGINE_UNAVAILABLE"
+    error = _kill_engine_mid_stream(client, first, signal.SIGSTOP)
+    assert error.reason == "ENGINE_UNAVAILABLE" and "--engine-stall-timeout 15" in error.message
+    assert server.wait_event("engine_stalled")["pid"] == first
     assert server.wait_event("engine_failed")["restarting"] is True
     restarted = server.wait_event("engine_restarted")
     second = restarted["pid"]
