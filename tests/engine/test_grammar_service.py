@@ -288,7 +288,7 @@ def test_grammars_the_cache_evicts_are_freed_without_a_collection(toy_tokenizer:
     import weakref
 
     service = GrammarService(
-        toy_tokenizer, compile_timeout_s=60.0, spares_per_grammar=2, cache_max_bytes=100_000
+        toy_tokenizer, compile_timeout_s=60.0, spares_per_grammar=2, cache_max_bytes=1_600_000
     )
     service.closing_paths()  # every matcher leaves with its grammar's start path searched
     options = ConstraintOptions(backend="llguidance")
