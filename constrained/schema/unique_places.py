@@ -328,7 +328,8 @@ class _Analysis:
         )
 
     def _check_items(self, arrays: list[dict[str, Any]], prefix_len: int) -> None:
-        """Refuse a unique array whose items may be containers or come from a finite domain."""
+        """Refuse a unique array whose items may be containers or come from a finite domain
+        (except strings from a short list after the prefix: :func:`_listed`)."""
         for i in range(prefix_len + 1):
             subs = [_item(n, i) for n in arrays]
             closure = self._conjuncts(subs)
@@ -337,7 +338,8 @@ class _Analysis:
             for kind in ("object", "array"):
                 if all(self._admits(s, kind) for s in closure):
                     raise _Refused
-            if _finite(closure):
+            if _finite(closure) and not (i == prefix_len and _listed(closure)):
+                # numbers, literals, prefix items: an item's last ways on are not watched
                 raise _Refused
 
     def _conjuncts(self, subs: list[Any]) -> list[Any]:
@@ -444,11 +446,11 @@ token inside it."""
 
 def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
     """Every string that matches all of ``closure`` (an item's conjuncts) as a backend may read
-    them, when a ``pattern`` among them, within the ``minLength`` / ``maxLength`` bounds among
-    them, allows fewer than :data:`MAX_ITEM_WORDS` strings under each reading of its classes;
-    None otherwise (and when none is left). A superset of the item's strings: other keywords
-    only narrow it, and the union of the two readings covers a backend that reads a class
-    either way."""
+    them, when an ``enum`` / ``const`` or a ``pattern`` among them, within the ``minLength`` /
+    ``maxLength`` bounds among them, allows fewer than :data:`MAX_ITEM_WORDS` strings (a
+    pattern under each reading of its classes); None otherwise (and when none is left). A
+    superset of the item's strings: other keywords only narrow it, and the union of the two
+    readings covers a backend that reads a class either way."""
     from espalier.constrained.schema.regular import pattern_words
 
     low, high = 0, None
@@ -462,6 +464,13 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
             high = longest if high is None else min(high, longest)
     found: set[str] | None = None
     for node in closure:
+        listed = _listed_values(node)
+        if listed is not None:
+            strings = {v for v in listed if isinstance(v, str)}
+            if any(_surrogate(v) for v in strings):
+                return None  # the tracker compares UTF-8: a lone surrogate has none
+            strings = {v for v in strings if low <= len(v) and (high is None or len(v) <= high)}
+            found = strings if found is None else found & strings
         pattern = node.get("pattern") if isinstance(node, dict) else None
         if not isinstance(pattern, str):
             continue
@@ -480,7 +489,32 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
 
 def _only_strings(closure: list[Any]) -> bool:
     """Whether some schema of ``closure`` (an item's conjuncts) admits strings alone."""
-    return any(isinstance(n, dict) and n.get("type") in ("string", ["string"]) for n in closure)
+    for node in closure:
+        listed = _listed_values(node)
+        if listed is not None and all(isinstance(v, str) for v in listed):
+            return True
+        if isinstance(node, dict) and node.get("type") in ("string", ["string"]):
+            return True
+    return False
+
+
+def _listed(closure: list[Any]) -> bool:
+    """Whether an item of ``closure`` is a string from a short list (tracked word by word,
+    ``Places.item_words``, its array counted by :func:`cap_listed_items`)."""
+    return _only_strings(closure) and _string_words(closure) is not None
+
+
+def _listed_values(node: Any) -> list[Any] | None:
+    """A schema's ``enum`` members, or its ``const`` as one; None when it has neither."""
+    if not isinstance(node, dict):
+        return None
+    if isinstance(node.get("enum"), list):
+        return list(node["enum"])
+    return [node["const"]] if "const" in node else None
+
+
+def _surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 def cap_listed_items(schema: Any) -> tuple[Any, list[tuple[str, int, int]]]:

@@ -127,8 +127,18 @@ def test_filtered_rows_lose_exactly_the_duplicate_completions(toy_tokenizer: Any
     [
         ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, ""),
         ({"type": "array", "uniqueItems": True}, ""),
+        # numbers from a list (strings from one are followed: Places.item_words)
         (
-            {"type": "array", "items": {"enum": [f"v{i}" for i in range(20)]}, "uniqueItems": True},
+            {"type": "array", "items": {"enum": [i * 7 for i in range(20)]}, "uniqueItems": True},
+            "",
+        ),
+        (  # strings from a list in a prefix position
+            {
+                "type": "array",
+                "prefixItems": [{"enum": ["a", "b", "c"]}],
+                "items": {"type": "string"},
+                "uniqueItems": True,
+            },
             "",
         ),
         (

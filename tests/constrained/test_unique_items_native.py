@@ -422,8 +422,12 @@ LISTED = [  # (items, minItems, maxItems or None, every word it lists)
     # a pattern of unbounded strings within maxLength (xgrammar refuses the pair: llguidance)
     ({"type": "string", "pattern": "^[01]+$", "minLength": 2, "maxLength": 2}, 4, None,
      ["00", "01", "10", "11"]),
+    # an enum of strings (refused before: a finite domain too large to list its arrays)
+    ({"enum": ["red", "green", "blue", "re", "b", "gree"]}, 6, None,
+     sorted(["red", "green", "blue", "re", "b", "gree"])),
 ]  # fmt: skip
-WALKS = [(0, "llguidance"), (0, "xgrammar"), (1, "llguidance"), (1, "xgrammar"), (2, "llguidance")]
+WALKS = [(0, "llguidance"), (0, "xgrammar"), (1, "llguidance"), (1, "xgrammar"), (2, "llguidance"),
+         (3, "llguidance"), (3, "xgrammar")]  # fmt: skip
 
 
 @pytest.mark.model
