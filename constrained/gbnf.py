@@ -156,6 +156,39 @@ def repeat_size(rules: dict[str, Node]) -> int:
     return max((size(Ref(name), frozenset()) for name in rules), default=1)
 
 
+def unproductive(rules: dict[str, Node]) -> list[str]:
+    """The rules that derive no finite text (a least fixpoint: a rule is productive when some
+    alternative needs only text, non-empty classes, repeats that may be empty, and productive
+    rules), in definition order; empty when ``root`` derives some. Why: ``a ::= "x" a``
+    passes a first-mask check (``x`` is allowed) yet no output can end, and one backend grew a
+    generation with it to the machine's memory."""
+    productive: set[str] = set()
+
+    def holds(node: Node) -> bool:
+        if isinstance(node, Ref):
+            return node.name in productive
+        if isinstance(node, CharSet):
+            return bool(node.chars)
+        if isinstance(node, Seq):
+            return all(holds(n) for n in node.items)
+        if isinstance(node, Alt):
+            return any(holds(n) for n in node.options)
+        if isinstance(node, Repeat):
+            return node.low == 0 or holds(node.node)
+        return True  # Text
+
+    grew = True
+    while grew:
+        grew = False
+        for name, body in rules.items():
+            if name not in productive and holds(body):
+                productive.add(name)
+                grew = True
+    if "root" in productive:
+        return []
+    return [name for name in rules if name not in productive]
+
+
 def _ends_sequence(tokens: list[tuple[str, str]], pos: int) -> bool:
     if pos >= len(tokens) or tokens[pos][0] in ("bar", "close"):
         return True

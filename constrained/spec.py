@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from espalier.constrained import json_text
-from espalier.constrained.errors import InvalidGrammarError
+from espalier.constrained.errors import EmptyLanguageError, InvalidGrammarError
 
 DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
 
@@ -157,20 +157,29 @@ def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
 def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
     """Refuse a GBNF or Lark grammar whose counted repeats ask for more than
     ``regex_dialect.MAX_REPEAT`` copies of one item (``"a"{1000000}``: the backends write it out,
-    and one request held every request's steps for a minute), or that nests too deeply to read.
-    A GBNF text the reader cannot read is left to the backends."""
+    and one request held every request's steps for a minute), or that nests too deeply to read;
+    and a GBNF grammar whose root derives no finite text (``gbnf.unproductive``). A GBNF text
+    the reader cannot read is left to the backends."""
     from espalier.constrained import gbnf
     from espalier.constrained.regex_dialect import MAX_REPEAT, lark_repeat_size
 
+    empty: list[str] = []
     try:
         if kind is GrammarKind.LARK:
             copies = lark_repeat_size(grammar)
         else:
-            copies = gbnf.repeat_size(gbnf.parse(grammar))
+            rules = gbnf.parse(grammar)
+            copies, empty = gbnf.repeat_size(rules), gbnf.unproductive(rules)
     except gbnf.GbnfReadError:
         return
     except RecursionError:
         raise InvalidGrammarError(kind.value, "the grammar is nested too deeply") from None
+    if empty:
+        raise EmptyLanguageError(
+            kind.value,
+            "the grammar matches no finite text: rule 'root' never ends (no alternative of "
+            f"{', '.join(repr(n) for n in empty[:8])} avoids needing one of them again)",
+        )
     if copies > MAX_REPEAT:
         raise InvalidGrammarError(
             kind.value,

@@ -173,8 +173,9 @@ def test_a_backend_limit_at_the_first_mask_is_not_called_an_empty_language(
 
 def test_auto_names_an_empty_grammar_that_one_backend_stopped_on(toy_tokenizer: Any) -> None:
     """llguidance stops at its first mask on a left-recursive rule that never ends
-    (NoExtensionBias, a limit); the verdict of the next backend tried is the one reported."""
-    grammar = GrammarSpec.ebnf('root ::= root "a"')
+    (NoExtensionBias, a limit); the verdict of the next backend tried is the one reported.
+    (Lark: the GBNF spelling is refused before any backend, ``gbnf.unproductive``.)"""
+    grammar = GrammarSpec.lark('start: start "a"')
     with pytest.raises(FirstMaskLimitError):
         compile_grammar(grammar, toy_tokenizer, "llguidance")
     with pytest.raises(InvalidGrammarError) as info:

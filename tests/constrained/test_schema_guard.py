@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from espalier.constrained.compile import compile_grammar
-from espalier.constrained.errors import GrammarError, InvalidGrammarError
+from espalier.constrained.errors import EmptyLanguageError, GrammarError, InvalidGrammarError
 from espalier.constrained.grammar_limits import check_alternatives, count_alternatives
 from espalier.constrained.postvalidate import postvalidate
 from espalier.constrained.schema.guard import (
@@ -165,7 +165,6 @@ def test_empty_languages_are_refused_at_compile(toy_tokenizer: Any) -> None:
         GrammarSpec.json_schema(
             {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
         ),
-        GrammarSpec.ebnf("root ::= root"),
         GrammarSpec.lark("start: start"),
     ]
     for spec in specs:
@@ -173,6 +172,26 @@ def test_empty_languages_are_refused_at_compile(toy_tokenizer: Any) -> None:
             with pytest.raises(InvalidGrammarError):
                 compile_grammar(spec, toy_tokenizer, backend)
     compile_grammar(GrammarSpec.ebnf('root ::= "a" root | "b"'), toy_tokenizer, "llguidance")
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= root",
+        'root ::= a\na ::= "x" a',  # the first mask allows x: no output ends
+        'root ::= "a"* b\nb ::= "c" b | b "d"',
+        'root ::= ("x" root)+',
+    ],
+)
+def test_gbnf_whose_root_derives_no_finite_text_is_refused_before_any_backend(
+    grammar: str,
+) -> None:
+    """A held-out sweep: ``a ::= "x" a`` compiled on every backend, and a generation with it
+    on xgrammar grew the engine process to 16 GB until the OOM killer ended it."""
+    with pytest.raises(EmptyLanguageError, match="matches no finite text"):
+        GrammarSpec.ebnf(grammar)
+    for productive in ('root ::= a\na ::= "x" a | "y"', 'root ::= ("x" root)*'):
+        assert GrammarSpec.ebnf(productive).source == productive
 
 
 def test_alternatives_are_counted_outside_literals() -> None:
