@@ -328,3 +328,41 @@ def dot_without_newline(pattern: str) -> str:
         last = i + 1
     out.append(pattern[last:])
     return "".join(out)
+
+
+LARK_COMMON = {
+    # Lark's own (lark-parser common.lark): a quote, characters other than a newline (a
+    # backslash escaping the next one), a quote. The backends' libraries took raw newlines.
+    "ESCAPED_STRING": '/"(?:[^"\\\\\\n]|\\\\[^\\n])*"/',
+}
+"""Terminals of Lark's ``common`` library whose backend definitions read otherwise than Lark's,
+spelled as Lark means them (:func:`own_common_terminals`)."""
+
+_COMMON_IMPORT = re.compile(
+    r"^[ \t]*%import[ \t]+common(?:\.(\w+)(?:[ \t]*->[ \t]*(\w+))?|[ \t]*\(([^)]*)\))[ \t]*$",
+    re.MULTILINE,
+)
+
+
+def own_common_terminals(source: str) -> str:
+    """``source`` (a Lark grammar) with each import of a :data:`LARK_COMMON` terminal from
+    ``common`` (``%import common.NAME``, ``-> ALIAS``, or in a ``(A, B)`` list) replaced by its
+    definition under the imported name; other imports are left to the backends."""
+
+    def replace(match: re.Match[str]) -> str:
+        single, alias, listed = match.groups()
+        if single is not None:
+            if single not in LARK_COMMON:
+                return match.group(0)
+            return f"{alias or single}: {LARK_COMMON[single]}"
+        names = [n.strip() for n in listed.split(",") if n.strip()]
+        own = [n for n in names if n in LARK_COMMON]
+        if not own:
+            return match.group(0)
+        rest = [n for n in names if n not in LARK_COMMON]
+        lines = [f"{n}: {LARK_COMMON[n]}" for n in own]
+        if rest:
+            lines.insert(0, f"%import common ({', '.join(rest)})")
+        return "\n".join(lines)
+
+    return _COMMON_IMPORT.sub(replace, source)

@@ -70,6 +70,7 @@ from espalier.constrained.errors import (
 from espalier.constrained.regex_dialect import (
     in_lark_terminals,
     lark_token_reference,
+    own_common_terminals,
     rust_misreading,
 )
 from espalier.constrained.schema.refs import inline_boolean_refs
@@ -215,7 +216,7 @@ class Backend:
                 raise UnsupportedGrammarError(
                     NAME, kind.value, f"a token reference ({reference}): tokens, not text"
                 )
-            return llguidance.LLMatcher.grammar_from_lark(spec.source)
+            return llguidance.LLMatcher.grammar_from_lark(own_common_terminals(spec.source))
         if kind is GrammarKind.EBNF:
             try:
                 lark = gbnf_lexing.lark_of(spec.source)

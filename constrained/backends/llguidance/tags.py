@@ -29,6 +29,7 @@ from espalier.constrained.errors import UnsupportedGrammarError
 from espalier.constrained.regex_dialect import (
     in_lark_terminals,
     lark_token_reference,
+    own_common_terminals,
     rust_misreading,
 )
 from espalier.constrained.schema.number_bounds import NumberBounds, bound_schema_numbers
@@ -121,6 +122,7 @@ class _Builder:
             reference = lark_token_reference(text)
             if reference is not None:
                 raise _unsupported(f"a Lark element's token reference ({reference})")
+            text = own_common_terminals(text)
         name = f"g{len(self.side)}"
         self.side.append({"name": name, "lark_grammar": text})
         return "@" + name

@@ -51,6 +51,7 @@ from espalier.constrained.regex_dialect import (
     in_lark_terminals,
     lark_token_reference,
     names_surrogate,
+    own_common_terminals,
     xgrammar_misreading,
 )
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
@@ -159,7 +160,7 @@ class Backend:
             misread = lark_misreading(spec.source)
             if misread is not None:
                 raise UnsupportedGrammarError(NAME, kind.value, f"xgrammar reads {misread}")
-            return "compile_lark", {"lark_string": spec.source}
+            return "compile_lark", {"lark_string": own_common_terminals(spec.source)}
         if kind is GrammarKind.STRUCTURAL_TAG:
             return "compile_structural_tag", {"structural_tag": self._structural_tag(spec)}
         assert kind is GrammarKind.CHOICE
