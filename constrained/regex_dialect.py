@@ -366,3 +366,33 @@ def own_common_terminals(source: str) -> str:
         return "\n".join(lines)
 
     return _COMMON_IMPORT.sub(replace, source)
+
+
+_OPEN_LOW_COUNT = re.compile(r"\{,(\d+)\}")
+
+
+def backend_spelling(pattern: str) -> str:
+    """``pattern`` (which Python's ``regex`` compiles) with the spellings no backend reads
+    written the way they all do, meaning the same in a full match: ``{,n}`` is ``{0,n}``, and a
+    leading ``\\A`` and a trailing ``\\Z`` / ``\\z`` are dropped (they hold at the ends of
+    every full match)."""
+    plain = {i for i, _ in _outside(pattern)}
+    out, last = [], 0
+    for match in _OPEN_LOW_COUNT.finditer(pattern):
+        if match.start() in plain:
+            out.append(pattern[last : match.start()] + f"{{0,{match.group(1)}}}")
+            last = match.end()
+    pattern = "".join(out) + pattern[last:]
+    if pattern.startswith("\\A"):
+        pattern = pattern[2:]
+    if pattern.endswith(("\\Z", "\\z")) and not _escaped(pattern, len(pattern) - 2):
+        pattern = pattern[:-2]
+    return pattern
+
+
+def _escaped(pattern: str, at: int) -> bool:
+    """Whether the character at ``at`` follows an odd run of backslashes (is escaped)."""
+    run = 0
+    while at - run - 1 >= 0 and pattern[at - run - 1] == "\\":
+        run += 1
+    return run % 2 == 1

@@ -89,7 +89,9 @@ class GrammarSpec:
     def regex(cls, pattern: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:
         check_size(GrammarKind.REGEX, pattern, max_bytes)
         _python_regex(pattern)
-        return cls(GrammarKind.REGEX, pattern)
+        from espalier.constrained.regex_dialect import backend_spelling
+
+        return cls(GrammarKind.REGEX, backend_spelling(pattern))
 
     @classmethod
     def ebnf(cls, grammar: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> GrammarSpec:

@@ -310,8 +310,10 @@ def test_end_anchors_let_an_outlines_regex_end(
     assert not grammar_accepts(compiled, toy_tokenizer, other)
 
 
-@pytest.mark.parametrize("pattern", ["a$b", "(a$)", "\\bfoo\\b", "x\\Z", "\\Ax"])
+@pytest.mark.parametrize("pattern", ["a$b", "(a$)", "\\bfoo\\b", "(x\\Z)", "(\\Ax)"])
 def test_other_anchors_go_past_outlines(pattern: str, toy_tokenizer: Any) -> None:
+    """(A leading ``\\A`` and a trailing ``\\Z`` are dropped before any backend:
+    ``regex_dialect.backend_spelling``.)"""
     assert without_end_anchors(pattern) is None
     with pytest.raises(UnsupportedGrammarError, match="an anchor inside the regex"):
         compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, "outlines_core")
@@ -359,3 +361,14 @@ def test_lark_common_escaped_string_means_what_lark_means(
         ids = toy_tokenizer.encode_text(text)
         taken = matcher.accept_tokens(ids) == len(ids) and matcher.can_terminate()
         assert taken == ok, (text, backend)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines_core"])
+def test_python_spellings_no_backend_reads_are_respelled(backend: str, toy_tokenizer: Any) -> None:
+    """A held-out sweep: ``a{,3}`` (0 to 3) and ``\\Aabc\\Z`` were refused on every backend,
+    auto included. They are written ``a{0,3}`` and ``abc`` (the same in a full match)."""
+    cases = [("xa{,3}", ["x", "xaaa"], ["xaaaa"]), ("\\Aabc\\Z", ["abc"], ["abcabc"])]
+    for pattern, texts, others in cases:
+        compiled, _ = compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)
+        assert all(grammar_accepts(compiled, toy_tokenizer, text) for text in texts)
+        assert not any(grammar_accepts(compiled, toy_tokenizer, text) for text in others)
