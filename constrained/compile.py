@@ -101,19 +101,13 @@ def prepare_schema(
         ) from exc
     if number_bounds is not None:
         prepared = clamp_schema_bounds(prepared, number_bounds)
+    short: dict[str, tuple[int, int]] = {}
     if track_unique:
         from espalier.constrained.schema.unique_places import cap_listed_items, mark_unique_items
 
         prepared, short = cap_listed_items(mark_unique_items(prepared))
-        for at, most, least in short:
-            pointer = resolved.display_pointer(at)
-            raise EmptyLanguageError(
-                "json_schema",
-                f"the array{f' at {pointer!r}' if pointer else ''} must hold {least} items "
-                f"(minItems), but its unique string items can only be {most} distinct strings "
-                "(uniqueItems with a pattern that allows those alone)",
-                pointer=pointer,
-            )
+    if prepared is False and "" in short:
+        _refuse_short("", short[""], resolved.display_pointer(""))
     if prepared is False:
         why = (
             "it is 'false'"
@@ -127,6 +121,8 @@ def prepare_schema(
             pointer="",
         )
     empty = unproductive_pointer(prepared)
+    if empty is not None and empty in short:
+        _refuse_short(empty, short[empty], resolved.display_pointer(empty))
     if empty is not None:
         raise EmptyLanguageError(
             "json_schema",
@@ -456,3 +452,16 @@ def _blocking_issues(prepared: PreparedSchema, order: tuple[str, ...]) -> list[K
                 out.append(issue)
         return out
     return list(prepared.issues[best])
+
+
+def _refuse_short(at: str, counts: tuple[int, int], pointer: str) -> None:
+    """An array every value needs, whose unique string items are too few for its minItems
+    (``unique_places.cap_listed_items``)."""
+    most, least = counts
+    raise EmptyLanguageError(
+        "json_schema",
+        f"the array{f' at {pointer!r}' if pointer else ''} must hold {least} items (minItems), "
+        f"but its unique string items can only be {most} distinct strings (uniqueItems with a "
+        "pattern or enum that allows those alone)",
+        pointer=pointer,
+    )

@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 8
+#define ESP_KEYS_ABI 9
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
@@ -608,20 +608,54 @@ static int32_t item_words(const EspKeys *k, int32_t *n) {
     return k->places->word_start[top->loc];
 }
 
+/* With a \u escape pending and some of its digits read (no surrogate half): the code points
+ * it may still stand for, [*lo, *hi]; 0 when nothing narrows the next character (no escape, a
+ * bare backslash or \u, a range that meets surrogates: a pair may follow). */
+static int pending_range(const EspKeys *k, int32_t *lo, int32_t *hi) {
+    if (k->esc_len < 3 || k->high) return 0;
+    int digits = k->esc_len - 2;
+    int32_t value = 0;
+    for (int i = 0; i < digits; i++) {
+        int v = hex_value(k->esc[i]);
+        if (v < 0) return 0;
+        value = value * 16 + v;
+    }
+    int shift = 4 * (4 - digits);
+    *lo = value << shift;
+    *hi = *lo | ((1 << shift) - 1);
+    return *hi < 0xD800 || *lo > 0xDFFF;
+}
+
+/* The code point UTF-8 starts at p (n bytes left; -1 when cut short). */
+static int32_t first_point(const uint8_t *p, uint32_t n) {
+    if (!n) return -1;
+    uint32_t extra = p[0] < 0x80 ? 0 : p[0] < 0xE0 ? 1 : p[0] < 0xF0 ? 2 : 3;
+    if (n <= extra) return -1;
+    int32_t point = extra == 0 ? p[0] : p[0] & (0x3F >> extra);
+    for (uint32_t i = 1; i <= extra; i++) point = (point << 6) | (p[i] & 0x3F);
+    return point;
+}
+
 /* Inside a string item with a word list where some listed word extends the text so far and
  * every such word is an item already in the array: whatever follows repeats one (or leaves
- * the list). A pending escape or surrogate half changes nothing: the text so far is decoded,
- * and every way on extends it. */
+ * the list). The text so far is decoded, and every way on extends it; with a \u escape
+ * pending, only words whose next character its digits still allow count (pending_range). */
 static int words_taken(const EspKeys *k) {
     int32_t n, first = item_words(k, &n);
     const EspPlaces *p = k->places;
     const uint8_t *text = k->bytes + k->item_off;
     uint32_t len = k->n_bytes - k->item_off;
+    int32_t lo = 0, hi = 0;
+    int narrow = n ? pending_range(k, &lo, &hi) : 0;
     int ahead = 0;
     for (int32_t i = first; i < first + n; i++) {
         const uint8_t *word = p->words + p->word_off[i];
         uint32_t word_len = (uint32_t)p->word_len[i];
         if (word_len < len || memcmp(word, text, len) != 0) continue;
+        if (narrow) {
+            int32_t next = first_point(word + len, word_len - len);
+            if (next < lo || next > hi) continue;
+        }
         if (!key_in(k, k->stack[k->depth - 1].items, word, word_len)) return 0;
         ahead = 1;
     }

@@ -517,16 +517,18 @@ def _surrogate(text: str) -> bool:
     return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
-def cap_listed_items(schema: Any) -> tuple[Any, list[tuple[str, int, int]]]:
+def cap_listed_items(schema: Any) -> tuple[Any, dict[str, tuple[int, int]]]:
     """``schema`` (marked by :func:`mark_unique_items`) with ``maxItems`` lowered on each marked
-    array (``type: array``) whose later items are strings alone from a short list
-    (:func:`_string_words`): such an array holds at most its ``prefixItems`` plus one item per
-    word. Why: the tracker sees
-    what a token completes, not the comma that opens an item no word is left for; a grammar
-    that counts the items refuses that comma. Also returns ``(pointer, most, least)`` for each
-    such array that needs more items than that (``minItems``): no instance has it."""
+    array (its ``type`` names ``array``) whose later items are strings alone from a short list
+    (:func:`_string_words`): its items are distinct, so it holds at most one item per word
+    (and per word of a listed ``prefixItems`` position, each other position one more). Why:
+    the tracker sees what a token completes, not the comma that opens an item no word is left
+    for; a grammar that counts the items refuses that comma. An array-only node that needs
+    more items than that (``minItems``) becomes ``false`` (the emptiness check then says
+    whether the whole schema is empty: an optional property or another branch may not be);
+    returned by pointer with ``(most, least)``, for its message."""
     defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
-    short: list[tuple[str, int, int]] = []
+    short: dict[str, tuple[int, int]] = {}
 
     def closure(node: Any) -> list[Any]:
         out, stack, seen = [], [node], set()
@@ -541,27 +543,38 @@ def cap_listed_items(schema: Any) -> tuple[Any, list[tuple[str, int, int]]]:
                 stack.extend(sub.get("allOf", []) if isinstance(sub.get("allOf"), list) else ())
         return out
 
+    def listed(node: Any) -> tuple[str, ...] | None:
+        conjuncts = closure(node)
+        return _string_words(conjuncts) if _only_strings(conjuncts) else None
+
     def cap(node: Any, at: str) -> Any:
         if not isinstance(node, dict):
             return node
         node = map_subschemas(node, at, cap)
-        items = node.get("items")
-        # arrays alone: a count beside other types is one some backends do not read
-        if node.get(MARK) is not True or node.get("type") not in ("array", ["array"]):
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+        # a type that names arrays: a count on an untyped node is one some backends do not read
+        if node.get(MARK) is not True or "array" not in kinds:
             return node
-        if not isinstance(items, dict):
-            return node
-        conjuncts = closure(items)
-        words = _string_words(conjuncts) if _only_strings(conjuncts) else None
+        words = listed(node.get("items")) if isinstance(node.get("items"), dict) else None
         if words is None:
             return node
         prefix = node.get("prefixItems")
-        most = (len(prefix) if isinstance(prefix, list) else 0) + len(words)
+        prefix = prefix if isinstance(prefix, list) else []
+        pool, others = set(words), 0
+        for item in prefix:
+            own = listed(item) if isinstance(item, dict) else None
+            if own is None:
+                others += 1
+            else:
+                pool.update(own)
+        most = min(len(prefix) + len(words), len(pool) + others)
         least, was = node.get("minItems", 0), node.get("maxItems")
+        if isinstance(least, int) and least > most and kinds == ["array"]:
+            short[at] = (most, least)
+            return False
         if isinstance(was, int) and not isinstance(was, bool) and was <= most:
             return node
-        if isinstance(least, int) and least > most:
-            short.append((at, most, least))
         return {**node, "maxItems": most}
 
     return cap(schema, ""), short

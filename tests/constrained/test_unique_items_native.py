@@ -473,10 +473,10 @@ def test_random_walks_write_every_listed_word_without_a_dead_end(
 
 
 def test_unique_string_items_from_a_short_list_are_counted() -> None:
-    """A unique array of strings from a list holds one item per word (after its prefix): the
-    prepared schema says so in ``maxItems``, and ``minItems`` past it is refused with the
-    array's pointer. Where the items are not strings alone, or the node admits other types
-    than arrays, nothing changes."""
+    """A unique array of strings from a list holds one item per word (a listed prefix
+    position shares the words): the prepared schema says so in ``maxItems``. ``minItems`` past
+    it empties the array: refused with its pointer where every value needs the array, not
+    where it is optional or another branch is left (a held-out re-sweep: both were refused)."""
     from espalier.constrained.errors import EmptyLanguageError
 
     colors = {"type": "string", "pattern": "^(red|green|blue)$"}
@@ -489,10 +489,47 @@ def test_unique_string_items_from_a_short_list_are_counted() -> None:
             "c": {**array, "maxItems": 2},
             "d": {**array, "items": {**colors, "type": ["string", "integer"]}},
             "e": {**array, "type": ["array", "null"]},
+            "f": {**array, "prefixItems": [colors]},  # the same three words
+            "g": {**array, "minItems": 4},  # optional: only its absence is left
         },
     }
     props = prepare_schema(schema).schema["properties"]
-    assert [props[k].get("maxItems") for k in "abcde"] == [3, 4, 2, None, None]
-    with pytest.raises(EmptyLanguageError) as info:
-        prepare_schema({"type": "object", "properties": {"a": {**array, "minItems": 4}}})
-    assert info.value.pointer == "/properties/a" and "3 distinct strings" in str(info.value)
+    assert [props[k].get("maxItems") for k in "abcdef"] == [3, 4, 2, None, 3, 3]
+    assert props["g"] is False
+    assert prepare_schema({"anyOf": [{**array, "minItems": 4}, {"type": "integer"}]})
+    for needed in (
+        {"type": "object", "properties": {"a": {**array, "minItems": 4}}, "required": ["a"]},
+        {**array, "prefixItems": [colors], "minItems": 4},
+    ):
+        with pytest.raises(EmptyLanguageError) as info:
+            prepare_schema(needed)
+        assert "3 distinct strings" in str(info.value)
+        assert info.value.pointer == ("/properties/a" if "properties" in needed else "")
+
+
+@pytest.mark.parametrize("vocabulary", ["toy", pytest.param("gemma", marks=pytest.mark.model)])
+def test_a_pending_escape_counts_only_the_words_it_may_still_write(
+    vocabulary: str, request: pytest.FixtureRequest
+) -> None:
+    """A held-out re-sweep: items ``^(\\.|\\\\|\\n|")$`` with ``"\\n"`` taken ended INTERNAL after
+    ``"\\u000``: its one way on (``a``: a newline) repeats an item, yet the words extending the
+    empty text were not all taken. With ``\\u000`` pending only U+0000-U+000F may follow: the
+    digit that leaves it there is refused (accept, filter and twin alike); ``\\u002`` (the
+    quote, not taken) is not."""
+    tokenizer = request.getfixturevalue(f"{vocabulary}_tokenizer")
+    schema = {"type": "array", "uniqueItems": True,
+              "items": {"type": "string", "pattern": '^(\\.|\\\\|\\n|")$'}}  # fmt: skip
+    places = unique_places(prepare_schema(schema).schema)
+    assert places is not None and places.item_words[0] == ("\n", '"', ".", "\\")
+    tb = tokenizer.token_bytes
+    tracker, state, mine = _filtered_at(tokenizer, places, '["\\n", "\\u00')
+    zeros = [t for t in range(len(tb)) if tb[t] == b"0"]
+    twos = [t for t in range(len(tb)) if tb[t] == b"2"]
+    assert zeros and twos
+    for token in zeros:
+        assert step(state, tb[token], places=places) is None
+        assert not (int(mine[token >> 5]) >> (token & 31)) & 1
+        assert not tracker.accept(token)
+    for token in twos:
+        assert step(state, tb[token], places=places) is not None
+        assert (int(mine[token >> 5]) >> (token & 31)) & 1
