@@ -213,16 +213,22 @@ def processed_probs(
     x = logits.float().masked_fill(~allowed, float("-inf")) / scale[:, None]
     k = top_k.long()
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
-    kth = x.sort(dim=1, descending=True).values.gather(1, (k - 1)[:, None])
-    x = x.masked_fill(x < kth, float("-inf"))
+    # the two sorts only where some row asks for them: a sort of every row of a speculative
+    # tree (262,144 ids each) took most of a CPU step
+    if bool((k < vocab).any()):
+        kth = x.sort(dim=1, descending=True).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
     row_max = x.max(dim=1, keepdim=True).values
     finite = torch.isfinite(row_max)
     e = torch.exp(x - torch.where(finite, row_max, 0.0)).masked_fill(~finite, 0.0)
     probs = e / e.sum(dim=1, keepdim=True).clamp_min(1e-30)
-    srt = probs.sort(dim=1, descending=True).values
-    before = srt.cumsum(dim=1) - srt
-    n_keep = (before < top_p.float()[:, None]).sum(dim=1).clamp(1, vocab)
-    probs = torch.where(probs >= srt.gather(1, (n_keep - 1)[:, None]), probs, 0.0)
+    cut = top_p.float() < 1
+    if bool(cut.any()):
+        srt = probs.sort(dim=1, descending=True).values
+        before = srt.cumsum(dim=1) - srt
+        n_keep = (before < top_p.float()[:, None]).sum(dim=1).clamp(1, vocab)
+        kept = probs >= srt.gather(1, (n_keep - 1)[:, None])
+        probs = torch.where(kept | ~cut[:, None], probs, 0.0)
     floor = min_p.float()[:, None] * probs.max(dim=1, keepdim=True).values
     probs = torch.where(probs >= floor, probs, 0.0)
     probs = probs / probs.sum(dim=1, keepdim=True).clamp_min(1e-30)
