@@ -396,3 +396,15 @@ def _escaped(pattern: str, at: int) -> bool:
     while at - run - 1 >= 0 and pattern[at - run - 1] == "\\":
         run += 1
     return run % 2 == 1
+
+
+def python_reads(pattern: str) -> bool:
+    """Whether Python's ``regex`` module compiles ``pattern``: a backend's parse error on such
+    a pattern is the backend's limit (unsupported), not a fault of the pattern (invalid)."""
+    import regex
+
+    try:
+        regex.compile(pattern)
+    except (regex.error, RecursionError):
+        return False
+    return True

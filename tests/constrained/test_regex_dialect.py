@@ -372,3 +372,17 @@ def test_python_spellings_no_backend_reads_are_respelled(backend: str, toy_token
         compiled, _ = compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)
         assert all(grammar_accepts(compiled, toy_tokenizer, text) for text in texts)
         assert not any(grammar_accepts(compiled, toy_tokenizer, text) for text in others)
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar", "outlines_core"])
+@pytest.mark.parametrize("pattern", ["(?=a)a", "(a)\\1"])
+def test_a_python_regex_a_backend_cannot_read_is_unsupported_not_invalid(
+    backend: str, pattern: str, toy_tokenizer: Any
+) -> None:
+    """A held-out sweep: outlines-core refused lookarounds and backreferences with "Failed to
+    build DFA error building NFA", and auto called them invalid with a backend's parse error
+    of its own wrapper grammar. Python's regex module reads them: each backend says it does
+    not (UnsupportedGrammarError), naming what it cannot read."""
+    with pytest.raises(UnsupportedGrammarError) as caught:
+        compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)
+    assert "does not read" in str(caught.value) or "reads" in str(caught.value)

@@ -71,6 +71,7 @@ from espalier.constrained.regex_dialect import (
     in_lark_terminals,
     lark_token_reference,
     own_common_terminals,
+    python_reads,
     rust_misreading,
 )
 from espalier.constrained.schema.refs import inline_boolean_refs
@@ -185,6 +186,13 @@ class Backend:
             source = json.dumps(inline_boolean_refs(schema), ensure_ascii=False)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 source, overrides=self._json_options()
+            )
+        regex_limit = spec.kind is GrammarKind.REGEX and "regex parse error" in message
+        if regex_limit and python_reads(spec.source):
+            # Python's regex module read it (GrammarSpec.regex): llguidance's syntax does not
+            detail = message[message.rfind("error:") :].splitlines()[0]
+            raise UnsupportedGrammarError(
+                NAME, spec.kind.value, f"llguidance's regex syntax does not read it ({detail})"
             )
         raise _invalid(spec.kind, message)
 

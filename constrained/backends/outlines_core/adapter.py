@@ -45,7 +45,7 @@ from espalier.constrained.backends.common import (
 from espalier.constrained.backends.outlines_core.index import IndexBuilder
 from espalier.constrained.backends.outlines_core.tree_walk import walk_outlines
 from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarError
-from espalier.constrained.regex_dialect import rust_misreading, without_end_anchors
+from espalier.constrained.regex_dialect import python_reads, rust_misreading, without_end_anchors
 from espalier.constrained.schema.features import NOT_ASSERTING
 from espalier.constrained.schema.number_bounds import bound_number_regex
 from espalier.constrained.schema.walk import map_subschemas
@@ -98,13 +98,26 @@ class Backend:
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         regex = self.regex(spec)
         sentinel_ended = f"(?:{regex}){_SENTINEL_REGEX}"
-        if self.builder is not None:
-            index = self.builder.build(sentinel_ended, spec.kind.value)
-        else:
-            try:
-                index = outlines_core.Index(sentinel_ended, self.vocabulary)
-            except (ValueError, TypeError, RuntimeError) as exc:
-                raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
+        try:
+            if self.builder is not None:
+                index = self.builder.build(sentinel_ended, spec.kind.value)
+            else:
+                try:
+                    index = outlines_core.Index(sentinel_ended, self.vocabulary)
+                except (ValueError, TypeError, RuntimeError) as exc:
+                    raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
+        except InvalidGrammarError as exc:
+            if spec.kind is not GrammarKind.REGEX or not python_reads(spec.source):
+                raise
+            # Python's regex module read it (GrammarSpec.regex): outlines-core cannot, which
+            # says nothing against the regex ("Failed to build DFA error building NFA")
+            raise UnsupportedGrammarError(
+                NAME,
+                spec.kind.value,
+                "outlines-core compiles a regex into a DFA and does not read this one "
+                "(lookarounds, backreferences, atomic groups, \\N{...}, \\R and \\X are "
+                f"not in its syntax): {exc.detail}",
+            ) from exc
         return CompiledGrammar(spec, self.tokenizer, self.facts, index, regex, self.sentinel_id)
 
     def regex(self, spec: GrammarSpec) -> str:

@@ -52,6 +52,7 @@ from espalier.constrained.regex_dialect import (
     lark_token_reference,
     names_surrogate,
     own_common_terminals,
+    python_reads,
     xgrammar_misreading,
 )
 from espalier.constrained.schema.number_bounds import bound_schema_numbers
@@ -118,13 +119,13 @@ class Backend:
             try:
                 text = self.pool.ask(json.dumps({"method": method, "kwargs": kwargs}).encode())
             except ChildRefusedError as refused:
-                raise _invalid(spec.kind, RuntimeError(str(refused))) from None
+                raise _invalid(spec.kind, RuntimeError(str(refused)), spec.source) from None
             native = deserialize_compiled(text, self.tokenizer_info)
         else:
             try:
                 native = getattr(self.compiler, method)(**kwargs)
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise _invalid(spec.kind, exc) from exc
+                raise _invalid(spec.kind, exc, spec.source) from exc
         return CompiledGrammar(spec, self.tokenizer, self.facts, native)
 
     def request(self, spec: GrammarSpec) -> tuple[str, dict[str, Any]]:
@@ -493,10 +494,17 @@ def _searched(spec: GrammarSpec) -> GrammarSpec:
     return spec if schema == spec.schema else GrammarSpec.json_schema(schema, max_bytes=1 << 30)
 
 
-def _invalid(kind: GrammarKind, exc: Exception) -> InvalidGrammarError:
+def _invalid(
+    kind: GrammarKind, exc: Exception, source: str = ""
+) -> InvalidGrammarError | UnsupportedGrammarError:
     message = str(exc).strip()
     message = _LOG_PREFIX.sub("", message.splitlines()[0] if message else type(exc).__name__)
     message = _CHECK_FAILED.sub("", message)
+    if kind is GrammarKind.REGEX and "Regex parsing error" in message and python_reads(source):
+        # Python's regex module read it (GrammarSpec.regex): xgrammar's syntax does not
+        return UnsupportedGrammarError(
+            NAME, kind.value, f"xgrammar's regex syntax does not read it ({message})"
+        )
     line = column = None
     match = _LOCATION.search(message)
     if match is not None and kind in (GrammarKind.EBNF, GrammarKind.LARK):
