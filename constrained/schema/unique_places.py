@@ -471,6 +471,9 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
                 return None  # the tracker compares UTF-8: a lone surrogate has none
             strings = {v for v in strings if low <= len(v) and (high is None or len(v) <= high)}
             found = strings if found is None else found & strings
+        for union in _branch_words(node):  # anyOf / oneOf: a string matches some branch
+            union = {w for w in union if low <= len(w) and (high is None or len(w) <= high)}
+            found = union if found is None else found & union
         pattern = node.get("pattern") if isinstance(node, dict) else None
         if not isinstance(pattern, str):
             continue
@@ -488,14 +491,74 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
 
 
 def _only_strings(closure: list[Any]) -> bool:
-    """Whether some schema of ``closure`` (an item's conjuncts) admits strings alone."""
+    """Whether some schema of ``closure`` (an item's conjuncts) admits strings alone (an
+    ``anyOf`` / ``oneOf`` of such schemas too)."""
     for node in closure:
         listed = _listed_values(node)
         if listed is not None and all(isinstance(v, str) for v in listed):
             return True
         if isinstance(node, dict) and node.get("type") in ("string", ["string"]):
             return True
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key) if isinstance(node, dict) else None
+            if isinstance(branches, list) and branches:
+                plain = [_plain_closure(b) for b in branches]
+                if all(c is not None and (c == [False] or _only_strings(c)) for c in plain):
+                    return True
     return False
+
+
+def _plain_closure(node: Any) -> list[Any] | None:
+    """``node`` and its ``allOf`` members (recursively); None where a ``$ref`` or ``true`` is
+    met (not read here)."""
+    if node is False:
+        return [False]
+    if not isinstance(node, dict) or "$ref" in node:
+        return None
+    out = [node]
+    for member in node.get("allOf", []) if isinstance(node.get("allOf"), list) else ():
+        sub = _plain_closure(member)
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out
+
+
+def _branch_words(node: Any) -> list[set[str]]:
+    """For each ``anyOf`` / ``oneOf`` of ``node`` whose branches all list their strings (or
+    admit none), the union of those lists."""
+    unions = []
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(branches, list) or not branches:
+            continue
+        union: set[str] = set()
+        for branch in branches:
+            plain = _plain_closure(branch)
+            if plain is not None and (plain == [False] or not _admits_strings(plain)):
+                continue
+            words = _string_words(plain) if plain is not None else None
+            if words is None:
+                break
+            union.update(words)
+        else:
+            unions.append(union)
+    return unions
+
+
+def _admits_strings(closure: list[Any]) -> bool:
+    """Whether no schema of ``closure`` rules strings out by ``type`` or a list of values."""
+    for node in closure:
+        if not isinstance(node, dict):
+            continue
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if isinstance(kinds, list) and "string" not in kinds:
+            return False
+        listed = _listed_values(node)
+        if listed is not None and not any(isinstance(v, str) for v in listed):
+            return False
+    return True
 
 
 def _listed(closure: list[Any]) -> bool:

@@ -425,9 +425,12 @@ LISTED = [  # (items, minItems, maxItems or None, every word it lists)
     # an enum of strings (refused before: a finite domain too large to list its arrays)
     ({"enum": ["red", "green", "blue", "re", "b", "gree"]}, 6, None,
      sorted(["red", "green", "blue", "re", "b", "gree"])),
+    # branches that list their strings (a held-out re-sweep: INTERNAL after ["a", "a)
+    ({"anyOf": [{"type": "string", "pattern": "^a$"}, {"type": "string", "pattern": "^ab?$"}]},
+     2, None, ["a", "ab"]),
 ]  # fmt: skip
 WALKS = [(0, "llguidance"), (0, "xgrammar"), (1, "llguidance"), (1, "xgrammar"), (2, "llguidance"),
-         (3, "llguidance"), (3, "xgrammar")]  # fmt: skip
+         (3, "llguidance"), (3, "xgrammar"), (4, "llguidance")]  # fmt: skip
 
 
 @pytest.mark.model
