@@ -386,3 +386,18 @@ def test_a_python_regex_a_backend_cannot_read_is_unsupported_not_invalid(
     with pytest.raises(UnsupportedGrammarError) as caught:
         compile_grammar(GrammarSpec.regex(pattern), toy_tokenizer, backend)
     assert "does not read" in str(caught.value) or "reads" in str(caught.value)
+
+
+def test_a_schema_pattern_llguidance_cannot_read_is_unsupported_not_invalid(
+    toy_tokenizer: Any,
+) -> None:
+    """JSONSchemaBench's hugo.json: a ``patternProperties`` name with a lookahead (beside open
+    additional properties, so not printed from the pattern algebra) was called an invalid
+    schema, with llguidance's parse error of it. Every schema pattern is Python-valid at
+    admission: llguidance says it does not read it."""
+    from tests.fixtures.jsonschemabench import bench_dir
+
+    hugo = json.loads((bench_dir() / "JsonSchemaStore" / "hugo.json").read_text())["schema"]
+    cascade = {"definitions": hugo["definitions"], "$ref": "#/definitions/cascade"}
+    with pytest.raises(UnsupportedGrammarError, match="does not read a pattern of the schema"):
+        compile_grammar(GrammarSpec.json_schema(cascade), toy_tokenizer, "llguidance")

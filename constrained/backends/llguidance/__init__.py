@@ -187,12 +187,17 @@ class Backend:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 source, overrides=self._json_options()
             )
-        regex_limit = spec.kind is GrammarKind.REGEX and "regex parse error" in message
-        if regex_limit and python_reads(spec.source):
-            # Python's regex module read it (GrammarSpec.regex): llguidance's syntax does not
+        # a pattern Python's regex module reads (GrammarSpec.regex, and every JSON schema
+        # pattern at admission: schema.guard): llguidance's syntax does not
+        regex_limit = "regex parse error" in message and (
+            spec.kind is GrammarKind.JSON_SCHEMA
+            or (spec.kind is GrammarKind.REGEX and python_reads(spec.source))
+        )
+        if regex_limit:
             detail = message[message.rfind("error:") :].splitlines()[0]
+            what = "it" if spec.kind is GrammarKind.REGEX else "a pattern of the schema"
             raise UnsupportedGrammarError(
-                NAME, spec.kind.value, f"llguidance's regex syntax does not read it ({detail})"
+                NAME, spec.kind.value, f"llguidance's regex syntax does not read {what} ({detail})"
             )
         raise _invalid(spec.kind, message)
 
