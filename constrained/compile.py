@@ -106,8 +106,9 @@ def prepare_schema(
         from espalier.constrained.schema.unique_places import cap_listed_items, mark_unique_items
 
         prepared, short = cap_listed_items(mark_unique_items(prepared))
-    if prepared is False and "" in short:
-        _refuse_short("", short[""], resolved.display_pointer(""))
+    empty = unproductive_pointer(prepared)  # "" for false
+    if empty is not None and empty in short:
+        _refuse_short(short[empty], resolved.display_pointer(empty))
     if prepared is False:
         why = (
             "it is 'false'"
@@ -120,9 +121,6 @@ def prepare_schema(
             f"the schema matches no value an output can hold ({why})",
             pointer="",
         )
-    empty = unproductive_pointer(prepared)
-    if empty is not None and empty in short:
-        _refuse_short(empty, short[empty], resolved.display_pointer(empty))
     if empty is not None:
         raise EmptyLanguageError(
             "json_schema",
@@ -454,7 +452,7 @@ def _blocking_issues(prepared: PreparedSchema, order: tuple[str, ...]) -> list[K
     return list(prepared.issues[best])
 
 
-def _refuse_short(at: str, counts: tuple[int, int], pointer: str) -> None:
+def _refuse_short(counts: tuple[int, int], pointer: str) -> None:
     """An array every value needs, whose unique string items are too few for its minItems
     (``unique_places.cap_listed_items``)."""
     most, least = counts

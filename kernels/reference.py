@@ -222,11 +222,12 @@ def processed_probs(
     finite = torch.isfinite(row_max)
     e = torch.exp(x - torch.where(finite, row_max, 0.0)).masked_fill(~finite, 0.0)
     probs = e / e.sum(dim=1, keepdim=True).clamp_min(1e-30)
-    cut = top_p.float() < 1
+    mass = top_p.float()
+    cut = mass < 1
     if bool(cut.any()):
         srt = probs.sort(dim=1, descending=True).values
         before = srt.cumsum(dim=1) - srt
-        n_keep = (before < top_p.float()[:, None]).sum(dim=1).clamp(1, vocab)
+        n_keep = (before < mass[:, None]).sum(dim=1).clamp(1, vocab)
         kept = probs >= srt.gather(1, (n_keep - 1)[:, None])
         probs = torch.where(kept | ~cut[:, None], probs, 0.0)
     floor = min_p.float()[:, None] * probs.max(dim=1, keepdim=True).values

@@ -142,10 +142,6 @@ class EngineSupervisor:
         else:
             await asyncio.to_thread(self._grammar.close)
 
-    @property
-    def is_running(self) -> bool:
-        return self._current is not None and self._current.is_running
-
     # -- restarts -----------------------------------------------------------------------------
 
     async def _watch(self) -> None:
@@ -217,7 +213,6 @@ class EngineSupervisor:
         await self._state.set_serving(False)
         await asyncio.to_thread(_reap, dead)
         spawned = spawn_engine_process(self._options)
-        engine: EngineProcess | None = None
         try:
             engine, _facts, _tokenizer = await self._started(spawned, self.tokenizer)
             await warm_up(engine)

@@ -81,8 +81,7 @@ class ServingState:
         self.failed = asyncio.Event()  # the engine died: drain what is left and exit non-zero
 
     async def init_health(self) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.set_serving(False)
 
     async def set_ready(self, engine: ServingEngine, facts: ModelFacts) -> None:
         self.engine = engine
@@ -101,9 +100,7 @@ class ServingState:
 
     async def begin_drain(self) -> None:
         self.draining = True
-        self.serving = False
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.set_serving(False)
 
     async def fail(self, why: str) -> None:
         """The engine is gone: health NOT_SERVING, refuse new generations, stop serving."""

@@ -869,9 +869,9 @@ static int words_taken_ids(EspKeys *k, const uint32_t *row, int64_t words, int64
     uint32_t len = k->n_bytes - k->item_off;
     int ahead = 0;
     for (int32_t i = first; i < first + n; i++) {
-        /* pointers into the arena are taken anew each time: replaying a token may move it */
         const uint8_t *word = p->words + p->word_off[i];
         uint32_t word_len = (uint32_t)p->word_len[i];
+        /* the item's text is read anew each time: replaying a token may move the arena */
         if (word_len <= len || memcmp(word, k->bytes + k->item_off, len) != 0) continue;
         if (!key_in(k, k->stack[k->depth - 1].items, word, word_len)) continue;
         ahead = 1;

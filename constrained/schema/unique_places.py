@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from espalier.constrained.schema.logic import DEFS_PREFIX
+from espalier.constrained.schema.logic import DEFS_PREFIX, type_list
 from espalier.constrained.schema.value_complement import json_type
 from espalier.constrained.schema.walk import child_schemas, map_subschemas
 
@@ -338,7 +338,7 @@ class _Analysis:
             for kind in ("object", "array"):
                 if all(self._admits(s, kind) for s in closure):
                     raise _Refused
-            if _finite(closure) and not (i == prefix_len and _listed(closure)):
+            if _finite(closure) and not (i == prefix_len and _listed_words(closure)):
                 # numbers, literals, prefix items: an item's last ways on are not watched
                 raise _Refused
 
@@ -462,6 +462,10 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
             low = max(low, shortest)
         if isinstance(longest, int) and not isinstance(longest, bool):
             high = longest if high is None else min(high, longest)
+
+    def fits(words: set[str]) -> set[str]:
+        return {w for w in words if low <= len(w) and (high is None or len(w) <= high)}
+
     found: set[str] | None = None
     for node in closure:
         listed = _listed_values(node)
@@ -469,11 +473,9 @@ def _string_words(closure: list[Any]) -> tuple[str, ...] | None:
             strings = {v for v in listed if isinstance(v, str)}
             if any(_surrogate(v) for v in strings):
                 return None  # the tracker compares UTF-8: a lone surrogate has none
-            strings = {v for v in strings if low <= len(v) and (high is None or len(v) <= high)}
-            found = strings if found is None else found & strings
+            found = fits(strings) if found is None else found & fits(strings)
         for union in _branch_words(node):  # anyOf / oneOf: a string matches some branch
-            union = {w for w in union if low <= len(w) and (high is None or len(w) <= high)}
-            found = union if found is None else found & union
+            found = fits(union) if found is None else found & fits(union)
         pattern = node.get("pattern") if isinstance(node, dict) else None
         if not isinstance(pattern, str):
             continue
@@ -551,9 +553,8 @@ def _admits_strings(closure: list[Any]) -> bool:
     for node in closure:
         if not isinstance(node, dict):
             continue
-        kinds = node.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds
-        if isinstance(kinds, list) and "string" not in kinds:
+        kinds = type_list(node.get("type"))
+        if kinds is not None and "string" not in kinds:
             return False
         listed = _listed_values(node)
         if listed is not None and not any(isinstance(v, str) for v in listed):
@@ -561,10 +562,11 @@ def _admits_strings(closure: list[Any]) -> bool:
     return True
 
 
-def _listed(closure: list[Any]) -> bool:
-    """Whether an item of ``closure`` is a string from a short list (tracked word by word,
-    ``Places.item_words``, its array counted by :func:`cap_listed_items`)."""
-    return _only_strings(closure) and _string_words(closure) is not None
+def _listed_words(closure: list[Any]) -> tuple[str, ...] | None:
+    """The words of an item of ``closure`` that is a string from a short list (tracked word by
+    word, ``Places.item_words``, its array counted by :func:`cap_listed_items`); None when it
+    may be something else or comes from no such list."""
+    return _string_words(closure) if _only_strings(closure) else None
 
 
 def _listed_values(node: Any) -> list[Any] | None:
@@ -590,32 +592,22 @@ def cap_listed_items(schema: Any) -> tuple[Any, dict[str, tuple[int, int]]]:
     more items than that (``minItems``) becomes ``false`` (the emptiness check then says
     whether the whole schema is empty: an optional property or another branch may not be);
     returned by pointer with ``(most, least)``, for its message."""
-    defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
     short: dict[str, tuple[int, int]] = {}
-
-    def closure(node: Any) -> list[Any]:
-        out, stack, seen = [], [node], set()
-        while stack:
-            sub = stack.pop()
-            if isinstance(sub, dict) and id(sub) not in seen:
-                seen.add(id(sub))
-                out.append(sub)
-                ref = sub.get("$ref")
-                if isinstance(ref, str) and ref.startswith(DEFS_PREFIX):
-                    stack.append(defs.get(ref[len(DEFS_PREFIX) :]))
-                stack.extend(sub.get("allOf", []) if isinstance(sub.get("allOf"), list) else ())
-        return out
+    if not any(True for _ in _nodes_with(schema, MARK)):
+        return schema, short  # nothing marked: no walk, no copy
+    analysis = _Analysis(schema, MARK)  # a marked schema: its refs resolve
 
     def listed(node: Any) -> tuple[str, ...] | None:
-        conjuncts = closure(node)
-        return _string_words(conjuncts) if _only_strings(conjuncts) else None
+        try:
+            return _listed_words(analysis._conjuncts([node]))
+        except _Refused:  # a ref the analysis does not follow: no list
+            return None
 
     def cap(node: Any, at: str) -> Any:
         if not isinstance(node, dict):
             return node
         node = map_subschemas(node, at, cap)
-        kinds = node.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+        kinds = type_list(node.get("type")) or []
         # a type that names arrays: a count on an untyped node is one some backends do not read
         if node.get(MARK) is not True or "array" not in kinds:
             return node
