@@ -156,12 +156,17 @@ def repeat_size(rules: dict[str, Node]) -> int:
     return max((size(Ref(name), frozenset()) for name in rules), default=1)
 
 
-def unproductive(rules: dict[str, Node]) -> list[str]:
+def unproductive(rules: dict[str, Node], root: str = "root") -> list[str]:
     """The rules that derive no finite text (a least fixpoint: a rule is productive when some
     alternative needs only text, non-empty classes, repeats that may be empty, and productive
     rules), in definition order; empty when ``root`` derives some. Why: ``a ::= "x" a``
     passes a first-mask check (``x`` is allowed) yet no output can end, and one backend grew a
-    generation with it to the machine's memory."""
+    generation with it to the machine's memory. A rule is looked at again only when one it
+    refers to turned productive, so a long chain of rules costs its length, not its square."""
+    users: dict[str, list[str]] = {}
+    for name, body in rules.items():
+        for ref in refs(body):
+            users.setdefault(ref, []).append(name)
     productive: set[str] = set()
 
     def holds(node: Node) -> bool:
@@ -177,14 +182,15 @@ def unproductive(rules: dict[str, Node]) -> list[str]:
             return node.low == 0 or holds(node.node)
         return True  # Text
 
-    grew = True
-    while grew:
-        grew = False
-        for name, body in rules.items():
-            if name not in productive and holds(body):
+    pending = list(rules)
+    while pending:
+        grown = []
+        for name in dict.fromkeys(pending):
+            if name not in productive and holds(rules[name]):
                 productive.add(name)
-                grew = True
-    if "root" in productive:
+                grown.append(name)
+        pending = [user for name in grown for user in users.get(name, ())]
+    if root in productive or root not in rules:
         return []
     return [name for name in rules if name not in productive]
 

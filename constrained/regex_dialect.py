@@ -24,6 +24,7 @@ import itertools
 import re
 from collections.abc import Callable
 
+from espalier.constrained import gbnf
 from espalier.constrained.schema.features import class_set_syntax
 from espalier.constrained.schema.pattern_parse import QUANTIFIER
 from espalier.constrained.schema.respell import class_end
@@ -138,10 +139,9 @@ def lark_token_reference(source: str) -> str | None:
 _LARK_DEFINITION = re.compile(r"\s*[?!]?(\w+)(?:\.-?\d+)?\s*(?:\{[^}]*\})?\s*:(?!:)")
 
 
-def lark_repeat_size(source: str) -> int:
-    """:func:`repeat_size` for a Lark grammar: counts ``~ n`` / ``~ n..m`` around items and
-    groups, through rule references and inside ``/regex/`` terminals (a rule inside its own
-    expansion counts once)."""
+def _lark_bodies(source: str) -> dict[str, str]:
+    """A Lark grammar's rule and terminal bodies by name, in order of first definition (a name
+    defined again holds its last body); a ``%`` directive line ends a body."""
     bodies: dict[str, str] = {}
     current: str | None = None
     for line in source.splitlines():
@@ -153,6 +153,14 @@ def lark_repeat_size(source: str) -> int:
             current = None
         elif current is not None:
             bodies[current] += "\n" + line
+    return bodies
+
+
+def lark_repeat_size(source: str) -> int:
+    """:func:`repeat_size` for a Lark grammar: counts ``~ n`` / ``~ n..m`` around items and
+    groups, through rule references and inside ``/regex/`` terminals (a rule inside its own
+    expansion counts once)."""
+    bodies = _lark_bodies(source)
     sizes: dict[str, int] = {}
 
     def rule_size(name: str, active: frozenset[str]) -> int:
@@ -163,6 +171,74 @@ def lark_repeat_size(source: str) -> int:
         return sizes[name]
 
     return max((rule_size(name, frozenset()) for name in bodies), default=1)
+
+
+def lark_rules(source: str) -> dict[str, gbnf.Node]:
+    """A Lark grammar's rules and terminals as :mod:`gbnf` nodes, for analyses of their shape
+    alone (:func:`gbnf.unproductive`): strings and ``/regex/`` terminals read as texts, and so
+    do names defined elsewhere (``%import``, ``%declare``, template parameters) and a whole body
+    that uses llguidance's extensions (``%json``, token references): no claim is made on them."""
+    bodies = _lark_bodies(source)
+    return {name: _lark_node(body, bodies) for name, body in bodies.items()}
+
+
+def _lark_node(body: str, defined: dict[str, str]) -> gbnf.Node:
+    if "%" in body or "<" in body:
+        return gbnf.Text("")
+    pieces = [
+        p for p in _LARK_PIECE.finditer(body) if not (p.group().isspace() or p.group()[:2] == "//")
+    ]
+    pos = 0
+
+    def alternatives() -> gbnf.Node:
+        nonlocal pos
+        options = [sequence()]
+        while pos < len(pieces) and pieces[pos].group() == "|":
+            pos += 1
+            options.append(sequence())
+        return options[0] if len(options) == 1 else gbnf.Alt(tuple(options))
+
+    def sequence() -> gbnf.Node:
+        items: list[gbnf.Node] = []
+        while pos < len(pieces) and pieces[pos].group() not in ("|", ")", "]"):
+            item = atom()
+            if item is not None:
+                items.append(quantified(item))
+        return gbnf.Seq(tuple(items))
+
+    def atom() -> gbnf.Node | None:
+        nonlocal pos
+        piece = pieces[pos]
+        pos += 1
+        regex, _, _, opening, _, name = piece.groups()
+        if opening is not None:
+            inner = alternatives()
+            pos += pos < len(pieces)  # the closing bracket
+            return inner if opening == "(" else gbnf.Repeat(inner, 0, 1)
+        if name is not None:
+            return gbnf.Ref(name) if name in defined else gbnf.Text("")
+        if piece.group() == "-" and pos < len(pieces) and pieces[pos].group() == ">":
+            pos += 2  # an alias, ``-> name``: no part of the text
+            return None
+        if regex is not None or piece.group()[0] == '"':
+            return gbnf.Text("")
+        return None  # ``..`` of a range, a template's braces and commas
+
+    def quantified(node: gbnf.Node) -> gbnf.Node:
+        nonlocal pos
+        while pos < len(pieces):
+            text, low, high = pieces[pos].group(), pieces[pos].group(2), pieces[pos].group(3)
+            if text in ("?", "*", "+"):
+                node = gbnf.Repeat(node, int(text == "+"), None)
+            elif low is not None:
+                node = gbnf.Repeat(node, int(low), int(high or low))
+            else:
+                break
+            pos += 1
+        return node
+
+    node = alternatives()
+    return node if pos == len(pieces) else gbnf.Text("")
 
 
 def _lark_body_size(body: str, rule_size: Callable[[str], int]) -> int:

@@ -160,15 +160,15 @@ def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
     """Refuse a GBNF or Lark grammar whose counted repeats ask for more than
     ``regex_dialect.MAX_REPEAT`` copies of one item (``"a"{1000000}``: the backends write it out,
     and one request held every request's steps for a minute), or that nests too deeply to read;
-    and a GBNF grammar whose root derives no finite text (``gbnf.unproductive``). A GBNF text
-    the reader cannot read is left to the backends."""
+    and a grammar whose root (GBNF's ``root``, Lark's ``start``) derives no finite text
+    (``gbnf.unproductive``). A GBNF text the reader cannot read is left to the backends."""
     from espalier.constrained import gbnf
-    from espalier.constrained.regex_dialect import MAX_REPEAT, lark_repeat_size
+    from espalier.constrained.regex_dialect import MAX_REPEAT, lark_repeat_size, lark_rules
 
-    empty: list[str] = []
+    root = "start" if kind is GrammarKind.LARK else "root"
     try:
         if kind is GrammarKind.LARK:
-            copies = lark_repeat_size(grammar)
+            copies, empty = lark_repeat_size(grammar), gbnf.unproductive(lark_rules(grammar), root)
         else:
             rules = gbnf.parse(grammar)
             copies, empty = gbnf.repeat_size(rules), gbnf.unproductive(rules)
@@ -179,7 +179,7 @@ def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
     if empty:
         raise EmptyLanguageError(
             kind.value,
-            "the grammar matches no finite text: rule 'root' never ends (no alternative of "
+            f"the grammar matches no finite text: rule {root!r} never ends (no alternative of "
             f"{', '.join(repr(n) for n in empty[:8])} avoids needing one of them again)",
         )
     if copies > MAX_REPEAT:

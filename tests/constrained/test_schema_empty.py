@@ -24,7 +24,7 @@ from espalier.constrained.schema.empty import unproductive_pointer
 from espalier.constrained.schema.productive import refuse_empty_language
 from espalier.constrained.schema.refs import resolve_refs
 from espalier.constrained.schema.rewrite import normalize_schema
-from espalier.constrained.spec import GrammarSpec
+from espalier.constrained.spec import GrammarKind, GrammarSpec
 
 SUITE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "json-schema-test-suite"
 NESTS_FOREVER = {
@@ -174,8 +174,8 @@ def test_a_backend_limit_at_the_first_mask_is_not_called_an_empty_language(
 def test_auto_names_an_empty_grammar_that_one_backend_stopped_on(toy_tokenizer: Any) -> None:
     """llguidance stops at its first mask on a left-recursive rule that never ends
     (NoExtensionBias, a limit); the verdict of the next backend tried is the one reported.
-    (Lark: the GBNF spelling is refused before any backend, ``gbnf.unproductive``.)"""
-    grammar = GrammarSpec.lark('start: start "a"')
+    (Built past the request check, which refuses it before any backend: ``gbnf.unproductive``.)"""
+    grammar = GrammarSpec(GrammarKind.LARK, 'start: start "a"')
     with pytest.raises(FirstMaskLimitError):
         compile_grammar(grammar, toy_tokenizer, "llguidance")
     with pytest.raises(InvalidGrammarError) as info:
