@@ -192,7 +192,7 @@ class _CompileCacheCollector(Collector):
             "espalier_grammar_compile_timeouts", "Compiles over the time limit", value=s.timeouts
         )
         seconds = CounterMetricFamily(
-            "espalier_grammar_compile_seconds",
+            "espalier_grammar_compile_phase_seconds",
             "Compile time by phase: waiting (queue, a backend's child or slot) and running",
             labels=["phase"],
         )

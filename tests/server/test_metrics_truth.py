@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from espalier_client import Client, DeadlineExceededError
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from tests.fixtures.server_helpers import scrape, wait_until_idle
 from tests.fixtures.server_process import ServerProcess
@@ -113,3 +115,19 @@ def test_engine_steps_count_the_steps_a_generation_took(
     steps = scrape(port)["espalier_engine_steps_total"] - before
     # one prefill step samples the first token; each later token takes at most one step
     assert 1 <= steps <= 5, steps
+
+
+def test_the_exposition_parses_in_both_formats(serving: ServerProcess, client: Client) -> None:
+    """Prometheus asks for OpenMetrics first, where a counter and a histogram of one name
+    clash: the compile histogram and the per-phase compile counter once shared a name, and
+    that format's parser refused the whole page."""
+    assert serving.metrics_port is not None
+    client.generate("Tell me", max_tokens=2, regex="[ab]{1,4}")  # a compile: every family filled
+    url = f"http://127.0.0.1:{serving.metrics_port}/metrics"
+    accept = {"Accept": "application/openmetrics-text; version=1.0.0"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=accept), timeout=30) as reply:
+        assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
+        families = {f.name for f in text_string_to_metric_families(reply.read().decode())}
+    assert "espalier_grammar_compile_seconds" in families  # the histogram
+    assert "espalier_grammar_compile_phase_seconds" in families  # the counter by phase
+    scrape(serving.metrics_port)  # the classic text format: read line by line

@@ -297,8 +297,8 @@ def test_health_is_serving_and_metrics_count_requests(
     assert m["espalier_time_per_output_token_seconds_count"] >= 1
     assert m["espalier_generated_tokens_total"] >= 7
     assert 'espalier_grammar_cache_lookups_total{result="hit"}' in m
-    assert m['espalier_grammar_compile_seconds_total{phase="running"}'] > 0
-    assert 'espalier_grammar_compile_seconds_total{phase="queued"}' in m
+    assert m['espalier_grammar_compile_phase_seconds_total{phase="running"}'] > 0
+    assert 'espalier_grammar_compile_phase_seconds_total{phase="queued"}' in m
     assert m["espalier_grammar_compiles_abandoned"] == 0
     assert "espalier_tree_mask_seconds_count" in m
     assert json.dumps(m)  # plain floats throughout
