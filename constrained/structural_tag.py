@@ -350,8 +350,9 @@ def admit_structural_tag(
     text: str, max_depth: int, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 ) -> GrammarSpec:
     """A caller's structural-tag text checked as a caller's schema is (nesting depth before
-    parsing, then each inner schema against its meta-schema, local ``$ref`` only); raises
-    InvalidGrammarError."""
+    parsing, then each inner schema against its meta-schema, local ``$ref`` only), its inner
+    grammars and regexes as grammar and regex constraints are (regexes respelled for the
+    backends: ``GrammarSpec.regex``); raises InvalidGrammarError."""
     from espalier.constrained.schema.guard import check_schema, json_depth
 
     depth = json_depth(text)
@@ -371,12 +372,12 @@ def admit_structural_tag(
         return node
 
     def check_regex(node: Format, pointer: str) -> Format:
-        try:
-            GrammarSpec.regex(str(node.get("pattern", "")), max_bytes)
-        except InvalidGrammarError as exc:  # read as a regex constraint is (Python's module)
+        try:  # read, and spelled for the backends, as a regex constraint is
+            pattern = GrammarSpec.regex(str(node.get("pattern", "")), max_bytes).source
+        except InvalidGrammarError as exc:
             where = f" (column {exc.column})" if exc.column is not None else ""
             raise InvalidGrammarError(KIND, exc.detail + where, pointer=pointer) from None
-        return node
+        return {**node, "pattern": pattern}
 
     def check_grammar(node: Format, pointer: str) -> Format:
         text = str(node.get("grammar", ""))
@@ -388,6 +389,6 @@ def admit_structural_tag(
         return node
 
     map_json_schemas(root_format(spec), check)
-    map_regexes(root_format(spec), check_regex)
     map_formats(root_format(spec), ("grammar",), check_grammar)
-    return spec
+    respelled = map_regexes(root_format(spec), check_regex)
+    return spec if respelled == root_format(spec) else with_format(respelled)

@@ -242,6 +242,20 @@ def test_a_regex_element_pythons_module_refuses_is_invalid_with_its_pointer() ->
         admit_structural_tag(_regex_tag("a{1,3}{2}"), 64)
 
 
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+def test_a_regex_element_is_spelled_for_the_backends_as_a_regex_constraint_is(
+    backend: str, toy_tokenizer: Any
+) -> None:
+    """``a{,3}`` and outer ``\\A`` / ``\\Z``: Python reads them, the backends refused them
+    ("repetition quantifier expects a valid decimal") inside a structural tag while the same
+    regex as a constraint was respelled and served."""
+    for pattern, good, bad in (("x{,3}", "xxx", "xxxx"), ("\\Axy\\Z", "xy", "Axy")):
+        spec = admit_structural_tag(_regex_tag(pattern), 64)
+        compiled, _ = compile_grammar(spec, toy_tokenizer, backend, options=OPTIONS)
+        assert compiled.matcher().completes(toy_tokenizer.encode(good)), pattern
+        assert not compiled.matcher().completes(toy_tokenizer.encode(bad)), pattern
+
+
 def test_xgrammars_dot_in_a_regex_element_takes_no_newline(toy_tokenizer: Any) -> None:
     spec = admit_structural_tag(_regex_tag("a.c"), 64)
     compiled, _ = compile_grammar(spec, toy_tokenizer, "xgrammar")
