@@ -8,6 +8,7 @@
 | grammar over the byte limit / malformed | INVALID_ARGUMENT   | INVALID_GRAMMAR         |
 | schema not enforceable (strict mode)    | INVALID_ARGUMENT   | SCHEMA_NOT_ENFORCEABLE  |
 | backend unknown / kind unsupported      | INVALID_ARGUMENT   | UNKNOWN_BACKEND, ...    |
+| grammar masks too slow to keep batched  | INVALID_ARGUMENT   | GRAMMAR_TOO_COSTLY      |
 | grammar compile time limit              | DEADLINE_EXCEEDED  | COMPILE_TIMEOUT         |
 | queue or concurrency limit              | RESOURCE_EXHAUSTED | QUEUE_FULL (+RetryInfo) |
 | model loading / server draining         | UNAVAILABLE        | NOT_READY / DRAINING    |
@@ -17,6 +18,10 @@ Compile timeout is DEADLINE_EXCEEDED, not INVALID_ARGUMENT: the grammar was not 
 only slower to compile than the server's limit allows (a loaded server, or a compile that finishes
 in the background and lands in the cache). Its ErrorInfo reason tells it apart from the caller's own
 deadline. Clients must not retry it blindly (only UNAVAILABLE is retried by our SDKs).
+
+A grammar whose masks grew too slow (``GrammarCostError``) is INVALID_ARGUMENT, not
+RESOURCE_EXHAUSTED: the same request costs the same again, and gateways retry
+RESOURCE_EXHAUSTED (SMG sent one such request five times, slowing every other stream for 30 s).
 
 Every BadRequest field violation names a request field (``sampling.top_p``); grammar locations add
 a JSON pointer after ``#`` (``constraint.json_schema#/properties/age``) or ``:line:column``.
@@ -38,7 +43,6 @@ from grpc_status import rpc_status
 from espalier.constrained.errors import (
     CompileMemoryError,
     CompileTimeoutError,
-    GrammarCostError,
     GrammarError,
     InvalidGrammarError,
     SchemaNotEnforceableError,
@@ -264,8 +268,6 @@ def to_grpc_status(exc: BaseException, field_prefix: str = "") -> grpc.Status:
         return _status(
             grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), exc.reason, (), _grammar_metadata(exc)
         )
-    if isinstance(exc, GrammarCostError):  # a valid grammar, too costly to keep in a batch
-        return _status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.reason)
     if isinstance(exc, GrammarError):
         return _status(
             grpc.StatusCode.INVALID_ARGUMENT,

@@ -115,10 +115,12 @@ def test_compile_timeout_is_deadline_exceeded_with_its_own_reason() -> None:
     assert info.reason == "COMPILE_TIMEOUT" and info.metadata["timeout_seconds"] == "2.5"
 
 
-def test_a_grammar_too_costly_to_keep_in_a_batch_is_resource_exhausted() -> None:
+def test_a_grammar_too_costly_to_keep_in_a_batch_is_invalid_argument() -> None:
+    """Not RESOURCE_EXHAUSTED: gateways retry that code, and the same grammar costs the same
+    again (SMG sent one such request five times)."""
     status = to_grpc_status(GrammarCostError(0.8, 0.05, 1.2))
     info, _, _ = unpack(status)
-    assert status.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status.code is grpc.StatusCode.INVALID_ARGUMENT
     assert info.reason == "GRAMMAR_TOO_COSTLY"
     assert "50 ms" in status.details and "800 ms" in status.details and "1.20 s" in status.details
 
