@@ -154,6 +154,25 @@ def map_formats(
     return out
 
 
+_FREE_TEXT = ("any_text", "triggered_tags", "token_triggered_tags", "dispatch")
+"""Format types that let text outside any grammar through (between or before their tags)."""
+
+
+def has_free_text(spec: GrammarSpec) -> bool:
+    """Whether ``spec`` lets some text through unconstrained: a structural tag with
+    ``any_text`` (reasoning before its end marker) or tags triggered within free text."""
+    if spec.kind is not GrammarKind.STRUCTURAL_TAG:
+        return False
+    found: list[str] = []
+
+    def note(node: Format, pointer: str) -> Format:
+        found.append(pointer)
+        return node
+
+    map_formats(root_format(spec), _FREE_TEXT, note)
+    return bool(found)
+
+
 def format_of(spec: GrammarSpec) -> Format:
     """``spec`` as a structural-tag format matching exactly the same text."""
     kind = spec.kind

@@ -75,7 +75,9 @@ class SpeculativeOptions:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation. Exactly one of ``prompt`` / ``prompt_token_ids`` is set."""
+    """One generation. Exactly one of ``prompt`` / ``prompt_token_ids`` is set. Under a
+    constraint without free text, ``sampling.stop`` and ``stop_token_ids`` are emptied: the
+    constraint decides where the output ends (``__post_init__``)."""
 
     request_id: str
     prompt: str | None = None
@@ -84,6 +86,19 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None
     constraint: ConstraintOptions = field(default_factory=ConstraintOptions)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+
+    def __post_init__(self) -> None:
+        # A constraint decides where its output ends: a stop string or stop token inside the
+        # constrained text would cut it where the grammar cannot end (finish "stop", invalid).
+        # So they apply only where a structural tag lets free text through (reasoning, text
+        # around triggered tags); under any other constraint they are not applied.
+        sampling, grammar = self.sampling, self.grammar
+        if grammar is None or not (sampling.stop or sampling.stop_token_ids):
+            return
+        from espalier.constrained.structural_tag import has_free_text
+
+        if not has_free_text(grammar):
+            object.__setattr__(self, "sampling", replace(sampling, stop=(), stop_token_ids=()))
 
 
 class FinishReason(enum.Enum):
