@@ -156,43 +156,54 @@ def repeat_size(rules: dict[str, Node]) -> int:
     return max((size(Ref(name), frozenset()) for name in rules), default=1)
 
 
-def unproductive(rules: dict[str, Node], root: str = "root") -> list[str]:
-    """The rules that derive no finite text (a least fixpoint: a rule is productive when some
-    alternative needs only text, non-empty classes, repeats that may be empty, and productive
-    rules), in definition order; empty when ``root`` derives some. Why: ``a ::= "x" a``
-    passes a first-mask check (``x`` is allowed) yet no output can end, and one backend grew a
-    generation with it to the machine's memory. A rule is looked at again only when one it
-    refers to turned productive, so a long chain of rules costs its length, not its square."""
+SHORTEST_CAP = 10**12
+"""Shortest lengths are counted up to this (a grammar can double a rule into 2**60 characters)."""
+
+
+def shortest_lengths(rules: dict[str, Node]) -> dict[str, int | None]:
+    """Each rule's shortest text in characters (None: it derives no finite text; counts stop at
+    :data:`SHORTEST_CAP`). A least fixpoint: a rule is looked at again only when one it refers
+    to got shorter, so a long chain of rules costs its length, not its square (a shortest
+    derivation nests no rule in itself: the rounds are at most the rules)."""
     users: dict[str, list[str]] = {}
     for name, body in rules.items():
         for ref in refs(body):
             users.setdefault(ref, []).append(name)
-    productive: set[str] = set()
+    best: dict[str, int] = {}
 
-    def holds(node: Node) -> bool:
+    def length(node: Node) -> int | None:
         if isinstance(node, Ref):
-            return node.name in productive
+            return best.get(node.name)
+        if isinstance(node, Text):
+            return len(node.chars)
         if isinstance(node, CharSet):
-            return bool(node.chars)
+            return 1 if node.chars else None
         if isinstance(node, Seq):
-            return all(holds(n) for n in node.items)
+            total = 0
+            for item in node.items:
+                part = length(item)
+                if part is None:
+                    return None
+                total += part
+            return min(total, SHORTEST_CAP)
         if isinstance(node, Alt):
-            return any(holds(n) for n in node.options)
-        if isinstance(node, Repeat):
-            return node.low == 0 or holds(node.node)
-        return True  # Text
+            options = [n for n in map(length, node.options) if n is not None]
+            return min(options) if options else None
+        if node.low == 0:  # Repeat
+            return 0
+        inner = length(node.node)
+        return None if inner is None else min(node.low * inner, SHORTEST_CAP)
 
     pending = list(rules)
     while pending:
-        grown = []
+        shorter = []
         for name in dict.fromkeys(pending):
-            if name not in productive and holds(rules[name]):
-                productive.add(name)
-                grown.append(name)
-        pending = [user for name in grown for user in users.get(name, ())]
-    if root in productive or root not in rules:
-        return []
-    return [name for name in rules if name not in productive]
+            value = length(rules[name])
+            if value is not None and value < best.get(name, SHORTEST_CAP + 1):
+                best[name] = value
+                shorter.append(name)
+        pending = [user for name in shorter for user in users.get(name, ())]
+    return {name: best.get(name) for name in rules}
 
 
 def _ends_sequence(tokens: list[tuple[str, str]], pos: int) -> bool:

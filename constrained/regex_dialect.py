@@ -175,9 +175,10 @@ def lark_repeat_size(source: str) -> int:
 
 def lark_rules(source: str) -> dict[str, gbnf.Node]:
     """A Lark grammar's rules and terminals as :mod:`gbnf` nodes, for analyses of their shape
-    alone (:func:`gbnf.unproductive`): strings and ``/regex/`` terminals read as texts, and so
-    do names defined elsewhere (``%import``, ``%declare``, template parameters) and a whole body
-    that uses llguidance's extensions (``%json``, token references): no claim is made on them."""
+    alone (:func:`gbnf.shortest_lengths`): strings read as their text (a range as one
+    character), ``/regex/`` terminals as empty texts, and so do names defined elsewhere
+    (``%import``, ``%declare``, template parameters) and a whole body that uses llguidance's
+    extensions (``%json``, token references): no claim is made on them."""
     bodies = _lark_bodies(source)
     return {name: _lark_node(body, bodies) for name, body in bodies.items()}
 
@@ -220,9 +221,15 @@ def _lark_node(body: str, defined: dict[str, str]) -> gbnf.Node:
         if piece.group() == "-" and pos < len(pieces) and pieces[pos].group() == ">":
             pos += 2  # an alias, ``-> name``: no part of the text
             return None
-        if regex is not None or piece.group()[0] == '"':
-            return gbnf.Text("")
-        return None  # ``..`` of a range, a template's braces and commas
+        if piece.group()[0] == '"':
+            ahead = [p.group() for p in pieces[pos : pos + 3]]
+            if ahead[:2] == [".", "."] and len(ahead) == 3 and ahead[2][0] == '"':
+                pos += 3  # a range, "a".."z": one character
+                return gbnf.Text("x")
+            return gbnf.Text(re.sub(r"\\.", "x", piece.group().rstrip("i")[1:-1]))
+        if regex is not None:
+            return gbnf.Text("")  # its shortest text is not read here: counted as empty
+        return None  # a template's braces and commas
 
     def quantified(node: gbnf.Node) -> gbnf.Node:
         nonlocal pos

@@ -147,6 +147,12 @@ class GrammarSpec:
         return f"GrammarSpec({self.kind.value}, {preview!r})"
 
 
+MAX_SHORTEST_TEXT = 250_000
+"""The most characters the shortest text of a GBNF or Lark grammar may have: no output of a
+served context reaches it, and a grammar doubling a rule per rule (22 deep: 4 million
+characters) held the engine for 18 s and 2.3 GB, 26 deep until it was killed for memory."""
+
+
 def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
     """Raise InvalidGrammarError when ``text`` is over ``max_bytes`` UTF-8 bytes."""
     size = len(text.encode("utf-8"))
@@ -160,23 +166,29 @@ def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
     """Refuse a GBNF or Lark grammar whose counted repeats ask for more than
     ``regex_dialect.MAX_REPEAT`` copies of one item (``"a"{1000000}``: the backends write it out,
     and one request held every request's steps for a minute), or that nests too deeply to read;
-    and a grammar whose root (GBNF's ``root``, Lark's ``start``) derives no finite text
-    (``gbnf.unproductive``). A GBNF text the reader cannot read is left to the backends."""
+    a grammar whose root (GBNF's ``root``, Lark's ``start``) derives no finite text, or only
+    texts over :data:`MAX_SHORTEST_TEXT` characters (``gbnf.shortest_lengths``: ``r0 ::= r1 r1``,
+    ``r1 ::= r2 r2``, ... doubles per rule, and a backend wrote the one text out until the
+    engine was killed for memory). A GBNF text the reader cannot read is left to the
+    backends."""
     from espalier.constrained import gbnf
     from espalier.constrained.regex_dialect import MAX_REPEAT, lark_repeat_size, lark_rules
 
     root = "start" if kind is GrammarKind.LARK else "root"
     try:
         if kind is GrammarKind.LARK:
-            copies, empty = lark_repeat_size(grammar), gbnf.unproductive(lark_rules(grammar), root)
+            rules, copies = lark_rules(grammar), lark_repeat_size(grammar)
         else:
             rules = gbnf.parse(grammar)
-            copies, empty = gbnf.repeat_size(rules), gbnf.unproductive(rules)
+            copies = gbnf.repeat_size(rules)
+        lengths = gbnf.shortest_lengths(rules)
     except gbnf.GbnfReadError:
         return
     except RecursionError:
         raise InvalidGrammarError(kind.value, "the grammar is nested too deeply") from None
-    if empty:
+    shortest = lengths.get(root, 0)  # a root that is not a rule: no claim
+    if shortest is None:
+        empty = [name for name, value in lengths.items() if value is None]
         raise EmptyLanguageError(
             kind.value,
             f"the grammar matches no finite text: rule {root!r} never ends (no alternative of "
@@ -187,6 +199,13 @@ def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
             kind.value,
             f"its counted repeats ask for {copies} copies of one item (nested counts and "
             f"rule references multiply), over the limit of {MAX_REPEAT}",
+        )
+    if shortest > MAX_SHORTEST_TEXT:
+        raise InvalidGrammarError(
+            kind.value,
+            f"the shortest text rule {root!r} matches is over {MAX_SHORTEST_TEXT} characters "
+            f"({shortest if shortest < gbnf.SHORTEST_CAP else 'astronomically many'}: rules "
+            "referenced one after another add up)",
         )
 
 
