@@ -22,6 +22,7 @@ from espalier.constrained import json_text
 from espalier.constrained.errors import InvalidGrammarError
 from espalier.constrained.spec import (
     DEFAULT_MAX_GRAMMAR_BYTES,
+    MAX_SHORTEST_TEXT,
     GrammarKind,
     GrammarSpec,
     check_size,
@@ -365,6 +366,42 @@ def json_whitespace(node: Format, default: int) -> int:
     return max(1, int(given) if given is not None else default)
 
 
+def repeat_and_length(fmt: Format) -> tuple[int, int]:
+    """The most copies of one leaf the ``repeat`` counts around it ask for (the product of the
+    larger bounds, as ``regex_dialect.repeat_size``; ``regex`` leaves count their own), and a
+    lower bound on the characters of the shortest text of ``fmt`` (its literals: ``begin`` /
+    ``end`` and ``const_string`` values, a ``repeat``'s ``min`` copies; any other leaf counts as
+    empty). Why: four nested repeats of 100 (10**8 copies) or one of ``min`` 5,000,000 were
+    written out by the backend until the engine was killed for memory."""
+    from espalier.constrained.regex_dialect import repeat_size
+
+    kind = fmt.get("type", "tag" if "content" in fmt else None)
+    children: list[Format] = []
+    for key in _CHILDREN.get(str(kind), ()):
+        value = fmt.get(key)
+        listed = value if isinstance(value, list) else [value]
+        children += [c for c in listed if isinstance(c, dict)]
+    if kind == "dispatch":
+        children += [rule[1] for rule in fmt.get("rules", []) if isinstance(rule[1], dict)]
+    sizes = [repeat_and_length(child) for child in children]
+    copies = max((c for c, _ in sizes), default=1)
+    lengths = [n for _, n in sizes]
+    if kind == "const_string":
+        return 1, len(str(fmt.get("value", "")))
+    if kind == "regex":
+        return repeat_size(str(fmt.get("pattern", ""))), 0
+    if kind == "repeat":
+        low, high = int(fmt.get("min", 0)), int(fmt.get("max", -1))
+        return max(low, high, 1) * copies, low * sum(lengths)
+    if kind == "tag":
+        return copies, len(str(fmt.get("begin", ""))) + sum(lengths) + len(str(fmt.get("end", "")))
+    if kind in ("sequence", "plus"):
+        return copies, sum(lengths)
+    if kind == "or":
+        return copies, min(lengths, default=0)
+    return copies, 0  # optional, star, free text, tag lists, schemas, grammars
+
+
 def admit_structural_tag(
     text: str, max_depth: int, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 ) -> GrammarSpec:
@@ -372,6 +409,7 @@ def admit_structural_tag(
     parsing, then each inner schema against its meta-schema, local ``$ref`` only), its inner
     grammars and regexes as grammar and regex constraints are (regexes respelled for the
     backends: ``GrammarSpec.regex``); raises InvalidGrammarError."""
+    from espalier.constrained.regex_dialect import MAX_REPEAT
     from espalier.constrained.schema.guard import check_schema, json_depth
 
     depth = json_depth(text)
@@ -407,6 +445,15 @@ def admit_structural_tag(
             raise InvalidGrammarError(KIND, exc.detail, pointer=pointer) from None
         return node
 
+    copies, shortest = repeat_and_length(root_format(spec))
+    if copies > MAX_REPEAT or shortest > MAX_SHORTEST_TEXT:
+        raise InvalidGrammarError(
+            KIND,
+            f"its repeats ask for {copies} copies of one item and a shortest text of at least "
+            f"{shortest} characters (limits: {MAX_REPEAT} copies, {MAX_SHORTEST_TEXT} "
+            "characters; nested repeats multiply)",
+            pointer="/format",
+        )
     map_json_schemas(root_format(spec), check)
     map_formats(root_format(spec), ("grammar",), check_grammar)
     respelled = map_regexes(root_format(spec), check_regex)

@@ -256,6 +256,40 @@ def test_a_regex_element_is_spelled_for_the_backends_as_a_regex_constraint_is(
         assert not compiled.matcher().completes(toy_tokenizer.encode(bad)), pattern
 
 
+def _repeat(content: dict[str, Any], low: int, high: int) -> dict[str, Any]:
+    return {"type": "repeat", "min": low, "max": high, "content": content}
+
+
+A = {"type": "const_string", "value": "a"}
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        _repeat(_repeat(_repeat(_repeat(A, 100, 100), 100, 100), 100, 100), 100, 100),
+        _repeat(A, 2147483647, -1),
+        _repeat(A, 5_000_000, -1),
+        {"type": "sequence", "elements": [_repeat(A, 99_999, -1)] * 5},
+        _repeat({"type": "regex", "pattern": "b{1000}"}, 1000, 1000),
+    ],
+)
+def test_repeats_asking_for_too_much_text_are_refused(fmt: dict[str, Any]) -> None:
+    """A held-out sweep: four nested repeats of 100, or one of min 5,000,000, were written out
+    by the backend until the engine was killed for memory (every request in flight failed);
+    GBNF, Lark and regex counts had the limits already."""
+    tag = json.dumps({"type": "structural_tag", "format": fmt})
+    with pytest.raises(InvalidGrammarError, match="nested repeats multiply") as caught:
+        admit_structural_tag(tag, 64)
+    assert caught.value.pointer == "/format"
+
+
+def test_ordinary_repeats_stay(toy_tokenizer: Any) -> None:
+    fmt = {"type": "tag", "begin": "<a>", "content": _repeat(A, 1, 100), "end": "</a>"}
+    spec = admit_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}), 64)
+    compiled, _ = compile_grammar(spec, toy_tokenizer, "auto", options=OPTIONS)
+    assert compiled.matcher().completes(toy_tokenizer.encode("<a>aaa</a>"))
+
+
 def test_xgrammars_dot_in_a_regex_element_takes_no_newline(toy_tokenizer: Any) -> None:
     spec = admit_structural_tag(_regex_tag("a.c"), 64)
     compiled, _ = compile_grammar(spec, toy_tokenizer, "xgrammar")
