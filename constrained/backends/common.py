@@ -356,10 +356,13 @@ def canonical_forced_tokens(matcher: MatcherBase, forced: bytes, limit: int) -> 
     """
     if limit <= 0 or not forced or matcher.is_terminated():
         return []
-    text = _complete_utf8_prefix(forced)
+    tokenizer: TokenizerInfo = matcher.tokenizer
+    longest = tokenizer.backend_view(_LONGEST_TOKEN, _longest_token)
+    # the first ``limit`` tokens lie well inside this prefix (a schema's const or a grammar can
+    # force hundreds of kB, tokenized and probed again at every step)
+    text = _complete_utf8_prefix(forced[: (limit + FORCED_MARGIN) * longest])
     if not text:
         return []
-    tokenizer: TokenizerInfo = matcher.tokenizer
     ids = tokenizer.backend_view(_FORCED_IDS, _forced_ids)(text)
     if ids is None:
         return []
@@ -373,6 +376,16 @@ def canonical_forced_tokens(matcher: MatcherBase, forced: bytes, limit: int) -> 
 
 
 _FORCED_IDS = "espalier.constrained.backends.common.forced_ids"
+_LONGEST_TOKEN = "espalier.constrained.backends.common.longest_token"
+FORCED_MARGIN = 8
+"""Tokens of forced text read past the ``limit`` asked for: a tokenization's last tokens may
+change with the text after them, and only the first ``limit`` are used."""
+
+
+def _longest_token(tokenizer: TokenizerInfo) -> int:
+    return max(map(len, tokenizer.token_bytes), default=1)
+
+
 FORCED_TEXTS = 4096
 """Forced texts whose canonical tokens are kept per tokenizer (a grammar forces the same key
 and punctuation texts again and again; a tokenizer call costs tens of µs)."""

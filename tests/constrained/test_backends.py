@@ -283,8 +283,10 @@ def test_special_tokens_never_text(backend_name: str, toy_tokenizer: Any):
         (GrammarSpec.regex("abababc"), "abababc"),
         (GrammarSpec.choice(["the quick brown fox"]), "the quick brown fox"),
         (GrammarSpec.json_schema({**SCHEMA, "required": ["age"]}), '{"age":12}'),
+        # longer than the prefix that is tokenized for 64 tokens (FORCED_MARGIN)
+        (GrammarSpec.choice(["the quick brown fox " * 100]), "the quick brown fox " * 100),
     ],
-    ids=["regex", "choice", "schema"],
+    ids=["regex", "choice", "schema", "long"],
 )
 def test_forced_tokens_are_canonical(
     backend_name: str, spec: GrammarSpec, text: str, toy_tokenizer
