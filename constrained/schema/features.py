@@ -433,8 +433,63 @@ def may_match_escaped(pattern: str) -> bool:
 
 def _names_escaped_char(pattern: str) -> bool:
     """Whether ``pattern`` spells out such a character (xgrammar then matches it against the
-    escape's text) and may match it."""
-    return bool(_NAMES_ESCAPED.search(pattern)) and may_match_escaped(pattern)
+    escape's text), alone or in a class, and may match it."""
+    spelled = bool(_NAMES_ESCAPED.search(pattern)) or _class_holds_escaped(pattern)
+    return spelled and may_match_escaped(pattern)
+
+
+_CLASS_ITEM = re.compile(
+    r"\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})|\\x\{([0-9a-fA-F]{1,6})\}|\\x([0-9a-fA-F]{2})"
+    r"|\\(.)|(.)",
+    re.DOTALL,
+)
+_ESCAPE_POINTS = {"\\": 0x5C, '"': 0x22, "n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B}
+
+
+def _class_holds_escaped(pattern: str) -> bool:
+    """Whether a ``[...]`` class of ``pattern`` that is not negated holds a character JSON writes
+    escaped (alone, in a range: ``[ -/]`` holds ``"``, or in ``\\s \\S \\W \\D``) beside a
+    non-ASCII character written as itself. xgrammar then takes the escaped one raw: ``[ -/é]``
+    took ``","``, while ``[ -/]`` and ``[ -/\\u00e9]`` did not; the algebra prints classes so
+    (``\\W{1,3}``, respelled for the backends' reading of ``\\W``, wrote ``","-"``)."""
+    from espalier.constrained.schema.respell import class_end
+
+    at = 0
+    while at < len(pattern):
+        if pattern[at] == "\\":
+            at += 2
+            continue
+        if pattern[at] != "[":
+            at += 1
+            continue
+        end = class_end(pattern, at)
+        body, at = pattern[at + 1 : end - 1], end
+        if body.startswith("^"):
+            continue
+        points: list[int | str] = []  # code points, "-" for a range's dash
+        escaped_class = non_ascii = False
+        for item in _CLASS_ITEM.finditer(body):
+            hex_digits = item.group(1) or item.group(2) or item.group(3) or item.group(4)
+            escape, plain = item.group(5), item.group(6)
+            if hex_digits is not None:
+                points.append(int(hex_digits, 16))
+            elif escape is not None:
+                escaped_class |= escape in "sSWD"
+                points.append(_ESCAPE_POINTS.get(escape, ord(escape)))
+            else:
+                non_ascii |= ord(plain) > 0x7F
+                points.append("-" if plain == "-" else ord(plain))
+        for k, point in enumerate(points):
+            if point == "-":
+                continue
+            low = high = point
+            if k + 2 < len(points) and points[k + 1] == "-" and points[k + 2] != "-":
+                high = points[k + 2]
+            assert isinstance(low, int) and isinstance(high, int)
+            escaped_class |= low <= 0x1F or low <= 0x22 <= high or low <= 0x5C <= high
+        if escaped_class and non_ascii:
+            return True
+    return False
 
 
 def _syntax(pattern: str) -> list[tuple[int, str]]:

@@ -299,3 +299,29 @@ def test_a_multiple_llguidance_cannot_compile_is_never_given_to_it(
 def test_multiple_digits(value: float, digits: int) -> None:
     assert multiple_digits(value) == digits
     assert multiple_digits(True) == multiple_digits("3") == multiple_digits(-2) == 0
+
+
+def test_xgrammar_takes_a_raw_quote_from_a_class_beside_a_literal_non_ascii_character(
+    toy_tokenizer: Any,
+) -> None:
+    """The probe: ``[ -/é]`` (a literal ``é``) took a raw ``"`` into the string on xgrammar,
+    ``[ -/\\u00e9]`` did not. The algebra prints classes so: ``^\\W{1,3}$``, respelled for the
+    backends' reading of ``\\W``, wrote ``","-"`` (a held-out sweep). Such a pattern is not
+    exact there; auto keeps llguidance, which writes no raw quote."""
+    raw = "xgrammar"
+    backend = get_backend(raw, toy_tokenizer)
+    literal = GrammarSpec.json_schema({"type": "string", "pattern": "^[ -/é]{1,3}$"})
+    escaped = GrammarSpec.json_schema({"type": "string", "pattern": "^[ -/\\u00e9]{1,3}$"})
+    broken = '","-"'
+    assert backend.compile(literal).matcher().completes(toy_tokenizer.encode(broken))
+    assert not backend.compile(escaped).matcher().completes(toy_tokenizer.encode(broken))
+    for pattern in ("^[ -/é]{1,3}$", "^\\W{1,3}$", "^[^\\d]{2,6}$"):
+        spec = GrammarSpec.json_schema({"type": "string", "pattern": pattern})
+        with pytest.raises(GrammarError, match="pattern"):
+            compile_grammar(spec, toy_tokenizer, raw)
+        compiled, report = compile_grammar(spec, toy_tokenizer)
+        assert report.backend == "llguidance"
+        assert not grammar_accepts(compiled, toy_tokenizer, broken)
+    for pattern in ("^[ -/]{1,3}$", "^[ -~]+$", "^[^a-z]{1,3}$"):  # exact there
+        spec = GrammarSpec.json_schema({"type": "string", "pattern": pattern})
+        assert compile_grammar(spec, toy_tokenizer, raw)[1].backend == raw
