@@ -7,6 +7,7 @@ Compiles are injected callables (the cache takes one per call); slow compiles bl
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
@@ -145,11 +146,12 @@ def test_timeout_raises_and_the_pool_keeps_working() -> None:
         cache.close()
 
 
-def test_a_timeout_is_remembered_for_a_while_only() -> None:
+def test_a_timeout_is_remembered_for_a_while_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile slowed by a loaded machine timed out once and then failed every later request
     for good (a held-out sweep: a schema that compiles in 1.5 s); it gets another try once
-    ``timeout_memory_s`` has passed."""
-    cache = CompileCache(workers=1, timeout_s=0.05, timeout_memory_s=0.5)
+    ``timeout_memory_s`` has passed (the clock moved on here, not waited for: a 0.5 s memory
+    ran out between two calls on a loaded CI machine)."""
+    cache = CompileCache(workers=1, timeout_s=0.05, timeout_memory_s=60.0)
     release = threading.Event()
     stuck = stuck_until(release)
 
@@ -159,7 +161,8 @@ def test_a_timeout_is_remembered_for_a_while_only() -> None:
         with pytest.raises(CompileTimeoutError):  # remembered: no new compile
             cache.get(key("slow"), compiler("now fast"))
         assert cache.stats.negative_hits == 1
-        threading.Event().wait(0.6)
+        now = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: now + 61.0)
         grammar, report = cache.get(key("slow"), compiler("now fast"))
         assert grammar.name == "now fast" and not report.cache_hit
     finally:
