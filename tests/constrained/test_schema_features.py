@@ -24,8 +24,8 @@ from espalier.constrained.schema.features import (
     class_set_syntax,
     escape_class_misread,
     keyword_support,
+    llguidance_multiple,
     llguidance_multiple_too_costly,
-    multiple_digits,
 )
 from espalier.constrained.spec import GrammarSpec
 from tests.constrained.schema_probes import OBJ_A, PROBES, Probe, as_text
@@ -283,22 +283,36 @@ def test_a_multiple_llguidance_cannot_compile_is_never_given_to_it(
 
 
 @pytest.mark.parametrize(
-    ("value", "digits"),
+    ("value", "read"),
     [
         (3, 3),
-        (12300, 123),
+        (12300, 12300),  # its automaton grows with the value, trailing zeros included
         (0.25, 25),
         (1e-3, 1),
         (1.5e-7, 15),
-        (10**6, 1),
-        (2**31, 2147483648),
-        (10**400, 1),  # past float range: read as digits, never converted
-        (7 * 10**400 + 7, 7 * 10**400 + 7),
+        (0.07, 7000000000000001),  # 0.07 * 10 is 0.7000000000000001 in floating point
+        (10**6, 10**6),
+        (10**400, 10**400),  # past float range: never converted
     ],
 )
-def test_multiple_digits(value: float, digits: int) -> None:
-    assert multiple_digits(value) == digits
-    assert multiple_digits(True) == multiple_digits("3") == multiple_digits(-2) == 0
+def test_llguidance_reads_a_multiple_as_an_integer(value: float, read: int) -> None:
+    assert llguidance_multiple(value) == read
+    assert llguidance_multiple(True) == llguidance_multiple("3") == llguidance_multiple(-2) == 0
+
+
+@pytest.mark.parametrize("value", [0.07, 0.14, 20000, 10**6])
+def test_a_multiple_llguidance_fails_on_is_refused_with_the_keyword_named(
+    value: float, toy_tokenizer: Any
+) -> None:
+    """A held-out sweep: ``multipleOf: 0.07`` was INVALID_GRAMMAR ("too many digits:
+    7000000000000001") though the schema is valid, and ``10**6`` ended requests mid-stream
+    ("lexer error: too many expressions constructed"); no backend enforces them exactly, so
+    strict mode names the keyword."""
+    from espalier.constrained.errors import SchemaNotEnforceableError
+
+    schema = {"type": "integer" if float(value).is_integer() else "number", "multipleOf": value}
+    with pytest.raises(SchemaNotEnforceableError, match="'multipleOf' at /"):
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
 
 
 def test_xgrammar_takes_a_raw_quote_from_a_class_beside_a_literal_non_ascii_character(
