@@ -341,7 +341,18 @@ def _compile_first(
         )
         return compiled, report
     assert first_error is not None
-    raise first_error
+    raise _auto_verdict(spec, first_error, order) if len(order) > 1 else first_error
+
+
+def _auto_verdict(spec: GrammarSpec, error: GrammarError, order: tuple[str, ...]) -> GrammarError:
+    """What auto says when no backend of ``order`` took ``spec``: a feature no backend reads is
+    auto's, not the first backend's (``(a)\\1`` named llguidance, and the field
+    ``constraint.backend``, which the caller never set)."""
+    if isinstance(error, UnsupportedGrammarError):
+        backends = ", ".join(str(name) for name in order)
+        detail = f"none of {backends} takes it; {error.backend}: {error.detail or error}"
+        return UnsupportedGrammarError("auto", error.kind, detail)
+    return error
 
 
 def _schema_verdict(spec: GrammarSpec, backend: str) -> bool:

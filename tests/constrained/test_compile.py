@@ -737,3 +737,16 @@ def test_bounds_no_backend_reads_exactly_are_refused_by_name(
     with pytest.raises(SchemaNotEnforceableError) as caught:
         compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer)
     assert f"'{keyword}' at /" in str(caught.value)
+
+
+@pytest.mark.parametrize("regex", ["(a)\\1", "a(?=b)b"])
+def test_what_no_backend_reads_is_autos_verdict(regex: str, toy_tokenizer: Any) -> None:
+    """A held-out sweep: ``(a)\\1`` under auto was "backend 'llguidance' does not support ..."
+    on the field ``constraint.backend``, a backend the caller never named."""
+    with pytest.raises(UnsupportedGrammarError) as caught:
+        compile_grammar(GrammarSpec.regex(regex), toy_tokenizer)
+    assert caught.value.backend == "auto"
+    assert "none of llguidance, xgrammar, outlines_core takes it" in str(caught.value)
+    with pytest.raises(UnsupportedGrammarError) as named:
+        compile_grammar(GrammarSpec.regex(regex), toy_tokenizer, "llguidance")
+    assert named.value.backend == "llguidance"
