@@ -64,6 +64,7 @@ from espalier.constrained.backends.llguidance.tree_walk import walk_llguidance
 from espalier.constrained.compile_pool import InProcessLane
 from espalier.constrained.errors import (
     EmptyLanguageError,
+    GrammarError,
     InvalidGrammarError,
     UnsupportedGrammarError,
 )
@@ -770,9 +771,13 @@ def _build_lltokenizer(tokenizer: TokenizerInfo, facts: VocabFacts) -> llguidanc
     )
 
 
-def _invalid(kind: GrammarKind, message: str) -> InvalidGrammarError:
-    if "too big" in message:  # a size limit of llguidance's, not a fault of the grammar
-        return InvalidGrammarError(
+def _invalid(kind: GrammarKind, message: str) -> GrammarError:
+    """llguidance's compile error as ours: a size limit of llguidance's ("too big", "schema
+    too large": a 389-byte JSONSchemaBench schema with ``not`` over ``patternProperties``) is
+    no fault of the grammar, so another backend may take it; anything else is invalid."""
+    if "too big" in message or "too large" in message:
+        return UnsupportedGrammarError(
+            NAME,
             kind.value,
             f"llguidance's lexer for this grammar passes its size limit ({message.strip()}): "
             "the grammar is valid but too large here; fewer or smaller alternatives (oneOf / "
