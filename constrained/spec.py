@@ -98,7 +98,7 @@ class GrammarSpec:
         check_size(GrammarKind.EBNF, grammar, max_bytes)
         if not grammar.strip():
             raise InvalidGrammarError(GrammarKind.EBNF.value, "grammar is empty")
-        _bounded_copies(GrammarKind.EBNF, grammar)
+        _check_grammar_text(GrammarKind.EBNF, grammar)
         return cls(GrammarKind.EBNF, grammar)
 
     @classmethod
@@ -106,7 +106,7 @@ class GrammarSpec:
         check_size(GrammarKind.LARK, grammar, max_bytes)
         if not grammar.strip():
             raise InvalidGrammarError(GrammarKind.LARK.value, "grammar is empty")
-        _bounded_copies(GrammarKind.LARK, grammar)
+        _check_grammar_text(GrammarKind.LARK, grammar)
         return cls(GrammarKind.LARK, grammar)
 
     @classmethod
@@ -162,7 +162,7 @@ def check_size(kind: GrammarKind, text: str, max_bytes: int) -> None:
         )
 
 
-def _bounded_copies(kind: GrammarKind, grammar: str) -> None:
+def _check_grammar_text(kind: GrammarKind, grammar: str) -> None:
     """Refuse a GBNF or Lark grammar whose counted repeats ask for more than
     ``regex_dialect.MAX_REPEAT`` copies of one item (``"a"{1000000}``: the backends write it out,
     and one request held every request's steps for a minute), or that nests too deeply to read;

@@ -439,13 +439,14 @@ def admit_structural_tag(
     def check_grammar(node: Format, pointer: str) -> Format:
         text = str(node.get("grammar", ""))
         lark = node.get("syntax", "ebnf") == "lark"
-        try:  # its counted repeats, as for a grammar constraint
+        try:  # checked as a grammar constraint is (repeats, emptiness, shortest text)
             GrammarSpec.lark(text, max_bytes) if lark else GrammarSpec.ebnf(text, max_bytes)
         except InvalidGrammarError as exc:
             raise InvalidGrammarError(KIND, exc.detail, pointer=pointer) from None
         return node
 
-    copies, shortest = repeat_and_length(root_format(spec))
+    fmt = root_format(spec)  # read once: the checks below copy, never change it
+    copies, shortest = repeat_and_length(fmt)
     if copies > MAX_REPEAT or shortest > MAX_SHORTEST_TEXT:
         raise InvalidGrammarError(
             KIND,
@@ -454,7 +455,7 @@ def admit_structural_tag(
             "characters; nested repeats multiply)",
             pointer="/format",
         )
-    map_json_schemas(root_format(spec), check)
-    map_formats(root_format(spec), ("grammar",), check_grammar)
-    respelled = map_regexes(root_format(spec), check_regex)
-    return spec if respelled == root_format(spec) else with_format(respelled)
+    map_json_schemas(fmt, check)
+    map_formats(fmt, ("grammar",), check_grammar)
+    respelled = map_regexes(fmt, check_regex)
+    return spec if respelled == fmt else with_format(respelled)

@@ -775,7 +775,7 @@ def _invalid(kind: GrammarKind, message: str) -> GrammarError:
     """llguidance's compile error as ours: a size limit of llguidance's ("too big", "schema
     too large": a 389-byte JSONSchemaBench schema with ``not`` over ``patternProperties``) is
     no fault of the grammar, so another backend may take it; anything else is invalid."""
-    if "too big" in message or "too large" in message:
+    if "too big" in message or "schema too large" in message:
         return UnsupportedGrammarError(
             NAME,
             kind.value,
