@@ -16,7 +16,8 @@ leaves in an error state, gets an all-allowed row (the engine ends that request,
 only there to keep the batch's sampling well defined) and its exception in the result; the other
 rows are exact. So is a matcher whose fills stay slow (``constrained/fill_cost.py``): fills made
 one by one are timed, and a library's batch call that takes too long has its matchers filled
-one by one, timed, until none is slow.
+one by one, timed, until none is slow. A matcher known to be slow is filled alone on a helper
+thread, and abandoned (its request failed) once its fill passes its limit.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
 from espalier.constrained.fill_cost import FillCosts
+from espalier.constrained.tree.bounded import fill_row_bounded
 
 MIN_NATIVE_BATCH = 2
 """Fewer matchers of one library than this are filled one by one (a batch call's thread
@@ -71,6 +73,13 @@ class BatchFiller:
         with self._lock:
             costs.keep(requests)
             for kind, members in groups.items():
+                if costs.watching:  # known slow ones alone, bounded (fill_cost: their limit)
+                    watched = [j for j in members if costs.limit(requests[j]) is not None]
+                    if watched:
+                        _fill_each(matchers, bitmask, rows, watched, faults, requests, costs)
+                        members = [j for j in members if j not in watched]
+                        if not members:
+                            continue
                 if kind is None or len(members) < MIN_NATIVE_BATCH or costs.suspect(kind):
                     slowest = _fill_each(matchers, bitmask, rows, members, faults, requests, costs)
                     if kind is not None:
@@ -207,12 +216,18 @@ def _fill_each(
     costs: FillCosts,
 ) -> float:
     """Fill ``members`` one by one, each timed and charged to ``requests[j]``; returns the
-    slowest fill's seconds."""
+    slowest fill's seconds. A matcher with a :meth:`FillCosts.limit` is filled on a helper
+    thread and abandoned at that limit (its request fails)."""
     slowest = 0.0
     for j in members:
+        limit = costs.limit(requests[j]) if costs.watching else None
         started = time.perf_counter()
         try:
-            matchers[j].fill_bitmask(bitmask, rows[j])
+            if limit is None:
+                matchers[j].fill_bitmask(bitmask, rows[j])
+            elif fill_row_bounded(matchers[j], bitmask[rows[j] : rows[j] + 1], limit) is None:
+                faults[j] = costs.abandoned(requests[j], time.perf_counter() - started)
+                continue
         except Exception as exc:
             faults[j] = exc
             continue

@@ -133,13 +133,17 @@ class GrammarCostError(GrammarError):
 
     reason = "GRAMMAR_TOO_COSTLY"
 
-    def __init__(self, seconds: float, limit_s: float, debt_s: float) -> None:
+    def __init__(
+        self, seconds: float, limit_s: float, debt_s: float, *, unfinished: bool = False
+    ) -> None:
+        """unfinished: the last mask was still being computed after ``seconds`` (abandoned)."""
         self.seconds = seconds
         self.limit_s = limit_s
         self.debt_s = debt_s
+        last = f"{'still running after ' if unfinished else ''}{seconds * 1e3:.0f} ms"
         super().__init__(
             f"the grammar's token masks took over {limit_s * 1e3:g} ms each, {debt_s:.2f} s past "
-            f"that in all (the last {seconds * 1e3:.0f} ms): the request was ended so that the "
+            f"that in all (the last {last}): the request was ended so that the "
             "requests batched with it go on; an ambiguous grammar (a rule like `s: s s`) "
             "costs more with every token, an unambiguous one does not"
         )

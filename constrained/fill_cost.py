@@ -11,9 +11,18 @@ a limit, one such request makes every request batched with it that slow.
 its own) and keeps a debt per matcher: a fill over :data:`SLOW_FILL_S` adds its time past that,
 a fill under it halves the debt. A matcher whose debt passes :data:`DEBT_S` fails with
 :class:`~espalier.constrained.errors.GrammarCostError` (the engine ends that request; the
-server answers RESOURCE_EXHAUSTED). So a grammar whose masks keep growing ends a few dozen
-tokens past 50 ms a mask, one with 2-s masks at its first, and a load spike or a cold lexer's
-first masks (isolated, and far under a second) end nothing.
+server answers INVALID_ARGUMENT, reason GRAMMAR_TOO_COSTLY). So a grammar whose masks keep
+growing ends a few dozen tokens past 50 ms a mask, one with 2-s masks at its first, and a load
+spike or a cold lexer's first masks (isolated, and far under a second) end nothing.
+
+Once a matcher has been slow (a debt), a single fill of it could still hold the batch for a
+long time: its cost grows with the text, and one long token multiplies it (a 20-rule
+ambiguous GBNF on xgrammar, Gemma vocabulary: a mask takes 1 s after 8 characters, 7.5 s after
+16; a sweep saw 18-67 s). So such a matcher's fills
+run on a helper thread (``tree/bounded.fill_row_bounded``) and are waited for only as long as
+:meth:`FillCosts.limit` says, the time past which its charge would fail it anyway; then it
+fails at that time, not when the fill returns. A first fill is not bounded: it would cost every
+fill a thread hand-off, and a grammar's cost grows from fast to slow a fill at a time.
 
 A library's plain batch call covers many matchers in one time: when its time per round of
 its threads is over the limit, its kind is a suspect and the caller fills that kind's matchers
@@ -61,6 +70,26 @@ class FillCosts:
             return None
         self._debts.pop(key, None)
         return GrammarCostError(seconds, self.slow_s, debt)
+
+    @property
+    def watching(self) -> bool:
+        """Whether any matcher has a debt (else :meth:`limit` is None for every one)."""
+        return bool(self._debts)
+
+    def limit(self, matcher: object, budget_s: float = 0.0) -> float | None:
+        """For a matcher with a debt: the seconds past which one fill of it (charged as its
+        time past ``budget_s``) would fail it, so it may be abandoned then; None without one
+        (a fill that need not be bounded)."""
+        debt = self._debts.get(id(matcher))
+        if not debt:
+            return None
+        return budget_s + self.slow_s + self.debt_s - debt
+
+    def abandoned(self, matcher: object, seconds: float) -> GrammarCostError:
+        """A bounded fill of ``matcher`` overran its :meth:`limit` (``seconds`` so far): the
+        error to end its request with."""
+        debt = self._debts.pop(id(matcher), 0.0) + seconds - self.slow_s
+        return GrammarCostError(seconds, self.slow_s, debt, unfinished=True)
 
     def batch_took(self, kind: object, seconds: float) -> None:
         """Record a fill of ``kind``'s matchers: a batch call's time, or the slowest of their

@@ -24,6 +24,10 @@ by its own length (an xgrammar fill can take 80 ms on a Github_medium schema, an
 
 Cost on the common path: one fork (~10-40 µs), one thread hand-off, one root-row copy.
 Walkers whose fills cannot be slow (outlines-core: cached rows) do not need this and run inline.
+
+:func:`fill_row_bounded` bounds one row fill the same way, for a matcher whose request is ended
+if the fill overruns (``constrained/fill_cost.py``): an ambiguous grammar's masks grow with the
+text, and one long token can make the next mask cost 15 times the last (seconds to minutes).
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ so that a typical fill started just before (p50 8 µs llguidance, 84 µs xgramma
 before the caller gives up and its node is kept rather than pruned."""
 
 MAX_HELPERS = 32
-"""Helper threads at most; abandoned walks hold theirs until their fill returns."""
+"""Helper threads at most; abandoned walks and row fills hold theirs until their fill returns
+(past that, new ones queue: their waits time out, so a tree keeps its root alone and a slow
+matcher fails, while every other request goes on)."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -118,6 +124,59 @@ def walk_bounded(
         result.terminated[0] = matcher.is_terminated()
         result.filled[0] = True
     return result
+
+
+def fill_row_bounded(matcher: Any, out: torch.Tensor, limit_s: float) -> float | None:
+    """``matcher.fill_bitmask`` of one row, on a helper thread, waited for at most ``limit_s``.
+
+    ``out``: an int32 ``[1, ceil(V/32)]`` CPU row (a view into a batch's bitmask is fine).
+    Returns the fill's seconds, with ``out`` written; or None when it was abandoned: ``out`` is
+    then unwritten and never written later (the helper fills a private row and copies it under
+    the lock only while the caller waits), but the fill goes on on ``matcher`` until it
+    returns, so the caller must never use ``matcher`` again (its request is ended). An
+    exception the fill raised in time is re-raised. Costs a thread hand-off: for matchers
+    already known to be slow only.
+    """
+    fill = _HelperFill(matcher, out)
+    _helpers().submit(fill.run)
+    fill.done.wait(limit_s)
+    with fill.lock:
+        if fill.done.is_set():
+            if fill.error is not None:
+                raise fill.error
+            return fill.seconds
+        fill.abandoned = True
+    return None
+
+
+class _HelperFill:
+    """One row fill handed to a helper thread (:func:`fill_row_bounded`)."""
+
+    def __init__(self, matcher: Any, out: torch.Tensor) -> None:
+        self.matcher, self.out = matcher, out
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.abandoned = False
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if self.abandoned:  # queued behind busy helpers past its caller's wait
+            return
+        started = time.perf_counter()
+        row = torch.empty_like(self.out)  # private: an abandoned fill writes nothing shared
+        error: BaseException | None = None
+        try:
+            self.matcher.fill_bitmask(row, 0)
+        except BaseException as exc:  # re-raised by the caller if it still waits
+            error = exc
+        with self.lock:
+            if self.abandoned:
+                return
+            if error is None:
+                self.out.copy_(row)
+            self.error, self.seconds = error, time.perf_counter() - started
+            self.done.set()
 
 
 class _HelperWalk:

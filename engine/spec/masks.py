@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import BatchTree
 from espalier.constrained.fill_cost import FillCosts
+from espalier.constrained.tree.bounded import fill_row_bounded
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
@@ -336,18 +338,35 @@ class MaskBuilder:
         fills: FillJobs,
     ) -> None:
         """One tree's fill (``GrammarMatcher.fill_tree``), its flags copied into the step's; its
-        time past the budget charged to ``matcher`` (``costs``)."""
+        time past the budget charged to ``matcher`` (``costs``). A matcher known to be slow
+        has its root row filled first on a helper thread, abandoned (its request failed) past
+        its limit (``constrained/fill_cost.py``); the tree's nodes keep the budget."""
         from espalier.constrained.tree import DraftTree
 
+        budget = budget_s or 0.0
+        limit = self.costs.limit(matcher, budget) if self.costs.watching else None
+        root_s = 0.0
         try:
             tree = DraftTree(draft.tokens, *sibling_links(draft.parents))
-            result = matcher.fill_tree(tree, out, budget=budget_s, threads=threads)
+            if limit is None:
+                result = matcher.fill_tree(tree, out, budget=budget_s, threads=threads)
+            else:
+                started = time.perf_counter()
+                root = fill_row_bounded(matcher, torch.from_numpy(out[:1]), limit)
+                if root is None:
+                    seconds = time.perf_counter() - started
+                    fills.faults[index] = self.costs.abandoned(matcher, seconds - budget)
+                    return
+                root_s = root
+                result = matcher.fill_tree(
+                    tree, out, budget=budget_s, root_row=out[0], threads=threads
+                )
         except Exception as exc:  # this request's grammar: its own fault
             fills.faults[index] = exc
             return
         if result.writes_pending():
             self._late.append(result)
-        costly = self.costs.charge(matcher, result.seconds - (budget_s or 0.0))
+        costly = self.costs.charge(matcher, root_s + result.seconds - budget)
         if costly is not None:
             fills.faults[index] = costly
         n = draft.num_nodes

@@ -37,6 +37,27 @@ def test_keep_forgets_matchers_out_of_the_step() -> None:
     assert isinstance(costs.charge(b, 0.04), GrammarCostError)
 
 
+def test_a_limit_bounds_only_matchers_with_a_debt() -> None:
+    """A matcher's limit is when its next fill would fail it anyway; past it the fill is
+    abandoned, and the error says the mask was still running."""
+    costs = FillCosts(slow_s=0.05, debt_s=1.0)
+    fresh, slow = object(), object()
+    assert not costs.watching and costs.limit(fresh) is None
+    assert costs.charge(slow, 0.45) is None  # debt 0.4
+    assert costs.watching and costs.limit(fresh) is None
+    limit = costs.limit(slow)
+    assert limit is not None and abs(limit - 0.65) < 1e-9  # 0.05 + 1.0 - 0.4
+    assert costs.charge(slow, limit - 1e-6) is None  # just under it: still charged, no error
+    assert isinstance(costs.charge(slow, 0.05 + 1.0), GrammarCostError)  # over any limit
+    assert costs.charge(slow, 0.45) is None
+    tree_limit = costs.limit(slow, budget_s=0.01)  # a tree's time is charged past its budget
+    assert tree_limit is not None and abs(tree_limit - 0.66) < 1e-9
+    error = costs.abandoned(slow, 0.7)
+    assert isinstance(error, GrammarCostError) and "still running after 700 ms" in str(error)
+    assert abs(error.debt_s - 1.05) < 1e-9
+    assert costs.limit(slow) is None  # its request ends: its debt is gone
+
+
 def test_a_batch_kind_is_a_suspect_while_its_calls_are_slow() -> None:
     costs = FillCosts(slow_s=0.01, debt_s=0.05)
     assert not costs.suspect("llg")

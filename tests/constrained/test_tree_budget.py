@@ -11,14 +11,16 @@ go to a helper: llguidance's native walk checks the budget in C, inline
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.tree.bounded import LATENCY
+from espalier.constrained.tree.bounded import LATENCY, fill_row_bounded
 from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.constrained.test_tree_masks import REGEX, drawn_tree, state_snapshot
 from tests.constrained.test_tree_masks import compiled as compiled_any
@@ -187,3 +189,41 @@ def test_engine_buffer_is_not_reused_while_a_late_write_is_pending() -> None:
         assert builder._rows(4).data_ptr() == first.data_ptr()
     finally:
         builder.close()
+
+
+def test_a_bounded_row_fill_in_time_is_the_matchers_row(toy_tokenizer: Any) -> None:
+    grammar = compiled("xgrammar", toy_tokenizer, GrammarSpec.regex(REGEX))
+    matcher = grammar.matcher()
+    assert matcher.accept(toy_tokenizer.hf.convert_tokens_to_ids("x"))
+    expected = bm.allocate(1, toy_tokenizer.vocab_size, fill=0)
+    matcher.fill_bitmask(expected, 0)
+    out = bm.allocate(3, toy_tokenizer.vocab_size, fill=0)
+    seconds = fill_row_bounded(matcher, out[1:2], 10.0)
+    assert seconds is not None and seconds >= 0.0
+    assert np.array_equal(out.numpy()[1], expected.numpy()[0])
+    assert not out.numpy()[[0, 2]].any()  # only its row
+
+
+def test_a_bounded_row_fill_past_its_limit_is_abandoned_and_writes_nothing(
+    toy_tokenizer: Any,
+) -> None:
+    """The fill is stuck in its native call; the caller returns None at the limit, and the
+    row stays as it was, also once the abandoned fill ends (it wrote a private row)."""
+    grammar = compiled("xgrammar", toy_tokenizer, GrammarSpec.regex(REGEX))
+    matcher, proxy, release = stalling_matcher(grammar, SLOW_CALLS["xgrammar"], 1)
+    out = bm.allocate(1, toy_tokenizer.vocab_size, fill=0x5A5A5A5A)
+    proxy.armed = True
+    assert fill_row_bounded(matcher, out, 0.05) is None
+    assert not proxy.finished.is_set()  # returned while the fill still blocks
+    release.set()
+    assert proxy.finished.wait(10.0)
+    time.sleep(0.2)  # the helper's hand-over comes right after the native call returns
+    assert (out.numpy() == 0x5A5A5A5A).all()
+
+
+def test_a_bounded_row_fill_passes_on_the_fills_error(toy_tokenizer: Any) -> None:
+    grammar = compiled("xgrammar", toy_tokenizer, GrammarSpec.regex(REGEX))
+    matcher = grammar.matcher()
+    out = bm.allocate(1, toy_tokenizer.vocab_size, fill=0)
+    with pytest.raises((ValueError, RuntimeError, TypeError)):
+        fill_row_bounded(matcher, out.view(torch.int64), 10.0)  # a row of the wrong dtype
