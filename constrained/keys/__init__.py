@@ -27,7 +27,7 @@ Unique string items whose length is bounded (``maxLength``, a ``date`` or ``uuid
 of bounded strings: ``EspPlaces.item_chars``, at most 64 characters) are watched one token earlier:
 a token that leaves an item at that length equal to an earlier item is refused as if it completed
 it, since only the closing quote could follow. Unique string items from a short list (a pattern of
-fewer than 64 strings, ``EspPlaces.words``) are watched at every character: a token after which
+fewer than 4,096 strings, ``EspPlaces.words``) are watched at every character: a token after which
 every listed word that extends the item is an earlier item is refused (``"b`` once ``ba``, ``bb``
 and ``bc`` are taken under ``^[a-c]{2}$``; the opening quote once every word is). Elsewhere every
 allowed token may complete a duplicate; the tracker then removes nothing (a row is never emptied)

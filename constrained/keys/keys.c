@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 9
+#define ESP_KEYS_ABI 10
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
@@ -89,8 +89,8 @@ typedef struct EspKeysTables {
  * item after the prefix may have there (-1: no bound kept); a token that leaves such an item at
  * that many characters, equal to an item already in the array, is refused like one that
  * completes it (only the closing quote could follow). words[word_start[s] .. + word_count[s]):
- * every string a string item after the prefix may be there (a tag byte 's', then UTF-8; none:
- * no list kept); a token after which every listed word that extends the item so far is an item
+ * every string a string item after the prefix may be there (a tag byte 's', then UTF-8,
+ * sorted bytewise; none: no list kept); a token after which every listed word that extends the item so far is an item
  * already in the array is refused too (each way on repeats one, or leaves the list). Read-only,
  * shared by trackers and forks. */
 typedef struct EspPlaces {
@@ -130,6 +130,7 @@ typedef struct EspKeys {
     Undo *undo; int64_t n_undo, undo_cap;
     Mark *marks; int64_t n_marks, marks_cap;
     int32_t *found; int64_t found_cap; /* filter scratch */
+    int32_t *taken; int64_t taken_cap; /* words_taken_ids' scratch */
     uint32_t *saved; int64_t saved_cap; /* filter scratch: a row before a number's cut */
     int failed;                        /* an allocation failed: sticky */
     int32_t refused; /* what the last refused advance completed (REFUSED_*); not rolled back */
@@ -636,30 +637,91 @@ static int32_t first_point(const uint8_t *p, uint32_t n) {
     return point;
 }
 
+/* Where word i stands against text[0..len): 0 when text is a prefix of it, else the sign of
+ * the bytewise order of the word's first bytes and the text (a shorter word equal so far: -1). */
+static int prefix_order(const EspPlaces *p, int32_t i, const uint8_t *text, uint32_t len) {
+    uint32_t word_len = (uint32_t)p->word_len[i];
+    int c = memcmp(p->words + p->word_off[i], text, word_len < len ? word_len : len);
+    if (c) return c < 0 ? -1 : 1;
+    return word_len < len ? -1 : 0;
+}
+
+/* The words of [first, first + n) that text[0..len) is a prefix of: [*lo, *hi). The list is
+ * sorted bytewise (native.py), so they are one run, found by two binary searches: a word list
+ * costs its logarithm per token, not its length. */
+static void word_run(const EspPlaces *p, int32_t first, int32_t n, const uint8_t *text,
+                     uint32_t len, int32_t *lo, int32_t *hi) {
+    int32_t a = first, b = first + n;
+    while (a < b) { /* first word not before the text */
+        int32_t mid = a + (b - a) / 2;
+        if (prefix_order(p, mid, text, len) < 0) a = mid + 1; else b = mid;
+    }
+    *lo = a;
+    b = first + n;
+    while (a < b) { /* first word after every word the text starts */
+        int32_t mid = a + (b - a) / 2;
+        if (prefix_order(p, mid, text, len) <= 0) a = mid + 1; else b = mid;
+    }
+    *hi = a;
+}
+
+/* Word i of the list against key[0..len): the sign of their bytewise order (a prefix first). */
+static int word_order(const EspPlaces *p, int32_t i, const uint8_t *key, uint32_t len) {
+    uint32_t word_len = (uint32_t)p->word_len[i];
+    int c = memcmp(p->words + p->word_off[i], key, word_len < len ? word_len : len);
+    if (c) return c < 0 ? -1 : 1;
+    return word_len < len ? -1 : word_len > len;
+}
+
+/* The index in the sorted [from, to) of the word equal to key[0..len), -1 if none. */
+static int32_t find_word(const EspPlaces *p, int32_t from, int32_t to, const uint8_t *key,
+                         uint32_t len) {
+    while (from < to) {
+        int32_t mid = from + (to - from) / 2;
+        int c = word_order(p, mid, key, len);
+        if (!c) return mid;
+        if (c < 0) from = mid + 1; else to = mid;
+    }
+    return -1;
+}
+
+/* Whether word i may still be what the item's text becomes, with a \u escape pending whose
+ * digits allow code points [lo, hi] next (narrow; else every word of the run may). */
+static int word_ahead(const EspPlaces *p, int32_t i, uint32_t len, int narrow, int32_t lo,
+                      int32_t hi) {
+    if (!narrow) return 1;
+    int32_t next = first_point(p->words + p->word_off[i] + len, (uint32_t)p->word_len[i] - len);
+    return next >= lo && next <= hi;
+}
+
 /* Inside a string item with a word list where some listed word extends the text so far and
  * every such word is an item already in the array: whatever follows repeats one (or leaves
  * the list). The text so far is decoded, and every way on extends it; with a \u escape
- * pending, only words whose next character its digits still allow count (pending_range). */
+ * pending, only words whose next character its digits still allow count (pending_range).
+ * Counted, not compared word by word: the array's items are distinct, so every such word is
+ * taken when as many of its items are such words. Costs the array's length (plus a binary
+ * search per item that extends the text), whatever the list's. */
 static int words_taken(const EspKeys *k) {
     int32_t n, first = item_words(k, &n);
+    if (!n) return 0;
     const EspPlaces *p = k->places;
     const uint8_t *text = k->bytes + k->item_off;
     uint32_t len = k->n_bytes - k->item_off;
-    int32_t lo = 0, hi = 0;
-    int narrow = n ? pending_range(k, &lo, &hi) : 0;
-    int ahead = 0;
-    for (int32_t i = first; i < first + n; i++) {
-        const uint8_t *word = p->words + p->word_off[i];
-        uint32_t word_len = (uint32_t)p->word_len[i];
-        if (word_len < len || memcmp(word, text, len) != 0) continue;
-        if (narrow) {
-            int32_t next = first_point(word + len, word_len - len);
-            if (next < lo || next > hi) continue;
-        }
-        if (!key_in(k, k->stack[k->depth - 1].items, word, word_len)) return 0;
-        ahead = 1;
+    int32_t lo = 0, hi = 0, from, to;
+    int narrow = pending_range(k, &lo, &hi);
+    word_run(p, first, n, text, len, &from, &to);
+    int32_t listed = 0;
+    for (int32_t i = from; i < to; i++) listed += word_ahead(p, i, len, narrow, lo, hi);
+    if (!listed) return 0;
+    int32_t taken = 0;
+    for (int32_t e = k->stack[k->depth - 1].items; e >= 0; e = k->entries[e].prev) {
+        const uint8_t *item = k->bytes + k->entries[e].off;
+        uint32_t item_len = k->entries[e].len;
+        if (item_len < len || memcmp(item, text, len) != 0) continue;
+        int32_t i = find_word(p, from, to, item, item_len);
+        taken += i >= 0 && word_ahead(p, i, len, narrow, lo, hi);
     }
-    return ahead;
+    return taken == listed;
 }
 
 static void rollback(EspKeys *k, int64_t n) {
@@ -857,32 +919,55 @@ static int taken_end_ids(EspKeys *k, const uint32_t *row, int64_t words, int32_t
     return try_ids(k, t->escape_ids, t->n_escape, row, words, found);
 }
 
+static int compare_int32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* Inside a string item with a word list: the allowed tokens after which words_taken holds.
  * Candidates: a token spelling a part of the rest of a listed word that extends the text and
  * is already an item (the text after it must still be a prefix of such a word), and the tokens
- * holding a backslash; with an escape or a surrogate half pending, every allowed token. 0 out
- * of memory. */
+ * holding a backslash; with an escape or a surrogate half pending, every allowed token. The
+ * taken words are gathered from the array's items and sorted, so that a part two of them
+ * share is tried once. 0 out of memory. */
 static int words_taken_ids(EspKeys *k, const uint32_t *row, int64_t words, int64_t *found) {
     const EspKeysTables *t = k->tables;
     const EspPlaces *p = k->places;
     int32_t n, first = item_words(k, &n);
+    if (!n) return 1;
     uint32_t len = k->n_bytes - k->item_off;
-    int ahead = 0;
-    for (int32_t i = first; i < first + n; i++) {
-        const uint8_t *word = p->words + p->word_off[i];
-        uint32_t word_len = (uint32_t)p->word_len[i];
-        /* the item's text is read anew each time: replaying a token may move the arena */
-        if (word_len <= len || memcmp(word, k->bytes + k->item_off, len) != 0) continue;
-        if (!key_in(k, k->stack[k->depth - 1].items, word, word_len)) continue;
-        ahead = 1;
-        if (k->esc_len || k->high) break;
-        for (uint32_t end = len + 1; end <= word_len; end++) {
+    int32_t from, to;
+    int64_t m = 0;
+    word_run(p, first, n, k->bytes + k->item_off, len, &from, &to);
+    for (int32_t e = k->stack[k->depth - 1].items; e >= 0; e = k->entries[e].prev) {
+        const uint8_t *item = k->bytes + k->entries[e].off;
+        uint32_t item_len = k->entries[e].len;
+        if (item_len <= len || memcmp(item, k->bytes + k->item_off, len) != 0) continue;
+        int32_t i = find_word(p, from, to, item, item_len);
+        if (i < 0) continue;
+        if (!grow((void **)&k->taken, &k->taken_cap, m + 1, sizeof(int32_t))) return 0;
+        k->taken[m++] = i;
+    }
+    if (!m) return 1;
+    if (k->esc_len || k->high) return try_allowed(k, row, words, found);
+    qsort(k->taken, (size_t)m, sizeof(int32_t), compare_int32);
+    const uint8_t *last = NULL; /* the taken word before, in the list's (sorted) order */
+    uint32_t last_len = 0;
+    /* replaying a token below may move the arena, never the list: only words are read here */
+    for (int64_t j = 0; j < m; j++) {
+        const uint8_t *word = p->words + p->word_off[k->taken[j]];
+        uint32_t word_len = (uint32_t)p->word_len[k->taken[j]];
+        /* a part the word shares with the taken word before was tried with it: the tokens
+         * spelling it are the same, and a try leaves the state as it was */
+        uint32_t shared = len;
+        while (last && shared < word_len && shared < last_len && word[shared] == last[shared])
+            shared++;
+        last = word, last_len = word_len;
+        for (uint32_t end = shared + 1; end <= word_len; end++) {
             const Slot *s = map_get(&t->by_text, word + len, end - len);
             if (s && !try_ids(k, t->by_text.ids + s->start, s->count, row, words, found)) return 0;
         }
     }
-    if (!ahead) return 1;
-    if (k->esc_len || k->high) return try_allowed(k, row, words, found);
     return try_ids(k, t->escape_ids, t->n_escape, row, words, found);
 }
 
@@ -1271,7 +1356,7 @@ void espalier_keys_set_places(EspKeys *k, const EspPlaces *places) { k->places =
 void espalier_keys_free(EspKeys *k) {
     if (!k) return;
     free(k->stack); free(k->entries); free(k->bytes); free(k->undo); free(k->marks); free(k->found);
-    free(k->saved);
+    free(k->saved); free(k->taken);
     free(k);
 }
 
@@ -1291,6 +1376,8 @@ EspKeys *espalier_keys_fork(const EspKeys *k) {
     c->marks = dup_array(k->marks, k->n_marks, sizeof(Mark), &c->marks_cap);
     c->found = NULL;
     c->found_cap = 0;
+    c->taken = NULL;
+    c->taken_cap = 0;
     c->saved = NULL;
     c->saved_cap = 0;
     if ((k->stack_cap && !c->stack) || (k->n_entries && !c->entries) || (k->n_bytes && !c->bytes) ||

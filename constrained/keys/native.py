@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from espalier.constrained.keys.frames import ScanAutomaton
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 9
+ABI = 10
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
@@ -165,7 +165,8 @@ class PlaceTable(_Owned):
                 len(words),
                 len(places.item_words[s] or ()),
             )
-            words += [b"s" + w.encode() for w in places.item_words[s] or ()]
+            # sorted bytewise: keys.c finds the words an item's text starts by binary search
+            words += sorted(b"s" + w.encode() for w in places.item_words[s] or ())
             names += [name for name, _ in keys]
             targets += [target for _, target in keys]
             prefix += places.prefix[s]

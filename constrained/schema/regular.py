@@ -169,6 +169,19 @@ def pattern_words(
     read. Why: an object whose keys can only come from such patterns lists them as properties
     (``pattern_properties.finite_names``); a unique array's string items from such a list are
     tracked word by word (``unique_places``)."""
+    listed = _listed_words(pattern, cap, readings)
+    if listed is not None:
+        low, high = lengths
+        kept = (w for w in listed if low <= len(w) and (high is None or len(w) <= high))
+        return tuple(sorted(kept))
+    return _automaton_words(pattern, cap, readings, lengths)
+
+
+def _automaton_words(
+    pattern: str, cap: int, readings: tuple[bool, ...], lengths: tuple[int, int | None]
+) -> tuple[str, ...] | None:
+    """:func:`pattern_words` read off the pattern's minimal automaton (bounded in positions
+    and states)."""
     low, high = lengths
     patterns = (pattern,) if high is None else (pattern, f"^[\\s\\S]{{0,{high}}}$")
     found = _language(patterns, False, False, low, readings)
@@ -202,6 +215,80 @@ def pattern_words(
     if 0 in live and not visit(0, ""):
         return None
     return tuple(sorted(words))
+
+
+def _listed_words(pattern: str, cap: int, readings: tuple[bool, ...]) -> set[str] | None:
+    """:func:`pattern_words` without an automaton, for a pattern without lookaheads whose
+    language is finite and smaller than ``cap`` at every step of its reading: each reading's
+    strings listed straight from its tree, the readings' common ones kept. Why: an anchored
+    alternation of a few hundred words (an ``enum`` written as a ``pattern``) is past the
+    automata's bound on positions, and its words are what unique items are tracked by. None:
+    not such a pattern (the automaton decides)."""
+    common: set[str] | None = None
+    for ascii_classes in readings:
+        try:
+            read = search_constraints(pattern, False, ascii_classes)
+        except Unsupported:
+            return None
+        if len(read) != 1 or read[0][1]:
+            return None
+        words = _tree_words(read[0][0], cap)
+        if words is None:
+            return None
+        common = words if common is None else common & words
+    return common
+
+
+def _tree_words(node: Node, cap: int) -> set[str] | None:
+    """The strings of ``node`` when fewer than ``cap`` (and every part's too), none holding a
+    surrogate code point; else None."""
+    if isinstance(node, Chars):
+        if sum(b - a + 1 for a, b in node.ranges) >= cap:
+            return None
+        if any(a <= 0xDFFF and b >= 0xD800 for a, b in node.ranges):
+            return None
+        return {chr(c) for a, b in node.ranges for c in range(a, b + 1)}
+    if isinstance(node, Alt):
+        out: set[str] = set()
+        for option in node.options:
+            words = {""}
+            for part in option:
+                longer = _concat(words, _tree_words(part, cap), cap)
+                if longer is None:
+                    return None
+                words = longer
+            out |= words
+            if len(out) >= cap:
+                return None
+        return out
+    if isinstance(node, Repeat):
+        if node.high is None or node.high >= cap:
+            return None
+        item = _tree_words(node.item, cap)
+        if item is None:
+            return None
+        out, power = set(), {""}
+        for count in range(node.high + 1):
+            if count >= node.low:
+                out |= power
+            if count == node.high or not item:
+                break
+            grown = _concat(power, item, cap)
+            if grown is None:
+                return None
+            if grown == power:  # the item is the empty string alone
+                break
+            power = grown
+        return out if len(out) < cap else None
+    return None  # an anchor left in the tree: not read here
+
+
+def _concat(left: set[str], right: set[str] | None, cap: int) -> set[str] | None:
+    """Every string of ``left`` followed by one of ``right``; None when ``right`` is None or
+    the product reaches ``cap``."""
+    if right is None or len(left) * len(right) >= cap:
+        return None
+    return {a + b for a in left for b in right}
 
 
 def _co_reachable(dfa: Dfa) -> set[int]:

@@ -439,9 +439,10 @@ def _longest_string(closure: list[Any]) -> int:
     return most if most <= MAX_ITEM_CHARS else -1
 
 
-MAX_ITEM_WORDS = 64
-"""The most words :func:`_string_words` lists: the tracker compares an item with each at every
-token inside it."""
+MAX_ITEM_WORDS = 4096
+"""The most words :func:`_string_words` lists. The tracker finds the words an item's text
+starts by binary search and counts the array's items among them (``keys.c``), so a list costs
+its logarithm per token; the bound keeps admission's listing and the place table small."""
 
 
 def _string_words(closure: list[Any]) -> tuple[str, ...] | None:

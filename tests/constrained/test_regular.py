@@ -240,3 +240,52 @@ def test_a_printed_pattern_keeps_what_both_readings_of_the_classes_match(
     for text in dropped:
         assert regex.search(pattern, text), (pattern, text)  # the post-validator takes it
         assert not regex.search(printed, text), (pattern, text)
+
+
+WORD_PATTERNS = [
+    "^(w0|w1|w10)$",
+    "^(?:ab|c)d?$",
+    "^a\\.b$",
+    "^(a|b)c{1,3}$",
+    "^[a-d]{2}$",
+    "^\\d$",
+    "^([a-c]|-)x$",
+    "^(ab|cd|ef){1,3}$",
+    "^(|a|aa)b?$",
+    "^(?:x(?:y|z){0,2}){2}$",
+    "^[é-ë]{2}z$",
+    "^(a|b)\\s$",
+]
+
+
+@pytest.mark.parametrize("pattern", WORD_PATTERNS)
+@pytest.mark.parametrize("readings", [(False,), (True,), (False, True)])
+def test_words_listed_from_the_tree_equal_the_automatons(
+    pattern: str, readings: tuple[bool, ...]
+) -> None:
+    """``pattern_words`` lists a finite pattern's words from its tree (no bound on positions);
+    the automaton it otherwise reads them from gives the same words, length bounds too."""
+    from espalier.constrained.schema.regular import (
+        _automaton_words,
+        _listed_words,
+        pattern_words,
+    )
+
+    assert _listed_words(pattern, 4096, readings) is not None  # the tree path is taken
+    for lengths in ((0, None), (2, None), (0, 2), (3, 3)):
+        listed = pattern_words(pattern, 4096, readings, lengths)
+        assert listed == _automaton_words(pattern, 4096, readings, lengths)
+        assert all(regex.fullmatch(pattern.strip("^$"), w) for w in listed or ())
+
+
+def test_a_long_word_list_is_listed_and_caps_hold() -> None:
+    from espalier.constrained.schema.regular import _automaton_words, pattern_words
+
+    words = [f"w{i}" for i in range(254)]  # ~1,000 positions: past the automata's bound
+    pattern = "^(" + "|".join(words) + ")$"
+    assert _automaton_words(pattern, 4096, (False, True), (0, None)) is None
+    assert pattern_words(pattern, 4096) == tuple(sorted(words))
+    assert pattern_words(pattern, 254) is None  # fewer than the cap, or none
+    assert pattern_words("^[a-z]+$", 4096) is None  # infinite
+    assert pattern_words("^(a|aa){1,4000}$", 64) is None
+    assert pattern_words("^[\\u0000-\\uffff]$", 1 << 20) is None  # surrogates

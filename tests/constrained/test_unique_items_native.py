@@ -415,6 +415,7 @@ def test_a_string_item_whose_listed_words_are_all_taken_is_refused(
 
 
 NINE = sorted(a + b for a in "abc" for b in "abc")
+WORDS_70 = [f"w{i}" for i in range(70)]
 LISTED = [  # (items, minItems, maxItems or None, every word it lists)
     ({"type": "string", "pattern": "^[a-c]{2}$"}, 9, 9, NINE),
     # no maxItems: the comma after the ninth item is refused by the grammar (cap_listed_items)
@@ -428,9 +429,13 @@ LISTED = [  # (items, minItems, maxItems or None, every word it lists)
     # branches that list their strings (a held-out re-sweep: INTERNAL after ["a", "a)
     ({"anyOf": [{"type": "string", "pattern": "^a$"}, {"type": "string", "pattern": "^ab?$"}]},
      2, None, ["a", "ab"]),
+    # 70 words: past the old list of 64, and past the automata's positions (listed from the
+    # pattern's tree); w1 is a prefix of w10-w19 (a held-out sweep: INTERNAL after ["w1", "w1)
+    ({"type": "string", "pattern": "^(" + "|".join(WORDS_70) + ")$"}, 70, None, sorted(WORDS_70)),
 ]  # fmt: skip
 WALKS = [(0, "llguidance"), (0, "xgrammar"), (1, "llguidance"), (1, "xgrammar"), (2, "llguidance"),
-         (3, "llguidance"), (3, "xgrammar"), (4, "llguidance")]  # fmt: skip
+         (3, "llguidance"), (3, "xgrammar"), (4, "llguidance"), (5, "llguidance"),
+         (5, "xgrammar")]  # fmt: skip
 
 
 @pytest.mark.model
@@ -457,7 +462,7 @@ def test_random_walks_write_every_listed_word_without_a_dead_end(
     for _ in range(6):
         matcher = with_unique_keys(compiled.spec, compiled.matcher(), gemma_tokenizer)
         out = b""
-        while not matcher.is_terminated() and len(out) < 400:
+        while not matcher.is_terminated() and len(out) < 400 + 12 * len(words):
             row = bm.allocate(1, gemma_tokenizer.vocab_size, fill=0)
             matcher.fill_bitmask(row, 0)
             allowed = np.flatnonzero(
