@@ -89,15 +89,19 @@ def search_language(pattern: str) -> Alt:
 
 
 def search_constraints(
-    pattern: str, final_newline: bool = True, ascii_classes: bool = False
+    pattern: str,
+    final_newline: bool = True,
+    ascii_classes: bool = False,
+    max_chars: int = MAX_PATTERN_CHARS,
 ) -> tuple[tuple[Alt, bool], ...]:
     """The strings ``regex.search(pattern, s)`` accepts, as the intersection of the languages
     of the trees (each complemented where its flag is set); the first is the pattern's body.
     ``ascii_classes``: ``\\d``, ``\\w``, ``\\s`` (and ``\\D``, ... in classes too) as
     ECMA-262 and ``regex``'s ASCII flag read them (``[0-9]``, ``[A-Za-z0-9_]``): JSON Schema's
-    reading, where the post-validator's is Unicode."""
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise Unsupported(f"pattern longer than {MAX_PATTERN_CHARS} characters")
+    reading, where the post-validator's is Unicode. ``max_chars``: longer patterns are not read
+    (a caller whose use of the trees stays linear in them may read longer ones)."""
+    if len(pattern) > max_chars:
+        raise Unsupported(f"pattern longer than {max_chars} characters")
     from espalier.constrained.regex_dialect import too_many_copies
 
     problem = too_many_copies(pattern)  # (admission refuses it first: schema/guard.py)

@@ -217,6 +217,12 @@ def _automaton_words(
     return tuple(sorted(words))
 
 
+LISTED_PATTERN_CHARS = 16_384
+"""The longest pattern :func:`_listed_words` reads (listing is linear in the tree and capped;
+the automata keep ``pattern_parse.MAX_PATTERN_CHARS``): about 2,000 words of 7 characters, a
+few tenths of a second of admission."""
+
+
 def _listed_words(pattern: str, cap: int, readings: tuple[bool, ...]) -> set[str] | None:
     """:func:`pattern_words` without an automaton, for a pattern without lookaheads whose
     language is finite and smaller than ``cap`` at every step of its reading: each reading's
@@ -227,7 +233,7 @@ def _listed_words(pattern: str, cap: int, readings: tuple[bool, ...]) -> set[str
     common: set[str] | None = None
     for ascii_classes in readings:
         try:
-            read = search_constraints(pattern, False, ascii_classes)
+            read = search_constraints(pattern, False, ascii_classes, LISTED_PATTERN_CHARS)
         except Unsupported:
             return None
         if len(read) != 1 or read[0][1]:

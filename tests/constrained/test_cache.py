@@ -150,8 +150,10 @@ def test_a_timeout_is_remembered_for_a_while_only(monkeypatch: pytest.MonkeyPatc
     """A compile slowed by a loaded machine timed out once and then failed every later request
     for good (a held-out sweep: a schema that compiles in 1.5 s); it gets another try once
     ``timeout_memory_s`` has passed (the clock moved on here, not waited for: a 0.5 s memory
-    ran out between two calls on a loaded CI machine)."""
-    cache = CompileCache(workers=1, timeout_s=0.05, timeout_memory_s=60.0)
+    ran out between two calls on a loaded CI machine). The limit is a second: a timeout is
+    remembered only after the compile ran half of it, and with 50 ms a loaded machine started
+    the compile too late (a full run beside two servers)."""
+    cache = CompileCache(workers=1, timeout_s=1.0, timeout_memory_s=60.0)
     release = threading.Event()
     stuck = stuck_until(release)
 

@@ -286,6 +286,8 @@ def test_a_long_word_list_is_listed_and_caps_hold() -> None:
     assert _automaton_words(pattern, 4096, (False, True), (0, None)) is None
     assert pattern_words(pattern, 4096) == tuple(sorted(words))
     assert pattern_words(pattern, 254) is None  # fewer than the cap, or none
+    many = [f"w{i}" for i in range(1, 1001)]  # 5,895 characters: past the automata's 2,000
+    assert pattern_words("^(" + "|".join(many) + ")$", 4096) == tuple(sorted(many))
     assert pattern_words("^[a-z]+$", 4096) is None  # infinite
     assert pattern_words("^(a|aa){1,4000}$", 64) is None
     assert pattern_words("^[\\u0000-\\uffff]$", 1 << 20) is None  # surrogates
