@@ -16,8 +16,8 @@ leaves in an error state, gets an all-allowed row (the engine ends that request,
 only there to keep the batch's sampling well defined) and its exception in the result; the other
 rows are exact. So is a matcher whose fills stay slow (``constrained/fill_cost.py``): fills made
 one by one are timed, and a library's batch call that takes too long has its matchers filled
-one by one, timed, until none is slow. A matcher known to be slow is filled alone on a helper
-thread, and abandoned (its request failed) once its fill passes its limit.
+one by one, timed, until none is slow. Matchers known to be slow are filled alone, at once, on
+helper threads, each abandoned (its request failed) once its fill passes its limit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
 from espalier.constrained.fill_cost import FillCosts
-from espalier.constrained.tree.bounded import fill_row_bounded
+from espalier.constrained.tree.bounded import RowFill, start_row_fill
 
 MIN_NATIVE_BATCH = 2
 """Fewer matchers of one library than this are filled one by one (a batch call's thread
@@ -72,14 +72,9 @@ class BatchFiller:
         costs = self.costs
         with self._lock:
             costs.keep(requests)
+            # known slow ones alone, at once, on helpers, bounded (fill_cost: their limits)
+            aside = _start_aside(matchers, bitmask, rows, groups, requests, costs)
             for kind, members in groups.items():
-                if costs.watching:  # known slow ones alone, bounded (fill_cost: their limit)
-                    watched = [j for j in members if costs.limit(requests[j]) is not None]
-                    if watched:
-                        _fill_each(matchers, bitmask, rows, watched, faults, requests, costs)
-                        members = [j for j in members if j not in watched]
-                        if not members:
-                            continue
                 if kind is None or len(members) < MIN_NATIVE_BATCH or costs.suspect(kind):
                     slowest = _fill_each(matchers, bitmask, rows, members, faults, requests, costs)
                     if kind is not None:
@@ -99,6 +94,7 @@ class BatchFiller:
                 rounds = -(-len(members) // self.threads)
                 costs.batch_took(kind, (time.perf_counter() - started) / rounds)
                 faults.update({members[k]: exc for k, exc in failed.items()})
+            _finish_aside(aside, requests, costs, faults)
         _filter_rows(filters, bitmask, rows, faults, self.threads)
         for j in faults:
             bitmask[rows[j]].fill_(-1)
@@ -216,24 +212,78 @@ def _fill_each(
     costs: FillCosts,
 ) -> float:
     """Fill ``members`` one by one, each timed and charged to ``requests[j]``; returns the
-    slowest fill's seconds. A matcher with a :meth:`FillCosts.limit` is filled on a helper
-    thread and abandoned at that limit (its request fails)."""
+    slowest fill's seconds."""
     slowest = 0.0
     for j in members:
-        limit = costs.limit(requests[j]) if costs.watching else None
         started = time.perf_counter()
         try:
-            if limit is None:
-                matchers[j].fill_bitmask(bitmask, rows[j])
-            elif fill_row_bounded(matchers[j], bitmask[rows[j] : rows[j] + 1], limit) is None:
-                faults[j] = costs.abandoned(requests[j], time.perf_counter() - started)
-                continue
+            matchers[j].fill_bitmask(bitmask, rows[j])
         except Exception as exc:
             faults[j] = exc
             continue
-        seconds = time.perf_counter() - started
-        slowest = max(slowest, seconds)
-        costly = costs.charge(requests[j], seconds)
-        if costly is not None:
-            faults[j] = costly
+        slowest = max(slowest, _charge(j, time.perf_counter() - started, requests, costs, faults))
     return slowest
+
+
+def _start_aside(
+    matchers: Sequence[GrammarMatcher],
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    groups: dict[Callable[[int], BatchStep] | None, list[int]],
+    requests: Sequence[GrammarMatcher],
+    costs: FillCosts,
+) -> dict[int, tuple[RowFill, float]]:
+    """Take the matchers with a :meth:`FillCosts.limit` out of ``groups`` and start their
+    fills at once on helper threads (waiting for each in turn would hold the step for all of
+    them): ``{j: (fill, limit)}``."""
+    aside: dict[int, tuple[RowFill, float]] = {}
+    if not costs.watching:
+        return aside
+    for kind in list(groups):
+        kept = []
+        for j in groups[kind]:
+            limit = costs.limit(requests[j])
+            if limit is None:
+                kept.append(j)
+            else:
+                aside[j] = (start_row_fill(matchers[j], bitmask[rows[j] : rows[j] + 1]), limit)
+        if kept:
+            groups[kind] = kept
+        else:
+            del groups[kind]
+    return aside
+
+
+def _finish_aside(
+    aside: dict[int, tuple[RowFill, float]],
+    requests: Sequence[GrammarMatcher],
+    costs: FillCosts,
+    faults: dict[int, BaseException],
+) -> None:
+    """Wait for :func:`_start_aside`'s fills, each until its limit; charge them; one past its
+    limit is abandoned and fails its request."""
+    for j, (fill, limit) in aside.items():
+        try:
+            seconds = fill.result(limit)
+        except Exception as exc:
+            faults[j] = exc
+            continue
+        if seconds is None:
+            faults[j] = costs.abandoned(requests[j], time.perf_counter() - fill.started)
+        else:
+            _charge(j, seconds, requests, costs, faults)
+
+
+def _charge(
+    j: int,
+    seconds: float,
+    requests: Sequence[GrammarMatcher],
+    costs: FillCosts,
+    faults: dict[int, BaseException],
+) -> float:
+    """Charge ``requests[j]`` one fill of ``seconds`` (a fault when that fails it); returns
+    the seconds."""
+    costly = costs.charge(requests[j], seconds)
+    if costly is not None:
+        faults[j] = costly
+    return seconds

@@ -127,43 +127,51 @@ def walk_bounded(
 
 
 def fill_row_bounded(matcher: Any, out: torch.Tensor, limit_s: float) -> float | None:
-    """``matcher.fill_bitmask`` of one row, on a helper thread, waited for at most ``limit_s``.
+    """``matcher.fill_bitmask`` of one row, on a helper thread, waited for at most ``limit_s``
+    (:meth:`RowFill.result`; :func:`start_row_fill` starts several that run at once)."""
+    return start_row_fill(matcher, out).result(limit_s)
 
-    ``out``: an int32 ``[1, ceil(V/32)]`` CPU row (a view into a batch's bitmask is fine).
-    Returns the fill's seconds, with ``out`` written; or None when it was abandoned: ``out`` is
-    then unwritten and never written later (the helper fills a private row and copies it under
-    the lock only while the caller waits), but the fill goes on on ``matcher`` until it
-    returns, so the caller must never use ``matcher`` again (its request is ended). An
-    exception the fill raised in time is re-raised. Costs a thread hand-off: for matchers
-    already known to be slow only.
-    """
-    fill = _HelperFill(matcher, out)
+
+def start_row_fill(matcher: Any, out: torch.Tensor) -> RowFill:
+    """Start ``matcher.fill_bitmask`` of ``out`` (an int32 ``[1, ceil(V/32)]`` CPU row; a view
+    into a batch's bitmask is fine) on a helper thread; its :meth:`RowFill.result` waits."""
+    fill = RowFill(matcher, out)
     _helpers().submit(fill.run)
-    fill.done.wait(limit_s)
-    with fill.lock:
-        if fill.done.is_set():
-            if fill.error is not None:
-                raise fill.error
-            return fill.seconds
-        fill.abandoned = True
-    return None
+    return fill
 
 
-class _HelperFill:
-    """One row fill handed to a helper thread (:func:`fill_row_bounded`)."""
+class RowFill:
+    """One row fill on a helper thread (:func:`start_row_fill`). Costs a thread hand-off: for
+    matchers already known to be slow only."""
 
     def __init__(self, matcher: Any, out: torch.Tensor) -> None:
         self.matcher, self.out = matcher, out
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.abandoned = False
+        self.started = time.perf_counter()
         self.seconds = 0.0
         self.error: BaseException | None = None
+
+    def result(self, limit_s: float) -> float | None:
+        """Wait until ``limit_s`` after the start. The fill's seconds, with ``out`` written; or
+        None when it was abandoned: ``out`` is then unwritten and never written later (the
+        helper fills a private row and copies it under the lock only while the caller
+        waits), but the fill goes on on the matcher until it returns, so the caller must
+        never use that matcher again (its request is ended). An exception the fill raised in
+        time is re-raised."""
+        self.done.wait(max(0.0, self.started + limit_s - time.perf_counter()))
+        with self.lock:
+            if self.done.is_set():
+                if self.error is not None:
+                    raise self.error
+                return self.seconds
+            self.abandoned = True
+        return None
 
     def run(self) -> None:
         if self.abandoned:  # queued behind busy helpers past its caller's wait
             return
-        started = time.perf_counter()
         row = torch.empty_like(self.out)  # private: an abandoned fill writes nothing shared
         error: BaseException | None = None
         try:
@@ -175,7 +183,7 @@ class _HelperFill:
                 return
             if error is None:
                 self.out.copy_(row)
-            self.error, self.seconds = error, time.perf_counter() - started
+            self.error, self.seconds = error, time.perf_counter() - self.started
             self.done.set()
 
 

@@ -9,6 +9,7 @@ that row is reported, and it allows everything).
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from espalier.constrained import bitmask as bm
 from espalier.constrained.backends import get_backend
 from espalier.constrained.backends.llguidance import MatcherStateError
 from espalier.constrained.batch import BatchFiller
+from espalier.constrained.fill_cost import FillCosts
 from espalier.constrained.spec import GrammarSpec
 
 SCHEMA = {
@@ -263,3 +265,50 @@ def test_tracked_batch_accepts_stop_at_a_dead_end_duplicate(gemma_tokenizer: Any
     for a, b in zip(batched, single):
         assert a.keys.export() == b.keys.export()
         assert a.is_terminated() == b.is_terminated()
+
+
+class _MeetingNative:
+    """Delegates to ``inner``; its mask fill first waits at ``barrier``: the fills of the
+    matchers sharing it go on only once all of them are running at the same time."""
+
+    def __init__(self, inner: Any, barrier: threading.Barrier) -> None:
+        self._inner, self._barrier = inner, barrier
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name != "fill_next_token_bitmask":
+            return attr
+
+        def call(*args: Any) -> Any:
+            self._barrier.wait(10.0)
+            return attr(*args)
+
+        return call
+
+
+def test_matchers_known_to_be_slow_are_filled_at_once_each_within_its_limit(
+    toy_tokenizer: Any,
+) -> None:
+    """Matchers with a debt are filled on helper threads, each waited for until its limit
+    (``fill_cost.FillCosts.limit``). Their waits overlap: three fills that can only finish
+    together (a barrier of three) finish, exact; waited for one after the other, the first
+    would have been abandoned at its limit, and the others with it."""
+    compiled = get_backend("xgrammar", toy_tokenizer).compile(GrammarSpec.json_schema(SCHEMA))
+    barrier = threading.Barrier(3)
+    matchers = []
+    for _ in range(3):
+        matcher = compiled.matcher()
+        matcher.native = _MeetingNative(matcher.native, barrier)
+        matchers.append(matcher)
+    costs = FillCosts(slow_s=0.05, debt_s=1.0)
+    for matcher in matchers:
+        assert costs.charge(matcher, 0.06) is None  # a debt: its fills go aside, bounded
+    expected = bm.allocate(1, toy_tokenizer.vocab_size, fill=0)
+    compiled.matcher().fill_bitmask(expected, 0)
+    bitmask = bm.allocate(4, toy_tokenizer.vocab_size, fill=0)
+    faults = BatchFiller(2, costs).fill_next_rows(matchers, bitmask, [3, 0, 2])
+    assert faults == {}
+    assert not barrier.broken
+    for row in (3, 0, 2):
+        assert torch.equal(bitmask[row], expected[0])
+    assert not bitmask[1].any()
