@@ -32,6 +32,9 @@ from espalier.constrained.base import BatchStep, GrammarMatcher, RowFilter
 from espalier.constrained.fill_cost import FillCosts
 from espalier.constrained.tree.bounded import RowFill, start_row_fill
 
+Aside = tuple[RowFill, float, "Callable[[int], BatchStep] | None"]
+"""A fill on a helper thread (:func:`_start_aside`): it, its limit, its matcher's batch kind."""
+
 MIN_NATIVE_BATCH = 2
 """Fewer matchers of one library than this are filled one by one (a batch call's thread
 hand-off costs more than one fill)."""
@@ -232,21 +235,25 @@ def _start_aside(
     groups: dict[Callable[[int], BatchStep] | None, list[int]],
     requests: Sequence[GrammarMatcher],
     costs: FillCosts,
-) -> dict[int, tuple[RowFill, float]]:
-    """Take the matchers with a :meth:`FillCosts.limit` out of ``groups`` and start their
-    fills at once on helper threads (waiting for each in turn would hold the step for all of
-    them): ``{j: (fill, limit)}``."""
-    aside: dict[int, tuple[RowFill, float]] = {}
-    if not costs.watching:
-        return aside
+) -> dict[int, Aside]:
+    """Take the matchers with a :meth:`FillCosts.limit`, and every matcher of a suspect kind
+    (:meth:`FillCosts.suspect`: one of them is slow, which is not known), out of ``groups`` and
+    start their fills at once on helper threads, each bounded (waiting for each in turn, or
+    filling a suspect kind one by one inline, would hold the step for all of them):
+    ``{j: (fill, limit, kind)}``."""
+    aside: dict[int, Aside] = {}
     for kind in list(groups):
+        suspect = kind is not None and costs.suspect(kind)
+        if not suspect and not costs.watching:
+            continue
         kept = []
         for j in groups[kind]:
-            limit = costs.limit(requests[j])
+            limit = costs.bound(requests[j]) if suspect else costs.limit(requests[j])
             if limit is None:
                 kept.append(j)
             else:
-                aside[j] = (start_row_fill(matchers[j], bitmask[rows[j] : rows[j] + 1]), limit)
+                fill = start_row_fill(matchers[j], bitmask[rows[j] : rows[j] + 1])
+                aside[j] = (fill, limit, kind)
         if kept:
             groups[kind] = kept
         else:
@@ -255,23 +262,30 @@ def _start_aside(
 
 
 def _finish_aside(
-    aside: dict[int, tuple[RowFill, float]],
+    aside: dict[int, Aside],
     requests: Sequence[GrammarMatcher],
     costs: FillCosts,
     faults: dict[int, BaseException],
 ) -> None:
     """Wait for :func:`_start_aside`'s fills, each until its limit; charge them; one past its
-    limit is abandoned and fails its request."""
-    for j, (fill, limit) in aside.items():
+    limit is abandoned and fails its request. A suspect kind stays one while the slowest of
+    its fills is slow."""
+    slowest: dict[Callable[[int], BatchStep], float] = {}
+    for j, (fill, limit, kind) in aside.items():
         try:
             seconds = fill.result(limit)
         except Exception as exc:
             faults[j] = exc
             continue
         if seconds is None:
-            faults[j] = costs.abandoned(requests[j], time.perf_counter() - fill.started)
+            seconds = time.perf_counter() - fill.started
+            faults[j] = costs.abandoned(requests[j], seconds)
         else:
             _charge(j, seconds, requests, costs, faults)
+        if kind is not None and costs.suspect(kind):
+            slowest[kind] = max(slowest.get(kind, 0.0), seconds)
+    for kind, seconds in slowest.items():
+        costs.batch_took(kind, seconds)
 
 
 def _charge(

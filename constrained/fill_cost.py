@@ -85,6 +85,11 @@ class FillCosts:
             return None
         return budget_s + self.slow_s + self.debt_s - debt
 
+    def bound(self, matcher: object) -> float:
+        """The seconds past which one fill of ``matcher`` would fail it, debt or not (its
+        :meth:`limit` where it has a debt)."""
+        return self.slow_s + self.debt_s - self._debts.get(id(matcher), 0.0)
+
     def abandoned(self, matcher: object, seconds: float) -> GrammarCostError:
         """A bounded fill of ``matcher`` overran its :meth:`limit` (``seconds`` so far): the
         error to end its request with."""
