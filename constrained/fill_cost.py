@@ -18,15 +18,16 @@ spike or a cold lexer's first masks (isolated, and far under a second) end nothi
 Once a matcher has been slow (a debt), a single fill of it could still hold the batch for a
 long time: its cost grows with the text, and one long token multiplies it (a 20-rule
 ambiguous GBNF on xgrammar, Gemma vocabulary: a mask takes 1 s after 8 characters, 7.5 s after
-16; a sweep saw 18-67 s). So such a matcher's fills
-run on a helper thread (``tree/bounded.fill_row_bounded``) and are waited for only as long as
-:meth:`FillCosts.limit` says, the time past which its charge would fail it anyway; then it
-fails at that time, not when the fill returns. A first fill is not bounded: it would cost every
+16; a sweep saw 18-67 s). So such a matcher's fills run on a helper thread
+(``tree/bounded.start_row_fill``) and are waited for only as long as :meth:`FillCosts.limit`
+says, the time past which its charge would fail it anyway; then it fails at that time, not
+when the fill returns. A first fill is not bounded: it would cost every
 fill a thread hand-off, and a grammar's cost grows from fast to slow a fill at a time.
 
 A library's plain batch call covers many matchers in one time: when its time per round of
 its threads is over the limit, its kind is a suspect and the caller fills that kind's matchers
-one by one, timed, until none of them is slow. A tree batch (llguidance's native walk) reports
+alone, at once on helper threads, each timed and bounded by :meth:`FillCosts.bound`, until
+none of them is slow. A tree batch (llguidance's native walk) reports
 each tree's time itself, so its trees are charged one by one, as trees filled alone are.
 """
 
@@ -80,10 +81,9 @@ class FillCosts:
         """For a matcher with a debt: the seconds past which one fill of it (charged as its
         time past ``budget_s``) would fail it, so it may be abandoned then; None without one
         (a fill that need not be bounded)."""
-        debt = self._debts.get(id(matcher))
-        if not debt:
+        if not self._debts.get(id(matcher)):
             return None
-        return budget_s + self.slow_s + self.debt_s - debt
+        return budget_s + self.bound(matcher)
 
     def bound(self, matcher: object) -> float:
         """The seconds past which one fill of ``matcher`` would fail it, debt or not (its

@@ -667,10 +667,8 @@ static void word_run(const EspPlaces *p, int32_t first, int32_t n, const uint8_t
 
 /* Word i of the list against key[0..len): the sign of their bytewise order (a prefix first). */
 static int word_order(const EspPlaces *p, int32_t i, const uint8_t *key, uint32_t len) {
-    uint32_t word_len = (uint32_t)p->word_len[i];
-    int c = memcmp(p->words + p->word_off[i], key, word_len < len ? word_len : len);
-    if (c) return c < 0 ? -1 : 1;
-    return word_len < len ? -1 : word_len > len;
+    int c = prefix_order(p, i, key, len);
+    return c ? c : (uint32_t)p->word_len[i] > len;
 }
 
 /* The index in the sorted [from, to) of the word equal to key[0..len), -1 if none. */

@@ -25,7 +25,7 @@ by its own length (an xgrammar fill can take 80 ms on a Github_medium schema, an
 Cost on the common path: one fork (~10-40 µs), one thread hand-off, one root-row copy.
 Walkers whose fills cannot be slow (outlines-core: cached rows) do not need this and run inline.
 
-:func:`fill_row_bounded` bounds one row fill the same way, for a matcher whose request is ended
+:func:`start_row_fill` bounds one row fill the same way, for a matcher whose request is ended
 if the fill overruns (``constrained/fill_cost.py``): an ambiguous grammar's masks grow with the
 text, and one long token can make the next mask cost 15 times the last (seconds to minutes).
 """
@@ -126,15 +126,10 @@ def walk_bounded(
     return result
 
 
-def fill_row_bounded(matcher: Any, out: torch.Tensor, limit_s: float) -> float | None:
-    """``matcher.fill_bitmask`` of one row, on a helper thread, waited for at most ``limit_s``
-    (:meth:`RowFill.result`; :func:`start_row_fill` starts several that run at once)."""
-    return start_row_fill(matcher, out).result(limit_s)
-
-
 def start_row_fill(matcher: Any, out: torch.Tensor) -> RowFill:
     """Start ``matcher.fill_bitmask`` of ``out`` (an int32 ``[1, ceil(V/32)]`` CPU row; a view
-    into a batch's bitmask is fine) on a helper thread; its :meth:`RowFill.result` waits."""
+        into a batch's bitmask is fine) on a helper thread; its :meth:`RowFill.result` waits (so
+    several run at once)."""
     fill = RowFill(matcher, out)
     _helpers().submit(fill.run)
     return fill

@@ -33,7 +33,7 @@ import torch
 from espalier.constrained import bitmask as bm
 from espalier.constrained.base import BatchTree
 from espalier.constrained.fill_cost import FillCosts
-from espalier.constrained.tree.bounded import fill_row_bounded
+from espalier.constrained.tree.bounded import start_row_fill
 from espalier.engine.spec.tree_builder import Draft, sibling_links
 from espalier.engine.spec.verify import TreeMasks
 
@@ -351,10 +351,10 @@ class MaskBuilder:
             if limit is None:
                 result = matcher.fill_tree(tree, out, budget=budget_s, threads=threads)
             else:
-                started = time.perf_counter()
-                root = fill_row_bounded(matcher, torch.from_numpy(out[:1]), limit)
+                fill = start_row_fill(matcher, torch.from_numpy(out[:1]))
+                root = fill.result(limit)
                 if root is None:
-                    seconds = time.perf_counter() - started
+                    seconds = time.perf_counter() - fill.started
                     fills.faults[index] = self.costs.abandoned(matcher, seconds - budget)
                     return
                 root_s = root

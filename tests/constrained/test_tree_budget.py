@@ -20,7 +20,7 @@ import torch
 
 from espalier.constrained import bitmask as bm
 from espalier.constrained.spec import GrammarSpec
-from espalier.constrained.tree.bounded import LATENCY, fill_row_bounded
+from espalier.constrained.tree.bounded import LATENCY, start_row_fill
 from espalier.constrained.tree.masks import fill_tree_bitmask
 from tests.constrained.test_tree_masks import REGEX, drawn_tree, state_snapshot
 from tests.constrained.test_tree_masks import compiled as compiled_any
@@ -198,7 +198,7 @@ def test_a_bounded_row_fill_in_time_is_the_matchers_row(toy_tokenizer: Any) -> N
     expected = bm.allocate(1, toy_tokenizer.vocab_size, fill=0)
     matcher.fill_bitmask(expected, 0)
     out = bm.allocate(3, toy_tokenizer.vocab_size, fill=0)
-    seconds = fill_row_bounded(matcher, out[1:2], 10.0)
+    seconds = start_row_fill(matcher, out[1:2]).result(10.0)
     assert seconds is not None and seconds >= 0.0
     assert np.array_equal(out.numpy()[1], expected.numpy()[0])
     assert not out.numpy()[[0, 2]].any()  # only its row
@@ -213,7 +213,7 @@ def test_a_bounded_row_fill_past_its_limit_is_abandoned_and_writes_nothing(
     matcher, proxy, release = stalling_matcher(grammar, SLOW_CALLS["xgrammar"], 1)
     out = bm.allocate(1, toy_tokenizer.vocab_size, fill=0x5A5A5A5A)
     proxy.armed = True
-    assert fill_row_bounded(matcher, out, 0.05) is None
+    assert start_row_fill(matcher, out).result(0.05) is None
     assert not proxy.finished.is_set()  # returned while the fill still blocks
     release.set()
     assert proxy.finished.wait(10.0)
@@ -226,4 +226,4 @@ def test_a_bounded_row_fill_passes_on_the_fills_error(toy_tokenizer: Any) -> Non
     matcher = grammar.matcher()
     out = bm.allocate(1, toy_tokenizer.vocab_size, fill=0)
     with pytest.raises((ValueError, RuntimeError, TypeError)):
-        fill_row_bounded(matcher, out.view(torch.int64), 10.0)  # a row of the wrong dtype
+        start_row_fill(matcher, out.view(torch.int64)).result(10.0)  # a row of the wrong dtype
