@@ -29,7 +29,9 @@ a token that leaves an item at that length equal to an earlier item is refused a
 it, since only the closing quote could follow. Unique string items from a short list (a pattern of
 fewer than 4,096 strings, ``EspPlaces.words``) are watched at every character: a token after which
 every listed word that extends the item is an earlier item is refused (``"b`` once ``ba``, ``bb``
-and ``bc`` are taken under ``^[a-c]{2}$``; the opening quote once every word is). Elsewhere every
+and ``bc`` are taken under ``^[a-c]{2}$``; the opening quote once every word is; with an escape
+pending, only the words whose next character it may write count, as the backends escape a listed
+word: ``keys.c``'s ``escape_reaches``). Elsewhere every
 allowed token may complete a duplicate; the tracker then removes nothing (a row is never emptied)
 and ``accept`` refuses the duplicate all the same (as it refuses a duplicate item): no instance
 with a repeated key is accepted. The closing policy's check before each token sees the dead end

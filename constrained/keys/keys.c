@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ESP_KEYS_ABI 10
+#define ESP_KEYS_ABI 11
 
 enum { ARRAY = 0, OBJECT = 1 };
 enum { NO_ITEM = 0, STRING_ITEM = 1, NUMBER_ITEM = 2, LITERAL_ITEM = 3 };
@@ -683,19 +683,36 @@ static int32_t find_word(const EspPlaces *p, int32_t from, int32_t to, const uin
     return -1;
 }
 
-/* Whether word i may still be what the item's text becomes, with a \u escape pending whose
- * digits allow code points [lo, hi] next (narrow; else every word of the run may). */
-static int word_ahead(const EspPlaces *p, int32_t i, uint32_t len, int narrow, int32_t lo,
-                      int32_t hi) {
-    if (!narrow) return 1;
+/* Whether a listed word's next character may be written by a pending escape: after a bare
+ * backslash (escape 1), one the backends write escaped in a listed word (a control, '"', '\\',
+ * DEL; every other character they write as itself); after \u (escape 2), one of those every
+ * backend writes as a \u escape (the others have a short one). Checked against the backends
+ * by tests/constrained/test_unique_items_native.py. */
+static int escape_reaches(int escape, int32_t point) {
+    if (point < 0) return 0;
+    if (point == 0x7F) return 1;
+    if (point == '"' || point == '\\') return escape == 1;
+    if (point >= 0x20) return 0;
+    return escape == 1 || !(point == '\b' || point == '\t' || point == '\n' || point == '\f' ||
+                            point == '\r');
+}
+
+/* Whether word i may still be what the item's text becomes: with no escape pending (escape
+ * 0), every word of the run; with one pending, a word whose next character it may write
+ * (escape_reaches) and, where the \u escape's digits allow code points [lo, hi] next
+ * (narrow), one within them. */
+static int word_ahead(const EspPlaces *p, int32_t i, uint32_t len, int escape, int narrow,
+                      int32_t lo, int32_t hi) {
+    if (!escape) return 1;
     int32_t next = first_point(p->words + p->word_off[i] + len, (uint32_t)p->word_len[i] - len);
-    return next >= lo && next <= hi;
+    return escape_reaches(escape, next) && (!narrow || (next >= lo && next <= hi));
 }
 
 /* Inside a string item with a word list where some listed word extends the text so far and
  * every such word is an item already in the array: whatever follows repeats one (or leaves
- * the list). The text so far is decoded, and every way on extends it; with a \u escape
- * pending, only words whose next character its digits still allow count (pending_range).
+ * the list). The text so far is decoded, and every way on extends it; with an escape pending,
+ * only words whose next character it may write count (word_ahead), and an escape none of the
+ * words that extend the text is written with is refused too.
  * Counted, not compared word by word: the array's items are distinct, so every such word is
  * taken when as many of its items are such words. Costs the array's length (plus a binary
  * search per item that extends the text), whatever the list's. */
@@ -706,18 +723,18 @@ static int words_taken(const EspKeys *k) {
     const uint8_t *text = k->bytes + k->item_off;
     uint32_t len = k->n_bytes - k->item_off;
     int32_t lo = 0, hi = 0, from, to;
-    int narrow = pending_range(k, &lo, &hi);
+    int narrow = pending_range(k, &lo, &hi), escape = k->esc_len > 1 ? 2 : k->esc_len;
     word_run(p, first, n, text, len, &from, &to);
     int32_t listed = 0;
-    for (int32_t i = from; i < to; i++) listed += word_ahead(p, i, len, narrow, lo, hi);
-    if (!listed) return 0;
+    for (int32_t i = from; i < to; i++) listed += word_ahead(p, i, len, escape, narrow, lo, hi);
+    if (!listed) return escape && from < to; /* an escape no word it extends is written with */
     int32_t taken = 0;
     for (int32_t e = k->stack[k->depth - 1].items; e >= 0; e = k->entries[e].prev) {
         const uint8_t *item = k->bytes + k->entries[e].off;
         uint32_t item_len = k->entries[e].len;
         if (item_len < len || memcmp(item, text, len) != 0) continue;
         int32_t i = find_word(p, from, to, item, item_len);
-        taken += i >= 0 && word_ahead(p, i, len, narrow, lo, hi);
+        taken += i >= 0 && word_ahead(p, i, len, escape, narrow, lo, hi);
     }
     return taken == listed;
 }
@@ -946,7 +963,7 @@ static int words_taken_ids(EspKeys *k, const uint32_t *row, int64_t words, int64
         if (!grow((void **)&k->taken, &k->taken_cap, m + 1, sizeof(int32_t))) return 0;
         k->taken[m++] = i;
     }
-    if (!m) return 1;
+    if (from == to) return 1;
     if (k->esc_len || k->high) return try_allowed(k, row, words, found);
     qsort(k->taken, (size_t)m, sizeof(int32_t), compare_int32);
     const uint8_t *last = NULL; /* the taken word before, in the list's (sorted) order */

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from espalier.constrained.keys.frames import ScanAutomaton
     from espalier.constrained.schema.unique_places import Places
 
-ABI = 10
+ABI = 11
 """``espalier_keys_abi()`` of the ``keys.c`` this binding was written for."""
 
 EXPORT_BYTES = 4096
