@@ -166,8 +166,6 @@ def _sampling(
     )
     if max_tokens > limits.max_max_tokens:
         bad.append(Violation("sampling.max_tokens", f"must be <= {limits.max_max_tokens}"))
-    if params.seed is not None and params.seed < 0:
-        bad.append(Violation("sampling.seed", "must be >= 0"))
     if len(params.stop) > MAX_STOP_STRINGS:
         bad.append(Violation("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
     for i, stop in enumerate(params.stop[:MAX_STOP_STRINGS]):

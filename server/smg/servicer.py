@@ -23,7 +23,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from espalier.server.errors import to_grpc_status
+from espalier.server.errors import NotReadyError, to_grpc_status
 from espalier.server.service import EspalierServicer
 from espalier.server.smg import convert
 from espalier.server.smg.bundle import TokenizerBundle, build_bundle
@@ -101,15 +101,26 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
     ) -> vpb.HealthCheckResponse:
         if self.state.draining:
             return vpb.HealthCheckResponse(healthy=False, message="draining")
-        if self.state.engine is None:
-            return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
+        await self._require_loaded(context)
         if not self.state.serving:
             return vpb.HealthCheckResponse(healthy=False, message="the engine is restarting")
         return vpb.HealthCheckResponse(healthy=True, message="serving")
 
+    async def _require_loaded(self, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE until the model is loaded. SMG registers a worker once its HealthCheck
+        RPC answers at all (``healthy`` unread) and takes the model's name and tokenizer
+        from GetModelInfo then, once: answered while loading, it kept a worker named
+        ``unknown`` with no tokenizer for good. A failed call it retries until the worker's
+        startup timeout."""
+        if self.state.engine is None:
+            await context.abort_with_status(
+                to_grpc_status(NotReadyError("the model is still loading"))
+            )
+
     async def GetModelInfo(
         self, request: vpb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> vpb.GetModelInfoResponse:
+        await self._require_loaded(context)
         facts, tokenizer = self.state.facts, self.state.tokenizer
         hf = tokenizer.hf if tokenizer is not None else None
         return vpb.GetModelInfoResponse(

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from espalier.constrained.errors import InvalidGrammarError, KeywordIssue
 from espalier.constrained.spec import GrammarKind
@@ -279,3 +280,19 @@ def test_an_unclosed_cut_keeps_its_own_finish_reason_up_to_the_sdk() -> None:
     wire = merged.SerializeToString()
     result = Generation.from_proto(client_pb.GenerateResponse.FromString(wire))
     assert result.finish_reason == "length_unclosed" and result.valid is False
+
+
+def test_a_negative_seed_is_taken_and_seeds_like_any_other() -> None:
+    """A held-out sweep through SMG: OpenAI and vLLM take negative seeds (SMG forwards int32
+    ones), espalier answered 400 ``sampling.seed: must be >= 0``. Any int64 seeds a
+    generator: the same seed draws the same numbers, another seed others."""
+    from espalier.engine.sampler import make_generator
+
+    for seed in (-1, -(2**63), 2**63 - 1):
+        msg = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(seed=seed))
+        assert convert.request_from_proto(msg, LIMITS, count_chars).sampling.seed == seed
+    draws = {
+        seed: tuple(torch.rand(4, generator=make_generator(seed)).tolist()) for seed in (-1, -2, 7)
+    }
+    assert draws[-1] == tuple(torch.rand(4, generator=make_generator(-1)).tolist())
+    assert len(set(draws.values())) == 3

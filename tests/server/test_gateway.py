@@ -192,6 +192,29 @@ def test_over_the_limit_is_http_400_with_the_limit(client: Any) -> None:
     assert "max_tokens: must be <= 8192" in str(info.value)
 
 
+def test_a_gateway_started_while_the_worker_loads_serves_once_it_has_loaded() -> None:
+    """A held-out sweep: SMG started between the worker's ``listening`` and ``serving``
+    registered it as model ``unknown`` without a tokenizer for good (chat: 404 "No worker
+    available"). The worker's HealthCheck and GetModelInfo are UNAVAILABLE until the model is
+    loaded, and SMG retries its registration until then."""
+    worker = start_worker()
+    try:
+        if worker.has_event("serving"):
+            pytest.skip("the worker loaded before the gateway started: no race to run")
+        with start_gateway(worker) as gateway:
+            assert worker.wait_loaded()
+            client = openai.OpenAI(
+                base_url=gateway.base_url, api_key="-", max_retries=0, timeout=300
+            )
+            assert [m.id for m in client.models.list().data] == [MODEL]
+            reply = chat(client, "Where?", response_format=json_schema_format(WEATHER))
+            assert reply.model == MODEL
+            if reply.choices[0].finish_reason == "stop":
+                jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
+    finally:
+        worker.discard()
+
+
 def test_worker_killed_mid_stream_gives_the_client_an_error() -> None:
     worker = start_worker()
     try:
