@@ -140,6 +140,9 @@ class BackendProfile:
     rule: Rule | None = None
     false_schema: bool = True  # enforces a ``false`` subschema (matches nothing)
     false_schema_under: frozenset[str] = frozenset()  # keywords whose ``false`` value it enforces
+    # ... in a node where this holds (keyword, node): outlines-core's only where ``properties``
+    # is given (its object regex then names those keys alone; without it, a compile error)
+    false_schema_where: Callable[[str, dict[str, Any]], bool] | None = None
     # what makes the backend refuse a whole schema at compile, where others drop the keyword:
     # keywords it does not implement, formats outside ``compiled_formats`` (None: it takes any
     # name), ``oneOf`` unless it can read it as ``anyOf`` (:mod:`weaken` drops or rewrites them
@@ -175,12 +178,13 @@ def _enforced_false_pointers(profile: BackendProfile, schema: Any) -> set[str]:
     happens to be named ``additionalProperties`` does not count."""
     if profile.false_schema or not profile.false_schema_under:
         return set()
+    where = profile.false_schema_where
     return {
         f"{node.pointer}/{escape_pointer_token(keyword)}"
         for node in walk(schema)
         if isinstance(node.schema, dict)
         for keyword in profile.false_schema_under
-        if node.schema.get(keyword) is False
+        if node.schema.get(keyword) is False and (where is None or where(keyword, node.schema))
     }
 
 
@@ -887,5 +891,8 @@ OUTLINES_CORE = BackendProfile(
     rule=_outlines_rule,
     uncompilable=_outlines_uncompilable,
     false_schema=False,
+    # its objects hold the declared keys alone: "nothing more" is what it writes (probe test)
+    false_schema_under=frozenset({"additionalProperties"}),
+    false_schema_where=lambda keyword, node: isinstance(node.get("properties"), dict),
 )
 PROFILES: dict[str, BackendProfile] = {p.name: p for p in (LLGUIDANCE, XGRAMMAR, OUTLINES_CORE)}

@@ -181,12 +181,21 @@ def test_a_long_forced_literal_is_no_recursion_error(toy_tokenizer: Any) -> None
     assert 0 < len(written) < 2000 and ("é" * 1000).encode().startswith(written)
 
 
-@pytest.mark.parametrize("schema", [True, {}, {"title": "anything", "$comment": "x"}])
+ANY_VALUE_BELOW = {"type": "object", "properties": {"a": {}}, "required": ["a"]}
+ANY_VALUE_DESCRIBED = {"type": "object", "properties": {"a": {"description": "any value"}}}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [True, {}, {"title": "anything", "$comment": "x"}, ANY_VALUE_BELOW, ANY_VALUE_DESCRIBED],
+)
 def test_a_schema_that_takes_any_value_is_refused_at_once_on_outlines(
     schema: Any, toy_tokenizer: Any
 ) -> None:
     """Its depth-unrolled regex's index ran 5 minutes into the 4 GiB limit (a request waited
-    for its 30 s compile limit); llguidance and xgrammar take it, so does auto."""
+    for its 30 s compile limit); llguidance and xgrammar take it, so does auto. Below the root
+    too (a held-out sweep: a property ``{}`` timed out at 30 s, one with only a
+    ``description`` was INVALID_GRAMMAR)."""
     from espalier.constrained.errors import UnsupportedGrammarError
 
     spec = GrammarSpec.json_schema(schema)
@@ -197,3 +206,20 @@ def test_a_schema_that_takes_any_value_is_refused_at_once_on_outlines(
         matcher = compiled.matcher()
         text = '{"a": [1, "x", null]}'
         assert matcher.completes(toy_tokenizer.encode(text)), name
+
+
+def test_a_valid_schema_outlines_core_cannot_index_is_unsupported_not_invalid(
+    toy_tokenizer: Any,
+) -> None:
+    """A held-out sweep: ``^a$|^b$`` (an anchor in each alternative, valid ECMA-262) failed as
+    INVALID_GRAMMAR "Index failed since anchored universal start state doesn't exist" on
+    outlines-core; xgrammar and llguidance take it. A schema is valid by then (checked at
+    admission): what outlines-core cannot build says nothing against it."""
+    from espalier.constrained.errors import UnsupportedGrammarError
+
+    spec = GrammarSpec.json_schema({"type": "string", "pattern": "^a$|^b$"})
+    with pytest.raises(UnsupportedGrammarError, match="outlines-core"):
+        compile_grammar(spec, toy_tokenizer, "outlines_core")
+    for name in ("llguidance", "auto"):
+        compiled, _ = compile_grammar(spec, toy_tokenizer, name)
+        assert compiled.matcher().completes(toy_tokenizer.encode('"b"')), name

@@ -48,7 +48,7 @@ from espalier.constrained.errors import InvalidGrammarError, UnsupportedGrammarE
 from espalier.constrained.regex_dialect import python_reads, rust_misreading, without_end_anchors
 from espalier.constrained.schema.features import NOT_ASSERTING
 from espalier.constrained.schema.number_bounds import bound_number_regex
-from espalier.constrained.schema.walk import map_subschemas
+from espalier.constrained.schema.walk import map_subschemas, walk
 from espalier.constrained.spec import BackendName, GrammarKind, GrammarSpec
 from espalier.constrained.tree import DraftTree
 from espalier.constrained.tree.walk import Walker
@@ -107,6 +107,10 @@ class Backend:
                 except (ValueError, TypeError, RuntimeError) as exc:
                     raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
         except InvalidGrammarError as exc:
+            if spec.kind is GrammarKind.JSON_SCHEMA:  # a valid schema (checked at admission)
+                raise UnsupportedGrammarError(
+                    NAME, spec.kind.value, f"outlines-core cannot index its regex: {exc.detail}"
+                ) from exc
             if spec.kind is not GrammarKind.REGEX or not python_reads(spec.source):
                 raise
             # Python's regex module read it (GrammarSpec.regex): outlines-core cannot, which
@@ -137,23 +141,30 @@ class Backend:
             return plain
         if kind is GrammarKind.CHOICE:
             return "|".join(f"({escape_literal(option)})" for option in spec.choices)
-        if _any_value(spec.schema):
+        anywhere = _any_value_at(spec.schema)
+        if anywhere is not None:
             raise UnsupportedGrammarError(
                 NAME,
                 kind.value,
-                "the schema takes any JSON value: outlines-core's index of one takes minutes "
-                "and GiBs (llguidance and xgrammar take it)",
+                f"the schema takes any JSON value at {anywhere or '/'}: outlines-core's index of "
+                "one takes minutes and GiBs, or its regex builder refuses it (llguidance and "
+                "xgrammar take it)",
             )
         source = json_escaped_names(spec.source)
-        if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
-            regex = self.builder.schema_regex(source, self.options.whitespace_regex, kind.value)
-        else:
-            try:
-                regex = outlines_core.json_schema.build_regex_from_schema(
-                    source, self.options.whitespace_regex
-                )
-            except (ValueError, TypeError, RuntimeError) as exc:
-                raise InvalidGrammarError(kind.value, str(exc)) from exc
+        try:
+            if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
+                regex = self.builder.schema_regex(source, self.options.whitespace_regex, kind.value)
+            else:
+                try:
+                    regex = outlines_core.json_schema.build_regex_from_schema(
+                        source, self.options.whitespace_regex
+                    )
+                except (ValueError, TypeError, RuntimeError) as exc:
+                    raise InvalidGrammarError(kind.value, str(exc)) from exc
+        except InvalidGrammarError as exc:  # a valid schema (checked at admission)
+            raise UnsupportedGrammarError(
+                NAME, kind.value, f"outlines-core's regex builder refuses it: {exc.detail}"
+            ) from exc
         bounds = self.options.json_number_bounds
         integer_rx, number_rx = outlines_core.json_schema.INTEGER, outlines_core.json_schema.NUMBER
         if bounds is None or integer_rx in spec.source:  # a caller's pattern spells it: keep
@@ -162,12 +173,22 @@ class Backend:
 
 
 def _any_value(schema: Any) -> bool:
-    """Whether the root of ``schema`` asserts nothing (``true``, ``{}``, annotations only): the
+    """Whether ``schema`` asserts nothing (``true``, ``{}``, annotations only): the
     depth-unrolled regex of any JSON value, whose token index ran 5 minutes into a 4 GiB limit
     (a request waited for its 30 s compile limit)."""
     if isinstance(schema, bool):
         return schema
     return isinstance(schema, dict) and all(key in NOT_ASSERTING for key in schema)
+
+
+def _any_value_at(schema: Any) -> str | None:
+    """The pointer of the first subschema of ``schema`` that asserts nothing (:func:`_any_value`),
+    else None. Below the root too: a property ``{}`` timed out at 30 s, one holding only a
+    ``description`` failed as "Unsupported JSON Schema structure" (held-out sweep)."""
+    for node in walk(schema):
+        if _any_value(node.schema):
+            return node.pointer
+    return None
 
 
 RESIDENT_PER_PICKLED_BYTE = 2.4
