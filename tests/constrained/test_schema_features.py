@@ -166,17 +166,25 @@ XGRAMMAR_FALSE_PROBES = [
 ]
 
 
+def assert_exact_false(
+    backend: str, schema: dict[str, Any], valid: list[Any], invalid: list[str], tokenizer: Any
+) -> None:
+    """``backend`` claims the schema's ``false`` exact, compiles it, and its grammar takes
+    ``valid`` (values) and refuses ``invalid`` (texts)."""
+    assert backend_issues(backend, schema) == []
+    compiled = compile_or_none(backend, schema, tokenizer)
+    assert compiled is not None
+    for value in valid:
+        assert grammar_accepts(compiled, tokenizer, json.dumps(value)), value
+    for text in invalid:
+        assert not grammar_accepts(compiled, tokenizer, text), text
+
+
 @pytest.mark.parametrize(("schema", "valid", "invalid"), XGRAMMAR_FALSE_PROBES)
 def test_xgrammar_enforces_false_as_additional_properties_or_items(
     schema: dict[str, Any], valid: list[Any], invalid: list[str], toy_tokenizer: Any
 ) -> None:
-    assert backend_issues("xgrammar", schema) == []
-    compiled = compile_or_none("xgrammar", schema, toy_tokenizer)
-    assert compiled is not None
-    for value in valid:
-        assert grammar_accepts(compiled, toy_tokenizer, json.dumps(value)), value
-    for text in invalid:
-        assert not grammar_accepts(compiled, toy_tokenizer, text), text
+    assert_exact_false("xgrammar", schema, valid, invalid, toy_tokenizer)
 
 
 OUTLINES_FALSE_PROBES = [
@@ -196,13 +204,7 @@ def test_outlines_core_enforces_false_additional_properties_beside_properties(
     """A held-out sweep: 120 of outlines-core's refusals named only ``additionalProperties:
     false`` (every BFCL tool schema), though its objects hold the declared keys alone. Beside
     ``properties`` it is exact; without them outlines-core fails the compile (still an issue)."""
-    assert backend_issues("outlines_core", schema) == []
-    compiled = compile_or_none("outlines_core", schema, toy_tokenizer)
-    assert compiled is not None
-    for value in valid:
-        assert grammar_accepts(compiled, toy_tokenizer, json.dumps(value)), value
-    for text in invalid:
-        assert not grammar_accepts(compiled, toy_tokenizer, text), text
+    assert_exact_false("outlines_core", schema, valid, invalid, toy_tokenizer)
     bare = {"type": "object", "additionalProperties": False}
     assert [i.keyword for i in backend_issues("outlines_core", bare)] == ["false"]
     assert compile_or_none("outlines_core", bare, toy_tokenizer) is None
