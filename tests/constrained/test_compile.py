@@ -751,3 +751,18 @@ def test_what_no_backend_reads_is_autos_verdict(regex: str, toy_tokenizer: Any) 
     with pytest.raises(UnsupportedGrammarError) as named:
         compile_grammar(GrammarSpec.regex(regex), toy_tokenizer, "llguidance")
     assert named.value.backend == "llguidance"
+
+
+def test_a_circular_ref_with_siblings_is_unsupported_on_llguidance_not_invalid(
+    toy_tokenizer: Any,
+) -> None:
+    """A held-out sweep: a valid schema whose recursive ``$ref`` has sibling keywords came back
+    INVALID_GRAMMAR ("invalid json_schema: circular references with sibling keys are not
+    supported"), naming a ``$defs/refN_*`` of espalier's own rewrite. It is a form llguidance
+    does not take: UNSUPPORTED_GRAMMAR, and ``auto`` tries the other backends."""
+    from espalier.constrained.errors import UnsupportedGrammarError
+
+    schema = {"type": "object", "properties": {"c": {"$ref": "#", "maxProperties": 1}}}
+    with pytest.raises(UnsupportedGrammarError, match="circular references") as info:
+        compile_grammar(GrammarSpec.json_schema(schema), toy_tokenizer, "llguidance")
+    assert info.value.reason == "UNSUPPORTED_GRAMMAR"

@@ -774,7 +774,8 @@ def _build_lltokenizer(tokenizer: TokenizerInfo, facts: VocabFacts) -> llguidanc
 def _invalid(kind: GrammarKind, message: str) -> GrammarError:
     """llguidance's compile error as ours: a size limit of llguidance's ("too big", "schema
     too large": a 389-byte JSONSchemaBench schema with ``not`` over ``patternProperties``) is
-    no fault of the grammar, so another backend may take it; anything else is invalid."""
+    no fault of the grammar, so another backend may take it, nor is a JSON schema form it
+    says is "not supported"; anything else is invalid."""
     if "too big" in message or "schema too large" in message:
         return UnsupportedGrammarError(
             NAME,
@@ -783,6 +784,10 @@ def _invalid(kind: GrammarKind, message: str) -> GrammarError:
             "the grammar is valid but too large here; fewer or smaller alternatives (oneOf / "
             "anyOf branches, enum values, patterns) fit",
         )
+    if kind is GrammarKind.JSON_SCHEMA and "not supported" in message:
+        # e.g. "circular references with sibling keys are not supported": a valid schema
+        # (checked at admission) in a form llguidance does not take (held-out sweep)
+        return UnsupportedGrammarError(NAME, kind.value, message.strip())
     line = column = None
     match = _LARK_LOCATION.search(message)
     # locations refer to the Lark text llguidance saw: the caller's own text only for LARK
