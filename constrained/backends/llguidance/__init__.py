@@ -785,8 +785,8 @@ def _invalid(kind: GrammarKind, message: str) -> GrammarError:
             "anyOf branches, enum values, patterns) fit",
         )
     if kind is GrammarKind.JSON_SCHEMA and "not supported" in message:
-        # e.g. "circular references with sibling keys are not supported": a valid schema
-        # (checked at admission) in a form llguidance does not take (held-out sweep)
+        # e.g. "circular references with sibling keys are not supported": a form llguidance
+        # does not take (held-out sweep); the schema's validity is checked at admission
         return UnsupportedGrammarError(NAME, kind.value, message.strip())
     line = column = None
     match = _LARK_LOCATION.search(message)

@@ -107,10 +107,8 @@ class Backend:
                 except (ValueError, TypeError, RuntimeError) as exc:
                     raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
         except InvalidGrammarError as exc:
-            if spec.kind is GrammarKind.JSON_SCHEMA:  # a valid schema (checked at admission)
-                raise UnsupportedGrammarError(
-                    NAME, spec.kind.value, f"outlines-core cannot index its regex: {exc.detail}"
-                ) from exc
+            if spec.kind is GrammarKind.JSON_SCHEMA:
+                raise _schema_refusal(spec, "outlines-core cannot index its regex", exc) from exc
             if spec.kind is not GrammarKind.REGEX or not python_reads(spec.source):
                 raise
             # Python's regex module read it (GrammarSpec.regex): outlines-core cannot, which
@@ -161,10 +159,8 @@ class Backend:
                     )
                 except (ValueError, TypeError, RuntimeError) as exc:
                     raise InvalidGrammarError(kind.value, str(exc)) from exc
-        except InvalidGrammarError as exc:  # a valid schema (checked at admission)
-            raise UnsupportedGrammarError(
-                NAME, kind.value, f"outlines-core's regex builder refuses it: {exc.detail}"
-            ) from exc
+        except InvalidGrammarError as exc:
+            raise _schema_refusal(spec, "outlines-core's regex builder refuses it", exc) from exc
         bounds = self.options.json_number_bounds
         integer_rx, number_rx = outlines_core.json_schema.INTEGER, outlines_core.json_schema.NUMBER
         if bounds is None or integer_rx in spec.source:  # a caller's pattern spells it: keep
@@ -179,6 +175,22 @@ def _any_value(schema: Any) -> bool:
     if isinstance(schema, bool):
         return schema
     return isinstance(schema, dict) and all(key in NOT_ASSERTING for key in schema)
+
+
+def _schema_refusal(
+    spec: GrammarSpec, what: str, exc: InvalidGrammarError
+) -> InvalidGrammarError | UnsupportedGrammarError:
+    """outlines-core's failure on a JSON schema: the schema's own error where it is invalid
+    (``guard.check_schema``, with its pointer), else UNSUPPORTED: a valid schema outlines-core
+    cannot build (``^a$|^b$``: "anchored universal start state doesn't exist") says nothing
+    against it."""
+    from espalier.constrained.schema.guard import check_schema
+
+    try:
+        check_schema(spec.schema)
+    except InvalidGrammarError as invalid:
+        return invalid
+    return UnsupportedGrammarError(NAME, spec.kind.value, f"{what}: {exc.detail}")
 
 
 def _any_value_at(schema: Any) -> str | None:
