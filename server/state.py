@@ -124,6 +124,10 @@ class ServingState:
     def require_engine(self) -> ServingEngine:
         if self.draining:
             raise DrainingError("the server is shutting down")
+        return self.require_loaded()
+
+    def require_loaded(self) -> ServingEngine:
+        """The engine once the model is loaded (draining or not); NOT_READY before."""
         if self.engine is None:
             raise NotReadyError("the model is still loading", metadata={"phase": "loading"})
         return self.engine

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from espalier.constrained import bitmask as bm
-from espalier.constrained.errors import GrammarError
+from espalier.constrained.errors import GrammarError, InvalidGrammarError, UnsupportedGrammarError
 from espalier.constrained.schema.number_bounds import (
     DEFAULT_BOUNDS,
     NumberBounds,
@@ -421,3 +421,17 @@ def _complete_utf8_prefix(data: bytes) -> str:
         except UnicodeDecodeError:
             continue
     return ""
+
+
+def schema_refusal(backend: str, spec: GrammarSpec, detail: str) -> GrammarError:
+    """A backend's failure to build a JSON schema as the error to raise: the schema's own
+    error where it is invalid (``guard.check_schema``, with its pointer), else UNSUPPORTED: a
+    valid schema a backend cannot build (outlines-core's ``^a$|^b$``, llguidance's recursive
+    ``$ref`` beside siblings) says nothing against the schema."""
+    from espalier.constrained.schema.guard import check_schema
+
+    try:
+        check_schema(spec.schema)
+    except InvalidGrammarError as invalid:
+        return invalid
+    return UnsupportedGrammarError(backend, spec.kind.value, detail)

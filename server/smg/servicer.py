@@ -112,10 +112,10 @@ class SmgWorkerServicer(vpb_grpc.VllmEngineServicer):
         from GetModelInfo then, once: answered while loading, it kept a worker named
         ``unknown`` with no tokenizer for good. A failed call it retries until the worker's
         startup timeout."""
-        if self.state.engine is None:
-            await context.abort_with_status(
-                to_grpc_status(NotReadyError("the model is still loading"))
-            )
+        try:
+            self.state.require_loaded()
+        except NotReadyError as exc:
+            await context.abort_with_status(to_grpc_status(exc))
 
     async def GetModelInfo(
         self, request: vpb.GetModelInfoRequest, context: grpc.aio.ServicerContext

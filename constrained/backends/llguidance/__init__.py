@@ -48,6 +48,7 @@ from espalier.constrained.backends.common import (
     CompiledBase,
     MatcherBase,
     VocabFacts,
+    schema_refusal,
     vocab_facts,
 )
 from espalier.constrained.backends.llguidance import gbnf_lexing
@@ -152,7 +153,7 @@ class Backend:
         try:
             template = tokenizer.matcher(grammar)
         except RuntimeError as exc:  # the Python API took it: not expected
-            raise _invalid(spec.kind, str(exc)) from exc
+            raise _invalid(spec, str(exc)) from exc
         # never used, not even for a mask: a clone inherits the lexer budget its source spent,
         # so a warmed template would change what every request accepts (issue 39)
         return CompiledGrammar(
@@ -200,7 +201,7 @@ class Backend:
             raise UnsupportedGrammarError(
                 NAME, spec.kind.value, f"llguidance's regex syntax does not read {what} ({detail})"
             )
-        raise _invalid(spec.kind, message)
+        raise _invalid(spec, message)
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """The llguidance grammar (JSON text) for ``spec``; raises InvalidGrammarError."""
@@ -771,11 +772,12 @@ def _build_lltokenizer(tokenizer: TokenizerInfo, facts: VocabFacts) -> llguidanc
     )
 
 
-def _invalid(kind: GrammarKind, message: str) -> GrammarError:
+def _invalid(spec: GrammarSpec, message: str) -> GrammarError:
     """llguidance's compile error as ours: a size limit of llguidance's ("too big", "schema
     too large": a 389-byte JSONSchemaBench schema with ``not`` over ``patternProperties``) is
     no fault of the grammar, so another backend may take it, nor is a JSON schema form it
     says is "not supported"; anything else is invalid."""
+    kind = spec.kind
     if "too big" in message or "schema too large" in message:
         return UnsupportedGrammarError(
             NAME,
@@ -785,9 +787,8 @@ def _invalid(kind: GrammarKind, message: str) -> GrammarError:
             "anyOf branches, enum values, patterns) fit",
         )
     if kind is GrammarKind.JSON_SCHEMA and "not supported" in message:
-        # e.g. "circular references with sibling keys are not supported": a form llguidance
-        # does not take (held-out sweep); the schema's validity is checked at admission
-        return UnsupportedGrammarError(NAME, kind.value, message.strip())
+        # e.g. "circular references with sibling keys are not supported" (held-out sweep)
+        return schema_refusal(NAME, spec, message.strip())
     line = column = None
     match = _LARK_LOCATION.search(message)
     # locations refer to the Lark text llguidance saw: the caller's own text only for LARK

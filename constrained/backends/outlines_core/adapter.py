@@ -40,6 +40,7 @@ from espalier.constrained.backends.common import (
     MatcherBase,
     VocabFacts,
     canonical_forced_tokens,
+    schema_refusal,
     vocab_facts,
 )
 from espalier.constrained.backends.outlines_core.index import IndexBuilder
@@ -108,7 +109,8 @@ class Backend:
                     raise InvalidGrammarError(spec.kind.value, str(exc)) from exc
         except InvalidGrammarError as exc:
             if spec.kind is GrammarKind.JSON_SCHEMA:
-                raise _schema_refusal(spec, "outlines-core cannot index its regex", exc) from exc
+                detail = f"outlines-core cannot index its regex: {exc.detail}"
+                raise schema_refusal(NAME, spec, detail) from exc
             if spec.kind is not GrammarKind.REGEX or not python_reads(spec.source):
                 raise
             # Python's regex module read it (GrammarSpec.regex): outlines-core cannot, which
@@ -149,18 +151,18 @@ class Backend:
                 "xgrammar take it)",
             )
         source = json_escaped_names(spec.source)
+        refused = "outlines-core's regex builder refuses it"
         try:
             if self.builder is not None:  # in a capped child: some schemas' regexes take GBs
                 regex = self.builder.schema_regex(source, self.options.whitespace_regex, kind.value)
             else:
-                try:
-                    regex = outlines_core.json_schema.build_regex_from_schema(
-                        source, self.options.whitespace_regex
-                    )
-                except (ValueError, TypeError, RuntimeError) as exc:
-                    raise InvalidGrammarError(kind.value, str(exc)) from exc
+                regex = outlines_core.json_schema.build_regex_from_schema(
+                    source, self.options.whitespace_regex
+                )
         except InvalidGrammarError as exc:
-            raise _schema_refusal(spec, "outlines-core's regex builder refuses it", exc) from exc
+            raise schema_refusal(NAME, spec, f"{refused}: {exc.detail}") from exc
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise schema_refusal(NAME, spec, f"{refused}: {exc}") from exc
         bounds = self.options.json_number_bounds
         integer_rx, number_rx = outlines_core.json_schema.INTEGER, outlines_core.json_schema.NUMBER
         if bounds is None or integer_rx in spec.source:  # a caller's pattern spells it: keep
@@ -168,37 +170,15 @@ class Backend:
         return bound_number_regex(regex, integer_rx, number_rx, bounds)
 
 
-def _any_value(schema: Any) -> bool:
-    """Whether ``schema`` asserts nothing (``true``, ``{}``, annotations only): the
-    depth-unrolled regex of any JSON value, whose token index ran 5 minutes into a 4 GiB limit
-    (a request waited for its 30 s compile limit)."""
-    if isinstance(schema, bool):
-        return schema
-    return isinstance(schema, dict) and all(key in NOT_ASSERTING for key in schema)
-
-
-def _schema_refusal(
-    spec: GrammarSpec, what: str, exc: InvalidGrammarError
-) -> InvalidGrammarError | UnsupportedGrammarError:
-    """outlines-core's failure on a JSON schema: the schema's own error where it is invalid
-    (``guard.check_schema``, with its pointer), else UNSUPPORTED: a valid schema outlines-core
-    cannot build (``^a$|^b$``: "anchored universal start state doesn't exist") says nothing
-    against it."""
-    from espalier.constrained.schema.guard import check_schema
-
-    try:
-        check_schema(spec.schema)
-    except InvalidGrammarError as invalid:
-        return invalid
-    return UnsupportedGrammarError(NAME, spec.kind.value, f"{what}: {exc.detail}")
-
-
 def _any_value_at(schema: Any) -> str | None:
-    """The pointer of the first subschema of ``schema`` that asserts nothing (:func:`_any_value`),
-    else None. Below the root too: a property ``{}`` timed out at 30 s, one holding only a
-    ``description`` failed as "Unsupported JSON Schema structure" (held-out sweep)."""
+    """The pointer of the first subschema of ``schema`` that asserts nothing (``true``, ``{}``,
+    annotations only), else None: the depth-unrolled regex of any JSON value, whose token index
+    ran 5 minutes into a 4 GiB limit (a request waited for its 30 s compile limit). Below the
+    root too: a property ``{}`` timed out at 30 s, one holding only a ``description`` failed
+    as "Unsupported JSON Schema structure" (held-out sweep)."""
     for node in walk(schema):
-        if _any_value(node.schema):
+        value = node.schema
+        if value is True or (isinstance(value, dict) and all(k in NOT_ASSERTING for k in value)):
             return node.pointer
     return None
 
