@@ -128,7 +128,7 @@ def walk_bounded(
 
 def start_row_fill(matcher: Any, out: torch.Tensor) -> RowFill:
     """Start ``matcher.fill_bitmask`` of ``out`` (an int32 ``[1, ceil(V/32)]`` CPU row; a view
-        into a batch's bitmask is fine) on a helper thread; its :meth:`RowFill.result` waits (so
+    into a batch's bitmask is fine) on a helper thread; its :meth:`RowFill.result` waits (so
     several run at once)."""
     fill = RowFill(matcher, out)
     _helpers().submit(fill.run)
